@@ -1,0 +1,91 @@
+"""check: the series and its files agree, every patch has its header, and the series applies
+cleanly (strictly, in order) to each base of its tree."""
+
+from __future__ import annotations
+
+import tempfile
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .bases import Base
+from .git import apply_patch
+from .paths import Paths
+from .series import Patch, read_series
+from .tree import overlay_files
+
+
+@dataclass
+class CheckReport:
+    # One line per problem, each naming the patch or file it is about.
+    problems: list[str] = field(default_factory=list)
+    # What was checked, for the success message.
+    checked: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+def check_series_files(patch_dir: Path, report: CheckReport) -> list[Patch]:
+    """Series <-> files consistency and headers. Returns the parseable patches in order."""
+    names = read_series(patch_dir)
+    for name, n in Counter(names).items():
+        if n > 1:
+            report.problems.append(f"{patch_dir.name}/series lists {name} {n} times")
+    on_disk = {p.name for p in patch_dir.glob("*.patch")}
+    for name in sorted(on_disk - set(names)):
+        report.problems.append(f"{patch_dir.name}/{name} is not listed in series (unused patch)")
+    patches = []
+    for name in dict.fromkeys(names):
+        path = patch_dir / name
+        if not path.exists():
+            report.problems.append(f"{patch_dir.name}/series lists {name}, which is missing")
+            continue
+        try:
+            patch = Patch.parse(name, path.read_text())
+        except Exception as e:  # ToolError with the reason
+            report.problems.append(str(e))
+            continue
+        for problem in patch.header_problems():
+            report.problems.append(f"{patch_dir.name}/{name}: header: {problem} "
+                                   "(a header needs What:, Why:, Drop-when:)")
+        patches.append(patch)
+    return patches
+
+
+def check_applies(base: Base, patches: list[Patch], overlay: set[str],
+                  report: CheckReport) -> None:
+    """Apply the series in order to the files it touches, taken from the base."""
+    touched = {p for patch in patches for p in patch.touched_paths()}
+    files = base.read_files(touched | overlay)
+    clash = sorted(overlay & set(files))
+    for rel in clash:
+        report.problems.append(f"overlay file {rel} exists upstream in {base.label()}: "
+                               "edit it through a patch instead")
+    # NOTE: a temporary directory outside any git work tree, so `git apply` acts as a plain
+    # strict patch tool on these files (inside a repository it would resolve paths against
+    # that repository's root).
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        for rel, data in files.items():
+            if rel in touched:
+                (root / rel).parent.mkdir(parents=True, exist_ok=True)
+                (root / rel).write_bytes(data)
+        for patch in patches:
+            problem = apply_patch(root, patch.diff, index=False)
+            if problem:
+                report.problems.append(f"{patch.name} does not apply cleanly to "
+                                       f"{base.label()}: {problem}")
+                return
+    report.checked.append(f"{len(patches)} patches apply to {base.label()}")
+
+
+def check_tree(paths: Paths, tree: str, bases: list[Base], report: CheckReport) -> None:
+    before = len(report.problems)
+    patches = check_series_files(paths.patches_dir(tree), report)
+    if len(report.problems) > before:
+        return
+    overlay = set(overlay_files(paths, tree))
+    for base in bases:
+        check_applies(base, patches, overlay, report)

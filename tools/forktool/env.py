@@ -1,0 +1,71 @@
+"""env: the fork's virtual environment: PyPI torch 2.11.0 + the patched wheel + dev tools.
+
+Idempotent: a stamp records what was installed; only what changed is reinstalled (a rebuilt
+wheel is swapped in with --no-deps in seconds).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+from pathlib import Path
+
+from .paths import Paths
+from .progress import run, say, step
+from .wheel import BuiltWheel
+
+STAMP = ".fork-stamp.json"
+
+
+def _digest(*files: Path) -> str:
+    h = hashlib.sha256()
+    for f in files:
+        h.update(f.read_bytes())
+    return h.hexdigest()
+
+
+def ensure_env(paths: Paths, torch_wheel: Path, wheel: BuiltWheel) -> Path:
+    py = paths.venv_python()
+    stamp_path = paths.venv / STAMP
+    stamp = json.loads(stamp_path.read_text()) if stamp_path.exists() else {}
+    reqs = paths.repo / "requirements"
+    pip = [str(py), "-m", "pip", "--disable-pip-version-check"]
+    if not py.exists():
+        with step(f"creating virtual environment {paths.venv}"):
+            run([sys.executable, "-m", "venv", str(paths.venv)])
+        stamp = {}
+    want_base = _digest(torch_wheel, reqs / "constraints.txt", reqs / "dev.txt")
+    if stamp.get("base") != want_base:
+        with step("installing torch 2.11.0 (first run downloads ~2 GB: a few minutes)"):
+            run(pip + ["install", "--progress-bar", "off", str(torch_wheel),
+                       "-c", str(reqs / "constraints.txt"), "torchvision", "torchaudio"])
+        with step("installing the patched vLLM wheel with its dependencies and dev tools"):
+            run(pip + ["install", "--progress-bar", "off", str(wheel.path),
+                       "-r", str(reqs / "dev.txt"), "-c", str(reqs / "constraints.txt")])
+        stamp = {"base": want_base, "wheel": wheel.inputs_digest}
+    elif stamp.get("wheel") != wheel.inputs_digest:
+        with step(f"reinstalling {wheel.path.name} (patches or overlay changed)"):
+            run(pip + ["install", "--no-deps", "--force-reinstall", "--progress-bar", "off",
+                       str(wheel.path)], quiet=True)
+        stamp["wheel"] = wheel.inputs_digest
+    stamp_path.write_text(json.dumps(stamp, indent=1))
+    return py
+
+
+def runtime_env(paths: Paths) -> dict[str, str]:
+    """Variables vLLM 0.23.0 needs on this CPU (docs/building.md says why each)."""
+    return {
+        "VLLM_CPU_KVCACHE_SPACE": "4",
+        # NOTE: vLLM's "auto" binding leaves one core to the OS, which on a 2-core machine
+        # halves the speed; bind every core this process may use.
+        "VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, sorted(os.sched_getaffinity(0)))),
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "FORK_MODELS": str(paths.models),
+        "VIRTUAL_ENV": str(paths.venv),
+        "PATH": f"{paths.venv / 'bin'}:" + os.environ.get("PATH", ""),
+    }
+
+

@@ -1,0 +1,61 @@
+"""Where things live. Everything fetched or built goes under the ignored `.cache/`."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@dataclass(frozen=True)
+class Paths:
+    repo: Path
+    # Root of every fetched or built artifact; `FORK_CACHE` moves it (e.g. onto a bigger disk).
+    cache: Path
+
+    @classmethod
+    def default(cls) -> "Paths":
+        return cls(repo=REPO, cache=Path(os.environ.get("FORK_CACHE", REPO / ".cache")))
+
+    @property
+    def downloads(self) -> Path:
+        return self.cache / "downloads"
+
+    @property
+    def trees(self) -> Path:
+        return self.cache / "trees"
+
+    @property
+    def dist(self) -> Path:
+        return self.cache / "dist"
+
+    @property
+    def venv(self) -> Path:
+        return self.cache / "venv"
+
+    @property
+    def models(self) -> Path:
+        return self.cache / "models"
+
+    @property
+    def pins_file(self) -> Path:
+        return self.repo / "pins.toml"
+
+    def patches_dir(self, tree: str) -> Path:
+        return self.repo / "patches" / tree
+
+    def overlay_dir(self, tree: str) -> Path:
+        # The overlay of a tree is the repo folder named like the upstream package dir,
+        # i.e. repo `vllm/` for the vLLM tree and repo `vllm-ascend/` (holding
+        # `vllm_ascend/...`) for the vllm-ascend tree.
+        return self.repo / OVERLAY_ROOTS[tree]
+
+    def venv_python(self) -> Path:
+        return self.venv / "bin" / "python"
+
+
+# tree name -> (repo overlay dir, path prefix the overlay maps to inside the tree)
+OVERLAY_ROOTS = {"vllm": "vllm", "vllm-ascend": "vllm-ascend"}
+OVERLAY_PREFIX = {"vllm": "vllm", "vllm-ascend": ""}

@@ -1,0 +1,89 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Configuration of the position-independent chunk KV cache (chunk-cache fork)."""
+
+from typing import Literal
+
+from vllm.config.utils import config
+from vllm.logger import init_logger
+
+logger = init_logger(__name__)
+
+ChunkContext = Literal["sink", "none", "system"]
+ChunkHashAlgo = Literal["xxhash"]
+
+
+@config
+class ChunkCacheConfig:
+    """Position-independent chunk KV cache for RAG prompts written as
+    `system <sep> doc <sep> doc ... <sep> question`. Every segment before the
+    question is cached by its content and its KV is reused at any position."""
+
+    enable_chunk_cache: bool = False
+    """Cache every segment of a separator-marked prompt by its content and
+    reuse its KV at any position (re-rotated with RoPE). Prompts without the
+    separator are served exactly as without this flag."""
+
+    chunk_separator: str = "##"
+    """Text that separates the segments of a prompt; it is removed before
+    tokenization. NOTE: "##" also starts Markdown headings, so documents that
+    contain it are split too: choose a separator that cannot occur in them."""
+
+    max_chunks: int = 500
+    """Most segments (system prompt and chunks, not the question) one prompt
+    may have; more is rejected with an error."""
+
+    max_chunk_tokens: int = 4096
+    """Most tokens one segment may have; a longer one is rejected with an
+    error."""
+
+    chunk_pool_fraction: float = 0.15
+    """Share of the KV cache memory given to the chunk pool, the separate store
+    of cached chunks (used unless --chunk-pool-size-gib is set)."""
+
+    chunk_pool_size_gib: float | None = None
+    """Size of the chunk pool in GiB; overrides --chunk-pool-fraction."""
+
+    chunk_hash_algo: ChunkHashAlgo = "xxhash"
+    """Content hash of a chunk's key (xxh3-128). Hits are always verified
+    against the stored token ids, so a collision never serves wrong KV."""
+
+    chunk_context: ChunkContext = "sink"
+    """What a cached chunk was computed after. "sink": one copy of the
+    request's first token (BOS) right before the chunk, an attention sink
+    private to it (default). "none": the chunk alone from position 0 (most
+    reuse, lowest quality). "system": the whole system segment before the
+    chunk (the key includes it: less reuse, closest to full attention)."""
+
+    def __post_init__(self) -> None:
+        if not self.chunk_separator or not self.chunk_separator.strip():
+            raise ValueError(
+                "chunk_separator must contain a non-whitespace character, "
+                f"got {self.chunk_separator!r}"
+            )
+        if self.max_chunks < 1:
+            raise ValueError(f"max_chunks must be >= 1, got {self.max_chunks}")
+        if self.max_chunk_tokens < 1:
+            raise ValueError(
+                f"max_chunk_tokens must be >= 1, got {self.max_chunk_tokens}"
+            )
+        if not 0.0 < self.chunk_pool_fraction < 1.0:
+            raise ValueError(
+                "chunk_pool_fraction must be in (0, 1), "
+                f"got {self.chunk_pool_fraction}"
+            )
+        if self.chunk_pool_size_gib is not None and self.chunk_pool_size_gib <= 0:
+            raise ValueError(
+                f"chunk_pool_size_gib must be > 0, got {self.chunk_pool_size_gib}"
+            )
+
+    def describe(self) -> str:
+        pool = (
+            f"{self.chunk_pool_size_gib} GiB"
+            if self.chunk_pool_size_gib is not None
+            else f"{self.chunk_pool_fraction:.0%} of KV cache memory"
+        )
+        return (
+            f"separator={self.chunk_separator!r}, max_chunks={self.max_chunks}, "
+            f"max_chunk_tokens={self.max_chunk_tokens}, pool={pool}, "
+            f"hash={self.chunk_hash_algo}, chunk_context={self.chunk_context}"
+        )
