@@ -171,7 +171,16 @@ COMMANDS = {"fetch": cmd_fetch, "apply": cmd_apply, "export": cmd_export, "check
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
+    p = parser()
+    # NOTE: `test` and `serve` pass their remaining arguments (options included, e.g. `-q`)
+    # straight to pytest / vllm serve; argparse's REMAINDER alone would reject a leading option.
+    args, extra = p.parse_known_args(argv)
+    if extra and args.cmd == "test":
+        args.pytest_args = extra + args.pytest_args
+    elif extra and args.cmd == "serve":
+        args.vllm_args = extra + args.vllm_args
+    elif extra:
+        p.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         return COMMANDS[args.cmd](Paths.default(), args)
     except ToolError as e:
