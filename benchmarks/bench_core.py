@@ -1,0 +1,136 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Micro-benchmarks of the chunk-cache core modules (not a test).
+
+Prints: parser throughput on a 128K-token prompt (token level and string
+level), content hashing tokens/s, and the remap (gather + RoPE delta +
+write) throughput as a ratio to a plain tensor copy of the same bytes.
+
+    python benchmarks/bench_core.py [--device cpu|cuda] [--dtype bfloat16]
+"""
+
+import argparse
+import time
+from collections.abc import Callable
+
+import torch
+
+from vllm.config import VllmConfig, set_current_vllm_config
+from vllm.model_executor.layers.rotary_embedding import get_rope
+from vllm.renderers.chunk_prompt_parser import ChunkedPromptParser
+from vllm.v1.core.chunk_hash_index import ChunkNamespace, compute_chunk_hash
+from vllm.v1.worker.position_remapper import PositionRemapper, RemapRows, RopeRotation
+
+PROMPT_TOKENS = 128 * 1024
+SEGMENT_TOKENS = 2048
+
+
+def best_of(fn: Callable[[], object], repeat: int = 5, sync=lambda: None) -> float:
+    fn()
+    sync()
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+class ByteTokenizer:
+    """Byte-level toy tokenizer: one token per UTF-8 byte, BOS = 256."""
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids = list(text.encode("utf-8"))
+        return [256, *ids] if add_special_tokens else ids
+
+
+def bench_parser() -> None:
+    num_segments = PROMPT_TOKENS // SEGMENT_TOKENS
+    parser = ChunkedPromptParser("##", max_chunks=500, max_chunk_tokens=4096)
+    sep_ids = [300, 301]
+    gen = torch.Generator().manual_seed(0)
+    body = torch.randint(0, 256, (num_segments, SEGMENT_TOKENS), generator=gen)
+    token_ids: list[int] = []
+    for i, seg in enumerate(body.tolist()):
+        token_ids += (sep_ids if i else []) + seg
+    seconds = best_of(lambda: parser.parse_token_ids(token_ids, sep_ids))
+    print(f"parser (token ids, list input): {len(token_ids)} tokens, "
+          f"{num_segments} segments: {seconds * 1e3:.2f} ms "
+          f"= {len(token_ids) / seconds / 1e6:.1f} M tokens/s")
+    as_tensor = torch.tensor(token_ids)
+    seconds = best_of(lambda: parser.parse_token_ids(as_tensor, sep_ids))
+    print(f"parser (token ids, tensor input): {seconds * 1e3:.2f} ms "
+          f"= {len(token_ids) / seconds / 1e6:.1f} M tokens/s")
+
+    text = "##".join("x" * SEGMENT_TOKENS for _ in range(num_segments))
+    tokenizer = ByteTokenizer()
+    seconds = best_of(lambda: parser.parse_text(text, tokenizer))
+    print(f"parser (string, byte tokenizer): {len(text)} chars: "
+          f"{seconds * 1e3:.2f} ms = {PROMPT_TOKENS / seconds / 1e6:.1f} M tokens/s "
+          "(tokenizer time included)")
+
+
+def bench_hash() -> None:
+    digest = ChunkNamespace("model", "bfloat16", "tok").digest()
+    segments = torch.randint(0, 150000, (PROMPT_TOKENS // SEGMENT_TOKENS,
+                                         SEGMENT_TOKENS)).tolist()
+    context = [1]
+
+    def run():
+        for seg in segments:
+            compute_chunk_hash(seg, context, digest)
+
+    seconds = best_of(run)
+    print(f"hashing (xxh3-128, list[int] input, {SEGMENT_TOKENS}-token segments):"
+          f" {PROMPT_TOKENS / seconds / 1e6:.1f} M tokens/s")
+
+
+def bench_remap(device: str, dtype: torch.dtype) -> None:
+    heads, head_size, rows = 8, 128, 16384
+    rope = get_rope(head_size, 32768, True, {"rope_type": "default"}, torch.float32)
+    pool_k = torch.randn(rows, heads, head_size, device=device).to(dtype)
+    pool_v = torch.randn_like(pool_k)
+    paged_k = torch.zeros_like(pool_k)
+    paged_v = torch.zeros_like(pool_v)
+
+    def write_rows(layer_name, key, value, slot_mapping):
+        paged_k.index_copy_(0, slot_mapping, key)
+        paged_v.index_copy_(0, slot_mapping, value)
+
+    perm = torch.randperm(rows, device=device)
+    # 8 segments of 2048 rows, one delta each (as a load plan has).
+    deltas = torch.arange(rows) // 2048 * 2048 + 5
+    remap_rows = RemapRows(src_rows=perm, dst_slots=torch.arange(rows, device=device),
+                           deltas=deltas)
+    remapper = PositionRemapper(RopeRotation(rope), write_rows)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+
+    remap = best_of(lambda: remapper.remap_layer("l", pool_k, pool_v, remap_rows),
+                    sync=sync)
+    plain = best_of(lambda: (paged_k.copy_(pool_k), paged_v.copy_(pool_v)), sync=sync)
+    copy_only = PositionRemapper(None, write_rows)
+    gather = best_of(lambda: copy_only.remap_layer("l", pool_k, pool_v, remap_rows),
+                     sync=sync)
+    nbytes = 2 * pool_k.numel() * pool_k.element_size()
+    print(f"remap ({device}, {dtype}, {rows} rows x {heads} heads x {head_size}, "
+          f"{nbytes / 2**20:.0f} MiB K+V per layer):")
+    print(f"  plain copy          {plain * 1e3:8.2f} ms "
+          f"({nbytes / plain / 1e9:.1f} GB/s)")
+    print(f"  gather+write        {gather * 1e3:8.2f} ms  = {gather / plain:.2f}x copy")
+    print(f"  gather+rope+write   {remap * 1e3:8.2f} ms  = {remap / plain:.2f}x copy")
+
+
+def main() -> None:
+    arg_parser = argparse.ArgumentParser(description=__doc__)
+    arg_parser.add_argument("--device", default="cpu")
+    arg_parser.add_argument("--dtype", default="bfloat16")
+    args = arg_parser.parse_args()
+    print(f"torch {torch.__version__}, threads {torch.get_num_threads()}")
+    bench_parser()
+    bench_hash()
+    with set_current_vllm_config(VllmConfig()):
+        bench_remap(args.device, getattr(torch, args.dtype))
+
+
+if __name__ == "__main__":
+    main()

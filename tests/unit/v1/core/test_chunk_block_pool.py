@@ -1,0 +1,223 @@
+# SPDX-License-Identifier: Apache-2.0
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    invariant,
+    precondition,
+    rule,
+)
+
+from vllm.v1.core.chunk_block_pool import ChunkBlockPool
+from vllm.v1.core.chunk_structures import ChunkHash
+
+
+def key(i: int) -> ChunkHash:
+    return ChunkHash(i.to_bytes(16, "little"))
+
+
+def test_fresh_pool_hands_out_lowest_blocks_first():
+    pool = ChunkBlockPool(num_blocks=8, block_size=4)
+    a = pool.allocate(key(1), 5)  # 2 blocks
+    b = pool.allocate(key(2), 4)  # 1 block
+    assert a.entry.block_ids == [0, 1]
+    assert b.entry.block_ids == [2]
+    assert a.evicted == () and b.evicted == ()
+    assert a.entry.pin_count == 1  # the writer's pin
+    assert a.entry.row_ids(4) == [0, 1, 2, 3, 4]
+    assert pool.usage().blocks_used == 3
+    assert pool.num_free_blocks == 5
+
+
+def test_blocks_needed_rounds_up():
+    pool = ChunkBlockPool(num_blocks=4, block_size=16)
+    assert [pool.blocks_needed(n) for n in (1, 16, 17, 32, 33)] == [1, 1, 2, 2, 3]
+
+
+def test_eviction_is_exact_lru_and_skips_pinned():
+    pool = ChunkBlockPool(num_blocks=4, block_size=2)
+    for i in range(4):
+        pool.allocate(key(i), 2)
+    # Unpin in the order 2, 0, 3 -> LRU order 2, 0, 3; entry 1 stays pinned.
+    for i in (2, 0, 3):
+        pool.unpin(key(i))
+    assert pool.lru_order() == [key(2), key(0), key(3)]
+    pool.touch(key(2))  # a hit: 2 becomes most recent
+    assert pool.lru_order() == [key(0), key(3), key(2)]
+
+    alloc = pool.allocate(key(10), 4)  # needs 2 blocks -> evict 0 then 3
+    assert alloc.evicted == (key(0), key(3))
+    assert alloc.entry.block_ids == [0, 3]  # freed blocks in eviction order
+    assert key(1) in pool and key(2) in pool
+    assert pool.num_evictions == 2
+
+    assert not pool.can_allocate(2)  # only entry 2 (1 block) is evictable
+    with pytest.raises(ValueError, match="cannot hold 2 blocks"):
+        pool.allocate(key(11), 3)
+    assert key(2) in pool  # a refused allocation evicts nothing
+
+
+def test_pin_removes_from_lru_and_last_unpin_makes_most_recent():
+    pool = ChunkBlockPool(num_blocks=3, block_size=1)
+    for i in range(3):
+        pool.allocate(key(i), 1)
+        pool.unpin(key(i))
+    pool.pin(key(0))
+    pool.pin(key(0))
+    assert pool.lru_order() == [key(1), key(2)]
+    assert pool.usage().num_evictable == 2
+    pool.unpin(key(0))
+    assert pool.lru_order() == [key(1), key(2)]  # still pinned once
+    pool.touch(key(0))  # no effect while pinned
+    pool.unpin(key(0))
+    assert pool.lru_order() == [key(1), key(2), key(0)]
+    assert pool.evict_lru() == key(1)
+    assert pool.evict_lru() == key(2)
+    assert pool.evict_lru() == key(0)
+    assert pool.evict_lru() is None
+    assert pool.num_free_blocks == 3
+
+
+def test_free_and_errors():
+    pool = ChunkBlockPool(num_blocks=2, block_size=4)
+    pool.allocate(key(1), 3)
+    with pytest.raises(ValueError, match="already allocated"):
+        pool.allocate(key(1), 3)
+    with pytest.raises(ValueError, match="pinned 1 time"):
+        pool.free(key(1))
+    pool.unpin(key(1))
+    with pytest.raises(ValueError, match="not pinned"):
+        pool.unpin(key(1))
+    pool.free(key(1))
+    with pytest.raises(KeyError):
+        pool.free(key(1))  # no double free
+    with pytest.raises(KeyError):
+        pool.pin(key(1))
+    with pytest.raises(KeyError):
+        pool.touch(key(1))
+    with pytest.raises(ValueError, match="cannot allocate 0 rows"):
+        pool.allocate(key(2), 0)
+    with pytest.raises(ValueError, match="invalid chunk pool shape"):
+        ChunkBlockPool(num_blocks=4, block_size=0)
+    assert pool.get(key(1)) is None
+    assert pool.usage().blocks_used == 0
+
+
+class PoolMachine(RuleBasedStateMachine):
+    """Random alloc / pin / unpin / touch / evict / free against a model.
+
+    The model is the obvious list-based LRU; the pool must agree with it on
+    every eviction victim, and its block bookkeeping must never leak or
+    double-own a block.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.pool = ChunkBlockPool(num_blocks=12, block_size=3)
+        self.pins: dict[ChunkHash, int] = {}
+        self.sizes: dict[ChunkHash, int] = {}
+        self.lru: list[ChunkHash] = []  # unpinned, oldest first
+        self.next_key = 0
+
+    def _evictable_blocks(self) -> int:
+        return sum(self.pool.blocks_needed(self.sizes[k]) for k in self.lru)
+
+    @rule(num_tokens=st.integers(1, 14))
+    def allocate(self, num_tokens):
+        k = key(self.next_key)
+        self.next_key += 1
+        blocks = self.pool.blocks_needed(num_tokens)
+        used = sum(self.pool.blocks_needed(n) for n in self.sizes.values())
+        fits = blocks <= 12 - used + self._evictable_blocks()
+        assert self.pool.can_allocate(blocks) == fits
+        if not fits:
+            with pytest.raises(ValueError):
+                self.pool.allocate(k, num_tokens)
+            return
+        expected_victims = []
+        free = 12 - used
+        while free < blocks:
+            victim = self.lru.pop(0)
+            expected_victims.append(victim)
+            free += self.pool.blocks_needed(self.sizes.pop(victim))
+            del self.pins[victim]
+        alloc = self.pool.allocate(k, num_tokens)
+        assert list(alloc.evicted) == expected_victims
+        assert len(alloc.entry.block_ids) == blocks
+        self.pins[k] = 1
+        self.sizes[k] = num_tokens
+
+    @precondition(lambda self: self.pins)
+    @rule(data=st.data())
+    def pin(self, data):
+        k = data.draw(st.sampled_from(sorted(self.pins)))
+        self.pool.pin(k)
+        if self.pins[k] == 0:
+            self.lru.remove(k)
+        self.pins[k] += 1
+
+    @precondition(lambda self: any(self.pins.values()))
+    @rule(data=st.data())
+    def unpin(self, data):
+        k = data.draw(st.sampled_from(sorted(k for k, n in self.pins.items() if n)))
+        self.pool.unpin(k)
+        self.pins[k] -= 1
+        if self.pins[k] == 0:
+            self.lru.append(k)
+
+    @precondition(lambda self: self.pins)
+    @rule(data=st.data())
+    def touch(self, data):
+        k = data.draw(st.sampled_from(sorted(self.pins)))
+        self.pool.touch(k)
+        if k in self.lru:
+            self.lru.remove(k)
+            self.lru.append(k)
+
+    @rule()
+    def evict(self):
+        victim = self.pool.evict_lru()
+        if not self.lru:
+            assert victim is None
+            return
+        assert victim == self.lru.pop(0)
+        del self.pins[victim], self.sizes[victim]
+
+    @precondition(lambda self: self.pins)
+    @rule(data=st.data())
+    def free(self, data):
+        k = data.draw(st.sampled_from(sorted(self.pins)))
+        if self.pins[k]:
+            with pytest.raises(ValueError):
+                self.pool.free(k)
+            return
+        self.pool.free(k)
+        self.lru.remove(k)
+        del self.pins[k], self.sizes[k]
+        with pytest.raises(KeyError):
+            self.pool.free(k)
+
+    @invariant()
+    def bookkeeping(self):
+        owned = []
+        for k in self.pins:
+            entry = self.pool.get(k)
+            assert entry is not None  # pinned entries are never evicted
+            assert entry.pin_count == self.pins[k]
+            assert len(entry.block_ids) == self.pool.blocks_needed(self.sizes[k])
+            owned += entry.block_ids
+        free = list(self.pool._free_blocks)
+        assert len(owned) == len(set(owned))  # no block owned twice
+        assert not set(owned) & set(free)  # nor both owned and free
+        assert sorted(owned + free) == list(range(12))  # no leak
+        assert self.pool.lru_order() == self.lru  # exact LRU order
+        usage = self.pool.usage()
+        assert usage.blocks_used == len(owned)
+        assert usage.num_entries == len(self.pins)
+
+
+TestPoolMachine = PoolMachine.TestCase
+TestPoolMachine.settings = settings(
+    max_examples=150, stateful_step_count=40, deadline=None
+)

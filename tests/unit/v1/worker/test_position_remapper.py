@@ -1,0 +1,282 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Re-positioning keys: K at p rotated by d must equal K computed at p + d.
+
+Truth is vLLM's own rotary-embedding objects from `get_rope`, run in fp32.
+
+Tolerance: atol 2e-3 on K entries of O(1) (randn), positions < 3200. Both
+sides round angles in fp32 (vLLM's cos/sin cache holds fp32(p * f)); at
+p = 3200 that rounding is ~2e-4 rad, so |error| <= |k| * 2e-4 per term,
+an order below the tolerance. A wrong rule (e.g. mscale applied twice, a
+wrong base, a wrong style) gives errors of order 1e-1 and more.
+"""
+
+import pytest
+import torch
+
+from vllm.model_executor.layers.rotary_embedding import get_rope
+from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
+from vllm.model_executor.layers.rotary_embedding.dual_chunk_rope import (
+    DualChunkRotaryEmbedding,
+)
+from vllm.model_executor.layers.rotary_embedding.linear_scaling_rope import (
+    LinearScalingRotaryEmbedding,
+)
+from vllm.v1.core.chunk_cache_manager import ChunkCacheManager
+from vllm.v1.core.chunk_hash_index import ChunkNamespace
+from vllm.v1.core.chunk_structures import (
+    ChunkedPrompt,
+    ChunkLoadPlan,
+    SegmentLoad,
+    SegmentSpan,
+)
+from vllm.v1.worker.position_remapper import PositionRemapper, RemapRows, RopeRotation
+
+ATOL = 2e-3
+HEAD_SIZE = 64
+NUM_HEADS = 2
+MAX_POS = 4096
+
+_LONG = [1.0 + 0.1 * i for i in range(32)]
+_SHORT = [1.0 + 0.01 * i for i in range(32)]
+
+# (name, rope_parameters, styles); rotary_dim 32 (partial) where noted.
+SUPPORTED = [
+    ("default", {"rope_type": "default", "rope_theta": 10000}, (True, False)),
+    ("partial", {"rope_type": "default", "partial_rotary_factor": 0.5},
+     (True, False)),
+    ("linear", {"rope_type": "linear", "factor": 2.0}, (True, False)),
+    ("ntk", {"rope_type": "ntk", "factor": 2.0}, (True, False)),
+    ("dynamic", {"rope_type": "dynamic", "factor": 2.0,
+                 "max_trained_positions": 2048}, (True, False)),
+    ("dynamic_alpha", {"rope_type": "dynamic", "alpha": 2.5}, (True, False)),
+    ("llama3", {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0, "original_max_position_embeddings": 512,
+                "rope_theta": 500000}, (True, False)),
+    ("yarn", {"rope_type": "yarn", "factor": 4.0, "attn_factor": 1.3,
+              "original_max_position_embeddings": 1024}, (True, False)),
+    ("yarn_partial", {"rope_type": "yarn", "factor": 4.0, "rope_dim": 32,
+                      "original_max_position_embeddings": 1024}, (True, False)),
+    # LongRoPE is neox-only in vLLM; max_model_len 2048 > 1024 -> long factors.
+    ("longrope_long", {"rope_type": "longrope", "short_factor": _SHORT,
+                       "long_factor": _LONG,
+                       "original_max_position_embeddings": 1024}, (True,)),
+    # original 4096 >= max_model_len 2048 -> short factors, mscale != 1.
+    ("longrope_short", {"rope_type": "longrope", "short_factor": _SHORT,
+                        "long_factor": _LONG, "short_mscale": 1.25,
+                        "original_max_position_embeddings": 4096}, (True,)),
+]
+CASES = [(name, params, neox) for name, params, styles in SUPPORTED for neox in styles]
+
+
+def make_rope(params, neox):
+    return get_rope(HEAD_SIZE, MAX_POS, neox, dict(params), torch.float32)
+
+
+def apply_rope(rope, positions, key):
+    """K [n, heads * head] -> rotated K [n, heads, head], by vLLM itself."""
+    query = torch.zeros_like(key)
+    forward = getattr(rope, "forward_native", rope.forward)
+    _, out = forward(positions, query, key.clone())
+    return out.reshape(-1, NUM_HEADS, HEAD_SIZE)
+
+
+@pytest.mark.parametrize("name, params, neox", CASES,
+                         ids=[f"{c[0]}-{'neox' if c[2] else 'gptj'}" for c in CASES])
+def test_rotate_by_delta_equals_rope_at_shifted_position(
+    vllm_config_context, name, params, neox
+):
+    rope = make_rope(params, neox)
+    rotation = RopeRotation(rope)
+    gen = torch.Generator().manual_seed(0)
+    n = 64
+    p = torch.randint(0, 1600, (n,), generator=gen)
+    d = torch.randint(-1600, 1600, (n,), generator=gen).clamp(min=-p)
+    raw = torch.randn(n, NUM_HEADS * HEAD_SIZE, generator=gen)
+
+    stored = apply_rope(rope, p, raw)
+    moved = rotation.rotate(stored, d)
+    truth = apply_rope(rope, p + d, raw)
+    torch.testing.assert_close(moved, truth, atol=ATOL, rtol=0)
+    # Sanity: the test would notice if nothing were rotated.
+    assert (stored - truth).abs().max() > 0.1
+
+
+def test_magnitude_is_applied_once(vllm_config_context):
+    params = {"rope_type": "yarn", "factor": 4.0, "attn_factor": 1.3,
+              "original_max_position_embeddings": 1024}
+    rope = make_rope(params, True)
+    rotation = RopeRotation(rope)
+    assert rotation.magnitude == pytest.approx(rope.mscale)
+    assert rope.mscale > 1.4  # (0.1 ln 4 + 1) * 1.3
+    cos, sin = rotation.cos_sin(torch.tensor([0, 5, 1000]))
+    # The delta rotation is pure: unit magnitude, zero delta is identity.
+    torch.testing.assert_close(cos**2 + sin**2, torch.ones_like(cos))
+    key = torch.randn(3, NUM_HEADS, HEAD_SIZE)
+    torch.testing.assert_close(rotation.rotate(key, torch.zeros(3, dtype=torch.long)),
+                               key)
+
+
+def test_bf16_cache_rows_rotate_within_bf16_rounding(vllm_config_context):
+    rope = make_rope({"rope_type": "default"}, True)
+    rotation = RopeRotation(rope)
+    raw = torch.randn(16, NUM_HEADS * HEAD_SIZE)
+    p = torch.arange(16) * 37
+    stored = apply_rope(rope, p, raw).to(torch.bfloat16)
+    moved = rotation.rotate(stored, torch.full((16,), 900))
+    assert moved.dtype == torch.bfloat16
+    truth = apply_rope(rope, p + 900, raw)
+    # Two bf16 roundings (store, result) of O(1) values.
+    torch.testing.assert_close(moved.float(), truth, atol=4e-2, rtol=0)
+
+
+@pytest.mark.parametrize(
+    "kwargs, type_name",
+    [
+        ({"rope_parameters": {"rope_type": "default", "mrope_section": [16, 8, 8]}},
+         "MRotaryEmbedding"),
+        ({"rope_parameters": {"rope_type": "deepseek_yarn", "factor": 4.0,
+                              "original_max_position_embeddings": 1024}},
+         "DeepseekScalingRotaryEmbedding"),
+        ({"rope_parameters": {"rope_type": "default", "use_fope": True,
+                              "num_key_value_heads": 2, "num_inv_freq": 16,
+                              "fope_sep_head": True, "fope_init_factor": 0.1}},
+         "FourierRotaryEmbedding"),
+        ({"rope_parameters": {"rope_type": "proportional"}}, "Gemma4RotaryEmbedding"),
+        ({"rope_parameters": {"rope_type": "xdrope", "alpha": 2.0,
+                              "xdrope_section": [8, 8, 8, 8]}}, "XDRotaryEmbedding"),
+        ({"rope_parameters": {"rope_type": "telechat3-yarn", "factor": 2.0}},
+         "TeleChat3RoPEScaledRotaryEmbedding"),
+    ],
+)
+def test_unsupported_rope_types_are_refused_by_name(
+    vllm_config_context, kwargs, type_name
+):
+    rope = get_rope(HEAD_SIZE, MAX_POS, True, dtype=torch.float32, **kwargs)
+    assert type(rope).__name__ == type_name
+    with pytest.raises(ValueError, match=f"RoPE type {type_name}"):
+        RopeRotation(rope)
+
+
+def test_dual_chunk_rope_is_refused(vllm_config_context):
+    # NOTE: DualChunkRotaryEmbedding.__init__ needs a CUDA device; an
+    # uninitialised instance still has the exact type that is dispatched on.
+    rope = DualChunkRotaryEmbedding.__new__(DualChunkRotaryEmbedding)
+    with pytest.raises(ValueError, match="RoPE type DualChunkRotaryEmbedding"):
+        RopeRotation(rope)
+
+
+def test_multi_factor_linear_scaling_is_refused(vllm_config_context):
+    rope = LinearScalingRotaryEmbedding(
+        HEAD_SIZE, HEAD_SIZE, 1024, 10000, True, [1.0, 2.0], torch.float32
+    )
+    with pytest.raises(ValueError, match="one factor"):
+        RopeRotation(rope)
+
+
+def test_self_check_catches_frequency_drift(vllm_config_context):
+    rope = RotaryEmbedding(HEAD_SIZE, HEAD_SIZE, 1024, 10000, True, torch.float32)
+    RopeRotation(rope)  # consistent
+    rope.base = 5000  # the cache was built with 10000
+    with pytest.raises(ValueError, match="do not match"):
+        RopeRotation(rope)
+
+
+# ------------------------------------------------------------ remapping
+
+
+class PagedCache:
+    """A flat paged K/V store written through `write_rows` (the seam)."""
+
+    def __init__(self, num_slots: int, dtype=torch.float32):
+        self.key = torch.zeros(num_slots, NUM_HEADS, HEAD_SIZE, dtype=dtype)
+        self.value = torch.zeros_like(self.key)
+        self.calls: list[str] = []
+
+    def write_rows(self, layer_name, key, value, slot_mapping):
+        self.calls.append(layer_name)
+        self.key[slot_mapping] = key
+        self.value[slot_mapping] = value
+
+
+def test_from_load_plan_expands_rows_slots_and_deltas():
+    plan = ChunkLoadPlan("r", (
+        SegmentLoad(b"s" * 16, 0, [5], 2, stored_start=0, dst_start=0),
+        SegmentLoad(b"a" * 16, 1, [2, 7], 5, stored_start=1, dst_start=2),
+    ))
+    dst_slots = torch.arange(100, 110)
+    rows = RemapRows.from_load_plan(plan, pool_block_size=4, dst_slots=dst_slots)
+    assert rows.src_rows.tolist() == [20, 21, 8, 9, 10, 11, 28]
+    assert rows.dst_slots.tolist() == [100, 101, 102, 103, 104, 105, 106]
+    assert rows.deltas.tolist() == [0, 0, 1, 1, 1, 1, 1]
+    with pytest.raises(ValueError, match="segment 1 ends at position 7"):
+        RemapRows.from_load_plan(plan, 4, torch.arange(6))
+
+
+def test_manager_plan_through_remapper_lands_rope_at_real_positions(
+    vllm_config_context,
+):
+    """Children store K at child positions; the parent's paged cache must
+    end up with K exactly as if computed at the real positions."""
+    rope = make_rope({"rope_type": "default"}, True)
+    block = 4
+    manager = ChunkCacheManager(num_pool_blocks=8, block_size=block)
+    pool_k = torch.zeros(8 * block, NUM_HEADS, HEAD_SIZE)
+    pool_v = torch.zeros_like(pool_k)
+
+    system, doc, question = [1, 2, 3], [10, 11, 12, 13, 14], [30]
+    prompt = ChunkedPrompt(system + doc + question,
+                           (SegmentSpan(0, 3), SegmentSpan(3, 8), SegmentSpan(8, 9)))
+    gen = torch.Generator().manual_seed(1)
+    raw_k = {t: torch.randn(NUM_HEADS * HEAD_SIZE, generator=gen) for t in range(40)}
+    raw_v = {t: torch.randn(NUM_HEADS, HEAD_SIZE, generator=gen) for t in range(40)}
+
+    admission = manager.admit("r", prompt, ChunkNamespace("m", "float32", "t"))
+    for child in admission.new_children:
+        # What the worker does on store: K after RoPE at child positions.
+        store = manager.store_plan(child.request_id)
+        positions = torch.arange(len(child.token_ids))
+        k = apply_rope(rope, positions,
+                       torch.stack([raw_k[t] for t in child.token_ids]))
+        v = torch.stack([raw_v[t] for t in child.token_ids])
+        rows = torch.tensor([b * block + i for b in store.pool_block_ids
+                             for i in range(block)])[: store.num_tokens]
+        pool_k[rows] = k[store.src_start:]
+        pool_v[rows] = v[store.src_start:]
+        manager.child_finished(child.request_id)
+
+    plan = manager.load_plan("r")
+    paged = PagedCache(num_slots=32)
+    dst_slots = torch.arange(16, 16 + len(prompt.token_ids))  # block table
+    rows = RemapRows.from_load_plan(plan, block, dst_slots)
+    remapper = PositionRemapper(RopeRotation(rope), paged.write_rows)
+    remapper.remap_layer("layers.0.attn", pool_k, pool_v, rows)
+
+    cached = prompt.token_ids[: plan.num_cached_tokens]
+    truth_k = apply_rope(rope, torch.arange(len(cached)),
+                         torch.stack([raw_k[t] for t in cached]))
+    slots = dst_slots[: len(cached)]
+    torch.testing.assert_close(paged.key[slots], truth_k, atol=ATOL, rtol=0)
+    torch.testing.assert_close(paged.value[slots],
+                               torch.stack([raw_v[t] for t in cached]))
+    assert paged.calls == ["layers.0.attn"]
+    assert paged.key[:16].abs().sum() == 0  # nothing written elsewhere
+
+
+def test_layer_without_rope_copies_and_zero_delta_skips_rotation(
+    vllm_config_context,
+):
+    pool_k = torch.randn(8, NUM_HEADS, HEAD_SIZE)
+    pool_v = torch.randn(8, NUM_HEADS, HEAD_SIZE)
+    rows = RemapRows(src_rows=torch.tensor([3, 1]), dst_slots=torch.tensor([0, 5]),
+                     deltas=torch.tensor([7, 7]))
+    paged = PagedCache(num_slots=6)
+    PositionRemapper(None, paged.write_rows).remap_layer("l", pool_k, pool_v, rows)
+    torch.testing.assert_close(paged.key[[0, 5]], pool_k[[3, 1]], atol=0, rtol=0)
+    torch.testing.assert_close(paged.value[[0, 5]], pool_v[[3, 1]], atol=0, rtol=0)
+
+    # Zero deltas (the system segment) are copied bit for bit, no rotation.
+    rotation = RopeRotation(make_rope({"rope_type": "default"}, True))
+    zero = RemapRows(src_rows=torch.tensor([2]), dst_slots=torch.tensor([4]),
+                     deltas=torch.tensor([0]))
+    PositionRemapper(rotation, paged.write_rows).remap_layer("l", pool_k, pool_v, zero)
+    assert torch.equal(paged.key[4], pool_k[2])

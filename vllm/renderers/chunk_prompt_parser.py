@@ -1,0 +1,212 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Split a prompt into chunk-cache segments: system ## chunk ## ... ## question.
+
+Two entry points, one result type (`ChunkedPrompt`):
+
+* `parse_text`: the prompt string is split on the separator and every
+  segment is tokenized on its own. Per-segment tokenization is what makes a
+  document produce the same token ids wherever it appears, which is what
+  makes its content key position independent. Special tokens (BOS, ...) are
+  added to the first segment only, as they would be to the whole prompt.
+* `parse_token_ids`: a token-id prompt is split where the separator's token
+  ids occur (vectorised sliding-window match, leftmost non-overlapping, the
+  same rule as `str.split`).
+
+Separators are dropped in both cases. A prompt without a separator is not a
+chunked prompt: both return None and the request is served normally.
+
+Whitespace policy (string level): whitespace adjacent to a separator is
+stripped (`str.strip` semantics, so unicode whitespace too). Segment 0 loses
+its trailing whitespace, chunks lose both ends, the question loses its
+leading whitespace; whitespace at the very start or end of the prompt is
+kept. Hence `A ## B` and `A##B` give identical segment tokens and keys:
+documents pasted with or without spacing around the separator share one
+cache entry. Token-level prompts are split exactly on the separator ids;
+whitespace tokens are kept as given (we cannot strip without decoding).
+
+Limits (ValueError, naming the segment and the limit): an empty segment,
+more than `max_chunks` chunks (system and question excluded), a cached
+segment (system or chunk) longer than `max_chunk_tokens`. The question is
+not cached, so it is not bound by `max_chunk_tokens`.
+"""
+
+from collections.abc import Sequence
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from vllm.v1.core.chunk_structures import ChunkedPrompt, SegmentSpan
+
+
+class SegmentTokenizer(Protocol):
+    """The part of a (HF or vLLM) tokenizer the parser uses."""
+
+    def encode(self, text: str, add_special_tokens: bool = ...) -> list[int]: ...
+
+
+TokenIdsLike = Sequence[int] | np.ndarray | torch.Tensor
+
+
+class ChunkedPromptParser:
+    """Splits prompts on a separator; see the module docstring for rules."""
+
+    def __init__(self, separator: str, max_chunks: int, max_chunk_tokens: int):
+        if not separator or separator.strip() != separator:
+            # NOTE: a separator with surrounding whitespace would fight the
+            # whitespace policy (stripping would eat part of it).
+            raise ValueError(
+                f"chunk separator {separator!r} must be non-empty and have "
+                "no leading or trailing whitespace"
+            )
+        if max_chunks < 0 or max_chunk_tokens < 1:
+            raise ValueError(
+                f"invalid limits max_chunks={max_chunks}, "
+                f"max_chunk_tokens={max_chunk_tokens}"
+            )
+        self.separator = separator
+        self.max_chunks = max_chunks
+        self.max_chunk_tokens = max_chunk_tokens
+
+    # ---------------------------------------------------------------- text
+
+    def split_text(self, prompt: str) -> list[str] | None:
+        """Segment strings after the whitespace policy; None if unchunked."""
+        parts = prompt.split(self.separator)
+        if len(parts) < 2:
+            return None
+        self._check_num_chunks(len(parts) - 2)
+        last = len(parts) - 1
+        segments = []
+        for index, part in enumerate(parts):
+            if index == 0:
+                part = part.rstrip()
+            elif index == last:
+                part = part.lstrip()
+            else:
+                part = part.strip()
+            segments.append(part)
+        return segments
+
+    def parse_text(
+        self, prompt: str, tokenizer: SegmentTokenizer
+    ) -> ChunkedPrompt | None:
+        """Split `prompt` and tokenize each segment on its own."""
+        segments = self.split_text(prompt)
+        if segments is None:
+            return None
+        token_lists = [
+            tokenizer.encode(text, add_special_tokens=(index == 0))
+            for index, text in enumerate(segments)
+        ]
+        return self._build(token_lists)
+
+    def separator_token_ids(self, tokenizer: SegmentTokenizer) -> list[int]:
+        """The separator's ids as the tokenizer encodes it alone.
+
+        NOTE: BPE tokenizers may merge the separator with neighbouring text
+        (e.g. ' ##' vs '##'); token-id prompts must therefore be built with
+        the separator ids inserted as such, not re-tokenized from text.
+        """
+        ids = list(tokenizer.encode(self.separator, add_special_tokens=False))
+        if not ids:
+            raise ValueError(f"separator {self.separator!r} encodes to no tokens")
+        return ids
+
+    # -------------------------------------------------------------- tokens
+
+    def parse_token_ids(
+        self, token_ids: TokenIdsLike, separator_token_ids: Sequence[int]
+    ) -> ChunkedPrompt | None:
+        """Split a token-id prompt where `separator_token_ids` occurs."""
+        if len(separator_token_ids) == 0:
+            raise ValueError("separator_token_ids must not be empty")
+        tokens = _as_int64_array(token_ids)
+        starts = find_separator_starts(tokens, np.asarray(separator_token_ids))
+        if starts.size == 0:
+            return None
+        self._check_num_chunks(starts.size - 1)
+        sep_len = len(separator_token_ids)
+        # Segment i spans [bounds_start[i], bounds_end[i]) in the input.
+        bounds_start = np.concatenate(([0], starts + sep_len))
+        bounds_end = np.concatenate((starts, [tokens.size]))
+        lengths = bounds_end - bounds_start
+        self._check_lengths(lengths.tolist())
+        keep = np.ones(tokens.size, dtype=bool)
+        for start in starts.tolist():
+            keep[start : start + sep_len] = False
+        return _prompt_from_lengths(tokens[keep].tolist(), lengths.tolist())
+
+    # ------------------------------------------------------------- helpers
+
+    def _build(self, token_lists: list[list[int]]) -> ChunkedPrompt:
+        lengths = [len(ids) for ids in token_lists]
+        self._check_lengths(lengths)
+        flat = [tok for ids in token_lists for tok in ids]
+        return _prompt_from_lengths(flat, lengths)
+
+    def _check_num_chunks(self, num_chunks: int) -> None:
+        if num_chunks > self.max_chunks:
+            raise ValueError(
+                f"chunked prompt has {num_chunks} chunks (segments 1.."
+                f"{num_chunks}), more than max_chunks={self.max_chunks}"
+            )
+
+    def _check_lengths(self, lengths: list[int]) -> None:
+        last = len(lengths) - 1
+        for index, length in enumerate(lengths):
+            if length == 0:
+                raise ValueError(
+                    f"chunked prompt segment {index} is empty (after removing "
+                    "the separator and adjacent whitespace); every segment "
+                    "needs at least 1 token"
+                )
+            if index != last and length > self.max_chunk_tokens:
+                raise ValueError(
+                    f"chunked prompt segment {index} has {length} tokens, "
+                    f"more than max_chunk_tokens={self.max_chunk_tokens}"
+                )
+
+
+def find_separator_starts(tokens: np.ndarray, separator: np.ndarray) -> np.ndarray:
+    """Start indices of leftmost non-overlapping occurrences of `separator`.
+
+    The match itself is vectorised: one comparison of all windows per
+    separator token (O(n * m) work, no Python loop over n). Only the
+    candidates are walked in Python, to drop overlapping ones (e.g. '##' in
+    '###'), which mirrors `str.split`.
+    """
+    n, m = tokens.size, separator.size
+    if n < m:
+        return np.empty(0, dtype=np.int64)
+    num_windows = n - m + 1
+    match = tokens[:num_windows] == separator[0]
+    for offset in range(1, m):
+        match &= tokens[offset : offset + num_windows] == separator[offset]
+    candidates = np.flatnonzero(match)
+    if m == 1 or candidates.size < 2:
+        return candidates
+    if not (np.diff(candidates) < m).any():
+        return candidates
+    kept: list[int] = []
+    next_free = 0
+    for start in candidates.tolist():
+        if start >= next_free:
+            kept.append(start)
+            next_free = start + m
+    return np.asarray(kept, dtype=np.int64)
+
+
+def _as_int64_array(token_ids: TokenIdsLike) -> np.ndarray:
+    if isinstance(token_ids, torch.Tensor):
+        return token_ids.detach().to("cpu", torch.int64).reshape(-1).numpy()
+    return np.asarray(token_ids, dtype=np.int64).reshape(-1)
+
+
+def _prompt_from_lengths(token_ids: list[int], lengths: list[int]) -> ChunkedPrompt:
+    spans = []
+    start = 0
+    for length in lengths:
+        spans.append(SegmentSpan(start, start + length))
+        start += length
+    return ChunkedPrompt(token_ids=token_ids, spans=tuple(spans))

@@ -1,0 +1,190 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Block allocator of the chunk pool (the spec's independent 15% pool).
+
+The pool is a fixed number of blocks of `block_size` rows, separate from
+vLLM's paged KV cache. A cached segment is one entry made of
+cdiv(num_tokens, block_size) blocks. This class only does the bookkeeping
+(which block belongs to which entry); the worker owns the tensors.
+
+Rules:
+* An entry with pin_count > 0 is never evicted. Pins are taken by the
+  child request writing the entry and by every request that will load it.
+* Unpinned entries sit in an LRU list; `touch` and the last `unpin` move an
+  entry to the most-recently-used end. Eviction frees exactly the least
+  recently used unpinned entry, then the next, until the request fits.
+* Free blocks are handed out in FIFO order (lowest ids first on a fresh
+  pool; freed blocks go to the back), which keeps block ids deterministic.
+"""
+
+from collections import OrderedDict, deque
+from dataclasses import dataclass
+
+from vllm.v1.core.chunk_structures import ChunkHash, ChunkPoolEntry, PoolBlockId
+
+
+@dataclass(frozen=True)
+class PoolAllocation:
+    """Result of `ChunkBlockPool.allocate`."""
+
+    # The new entry, already pinned once for its writer.
+    entry: ChunkPoolEntry
+    # Entries evicted to make room, oldest first; the caller must drop them
+    # from its index.
+    evicted: tuple[ChunkHash, ...]
+
+
+@dataclass(frozen=True)
+class PoolUsage:
+    """Snapshot of the pool's gauges and counters."""
+
+    # Blocks owned by entries.
+    blocks_used: int
+    # Blocks in the pool.
+    blocks_total: int
+    # Entries currently allocated (pinned or not).
+    num_entries: int
+    # Entries that can be evicted right now.
+    num_evictable: int
+    # Entries evicted since creation.
+    num_evictions: int
+
+
+class ChunkBlockPool:
+    def __init__(self, num_blocks: int, block_size: int):
+        if num_blocks < 0 or block_size < 1:
+            raise ValueError(
+                f"invalid chunk pool shape num_blocks={num_blocks}, "
+                f"block_size={block_size}"
+            )
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self._free_blocks: deque[PoolBlockId] = deque(
+            PoolBlockId(i) for i in range(num_blocks)
+        )
+        self._entries: dict[ChunkHash, ChunkPoolEntry] = {}
+        # Unpinned entries, least recently used first. Values unused.
+        self._lru: OrderedDict[ChunkHash, None] = OrderedDict()
+        # Blocks held by entries in _lru (kept to answer can_allocate in O(1)).
+        self._evictable_blocks = 0
+        self.num_evictions = 0
+
+    # ------------------------------------------------------------- queries
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free_blocks)
+
+    def can_allocate(self, num_blocks: int) -> bool:
+        """True if `num_blocks` fit after evicting unpinned entries."""
+        return num_blocks <= len(self._free_blocks) + self._evictable_blocks
+
+    def get(self, chunk_hash: ChunkHash) -> ChunkPoolEntry | None:
+        return self._entries.get(chunk_hash)
+
+    def __contains__(self, chunk_hash: object) -> bool:
+        return chunk_hash in self._entries
+
+    def lru_order(self) -> list[ChunkHash]:
+        """Evictable entries, next victim first."""
+        return list(self._lru)
+
+    def usage(self) -> PoolUsage:
+        return PoolUsage(
+            blocks_used=self.num_blocks - len(self._free_blocks),
+            blocks_total=self.num_blocks,
+            num_entries=len(self._entries),
+            num_evictable=len(self._lru),
+            num_evictions=self.num_evictions,
+        )
+
+    # ----------------------------------------------------------- mutations
+
+    def allocate(self, chunk_hash: ChunkHash, num_tokens: int) -> PoolAllocation:
+        """Create an entry for `num_tokens` rows, evicting LRU if needed.
+
+        The entry comes back pinned once (for the writer). Raises
+        ValueError if the key exists or if the rows cannot fit even after
+        evicting every unpinned entry (check `can_allocate` first).
+        """
+        if chunk_hash in self._entries:
+            raise ValueError(f"chunk {chunk_hash.hex()} is already allocated")
+        if num_tokens < 1:
+            raise ValueError(f"cannot allocate {num_tokens} rows")
+        num_blocks = self.blocks_needed(num_tokens)
+        if not self.can_allocate(num_blocks):
+            raise ValueError(
+                f"chunk pool cannot hold {num_blocks} blocks: "
+                f"{len(self._free_blocks)} free, "
+                f"{self._evictable_blocks} evictable of {self.num_blocks}"
+            )
+        evicted = []
+        while len(self._free_blocks) < num_blocks:
+            evicted.append(self._evict_lru())
+        block_ids = [self._free_blocks.popleft() for _ in range(num_blocks)]
+        entry = ChunkPoolEntry(chunk_hash, block_ids, num_tokens, pin_count=1)
+        self._entries[chunk_hash] = entry
+        return PoolAllocation(entry=entry, evicted=tuple(evicted))
+
+    def pin(self, chunk_hash: ChunkHash) -> ChunkPoolEntry:
+        entry = self._require(chunk_hash)
+        if entry.pin_count == 0:
+            del self._lru[chunk_hash]
+            self._evictable_blocks -= len(entry.block_ids)
+        entry.pin_count += 1
+        return entry
+
+    def unpin(self, chunk_hash: ChunkHash) -> None:
+        entry = self._require(chunk_hash)
+        if entry.pin_count == 0:
+            raise ValueError(f"chunk {chunk_hash.hex()} is not pinned")
+        entry.pin_count -= 1
+        if entry.pin_count == 0:
+            # NOTE: the last holder just used it, so it enters the LRU at
+            # the most-recently-used end.
+            self._lru[chunk_hash] = None
+            self._evictable_blocks += len(entry.block_ids)
+
+    def touch(self, chunk_hash: ChunkHash) -> None:
+        """Mark an entry used now (no-op on ordering while pinned)."""
+        self._require(chunk_hash)
+        if chunk_hash in self._lru:
+            self._lru.move_to_end(chunk_hash)
+
+    def free(self, chunk_hash: ChunkHash) -> None:
+        """Drop an unpinned entry now (e.g. its writer never finished)."""
+        entry = self._require(chunk_hash)
+        if entry.pin_count:
+            raise ValueError(
+                f"chunk {chunk_hash.hex()} is pinned {entry.pin_count} time(s)"
+            )
+        self._release(chunk_hash)
+
+    def evict_lru(self) -> ChunkHash | None:
+        """Evict the least recently used unpinned entry, if any."""
+        if not self._lru:
+            return None
+        return self._evict_lru()
+
+    # ------------------------------------------------------------ internal
+
+    def _require(self, chunk_hash: ChunkHash) -> ChunkPoolEntry:
+        entry = self._entries.get(chunk_hash)
+        if entry is None:
+            raise KeyError(f"chunk {chunk_hash.hex()} is not in the pool")
+        return entry
+
+    def _evict_lru(self) -> ChunkHash:
+        victim = next(iter(self._lru))
+        self._release(victim)
+        self.num_evictions += 1
+        return victim
+
+    def _release(self, chunk_hash: ChunkHash) -> None:
+        entry = self._entries.pop(chunk_hash)
+        del self._lru[chunk_hash]
+        self._evictable_blocks -= len(entry.block_ids)
+        self._free_blocks.extend(entry.block_ids)
+        entry.block_ids = []

@@ -1,0 +1,156 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Content keys of cached segments and the index from key to pool entry.
+
+Key composition (ARCHITECTURE.md section 4), all hashed with xxh3-128:
+
+    key = xxh3_128(VERSION | namespace digest
+                   | len(context) | context ids | len(tokens) | token ids)
+
+* token ids and context ids are fixed-width little-endian uint32, each list
+  preceded by its length (uint64), so no two different (context, tokens)
+  pairs serialise to the same bytes;
+* the context is what the segment was computed after: the sink token
+  (`sink` mode), the system segment (`system` mode), nothing (`none` mode
+  and the system segment itself);
+* the namespace pins everything else the KV depends on: model, dtype,
+  LoRA adapter, tokenizer, and the per-request `cache_salt` (tenant
+  isolation);
+* the position is never part of the key: that is the point.
+
+A 128-bit hash makes collisions astronomically unlikely, but the index
+still stores the token ids and compares them on lookup (as nano-vllm does),
+so a collision can only cost a miss, never serve wrong KV.
+"""
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import xxhash
+
+from vllm.v1.core.chunk_structures import ChunkHash
+
+# Bump when the serialisation changes so old keys can never match new ones.
+_KEY_VERSION = b"vllm-chunk-cache-key-v1"
+
+
+@dataclass(frozen=True)
+class ChunkNamespace:
+    """Everything besides the tokens that the cached KV depends on."""
+
+    # Model name or path (the weights).
+    model: str
+    # KV cache dtype, e.g. "bfloat16".
+    kv_dtype: str
+    # Tokenizer name or path (ids mean nothing without it).
+    tokenizer: str
+    # LoRA adapter id, 0 when none (adapters change K/V).
+    lora_id: int = 0
+    # Per-request salt: requests with different salts never share entries.
+    cache_salt: str | None = None
+
+    def digest(self) -> bytes:
+        h = xxhash.xxh3_128()
+        for part in (self.model, self.kv_dtype, self.tokenizer):
+            _update_with_text(h, part)
+        h.update(int(self.lora_id).to_bytes(8, "little", signed=True))
+        # NOTE: None and "" must differ, hence the explicit presence byte.
+        if self.cache_salt is None:
+            h.update(b"\x00")
+        else:
+            h.update(b"\x01")
+            _update_with_text(h, self.cache_salt)
+        return h.digest()
+
+
+def token_bytes(token_ids: Sequence[int] | np.ndarray) -> bytes:
+    """Fixed-width little-endian uint32 serialisation of token ids."""
+    array = np.asarray(token_ids)
+    if array.size and (array.min() < 0 or array.max() > 0xFFFFFFFF):
+        raise ValueError("token ids must be in [0, 2**32) to be hashed")
+    return array.astype("<u4", copy=False).tobytes()
+
+
+def compute_chunk_hash(
+    token_ids: Sequence[int] | np.ndarray,
+    context_ids: Sequence[int] | np.ndarray,
+    namespace_digest: bytes,
+) -> ChunkHash:
+    """Position-independent key of one segment (see module docstring)."""
+    h = xxhash.xxh3_128(_KEY_VERSION)
+    h.update(namespace_digest)
+    h.update(len(context_ids).to_bytes(8, "little"))
+    h.update(token_bytes(context_ids))
+    h.update(len(token_ids).to_bytes(8, "little"))
+    h.update(token_bytes(token_ids))
+    return ChunkHash(h.digest())
+
+
+@dataclass(frozen=True)
+class IndexedChunk:
+    """What the index remembers about a resident segment."""
+
+    # The key it is filed under.
+    chunk_hash: ChunkHash
+    # Exact segment token ids, compared on every lookup.
+    token_ids: tuple[int, ...]
+    # Exact context ids, compared on every lookup.
+    context_ids: tuple[int, ...]
+
+
+class ChunkHashIndex:
+    """Key -> resident segment, with token verification on lookup."""
+
+    def __init__(self) -> None:
+        self._entries: dict[ChunkHash, IndexedChunk] = {}
+        # Lookups whose key matched but whose stored ids did not.
+        self.num_collisions = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, chunk_hash: object) -> bool:
+        return chunk_hash in self._entries
+
+    def insert(
+        self,
+        chunk_hash: ChunkHash,
+        token_ids: Sequence[int],
+        context_ids: Sequence[int],
+    ) -> None:
+        if chunk_hash in self._entries:
+            raise ValueError(f"chunk {chunk_hash.hex()} is already indexed")
+        self._entries[chunk_hash] = IndexedChunk(
+            chunk_hash, tuple(token_ids), tuple(context_ids)
+        )
+
+    def lookup(
+        self,
+        chunk_hash: ChunkHash,
+        token_ids: Sequence[int],
+        context_ids: Sequence[int],
+    ) -> IndexedChunk | None:
+        """The entry for `chunk_hash` if its stored ids equal the given ones.
+
+        A key match with different ids is a hash collision: reported as a
+        miss (and counted), never as a hit.
+        """
+        entry = self._entries.get(chunk_hash)
+        if entry is None:
+            return None
+        if entry.token_ids != tuple(token_ids) or entry.context_ids != tuple(
+            context_ids
+        ):
+            self.num_collisions += 1
+            return None
+        return entry
+
+    def remove(self, chunk_hash: ChunkHash) -> None:
+        if self._entries.pop(chunk_hash, None) is None:
+            raise KeyError(f"chunk {chunk_hash.hex()} is not indexed")
+
+
+def _update_with_text(h: "xxhash.xxh3_128", text: str) -> None:
+    data = text.encode("utf-8")
+    h.update(len(data).to_bytes(8, "little"))
+    h.update(data)

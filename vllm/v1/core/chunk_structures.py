@@ -1,0 +1,258 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Typed identities and plain data shared by the chunk-cache modules.
+
+Everything that crosses a module boundary of the chunk cache (parser ->
+manager -> connector -> worker) is one of the types below, so that no
+module has to know another's internals and no tuple soup travels around.
+This module imports nothing from vLLM: it is engine-free by design.
+"""
+
+from dataclasses import dataclass
+from enum import Enum
+from typing import NewType
+
+# A 16-byte xxh3-128 digest of a segment's content, its private context and
+# the namespace it was computed in. Never includes a position (see
+# chunk_hash_index.py for the exact composition).
+ChunkHash = NewType("ChunkHash", bytes)
+
+# Index of a block of the chunk pool (not of vLLM's paged KV cache).
+PoolBlockId = NewType("PoolBlockId", int)
+
+
+class ChunkContextMode(str, Enum):
+    """What a chunk is computed after (ARCHITECTURE.md section 3)."""
+
+    # The chunk alone, at virtual positions 0..L-1.
+    NONE = "none"
+    # [first token of the request] + chunk; the chunk's rows start at 1.
+    SINK = "sink"
+    # [system segment] + chunk; the key includes the system tokens.
+    SYSTEM = "system"
+
+
+@dataclass(frozen=True)
+class SegmentSpan:
+    """Half-open token range [start, end) of one segment in a prompt."""
+
+    start: int
+    end: int
+
+    @property
+    def num_tokens(self) -> int:
+        return self.end - self.start
+
+
+@dataclass(frozen=True)
+class ChunkedPrompt:
+    """A prompt split into segments: system, chunks..., question.
+
+    `token_ids` is the final token sequence the model sees (separators
+    removed). `spans` partitions it: spans[0] is the system segment (always
+    at position 0), spans[1:-1] are the chunks (documents), spans[-1] is the
+    question. Every segment but the question is cached by content.
+    """
+
+    # The final prompt token ids, separators already removed.
+    token_ids: list[int]
+    # Contiguous, non-empty spans covering token_ids exactly; at least two
+    # (system + question).
+    spans: tuple[SegmentSpan, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.spans) < 2:
+            raise ValueError(
+                "a chunked prompt needs at least a system segment and a "
+                f"question, got {len(self.spans)} segment(s)"
+            )
+        expected_start = 0
+        for index, span in enumerate(self.spans):
+            if span.start != expected_start or span.end <= span.start:
+                raise ValueError(
+                    f"segment {index} span [{span.start}, {span.end}) is not "
+                    f"a non-empty range starting at {expected_start}"
+                )
+            expected_start = span.end
+        if expected_start != len(self.token_ids):
+            raise ValueError(
+                f"segment spans end at {expected_start} but the prompt has "
+                f"{len(self.token_ids)} tokens"
+            )
+
+    @property
+    def num_segments(self) -> int:
+        return len(self.spans)
+
+    @property
+    def num_chunks(self) -> int:
+        """Number of document chunks (system and question excluded)."""
+        return len(self.spans) - 2
+
+    @property
+    def system_span(self) -> SegmentSpan:
+        return self.spans[0]
+
+    @property
+    def chunk_spans(self) -> tuple[SegmentSpan, ...]:
+        return self.spans[1:-1]
+
+    @property
+    def question_span(self) -> SegmentSpan:
+        return self.spans[-1]
+
+    @property
+    def cached_spans(self) -> tuple[SegmentSpan, ...]:
+        """Segments served from the chunk cache: system + chunks."""
+        return self.spans[:-1]
+
+    def segment_tokens(self, index: int) -> list[int]:
+        span = self.spans[index]
+        return self.token_ids[span.start : span.end]
+
+
+@dataclass
+class ChunkPoolEntry:
+    """One cached segment's rows in the chunk pool.
+
+    Row i of the entry (0 <= i < num_tokens) lives in pool block
+    block_ids[i // block_size] at offset i % block_size.
+    """
+
+    # Content key of the segment.
+    chunk_hash: ChunkHash
+    # Pool blocks holding the rows, in row order.
+    block_ids: list[PoolBlockId]
+    # Number of valid rows (tokens) stored.
+    num_tokens: int
+    # Number of holders (writer child, loading requests); while > 0 the
+    # entry can never be evicted.
+    pin_count: int = 0
+
+    def row_ids(self, block_size: int) -> list[int]:
+        """Flat pool row index (block_id * block_size + offset) per token."""
+        return [
+            int(self.block_ids[i // block_size]) * block_size + i % block_size
+            for i in range(self.num_tokens)
+        ]
+
+
+class SegmentStatus(str, Enum):
+    """Where a cached segment stands when a request is admitted."""
+
+    # KV is in the pool and verified.
+    RESIDENT = "resident"
+    # A child request is computing it right now.
+    IN_FLIGHT = "in_flight"
+    # Nobody has it: a new child request must compute it.
+    MISSING = "missing"
+
+
+@dataclass(frozen=True)
+class ChildSpec:
+    """An internal prefill-only request that computes one segment's KV."""
+
+    # Request id of the child (unique among live requests).
+    request_id: str
+    # Key of the segment the child computes.
+    chunk_hash: ChunkHash
+    # Tokens the child prefills: private context + segment.
+    token_ids: list[int]
+    # Index in token_ids of the first row to store (= len(context)); rows
+    # [store_start, len(token_ids)) go to the pool.
+    store_start: int
+
+
+@dataclass(frozen=True)
+class ChunkStorePlan:
+    """Worker instruction: copy a child's KV rows into the chunk pool."""
+
+    # The child request whose forward produces the rows.
+    request_id: str
+    # Key of the entry being filled (for logging / stats).
+    chunk_hash: ChunkHash
+    # First position of the child's sequence to store (its context is not
+    # stored).
+    src_start: int
+    # Number of rows to store.
+    num_tokens: int
+    # Destination pool blocks, rows filled in order.
+    pool_block_ids: list[PoolBlockId]
+
+
+@dataclass(frozen=True)
+class SegmentLoad:
+    """One cached segment to copy from the pool into a request's KV."""
+
+    # Key of the entry.
+    chunk_hash: ChunkHash
+    # Index of the segment in the request's ChunkedPrompt.
+    segment_index: int
+    # Pool blocks holding the rows, in row order.
+    pool_block_ids: list[PoolBlockId]
+    # Number of rows to copy.
+    num_tokens: int
+    # Position the first row was computed at in the child (0 or len(ctx)).
+    stored_start: int
+    # Position of the first row in the request (its span start).
+    dst_start: int
+
+    @property
+    def position_delta(self) -> int:
+        """Rotate K by this many positions: real_start - stored_start."""
+        return self.dst_start - self.stored_start
+
+
+@dataclass(frozen=True)
+class ChunkLoadPlan:
+    """Worker instruction: fill a request's KV prefix from the chunk pool."""
+
+    # The (parent) request that receives the rows.
+    request_id: str
+    # Segment copies in prompt order; together they cover
+    # [0, num_cached_tokens) exactly.
+    segments: tuple[SegmentLoad, ...]
+
+    @property
+    def num_cached_tokens(self) -> int:
+        """Prompt tokens the engine may treat as already computed."""
+        return sum(s.num_tokens for s in self.segments)
+
+
+@dataclass
+class ChunkCacheStats:
+    """Counters of the chunk cache; all monotonic except the pool gauges."""
+
+    # Cached segments found resident at admission.
+    hits: int = 0
+    # Cached segments that needed a new child request.
+    misses: int = 0
+    # Cached segments that joined a child already in flight (dedup).
+    in_flight_joins: int = 0
+    # Prompt tokens served from the pool instead of being computed.
+    tokens_reused: int = 0
+    # Requests that fell back to a normal prefill (pool too small).
+    fallbacks: int = 0
+    # Lookups whose key matched but whose stored tokens did not.
+    hash_collisions: int = 0
+    # Children that ended without storing their rows.
+    failed_children: int = 0
+    # Entries evicted from the pool (LRU).
+    evictions: int = 0
+    # Pool gauges at the time of the snapshot.
+    pool_blocks_used: int = 0
+    pool_blocks_total: int = 0
+
+    @property
+    def lookups(self) -> int:
+        return self.hits + self.misses + self.in_flight_joins
+
+    @property
+    def hit_rate(self) -> float:
+        """Fraction of cached-segment lookups served without a new child."""
+        total = self.lookups
+        return (self.hits + self.in_flight_joins) / total if total else 0.0
+
+    @property
+    def pool_usage(self) -> float:
+        total = self.pool_blocks_total
+        return self.pool_blocks_used / total if total else 0.0

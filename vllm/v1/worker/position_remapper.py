@@ -1,0 +1,300 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Move cached K/V rows from the chunk pool to a request's real positions.
+
+A segment's K was stored after RoPE at positions stored_start.. . RoPE is a
+rotation whose angle is linear in the position, so K at position p + d is
+K at p rotated by the angle of d: the remapper gathers the rows, rotates K
+by delta = real_start - stored_start and hands K/V to an injected
+`write_rows` (the attention backend's own cache-write op in the engine; a
+plain function in tests). V carries no position and is copied as is.
+
+Numerics:
+* the rotation is applied in fp32 and cast back to the cache dtype;
+* cos/sin of the delta are computed per distinct delta (a load plan has one
+  delta per segment) on the CPU in float64 from vLLM's own fp32 inverse
+  frequencies, then cast to fp32, so the delta adds no angle rounding of
+  its own (fp32 angles lose ~1e-2 rad at 1e5 positions);
+* YaRN and LongRoPE bake a magnitude factor (mscale) into their cos/sin
+  caches, so the stored K already carries it once. The delta rotation must
+  be a pure rotation: we build cos/sin from the frequencies alone, which is
+  exactly "dividing the factor out" of the model's cos/sin. The factor is
+  still recovered and checked against the rope's own cache at start-up.
+
+Supported: vLLM's RotaryEmbedding (default), linear (single factor), NTK,
+dynamic NTK (factor or alpha; vLLM fixes the base at init, so it is linear
+in position), llama3, YaRN, LongRoPE; neox and GPT-J styles; partial
+rotary. Anything else (dual-chunk, M-RoPE, FoPE, DeepSeek/MLA, ...) is
+refused with a ValueError naming the type.
+"""
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
+from vllm.model_executor.layers.rotary_embedding.dynamic_ntk_alpha_rope import (
+    DynamicNTKAlphaRotaryEmbedding,
+)
+from vllm.model_executor.layers.rotary_embedding.dynamic_ntk_scaling_rope import (
+    DynamicNTKScalingRotaryEmbedding,
+)
+from vllm.model_executor.layers.rotary_embedding.linear_scaling_rope import (
+    LinearScalingRotaryEmbedding,
+)
+from vllm.model_executor.layers.rotary_embedding.llama3_rope import (
+    Llama3RotaryEmbedding,
+)
+from vllm.model_executor.layers.rotary_embedding.ntk_scaling_rope import (
+    NTKScalingRotaryEmbedding,
+)
+from vllm.model_executor.layers.rotary_embedding.phi3_long_rope_scaled_rope import (
+    Phi3LongRoPEScaledRotaryEmbedding,
+)
+from vllm.model_executor.layers.rotary_embedding.yarn_scaling_rope import (
+    YaRNScalingRotaryEmbedding,
+)
+from vllm.v1.core.chunk_structures import ChunkLoadPlan
+
+
+class WriteRows(Protocol):
+    """Writes K/V rows [n, num_kv_heads, head_size] into a layer's paged
+    KV cache at `slot_mapping` [n] (the backend's own cache-write op)."""
+
+    def __call__(
+        self,
+        layer_name: str,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None: ...
+
+
+@dataclass(frozen=True)
+class _Frequencies:
+    # fp32 angle per position step, one per rotated pair [rotary_dim // 2].
+    inv_freq: torch.Tensor
+    # Magnitude the rope's cos/sin cache carries (1.0 except YaRN/LongRoPE).
+    magnitude: float
+    # The rope's cos/sin cache in the layout [pos, cos | sin], and the row
+    # of position 0 in it (LongRoPE keeps two caches back to back).
+    cache: torch.Tensor
+    cache_offset: int
+
+
+def _plain(rope: RotaryEmbedding) -> _Frequencies:
+    return _Frequencies(rope._compute_inv_freq(rope.base), 1.0, rope.cos_sin_cache, 0)
+
+
+def _linear(rope: LinearScalingRotaryEmbedding) -> _Frequencies:
+    if len(rope.scaling_factors) != 1:
+        raise ValueError(
+            "chunk cache supports linear RoPE scaling with one factor, got "
+            f"{rope.scaling_factors} (multi-LoRA long-context scaling)"
+        )
+    # NOTE: vLLM divides the position by the factor; dividing the
+    # frequency instead gives the same angle per position step.
+    factor = float(rope.scaling_factors[0])
+    inv_freq = rope._compute_inv_freq(rope.base) / factor
+    return _Frequencies(inv_freq, 1.0, rope.cos_sin_cache, 0)
+
+
+def _dynamic_ntk(rope: DynamicNTKScalingRotaryEmbedding) -> _Frequencies:
+    # NOTE: vLLM's "dynamic" NTK fixes the enlarged base once at init (it
+    # does not grow with the sequence), so the angle stays linear in the
+    # position. Same formula as its _compute_cos_sin_cache; the start-up
+    # self-check catches any drift.
+    ratio = rope.scaling_factor * rope.max_position_embeddings
+    ratio = ratio / rope.max_trained_positions - (rope.scaling_factor - 1)
+    base = rope.base * ratio ** (rope.rotary_dim / (rope.rotary_dim - 2))
+    return _Frequencies(rope._compute_inv_freq(base), 1.0, rope.cos_sin_cache, 0)
+
+
+def _dynamic_ntk_alpha(rope: DynamicNTKAlphaRotaryEmbedding) -> _Frequencies:
+    exponent = rope.rotary_dim / (rope.rotary_dim - 2)
+    base = rope.base * rope.scaling_alpha**exponent
+    return _Frequencies(rope._compute_inv_freq(base), 1.0, rope.cos_sin_cache, 0)
+
+
+def _yarn(rope: YaRNScalingRotaryEmbedding) -> _Frequencies:
+    inv_freq = rope._compute_inv_freq(rope.scaling_factor)
+    return _Frequencies(inv_freq, float(rope.mscale), rope.cos_sin_cache, 0)
+
+
+def _longrope(rope: Phi3LongRoPEScaledRotaryEmbedding) -> _Frequencies:
+    # NOTE: vLLM picks the long or short factors once per engine (from
+    # max_model_len), so one request never mixes the two.
+    if rope.use_long_rope:
+        inv_freq = rope._compute_inv_freq(rope.long_factor)
+        magnitude, offset = rope.long_mscale, rope.original_max_position_embeddings
+    else:
+        inv_freq = rope._compute_inv_freq(rope.short_factor)
+        magnitude, offset = rope.short_mscale, 0
+    return _Frequencies(
+        inv_freq, float(magnitude), rope.long_short_cos_sin_cache, offset
+    )
+
+
+# Exact types only: subclasses (M-RoPE, FoPE, Gemma4, TeleChat3, XD-RoPE...)
+# change the angle rule and must be refused rather than guessed.
+_FREQUENCY_RULES: dict[type, Callable] = {
+    RotaryEmbedding: _plain,
+    NTKScalingRotaryEmbedding: _plain,
+    Llama3RotaryEmbedding: _plain,
+    LinearScalingRotaryEmbedding: _linear,
+    DynamicNTKScalingRotaryEmbedding: _dynamic_ntk,
+    DynamicNTKAlphaRotaryEmbedding: _dynamic_ntk_alpha,
+    YaRNScalingRotaryEmbedding: _yarn,
+    Phi3LongRoPEScaledRotaryEmbedding: _longrope,
+}
+
+
+class RopeRotation:
+    """Rotates post-RoPE keys by a position delta, for one rope object."""
+
+    def __init__(self, rope: torch.nn.Module):
+        rule = _FREQUENCY_RULES.get(type(rope))
+        if rule is None:
+            raise ValueError(
+                f"chunk cache cannot re-position keys of RoPE type "
+                f"{type(rope).__name__}: only RoPE whose angle is linear in "
+                "the position is supported (default, linear, ntk, dynamic, "
+                "llama3, yarn, longrope)"
+            )
+        freqs = rule(rope)
+        self.head_size: int = rope.head_size
+        self.rotary_dim: int = rope.rotary_dim
+        self.is_neox_style: bool = bool(getattr(rope, "is_neox_style", True))
+        self.inv_freq = freqs.inv_freq.to(torch.float32).cpu()
+        self.magnitude = freqs.magnitude
+        _check_against_cache(self, freqs, type(rope).__name__)
+
+    def cos_sin(
+        self, deltas: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """fp32 cos/sin [n, rotary_dim // 2] of the angle of each delta.
+
+        Unit magnitude: the rope's mscale is not applied (see module doc).
+        """
+        angles = deltas.to("cpu", torch.float64)[:, None] * self.inv_freq.double()
+        return angles.cos().float(), angles.sin().float()
+
+    def rotate(self, key: torch.Tensor, deltas: torch.Tensor) -> torch.Tensor:
+        """`key` [n, heads, head_size] rotated row-wise by `deltas` [n]."""
+        unique, inverse = torch.unique(deltas.cpu(), return_inverse=True)
+        cos, sin = self.cos_sin(unique)
+        inverse = inverse.to(key.device)
+        # [n, 1, rotary_dim // 2]: broadcast over heads.
+        cos = cos.to(key.device)[inverse][:, None]
+        sin = sin.to(key.device)[inverse][:, None]
+        num_rows, num_heads, half = key.shape[0], key.shape[1], self.rotary_dim // 2
+        rot = key[..., : self.rotary_dim].float()
+        # Pair (x1[i], x2[i]) rotates by angle i: halves in neox style,
+        # adjacent elements in GPT-J style.
+        if self.is_neox_style:
+            pairs = rot.view(num_rows, num_heads, 2, half)
+            x1, x2 = pairs[:, :, 0], pairs[:, :, 1]
+            out = torch.empty_like(pairs)
+            o1, o2 = out[:, :, 0], out[:, :, 1]
+        else:
+            pairs = rot.view(num_rows, num_heads, half, 2)
+            x1, x2 = pairs[..., 0], pairs[..., 1]
+            out = torch.empty_like(pairs)
+            o1, o2 = out[..., 0], out[..., 1]
+        # NOTE: out= and addcmul_ avoid the temporaries of a cat-based
+        # formulation (3x faster on CPU, where this is memory bound).
+        torch.mul(x1, cos, out=o1)
+        o1.addcmul_(x2, sin, value=-1)
+        torch.mul(x2, cos, out=o2)
+        o2.addcmul_(x1, sin)
+        rotated = out.view(num_rows, num_heads, self.rotary_dim).to(key.dtype)
+        if self.rotary_dim == self.head_size:
+            return rotated
+        return torch.cat((rotated, key[..., self.rotary_dim :]), dim=-1)
+
+
+def _check_against_cache(
+    rotation: RopeRotation, freqs: _Frequencies, rope_name: str
+) -> None:
+    """Refuse to run if our frequencies do not reproduce the rope's cache.
+
+    Guards the per-type rules above against upstream changes: row p of the
+    cache must equal magnitude * [cos(p f), sin(p f)].
+    """
+    cache = freqs.cache.detach().float().cpu()
+    usable = cache.shape[0] - freqs.cache_offset
+    positions = torch.tensor([p for p in (0, 1, 7, 100) if p < usable])
+    cos, sin = rotation.cos_sin(positions)
+    expected = torch.cat((cos, sin), dim=-1) * freqs.magnitude
+    actual = cache[freqs.cache_offset + positions]
+    tolerance = 2e-2 if freqs.cache.dtype in (torch.bfloat16, torch.float16) else 1e-4
+    if not torch.allclose(actual, expected, atol=tolerance * max(1.0, freqs.magnitude)):
+        raise ValueError(
+            f"chunk cache: RoPE frequencies derived for {rope_name} do not "
+            "match the rope's own cos/sin cache (vLLM changed its formula?)"
+        )
+
+
+@dataclass(frozen=True)
+class RemapRows:
+    """Row-level instruction for one layer (same for every layer)."""
+
+    # Rows to read in the pool tensors (block_id * block_size + offset) [n].
+    src_rows: torch.Tensor
+    # Slots to write in the paged KV cache [n].
+    dst_slots: torch.Tensor
+    # Position delta per row (real - stored) [n].
+    deltas: torch.Tensor
+
+    @classmethod
+    def from_load_plan(
+        cls, plan: ChunkLoadPlan, pool_block_size: int, dst_slots: torch.Tensor
+    ) -> "RemapRows":
+        """Expand a plan; `dst_slots[p]` is the paged slot of position p."""
+        src, deltas = [], []
+        for seg in plan.segments:
+            offsets = torch.arange(seg.num_tokens)
+            blocks = torch.tensor(seg.pool_block_ids, dtype=torch.int64)
+            src.append(blocks[offsets // pool_block_size] * pool_block_size
+                       + offsets % pool_block_size)
+            deltas.append(torch.full((seg.num_tokens,), seg.position_delta))
+            if seg.dst_start + seg.num_tokens > dst_slots.shape[0]:
+                raise ValueError(
+                    f"segment {seg.segment_index} ends at position "
+                    f"{seg.dst_start + seg.num_tokens} beyond the "
+                    f"{dst_slots.shape[0]} slots given"
+                )
+        positions = torch.cat(
+            [torch.arange(s.dst_start, s.dst_start + s.num_tokens)
+             for s in plan.segments]
+        )
+        return cls(
+            src_rows=torch.cat(src).to(dst_slots.device),
+            dst_slots=dst_slots[positions.to(dst_slots.device)],
+            deltas=torch.cat(deltas),
+        )
+
+
+class PositionRemapper:
+    """Gathers pool rows, re-positions K, writes K/V through `write_rows`."""
+
+    def __init__(self, rotation: RopeRotation | None, write_rows: WriteRows):
+        # None: the model has no RoPE (or the layer does not use it): copy.
+        self.rotation = rotation
+        self.write_rows = write_rows
+
+    def remap_layer(
+        self,
+        layer_name: str,
+        pool_key: torch.Tensor,
+        pool_value: torch.Tensor,
+        rows: RemapRows,
+    ) -> None:
+        """`pool_key`/`pool_value`: [num_pool_rows, num_kv_heads, head_size]."""
+        key = pool_key.index_select(0, rows.src_rows)
+        value = pool_value.index_select(0, rows.src_rows)
+        if self.rotation is not None and bool((rows.deltas != 0).any()):
+            key = self.rotation.rotate(key, rows.deltas)
+        self.write_rows(layer_name, key, value, rows.dst_slots)
+
