@@ -1,0 +1,117 @@
+"""The oracle of the chunk-cache e2e tests: one HF transformers forward over the
+extended sequence with explicit position ids and the 4D chunk-isolation mask
+(ARCHITECTURE.md section 3), built by vllm/v1/core/chunk_isolation_mask.py.
+
+Also a random-layout generator and the comparison of vLLM's greedy tokens and
+top-k logprobs against the reference."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import torch
+
+from vllm.v1.core.chunk_isolation_mask import build_isolated_sequence
+from vllm.v1.core.chunk_structures import ChunkedPrompt, SegmentSpan
+
+SEP = "##"
+
+_LETTERS = "abcdefghijklmnopqrstuvwxyz"
+
+
+def random_text(rng: random.Random, num_words: int) -> str:
+    words = []
+    for _ in range(num_words):
+        words.append("".join(rng.choice(_LETTERS) for _ in range(rng.randint(2, 7))))
+    return " ".join(words)
+
+
+@dataclass
+class Layout:
+    system: str
+    chunks: list[str]
+    question: str
+
+    @property
+    def prompt(self) -> str:
+        return f" {SEP} ".join([self.system, *self.chunks, self.question])
+
+
+class Reference:
+    """HF model + tokenizer in float32, eager attention (additive 4D mask)."""
+
+    def __init__(self, model_dir: str):
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self.model = AutoModelForCausalLM.from_pretrained(
+            model_dir, dtype=torch.float32, attn_implementation="eager"
+        ).eval()
+
+    def chunked_prompt(self, layout: Layout) -> ChunkedPrompt:
+        """Per-segment tokenization: special tokens on the first segment only."""
+        segments = [layout.system, *layout.chunks, layout.question]
+        ids: list[int] = []
+        spans = []
+        for i, text in enumerate(segments):
+            seg = self.tokenizer.encode(text, add_special_tokens=(i == 0))
+            spans.append(SegmentSpan(len(ids), len(ids) + len(seg)))
+            ids.extend(seg)
+        return ChunkedPrompt(token_ids=ids, spans=tuple(spans))
+
+    @torch.no_grad()
+    def next_token_logprobs(
+        self, prompt: ChunkedPrompt, mode: str, generated: list[int]
+    ) -> torch.Tensor:
+        """[len(generated) + 1, vocab] float64 log-probabilities of the token after
+        the prompt and after each generated token (teacher forcing on `generated`)."""
+        seq = build_isolated_sequence(prompt, mode, extra_token_ids=generated)
+        out = self.model(
+            input_ids=torch.tensor([seq.token_ids]),
+            position_ids=seq.position_ids[None],
+            attention_mask=seq.additive_mask(torch.float32),
+        )
+        logits = out.logits[0].double()
+        # Rows of the last prompt token and of every generated token: the
+        # last len(generated) + 1 rows (the question and generated tokens
+        # are the tail of the extended sequence).
+        rows = logits[len(seq.token_ids) - len(generated) - 1 :]
+        return torch.log_softmax(rows, dim=-1)
+
+
+    @torch.no_grad()
+    def causal_logprobs(self, prompt: ChunkedPrompt, generated: list[int]) -> torch.Tensor:
+        """Same rows as next_token_logprobs, under plain causal attention."""
+        ids = prompt.token_ids + list(generated)
+        logits = self.model(input_ids=torch.tensor([ids])).logits[0].double()
+        return torch.log_softmax(logits[len(prompt.token_ids) - 1 :], dim=-1)
+
+
+def compare(ref_logprobs: torch.Tensor, token_ids: list[int], logprobs: list[dict],
+            tol: float) -> dict:
+    """Check vLLM's greedy tokens and top-k logprobs against the reference.
+
+    Returns the largest absolute logprob difference and the number of steps
+    whose greedy token differs from the reference argmax (allowed only where
+    the reference itself has a near-tie within `tol`)."""
+    max_diff = 0.0
+    exact_argmax = 0
+    for step, (tok, lps) in enumerate(zip(token_ids, logprobs)):
+        ref = ref_logprobs[step]
+        best = float(ref.max())
+        assert float(ref[tok]) >= best - tol, (
+            f"step {step}: vLLM chose {tok} (ref lp {float(ref[tok]):.6f}), reference "
+            f"argmax {int(ref.argmax())} (lp {best:.6f})")
+        exact_argmax += int(int(ref.argmax()) == tok)
+        kth = float(torch.topk(ref, min(5, ref.numel())).values[-1])
+        for t, lp in lps.items():
+            diff = abs(lp.logprob - float(ref[t]))
+            max_diff = max(max_diff, diff)
+            assert diff <= tol, (
+                f"step {step}: token {t}: vLLM logprob {lp.logprob:.6f} vs "
+                f"reference {float(ref[t]):.6f} (|diff| {diff:.2e} > {tol})")
+            if lp.rank is not None and lp.rank <= 5:
+                assert float(ref[t]) >= kth - tol, (
+                    f"step {step}: vLLM top-5 token {t} is not in the reference top-5")
+    return {"max_diff": max_diff, "exact_argmax": exact_argmax, "steps": len(token_ids)}

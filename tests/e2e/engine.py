@@ -1,0 +1,33 @@
+"""An in-process offline vLLM engine for e2e tests (one per test module)."""
+
+from __future__ import annotations
+
+import gc
+import os
+
+ENGINE_ENV = {
+    "VLLM_CPU_KVCACHE_SPACE": "4",
+    "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "0,1"),
+    "HF_HUB_OFFLINE": "1",
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+}
+
+
+def make_llm(model: str, **kwargs):
+    for k, v in ENGINE_ENV.items():
+        os.environ.setdefault(k, v)
+    from vllm import LLM
+
+    args = dict(model=model, dtype="float32", enforce_eager=True, max_model_len=4096,
+                seed=0)
+    args.update(kwargs)
+    return LLM(**args)
+
+
+def close_llm(llm) -> None:
+    try:
+        llm.llm_engine.engine_core.shutdown()
+    except Exception:  # noqa: BLE001 - best effort at teardown
+        pass
+    del llm
+    gc.collect()

@@ -1,0 +1,215 @@
+"""The chunk cache through `vllm serve` (SmolLM2-135M-Instruct, float32):
+exactness of concurrent completions and of chat against the HF isolation-mask
+reference, one child per distinct missing segment, Prometheus metrics, the pool
+back to idle, and HTTP 400 for bad chunked prompts (issue 4, acceptance 1, 3, 4, 5).
+"""
+
+from __future__ import annotations
+
+import random
+import re
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from tests.conftest import models_dir
+from tests.e2e.chunk_reference import Layout, Reference, compare, random_text
+from tests.e2e.server import start_server
+
+pytestmark = pytest.mark.e2e
+
+MODEL = str(models_dir() / "SmolLM2-135M-Instruct")
+MODE = "sink"
+# float32 on both sides; SmolLM2 has 30 layers (vs 4 for the tiny Llama), so
+# rounding differences accumulate more: still ~1e-4 observed, 2e-3 allowed.
+TOL = 2e-3
+MAX_CHUNKS = 6
+MAX_CHUNK_TOKENS = 300
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    s = start_server(MODEL, ["--enable-chunk-cache", "--served-model-name", "smollm2",
+                             "--chunk-context", MODE, "--max-chunks", str(MAX_CHUNKS),
+                             "--max-chunk-tokens", str(MAX_CHUNK_TOKENS), "--seed", "0",
+                             "--enable-prompt-tokens-details"],
+                     tmp_path_factory.mktemp("serve") / "serve.log")
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return Reference(MODEL)
+
+
+def metrics(server) -> dict[str, float]:
+    with urllib.request.urlopen(server.url + "/metrics", timeout=30) as r:
+        text = r.read().decode()
+    out = {}
+    for line in text.splitlines():
+        m = re.match(r"^vllm:chunk_cache_(\w+?)(?:_total)?\{[^}]*\} ([0-9.e+-]+)$", line)
+        if m:
+            out[m.group(1)] = float(m.group(2))
+    return out
+
+
+def complete(server, prompt, n=3, **extra):
+    body = {"model": "smollm2", "prompt": prompt, "max_tokens": n, "temperature": 0,
+            "logprobs": 5, "return_tokens_as_token_ids": True, "ignore_eos": True}
+    body.update(extra)
+    return server.post("/v1/completions", body)
+
+
+def _ids(tokens):
+    return [int(t.split(":", 1)[1]) for t in tokens]
+
+
+class _Lp:
+    def __init__(self, logprob, rank=None):
+        self.logprob, self.rank = logprob, rank
+
+
+def check_completion(reference, prompt, body):
+    choice = body["choices"][0]
+    tokens = _ids(choice["logprobs"]["tokens"])
+    top = [{int(k.split(":", 1)[1]): _Lp(v, 1) for k, v in d.items()}
+           for d in choice["logprobs"]["top_logprobs"]]
+    ref = reference.next_token_logprobs(prompt, MODE, tokens)
+    return compare(ref, tokens, top, TOL)
+
+
+def test_concurrent_requests_share_chunks_and_match_the_reference(server, reference):
+    rng = random.Random("server-concurrency")
+    docs = [random_text(rng, rng.randint(20, 60)) for _ in range(4)]
+    layouts = []
+    for i in range(16):
+        chunks = rng.sample(docs, rng.randint(2, 3))
+        layouts.append(Layout("You answer from the documents.", chunks, f"Question {i}: why?"))
+    before = metrics(server)
+    with ThreadPoolExecutor(16) as pool:
+        results = list(pool.map(lambda lay: complete(server, lay.prompt), layouts))
+    diffs = []
+    for layout, (status, body) in zip(layouts, results):
+        assert status == 200, body
+        prompt = reference.chunked_prompt(layout)
+        diffs.append(check_completion(reference, prompt, body)["max_diff"])
+        # Each response's cached-token count includes the reused chunk tokens.
+        assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == \
+            prompt.question_span.start
+    after = metrics(server)
+    used_docs = {c for lay in layouts for c in lay.chunks}
+    # One child per distinct missing segment: the system prompt + each document.
+    assert after["child_computes"] - before.get("child_computes", 0) == len(used_docs) + 1
+    assert after["misses"] - before.get("misses", 0) == len(used_docs) + 1
+    assert after["pool_entries_pinned"] == 0
+    assert after["pool_blocks_used"] > 0
+    print("max |logprob diff|:", max(diffs))
+
+
+def test_chat_messages_with_separators_match_the_reference(server, reference):
+    messages = [{"role": "system", "content": "Be brief."},
+                {"role": "user", "content": "first doc text ## second doc text ## What do they say?"}]
+    status, body = server.post("/v1/chat/completions", {
+        "model": "smollm2", "messages": messages, "max_tokens": 3, "temperature": 0,
+        "logprobs": True, "top_logprobs": 5, "ignore_eos": True})
+    assert status == 200, body
+    text = reference.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                   add_generation_prompt=True)
+    parts = text.split("##")
+    layout = Layout(parts[0].rstrip(), [p.strip() for p in parts[1:-1]], parts[-1].lstrip())
+    prompt = reference.chunked_prompt(layout)
+    content = body["choices"][0]["logprobs"]["content"]
+    tokens = [reference.tokenizer.convert_tokens_to_ids(
+        reference.tokenizer.convert_ids_to_tokens(
+            reference.tokenizer.encode(c["token"], add_special_tokens=False))[0])
+        for c in content]
+    ref = reference.next_token_logprobs(prompt, MODE, tokens)
+    for step, c in enumerate(content):
+        assert abs(c["logprob"] - float(ref[step][tokens[step]])) <= TOL
+        assert float(ref[step][tokens[step]]) >= float(ref[step].max()) - TOL
+
+
+@pytest.mark.parametrize("prompt,message", [
+    ("system ## ## question", "segment 1 is empty"),
+    ("##", "is empty"),  # segment 0 or 1, depending on whether a BOS is added
+    ("sys " + " ## doc" * (MAX_CHUNKS + 1) + " ## q", "more than max_chunks"),
+    ("sys ## " + "word " * (MAX_CHUNK_TOKENS + 10) + " ## q", "more than max_chunk_tokens"),
+])
+def test_bad_chunked_prompts_get_http_400(server, prompt, message):
+    status, body = complete(server, prompt)
+    assert status == 400, body
+    assert message in body["error"]["message"]
+    # The server keeps serving.
+    status, body = complete(server, "sys ## a short document ## q")
+    assert status == 200, body
+
+
+def test_prompt_logprobs_on_a_chunked_prompt_get_http_400(server):
+    status, body = complete(server, "sys ## doc ## q", prompt_logprobs=1)
+    assert status == 400, body
+    assert "prompt_logprobs is not supported" in body["error"]["message"]
+
+
+def test_prompt_without_separator_is_plain_vllm(server, reference):
+    text = "The capital of France is"
+    status, body = complete(server, text)
+    assert status == 200, body
+    choice = body["choices"][0]
+    tokens = _ids(choice["logprobs"]["tokens"])
+    ids = reference.tokenizer.encode(text)
+    with torch.no_grad():
+        logits = reference.model(input_ids=torch.tensor([ids + tokens])).logits[0]
+    ref = torch.log_softmax(logits.double(), -1)[len(ids) - 1:]
+    top = [{int(k.split(":", 1)[1]): _Lp(v, 1) for k, v in d.items()}
+           for d in choice["logprobs"]["top_logprobs"]]
+    compare(ref, tokens, top, TOL)
+
+
+def test_stats_log_line_reports_the_chunk_cache(server):
+    import time
+
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and "hit_rate=" not in server.log():
+        complete(server, "sys ## a short document ## q")
+        time.sleep(2)
+    line = [ln for ln in server.log().splitlines() if "KV Transfer metrics" in ln][-1]
+    for key in ("hits=", "misses=", "hit_rate=", "tokens_reused=", "child_computes=",
+                "evictions=", "fallbacks=", "pool_blocks_used=", "pool_blocks_total="):
+        assert key in line, line
+
+
+def test_client_disconnect_leaves_nothing_pinned(server):
+    import http.client
+    import json
+    import time
+
+    rng = random.Random("disconnect")
+    prompt = Layout("sys", [random_text(rng, 40), random_text(rng, 30)], "go on").prompt
+    for read_first in (True, False):  # mid-generation, and before the first token
+        conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+        conn.request("POST", "/v1/completions", json.dumps({
+            "model": "smollm2", "prompt": prompt, "max_tokens": 400, "temperature": 0,
+            "ignore_eos": True, "stream": True}), {"Content-Type": "application/json"})
+        if read_first:
+            resp = conn.getresponse()
+            assert resp.status == 200
+            resp.fp.readline()  # the first streamed event
+        conn.close()
+    # Let the engine notice the disconnects, then run one more request so that a
+    # step reports the pool gauges.
+    deadline = time.monotonic() + 60
+    while True:
+        time.sleep(1)
+        status, _ = complete(server, "sys ## a short document ## q")
+        assert status == 200
+        m = metrics(server)
+        if m["pool_entries_pinned"] == 0 or time.monotonic() > deadline:
+            break
+    assert m["pool_entries_pinned"] == 0
+    with urllib.request.urlopen(server.url + "/metrics", timeout=30) as r:
+        running = [ln for ln in r.read().decode().splitlines()
+                   if ln.startswith("vllm:num_requests_running{")]
+    assert running and all(float(ln.rsplit(" ", 1)[1]) == 0 for ln in running)

@@ -1,0 +1,57 @@
+"""Start-up checks of --enable-chunk-cache on the real config path (no engine):
+conflicting options are refused with a message naming the reason (issue 4,
+acceptance 3), and the flag selects the chunk cache's connector."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.conftest import models_dir
+
+MODEL = str(models_dir() / "tiny-llama")
+
+
+def _config(**kwargs):
+    from vllm.engine.arg_utils import EngineArgs
+
+    return EngineArgs(model=MODEL, dtype="float32", enforce_eager=True,
+                      max_model_len=1024, **kwargs).create_engine_config()
+
+
+def test_flag_selects_the_chunk_cache_connector():
+    config = _config(enable_chunk_cache=True)
+    assert config.kv_transfer_config.kv_connector == "ChunkCacheConnector"
+    assert config.kv_transfer_config.kv_role == "kv_both"
+
+
+def test_another_kv_connector_is_refused():
+    from vllm.config import KVTransferConfig
+
+    with pytest.raises(ValueError, match="cannot be combined with --kv-transfer-config"):
+        _config(enable_chunk_cache=True, kv_transfer_config=KVTransferConfig(
+            kv_connector="ExampleConnector", kv_role="kv_both"))
+
+
+def test_kv_offloading_is_refused():
+    with pytest.raises(ValueError, match="cannot be combined with --kv-offloading-size"):
+        _config(enable_chunk_cache=True, kv_offloading_size=1.0)
+
+
+def test_unsupported_rope_types_are_refused_by_name():
+    import torch
+
+    from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.worker import (
+        find_layer_ropes,
+    )
+    from vllm.model_executor.layers.rotary_embedding.dual_chunk_rope import (
+        DualChunkRotaryEmbedding,
+    )
+    from vllm.v1.worker.position_remapper import RopeRotation
+
+    # The rope type check the worker runs on every layer's rope at start-up.
+    rope = DualChunkRotaryEmbedding.__new__(DualChunkRotaryEmbedding)
+    torch.nn.Module.__init__(rope)
+    with pytest.raises(ValueError, match="DualChunkRotaryEmbedding"):
+        RopeRotation(rope)
+    # A model without attention layers maps nothing.
+    assert find_layer_ropes(torch.nn.Linear(2, 2)) == ({}, [])

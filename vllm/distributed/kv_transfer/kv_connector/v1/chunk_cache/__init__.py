@@ -1,0 +1,3 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The chunk cache's KV connector (engine glue of the position-independent
+chunk KV cache); see connector.py."""

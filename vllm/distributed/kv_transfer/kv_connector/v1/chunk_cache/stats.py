@@ -1,0 +1,108 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Chunk-cache statistics in vLLM's connector stats pipeline.
+
+Every step the scheduler-side connector reports the counter increments since
+its last report plus the pool gauges (`ChunkCacheConnectorStats.data`). vLLM
+sums them over the logging interval (`aggregate`), prints them in the
+periodic "KV Transfer metrics:" log line (`reduce`) and exports them to
+Prometheus (`ChunkCachePromMetrics`, names `vllm:chunk_cache_*`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+    PromMetric,
+    PromMetricT,
+)
+
+# Monotonic counters (reported as increments) and their help text.
+COUNTERS: dict[str, str] = {
+    "hits": "Cached segments found resident in the chunk pool at admission",
+    "misses": "Cached segments that needed a new child request",
+    "in_flight_joins": "Cached segments that joined a child already computing them",
+    "tokens_reused": "Prompt tokens of resident segments served from the chunk pool",
+    "tokens_loaded": "Prompt tokens copied (re-positioned) from the pool into requests",
+    "child_computes": "Internal child requests started to compute missing segments",
+    "child_tokens": "Tokens prefilled by child requests (context included)",
+    "evictions": "Chunk pool entries evicted (LRU)",
+    "fallbacks": "Requests served without the chunk cache (pool too small, child failed)",
+    "hash_collisions": "Key matches whose stored tokens differed (served as misses)",
+    "failed_children": "Child requests that ended without storing their rows",
+}
+# Gauges (last value wins).
+GAUGES: dict[str, str] = {
+    "pool_blocks_used": "Chunk pool blocks in use",
+    "pool_blocks_total": "Chunk pool blocks in total",
+    "pool_entries_pinned": "Chunk pool entries pinned by requests in flight",
+}
+
+
+@dataclass
+class ChunkCacheConnectorStats(KVConnectorStats):
+    def __post_init__(self) -> None:
+        if not self.data:
+            self.reset()
+
+    def reset(self) -> None:
+        self.data = {}
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        for key, value in other.data.items():
+            if key in COUNTERS:
+                self.data[key] = self.data.get(key, 0) + value
+            else:
+                self.data[key] = value
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        out: dict[str, int | float] = {k: int(self.data.get(k, 0)) for k in COUNTERS}
+        lookups = out["hits"] + out["misses"] + out["in_flight_joins"]
+        out["hit_rate"] = round(
+            (out["hits"] + out["in_flight_joins"]) / lookups if lookups else 0.0, 4
+        )
+        for k in GAUGES:
+            if k in self.data:
+                out[k] = int(self.data[k])
+        return out
+
+    def is_empty(self) -> bool:
+        return not any(self.data.get(k) for k in COUNTERS)
+
+
+class ChunkCachePromMetrics(KVConnectorPromMetrics):
+    def __init__(
+        self,
+        vllm_config: Any,
+        metric_types: dict[type[PromMetric], type[PromMetricT]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ):
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self._counters = {
+            name: self._counter_cls(
+                name=f"vllm:chunk_cache_{name}", documentation=doc, labelnames=labelnames
+            )
+            for name, doc in COUNTERS.items()
+        }
+        self._gauges = {
+            name: self._gauge_cls(
+                name=f"vllm:chunk_cache_{name}",
+                documentation=doc,
+                labelnames=labelnames,
+                multiprocess_mode="mostrecent",
+            )
+            for name, doc in GAUGES.items()
+        }
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        labels = self.per_engine_labelvalues[engine_idx]
+        for name, value in transfer_stats_data.items():
+            if name in self._counters and value:
+                self._counters[name].labels(*labels).inc(value)
+            elif name in self._gauges:
+                self._gauges[name].labels(*labels).set(value)
