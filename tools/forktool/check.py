@@ -3,15 +3,13 @@ cleanly (strictly, in order) to each base of its tree."""
 
 from __future__ import annotations
 
-import tempfile
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from .bases import Base
-from .git import apply_patch
 from .paths import Paths
-from .series import Patch, read_series
+from .series import Patch, apply_series, read_series
 from .tree import overlay_files
 
 
@@ -63,21 +61,11 @@ def check_applies(base: Base, patches: list[Patch], overlay: set[str],
     for rel in clash:
         report.problems.append(f"overlay file {rel} exists upstream in {base.label()}: "
                                "edit it through a patch instead")
-    # NOTE: a temporary directory outside any git work tree, so `git apply` acts as a plain
-    # strict patch tool on these files (inside a repository it would resolve paths against
-    # that repository's root).
-    with tempfile.TemporaryDirectory() as tmp:
-        root = Path(tmp)
-        for rel, data in files.items():
-            if rel in touched:
-                (root / rel).parent.mkdir(parents=True, exist_ok=True)
-                (root / rel).write_bytes(data)
-        for patch in patches:
-            problem = apply_patch(root, patch.diff, index=False)
-            if problem:
-                report.problems.append(f"{patch.name} does not apply cleanly to "
-                                       f"{base.label()}: {problem}")
-                return
+    result = apply_series(files, patches)
+    if result.failed is not None:
+        report.problems.append(f"{result.failed.name} does not apply cleanly to "
+                               f"{base.label()}: {result.problem}")
+        return
     report.checked.append(f"{len(patches)} patches apply to {base.label()}")
 
 

