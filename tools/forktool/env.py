@@ -46,8 +46,10 @@ def ensure_env(paths: Paths, torch_wheel: Path, wheel: BuiltWheel) -> Path:
         with step("installing the patched vLLM wheel with its dependencies and dev tools"):
             run(pip + ["install", "--progress-bar", "off", str(wheel.path),
                        "-r", str(reqs / "dev.txt"), "-c", str(reqs / "constraints.txt")])
-        stamp = {"base": want_base, "wheel": wheel.inputs_digest}
-    elif stamp.get("wheel") != wheel.inputs_digest:
+        # NOTE: no "wheel" entry yet: when an older build of the same version was already
+        # installed, pip kept it ("already satisfied"), so the swap below must still run.
+        stamp = {"base": want_base}
+    if stamp.get("wheel") != wheel.inputs_digest:
         with step(f"reinstalling {wheel.path.name} (patches or overlay changed)"):
             run(pip + ["install", "--no-deps", "--force-reinstall", "--progress-bar", "off",
                        str(wheel.path)], quiet=True)
