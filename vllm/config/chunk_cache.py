@@ -60,6 +60,13 @@ class ChunkCacheConfig:
                 "chunk_separator must contain a non-whitespace character, "
                 f"got {self.chunk_separator!r}"
             )
+        if self.chunk_separator.strip() != self.chunk_separator:
+            # NOTE: the same rule as ChunkedPromptParser, which strips whitespace next to
+            # a separator; checked here so a bad value fails at start-up, not per request.
+            raise ValueError(
+                "chunk_separator must not start or end with whitespace, "
+                f"got {self.chunk_separator!r}"
+            )
         if self.max_chunks < 1:
             raise ValueError(f"max_chunks must be >= 1, got {self.max_chunks}")
         if self.max_chunk_tokens < 1:

@@ -25,6 +25,7 @@ def test_defaults_follow_the_spec():
 @pytest.mark.parametrize("kwargs, message", [
     ({"chunk_separator": ""}, "chunk_separator must contain a non-whitespace"),
     ({"chunk_separator": "  "}, "chunk_separator must contain a non-whitespace"),
+    ({"chunk_separator": " ## "}, "chunk_separator must not start or end with whitespace"),
     ({"max_chunks": 0}, "max_chunks must be >= 1"),
     ({"max_chunk_tokens": -5}, "max_chunk_tokens must be >= 1"),
     ({"chunk_pool_fraction": 1.5}, "chunk_pool_fraction must be in"),
