@@ -66,7 +66,10 @@ class Reference:
     ) -> torch.Tensor:
         """[len(generated) + 1, vocab] float64 log-probabilities of the token after
         the prompt and after each generated token (teacher forcing on `generated`)."""
-        seq = build_isolated_sequence(prompt, mode, extra_token_ids=generated)
+        # The deployment's sink: the tokenizer's BOS token (ChunkCacheConfig's
+        # default), whatever the prompt starts with.
+        seq = build_isolated_sequence(prompt, mode, extra_token_ids=generated,
+                                      sink_token_id=self.tokenizer.bos_token_id)
         out = self.model(
             input_ids=torch.tensor([seq.token_ids]),
             position_ids=seq.position_ids[None],

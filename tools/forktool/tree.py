@@ -131,6 +131,12 @@ def _write_patches(patch_dir: Path, patches: list[Patch]) -> list[str]:
 
 
 def _write_overlay(paths: Paths, tree: str, src: Path, upstream: set[str]) -> list[str]:
+    """Copy the tree's new files to the repository's overlay.
+
+    NOTE: the repository's overlay may have been edited since the tree was applied (the
+    tree's overlay commit is that snapshot). Such a file is never overwritten or removed:
+    if the tree changed it too, export refuses; otherwise the repository's version stays.
+    """
     changed: list[str] = []
     prefix = OVERLAY_PREFIX[tree]
     root = paths.overlay_dir(tree)
@@ -142,15 +148,57 @@ def _write_overlay(paths: Paths, tree: str, src: Path, upstream: set[str]) -> li
             raise ToolError(f"new file {rel} is outside {prefix}/: the overlay of {tree} only "
                             f"holds files under {prefix}/")
         wanted[rel[len(prefix) + 1:] if prefix else rel] = rel
+    snapshot = _overlay_snapshot(src)
+    repo_files = {(rel[len(prefix) + 1:] if prefix else rel): path
+                  for rel, path in overlay_files(paths, tree).items()}
+    conflicts, kept = [], []
+    writes: dict[Path, bytes] = {}
+    removals: list[Path] = []
     for repo_rel, tree_rel in sorted(wanted.items()):
         data = git_show_bytes(src, f"HEAD:{tree_rel}")
-        _write_if_changed(root / repo_rel, data, changed)
-    for rel, path in overlay_files(paths, tree).items():
-        repo_rel = rel[len(prefix) + 1:] if prefix else rel
-        if repo_rel not in wanted:
-            path.unlink()
-            changed.append(f"{path} (removed)")
+        path = root / repo_rel
+        repo_data = path.read_bytes() if path.exists() else None
+        before = snapshot.get(tree_rel)
+        if repo_data is not None and repo_data != before and repo_data != data:
+            if data != before:
+                conflicts.append(repo_rel)
+            else:
+                kept.append(repo_rel)
+            continue
+        writes[path] = data
+    for repo_rel, path in repo_files.items():
+        if repo_rel in wanted:
+            continue
+        tree_rel = f"{prefix}/{repo_rel}" if prefix else repo_rel
+        if tree_rel in snapshot and snapshot[tree_rel] == path.read_bytes():
+            removals.append(path)  # deleted in the tree
+        else:
+            kept.append(repo_rel)  # new or edited in the repository since apply
+    if conflicts:
+        raise ToolError(
+            "export would overwrite overlay files edited in the repository since "
+            f"`./fork apply` (and in the tree too): {conflicts}. Merge them by hand (copy "
+            "the repository's version into the tree and commit there), then export again")
+    for path, data in writes.items():
+        _write_if_changed(path, data, changed)
+    for path in removals:
+        path.unlink()
+        changed.append(f"{path} (removed)")
+    if kept:
+        say(f"export: kept the repository's newer version of {len(kept)} overlay file(s): "
+            + ", ".join(sorted(kept)[:6]) + (" ..." if len(kept) > 6 else ""))
     return changed
+
+
+def _overlay_snapshot(src: Path) -> dict[str, bytes]:
+    """Overlay files as the tree was applied with (its overlay commit), by tree path."""
+    commit = git(src, "log", "-1", "--format=%H", "--fixed-strings",
+                 f"--grep={OVERLAY_MESSAGE}", "HEAD").strip()
+    if not commit:
+        return {}
+    files = git(src, "diff-tree", "--no-commit-id", "--name-only", "-r", "--root",
+                commit).splitlines()
+    return {rel: git_show_bytes(src, f"{commit}:{rel}") for rel in files}
 
 
 def git_show_bytes(cwd: Path, spec: str) -> bytes:

@@ -48,11 +48,17 @@ class ChunkCacheConfig:
     against the stored token ids, so a collision never serves wrong KV."""
 
     chunk_context: ChunkContext = "sink"
-    """What a cached chunk was computed after. "sink": one copy of the
-    request's first token (BOS) right before the chunk, an attention sink
-    private to it (default). "none": the chunk alone from position 0 (most
-    reuse, lowest quality). "system": the whole system segment before the
-    chunk (the key includes it: less reuse, closest to full attention)."""
+    """What a cached chunk was computed after. "sink": one sink token (see
+    --chunk-sink-token-id) right before the chunk, an attention sink private
+    to it (default). "none": the chunk alone from position 0 (most reuse,
+    lowest quality). "system": the whole system segment before the chunk (the
+    key includes it: less reuse, closest to full attention)."""
+
+    chunk_sink_token_id: int | None = None
+    """Token id of the private sink of "sink" mode, a constant of the
+    deployment so that a chunk's key never depends on the system prompt.
+    Default: the tokenizer's BOS token, whether or not prompts start with it;
+    a model without a BOS token must set this flag (start-up fails otherwise)."""
 
     def __post_init__(self) -> None:
         if not self.chunk_separator or not self.chunk_separator.strip():
@@ -78,10 +84,26 @@ class ChunkCacheConfig:
                 "chunk_pool_fraction must be in (0, 1), "
                 f"got {self.chunk_pool_fraction}"
             )
+        if self.chunk_sink_token_id is not None and self.chunk_sink_token_id < 0:
+            raise ValueError(
+                f"chunk_sink_token_id must be >= 0, got {self.chunk_sink_token_id}"
+            )
         if self.chunk_pool_size_gib is not None and self.chunk_pool_size_gib <= 0:
             raise ValueError(
                 f"chunk_pool_size_gib must be > 0, got {self.chunk_pool_size_gib}"
             )
+
+    def resolve_sink_token_id(self, bos_token_id: int | None) -> None:
+        """Fix the sink token at start-up (flag, else the tokenizer's BOS)."""
+        if self.chunk_context != "sink" or self.chunk_sink_token_id is not None:
+            return
+        if bos_token_id is None:
+            raise ValueError(
+                "--chunk-context sink needs a sink token: the tokenizer has no BOS "
+                "token, so set --chunk-sink-token-id (e.g. to an end-of-text or "
+                "padding token id) or use --chunk-context none/system"
+            )
+        self.chunk_sink_token_id = int(bos_token_id)
 
     def describe(self) -> str:
         pool = (
@@ -93,4 +115,9 @@ class ChunkCacheConfig:
             f"separator={self.chunk_separator!r}, max_chunks={self.max_chunks}, "
             f"max_chunk_tokens={self.max_chunk_tokens}, pool={pool}, "
             f"hash={self.chunk_hash_algo}, chunk_context={self.chunk_context}"
+            + (
+                f", sink_token_id={self.chunk_sink_token_id}"
+                if self.chunk_context == "sink"
+                else ""
+            )
         )

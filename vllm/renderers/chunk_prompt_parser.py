@@ -99,7 +99,7 @@ class ChunkedPromptParser:
             tokenizer.encode(text, add_special_tokens=(index == 0))
             for index, text in enumerate(segments)
         ]
-        return self._build(token_lists)
+        return self.build(token_lists)
 
     def separator_token_ids(self, tokenizer: SegmentTokenizer) -> list[int]:
         """The separator's ids as the tokenizer encodes it alone.
@@ -139,7 +139,8 @@ class ChunkedPromptParser:
 
     # ------------------------------------------------------------- helpers
 
-    def _build(self, token_lists: list[list[int]]) -> ChunkedPrompt:
+    def build(self, token_lists: list[list[int]]) -> ChunkedPrompt:
+        """The prompt of already tokenized segments (limits checked)."""
         lengths = [len(ids) for ids in token_lists]
         self._check_lengths(lengths)
         flat = [tok for ids in token_lists for tok in ids]

@@ -1,89 +1,55 @@
 # SPDX-License-Identifier: Apache-2.0
 """Renderer glue of the chunk cache: split a prompt, mark it for the engine.
 
-Called from `BaseRenderer._tokenize_singleton_prompt(_async)` (the one place
+`BaseRenderer` holds one `ChunkPromptSplitter` when --enable-chunk-cache is
+on (None otherwise, so nothing here runs per request with the feature off)
+and calls it from `_tokenize_singleton_prompt(_async)`, the one place
 offline generate/chat and the OpenAI server's completions/chat all pass
-through):
+through:
 
 * a text prompt containing the separator is split and every segment is
-  tokenized on its own (`ChunkedPromptParser.parse_text`); special tokens
-  go to the first segment only, and only if the request asked for them
-  (chat templates render BOS themselves and ask for none);
+  tokenized on its own (the async path through vLLM's async tokenizer);
+  special tokens go to the first segment only, and only if the request asked
+  for them (chat templates render BOS themselves and ask for none);
 * a token-id prompt is split where the separator's own token ids occur;
 * a prompt without the separator is returned untouched (stock vLLM).
 
-The segment layout travels to the scheduler inside the request's
-`cache_salt` (see `encode_layout_salt`). That one field reaches the engine
-core on every path without further plumbing, and it is exactly the salt the
-design wants: vLLM's own prefix cache hashes it into every block, so paged
-blocks holding chunk-isolated KV are shared only between requests with the
-same layout (whose KV is identical), never with normal requests. The user's
-own salt is kept inside it, so tenants stay isolated too.
+The segment layout travels as the prompt's `chunk_layout` (segment token
+counts), copied into `EngineCoreRequest.chunk_layout`: a field only this
+module sets. A prompt that arrives with one is refused, and the request's
+`cache_salt` is left as the client sent it (it keys the tenant's chunk
+namespace and nothing else).
 """
 
 from __future__ import annotations
 
+import asyncio
 from typing import TYPE_CHECKING, Any
 
+from vllm.exceptions import VLLMValidationError
 from vllm.renderers.chunk_prompt_parser import ChunkedPromptParser
-from vllm.v1.core.chunk_structures import ChunkedPrompt, SegmentSpan
+from vllm.v1.core.chunk_structures import ChunkedPrompt
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
-# Salts in this namespace are reserved: a user salt may not start with it.
-RESERVED_SALT_PREFIX = "vllm-chunk-cache/"
-# Prefix of layout salts.
-LAYOUT_SALT_PREFIX = RESERVED_SALT_PREFIX + "v1/"
-_NO_USER_SALT = "-"
-_USER_SALT = "="
+# Key of a rendered prompt that carries its segment layout.
+LAYOUT_KEY = "chunk_layout"
 
 
-class ChunkPromptError(ValueError):
-    """A chunked prompt the chunk cache cannot serve (HTTP 400 online)."""
+class ChunkPromptError(VLLMValidationError):
+    """A chunked prompt the chunk cache cannot serve.
+
+    A VLLMValidationError, so the OpenAI server answers HTTP 400 through
+    vLLM's own handler (no traceback in the log), as for its own checks.
+    """
 
 
-def encode_layout_salt(lengths: list[int], user_salt: str | None) -> str:
-    """The cache salt of a chunked request: segment lengths + user salt."""
-    user = _NO_USER_SALT if user_salt is None else _USER_SALT + user_salt
-    return f"{LAYOUT_SALT_PREFIX}{','.join(map(str, lengths))}/{user}"
-
-
-def decode_layout_salt(salt: str | None) -> tuple[list[int], str | None] | None:
-    """(segment lengths, user salt) of a layout salt; None for other salts."""
-    if not salt or not salt.startswith(LAYOUT_SALT_PREFIX):
+def make_splitter(vllm_config: VllmConfig) -> ChunkPromptSplitter | None:
+    """The renderer's splitter; None when the chunk cache is off."""
+    if not vllm_config.chunk_cache_config.enable_chunk_cache:
         return None
-    try:
-        lengths_text, user = salt[len(LAYOUT_SALT_PREFIX):].split("/", 1)
-        lengths = [int(x) for x in lengths_text.split(",")]
-    except ValueError:
-        return None
-    if user == _NO_USER_SALT:
-        return lengths, None
-    if not user.startswith(_USER_SALT):
-        return None
-    return lengths, user[len(_USER_SALT):]
-
-
-def chunked_prompt_from_salt(
-    token_ids: list[int], salt: str | None
-) -> tuple[ChunkedPrompt, str | None] | None:
-    """Rebuild the ChunkedPrompt of a request from its ids and salt."""
-    decoded = decode_layout_salt(salt)
-    if decoded is None:
-        return None
-    lengths, user_salt = decoded
-    spans, start = [], 0
-    for length in lengths:
-        spans.append(SegmentSpan(start, start + length))
-        start += length
-    try:
-        prompt = ChunkedPrompt(token_ids=list(token_ids), spans=tuple(spans))
-    except ValueError:
-        # NOTE: the renderer only writes consistent layouts; anything else
-        # (e.g. a request that bypassed it) is served as a normal request.
-        return None
-    return prompt, user_salt
+    return ChunkPromptSplitter(vllm_config)
 
 
 class _SegmentEncoder:
@@ -107,7 +73,6 @@ class ChunkPromptSplitter:
 
     def __init__(self, vllm_config: VllmConfig):
         cfg = vllm_config.chunk_cache_config
-        self.enabled = bool(cfg.enable_chunk_cache)
         self.parser = ChunkedPromptParser(
             cfg.chunk_separator, cfg.max_chunks, cfg.max_chunk_tokens
         )
@@ -115,41 +80,70 @@ class ChunkPromptSplitter:
 
     # ------------------------------------------------------------ hooks
 
-    def split_text(self, prompt: dict, params: Any, tokenizer: Any) -> dict | None:
-        """TokensPrompt for a separator-marked text prompt, else None."""
-        if not self.enabled or tokenizer is None:
+    def split(self, prompt: dict, params: Any, tokenizer: Any) -> dict:
+        """The prompt, tokenized per segment and marked if it is chunked."""
+        text = self._text_to_split(prompt, params, tokenizer)
+        if text is not None:
+            encoder = _SegmentEncoder(tokenizer, bool(params.add_special_tokens))
+            return self._mark(prompt, self._parse(lambda: self.parser.parse_text(text, encoder)))
+        return self._split_token_ids(prompt, tokenizer)
+
+    async def split_async(
+        self, prompt: dict, params: Any, tokenizer: Any, async_tokenizer: Any
+    ) -> dict:
+        """`split`, with segments tokenized by vLLM's async tokenizer (off the
+        event loop, micro-batched with other requests)."""
+        text = self._text_to_split(prompt, params, tokenizer)
+        if text is None:
+            return self._split_token_ids(prompt, tokenizer)
+        segments = self._parse(lambda: self.parser.split_text(text))
+        assert segments is not None
+        special = bool(params.add_special_tokens)
+        token_lists = await asyncio.gather(*(
+            async_tokenizer.encode(seg, add_special_tokens=special and index == 0)
+            for index, seg in enumerate(segments)
+        ))
+        return self._mark(prompt, self._parse(lambda: self.parser.build(
+            [list(ids) for ids in token_lists])))
+
+    def check_layout(self, prompt: dict) -> None:
+        """The engine-facing prompt must still match its layout."""
+        layout = prompt.get(LAYOUT_KEY)
+        if layout is not None and sum(layout) != len(prompt["prompt_token_ids"]):
+            raise ChunkPromptError(
+                "the chunked prompt was changed after splitting (truncation or "
+                "padding): its segment layout no longer matches its tokens"
+            )
+
+    # ---------------------------------------------------------- helpers
+
+    def _text_to_split(self, prompt: dict, params: Any, tokenizer: Any) -> str | None:
+        """The text of a separator-marked text prompt, else None."""
+        if LAYOUT_KEY in prompt:
+            raise ChunkPromptError(
+                f"'{LAYOUT_KEY}' is set by the chunk cache from the separators in "
+                "the prompt; a request may not carry one", parameter=LAYOUT_KEY)
+        if tokenizer is None or "prompt_token_ids" in prompt or "prompt_embeds" in prompt:
             return None
-        self._check_user_salt(prompt)
         text = prompt.get("prompt")
         if not isinstance(text, str) or self.parser.separator not in text:
             return None
         if getattr(params, "truncate_prompt_tokens", None) is not None:
             raise ChunkPromptError(
                 "truncate_prompt_tokens cannot be used with a chunked prompt "
-                "(truncation would cut segments of the chunk layout)"
+                "(truncation would cut segments of the chunk layout)",
+                parameter="truncate_prompt_tokens",
             )
-        encoder = _SegmentEncoder(tokenizer, bool(params.add_special_tokens))
-        try:
-            chunked = self.parser.parse_text(text, encoder)
-        except ValueError as e:
-            raise ChunkPromptError(str(e)) from e
-        assert chunked is not None
-        return self._mark(dict(prompt), chunked)
+        pre = params.apply_pre_tokenization(tokenizer, {"prompt": text})
+        return pre["prompt"]
 
-    def split_token_ids(self, prompt: dict, tokenizer: Any) -> dict:
-        """Split a token-id prompt on the separator's ids (or return it)."""
-        if not self.enabled or tokenizer is None:
-            return prompt
-        self._check_user_salt(prompt)
+    def _split_token_ids(self, prompt: dict, tokenizer: Any) -> dict:
         ids = prompt.get("prompt_token_ids")
-        if ids is None or "prompt_embeds" in prompt:
+        if tokenizer is None or ids is None or "prompt_embeds" in prompt:
             return prompt
         if self._separator_ids is None:
             self._separator_ids = self.parser.separator_token_ids(tokenizer)
-        try:
-            chunked = self.parser.parse_token_ids(ids, self._separator_ids)
-        except ValueError as e:
-            raise ChunkPromptError(str(e)) from e
+        chunked = self._parse(lambda: self.parser.parse_token_ids(ids, self._separator_ids))
         if chunked is None:
             return prompt
         prompt = dict(prompt)
@@ -157,54 +151,45 @@ class ChunkPromptSplitter:
         prompt.pop("prompt", None)
         return self._mark(prompt, chunked)
 
-    def check_after_validation(self, prompt: dict) -> dict:
-        """The engine-facing prompt must still match its layout."""
-        decoded = decode_layout_salt(prompt.get("cache_salt"))
-        if decoded is not None and "prompt_token_ids" in prompt:
-            if sum(decoded[0]) != len(prompt["prompt_token_ids"]):
-                raise ChunkPromptError(
-                    "the chunked prompt was changed after splitting "
-                    "(truncation or padding): its segment layout no longer "
-                    "matches its tokens"
-                )
-        return prompt
-
-    # ---------------------------------------------------------- helpers
-
-    def _check_user_salt(self, prompt: dict) -> None:
-        salt = prompt.get("cache_salt")
-        if isinstance(salt, str) and salt.startswith(RESERVED_SALT_PREFIX):
-            raise ChunkPromptError(
-                f"cache_salt may not start with {RESERVED_SALT_PREFIX!r} "
-                "(reserved by the chunk cache)"
-            )
+    @staticmethod
+    def _parse(parse):
+        try:
+            return parse()
+        except ValueError as e:
+            raise ChunkPromptError(str(e)) from e
 
     @staticmethod
     def _mark(prompt: dict, chunked: ChunkedPrompt) -> dict:
-        lengths = [span.num_tokens for span in chunked.spans]
+        prompt = dict(prompt)
         prompt["prompt_token_ids"] = chunked.token_ids
-        prompt["cache_salt"] = encode_layout_salt(lengths, prompt.get("cache_salt"))
+        prompt[LAYOUT_KEY] = list(chunked.segment_lengths)
         return prompt
 
 
-def get_splitter(renderer: Any) -> ChunkPromptSplitter:
-    """The renderer's splitter, created on first use."""
-    splitter = getattr(renderer, "_chunk_prompt_splitter", None)
-    if splitter is None:
-        splitter = ChunkPromptSplitter(renderer.config)
-        renderer._chunk_prompt_splitter = splitter
-    return splitter
+def validate_chunked_request(
+    vllm_config: VllmConfig, params: Any, token_ids: list[int], layout: list[int]
+) -> None:
+    """Refuse, in the front end, what the chunk cache cannot serve exactly.
 
-
-def validate_chunked_request(params: Any, cache_salt: str | None) -> None:
-    """Refuse request options the chunk cache cannot honour exactly.
-
-    Called by the InputProcessor with the request's sampling params.
+    Called by the InputProcessor for requests with a chunk layout.
     """
-    if decode_layout_salt(cache_salt) is None:
-        return
+    from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.setup import (
+        POOL_BLOCK_SIZE,
+        pool_num_blocks_from_config,
+    )
+    from vllm.v1.core.chunk_cache_manager import oversized_message, pool_blocks_for
+
     if getattr(params, "prompt_logprobs", None) is not None:
         raise ChunkPromptError(
             "prompt_logprobs is not supported for chunked prompts: the cached "
-            "segments are not recomputed, so their logprobs do not exist"
+            "segments are not recomputed, so their logprobs do not exist",
+            parameter="prompt_logprobs",
         )
+    pool_blocks = pool_num_blocks_from_config(vllm_config)
+    if pool_blocks is None:
+        return  # the engine has not reported its KV cache yet: it checks itself
+    prompt = ChunkedPrompt.from_lengths(token_ids, layout)
+    mode = vllm_config.chunk_cache_config.chunk_context
+    needed = pool_blocks_for(prompt, POOL_BLOCK_SIZE, mode)
+    if needed > pool_blocks:
+        raise ChunkPromptError(oversized_message(needed, pool_blocks, POOL_BLOCK_SIZE))

@@ -1,103 +1,149 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Renderer glue of the chunk cache (vllm/renderers/chunk_split.py): the layout
-salt round trip and the split hooks, with a real (offline) tokenizer."""
+"""Renderer glue of the chunk cache (vllm/renderers/chunk_split.py): the split
+hooks (sync and async), the layout field, and the front-end refusals, with a
+real (offline) tokenizer."""
 
+import asyncio
 from types import SimpleNamespace
 
 import pytest
 
 from vllm.config import ChunkCacheConfig
+from vllm.exceptions import VLLMValidationError
 from vllm.renderers.chunk_split import (
+    LAYOUT_KEY,
     ChunkPromptError,
     ChunkPromptSplitter,
-    chunked_prompt_from_salt,
-    decode_layout_salt,
-    encode_layout_salt,
+    make_splitter,
     validate_chunked_request,
 )
 from tests.unit.conftest import build_toy_tokenizer
 
 
+def _config(**kw):
+    return SimpleNamespace(chunk_cache_config=ChunkCacheConfig(enable_chunk_cache=True, **kw))
+
+
 def _splitter(**kw):
-    return ChunkPromptSplitter(SimpleNamespace(
-        chunk_cache_config=ChunkCacheConfig(enable_chunk_cache=True, **kw)))
+    return ChunkPromptSplitter(_config(**kw))
+
+
+class _Params(SimpleNamespace):
+    def apply_pre_tokenization(self, tokenizer, prompt):
+        return prompt
 
 
 def _params(add_special_tokens=True, truncate=None):
-    return SimpleNamespace(add_special_tokens=add_special_tokens,
-                           truncate_prompt_tokens=truncate)
+    return _Params(add_special_tokens=add_special_tokens, truncate_prompt_tokens=truncate)
 
 
-@pytest.mark.parametrize("user", [None, "", "tenant/with/slashes", "="])
-def test_layout_salt_round_trip(user):
-    salt = encode_layout_salt([3, 10, 1], user)
-    assert decode_layout_salt(salt) == ([3, 10, 1], user)
+class _CountingAsyncTokenizer:
+    """Stands in for vLLM's AsyncMicrobatchTokenizer: records every call."""
+
+    def __init__(self, tok):
+        self.tok, self.calls = tok, []
+
+    async def encode(self, text, **kwargs):
+        self.calls.append((text, kwargs))
+        return self.tok.encode(text, **kwargs)
 
 
-@pytest.mark.parametrize("salt", [None, "", "user salt", "vllm-chunk-cache/v1/x/-",
-                                  "vllm-chunk-cache/v1/1,2/nouser"])
-def test_other_salts_are_not_layouts(salt):
-    assert decode_layout_salt(salt) is None
+class _NoSyncTokenizer:
+    """The sync tokenizer must not be used to encode segments on the async path."""
 
+    def __init__(self, tok):
+        self.tok = tok
 
-def test_inconsistent_layout_is_served_as_a_normal_request():
-    assert chunked_prompt_from_salt([1, 2, 3], encode_layout_salt([1, 1], None)) is None
-    prompt, user = chunked_prompt_from_salt([1, 2, 3], encode_layout_salt([1, 2], "u"))
-    assert [s.num_tokens for s in prompt.spans] == [1, 2] and user == "u"
+    def encode(self, text, add_special_tokens=True):
+        raise AssertionError("segment tokenized synchronously on the event loop")
 
 
 def test_text_split_tokenizes_per_segment_with_special_tokens_first_only():
     tok = build_toy_tokenizer()
-    out = _splitter().split_text({"prompt": "system ## doc one ## question"},
-                                 _params(), tok)
+    out = _splitter().split({"prompt": "system ## doc one ## question"}, _params(), tok)
     expected = (tok.encode("system") + tok.encode("doc one", add_special_tokens=False)
                 + tok.encode("question", add_special_tokens=False))
     assert out["prompt_token_ids"] == expected
-    lengths, user = decode_layout_salt(out["cache_salt"])
-    assert sum(lengths) == len(expected) and user is None
+    assert out[LAYOUT_KEY] == [len(tok.encode("system")), len(expected) - len(
+        tok.encode("system")) - len(tok.encode("question", add_special_tokens=False)),
+        len(tok.encode("question", add_special_tokens=False))]
+    assert "cache_salt" not in out
     # A chat template renders its own special tokens: none are added then.
-    out = _splitter().split_text({"prompt": "system ## q"}, _params(False), tok)
+    out = _splitter().split({"prompt": "system ## q"}, _params(False), tok)
     assert out["prompt_token_ids"][0] != tok.bos_token_id
+
+
+def test_async_split_uses_the_async_tokenizer_and_gives_the_same_prompt():
+    tok = build_toy_tokenizer()
+    prompt = {"prompt": "system ## doc one ## doc two ## question", "cache_salt": "t"}
+    async_tok = _CountingAsyncTokenizer(tok)
+    out = asyncio.run(_splitter().split_async(prompt, _params(), _NoSyncTokenizer(tok),
+                                              async_tok))
+    assert out == _splitter().split(prompt, _params(), tok)
+    assert [kw["add_special_tokens"] for _, kw in async_tok.calls] == [True, False, False,
+                                                                     False]
+    assert out["cache_salt"] == "t"  # the user's salt, untouched
 
 
 def test_prompt_without_separator_is_untouched():
     tok = build_toy_tokenizer()
-    assert _splitter().split_text({"prompt": "no marker"}, _params(), tok) is None
+    prompt = {"prompt": "no marker"}
+    assert _splitter().split(prompt, _params(), tok) is prompt
     prompt = {"prompt_token_ids": [1, 2, 3]}
-    assert _splitter().split_token_ids(prompt, tok) is prompt
+    assert _splitter().split(prompt, _params(), tok) is prompt
 
 
 def test_token_ids_split_on_the_separator_ids():
     tok = build_toy_tokenizer()
     sep = tok.encode("##", add_special_tokens=False)
-    out = _splitter().split_token_ids({"prompt_token_ids": [5, 6] + sep + [7] + sep + [8]},
-                                      tok)
+    out = _splitter().split({"prompt_token_ids": [5, 6] + sep + [7] + sep + [8]},
+                            _params(), tok)
     assert out["prompt_token_ids"] == [5, 6, 7, 8]
-    assert decode_layout_salt(out["cache_salt"])[0] == [2, 1, 1]
+    assert out[LAYOUT_KEY] == [2, 1, 1]
 
 
 @pytest.mark.parametrize("prompt,message", [
     ("a ## ## b", "segment 1 is empty"),
     ("a ## b ## c ## d", "more than max_chunks=1"),
 ])
-def test_bad_prompts_raise_a_named_error(prompt, message):
-    with pytest.raises(ChunkPromptError, match=message):
-        _splitter(max_chunks=1).split_text({"prompt": prompt}, _params(), build_toy_tokenizer())
+def test_bad_prompts_raise_a_validation_error(prompt, message):
+    with pytest.raises(ChunkPromptError, match=message) as e:
+        _splitter(max_chunks=1).split({"prompt": prompt}, _params(), build_toy_tokenizer())
+    # vLLM's own validation-error type: HTTP 400 through its handler, no traceback.
+    assert isinstance(e.value, VLLMValidationError)
 
 
-def test_reserved_salt_truncation_and_prompt_logprobs_are_refused():
+def test_a_prompt_may_not_bring_its_own_layout():
     tok = build_toy_tokenizer()
-    with pytest.raises(ChunkPromptError, match="reserved"):
-        _splitter().split_text({"prompt": "x", "cache_salt": "vllm-chunk-cache/1"},
-                               _params(), tok)
+    for prompt in ({"prompt": "a ## b", LAYOUT_KEY: [1, 1]},
+                   {"prompt_token_ids": [5, 6, 7], LAYOUT_KEY: [1, 1, 1]}):
+        with pytest.raises(ChunkPromptError, match="may not carry one"):
+            _splitter().split(prompt, _params(), tok)
+
+
+def test_a_salt_is_only_a_salt():
+    tok = build_toy_tokenizer()
+    salt = "vllm-chunk-cache/v1/3,2,3/=tenantB"
+    prompt = {"prompt": "no marker", "cache_salt": salt}
+    assert _splitter().split(prompt, _params(), tok) is prompt
+
+
+def test_truncation_prompt_logprobs_and_an_oversized_pool_request_are_refused():
+    tok = build_toy_tokenizer()
     with pytest.raises(ChunkPromptError, match="truncate_prompt_tokens"):
-        _splitter().split_text({"prompt": "a ## b"}, _params(truncate=3), tok)
-    salt = encode_layout_salt([1, 1], None)
+        _splitter().split({"prompt": "a ## b"}, _params(truncate=3), tok)
+    config = _config(chunk_context="sink")
+    config.cache_config = SimpleNamespace(num_gpu_blocks=None, block_size=16)
     with pytest.raises(ChunkPromptError, match="prompt_logprobs"):
-        validate_chunked_request(SimpleNamespace(prompt_logprobs=1), salt)
-    validate_chunked_request(SimpleNamespace(prompt_logprobs=1), "user salt")
+        validate_chunked_request(config, SimpleNamespace(prompt_logprobs=1), [1, 2], [1, 1])
+    # Pool: 15% of 8 blocks x 16 tokens = 19 rows = 1 block of 16 rows.
+    config.cache_config.num_gpu_blocks = 8
+    validate_chunked_request(config, SimpleNamespace(prompt_logprobs=None),
+                             list(range(20)), [16, 4])
+    with pytest.raises(ChunkPromptError, match="need 2 chunk pool blocks .* has 1 "):
+        validate_chunked_request(config, SimpleNamespace(prompt_logprobs=None),
+                                 list(range(21)), [16, 1, 4])
 
 
-def test_disabled_splitter_does_nothing():
-    splitter = ChunkPromptSplitter(SimpleNamespace(chunk_cache_config=ChunkCacheConfig()))
-    assert splitter.split_text({"prompt": "a ## b"}, _params(), build_toy_tokenizer()) is None
+def test_disabled_chunk_cache_has_no_splitter():
+    assert make_splitter(SimpleNamespace(chunk_cache_config=ChunkCacheConfig())) is None

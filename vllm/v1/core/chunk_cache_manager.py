@@ -1,29 +1,35 @@
 # SPDX-License-Identifier: Apache-2.0
 """Scheduler-side logic of the chunk cache (no engine, no tensors).
 
-Life of a chunked request (the parent):
+The manager is the one owner of every chunked request's state and of every
+counter (docs/design/ownership.md). Life of a chunked request (the parent):
 
-1. `admit`: every cached segment (system + chunks) is keyed and classified
-   RESIDENT (in the pool, verified), IN_FLIGHT (a child is computing it) or
-   MISSING. The parent pins every entry it will load. Each distinct MISSING
-   key gets pool blocks and exactly one child request; a later request
-   missing the same key joins that child instead of starting another. If the
-   pool cannot hold the missing segments (even after evicting every unpinned
-   entry), the parent falls back to a normal prefill: all its pins are
-   dropped and the admission says `fallback=True`. Never an error.
-2. `child_finished` / `child_failed`: a child stored its rows (the entry
-   becomes RESIDENT) or ended without them (its waiters fall back).
-3. `is_ready` -> `load_plan`: once every segment is resident, the parent
-   gets one SegmentLoad per segment: pool rows -> positions
-   [span.start, span.end), with delta = real_start - stored_start.
-4. `release` on finish or abort drops the parent's pins; an entry whose
-   last pin goes becomes evictable (most recently used).
+1. `add_request` on arrival: the parent is queued. Nothing is pinned yet,
+   so a request waiting in vLLM's queue holds no pool room.
+2. `admit` when the scheduler is about to run it. Parents are admitted in
+   arrival order: while an earlier parent waits for room, later ones are
+   DEFERRED too (a big request is never starved by a stream of small ones).
+   Every cached segment (system + chunks) is keyed and classified RESIDENT
+   (in the pool, verified), IN_FLIGHT (a child computes it) or MISSING. The
+   parent pins every entry it will load; each distinct MISSING key gets pool
+   blocks and exactly one child request (`take_new_children`). A request
+   whose segments can never fit the pool is refused (OVERSIZED), as is one
+   whose key matched other tokens (COLLISION): never served otherwise.
+3. `child_finished` / `child_failed`: a child stored its rows (the entry
+   becomes RESIDENT) or ended without them; a failed child is retried once,
+   then its waiters are refused (`take_refusals`).
+4. `is_ready` -> `load_plan`: once every segment is resident, the rows to
+   copy, with delta = real_start - stored_start.
+5. `release` on finish or abort, in any state, drops the parent's pins.
 
 Children compute `context + segment` where the context follows the
-`chunk_context` mode; the system segment (always at position 0) is computed
-alone. The manager never blocks or waits: the engine glue polls it.
+`chunk_context` mode: the deployment's sink token (`sink`), the system
+segment (`system`) or nothing (`none`); the system segment (always at
+position 0) is computed alone. The manager never blocks: the engine glue
+polls it.
 """
 
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from vllm.v1.core.chunk_block_pool import ChunkBlockPool
@@ -33,12 +39,14 @@ from vllm.v1.core.chunk_hash_index import (
     compute_chunk_hash,
 )
 from vllm.v1.core.chunk_structures import (
+    AdmitReason,
     ChildSpec,
     ChunkCacheStats,
     ChunkContextMode,
     ChunkedPrompt,
     ChunkHash,
     ChunkLoadPlan,
+    ChunkRefusal,
     ChunkStorePlan,
     SegmentLoad,
     SegmentSpan,
@@ -46,6 +54,11 @@ from vllm.v1.core.chunk_structures import (
 )
 
 CHILD_REQUEST_PREFIX = "chunkcache-child-"
+# A child that ends without its rows is started once more before its
+# waiters are refused (e.g. it was aborted by an engine-wide reset).
+MAX_CHILD_ATTEMPTS = 2
+# The flags a refused client can change (named in the error message).
+POOL_FLAGS = "--chunk-pool-fraction or --chunk-pool-size-gib"
 
 
 @dataclass(frozen=True)
@@ -66,42 +79,51 @@ class CachedSegment:
 
 @dataclass(frozen=True)
 class ChunkAdmission:
-    """What the engine must do after `ChunkCacheManager.admit`."""
+    """What `ChunkCacheManager.admit` decided."""
 
     # The parent request.
     request_id: str
-    # True: serve the request as a normal prefill; nothing else applies.
-    fallback: bool
-    # Cached segments in prompt order (empty on fallback).
-    segments: tuple[CachedSegment, ...]
-    # Children the engine must schedule now (prefill only, output dropped,
-    # prefix-cache reads off).
-    new_children: tuple[ChildSpec, ...]
+    # ADMITTED, DEFERRED (ask again later) or a refusal.
+    reason: AdmitReason
+    # Cached segments in prompt order (empty unless admitted).
+    segments: tuple[CachedSegment, ...] = ()
+    # Children started by this call (also queued for `take_new_children`).
+    new_children: tuple[ChildSpec, ...] = ()
+    # For refusals: what the client is told.
+    message: str = ""
 
     @property
     def ready(self) -> bool:
         """True if the parent can load everything right away."""
-        return not self.fallback and all(
+        return self.reason == AdmitReason.ADMITTED and all(
             s.status == SegmentStatus.RESIDENT for s in self.segments
         )
 
 
 @dataclass
-class _ParentState:
-    segments: tuple[CachedSegment, ...]
+class _Parent:
+    prompt: ChunkedPrompt
+    namespace: ChunkNamespace
+    # QUEUED until admitted; a refusal is final.
+    reason: AdmitReason | None = None
+    segments: tuple[CachedSegment, ...] = ()
     # Distinct keys this parent holds a pin on, in prompt order (released
     # in that order, so earlier segments become older in the LRU).
-    pinned: list[ChunkHash]
+    pinned: list[ChunkHash] = field(default_factory=list)
     # Distinct keys whose child has not finished yet.
-    waiting_on: set[ChunkHash]
+    waiting_on: set[ChunkHash] = field(default_factory=set)
+    # Counted in `deferred_requests` already.
+    was_deferred: bool = False
 
 
 @dataclass
-class _ChildState:
+class _Child:
     spec: ChildSpec
     # Segment ids and context ids, inserted into the index on success.
     segment_ids: list[int]
     context_ids: list[int]
+    # How many times this key's child has been started.
+    attempt: int = 1
     # Parents waiting for this child.
     waiters: set[str] = field(default_factory=set)
 
@@ -119,58 +141,92 @@ class ChunkCacheManager:
         num_pool_blocks: int,
         block_size: int,
         context_mode: ChunkContextMode = ChunkContextMode.SINK,
+        sink_token_id: int | None = None,
     ):
+        self.context_mode = ChunkContextMode(context_mode)
+        if self.context_mode == ChunkContextMode.SINK and sink_token_id is None:
+            raise ValueError("chunk_context='sink' needs a sink token id")
+        self.sink_token_id = sink_token_id
         self.pool = ChunkBlockPool(num_pool_blocks, block_size)
         self.index = ChunkHashIndex()
-        self.context_mode = ChunkContextMode(context_mode)
-        self._parents: dict[str, _ParentState] = {}
-        self._children: dict[str, _ChildState] = {}
+        self._parents: dict[str, _Parent] = {}
+        # Parents not admitted yet, in arrival order.
+        self._queued: OrderedDict[str, None] = OrderedDict()
+        self._children: dict[str, _Child] = {}
         self._child_by_hash: dict[ChunkHash, str] = {}
+        self._new_children: list[ChildSpec] = []
+        self._refusals: list[ChunkRefusal] = []
         self._num_children_created = 0
         self._stats = ChunkCacheStats()
 
     # ------------------------------------------------------------ parents
 
-    def admit(
+    def add_request(
         self, request_id: str, prompt: ChunkedPrompt, namespace: ChunkNamespace
-    ) -> ChunkAdmission:
-        if request_id in self._parents:
-            raise ValueError(f"request {request_id} is already admitted")
-        ns_digest = namespace.digest()
+    ) -> None:
+        """A chunked request arrived (nothing is pinned until `admit`)."""
+        if request_id in self._parents or request_id in self._children:
+            raise ValueError(f"request {request_id} is already known")
+        self._parents[request_id] = _Parent(prompt=prompt, namespace=namespace)
+        self._queued[request_id] = None
+
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self._parents
+
+    def admit(self, request_id: str) -> ChunkAdmission:
+        """Admit a queued parent, now that the scheduler is about to run it.
+
+        Idempotent: an admitted or refused parent gets its decision again.
+        """
+        parent = self._require_parent(request_id)
+        if parent.reason is not None:
+            return ChunkAdmission(request_id, parent.reason, parent.segments)
+        if next(iter(self._queued)) != request_id:
+            return self._defer(request_id, parent)
+        prompt = parent.prompt
+        ns_digest = parent.namespace.digest()
         keyed = [
             self._segment_key(prompt, index, ns_digest)
             for index in range(len(prompt.cached_spans))
         ]
+        distinct = {k.chunk_hash: k for k in keyed}
+        needed = sum(self.pool.blocks_needed(len(k.segment_ids)) for k in distinct.values())
+        if needed > self.pool.num_blocks:
+            return self._refuse(
+                request_id,
+                AdmitReason.OVERSIZED,
+                oversized_message(needed, self.pool.num_blocks, self.pool.block_size),
+            )
 
         # Classify each distinct key once; pin residents and in-flight
         # entries first so that the allocations below cannot evict them.
         status_of: dict[ChunkHash, SegmentStatus] = {}
-        missing: dict[ChunkHash, _SegmentKey] = {}
-        for key in keyed:
-            h = key.chunk_hash
-            if h in status_of:
-                continue
+        for h, key in distinct.items():
             status = self._classify(key)
-            if status is None:  # hash collision: cannot cache this layout
-                return self._fall_back(request_id, status_of)
+            if status is None:
+                self._unpin_classified(status_of)
+                return self._refuse(
+                    request_id,
+                    AdmitReason.COLLISION,
+                    "chunk cache: a segment's content key matched different tokens "
+                    "(hash collision); the request cannot be served exactly",
+                )
             status_of[h] = status
-            if status == SegmentStatus.MISSING:
-                missing[h] = key
-            else:
+            if status != SegmentStatus.MISSING:
                 self.pool.pin(h)
 
-        blocks_needed = sum(
-            self.pool.blocks_needed(len(k.segment_ids)) for k in missing.values()
-        )
-        if not self.pool.can_allocate(blocks_needed):
-            return self._fall_back(request_id, status_of)
+        missing = [distinct[h] for h, s in status_of.items() if s == SegmentStatus.MISSING]
+        blocks = sum(self.pool.blocks_needed(len(k.segment_ids)) for k in missing)
+        if not self.pool.can_allocate(blocks):
+            self._unpin_classified(status_of)
+            return self._defer(request_id, parent)
 
         new_children = []
-        for h, key in missing.items():
+        for key in missing:
             new_children.append(self._start_child(key))
-            self.pool.pin(h)  # the parent's own pin, besides the writer's
+            self.pool.pin(key.chunk_hash)  # the parent's own pin, besides the writer's
 
-        segments = tuple(
+        parent.segments = tuple(
             CachedSegment(
                 segment_index=index,
                 span=prompt.spans[index],
@@ -180,34 +236,40 @@ class ChunkCacheManager:
             )
             for index, key in enumerate(keyed)
         )
-        waiting_on = {
-            h for h, s in status_of.items() if s != SegmentStatus.RESIDENT
-        }
-        for h in waiting_on:
+        parent.pinned = list(status_of)
+        parent.waiting_on = {h for h, s in status_of.items() if s != SegmentStatus.RESIDENT}
+        for h in parent.waiting_on:
             self._children[self._child_by_hash[h]].waiters.add(request_id)
-        self._parents[request_id] = _ParentState(
-            segments=segments, pinned=list(status_of), waiting_on=waiting_on
-        )
-        self._count_admission(status_of, segments)
+        parent.reason = AdmitReason.ADMITTED
+        del self._queued[request_id]
+        self._count_admission(status_of, parent.segments)
         return ChunkAdmission(
-            request_id=request_id,
-            fallback=False,
-            segments=segments,
-            new_children=tuple(new_children),
+            request_id, AdmitReason.ADMITTED, parent.segments, tuple(new_children)
         )
+
+    def question_start(self, request_id: str) -> int:
+        """Prompt tokens served from the pool (everything before the question)."""
+        return self._require_parent(request_id).prompt.question_span.start
 
     def is_ready(self, request_id: str) -> bool:
-        return not self._require_parent(request_id).waiting_on
-
-    def load_plan(self, request_id: str) -> ChunkLoadPlan:
         parent = self._require_parent(request_id)
-        if parent.waiting_on:
+        return parent.reason == AdmitReason.ADMITTED and not parent.waiting_on
+
+    def load_plan(self, request_id: str, first_position: int = 0) -> ChunkLoadPlan:
+        """Rows to copy into the parent for positions >= first_position
+        (those before it are already in its paged KV, e.g. vLLM's own prefix
+        cache hit)."""
+        parent = self._require_parent(request_id)
+        if not self.is_ready(request_id):
             raise ValueError(
-                f"request {request_id} still waits for "
-                f"{len(parent.waiting_on)} segment(s)"
+                f"request {request_id} is not ready (still waits for "
+                f"{len(parent.waiting_on)} segment(s))"
             )
         loads = []
         for seg in parent.segments:
+            skip = max(0, min(first_position - seg.span.start, seg.span.num_tokens))
+            if skip == seg.span.num_tokens:
+                continue
             entry = self.pool.get(seg.chunk_hash)
             assert entry is not None, "pinned entries are never evicted"
             loads.append(
@@ -218,17 +280,21 @@ class ChunkCacheManager:
                     num_tokens=seg.span.num_tokens,
                     stored_start=seg.stored_start,
                     dst_start=seg.span.start,
+                    first_row=skip,
                 )
             )
-        return ChunkLoadPlan(request_id=request_id, segments=tuple(loads))
+        plan = ChunkLoadPlan(request_id=request_id, segments=tuple(loads))
+        self._stats.tokens_loaded += plan.num_rows_to_copy
+        return plan
 
     def release(self, request_id: str) -> bool:
-        """Drop a parent's pins (finish or abort). False if unknown."""
+        """Forget a parent (finish or abort, any state). False if unknown."""
         parent = self._parents.pop(request_id, None)
         if parent is None:
             return False
+        self._queued.pop(request_id, None)
         for h in parent.waiting_on:
-            # NOTE: absent when called from child_failed for that very child.
+            # NOTE: absent when called from _fail_child for that very child.
             child_id = self._child_by_hash.get(h)
             if child_id is not None:
                 self._children[child_id].waiters.discard(request_id)
@@ -236,10 +302,18 @@ class ChunkCacheManager:
             self.pool.unpin(h)
         return True
 
-    def pinned_by(self, request_id: str) -> list[ChunkHash]:
-        return list(self._require_parent(request_id).pinned)
+    def take_refusals(self) -> list[ChunkRefusal]:
+        """Parents refused since the last call; the engine finishes each with
+        an error (they stay known until `release`)."""
+        refusals, self._refusals = self._refusals, []
+        return refusals
 
     # ----------------------------------------------------------- children
+
+    def take_new_children(self) -> list[ChildSpec]:
+        """Children started since the last call (admissions and retries)."""
+        children, self._new_children = self._new_children, []
+        return children
 
     def is_child(self, request_id: str) -> bool:
         return request_id in self._children
@@ -270,21 +344,34 @@ class ChunkCacheManager:
                 ready.append(parent_id)
         return ready
 
-    def child_failed(self, child_request_id: str) -> list[str]:
-        """The child ended without storing. Returns parents that fell back.
+    def child_failed(self, child_request_id: str) -> ChildSpec | None:
+        """The child ended without storing. Returns its retry, if any.
 
-        NOTE: its waiters cannot be served from the cache any more without
-        a new child; falling back to a normal prefill is always correct.
+        NOTE: the entry keeps its blocks and pins for the retry; after the
+        last attempt its waiters are refused (never served otherwise).
         """
         child = self._pop_child(child_request_id)
-        fallen = sorted(child.waiters)
-        for parent_id in fallen:
-            self.release(parent_id)
-            self._stats.fallbacks += 1
-        self.pool.unpin(child.spec.chunk_hash)
-        self.pool.free(child.spec.chunk_hash)
         self._stats.failed_children += 1
-        return fallen
+        if child.attempt < MAX_CHILD_ATTEMPTS:
+            key = _SegmentKey(child.spec.chunk_hash, child.segment_ids, child.context_ids)
+            retry = self._new_child(key, attempt=child.attempt + 1)
+            self._children[retry.request_id].waiters = child.waiters
+            return retry
+        for parent_id in sorted(child.waiters):
+            self._release_pins(parent_id, skip=child.spec.chunk_hash)
+            self._refuse(
+                parent_id,
+                AdmitReason.CHILD_FAILED,
+                "chunk cache: a segment of this request could not be computed "
+                f"({MAX_CHILD_ATTEMPTS} attempts); the request is refused rather "
+                "than served with another attention",
+            )
+        h = child.spec.chunk_hash
+        for _ in child.waiters:
+            self.pool.unpin(h)
+        self.pool.unpin(h)  # the writer's pin
+        self.pool.free(h)
+        return None
 
     # -------------------------------------------------------------- stats
 
@@ -296,13 +383,22 @@ class ChunkCacheManager:
             misses=s.misses,
             in_flight_joins=s.in_flight_joins,
             tokens_reused=s.tokens_reused,
-            fallbacks=s.fallbacks,
-            hash_collisions=self.index.num_collisions + s.hash_collisions,
+            tokens_loaded=s.tokens_loaded,
+            child_computes=s.child_computes,
+            child_tokens=s.child_tokens,
             failed_children=s.failed_children,
+            refused_requests=s.refused_requests,
+            deferred_requests=s.deferred_requests,
+            hash_collisions=self.index.num_collisions + s.hash_collisions,
             evictions=usage.num_evictions,
             pool_blocks_used=usage.blocks_used,
             pool_blocks_total=usage.blocks_total,
+            pinned_entries=usage.num_entries - usage.num_evictable,
+            live_requests=len(self._parents) + len(self._children),
         )
+
+    def pinned_by(self, request_id: str) -> list[ChunkHash]:
+        return list(self._require_parent(request_id).pinned)
 
     # ----------------------------------------------------------- internal
 
@@ -315,7 +411,10 @@ class ChunkCacheManager:
             # nothing before it, so it is computed alone in every mode.
             context_ids: list[int] = []
         elif self.context_mode == ChunkContextMode.SINK:
-            context_ids = prompt.token_ids[:1]
+            # NOTE: a constant of the deployment, never the request's first
+            # token, so the key does not depend on the system prompt.
+            assert self.sink_token_id is not None
+            context_ids = [self.sink_token_id]
         else:
             context_ids = prompt.segment_tokens(0)
         return _SegmentKey(
@@ -343,22 +442,50 @@ class ChunkCacheManager:
             return SegmentStatus.RESIDENT
         return SegmentStatus.MISSING
 
-    def _fall_back(
-        self, request_id: str, status_of: dict[ChunkHash, SegmentStatus]
-    ) -> ChunkAdmission:
+    def _unpin_classified(self, status_of: dict[ChunkHash, SegmentStatus]) -> None:
         for h, status in status_of.items():
             if status != SegmentStatus.MISSING:
                 self.pool.unpin(h)
-        self._stats.fallbacks += 1
-        return ChunkAdmission(
-            request_id=request_id, fallback=True, segments=(), new_children=()
-        )
+
+    def _defer(self, request_id: str, parent: _Parent) -> ChunkAdmission:
+        if not parent.was_deferred:
+            parent.was_deferred = True
+            self._stats.deferred_requests += 1
+        return ChunkAdmission(request_id, AdmitReason.DEFERRED)
+
+    def _refuse(
+        self, request_id: str, reason: AdmitReason, message: str
+    ) -> ChunkAdmission:
+        parent = self._parents[request_id]
+        parent.reason = reason
+        parent.segments = ()
+        parent.pinned = []
+        parent.waiting_on = set()
+        self._queued.pop(request_id, None)
+        self._refusals.append(ChunkRefusal(request_id, reason, message))
+        self._stats.refused_requests += 1
+        return ChunkAdmission(request_id, reason, message=message)
+
+    def _release_pins(self, request_id: str, skip: ChunkHash) -> None:
+        """Drop a parent's pins except on `skip` (the failed child's entry,
+        whose pins the caller drops with the entry itself)."""
+        parent = self._parents[request_id]
+        for h in parent.waiting_on - {skip}:
+            child_id = self._child_by_hash.get(h)
+            if child_id is not None:
+                self._children[child_id].waiters.discard(request_id)
+        for h in parent.pinned:
+            if h != skip:
+                self.pool.unpin(h)
 
     def _start_child(self, key: _SegmentKey) -> ChildSpec:
-        h = key.chunk_hash
-        allocation = self.pool.allocate(h, len(key.segment_ids))
+        allocation = self.pool.allocate(key.chunk_hash, len(key.segment_ids))
         for victim in allocation.evicted:
             self.index.remove(victim)
+        return self._new_child(key, attempt=1)
+
+    def _new_child(self, key: _SegmentKey, attempt: int) -> ChildSpec:
+        h = key.chunk_hash
         child_id = f"{CHILD_REQUEST_PREFIX}{self._num_children_created}-{h.hex()[:16]}"
         self._num_children_created += 1
         spec = ChildSpec(
@@ -367,10 +494,16 @@ class ChunkCacheManager:
             token_ids=key.context_ids + key.segment_ids,
             store_start=len(key.context_ids),
         )
-        self._children[child_id] = _ChildState(
-            spec=spec, segment_ids=key.segment_ids, context_ids=key.context_ids
+        self._children[child_id] = _Child(
+            spec=spec,
+            segment_ids=key.segment_ids,
+            context_ids=key.context_ids,
+            attempt=attempt,
         )
         self._child_by_hash[h] = child_id
+        self._new_children.append(spec)
+        self._stats.child_computes += 1
+        self._stats.child_tokens += len(spec.token_ids)
         return spec
 
     def _count_admission(
@@ -391,20 +524,45 @@ class ChunkCacheManager:
             if s.status == SegmentStatus.RESIDENT
         )
 
-    def _pop_child(self, child_request_id: str) -> _ChildState:
+    def _pop_child(self, child_request_id: str) -> _Child:
         child = self._require_child(child_request_id)
         del self._children[child_request_id]
         del self._child_by_hash[child.spec.chunk_hash]
         return child
 
-    def _require_parent(self, request_id: str) -> _ParentState:
+    def _require_parent(self, request_id: str) -> _Parent:
         parent = self._parents.get(request_id)
         if parent is None:
             raise KeyError(f"request {request_id} is not a chunk-cache parent")
         return parent
 
-    def _require_child(self, request_id: str) -> _ChildState:
+    def _require_child(self, request_id: str) -> _Child:
         child = self._children.get(request_id)
         if child is None:
             raise KeyError(f"request {request_id} is not a chunk-cache child")
         return child
+
+
+def pool_blocks_for(
+    prompt: ChunkedPrompt, block_size: int, context_mode: ChunkContextMode
+) -> int:
+    """Pool blocks the prompt's distinct cached segments need, as `admit`
+    counts them (the front end refuses an oversized request with a 400
+    before it reaches the engine)."""
+    mode = ChunkContextMode(context_mode)
+    distinct = set()
+    for index in range(len(prompt.cached_spans)):
+        # Same dedup as the content key: system alone, chunks after their
+        # context (the system's tokens are the same for all of one prompt).
+        alone = index == 0 or mode == ChunkContextMode.NONE
+        distinct.add((alone, tuple(prompt.segment_tokens(index))))
+    return sum(-(-len(tokens) // block_size) for _, tokens in distinct)
+
+
+def oversized_message(needed: int, pool_blocks: int, block_size: int) -> str:
+    return (
+        f"chunk cache: the cached segments of this prompt need {needed} chunk pool "
+        f"blocks ({needed * block_size} rows), but the chunk pool has "
+        f"{pool_blocks} blocks in total; send fewer or shorter documents, or "
+        f"enlarge the pool ({POOL_FLAGS})"
+    )

@@ -10,7 +10,8 @@ the chunk cache on.
 Extended sequence: the final prompt with each chunk's private context
 inserted right before it:
 * `none`: no context;
-* `sink`: one copy of the request's first token, at position start - 1;
+* `sink`: one copy of the deployment's sink token (a constant, e.g. the
+  tokenizer's BOS), at position start - 1;
 * `system`: a copy of the system segment, at positions
   start - len(system) .. start - 1.
 Copies take the positions just before their chunk (they may repeat
@@ -65,13 +66,17 @@ def build_isolated_sequence(
     prompt: ChunkedPrompt,
     mode: ChunkContextMode,
     extra_token_ids: Sequence[int] = (),
+    sink_token_id: int | None = None,
 ) -> IsolatedSequence:
     """Extended sequence, positions and mask for `prompt` under `mode`.
 
     `extra_token_ids` (e.g. generated tokens) are appended after the
-    question and follow the question's rule.
+    question and follow the question's rule. `sink_token_id` is the
+    deployment's sink (required in `sink` mode).
     """
     mode = ChunkContextMode(mode)
+    if mode == ChunkContextMode.SINK and sink_token_id is None:
+        raise ValueError("the sink mode needs the deployment's sink token id")
     tokens: list[int] = []
     positions: list[int] = []
     groups: list[int] = []
@@ -87,7 +92,7 @@ def build_isolated_sequence(
     emit(prompt.segment_tokens(0), 0, 0, True)
     for index, span in enumerate(prompt.chunk_spans, start=1):
         if mode == ChunkContextMode.SINK:
-            emit(prompt.token_ids[:1], span.start - 1, index, False)
+            emit([sink_token_id], span.start - 1, index, False)
         elif mode == ChunkContextMode.SYSTEM:
             emit(prompt.segment_tokens(0), span.start - system.num_tokens,
                  index, False)

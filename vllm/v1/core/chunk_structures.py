@@ -7,6 +7,7 @@ module has to know another's internals and no tuple soup travels around.
 This module imports nothing from vLLM: it is engine-free by design.
 """
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
 from typing import NewType
@@ -25,7 +26,7 @@ class ChunkContextMode(str, Enum):
 
     # The chunk alone, at virtual positions 0..L-1.
     NONE = "none"
-    # [first token of the request] + chunk; the chunk's rows start at 1.
+    # [the deployment's sink token] + chunk; the chunk's rows start at 1.
     SINK = "sink"
     # [system segment] + chunk; the key includes the system tokens.
     SYSTEM = "system"
@@ -78,6 +79,19 @@ class ChunkedPrompt:
                 f"segment spans end at {expected_start} but the prompt has "
                 f"{len(self.token_ids)} tokens"
             )
+
+    @classmethod
+    def from_lengths(cls, token_ids: list[int], lengths: "Sequence[int]") -> "ChunkedPrompt":
+        """The prompt whose consecutive segments have these token counts."""
+        spans, start = [], 0
+        for length in lengths:
+            spans.append(SegmentSpan(start, start + int(length)))
+            start += int(length)
+        return cls(token_ids=list(token_ids), spans=tuple(spans))
+
+    @property
+    def segment_lengths(self) -> tuple[int, ...]:
+        return tuple(span.num_tokens for span in self.spans)
 
     @property
     def num_segments(self) -> int:
@@ -134,6 +148,40 @@ class ChunkPoolEntry:
             int(self.block_ids[i // block_size]) * block_size + i % block_size
             for i in range(self.num_tokens)
         ]
+
+
+class AdmitReason(str, Enum):
+    """Outcome of `ChunkCacheManager.admit` for a chunked request."""
+
+    # Pins taken, missing segments handed to children: the request will be
+    # served from the pool once every segment is resident.
+    ADMITTED = "admitted"
+    # Not now: the pool is pinned full by requests in flight, or a request
+    # that arrived earlier still waits (arrival order, no starvation).
+    DEFERRED = "deferred"
+    # Its distinct segments need more blocks than the whole pool has: it can
+    # never be served exactly, so it is refused.
+    OVERSIZED = "oversized"
+    # A key matched different tokens: refused rather than served otherwise.
+    COLLISION = "collision"
+    # A child computing one of its segments failed twice: refused.
+    CHILD_FAILED = "child_failed"
+
+    @property
+    def refused(self) -> bool:
+        return self not in (AdmitReason.ADMITTED, AdmitReason.DEFERRED)
+
+
+@dataclass(frozen=True)
+class ChunkRefusal:
+    """A chunked request the engine must finish with an error."""
+
+    # The (parent) request.
+    request_id: str
+    # Why it cannot be served under the chunk-isolation semantics.
+    reason: AdmitReason
+    # What the client is told (numbers and the flag to change, if any).
+    message: str
 
 
 class SegmentStatus(str, Enum):
@@ -195,6 +243,9 @@ class SegmentLoad:
     stored_start: int
     # Position of the first row in the request (its span start).
     dst_start: int
+    # First row to copy: rows before it are already in the request's paged
+    # KV (vLLM's own prefix cache hit on an identical chunked request).
+    first_row: int = 0
 
     @property
     def position_delta(self) -> int:
@@ -217,10 +268,17 @@ class ChunkLoadPlan:
         """Prompt tokens the engine may treat as already computed."""
         return sum(s.num_tokens for s in self.segments)
 
+    @property
+    def num_rows_to_copy(self) -> int:
+        return sum(s.num_tokens - s.first_row for s in self.segments)
+
 
 @dataclass
 class ChunkCacheStats:
-    """Counters of the chunk cache; all monotonic except the pool gauges."""
+    """Counters of the chunk cache; monotonic except the gauges at the end.
+
+    Every field is owned by `ChunkCacheManager`; nobody else corrects them.
+    """
 
     # Cached segments found resident at admission.
     hits: int = 0
@@ -228,19 +286,31 @@ class ChunkCacheStats:
     misses: int = 0
     # Cached segments that joined a child already in flight (dedup).
     in_flight_joins: int = 0
-    # Prompt tokens served from the pool instead of being computed.
+    # Prompt tokens of resident segments at admission.
     tokens_reused: int = 0
-    # Requests that fell back to a normal prefill (pool too small).
-    fallbacks: int = 0
-    # Lookups whose key matched but whose stored tokens did not.
-    hash_collisions: int = 0
+    # Prompt tokens copied (re-positioned) from the pool into requests.
+    tokens_loaded: int = 0
+    # Child requests started (first attempts and retries).
+    child_computes: int = 0
+    # Tokens prefilled by child requests (context included).
+    child_tokens: int = 0
     # Children that ended without storing their rows.
     failed_children: int = 0
+    # Chunked requests refused after arrival (oversized, collision, failed
+    # children); never served with another attention.
+    refused_requests: int = 0
+    # Chunked requests that had to wait for pool room at least once.
+    deferred_requests: int = 0
+    # Lookups whose key matched but whose stored tokens did not.
+    hash_collisions: int = 0
     # Entries evicted from the pool (LRU).
     evictions: int = 0
-    # Pool gauges at the time of the snapshot.
+    # Gauges at the time of the snapshot: pool blocks, pinned entries and
+    # chunked requests + children the manager still tracks.
     pool_blocks_used: int = 0
     pool_blocks_total: int = 0
+    pinned_entries: int = 0
+    live_requests: int = 0
 
     @property
     def lookups(self) -> int:

@@ -5,9 +5,15 @@ import dataclasses
 
 import pytest
 
-from vllm.v1.core.chunk_cache_manager import CHILD_REQUEST_PREFIX, ChunkCacheManager
+from vllm.v1.core.chunk_cache_manager import (
+    CHILD_REQUEST_PREFIX,
+    MAX_CHILD_ATTEMPTS,
+    ChunkCacheManager,
+    pool_blocks_for,
+)
 from vllm.v1.core.chunk_hash_index import ChunkNamespace, compute_chunk_hash
 from vllm.v1.core.chunk_structures import (
+    AdmitReason,
     ChunkContextMode,
     ChunkedPrompt,
     ChunkStorePlan,
@@ -18,6 +24,8 @@ from vllm.v1.core.chunk_structures import (
 
 NS = ChunkNamespace(model="m", kv_dtype="bfloat16", tokenizer="t")
 BOS = 1
+# The deployment's sink token (the tokenizer's BOS), whatever a prompt starts with.
+SINK = BOS
 SYS = [BOS, 2, 3]
 DOC_A = [10, 11, 12, 13, 14]
 DOC_B = [20, 21]
@@ -40,6 +48,16 @@ def child_id(n: int, key: bytes) -> str:
     return f"{CHILD_REQUEST_PREFIX}{n}-{key.hex()[:16]}"
 
 
+def Manager(num_pool_blocks, block_size, context_mode=ChunkContextMode.SINK):
+    return ChunkCacheManager(num_pool_blocks, block_size, context_mode, sink_token_id=SINK)
+
+
+def admit(manager, rid, prompt, ns=NS):
+    """Arrival and admission at once (the scheduler asks right away)."""
+    manager.add_request(rid, prompt, ns)
+    return manager.admit(rid)
+
+
 def finish_all(manager, admission) -> list[str]:
     ready = []
     for child in admission.new_children:
@@ -48,11 +66,11 @@ def finish_all(manager, admission) -> list[str]:
 
 
 def test_first_request_misses_everything_then_loads():
-    m = ChunkCacheManager(num_pool_blocks=16, block_size=4)
-    adm = m.admit("r1", make_prompt(SYS, DOC_A, DOC_B, [30, 31]), NS)
+    m = Manager(num_pool_blocks=16, block_size=4)
+    adm = admit(m, "r1", make_prompt(SYS, DOC_A, DOC_B, [30, 31]), NS)
     hs, ha, hb = h(SYS, []), h(DOC_A, [BOS]), h(DOC_B, [BOS])
 
-    assert not adm.fallback and not adm.ready
+    assert adm.reason == AdmitReason.ADMITTED and not adm.ready
     assert [s.status for s in adm.segments] == [SegmentStatus.MISSING] * 3
     assert [c.request_id for c in adm.new_children] == [
         child_id(0, hs), child_id(1, ha), child_id(2, hb)
@@ -95,12 +113,12 @@ def test_first_request_misses_everything_then_loads():
 
 
 def test_reordered_chunks_after_another_system_prompt_hit():
-    m = ChunkCacheManager(num_pool_blocks=16, block_size=4)
-    finish_all(m, m.admit("r1", make_prompt(SYS, DOC_A, DOC_B, [30]), NS))
+    m = Manager(num_pool_blocks=16, block_size=4)
+    finish_all(m, admit(m, "r1", make_prompt(SYS, DOC_A, DOC_B, [30]), NS))
     m.release("r1")
 
     sys2 = [BOS, 5]
-    adm = m.admit("r2", make_prompt(sys2, DOC_B, DOC_A, [31, 32]), NS)
+    adm = admit(m, "r2", make_prompt(sys2, DOC_B, DOC_A, [31, 32]), NS)
     assert [s.status for s in adm.segments] == [
         SegmentStatus.MISSING, SegmentStatus.RESIDENT, SegmentStatus.RESIDENT
     ]
@@ -121,19 +139,19 @@ def test_reordered_chunks_after_another_system_prompt_hit():
 
 
 def test_all_resident_request_is_ready_at_admission():
-    m = ChunkCacheManager(num_pool_blocks=16, block_size=4)
+    m = Manager(num_pool_blocks=16, block_size=4)
     prompt = make_prompt(SYS, DOC_A, [30])
-    finish_all(m, m.admit("r1", prompt, NS))
+    finish_all(m, admit(m, "r1", prompt, NS))
     m.release("r1")
-    adm = m.admit("r2", prompt, NS)
+    adm = admit(m, "r2", prompt, NS)
     assert adm.ready and adm.new_children == ()
     assert m.is_ready("r2")
 
 
 def test_concurrent_duplicate_misses_share_one_child():
-    m = ChunkCacheManager(num_pool_blocks=16, block_size=4)
-    a1 = m.admit("r1", make_prompt(SYS, DOC_A, DOC_B, [30]), NS)
-    a2 = m.admit("r2", make_prompt(SYS, DOC_B, DOC_C, [31]), NS)
+    m = Manager(num_pool_blocks=16, block_size=4)
+    a1 = admit(m, "r1", make_prompt(SYS, DOC_A, DOC_B, [30]), NS)
+    a2 = admit(m, "r2", make_prompt(SYS, DOC_B, DOC_C, [31]), NS)
     hs, ha, hb, hc = h(SYS, []), h(DOC_A, [BOS]), h(DOC_B, [BOS]), h(DOC_C, [BOS])
     assert [c.chunk_hash for c in a1.new_children] == [hs, ha, hb]
     # r2 joins r1's children for SYS and DOC_B; only DOC_C is new.
@@ -156,8 +174,8 @@ def test_concurrent_duplicate_misses_share_one_child():
 
 
 def test_same_chunk_twice_in_one_request():
-    m = ChunkCacheManager(num_pool_blocks=16, block_size=4)
-    adm = m.admit("r1", make_prompt(SYS, DOC_B, DOC_A, DOC_B, [30]), NS)
+    m = Manager(num_pool_blocks=16, block_size=4)
+    adm = admit(m, "r1", make_prompt(SYS, DOC_B, DOC_A, DOC_B, [30]), NS)
     hb = h(DOC_B, [BOS])
     assert [c.chunk_hash for c in adm.new_children].count(hb) == 1
     finish_all(m, adm)
@@ -169,64 +187,135 @@ def test_same_chunk_twice_in_one_request():
 
 
 def test_abort_while_waiting_releases_pins_and_child_still_caches():
-    m = ChunkCacheManager(num_pool_blocks=16, block_size=4)
-    adm = m.admit("r1", make_prompt(SYS, DOC_A, [30]), NS)
+    m = Manager(num_pool_blocks=16, block_size=4)
+    adm = admit(m, "r1", make_prompt(SYS, DOC_A, [30]), NS)
     assert m.release("r1")  # abort before the children finish
     assert [m.pool.get(c.chunk_hash).pin_count for c in adm.new_children] == [1, 1]
     assert finish_all(m, adm) == []  # nobody waits any more
     hs, ha = h(SYS, []), h(DOC_A, [BOS])
     assert m.pool.lru_order() == [hs, ha]
-    assert m.admit("r2", make_prompt(SYS, DOC_A, [31]), NS).ready
+    assert admit(m, "r2", make_prompt(SYS, DOC_A, [31]), NS).ready
 
 
-def test_failed_child_makes_its_waiters_fall_back():
-    m = ChunkCacheManager(num_pool_blocks=16, block_size=4)
-    a1 = m.admit("r1", make_prompt(SYS, DOC_A, [30]), NS)
-    m.admit("r2", make_prompt(SYS, DOC_A, DOC_B, [31]), NS)
+def test_failed_child_is_retried_once_then_its_waiters_are_refused():
+    m = Manager(num_pool_blocks=16, block_size=4)
+    a1 = admit(m, "r1", make_prompt(SYS, DOC_A, [30]))
+    admit(m, "r2", make_prompt(SYS, DOC_A, DOC_B, [31]))
+    m.take_new_children()
     hs, ha, hb = h(SYS, []), h(DOC_A, [BOS]), h(DOC_B, [BOS])
-    assert m.child_failed(child_id(1, ha)) == ["r1", "r2"]
+    blocks = m.pool.get(ha).block_ids
+
+    # First failure: a retry with a new id, same entry and blocks, same waiters.
+    retry = m.child_failed(child_id(1, ha))
+    assert retry is not None and retry.request_id == child_id(3, ha)
+    assert retry.token_ids == [SINK] + DOC_A and retry.store_start == 1
+    assert m.take_new_children() == [retry]
+    assert m.pool.get(ha).block_ids == blocks
+    assert m.take_refusals() == []
+
+    # Second failure: refused, never served otherwise; pins and entry gone.
+    assert m.child_failed(retry.request_id) is None
     assert ha not in m.pool
-    with pytest.raises(KeyError):
-        m.is_ready("r1")
-    # Remaining children still complete into unpinned resident entries.
+    refusals = m.take_refusals()
+    assert [(r.request_id, r.reason) for r in refusals] == [
+        ("r1", AdmitReason.CHILD_FAILED), ("r2", AdmitReason.CHILD_FAILED)]
+    assert "could not be computed" in refusals[0].message
+    assert not m.is_ready("r1")
+    assert m.admit("r1").reason == AdmitReason.CHILD_FAILED
+    # Remaining children still complete into entries nobody pins.
     assert m.child_finished(a1.new_children[0].request_id) == []
     assert m.child_finished(child_id(2, hb)) == []
+    assert m.release("r1") and m.release("r2")
     assert m.pool.lru_order() == [hs, hb]
     stats = m.stats()
-    assert (stats.failed_children, stats.fallbacks) == (1, 2)
+    assert (stats.failed_children, stats.refused_requests) == (2, 2)
+    assert stats.child_computes == 4 and MAX_CHILD_ATTEMPTS == 2
+    assert (stats.pinned_entries, stats.live_requests) == (0, 0)
 
 
-def test_pool_too_small_falls_back_without_error():
-    m = ChunkCacheManager(num_pool_blocks=3, block_size=4)
-    adm = m.admit("r1", make_prompt(SYS, DOC_A, DOC_B, [30]), NS)  # needs 4
-    assert adm.fallback and adm.segments == () and adm.new_children == ()
-    assert not adm.ready
+def test_segments_that_can_never_fit_are_refused_with_the_numbers():
+    m = Manager(num_pool_blocks=3, block_size=4)
+    prompt = make_prompt(SYS, DOC_A, DOC_B, [30])  # needs 1 + 2 + 1 = 4 blocks
+    assert pool_blocks_for(prompt, 4, ChunkContextMode.SINK) == 4
+    adm = admit(m, "r1", prompt)
+    assert adm.reason == AdmitReason.OVERSIZED and adm.segments == ()
+    assert "need 4 chunk pool blocks" in adm.message and "--chunk-pool" in adm.message
+    assert [r.request_id for r in m.take_refusals()] == ["r1"]
     assert m.pool.usage().num_entries == 0
-    assert m.release("r1") is False  # nothing held
-    assert m.stats().fallbacks == 1
+    assert m.release("r1")
+    assert m.stats().refused_requests == 1
 
 
-def test_fallback_drops_pins_taken_before_and_never_evicts_pinned():
-    m = ChunkCacheManager(num_pool_blocks=4, block_size=4)
-    a1 = m.admit("r1", make_prompt(SYS, DOC_A, [30]), NS)  # 3 blocks, pinned
+def test_pool_pinned_full_defers_and_keeps_pins_of_others():
+    m = Manager(num_pool_blocks=4, block_size=4)
+    a1 = admit(m, "r1", make_prompt(SYS, DOC_A, [30]))  # 3 blocks, pinned
     finish_all(m, a1)
     hs, ha = h(SYS, []), h(DOC_A, [BOS])
     # r2 hits SYS (pin) but DOC_C needs 3 blocks: 1 free, nothing evictable.
-    a2 = m.admit("r2", make_prompt(SYS, DOC_C, [31]), NS)
-    assert a2.fallback
+    a2 = admit(m, "r2", make_prompt(SYS, DOC_C, [31]))
+    assert a2.reason == AdmitReason.DEFERRED
     assert m.pool.get(hs).pin_count == 1  # r2's pin was given back
     assert m.pool.get(ha).pin_count == 1
 
     m.release("r1")
-    # Now DOC_A (2 blocks) is evictable: r3 evicts exactly it (LRU after SYS
-    # is pinned by r3 itself) and its key leaves the index.
-    a3 = m.admit("r3", make_prompt(SYS, DOC_C, [31]), NS)
-    assert not a3.fallback
+    # Now DOC_A (2 blocks) is evictable: r2 evicts exactly it (SYS is pinned
+    # by r2 itself) and its key leaves the index.
+    a2 = m.admit("r2")
+    assert a2.reason == AdmitReason.ADMITTED
     assert ha not in m.pool and ha not in m.index
-    assert m.store_plan(a3.new_children[0].request_id).pool_block_ids == [3, 1, 2]
-    assert m.stats().evictions == 1
-    a4 = m.admit("r4", make_prompt([BOS, 7], DOC_A, [32]), NS)
-    assert a4.fallback  # DOC_A must be recomputed, but no room while pinned
+    assert m.store_plan(a2.new_children[0].request_id).pool_block_ids == [3, 1, 2]
+    stats = m.stats()
+    assert (stats.evictions, stats.deferred_requests, stats.refused_requests) == (1, 1, 0)
+
+
+def test_nothing_is_pinned_before_admission():
+    m = Manager(num_pool_blocks=16, block_size=4)
+    finish_all(m, admit(m, "r1", make_prompt(SYS, DOC_A, [30])))
+    m.release("r1")
+    m.add_request("r2", make_prompt(SYS, DOC_A, [31]), NS)  # queued in vLLM
+    assert m.stats().pinned_entries == 0
+    assert m.pool.lru_order() == [h(SYS, []), h(DOC_A, [BOS])]
+    assert m.admit("r2").ready
+    assert m.stats().pinned_entries == 2
+
+
+def test_deferred_requests_are_admitted_in_arrival_order():
+    """A big request among a stream of small ones is not starved."""
+    m = Manager(num_pool_blocks=6, block_size=4)
+    small = [make_prompt([BOS, 100 + i], [200 + i]) for i in range(8)]
+    big = make_prompt(SYS, DOC_A, DOC_C, [30])  # 1 + 2 + 3 = 6 blocks: the whole pool
+    # Two small requests are running (2 pinned blocks).
+    finish_all(m, admit(m, "s0", small[0]))
+    finish_all(m, admit(m, "s1", small[1]))
+    m.take_new_children()
+    m.add_request("big", big, NS)
+    for i in range(2, 8):
+        m.add_request(f"s{i}", small[i], NS)
+    # The scheduler asks in queue order every step: big waits for room, and
+    # the small ones behind it wait too although they would fit.
+    for _ in range(3):
+        assert m.admit("big").reason == AdmitReason.DEFERRED
+        assert all(m.admit(f"s{i}").reason == AdmitReason.DEFERRED for i in range(2, 8))
+    m.release("s0")
+    m.release("s1")
+    assert m.admit("big").reason == AdmitReason.ADMITTED
+    assert m.admit("s2").reason == AdmitReason.DEFERRED  # the pool is big's now
+    for child in m.take_new_children():
+        m.child_finished(child.request_id)
+    m.release("big")
+    assert m.admit("s2").reason == AdmitReason.ADMITTED
+    assert m.stats().deferred_requests == 7
+
+
+def test_sink_is_the_deployment_constant_not_the_first_token():
+    m = Manager(num_pool_blocks=16, block_size=4)
+    finish_all(m, admit(m, "r1", make_prompt([7, 8], DOC_A, [30])))
+    adm = admit(m, "r2", make_prompt([9], DOC_A, [31]))  # another first token
+    assert [s.status for s in adm.segments] == [
+        SegmentStatus.MISSING, SegmentStatus.RESIDENT]
+    assert adm.segments[1].chunk_hash == h(DOC_A, [SINK])
+    with pytest.raises(ValueError, match="sink token"):
+        ChunkCacheManager(4, 4, ChunkContextMode.SINK, sink_token_id=None)
 
 
 @pytest.mark.parametrize(
@@ -238,8 +327,8 @@ def test_fallback_drops_pins_taken_before_and_never_evicts_pinned():
     ],
 )
 def test_context_modes(mode, context, stored_start):
-    m = ChunkCacheManager(num_pool_blocks=16, block_size=4, context_mode=mode)
-    adm = m.admit("r1", make_prompt(SYS, DOC_A, [30]), NS)
+    m = Manager(num_pool_blocks=16, block_size=4, context_mode=mode)
+    adm = admit(m, "r1", make_prompt(SYS, DOC_A, [30]), NS)
     child = adm.new_children[1]
     assert child.chunk_hash == h(DOC_A, context)
     assert child.token_ids == context + DOC_A
@@ -255,47 +344,47 @@ def test_system_mode_key_depends_on_system_prompt_sink_mode_does_not():
         (ChunkContextMode.SINK, SegmentStatus.RESIDENT),
         (ChunkContextMode.NONE, SegmentStatus.RESIDENT),
     ):
-        m = ChunkCacheManager(num_pool_blocks=16, block_size=4, context_mode=mode)
-        finish_all(m, m.admit("r1", make_prompt(SYS, DOC_A, [30]), NS))
-        adm = m.admit("r2", make_prompt([BOS, 9], DOC_A, [30]), NS)
+        m = Manager(num_pool_blocks=16, block_size=4, context_mode=mode)
+        finish_all(m, admit(m, "r1", make_prompt(SYS, DOC_A, [30]), NS))
+        adm = admit(m, "r2", make_prompt([BOS, 9], DOC_A, [30]), NS)
         assert adm.segments[1].status == expected, mode
 
 
 def test_none_mode_chunk_and_system_segment_share_identical_kv():
     # A segment computed alone at 0 is the same KV whether it is a system
     # prompt or a chunk in `none` mode, so the key is the same too.
-    m = ChunkCacheManager(4, 4, context_mode=ChunkContextMode.NONE)
-    finish_all(m, m.admit("r1", make_prompt(DOC_B, [30]), NS))
-    adm = m.admit("r2", make_prompt(SYS, DOC_B, [31]), NS)
+    m = Manager(4, 4, context_mode=ChunkContextMode.NONE)
+    finish_all(m, admit(m, "r1", make_prompt(DOC_B, [30]), NS))
+    adm = admit(m, "r2", make_prompt(SYS, DOC_B, [31]), NS)
     assert adm.segments[1].status == SegmentStatus.RESIDENT
 
 
 def test_cache_salt_isolates_tenants():
-    m = ChunkCacheManager(num_pool_blocks=16, block_size=4)
+    m = Manager(num_pool_blocks=16, block_size=4)
     prompt = make_prompt(SYS, DOC_A, [30])
-    finish_all(m, m.admit("r1", prompt, NS))
+    finish_all(m, admit(m, "r1", prompt, NS))
     salted = dataclasses.replace(NS, cache_salt="tenant-b")
-    adm = m.admit("r2", prompt, salted)
+    adm = admit(m, "r2", prompt, salted)
     assert [s.status for s in adm.segments] == [SegmentStatus.MISSING] * 2
 
 
-def test_hash_collision_falls_back_never_serves_other_tokens():
-    m = ChunkCacheManager(num_pool_blocks=16, block_size=4)
+def test_hash_collision_is_refused_never_serves_other_tokens():
+    m = Manager(num_pool_blocks=16, block_size=4)
     ha = h(DOC_A, [BOS])
     # Forced collision: DOC_A's key filed with other content.
     m.index.insert(ha, [99, 98], [BOS])
-    adm = m.admit("r1", make_prompt(SYS, DOC_A, [30]), NS)
-    assert adm.fallback
+    adm = admit(m, "r1", make_prompt(SYS, DOC_A, [30]))
+    assert adm.reason == AdmitReason.COLLISION
     stats = m.stats()
-    assert (stats.hash_collisions, stats.fallbacks) == (1, 1)
+    assert (stats.hash_collisions, stats.refused_requests) == (1, 1)
     assert m.pool.usage().num_entries == 0
 
 
 def test_api_misuse_is_reported():
-    m = ChunkCacheManager(num_pool_blocks=16, block_size=4)
-    m.admit("r1", make_prompt(SYS, [30]), NS)
-    with pytest.raises(ValueError, match="already admitted"):
-        m.admit("r1", make_prompt(SYS, [30]), NS)
+    m = Manager(num_pool_blocks=16, block_size=4)
+    admit(m, "r1", make_prompt(SYS, [30]))
+    with pytest.raises(ValueError, match="already known"):
+        m.add_request("r1", make_prompt(SYS, [30]), NS)
     with pytest.raises(KeyError, match="not a chunk-cache parent"):
         m.load_plan("nope")
     with pytest.raises(KeyError, match="not a chunk-cache child"):

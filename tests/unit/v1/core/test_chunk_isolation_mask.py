@@ -27,9 +27,10 @@ PROMPT = make_prompt([1, 2], [3, 4], [5], [6])
 
 
 def test_sink_mode_hand_worked():
-    seq = build_isolated_sequence(PROMPT, ChunkContextMode.SINK)
-    # a b | a' c d | a'' e | f
-    assert seq.token_ids == [1, 2, 1, 3, 4, 1, 5, 6]
+    # The sink is the deployment's constant (9), not the prompt's first token.
+    seq = build_isolated_sequence(PROMPT, ChunkContextMode.SINK, sink_token_id=9)
+    # a b | s c d | s e | f
+    assert seq.token_ids == [1, 2, 9, 3, 4, 9, 5, 6]
     assert seq.position_ids.tolist() == [0, 1, 1, 2, 3, 3, 4, 5]
     assert seq.source_index.tolist() == [0, 1, -1, 2, 3, -1, 4, 5]
     assert as_rows(seq.allowed) == [
@@ -116,13 +117,15 @@ def test_reference_mask_equals_structural_child_computation(
                          [30, 31, 32])
 
     # Reference: one forward over the extended sequence with the mask.
-    seq = build_isolated_sequence(prompt, mode)
+    seq = build_isolated_sequence(prompt, mode, sink_token_id=7)
     q, k, v = project(seq.token_ids, seq.position_ids)
     ref = attend(q, k, v, seq.allowed[0, 0])[seq.real_rows]
 
     # Structural: children at child positions, then load + question.
-    manager = ChunkCacheManager(num_pool_blocks=64, block_size=4, context_mode=mode)
-    admission = manager.admit("r", prompt, ChunkNamespace("m", "f32", "t"))
+    manager = ChunkCacheManager(num_pool_blocks=64, block_size=4, context_mode=mode,
+                                sink_token_id=7)
+    manager.add_request("r", prompt, ChunkNamespace("m", "f32", "t"))
+    admission = manager.admit("r")
     stored, child_out = {}, {}
     for child in admission.new_children:
         n = len(child.token_ids)

@@ -219,7 +219,7 @@ def test_manager_plan_through_remapper_lands_rope_at_real_positions(
     end up with K exactly as if computed at the real positions."""
     rope = make_rope({"rope_type": "default"}, True)
     block = 4
-    manager = ChunkCacheManager(num_pool_blocks=8, block_size=block)
+    manager = ChunkCacheManager(num_pool_blocks=8, block_size=block, sink_token_id=1)
     pool_k = torch.zeros(8 * block, NUM_HEADS, HEAD_SIZE)
     pool_v = torch.zeros_like(pool_k)
 
@@ -230,7 +230,8 @@ def test_manager_plan_through_remapper_lands_rope_at_real_positions(
     raw_k = {t: torch.randn(NUM_HEADS * HEAD_SIZE, generator=gen) for t in range(40)}
     raw_v = {t: torch.randn(NUM_HEADS, HEAD_SIZE, generator=gen) for t in range(40)}
 
-    admission = manager.admit("r", prompt, ChunkNamespace("m", "float32", "t"))
+    manager.add_request("r", prompt, ChunkNamespace("m", "float32", "t"))
+    admission = manager.admit("r")
     for child in admission.new_children:
         # What the worker does on store: K after RoPE at child positions.
         store = manager.store_plan(child.request_id)

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from vllm.v1.core.chunk_structures import ChunkCacheStats
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorPromMetrics,
     KVConnectorStats,
@@ -20,7 +21,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     PromMetricT,
 )
 
-# Monotonic counters (reported as increments) and their help text.
+# Monotonic counters (reported as increments) and their help text; the names
+# are fields of ChunkCacheStats, whose one owner is ChunkCacheManager.
 COUNTERS: dict[str, str] = {
     "hits": "Cached segments found resident in the chunk pool at admission",
     "misses": "Cached segments that needed a new child request",
@@ -30,8 +32,9 @@ COUNTERS: dict[str, str] = {
     "child_computes": "Internal child requests started to compute missing segments",
     "child_tokens": "Tokens prefilled by child requests (context included)",
     "evictions": "Chunk pool entries evicted (LRU)",
-    "fallbacks": "Requests served without the chunk cache (pool too small, child failed)",
-    "hash_collisions": "Key matches whose stored tokens differed (served as misses)",
+    "refused_requests": "Chunked requests refused after arrival (never served otherwise)",
+    "deferred_requests": "Chunked requests that waited for chunk pool room",
+    "hash_collisions": "Key matches whose stored tokens differed",
     "failed_children": "Child requests that ended without storing their rows",
 }
 # Gauges (last value wins).
@@ -39,6 +42,7 @@ GAUGES: dict[str, str] = {
     "pool_blocks_used": "Chunk pool blocks in use",
     "pool_blocks_total": "Chunk pool blocks in total",
     "pool_entries_pinned": "Chunk pool entries pinned by requests in flight",
+    "live_requests": "Chunked requests and child requests the chunk cache tracks",
 }
 
 
@@ -50,6 +54,18 @@ class ChunkCacheConnectorStats(KVConnectorStats):
 
     def reset(self) -> None:
         self.data = {}
+
+    @classmethod
+    def increments(
+        cls, now: ChunkCacheStats, last: ChunkCacheStats
+    ) -> ChunkCacheConnectorStats:
+        """Counter increments from `last` to `now`, plus `now`'s gauges."""
+        data = {k: getattr(now, k) - getattr(last, k) for k in COUNTERS}
+        data["pool_blocks_used"] = now.pool_blocks_used
+        data["pool_blocks_total"] = now.pool_blocks_total
+        data["pool_entries_pinned"] = now.pinned_entries
+        data["live_requests"] = now.live_requests
+        return cls(data=data)
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
         for key, value in other.data.items():

@@ -1,0 +1,133 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The connector's scheduler half with real vLLM Request objects and no engine:
+admission when the scheduler asks (not on arrival), children and their retry,
+refusal instead of another attention, the one-group check, the base-class
+hooks, and the import boundary (engine-core code never imports the front end)."""
+
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+
+from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.scheduler_adapter import (
+    ChunkCacheSchedulerAdapter,
+)
+from vllm.sampling_params import SamplingParams
+from vllm.v1.request import Request, RequestStatus
+
+BLOCK = 16  # paged block size of the fake KV cache
+SINK = 1
+
+
+def make_config(num_kv_blocks=64, fraction=0.5, groups=1):
+    chunk = SimpleNamespace(chunk_context="sink", chunk_sink_token_id=SINK,
+                            chunk_pool_fraction=fraction, chunk_pool_size_gib=None)
+    vllm_config = SimpleNamespace(
+        chunk_cache_config=chunk,
+        cache_config=SimpleNamespace(cache_dtype="auto", block_size=BLOCK),
+        model_config=SimpleNamespace(model="m", tokenizer="t", dtype="float32"),
+    )
+    group = SimpleNamespace(kv_cache_spec=SimpleNamespace(block_size=BLOCK))
+    kv_cache_config = SimpleNamespace(kv_cache_groups=[group] * groups,
+                                      num_blocks=num_kv_blocks)
+    return vllm_config, kv_cache_config
+
+
+def parent(rid, layout, salt=None):
+    ids = list(range(10, 10 + sum(layout)))
+    r = Request(rid, ids, SamplingParams(max_tokens=2), None, cache_salt=salt,
+                chunk_layout=layout)
+    return r
+
+
+def finish(adapter, request, status):
+    request.status = status
+    if status == RequestStatus.FINISHED_LENGTH_CAPPED:
+        request.num_computed_tokens = request.num_prompt_tokens
+    adapter.request_finished(request)
+
+
+def test_arrival_pins_nothing_and_admission_spawns_children():
+    adapter = ChunkCacheSchedulerAdapter(*make_config())
+    r = parent("p", [3, 5, 2])
+    adapter.on_new_request(r)
+    assert adapter.stats().pinned_entries == 0 and adapter.take_internal_requests() == []
+
+    assert adapter.get_num_new_matched_tokens(r, 0) == (None, False)
+    children = adapter.take_internal_requests()
+    assert [c.prompt_token_ids for c in children] == [[10, 11, 12], [SINK, 13, 14, 15, 16, 17]]
+    assert all(c.chunk_layout is None and c.cache_salt is None for c in children)
+    assert adapter.stats().pinned_entries == 2
+    for c in children:
+        finish(adapter, c, RequestStatus.FINISHED_LENGTH_CAPPED)
+    # Everything before the question (8 tokens) is served from the pool.
+    assert adapter.get_num_new_matched_tokens(r, 0) == (8, False)
+    finish(adapter, r, RequestStatus.FINISHED_STOPPED)
+    stats = adapter.stats()
+    assert (stats.pinned_entries, stats.live_requests, stats.misses) == (0, 0, 2)
+
+
+def test_a_request_without_layout_is_not_touched_whatever_its_salt():
+    adapter = ChunkCacheSchedulerAdapter(*make_config())
+    r = Request("plain", list(range(20)), SamplingParams(max_tokens=1), None,
+                cache_salt="vllm-chunk-cache/v1/3,2,15/=tenantB")
+    adapter.on_new_request(r)
+    assert adapter.get_num_new_matched_tokens(r, 0) == (0, False)
+    assert adapter.stats().live_requests == 0
+
+
+def test_failed_child_is_retried_then_the_parent_is_finished_with_an_error():
+    adapter = ChunkCacheSchedulerAdapter(*make_config())
+    r = parent("p", [3, 5, 2], salt="tenant")
+    adapter.on_new_request(r)
+    adapter.get_num_new_matched_tokens(r, 0)
+    sys_child, doc_child = adapter.take_internal_requests()
+    assert doc_child.cache_salt == "tenant"  # children stay in the tenant's namespace
+    finish(adapter, doc_child, RequestStatus.FINISHED_ABORTED)
+    (retry,) = adapter.take_internal_requests()
+    assert retry.prompt_token_ids == doc_child.prompt_token_ids
+    assert adapter.take_failed_requests() == {}
+    finish(adapter, retry, RequestStatus.FINISHED_ABORTED)
+    failed = adapter.take_failed_requests()
+    assert list(failed) == ["p"] and "could not be computed" in failed["p"]
+    # Never served with another attention: it waits until finished with an error.
+    assert adapter.get_num_new_matched_tokens(r, 0) == (None, False)
+    finish(adapter, sys_child, RequestStatus.FINISHED_LENGTH_CAPPED)
+    finish(adapter, r, RequestStatus.FINISHED_ERROR)
+    assert adapter.stats().pinned_entries == 0 and adapter.stats().live_requests == 0
+
+
+def test_oversized_request_is_refused_not_served_causally():
+    adapter = ChunkCacheSchedulerAdapter(*make_config(num_kv_blocks=4, fraction=0.5))
+    # Pool: 0.5 * 4 * 16 = 32 rows = 2 blocks; the segments need 1 + 2.
+    r = parent("p", [3, 20, 2])
+    adapter.on_new_request(r)
+    assert adapter.get_num_new_matched_tokens(r, 0) == (None, False)
+    assert "chunk pool" in adapter.take_failed_requests()["p"]
+    assert adapter.take_internal_requests() == []
+
+
+def test_more_than_one_kv_cache_group_is_refused_at_start_up():
+    with pytest.raises(ValueError, match="one KV cache group"):
+        ChunkCacheSchedulerAdapter(*make_config(groups=2))
+
+
+def test_new_connector_hooks_are_base_class_methods_with_no_op_defaults():
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+
+    for name in ("register_model", "take_internal_requests", "take_failed_requests"):
+        method = getattr(KVConnectorBase_V1, name)
+        assert not getattr(method, "__isabstractmethod__", False), name
+    stub = object()  # the defaults use nothing of the instance
+    assert KVConnectorBase_V1.take_internal_requests(stub) == []
+    assert KVConnectorBase_V1.take_failed_requests(stub) == {}
+    assert KVConnectorBase_V1.register_model(stub, object()) is None
+
+
+def test_engine_core_connector_does_not_import_front_end_code():
+    code = ("import sys\n"
+            "import vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.connector\n"
+            "bad = sorted(m for m in sys.modules if m.startswith('vllm.renderers'))\n"
+            "assert not bad, bad\n")
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -1,0 +1,328 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The connector's scheduler half: vLLM events in, slot/row metadata out.
+
+A thin adapter around `ChunkCacheManager`, which owns every chunked
+request's state and every counter. This module only translates:
+
+* `on_new_request`: a request whose `chunk_layout` (set by the renderer,
+  never by a client) is present is handed to the manager (queued, nothing
+  pinned);
+* `get_num_new_matched_tokens`: the scheduler is about to run the request,
+  so the manager admits it now; None ("ask again") while it is deferred,
+  refused or waiting for its children, then every token before the question
+  is reported as computed externally;
+* `build_connector_meta`: manager plans -> paged slots and pool rows;
+* `request_finished`: children stored their rows (or failed and are
+  retried); parents are released;
+* `take_internal_requests` / `take_failed_requests`: children to schedule,
+  refused parents to finish with an error.
+
+It keeps only vLLM-side bookkeeping the manager must not know about: the
+paged block ids of children (to find their rows) and of parents between
+allocation and the next metadata build.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.metadata import (
+    ChunkCacheMetadata,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.setup import (
+    POOL_BLOCK_SIZE,
+    pool_num_blocks,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.stats import (
+    ChunkCacheConnectorStats,
+)
+from vllm.logger import init_logger
+from vllm.v1.core.chunk_cache_manager import ChunkCacheManager
+from vllm.v1.core.chunk_hash_index import ChunkNamespace
+from vllm.v1.core.chunk_structures import (
+    AdmitReason,
+    ChildSpec,
+    ChunkCacheStats,
+    ChunkContextMode,
+    ChunkedPrompt,
+)
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+logger = init_logger(__name__)
+
+
+@dataclass
+class _ChildSlots:
+    # Tokens of the child's sequence and the first one to store.
+    num_tokens: int
+    store_start: int
+    # Pool row of each stored token.
+    pool_rows: np.ndarray
+    # Paged block ids of the child (grows with chunked prefill).
+    block_ids: list[int] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class _PendingLoad:
+    # First prompt position to load (earlier ones hit vLLM's prefix cache).
+    first_position: int
+    # The parent's paged block ids.
+    block_ids: list[int]
+
+
+def rows_of_blocks(block_ids: list[int], block_size: int, positions: np.ndarray) -> np.ndarray:
+    """Flat row (block_id * block_size + offset) of each position."""
+    blocks = np.asarray(block_ids, dtype=np.int64)
+    return blocks[positions // block_size] * block_size + positions % block_size
+
+
+def single_group_block_size(kv_cache_config: KVCacheConfig) -> int:
+    """The paged block size; refuses layouts the chunk cache cannot serve."""
+    groups = kv_cache_config.kv_cache_groups
+    if len(groups) != 1:
+        raise ValueError(
+            f"--enable-chunk-cache supports models with one KV cache group; this "
+            f"model has {len(groups)} (e.g. sliding-window or hybrid attention "
+            "layers), which the chunk cache cannot re-position yet"
+        )
+    return groups[0].kv_cache_spec.block_size
+
+
+class ChunkCacheSchedulerAdapter:
+    """Scheduler-side half of the connector (engine-core process)."""
+
+    def __init__(self, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig):
+        # Child requests are built here, so vLLM's request module is needed
+        # on the scheduler side only (imported lazily: it pulls in torch).
+        from vllm.sampling_params import RequestOutputKind, SamplingParams
+
+        cfg = vllm_config.chunk_cache_config
+        self.block_size = single_group_block_size(kv_cache_config)
+        num_pool_blocks = pool_num_blocks(vllm_config, kv_cache_config)
+        self.manager = ChunkCacheManager(
+            num_pool_blocks,
+            POOL_BLOCK_SIZE,
+            ChunkContextMode(cfg.chunk_context),
+            sink_token_id=cfg.chunk_sink_token_id,
+        )
+        model_config = vllm_config.model_config
+        self._model = str(model_config.model)
+        self._tokenizer = str(model_config.tokenizer)
+        self._kv_dtype = f"{model_config.dtype}/{vllm_config.cache_config.cache_dtype}"
+        self._child_params = SamplingParams(
+            max_tokens=1,
+            temperature=0.0,
+            skip_reading_prefix_cache=True,
+            detokenize=False,
+            output_kind=RequestOutputKind.FINAL_ONLY,
+        )
+        self._children: dict[str, _ChildSlots] = {}
+        self._pending_loads: dict[str, _PendingLoad] = {}
+        self._new_children: list[Request] = []
+        self._reported = ChunkCacheStats()
+        logger.info(
+            "Chunk cache: pool of %d blocks x %d rows, chunk_context=%s",
+            num_pool_blocks,
+            POOL_BLOCK_SIZE,
+            cfg.chunk_context,
+        )
+
+    # ----------------------------------------------------------- requests
+
+    def on_new_request(self, request: Request) -> None:
+        layout = request.chunk_layout
+        if layout is None or request.prompt_token_ids is None:
+            return
+        prompt = ChunkedPrompt.from_lengths(request.prompt_token_ids, layout)
+        lora = request.lora_request
+        namespace = ChunkNamespace(
+            model=self._model,
+            kv_dtype=self._kv_dtype,
+            tokenizer=self._tokenizer,
+            lora_id=lora.lora_int_id if lora is not None else 0,
+            cache_salt=request.cache_salt,
+        )
+        self.manager.add_request(request.request_id, prompt, namespace)
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        rid = request.request_id
+        if not self.manager.has_request(rid):
+            return 0, False
+        admission = self.manager.admit(rid)
+        self._spawn_children(request)
+        if admission.reason != AdmitReason.ADMITTED:
+            # NOTE: a refused request is never computed: it waits here until
+            # the scheduler finishes it with an error (take_failed_requests).
+            return None, False
+        if not self.manager.is_ready(rid):
+            return None, False
+        end = self.manager.question_start(rid)
+        return max(0, end - num_computed_tokens), False
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        rid = request.request_id
+        if num_external_tokens == 0 or not self.manager.has_request(rid):
+            return
+        first = self.manager.question_start(rid) - num_external_tokens
+        self._pending_loads[rid] = _PendingLoad(first, list(blocks.get_block_ids()[0]))
+
+    def take_internal_requests(self) -> list[Request]:
+        children, self._new_children = self._new_children, []
+        return children
+
+    def take_failed_requests(self) -> dict[str, str]:
+        """Refused parents -> the error message their client gets."""
+        failed = {}
+        for refusal in self.manager.take_refusals():
+            logger.warning("chunk cache: request %s refused: %s",
+                           refusal.request_id, refusal.message)
+            failed[refusal.request_id] = refusal.message
+        return failed
+
+    def request_finished(self, request: Request) -> None:
+        from vllm.v1.request import RequestStatus
+
+        rid = request.request_id
+        if self.manager.is_child(rid):
+            del self._children[rid]
+            if request.status in (
+                RequestStatus.FINISHED_STOPPED,
+                RequestStatus.FINISHED_LENGTH_CAPPED,
+            ) and request.num_computed_tokens >= request.num_prompt_tokens:
+                self.manager.child_finished(rid)
+            else:
+                retry = self.manager.child_failed(rid)
+                logger.warning(
+                    "chunk cache: child %s ended without its rows (%s); %s",
+                    rid, request.status.name,
+                    f"retrying as {retry.request_id}" if retry else "giving up",
+                )
+                self._spawn_children(request)
+            return
+        self._pending_loads.pop(rid, None)
+        self.manager.release(rid)
+
+    # --------------------------------------------------------------- meta
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> ChunkCacheMetadata:
+        meta = ChunkCacheMetadata()
+        self._add_loads(meta)
+        self._add_stores(meta, scheduler_output)
+        return meta
+
+    def _add_loads(self, meta: ChunkCacheMetadata) -> None:
+        for rid, pending in self._pending_loads.items():
+            plan = self.manager.load_plan(rid, pending.first_position)
+            for seg in plan.segments:
+                positions = np.arange(
+                    seg.dst_start + seg.first_row, seg.dst_start + seg.num_tokens,
+                    dtype=np.int64,
+                )
+                src = rows_of_blocks(
+                    [int(b) for b in seg.pool_block_ids], POOL_BLOCK_SIZE,
+                    positions - seg.dst_start,
+                )
+                dst = rows_of_blocks(pending.block_ids, self.block_size, positions)
+                meta.load_src_rows.extend(src.tolist())
+                meta.load_dst_slots.extend(dst.tolist())
+                meta.load_deltas.extend([seg.position_delta] * len(positions))
+        self._pending_loads.clear()
+
+    def _add_stores(self, meta: ChunkCacheMetadata, out: SchedulerOutput) -> None:
+        if not self._children:
+            return
+        scheduled: list[tuple[str, int]] = []
+        for new in out.scheduled_new_reqs:
+            child = self._children.get(new.req_id)
+            if child is not None:
+                child.block_ids = list(new.block_ids[0])
+                scheduled.append((new.req_id, new.num_computed_tokens))
+        cached = out.scheduled_cached_reqs
+        for i, rid in enumerate(cached.req_ids):
+            child = self._children.get(rid)
+            if child is None:
+                continue
+            new_ids = cached.new_block_ids[i]
+            if rid in cached.resumed_req_ids:
+                child.block_ids = list(new_ids[0]) if new_ids is not None else []
+            elif new_ids is not None:
+                child.block_ids.extend(new_ids[0])
+            scheduled.append((rid, cached.num_computed_tokens[i]))
+        for rid, start in scheduled:
+            child = self._children[rid]
+            n = out.num_scheduled_tokens.get(rid, 0)
+            lo = max(start, child.store_start)
+            hi = min(start + n, child.num_tokens)
+            if lo >= hi:
+                continue
+            positions = np.arange(lo, hi, dtype=np.int64)
+            meta.store_src_slots.extend(
+                rows_of_blocks(child.block_ids, self.block_size, positions).tolist()
+            )
+            meta.store_dst_rows.extend(
+                child.pool_rows[positions - child.store_start].tolist()
+            )
+
+    # -------------------------------------------------------------- stats
+
+    def stats(self) -> ChunkCacheStats:
+        return self.manager.stats()
+
+    def take_stats(self) -> ChunkCacheConnectorStats:
+        """Counter increments since the last call, plus the gauges."""
+        now, last = self.manager.stats(), self._reported
+        self._reported = now
+        return ChunkCacheConnectorStats.increments(now, last)
+
+    # ----------------------------------------------------------- internal
+
+    def _spawn_children(self, origin: Request) -> None:
+        """Build vLLM requests for the children the manager started.
+
+        `origin` is the parent being admitted, or the failed child whose
+        retry this is: children inherit its client, LoRA, salt and priority.
+        """
+        for spec in self.manager.take_new_children():
+            self._new_children.append(self._make_child(origin, spec))
+
+    def _make_child(self, origin: Request, spec: ChildSpec) -> Request:
+        from vllm.v1.request import Request
+
+        # NOTE: the child carries its parent's salt, so its blocks in vLLM's
+        # prefix cache (plain causal KV of `context + segment`) stay in the
+        # tenant's namespace.
+        child = Request(
+            request_id=spec.request_id,
+            prompt_token_ids=list(spec.token_ids),
+            sampling_params=self._child_params.clone(),
+            pooling_params=None,
+            client_index=origin.client_index,
+            arrival_time=origin.arrival_time,
+            lora_request=origin.lora_request,
+            cache_salt=origin.cache_salt,
+            priority=origin.priority,
+            block_hasher=origin._block_hasher,
+        )
+        plan = self.manager.store_plan(spec.request_id)
+        offsets = np.arange(plan.num_tokens, dtype=np.int64)
+        self._children[spec.request_id] = _ChildSlots(
+            num_tokens=len(spec.token_ids),
+            store_start=spec.store_start,
+            pool_rows=rows_of_blocks(
+                [int(b) for b in plan.pool_block_ids], POOL_BLOCK_SIZE, offsets
+            ),
+        )
+        return child
