@@ -47,6 +47,13 @@ def chunk_scheduler(llm):
     return connector.chunk_scheduler
 
 
+def snapshot(sched) -> dict:
+    """The manager's counters and gauges (it owns every one of them)."""
+    import dataclasses
+
+    return dataclasses.asdict(sched.stats())
+
+
 def params(n=3, **kw):
     from vllm import SamplingParams
 
@@ -67,7 +74,7 @@ def doc(rng, words):
 
 
 def test_pool_is_sized_from_the_flag(llm):
-    snap = chunk_scheduler(llm).snapshot()
+    snap = snapshot(chunk_scheduler(llm))
     assert snap["pool_blocks_total"] == 19
 
 
@@ -79,11 +86,11 @@ def test_reuse_after_another_system_prompt_hits_every_chunk(llm, reference):
     out = llm.generate([first.prompt], params(), use_tqdm=False)[0]
     prompt = check(reference, first, out)
     assert out.num_cached_tokens == prompt.question_span.start
-    before = sched.snapshot()
+    before = snapshot(sched)
     second = Layout("another system", [b, a], "and now")
     out = llm.generate([second.prompt], params(), use_tqdm=False)[0]
     prompt = check(reference, second, out)
-    after = sched.snapshot()
+    after = snapshot(sched)
     # Both chunks hit (in the other order, after another system prompt); only
     # the new system segment was computed by a child.
     assert after["hits"] - before["hits"] == 2
@@ -103,10 +110,10 @@ def test_repeated_prompt_combines_vllm_prefix_cache_and_chunk_cache(llm, referen
     first = llm.generate([layout.prompt], params(), use_tqdm=False)[0]
     prompt = check(reference, layout, first)
     assert prompt.question_span.start > 128
-    before = sched.snapshot()
+    before = snapshot(sched)
     again = llm.generate([layout.prompt], params(), use_tqdm=False)[0]
     check(reference, layout, again)
-    loaded = sched.snapshot()["tokens_loaded"] - before["tokens_loaded"]
+    loaded = snapshot(sched)["tokens_loaded"] - before["tokens_loaded"]
     # vLLM's prefix cache (same layout salt, same tokens) served the full
     # 128-token blocks; the chunk cache loaded only the rest before the question.
     assert again.num_cached_tokens >= prompt.question_span.start
@@ -121,11 +128,11 @@ def test_cache_salt_isolates_tenants(llm, reference):
     sched = chunk_scheduler(llm)
 
     def run(salt):
-        before = sched.snapshot()
+        before = snapshot(sched)
         out = llm.generate([TextPrompt(prompt=layout.prompt, cache_salt=salt)], params(),
                            use_tqdm=False)[0]
         check(reference, layout, out)
-        after = sched.snapshot()
+        after = snapshot(sched)
         return after["hits"] - before["hits"], after["misses"] - before["misses"]
 
     assert run("tenant-a") == (0, 2)
@@ -143,14 +150,14 @@ def test_eviction_under_a_small_pool_keeps_answers_exact(llm, reference):
     # 60-90 tokens each (4-6 pool blocks): about three fit the 19-block pool.
     docs = [doc(rng, rng.randint(12, 18)) for _ in range(10)]
     sched = chunk_scheduler(llm)
-    before = sched.snapshot()
+    before = snapshot(sched)
     for i in range(10):
         layout = Layout("sys", [docs[i], docs[(i + 3) % 10]], f"question {i}")
         out = llm.generate([layout.prompt], params(2), use_tqdm=False)[0]
         check(reference, layout, out)
-    after = sched.snapshot()
+    after = snapshot(sched)
     assert after["evictions"] > before["evictions"]
-    assert after["fallbacks"] == before["fallbacks"]
+    assert after["refused_requests"] == before["refused_requests"]
     assert after["pinned_entries"] == 0
     assert after["pool_blocks_used"] <= after["pool_blocks_total"]
 
@@ -161,14 +168,14 @@ def test_requests_wait_for_pool_room_instead_of_falling_back(llm, reference):
     # submitted together, later ones must wait until earlier ones release pins.
     layouts = [Layout("sys", [doc(rng, 16), doc(rng, 16)], f"q {i}") for i in range(4)]
     sched = chunk_scheduler(llm)
-    before = sched.snapshot()
+    before = snapshot(sched)
     outs = llm.generate([lay.prompt for lay in layouts], params(2), use_tqdm=False)
     for layout, out in zip(layouts, outs):
         prompt = check(reference, layout, out)
         assert out.num_cached_tokens == prompt.question_span.start
-    after = sched.snapshot()
-    assert after["deferred_admissions"] > before["deferred_admissions"]
-    assert after["fallbacks"] == before["fallbacks"]
+    after = snapshot(sched)
+    assert after["deferred_requests"] > before["deferred_requests"]
+    assert after["refused_requests"] == before["refused_requests"]
     assert after["pinned_entries"] == 0
 
 
@@ -190,9 +197,9 @@ def test_abort_and_preemption_leave_nothing_pinned(llm, reference):
     # Children still in flight run to completion (their rows stay useful).
     for _ in range(5):
         engine.step()
-    snap = sched.snapshot()
+    snap = snapshot(sched)
     assert snap["pinned_entries"] == 0
-    assert snap["live_parents"] == 0 and snap["live_children"] == 0
+    assert snap["live_requests"] == 0
     # The engine still answers correctly afterwards.
     layout = Layout("sys", [layouts[0].chunks[0]], "after the aborts")
     out = llm.generate([layout.prompt], params(), use_tqdm=False)[0]
@@ -204,17 +211,17 @@ def test_preempted_requests_reload_their_chunks_and_stay_exact(llm, reference):
     docs = [doc(rng, rng.randint(8, 12)) for _ in range(3)]
     layouts = [Layout("sys", [docs[i % 3], docs[(i + 1) % 3]], f"q {i}") for i in range(8)]
     sched = chunk_scheduler(llm)
-    before = sched.snapshot()
+    before = snapshot(sched)
     # 8 x ~(120 prompt + 200 generated) tokens need ~24 blocks: the 16-block
     # KV cache forces preemptions; preempted parents reload from the pool.
     outs = llm.generate([lay.prompt for lay in layouts], params(200), use_tqdm=False)
-    loaded = sched.snapshot()["tokens_loaded"] - before["tokens_loaded"]
+    loaded = snapshot(sched)["tokens_loaded"] - before["tokens_loaded"]
     expected = 0
     for layout, out in zip(layouts, outs):
         expected += check(reference, layout, out).question_span.start
     assert loaded > expected, "no request was preempted and reloaded"
-    snap = sched.snapshot()
-    assert snap["pinned_entries"] == 0 and snap["live_parents"] == 0
+    snap = snapshot(sched)
+    assert snap["pinned_entries"] == 0 and snap["live_requests"] == 0
 
 
 def test_prompt_without_separator_is_plain_vllm(llm, reference):
@@ -267,3 +274,19 @@ def test_prompt_logprobs_are_refused_for_chunked_prompts(llm):
     # A plain prompt may still ask for them.
     out = llm.generate(["plain prompt"], params(prompt_logprobs=1), use_tqdm=False)[0]
     assert out.prompt_logprobs is not None
+
+
+def test_segments_larger_than_the_pool_are_refused_offline_too(llm):
+    rng = random.Random("oversize")
+    layout = Layout("sys", [doc(rng, 60) for _ in range(3)], "q")  # > 19 blocks of rows
+    before = snapshot(chunk_scheduler(llm))
+    with pytest.raises(ValueError, match="chunk pool") as e:
+        llm.generate([layout.prompt], params(), use_tqdm=False)
+    assert "--chunk-pool" in str(e.value)
+    assert snapshot(chunk_scheduler(llm))["child_computes"] == before["child_computes"]
+
+
+def test_a_prompt_may_not_bring_its_own_layout(llm):
+    with pytest.raises(ValueError, match="may not carry one"):
+        llm.generate([{"prompt_token_ids": [5, 6, 7, 8], "chunk_layout": [1, 2, 1]}],
+                     params(), use_tqdm=False)

@@ -177,7 +177,7 @@ def test_stats_log_line_reports_the_chunk_cache(server):
         time.sleep(2)
     line = [ln for ln in server.log().splitlines() if "KV Transfer metrics" in ln][-1]
     for key in ("hits=", "misses=", "hit_rate=", "tokens_reused=", "child_computes=",
-                "evictions=", "fallbacks=", "pool_blocks_used=", "pool_blocks_total="):
+                "evictions=", "refused_requests=", "pool_blocks_used=", "pool_blocks_total="):
         assert key in line, line
 
 

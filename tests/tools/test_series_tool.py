@@ -92,6 +92,34 @@ def test_export_writes_a_new_commit_as_a_new_patch(fork_repo: Paths):
     assert tree.export(fork_repo, "vllm", src) == []
 
 
+OVERLAY_FILE = "vllm/v1/core/chunk_structures.py"
+
+
+def test_export_keeps_an_overlay_file_edited_in_the_repository(fork_repo: Paths):
+    """Issue 7, finding 9: before, export copied the tree's stale copy over it."""
+    src = tree.apply(fork_repo, bases.base_for(fork_repo, "vllm", "wheel"), force=False)
+    repo_file = fork_repo.repo / OVERLAY_FILE
+    edited = repo_file.read_text() + "\n# edited in the repository after apply\n"
+    repo_file.write_text(edited)
+    new_file = fork_repo.repo / "vllm" / "v1" / "core" / "chunk_new_in_repo.py"
+    new_file.write_text("Y = 2\n")
+    tree.export(fork_repo, "vllm", src)
+    assert repo_file.read_text() == edited
+    assert new_file.read_text() == "Y = 2\n"
+
+
+def test_export_refuses_when_repository_and_tree_both_edited_an_overlay_file(
+        fork_repo: Paths):
+    src = tree.apply(fork_repo, bases.base_for(fork_repo, "vllm", "wheel"), force=False)
+    (fork_repo.repo / OVERLAY_FILE).write_text("# repository version\n")
+    (src / OVERLAY_FILE).write_text("# tree version\n")
+    git(src, "commit", "-qam", "overlay edit in the tree")
+    before = snapshot(fork_repo)
+    with pytest.raises(Exception, match="edited in the repository since"):
+        tree.export(fork_repo, "vllm", src)
+    assert snapshot(fork_repo) == before  # nothing written
+
+
 def test_export_refuses_uncommitted_edits(fork_repo: Paths):
     src = tree.apply(fork_repo, bases.base_for(fork_repo, "vllm", "wheel"), force=False)
     (src / "vllm" / "envs.py").write_text("broken\n")

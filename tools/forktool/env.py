@@ -40,15 +40,19 @@ def ensure_env(paths: Paths, torch_wheel: Path, wheel: BuiltWheel) -> Path:
         stamp = {}
     want_base = _base_digest(torch_wheel, reqs / "constraints.txt", reqs / "dev.txt")
     if stamp.get("base") != want_base:
+        had_vllm = any(paths.venv.glob("lib/python*/site-packages/vllm-*.dist-info"))
         with step("installing torch 2.11.0 (first run downloads ~2 GB: a few minutes)"):
             run(pip + ["install", "--progress-bar", "off", str(torch_wheel),
                        "-c", str(reqs / "constraints.txt"), "torchvision", "torchaudio"])
         with step("installing the patched vLLM wheel with its dependencies and dev tools"):
             run(pip + ["install", "--progress-bar", "off", str(wheel.path),
                        "-r", str(reqs / "dev.txt"), "-c", str(reqs / "constraints.txt")])
-        # NOTE: no "wheel" entry yet: when an older build of the same version was already
-        # installed, pip kept it ("already satisfied"), so the swap below must still run.
+        # NOTE: when an older build of the same version was already installed, pip kept it
+        # ("already satisfied"), so the swap below must still run; in a new venv the wheel
+        # just installed is this build, and installing it again would only cost time.
         stamp = {"base": want_base}
+        if not had_vllm:
+            stamp["wheel"] = wheel.inputs_digest
     if stamp.get("wheel") != wheel.inputs_digest:
         with step(f"reinstalling {wheel.path.name} (patches or overlay changed)"):
             run(pip + ["install", "--no-deps", "--force-reinstall", "--progress-bar", "off",

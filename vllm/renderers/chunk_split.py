@@ -12,7 +12,8 @@ through:
   special tokens go to the first segment only, and only if the request asked
   for them (chat templates render BOS themselves and ask for none);
 * a token-id prompt is split where the separator's own token ids occur;
-* a prompt without the separator is returned untouched (stock vLLM).
+* a prompt without the separator is returned untouched (stock vLLM), and so
+  is one whose request opted out (`split_chunks=False`).
 
 The segment layout travels as the prompt's `chunk_layout` (segment token
 counts), copied into `EngineCoreRequest.chunk_layout`: a field only this
@@ -82,6 +83,8 @@ class ChunkPromptSplitter:
 
     def split(self, prompt: dict, params: Any, tokenizer: Any) -> dict:
         """The prompt, tokenized per segment and marked if it is chunked."""
+        if not self._wants_split(prompt, params):
+            return prompt
         text = self._text_to_split(prompt, params, tokenizer)
         if text is not None:
             encoder = _SegmentEncoder(tokenizer, bool(params.add_special_tokens))
@@ -93,6 +96,8 @@ class ChunkPromptSplitter:
     ) -> dict:
         """`split`, with segments tokenized by vLLM's async tokenizer (off the
         event loop, micro-batched with other requests)."""
+        if not self._wants_split(prompt, params):
+            return prompt
         text = self._text_to_split(prompt, params, tokenizer)
         if text is None:
             return self._split_token_ids(prompt, tokenizer)
@@ -117,12 +122,17 @@ class ChunkPromptSplitter:
 
     # ---------------------------------------------------------- helpers
 
-    def _text_to_split(self, prompt: dict, params: Any, tokenizer: Any) -> str | None:
-        """The text of a separator-marked text prompt, else None."""
+    @staticmethod
+    def _wants_split(prompt: dict, params: Any) -> bool:
+        """False when the request opted out (split_chunks=False)."""
         if LAYOUT_KEY in prompt:
             raise ChunkPromptError(
                 f"'{LAYOUT_KEY}' is set by the chunk cache from the separators in "
                 "the prompt; a request may not carry one", parameter=LAYOUT_KEY)
+        return getattr(params, "split_chunks", True)
+
+    def _text_to_split(self, prompt: dict, params: Any, tokenizer: Any) -> str | None:
+        """The text of a separator-marked text prompt, else None."""
         if tokenizer is None or "prompt_token_ids" in prompt or "prompt_embeds" in prompt:
             return None
         text = prompt.get("prompt")

@@ -33,8 +33,9 @@ class _Params(SimpleNamespace):
         return prompt
 
 
-def _params(add_special_tokens=True, truncate=None):
-    return _Params(add_special_tokens=add_special_tokens, truncate_prompt_tokens=truncate)
+def _params(add_special_tokens=True, truncate=None, split_chunks=True):
+    return _Params(add_special_tokens=add_special_tokens, truncate_prompt_tokens=truncate,
+                   split_chunks=split_chunks)
 
 
 class _CountingAsyncTokenizer:
@@ -91,6 +92,15 @@ def test_prompt_without_separator_is_untouched():
     assert _splitter().split(prompt, _params(), tok) is prompt
     prompt = {"prompt_token_ids": [1, 2, 3]}
     assert _splitter().split(prompt, _params(), tok) is prompt
+
+
+def test_a_request_can_opt_out_of_splitting():
+    tok = build_toy_tokenizer()
+    prompt = {"prompt": "# Title ## Section ## more"}
+    assert _splitter().split(prompt, _params(split_chunks=False), tok) is prompt
+    out = asyncio.run(_splitter().split_async(prompt, _params(split_chunks=False), tok,
+                                              _CountingAsyncTokenizer(tok)))
+    assert out is prompt
 
 
 def test_token_ids_split_on_the_separator_ids():
