@@ -24,7 +24,7 @@ import pytest
 from tests.conftest import models_dir
 from tests.e2e.chunk_reference import Layout, Reference, compare, random_text
 from tests.e2e.server import start_server
-from tests.e2e.test_chunk_cache_server import _ids, _Lp
+from tests.e2e.test_chunk_cache_server import _ids, _Lp, check_plain_completion
 from tests.e2e.test_chunk_cache_server import metrics as _metrics
 
 pytestmark = pytest.mark.e2e
@@ -92,17 +92,7 @@ def test_a_salt_shaped_like_a_layout_selects_nothing(server, reference):
     assert lookups(after) == lookups(before)
     assert after["child_computes"] == before["child_computes"]
     # And the answer is plain causal attention over the prompt.
-    import torch
-
-    choice = body["choices"][0]
-    tokens = _ids(choice["logprobs"]["tokens"])
-    ids = reference.tokenizer.encode(text)
-    with torch.no_grad():
-        logits = reference.model(input_ids=torch.tensor([ids + tokens])).logits[0]
-    ref = torch.log_softmax(logits.double(), -1)[len(ids) - 1:]
-    top = [{int(k.split(":", 1)[1]): _Lp(v, 1) for k, v in d.items()}
-           for d in choice["logprobs"]["top_logprobs"]]
-    compare(ref, tokens, top, TOL)
+    check_plain_completion(reference, text, body)
 
 
 def test_chunk_prompt_400_logs_no_traceback(server):

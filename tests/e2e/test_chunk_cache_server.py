@@ -153,10 +153,8 @@ def test_prompt_logprobs_on_a_chunked_prompt_get_http_400(server):
     assert "prompt_logprobs is not supported" in body["error"]["message"]
 
 
-def test_prompt_without_separator_is_plain_vllm(server, reference):
-    text = "The capital of France is"
-    status, body = complete(server, text)
-    assert status == 200, body
+def check_plain_completion(reference, text, body):
+    """The completion equals plain causal attention over the prompt text."""
     choice = body["choices"][0]
     tokens = _ids(choice["logprobs"]["tokens"])
     ids = reference.tokenizer.encode(text)
@@ -165,7 +163,14 @@ def test_prompt_without_separator_is_plain_vllm(server, reference):
     ref = torch.log_softmax(logits.double(), -1)[len(ids) - 1:]
     top = [{int(k.split(":", 1)[1]): _Lp(v, 1) for k, v in d.items()}
            for d in choice["logprobs"]["top_logprobs"]]
-    compare(ref, tokens, top, TOL)
+    return compare(ref, tokens, top, TOL)
+
+
+def test_prompt_without_separator_is_plain_vllm(server, reference):
+    text = "The capital of France is"
+    status, body = complete(server, text)
+    assert status == 200, body
+    check_plain_completion(reference, text, body)
 
 
 def test_stats_log_line_reports_the_chunk_cache(server):
