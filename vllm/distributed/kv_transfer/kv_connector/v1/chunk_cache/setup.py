@@ -151,7 +151,10 @@ def _pool_blocks(vllm_config: VllmConfig, num_kv_blocks: int, block_size: int) -
         # kv_bytes * f / (1 - f) pool bytes; the per-token element count of
         # the two stores is the same, so only their itemsizes remain.
         f = cfg.chunk_pool_fraction
-        ratio = _itemsize(_kv_dtype(vllm_config)) / _itemsize(pool_dtype(vllm_config))
+        cache_dtype = getattr(vllm_config.cache_config, "cache_dtype", "auto")
+        ratio = 1.0  # cache in the model dtype: same bytes per token
+        if cache_dtype not in (None, "auto"):
+            ratio = _itemsize(_kv_dtype(vllm_config)) / _itemsize(pool_dtype(vllm_config))
         tokens = int(num_kv_blocks * block_size * ratio * f / (1.0 - f))
     return max(0, tokens // POOL_BLOCK_SIZE)
 
@@ -193,7 +196,7 @@ def pool_dtype(vllm_config: VllmConfig) -> torch.dtype:
 
 
 def _kv_dtype(vllm_config: VllmConfig) -> torch.dtype:
-    cache_dtype = vllm_config.cache_config.cache_dtype
+    cache_dtype = getattr(vllm_config.cache_config, "cache_dtype", "auto")
     if cache_dtype in (None, "auto"):
         return pool_dtype(vllm_config)
     return _as_dtype(cache_dtype)
