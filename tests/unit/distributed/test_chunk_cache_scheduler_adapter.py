@@ -99,8 +99,9 @@ def test_failed_child_is_retried_then_the_parent_is_finished_with_an_error():
 
 
 def test_oversized_request_is_refused_not_served_causally():
-    adapter = ChunkCacheSchedulerAdapter(*make_config(num_kv_blocks=4, fraction=0.5))
-    # Pool: 0.5 * 4 * 16 = 32 rows = 2 blocks; the segments need 1 + 2.
+    # The pool is carved out of the KV budget: pool = kv * f / (1 - f), so
+    # f = 1/3 gives 0.5 * 4 * 16 = 32 rows = 2 blocks; the segments need 1 + 2.
+    adapter = ChunkCacheSchedulerAdapter(*make_config(num_kv_blocks=4, fraction=1 / 3))
     r = parent("p", [3, 20, 2])
     adapter.on_new_request(r)
     assert adapter.get_num_new_matched_tokens(r, 0) == (None, False)

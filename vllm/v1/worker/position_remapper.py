@@ -167,6 +167,7 @@ class RopeRotation:
         self.rotary_dim: int = rope.rotary_dim
         self.is_neox_style: bool = bool(getattr(rope, "is_neox_style", True))
         self.inv_freq = freqs.inv_freq.to(torch.float32).cpu()
+        self._inv_freq_cache: dict[torch.device, torch.Tensor] = {}
         self.magnitude = freqs.magnitude
         _check_against_cache(self, freqs, type(rope).__name__)
 
@@ -180,14 +181,46 @@ class RopeRotation:
         angles = deltas.to("cpu", torch.float64)[:, None] * self.inv_freq.double()
         return angles.cos().float(), angles.sin().float()
 
-    def rotate(self, key: torch.Tensor, deltas: torch.Tensor) -> torch.Tensor:
-        """`key` [n, heads, head_size] rotated row-wise by `deltas` [n]."""
-        unique, inverse = torch.unique(deltas.cpu(), return_inverse=True)
-        cos, sin = self.cos_sin(unique)
-        inverse = inverse.to(key.device)
+    def cos_sin_rows(
+        self, deltas: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """fp32 cos/sin [n, 1, rotary_dim // 2] of each row's delta, on the
+        deltas' device, with no host synchronisation.
+
+        The angle is formed in float64 (exact for |delta| < 2^53 / f) where
+        the device has it (CPU, CUDA); elsewhere on the CPU, then copied.
+        """
+        device = deltas.device
+        if device.type in ("cpu", "cuda"):
+            inv_freq = self._inv_freq_on(device)
+            angles = deltas.to(torch.float64)[:, None] * inv_freq
+            return angles.cos().float()[:, None], angles.sin().float()[:, None]
+        cos, sin = self.cos_sin(deltas.cpu())
+        return (cos.to(device, non_blocking=True)[:, None],
+                sin.to(device, non_blocking=True)[:, None])
+
+    def _inv_freq_on(self, device: torch.device) -> torch.Tensor:
+        cached = self._inv_freq_cache.get(device)
+        if cached is None:
+            cached = self.inv_freq.double().to(device)
+            self._inv_freq_cache[device] = cached
+        return cached
+
+    def rotate(
+        self,
+        key: torch.Tensor,
+        deltas: torch.Tensor,
+        cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """`key` [n, heads, head_size] rotated row-wise by `deltas` [n].
+
+        `cos_sin`: `cos_sin_rows(deltas)` if the caller computed it already
+        (once per step for all layers).
+        """
+        if cos_sin is None:
+            cos_sin = self.cos_sin_rows(deltas.to(key.device))
         # [n, 1, rotary_dim // 2]: broadcast over heads.
-        cos = cos.to(key.device)[inverse][:, None]
-        sin = sin.to(key.device)[inverse][:, None]
+        cos, sin = cos_sin
         num_rows, num_heads, half = key.shape[0], key.shape[1], self.rotary_dim // 2
         rot = key[..., : self.rotary_dim].float()
         # Pair (x1[i], x2[i]) rotates by angle i: halves in neox style,
@@ -290,11 +323,13 @@ class PositionRemapper:
         pool_key: torch.Tensor,
         pool_value: torch.Tensor,
         rows: RemapRows,
+        cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> None:
-        """`pool_key`/`pool_value`: [num_pool_rows, num_kv_heads, head_size]."""
+        """`pool_key`/`pool_value`: [num_pool_rows, num_kv_heads, head_size],
+        on the device of `rows`. Device-side only: gather, rotate (a zero
+        delta rotates by cos 1, sin 0: exact), write; no host sync."""
         key = pool_key.index_select(0, rows.src_rows)
         value = pool_value.index_select(0, rows.src_rows)
-        if self.rotation is not None and bool((rows.deltas != 0).any()):
-            key = self.rotation.rotate(key, rows.deltas)
+        if self.rotation is not None:
+            key = self.rotation.rotate(key, rows.deltas, cos_sin)
         self.write_rows(layer_name, key, value, rows.dst_slots)
-

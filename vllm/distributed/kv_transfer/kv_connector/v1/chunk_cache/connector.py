@@ -125,6 +125,14 @@ class ChunkCacheConnector(KVConnectorBase_V1):
 
     # ------------------------------------------------------------- worker
 
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        # The capture runs in the attention wrapper (save_kv_layer) with this
+        # step's indices: it must run eagerly between piecewise graphs, never
+        # inside a full graph. vLLM then turns FULL_AND_PIECEWISE (its
+        # default) into PIECEWISE; the worker refuses any full mode left.
+        return True
+
     def register_model(self, model: Any) -> None:
         assert self._worker is not None
         self._worker.register_model(model)

@@ -49,10 +49,41 @@ def configure_chunk_cache_connector(vllm_config: VllmConfig) -> None:
                 "--enable-chunk-cache does not support multimodal models yet "
                 "(M-RoPE positions are not linear in the token index)"
             )
+    _resolve_cudagraph_mode(vllm_config)
     vllm_config.chunk_cache_config.resolve_sink_token_id(_bos_token_id(vllm_config))
     logger.info("Chunk cache enabled: %s", vllm_config.chunk_cache_config.describe())
     vllm_config.kv_transfer_config = KVTransferConfig(
         kv_connector=CONNECTOR_NAME, kv_role="kv_both"
+    )
+
+
+def _resolve_cudagraph_mode(vllm_config: VllmConfig) -> None:
+    """CUDA graphs with the chunk cache: PIECEWISE only.
+
+    The capture runs in the attention wrapper with the step's indices, so
+    attention must run eagerly between captured pieces (vLLM's splitting
+    ops). vLLM's default FULL_AND_PIECEWISE becomes PIECEWISE (what vLLM does
+    for connectors that ask, `requires_piecewise_for_cudagraph`; it decides
+    that before this connector is selected, hence here); a FULL or
+    FULL_DECODE_ONLY mode asked for explicitly is refused.
+    """
+    from vllm.config.compilation import CUDAGraphMode
+
+    compilation_config = vllm_config.compilation_config
+    mode = compilation_config.cudagraph_mode
+    if mode is None or not mode.has_full_cudagraphs():
+        return
+    if mode == CUDAGraphMode.FULL_AND_PIECEWISE:
+        logger.info(
+            "Chunk cache: cudagraph_mode FULL_AND_PIECEWISE -> PIECEWISE "
+            "(attention runs outside the captured graphs)"
+        )
+        compilation_config.cudagraph_mode = CUDAGraphMode.PIECEWISE
+        return
+    raise ValueError(
+        f"--enable-chunk-cache does not support cudagraph_mode={mode.name}: a full "
+        "CUDA graph would capture the chunk cache's per-step capture; use PIECEWISE "
+        "(the default with --enable-chunk-cache) or --enforce-eager"
     )
 
 
@@ -73,24 +104,113 @@ def pool_num_blocks_from_config(vllm_config: VllmConfig) -> int | None:
     return _pool_blocks(vllm_config, num_kv_blocks, vllm_config.cache_config.block_size)
 
 
+# ------------------------------------------------------------- KV budget
+#
+# The pool is carved OUT of the memory vLLM gives the KV cache (what
+# `determine_available_memory` returns: gpu_memory_utilization's share on
+# GPU, VLLM_CPU_KVCACHE_SPACE on CPU), never added on top of it. Patch 0010
+# calls `carve_chunk_pool` on that budget before vLLM sizes its paged cache,
+# so the paged cache gets B' = B - pool (or B * (1 - fraction)). Every side
+# then derives the pool from the paged cache's block count alone (scheduler,
+# workers and front end agree): the paged cache takes at most B', so with
+# kv = num_blocks * block_size * kv_bytes_per_token <= B',
+#   pool = kv * f / (1 - f) <= B' * f / (1 - f) = B * f
+# and kv + pool <= B.
+
+
+def carve_chunk_pool(vllm_config: VllmConfig, available_bytes: int) -> int:
+    """The KV budget left to vLLM's paged cache once the pool is taken out."""
+    cfg = vllm_config.chunk_cache_config
+    if cfg.chunk_pool_size_gib is not None:
+        pool = int(cfg.chunk_pool_size_gib * (1 << 30))
+        if pool >= available_bytes:
+            raise ValueError(
+                f"--chunk-pool-size-gib {cfg.chunk_pool_size_gib} does not fit the "
+                f"KV cache budget of {available_bytes / (1 << 30):.2f} GiB (the pool is "
+                "carved out of it): lower it, or raise gpu_memory_utilization / "
+                "VLLM_CPU_KVCACHE_SPACE"
+            )
+        left = available_bytes - pool
+    else:
+        left = int(available_bytes * (1.0 - cfg.chunk_pool_fraction))
+    logger.info(
+        "Chunk cache: KV budget %.2f GiB -> %.2f GiB for the paged KV cache, "
+        "the rest for the chunk pool",
+        available_bytes / (1 << 30),
+        left / (1 << 30),
+    )
+    return left
+
+
 def _pool_blocks(vllm_config: VllmConfig, num_kv_blocks: int, block_size: int) -> int:
     cfg = vllm_config.chunk_cache_config
     if cfg.chunk_pool_size_gib is not None:
-        tokens = int(cfg.chunk_pool_size_gib * (1 << 30)) // max(1, pool_bytes_per_token(vllm_config))
+        pool_bytes = int(cfg.chunk_pool_size_gib * (1 << 30))
+        tokens = pool_bytes // max(1, pool_bytes_per_token(vllm_config))
     else:
-        tokens = int(cfg.chunk_pool_fraction * num_kv_blocks * block_size)
+        # kv_bytes * f / (1 - f) pool bytes; the per-token element count of
+        # the two stores is the same, so only their itemsizes remain.
+        f = cfg.chunk_pool_fraction
+        cache_dtype = getattr(vllm_config.cache_config, "cache_dtype", "auto")
+        ratio = 1.0  # cache in the model dtype: same bytes per token
+        if cache_dtype not in (None, "auto"):
+            ratio = _itemsize(_kv_dtype(vllm_config)) / _itemsize(pool_dtype(vllm_config))
+        tokens = int(num_kv_blocks * block_size * ratio * f / (1.0 - f))
     return max(0, tokens // POOL_BLOCK_SIZE)
 
 
-def pool_bytes_per_token(vllm_config: VllmConfig) -> int:
-    """Bytes one token takes in the pool: K and V rows of every layer, in the
-    model dtype (the dtype the worker allocates the pool in)."""
+def _layer_kv_elements(vllm_config: VllmConfig) -> int:
+    """K plus V elements of one token over all layers."""
     model_config = vllm_config.model_config
     parallel_config = vllm_config.parallel_config
     num_layers = model_config.get_num_layers(parallel_config)
     num_kv_heads = model_config.get_num_kv_heads(parallel_config)
-    itemsize = torch.empty((), dtype=model_config.dtype).element_size()
-    return num_layers * num_kv_heads * model_config.get_head_size() * 2 * itemsize
+    return num_layers * num_kv_heads * model_config.get_head_size() * 2
+
+
+def _as_dtype(dtype: torch.dtype | str) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    from vllm.utils.torch_utils import STR_DTYPE_TO_TORCH_DTYPE
+
+    # Unknown names (e.g. nvfp4) count as one byte: never over-sized.
+    return STR_DTYPE_TO_TORCH_DTYPE.get(dtype, torch.uint8)
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def pool_dtype(vllm_config: VllmConfig) -> torch.dtype:
+    """The dtype the pool is allocated (and sized) in: the model dtype.
+
+    fp8 KV-cache policy: the pool keeps K/V in the model dtype (what the
+    attention layer hands to the cache-write op, before quantization), K is
+    re-rotated in fp32, and the load writes through the backend's own
+    cache-write op, which quantizes with the layer's k/v scale exactly as for
+    freshly computed tokens. So a loaded row is quantized once, like any
+    other, and the pool costs model-dtype bytes per token (sized as such:
+    with an fp8 cache a pool token costs twice a paged token of bf16).
+    """
+    return _as_dtype(vllm_config.model_config.dtype)
+
+
+def _kv_dtype(vllm_config: VllmConfig) -> torch.dtype:
+    cache_dtype = getattr(vllm_config.cache_config, "cache_dtype", "auto")
+    if cache_dtype in (None, "auto"):
+        return pool_dtype(vllm_config)
+    return _as_dtype(cache_dtype)
+
+
+def pool_bytes_per_token(vllm_config: VllmConfig) -> int:
+    """Bytes one token takes in the pool: K and V rows of every layer, in the
+    dtype the worker allocates the pool in (`pool_dtype`)."""
+    return _layer_kv_elements(vllm_config) * _itemsize(pool_dtype(vllm_config))
+
+
+def kv_bytes_per_token(vllm_config: VllmConfig) -> int:
+    """Bytes one token takes in vLLM's paged KV cache (its cache dtype)."""
+    return _layer_kv_elements(vllm_config) * _itemsize(_kv_dtype(vllm_config))
 
 
 def _bos_token_id(vllm_config: VllmConfig) -> int | None:

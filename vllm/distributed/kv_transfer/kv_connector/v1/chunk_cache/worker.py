@@ -1,22 +1,37 @@
 # SPDX-License-Identifier: Apache-2.0
 """Worker side of the chunk cache: the pool tensors, capture and load.
 
-* The chunk pool is a separate per-layer store in worker memory:
-  key [rows, num_kv_heads, head_size] and value [rows, num_kv_heads,
-  head_size_v] in the model dtype (not vLLM's paged, ISA-packed cache).
+* The chunk pool is a separate per-layer store on the device of the layer's
+  paged KV cache: key [rows, num_kv_heads, head_size] and value [rows,
+  num_kv_heads, head_size_v] in the model dtype (not vLLM's paged, ISA-packed
+  or quantized cache). Its memory is carved out of the KV cache budget
+  (setup.carve_chunk_pool, patch 0010), never added on top.
 * Capture (`save_kv_layer`): while a child request runs, its post-RoPE K
   and raw V rows (handed over by the patched attention wrapper) are copied
   into the pool rows the scheduler assigned. The child's rows are found in
-  the batch by their paged slots, which the scheduler knows.
-* Load (`start_load_kv`, before the forward): the `PositionRemapper`
-  gathers the rows, rotates K by the position delta with the layer's own
-  rotary embedding, and writes K/V into the parent's paged blocks through
-  the attention backend's own cache-write op (on CPU:
-  `ops.cpu_attn_reshape_and_cache`, which packs per ISA).
+  the batch by their paged slots, which the scheduler knows: once per step,
+  on the device; every layer then does two index_copy_ kernels.
+* Load (`start_load_kv`, before the forward, outside any CUDA graph): the
+  step's index tensors (pool rows, paged slots, deltas) go to the device in
+  one copy and the fp32 cos/sin of every row's delta is computed there once
+  per step; per layer the `PositionRemapper` gathers the rows, rotates K and
+  writes K/V into the parent's paged blocks through the attention backend's
+  own cache-write op (`do_kv_cache_update` of FlashAttention, FlashInfer and
+  Triton on CUDA; `ops.cpu_attn_reshape_and_cache` on CPU, which packs per
+  ISA). No host synchronisation per layer.
+* fp8 KV caches: see setup.pool_dtype (pool in model dtype, rotate in fp32,
+  quantized by the backend's write with the layer's scale).
+* CUDA graphs: the connector asks vLLM for PIECEWISE graphs
+  (`requires_piecewise_for_cudagraph`); attention, and the capture in its
+  wrapper, then runs eagerly between the captured pieces. `check_graph_mode`
+  refuses at start-up any mode where the attention wrapper would be captured.
 """
 
 from __future__ import annotations
 
+import ast
+import inspect
+import textwrap
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -24,6 +39,7 @@ from torch import nn
 
 from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.setup import (
     POOL_BLOCK_SIZE,
+    pool_dtype,
     pool_num_blocks,
 )
 from vllm.logger import init_logger
@@ -40,14 +56,86 @@ if TYPE_CHECKING:
 
 logger = init_logger(__name__)
 
+# Attention implementations whose cache-write path the load goes through
+# (class name -> what to call it in messages). vLLM 0.23.0 picks, for
+# standard attention on CUDA: FLASH_ATTN, FLASHINFER, TRITON_ATTN, then
+# FLEX_ATTENTION (FlashInfer first on Blackwell); on CPU: CPU_ATTN.
+SUPPORTED_IMPLS = {
+    "FlashAttentionImpl": "FLASH_ATTN",
+    "FlashInferImpl": "FLASHINFER",
+    "TritonAttentionImpl": "TRITON_ATTN",
+    "CPUAttentionBackendImpl": "CPU_ATTN",
+}
 
-def find_layer_ropes(model: nn.Module) -> tuple[dict[str, nn.Module | None], list[str]]:
-    """Attention layer name -> its rotary embedding (None: the model has no
-    RoPE at all); plus the names of attention layers whose rope could not
-    be found although the model uses RoPE.
+# Config keys of models that skip RoPE on some layers (NoPE layers).
+_NOPE_CONFIG_KEYS = ("no_rope_layers", "use_rope_layers", "nope_layer_interval")
+
+
+def rope_use(owner: nn.Module) -> str:
+    """How the forward of `owner` (the module holding `rotary_emb` and an
+    attention layer) uses its rotary embedding, read from its source:
+    "always" (called unconditionally in forward), "never" (forward does not
+    mention it) or "conditional"/"unknown" (cannot be told: refuse).
+    """
+    try:
+        source = textwrap.dedent(inspect.getsource(type(owner).forward))
+        tree = ast.parse(source)
+    except (OSError, TypeError, SyntaxError):
+        return "unknown"
+    func = tree.body[0]
+    if not isinstance(func, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        return "unknown"
+    uses: list[bool] = []  # one per mention of self.rotary_emb: conditional?
+
+    def visit(node: ast.AST, conditional: bool) -> None:
+        if (
+            isinstance(node, ast.Attribute)
+            and node.attr == "rotary_emb"
+            and isinstance(node.value, ast.Name)
+            and node.value.id == "self"
+        ):
+            uses.append(conditional)
+        nested = conditional or isinstance(
+            node,
+            (ast.If, ast.IfExp, ast.For, ast.While, ast.Try, ast.BoolOp,
+             ast.Match, ast.Lambda, ast.FunctionDef, ast.comprehension),
+        )
+        for child in ast.iter_child_nodes(node):
+            # The test of an `if` is evaluated unconditionally, but a
+            # rotary_emb mentioned there still decides the branch.
+            visit(child, nested)
+
+    for stmt in func.body:
+        visit(stmt, False)
+    if not uses:
+        # Not in forward: either unused, or applied through a helper we do
+        # not follow. Only "unused" is safe when the class has no other
+        # method that mentions it.
+        for name, member in inspect.getmembers(type(owner), inspect.isfunction):
+            if name in ("forward", "__init__"):
+                continue
+            try:
+                if "rotary_emb" in inspect.getsource(member):
+                    return "unknown"
+            except (OSError, TypeError):
+                return "unknown"
+        return "never"
+    return "conditional" if any(uses) else "always"
+
+
+def find_layer_ropes(
+    model: nn.Module,
+) -> tuple[dict[str, nn.Module | None], list[str]]:
+    """Attention layer name -> the rotary embedding its keys went through
+    (None: no RoPE on that layer: the model has none, or the layer keeps a
+    `rotary_emb` its forward never calls); plus the names of attention
+    layers whose rope could not be found although the model uses RoPE.
 
     The rope is the `rotary_emb` of the module that owns the attention
-    layer (the convention of vLLM's decoder models).
+    layer (the convention of vLLM's decoder models), and it must be applied
+    unconditionally by that module's forward. A module that applies it
+    conditionally (NoPE layers chosen by config) is refused: we cannot tell
+    which layers' keys carry RoPE.
     """
     from vllm.model_executor.layers.attention.attention import Attention
     from vllm.model_executor.layers.attention.mla_attention import MLAAttention
@@ -55,6 +143,7 @@ def find_layer_ropes(model: nn.Module) -> tuple[dict[str, nn.Module | None], lis
     ropes: dict[str, nn.Module | None] = {}
     orphans: list[str] = []
     any_rope = False
+    use_by_class: dict[type, str] = {}
     for _, module in model.named_modules():
         if isinstance(module, MLAAttention):
             raise ValueError(
@@ -62,33 +151,95 @@ def find_layer_ropes(model: nn.Module) -> tuple[dict[str, nn.Module | None], lis
                 "its latent KV cannot be re-positioned by a RoPE rotation"
             )
         rope = getattr(module, "rotary_emb", None)
-        if isinstance(rope, nn.Module):
+        if not isinstance(rope, nn.Module):
+            rope = None
+        attentions = [c for c in module.children() if isinstance(c, Attention)]
+        if rope is not None and attentions:
+            cls = type(module)
+            if cls not in use_by_class:
+                use_by_class[cls] = rope_use(module)
+            use = use_by_class[cls]
+            if use in ("conditional", "unknown"):
+                raise ValueError(
+                    f"chunk cache cannot tell whether {cls.__name__} applies its "
+                    f"rotary_emb to the keys of {attentions[0].layer_name} "
+                    f"({use} use in its forward): unsupported model structure"
+                )
+            if use == "never":
+                rope = None
+        if rope is not None:
             any_rope = True
-        for child in module.children():
-            if isinstance(child, Attention):
-                ropes[child.layer_name] = rope if isinstance(rope, nn.Module) else None
+        for child in attentions:
+            ropes[child.layer_name] = rope
     if any_rope:
         orphans = [name for name, rope in ropes.items() if rope is None]
     return ropes, orphans
+
+
+def check_model_config(hf_config: Any) -> None:
+    """Refuse models whose config selects NoPE layers (some layers skip
+    RoPE): the layer-to-rope map could not be trusted."""
+    for cfg in (hf_config, getattr(hf_config, "text_config", None)):
+        if cfg is None:
+            continue
+        for key in _NOPE_CONFIG_KEYS:
+            if getattr(cfg, key, None) not in (None, [], 0):
+                raise ValueError(
+                    f"chunk cache does not support models whose config sets {key} "
+                    "(layers without RoPE chosen per layer)"
+                )
+
+
+def check_graph_mode(compilation_config: Any) -> None:
+    """Refuse CUDA-graph modes under which the capture would be recorded into
+    a graph (and replayed with stale indices) instead of running eagerly."""
+    from vllm.config.compilation import CUDAGraphMode
+
+    mode = getattr(compilation_config, "cudagraph_mode", None)
+    if mode is None or mode == CUDAGraphMode.NONE:
+        return
+    if mode.has_full_cudagraphs():
+        raise ValueError(
+            f"chunk cache does not support cudagraph_mode={mode.name}: a full CUDA "
+            "graph would capture the attention wrapper's capture step; use PIECEWISE "
+            "(the default with --enable-chunk-cache) or --enforce-eager"
+        )
+    if not getattr(compilation_config, "use_inductor_graph_partition", False) and (
+        "vllm::unified_attention_with_output"
+        not in (getattr(compilation_config, "splitting_ops", None) or [])
+    ):
+        raise ValueError(
+            "chunk cache needs attention outside the captured CUDA graphs: "
+            "compilation_config.splitting_ops must contain "
+            "vllm::unified_attention_with_output (vLLM's default), or use "
+            "--enforce-eager"
+        )
 
 
 class ChunkCacheWorker:
     def __init__(self, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig):
         self.vllm_config = vllm_config
         self.num_pool_rows = pool_num_blocks(vllm_config, kv_cache_config) * POOL_BLOCK_SIZE
-        self.dtype = vllm_config.model_config.dtype
+        self.dtype = pool_dtype(vllm_config)
+        self.device: torch.device | None = None
         self.pool_key: dict[str, torch.Tensor] = {}
         self.pool_value: dict[str, torch.Tensor] = {}
         self.remappers: dict[str, PositionRemapper] = {}
         self._ropes: dict[str, nn.Module | None] | None = None
-        # Batch rows of this step's captured child tokens (same for every
-        # layer of the single KV cache group), computed on the first layer.
+        self._rotations: dict[int, RopeRotation] = {}
+        self._forward_context: ForwardContext | None = None
+        # Capture indices of this step (same for every layer of the single
+        # KV cache group), built on the device at the first layer.
         self._step_rows: torch.Tensor | None = None
-        self._step_key: int | None = None
+        self._step_dst: torch.Tensor | None = None
+        self._step_key: tuple[int, int] | None = None
 
     # ----------------------------------------------------------- start-up
 
     def register_model(self, model: nn.Module) -> None:
+        hf_config = getattr(self.vllm_config.model_config, "hf_config", None)
+        if hf_config is not None:
+            check_model_config(hf_config)
         ropes, orphans = find_layer_ropes(model)
         if orphans:
             raise ValueError(
@@ -103,59 +254,105 @@ class ChunkCacheWorker:
         self._ropes = ropes
         self._rotations = rotations
         logger.info(
-            "Chunk cache: %d attention layers, %d distinct RoPE(s) (%s)",
+            "Chunk cache: %d attention layers, %d distinct RoPE(s) (%s), %d without RoPE",
             len(ropes),
             len(rotations),
             ", ".join(sorted({type(r).__name__ for r in ropes.values() if r is not None}))
             or "none",
+            sum(r is None for r in ropes.values()),
         )
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        if self._ropes is None:
+            # The runner never handed us the model (vllm-ascend's NPU runner
+            # and vLLM's model runner v2 override initialize_kv_cache without
+            # the register_model call): keys would be loaded unrotated.
+            raise RuntimeError(
+                "chunk cache: the model runner did not call register_model before "
+                "register_kv_caches, so cached keys could not be re-rotated; this "
+                "runner is not supported (it must call "
+                "KVConnectorBase_V1.register_model(model), see patch 0007)"
+            )
         from vllm.model_executor.layers.attention.attention import Attention
 
+        check_graph_mode(self.vllm_config.compilation_config)
         layers = self.vllm_config.compilation_config.static_forward_context
         total = 0
-        for name in kv_caches:
+        for name, kv_cache in kv_caches.items():
             layer = layers.get(name)
             if not isinstance(layer, Attention):
                 raise ValueError(
                     f"chunk cache supports standard attention layers only; "
                     f"{name} is {type(layer).__name__}"
                 )
+            impl = type(layer.impl).__name__
+            if impl not in SUPPORTED_IMPLS or (
+                impl != "CPUAttentionBackendImpl"
+                and not hasattr(layer.impl, "do_kv_cache_update")
+            ):
+                raise ValueError(
+                    f"chunk cache does not support the attention backend of {name} "
+                    f"({impl}); supported: {', '.join(sorted(set(SUPPORTED_IMPLS.values())))} "
+                    "(choose one with --attention-backend)"
+                )
+            if name not in self._ropes:
+                raise ValueError(f"chunk cache: attention layer {name} not found in the model")
+            # On the paged cache's device (the GPU on CUDA), inside the budget.
+            device = kv_cache.device
+            self.device = device
             shape_k = (self.num_pool_rows, layer.num_kv_heads, layer.head_size)
             shape_v = (self.num_pool_rows, layer.num_kv_heads, layer.head_size_v)
-            self.pool_key[name] = torch.zeros(shape_k, dtype=self.dtype)
-            self.pool_value[name] = torch.zeros(shape_v, dtype=self.dtype)
+            self.pool_key[name] = torch.zeros(shape_k, dtype=self.dtype, device=device)
+            self.pool_value[name] = torch.zeros(shape_v, dtype=self.dtype, device=device)
             total += self.pool_key[name].nbytes + self.pool_value[name].nbytes
-            rope = None if self._ropes is None else self._ropes.get(name)
+            rope = self._ropes[name]
             rotation = None if rope is None else self._rotations[id(rope)]
-            if self._ropes is None:
-                logger.warning("chunk cache: no model registered; keys are not rotated")
             self.remappers[name] = PositionRemapper(rotation, self._write_rows)
+        self.pool_bytes = total
         logger.info(
-            "Chunk cache pool: %d rows x %d layers, %.1f MiB",
+            "Chunk cache pool: %d rows x %d layers, %.1f MiB on %s (%s)",
             self.num_pool_rows,
             len(kv_caches),
             total / (1 << 20),
+            self.device,
+            self.dtype,
         )
 
     # --------------------------------------------------------------- load
 
     def start_load_kv(self, meta: Any, forward_context: ForwardContext) -> None:
         self._step_rows = None
+        self._step_dst = None
         self._step_key = None
         if not meta.load_src_rows:
             return
-        self._forward_context = forward_context
-        device = next(iter(self.pool_key.values())).device
-        rows = RemapRows(
-            src_rows=torch.tensor(meta.load_src_rows, dtype=torch.int64, device=device),
-            dst_slots=torch.tensor(meta.load_dst_slots, dtype=torch.int64, device=device),
-            deltas=torch.tensor(meta.load_deltas, dtype=torch.int64),
+        assert self.device is not None
+        # One host-to-device copy of the step's three index lists.
+        packed = torch.tensor(
+            [meta.load_src_rows, meta.load_dst_slots, meta.load_deltas],
+            dtype=torch.int64,
         )
-        for name, remapper in self.remappers.items():
-            remapper.remap_layer(name, self.pool_key[name], self.pool_value[name], rows)
-        self._forward_context = None
+        if self.device.type != "cpu":
+            packed = packed.pin_memory().to(self.device, non_blocking=True)
+        rows = RemapRows(src_rows=packed[0], dst_slots=packed[1], deltas=packed[2])
+        # fp32 cos/sin per row, once per step and distinct rope.
+        cos_sin = {
+            id(rotation): rotation.cos_sin_rows(rows.deltas)
+            for rotation in self._rotations.values()
+        }
+        self._forward_context = forward_context
+        try:
+            for name, remapper in self.remappers.items():
+                rotation = remapper.rotation
+                remapper.remap_layer(
+                    name,
+                    self.pool_key[name],
+                    self.pool_value[name],
+                    rows,
+                    cos_sin=None if rotation is None else cos_sin[id(rotation)],
+                )
+        finally:
+            self._forward_context = None
 
     def _write_rows(
         self,
@@ -170,6 +367,9 @@ class ChunkCacheWorker:
         kv_cache = layer.kv_cache
         impl = layer.impl
         if hasattr(impl, "do_kv_cache_update"):
+            # FlashAttention / FlashInfer / Triton: reshape_and_cache_flash
+            # (or the backend's own variant), quantizing with the layer's
+            # k/v scale for fp8 caches.
             impl.do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
             return
         from vllm.v1.attention.backends.cpu_attn import (
@@ -232,18 +432,31 @@ class ChunkCacheWorker:
                 "chunk cache: save_kv_layer got no key/value (is the "
                 "kv_transfer_utils patch applied?)"
             )
-        if self._step_rows is None or self._step_key != id(slot_mapping):
-            self._step_rows = self._batch_rows(meta, slot_mapping)
-            self._step_key = id(slot_mapping)
-        rows = self._step_rows
-        dst = torch.as_tensor(meta.store_dst_rows, dtype=torch.int64)
-        self.pool_key[layer_name][dst] = key.index_select(0, rows).to(self.dtype)
-        self.pool_value[layer_name][dst] = value.index_select(0, rows).to(self.dtype)
+        step_key = (id(meta), id(slot_mapping))
+        if self._step_rows is None or self._step_key != step_key:
+            self._step_rows, self._step_dst = self._capture_indices(meta, slot_mapping)
+            self._step_key = step_key
+        rows, dst = self._step_rows, self._step_dst
+        pool_key = self.pool_key[layer_name]
+        pool_value = self.pool_value[layer_name]
+        pool_key.index_copy_(0, dst, key.index_select(0, rows).to(pool_key.dtype))
+        pool_value.index_copy_(0, dst, value.index_select(0, rows).to(pool_value.dtype))
 
     @staticmethod
-    def _batch_rows(meta: Any, slot_mapping: torch.Tensor) -> torch.Tensor:
-        """Index in the batch of each token to capture, found by its slot."""
-        wanted = torch.as_tensor(meta.store_src_slots, dtype=torch.int64)
+    def _capture_indices(
+        meta: Any, slot_mapping: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Batch row of each token to capture (found by its paged slot) and
+        its pool row, on the batch's device. Once per step: the check that
+        every slot is in the batch is the step's one host synchronisation
+        on the capture path."""
+        device = slot_mapping.device
+        packed = torch.tensor(
+            [meta.store_src_slots, meta.store_dst_rows], dtype=torch.int64
+        )
+        if device.type != "cpu":
+            packed = packed.pin_memory().to(device, non_blocking=True)
+        wanted, dst = packed[0], packed[1]
         slots = slot_mapping.to(torch.int64)
         order = torch.argsort(slots)
         sorted_slots = slots[order]
@@ -254,4 +467,4 @@ class ChunkCacheWorker:
                 "chunk cache: some child tokens to capture are not in this "
                 "step's batch (scheduler/worker disagree)"
             )
-        return rows
+        return rows, dst

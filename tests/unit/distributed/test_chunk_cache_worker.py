@@ -1,0 +1,199 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Worker side of the chunk cache without an engine (issue 7 finding 4, issue 8):
+start-up refusals, which layers' keys are rotated, graph modes, pool sizing."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch import nn
+
+from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache import setup
+from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.worker import (
+    ChunkCacheWorker,
+    check_graph_mode,
+    check_model_config,
+    find_layer_ropes,
+    rope_use,
+)
+
+
+def _attention(name: str):
+    from vllm.model_executor.layers.attention.attention import Attention
+
+    layer = Attention.__new__(Attention)  # no engine config needed for the walk
+    nn.Module.__init__(layer)
+    layer.layer_name = name
+    return layer
+
+
+class _Rope(nn.Module):
+    def forward(self, positions, q, k):
+        return q, k
+
+
+class UsesRope(nn.Module):
+    def __init__(self, name):
+        super().__init__()
+        self.rotary_emb = _Rope()
+        self.attn = _attention(name)
+
+    def forward(self, positions, q, k):
+        q, k = self.rotary_emb(positions, q, k)
+        return self.attn(q, k)
+
+
+class KeepsUnusedRope(nn.Module):
+    """A NoPE layer that still holds a rotary_emb (built for every layer)."""
+
+    def __init__(self, name):
+        super().__init__()
+        self.rotary_emb = _Rope()
+        self.attn = _attention(name)
+
+    def forward(self, positions, q, k):
+        return self.attn(q, k)
+
+
+class ConditionalRope(nn.Module):
+    """Applies its rope on some layers only (Exaone4-style)."""
+
+    def __init__(self, name, use):
+        super().__init__()
+        self.rotary_emb = _Rope()
+        self.use_rope = use
+        self.attn = _attention(name)
+
+    def forward(self, positions, q, k):
+        if self.use_rope:
+            q, k = self.rotary_emb(positions, q, k)
+        return self.attn(q, k)
+
+
+def test_rope_use_is_read_from_the_forward():
+    assert rope_use(UsesRope("a")) == "always"
+    assert rope_use(KeepsUnusedRope("a")) == "never"
+    assert rope_use(ConditionalRope("a", True)) == "conditional"
+
+
+def test_a_layer_that_keeps_an_unused_rotary_emb_is_not_rotated():
+    model = nn.ModuleList([UsesRope("l0"), KeepsUnusedRope("l1")])
+    ropes, orphans = find_layer_ropes(model)
+    assert ropes["l0"] is model[0].rotary_emb
+    # Before: l1 was mapped to its rotary_emb and its keys rotated anyway.
+    assert ropes["l1"] is None
+    assert orphans == ["l1"]  # the worker refuses a model mixing both
+
+
+def test_a_conditionally_applied_rope_is_refused():
+    model = nn.ModuleList([ConditionalRope("l0", True), ConditionalRope("l1", False)])
+    with pytest.raises(ValueError, match="cannot tell whether ConditionalRope"):
+        find_layer_ropes(model)
+
+
+def test_nope_layer_configs_are_refused():
+    check_model_config(SimpleNamespace(num_hidden_layers=2))
+    with pytest.raises(ValueError, match="no_rope_layers"):
+        check_model_config(SimpleNamespace(no_rope_layers=[1, 0, 1]))
+
+
+def _worker(fraction=0.15):
+    chunk = SimpleNamespace(chunk_pool_fraction=fraction, chunk_pool_size_gib=None)
+    model = SimpleNamespace(dtype=torch.float32)
+    vllm_config = SimpleNamespace(chunk_cache_config=chunk, model_config=model,
+                                  cache_config=SimpleNamespace(cache_dtype="auto"),
+                                  compilation_config=SimpleNamespace())
+    group = SimpleNamespace(kv_cache_spec=SimpleNamespace(block_size=16))
+    return ChunkCacheWorker(vllm_config, SimpleNamespace(kv_cache_groups=[group],
+                                                         num_blocks=64))
+
+
+def test_start_up_is_refused_when_the_runner_never_registered_the_model():
+    worker = _worker()
+    # Before: a warning, then keys loaded without rotation (wrong answers).
+    with pytest.raises(RuntimeError, match="did not call register_model"):
+        worker.register_kv_caches({"l0": torch.zeros(4, 2, 16, 2, 8)})
+
+
+def test_graph_modes():
+    from vllm.config.compilation import CUDAGraphMode
+
+    attn = ["vllm::unified_attention_with_output"]
+    check_graph_mode(SimpleNamespace(cudagraph_mode=CUDAGraphMode.NONE))
+    check_graph_mode(SimpleNamespace(cudagraph_mode=CUDAGraphMode.PIECEWISE,
+                                     splitting_ops=attn))
+    with pytest.raises(ValueError, match="FULL"):
+        check_graph_mode(SimpleNamespace(cudagraph_mode=CUDAGraphMode.FULL,
+                                         splitting_ops=attn))
+    with pytest.raises(ValueError, match="splitting_ops"):
+        check_graph_mode(SimpleNamespace(cudagraph_mode=CUDAGraphMode.PIECEWISE,
+                                         splitting_ops=[]))
+
+
+def test_default_full_and_piecewise_becomes_piecewise_explicit_full_is_refused():
+    from vllm.config.compilation import CUDAGraphMode
+
+    cfg = SimpleNamespace(compilation_config=SimpleNamespace(
+        cudagraph_mode=CUDAGraphMode.FULL_AND_PIECEWISE))
+    setup._resolve_cudagraph_mode(cfg)
+    assert cfg.compilation_config.cudagraph_mode == CUDAGraphMode.PIECEWISE
+    cfg.compilation_config.cudagraph_mode = CUDAGraphMode.FULL_DECODE_ONLY
+    with pytest.raises(ValueError, match="FULL_DECODE_ONLY"):
+        setup._resolve_cudagraph_mode(cfg)
+
+
+class _Model(SimpleNamespace):
+    def get_num_layers(self, parallel_config):
+        return 30
+
+    def get_num_kv_heads(self, parallel_config):
+        return 3
+
+    def get_head_size(self):
+        return 64
+
+
+def _sizing_config(cache_dtype="auto", fraction=0.15, size_gib=None):
+    return SimpleNamespace(
+        chunk_cache_config=SimpleNamespace(chunk_pool_fraction=fraction,
+                                           chunk_pool_size_gib=size_gib),
+        model_config=_Model(dtype=torch.bfloat16),
+        cache_config=SimpleNamespace(cache_dtype=cache_dtype),
+        parallel_config=None,
+    )
+
+
+@pytest.mark.parametrize("cache_dtype", ["auto", "fp8"])
+@pytest.mark.parametrize("fraction,size_gib", [(0.15, None), (0.5, None), (None, 1.0)])
+def test_pool_is_carved_out_of_the_kv_budget(cache_dtype, fraction, size_gib):
+    """The paged KV capacity shrinks by the pool's size and the total stays
+    within the budget (the sizing vLLM's get_kv_cache_configs then applies:
+    whole blocks of block_size tokens in the budget it is given)."""
+    cfg = _sizing_config(cache_dtype, fraction or 0.15, size_gib)
+    budget, block = 4 << 30, 16
+    kv_token = setup.kv_bytes_per_token(cfg)
+    pool_token = setup.pool_bytes_per_token(cfg)
+    assert pool_token == 30 * 3 * 64 * 2 * 2  # sized in bf16, the pool's dtype
+    assert kv_token == pool_token // (2 if cache_dtype == "fp8" else 1)
+    stock_blocks = budget // (block * kv_token)
+    blocks = setup.carve_chunk_pool(cfg, budget) // (block * kv_token)
+    pool = setup._pool_blocks(cfg, blocks, block) * setup.POOL_BLOCK_SIZE * pool_token
+    kv = blocks * block * kv_token
+    assert kv + pool <= budget
+    shrink = (stock_blocks - blocks) * block * kv_token
+    # Shrinks by the pool's size, up to the rounding of one block and one
+    # pool block on each side.
+    slack = block * kv_token + setup.POOL_BLOCK_SIZE * pool_token
+    assert abs(shrink - pool) <= 2 * slack
+    if size_gib is not None:
+        assert abs(pool - (1 << 30)) <= slack
+    else:
+        assert abs(pool - fraction * budget) <= 2 * slack
+
+
+def test_a_pool_larger_than_the_budget_is_refused():
+    cfg = _sizing_config(size_gib=8.0)
+    with pytest.raises(ValueError, match="does not fit the KV cache budget"):
+        setup.carve_chunk_pool(cfg, 4 << 30)
