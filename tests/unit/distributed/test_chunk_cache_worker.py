@@ -197,3 +197,29 @@ def test_a_pool_larger_than_the_budget_is_refused():
     cfg = _sizing_config(size_gib=8.0)
     with pytest.raises(ValueError, match="does not fit the KV cache budget"):
         setup.carve_chunk_pool(cfg, 4 << 30)
+
+
+def test_pool_device_is_the_paged_cache_device_for_tensor_and_pair_caches():
+    """vLLM's backends keep one tensor per layer, vllm-ascend a (key, value) pair."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.worker import cache_device
+
+    one = torch.zeros(2, 3, device="meta")
+    assert cache_device(one) == torch.device("meta")
+    assert cache_device((one, one.clone())) == torch.device("meta")
+    assert cache_device([torch.zeros(1), torch.zeros(1)]) == torch.device("cpu")
+
+
+def test_mla_and_ascend_sfa_dsa_are_refused_at_start_up():
+    from vllm.config import ChunkCacheConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.setup import (
+        configure_chunk_cache_connector,
+    )
+
+    config = SimpleNamespace(
+        chunk_cache_config=ChunkCacheConfig(enable_chunk_cache=True),
+        cache_config=SimpleNamespace(kv_offloading_size=None),
+        kv_transfer_config=None,
+        model_config=SimpleNamespace(use_mla=True, is_multimodal_model=False),
+    )
+    with pytest.raises(ValueError, match="MLA.*SFA/DSA"):
+        configure_chunk_cache_connector(config)

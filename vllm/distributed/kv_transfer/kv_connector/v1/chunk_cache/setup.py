@@ -41,8 +41,10 @@ def configure_chunk_cache_connector(vllm_config: VllmConfig) -> None:
     if model_config is not None:
         if getattr(model_config, "use_mla", False):
             raise ValueError(
-                "--enable-chunk-cache does not support MLA attention (latent KV "
-                "cannot be re-positioned by a RoPE rotation)"
+                "--enable-chunk-cache does not support MLA attention, nor the "
+                "MLA-based SFA/DSA attention of vllm-ascend (their latent KV cache "
+                "cannot be re-positioned by a RoPE rotation of whole keys; see "
+                "docs/ascend.md)"
             )
         if model_config.is_multimodal_model:
             raise ValueError(

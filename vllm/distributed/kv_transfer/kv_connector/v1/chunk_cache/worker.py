@@ -37,6 +37,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.cache_writers import (
+    supported_backends,
+    writer_for,
+)
 from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.setup import (
     POOL_BLOCK_SIZE,
     pool_dtype,
@@ -56,19 +60,16 @@ if TYPE_CHECKING:
 
 logger = init_logger(__name__)
 
-# Attention implementations whose cache-write path the load goes through
-# (class name -> what to call it in messages). vLLM 0.23.0 picks, for
-# standard attention on CUDA: FLASH_ATTN, FLASHINFER, TRITON_ATTN, then
-# FLEX_ATTENTION (FlashInfer first on Blackwell); on CPU: CPU_ATTN.
-SUPPORTED_IMPLS = {
-    "FlashAttentionImpl": "FLASH_ATTN",
-    "FlashInferImpl": "FLASHINFER",
-    "TritonAttentionImpl": "TRITON_ATTN",
-    "CPUAttentionBackendImpl": "CPU_ATTN",
-}
-
 # Config keys of models that skip RoPE on some layers (NoPE layers).
 _NOPE_CONFIG_KEYS = ("no_rope_layers", "use_rope_layers", "nope_layer_interval")
+
+
+def cache_device(kv_cache: torch.Tensor | Any) -> torch.device:
+    """Device of a layer's paged cache: one tensor (vLLM's backends) or a
+    (key_cache, value_cache) pair (vllm-ascend's standard attention)."""
+    if isinstance(kv_cache, torch.Tensor):
+        return kv_cache.device
+    return kv_cache[0].device
 
 
 def rope_use(owner: nn.Module) -> str:
@@ -285,20 +286,17 @@ class ChunkCacheWorker:
                     f"chunk cache supports standard attention layers only; "
                     f"{name} is {type(layer).__name__}"
                 )
-            impl = type(layer.impl).__name__
-            if impl not in SUPPORTED_IMPLS or (
-                impl != "CPUAttentionBackendImpl"
-                and not hasattr(layer.impl, "do_kv_cache_update")
-            ):
+            if writer_for(layer.impl) is None:
                 raise ValueError(
                     f"chunk cache does not support the attention backend of {name} "
-                    f"({impl}); supported: {', '.join(sorted(set(SUPPORTED_IMPLS.values())))} "
-                    "(choose one with --attention-backend)"
+                    f"({type(layer.impl).__name__}); supported: "
+                    f"{', '.join(supported_backends())} (choose one with "
+                    "--attention-backend)"
                 )
             if name not in self._ropes:
                 raise ValueError(f"chunk cache: attention layer {name} not found in the model")
             # On the paged cache's device (the GPU on CUDA), inside the budget.
-            device = kv_cache.device
+            device = cache_device(kv_cache)
             self.device = device
             shape_k = (self.num_pool_rows, layer.num_kv_heads, layer.head_size)
             shape_v = (self.num_pool_rows, layer.num_kv_heads, layer.head_size_v)
@@ -363,57 +361,11 @@ class ChunkCacheWorker:
     ) -> None:
         """Write K/V rows into the layer's paged cache with the backend's op."""
         forward_context = self._forward_context
+        assert forward_context is not None
         layer = forward_context.no_compile_layers[layer_name]
-        kv_cache = layer.kv_cache
-        impl = layer.impl
-        if hasattr(impl, "do_kv_cache_update"):
-            # FlashAttention / FlashInfer / Triton: reshape_and_cache_flash
-            # (or the backend's own variant), quantizing with the layer's
-            # k/v scale for fp8 caches.
-            impl.do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
-            return
-        from vllm.v1.attention.backends.cpu_attn import (
-            CPUAttentionBackendImpl,
-            _get_attn_isa,
-        )
-
-        if not isinstance(impl, CPUAttentionBackendImpl):
-            raise NotImplementedError(
-                f"chunk cache: no cache-write op known for {type(impl).__name__}"
-            )
-        from vllm import _custom_ops as ops
-
-        num_blocks, num_kv_heads, block_size, _ = kv_cache.size()
-        paged = kv_cache.view((num_blocks, num_kv_heads, block_size * 2, -1))
-        key_cache, value_cache = paged.chunk(2, dim=2)
-        isa = self._isa(forward_context, layer_name)
-        if isa is None:
-            isa = _get_attn_isa(
-                self.dtype,
-                block_size,
-                layer.head_size,
-                self.vllm_config.cache_config.cache_dtype,
-            )
-        ops.cpu_attn_reshape_and_cache(
-            key.contiguous(),
-            value.contiguous(),
-            key_cache,
-            value_cache,
-            slot_mapping,
-            isa,
-            k_scale=layer._k_scale_float,
-            v_scale=layer._v_scale_float,
-            kv_cache_dtype=impl.kv_cache_dtype,
-        )
-
-    @staticmethod
-    def _isa(forward_context: ForwardContext, layer_name: str) -> str | None:
-        metadata = forward_context.attn_metadata
-        if isinstance(metadata, list):
-            metadata = metadata[0] if metadata else None
-        if isinstance(metadata, dict):
-            metadata = metadata.get(layer_name)
-        return getattr(metadata, "isa", None)
+        writer = writer_for(layer.impl)
+        assert writer is not None, "checked in register_kv_caches"
+        writer.write(layer, key, value, slot_mapping, forward_context)
 
     # ------------------------------------------------------------ capture
 

@@ -1,0 +1,84 @@
+"""A stand-in for `torch_npu` on CPU: NOT Huawei's library.
+
+Two ops have CPU reference implementations written from their documented
+semantics (the paged caches are [num_blocks, block_size, num_kv_heads,
+head_size]; token i goes to block slot // block_size, offset slot %
+block_size). Every other attribute exists so that vllm-ascend's modules
+import, and raises NotImplementedError when called. Tests backed by this stub
+check the fork's index and layout math on Ascend's code path, not the NPU
+ops themselves.
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import torch
+
+
+class _NoStub:
+    """Any torch_npu attribute without a CPU reference: importable, not callable."""
+
+    def __init__(self, name: str):
+        self._name = name
+
+    def __call__(self, *args, **kwargs):
+        raise NotImplementedError(f"torch_npu.{self._name} has no CPU stub")
+
+    def __getattr__(self, name: str):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return _NoStub(f"{self._name}.{name}")
+
+    # Used in annotations such as `torch.npu.Stream | None`.
+    def __or__(self, other):
+        return self
+
+    def __ror__(self, other):
+        return self
+
+    def __mro_entries__(self, bases):
+        return (object,)
+
+
+class _Namespace(types.ModuleType):
+    def __getattr__(self, name: str):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return _NoStub(f"{self.__name__}.{name}")
+
+
+def _scatter(rows: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor) -> None:
+    block_size = cache.shape[1]
+    slots = slots.to(torch.int64)
+    cache[slots // block_size, slots % block_size] = rows.to(cache.dtype)
+
+
+def _npu_reshape_and_cache(*, key, value, key_cache, value_cache, slot_indices):
+    """A2/A3: write key/value rows [n, heads, dim] at `slot_indices` [n]."""
+    _scatter(key, key_cache, slot_indices)
+    _scatter(value, value_cache, slot_indices)
+
+
+def npu_scatter_pa_kv_cache(*, key, value, key_cache, value_cache, slot_mapping,
+                            cache_mode="Norm"):
+    """A5: the same write ("Norm" layout only)."""
+    if cache_mode != "Norm":
+        raise NotImplementedError(f"cache_mode={cache_mode!r} has no CPU stub")
+    _scatter(key, key_cache, slot_mapping)
+    _scatter(value, value_cache, slot_mapping)
+
+
+npu = _Namespace("torch_npu.npu")
+npu.is_available = lambda: False
+npu.device_count = lambda: 0
+sys.modules["torch_npu.npu"] = npu
+# torch_npu registers `torch.npu`; vllm-ascend's modules refer to it.
+torch.npu = npu
+
+
+def __getattr__(name: str):
+    if name.startswith("__"):
+        raise AttributeError(name)
+    return _NoStub(name)

@@ -1,0 +1,56 @@
+"""The Ascend side without an NPU: the vllm-ascend series applied to the pinned sdist,
+every patched or new vllm-ascend file compiled, and the fork's NPU code paths run on
+CPU against a stub `torch_npu` (tests/unit/ascend/stubs: CPU reference implementations
+of the two cache-write ops; they check our index and layout math, not the NPU ops).
+Nothing here executes NPU code: docs/ascend.md lists what never ran."""
+
+from __future__ import annotations
+
+import os
+import py_compile
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from forktool import bases, tree
+from forktool.git import git
+from forktool.paths import Paths
+
+HERE = Path(__file__).resolve().parent
+REAL = Paths.default()
+
+
+@pytest.fixture(scope="module")
+def ascend_tree(tmp_path_factory) -> Path:
+    """The patched vllm-ascend tree (upstream sdist + series + overlay)."""
+    cache = tmp_path_factory.mktemp("cache")
+    (cache / "downloads").symlink_to(REAL.downloads)
+    paths = Paths(repo=REAL.repo, cache=cache)
+    return tree.apply(paths, bases.base_for(paths, "vllm-ascend", "sdist"), force=False)
+
+
+def test_every_patched_or_new_file_compiles(ascend_tree: Path):
+    changed = git(ascend_tree, "diff", "--name-only", "upstream", "HEAD").split()
+    py_files = [f for f in changed if f.endswith(".py")]
+    assert "vllm_ascend/worker/model_runner_v1.py" in py_files
+    assert "vllm_ascend/distributed/chunk_cache_npu.py" in py_files
+    for rel in py_files:
+        py_compile.compile(str(ascend_tree / rel), doraise=True)
+
+
+@pytest.mark.parametrize("check", [
+    "check_registration_covers_standard_attention_only",
+    "check_load_path_writes_rotated_rows_through_device_operator",
+])
+def test_npu_code_path_against_stubs(ascend_tree: Path, check: str):
+    env = {**os.environ,
+           "PYTHONPATH": os.pathsep.join([str(HERE / "stubs"), str(ascend_tree)]),
+           "VLLM_LOGGING_LEVEL": "WARNING",
+           # vLLM stays on its CPU platform (the tree's metadata would activate
+           # vllm-ascend's NPU platform, which needs a real torch_npu device).
+           "VLLM_PLUGINS": "none"}
+    proc = subprocess.run([sys.executable, str(HERE / "npu_stub_checks.py"), check],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0 and f"OK {check}" in proc.stdout, proc.stderr[-4000:]

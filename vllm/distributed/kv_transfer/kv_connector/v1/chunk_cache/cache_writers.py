@@ -1,0 +1,100 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Writing K/V rows into a layer's paged KV cache, per attention backend.
+
+The load path never indexes a paged cache by hand: each backend's own
+cache-write op packs (CPU, per ISA), lays out (CUDA, NPU) and quantizes (fp8)
+the rows exactly as for freshly computed tokens. This module maps an
+attention implementation class to that op. vLLM's backends are registered
+here; a platform plugin registers its own (vllm-ascend's overlay registers
+`AscendAttentionBackendImpl`). A layer whose implementation has no writer is
+refused at start-up (worker.register_kv_caches), never written another way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from vllm.forward_context import ForwardContext
+
+# (layer, key rows, value rows, paged slot per row, forward context) -> None
+WriteFn = Callable[[Any, torch.Tensor, torch.Tensor, torch.Tensor, "ForwardContext"], None]
+
+
+@dataclass(frozen=True)
+class CacheWriter:
+    """How the chunk cache writes rows for one attention implementation."""
+
+    # The backend's name as users select it (--attention-backend), for messages.
+    backend: str
+    # Writes the rows through the backend's own cache-write op.
+    write: WriteFn
+
+
+# Attention implementation class name -> its writer.
+_WRITERS: dict[str, CacheWriter] = {}
+
+
+def register_cache_writer(impl_class_name: str, backend: str, write: WriteFn) -> None:
+    _WRITERS[impl_class_name] = CacheWriter(backend, write)
+
+
+def writer_for(impl: Any) -> CacheWriter | None:
+    return _WRITERS.get(type(impl).__name__)
+
+
+def supported_backends() -> list[str]:
+    return sorted({w.backend for w in _WRITERS.values()})
+
+
+def _write_via_kv_cache_update(layer, key, value, slot_mapping, forward_context) -> None:
+    # FlashAttention / FlashInfer / Triton: reshape_and_cache_flash (or the
+    # backend's own variant), quantizing with the layer's k/v scale for fp8.
+    layer.impl.do_kv_cache_update(layer, key, value, layer.kv_cache, slot_mapping)
+
+
+def _write_cpu(layer, key, value, slot_mapping, forward_context) -> None:
+    from vllm import _custom_ops as ops
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    kv_cache = layer.kv_cache
+    num_blocks, num_kv_heads, block_size, _ = kv_cache.size()
+    paged = kv_cache.view((num_blocks, num_kv_heads, block_size * 2, -1))
+    key_cache, value_cache = paged.chunk(2, dim=2)
+    isa = _step_isa(forward_context, layer.layer_name)
+    if isa is None:
+        isa = _get_attn_isa(key.dtype, block_size, layer.head_size, layer.impl.kv_cache_dtype)
+    ops.cpu_attn_reshape_and_cache(
+        key.contiguous(),
+        value.contiguous(),
+        key_cache,
+        value_cache,
+        slot_mapping,
+        isa,
+        k_scale=layer._k_scale_float,
+        v_scale=layer._v_scale_float,
+        kv_cache_dtype=layer.impl.kv_cache_dtype,
+    )
+
+
+def _step_isa(forward_context: ForwardContext, layer_name: str) -> str | None:
+    """The ISA the CPU backend chose for this step (it packs the cache per ISA)."""
+    metadata = forward_context.attn_metadata
+    if isinstance(metadata, list):
+        metadata = metadata[0] if metadata else None
+    if isinstance(metadata, dict):
+        metadata = metadata.get(layer_name)
+    return getattr(metadata, "isa", None)
+
+
+# vLLM 0.23.0 picks, for standard attention on CUDA: FLASH_ATTN, FLASHINFER,
+# TRITON_ATTN, then FLEX_ATTENTION (FlashInfer first on Blackwell); on CPU:
+# CPU_ATTN. FLEX_ATTENTION (and ROCm, MLA) are not registered: refused.
+register_cache_writer("FlashAttentionImpl", "FLASH_ATTN", _write_via_kv_cache_update)
+register_cache_writer("FlashInferImpl", "FLASHINFER", _write_via_kv_cache_update)
+register_cache_writer("TritonAttentionImpl", "TRITON_ATTN", _write_via_kv_cache_update)
+register_cache_writer("CPUAttentionBackendImpl", "CPU_ATTN", _write_cpu)
