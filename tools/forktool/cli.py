@@ -126,6 +126,12 @@ def cmd_serve(paths: Paths, args) -> int:
                          *SERVE_DEFAULTS, *args.vllm_args])
 
 
+def cmd_bench(paths: Paths, args) -> int:
+    s = setup(paths, sdists=False)
+    return _exec(paths, [s.python, str(paths.repo / "benchmarks" / "bench_rag.py"),
+                         *args.bench_args])
+
+
 def cmd_sync(paths: Paths, args) -> int:
     """Developer shortcut: copy overlay files into the installed package (no rebuild)."""
     site = subprocess.run(
@@ -165,13 +171,17 @@ def parser() -> argparse.ArgumentParser:
     sp = sub.add_parser("serve", help="set up, then `vllm serve` SmolLM2 with the chunk cache "
                                       "on 127.0.0.1:8000 (extra args go to vllm serve)")
     sp.add_argument("vllm_args", nargs=argparse.REMAINDER)
+    sp = sub.add_parser("bench", help="set up, then run the RAG benchmark (stock vLLM vs "
+                                      "prefix caching vs the chunk cache; extra args go to "
+                                      "benchmarks/bench_rag.py, e.g. --quick)")
+    sp.add_argument("bench_args", nargs=argparse.REMAINDER)
     sub.add_parser("sync", help="(dev) copy overlay files into the installed vllm package")
     return p
 
 
 COMMANDS = {"fetch": cmd_fetch, "apply": cmd_apply, "export": cmd_export, "check": cmd_check,
             "build": cmd_build, "env": cmd_env, "setup": cmd_setup, "test": cmd_test,
-            "serve": cmd_serve, "sync": cmd_sync}
+            "serve": cmd_serve, "bench": cmd_bench, "sync": cmd_sync}
 
 
 def main(argv: list[str] | None = None) -> int:

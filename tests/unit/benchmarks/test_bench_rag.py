@@ -1,0 +1,58 @@
+"""The pure parts of benchmarks/bench_rag.py (no engine): the request stream, the
+statistics and the table."""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+_PATH = Path(__file__).resolve().parents[3] / "benchmarks" / "bench_rag.py"
+_spec = importlib.util.spec_from_file_location("bench_rag", _PATH)
+bench = importlib.util.module_from_spec(_spec)
+sys.modules["bench_rag"] = bench  # dataclasses look their module up by name
+_spec.loader.exec_module(bench)
+
+WORK = bench.Workload(doc_words=20, requests=50, max_tokens=4, system="Sys.", seed=3)
+
+
+def test_request_stream_is_deterministic_and_reuses_the_hot_set():
+    point = bench.Point(k=4, reuse=0.9, concurrency=1)
+    a = bench.make_prompts(WORK, point, "t")
+    assert a == bench.make_prompts(WORK, point, "t")
+    assert a != bench.make_prompts(WORK, point, "other")
+    hot = set(bench.make_corpus(8, 20, 3, "t-hot"))
+    docs = [d for prompt, _ in a for d in prompt.split(" ## ")[1:-1]]
+    assert len(docs) == 4 * 50
+    share = sum(d in hot for d in docs) / len(docs)
+    assert 0.8 < share <= 1.0
+    for prompt, question in a:
+        parts = prompt.split(" ## ")
+        assert parts[0] == "Sys." and parts[-1] == question and len(set(parts[1:-1])) == 4
+    cold = bench.make_prompts(WORK, bench.Point(4, 0.0, 1), "t")
+    assert not any(d in hot for p, _ in cold for d in p.split(" ## ")[1:-1])
+
+
+def test_percentile_matches_linear_interpolation():
+    assert bench.percentile([1, 2, 3, 4], 0.5) == 2.5
+    assert bench.percentile([10.0], 0.9) == 10.0
+    assert bench.percentile([0, 10], 0.9) == pytest.approx(9.0)
+
+
+def test_table_has_ratios_from_the_same_run_and_the_floor():
+    p = bench.Point(4, 0.5, 1)
+    rows = [bench.Result("stock", p, [0.4, 0.6], 16, 2.0, None),
+            bench.Result("prefix", p, [0.3, 0.3], 16, 2.0, 0.25),
+            bench.Result("chunk", p, [0.1, 0.1], 16, 1.0, 0.5)]
+    table = bench.write_table(rows, {p: 0.05})
+    assert "| 4 | 0.5 | 1 | stock | 500 | 580 | 1.00 | 8.0 | - | 5.00x |" in table
+    assert "| prefix | 300 |" in table and "| 25% | 3.00x |" in table
+    assert "chunk = 2.00x of floor" in table
+
+
+def test_one_factor_sweeps_around_the_base_point():
+    args = bench.parse_args(["--docs", "2,4,8", "--reuse", "0,0.5", "--concurrency", "1,4"])
+    pts, base = bench.points(args)
+    assert base == bench.Point(4, 0.5, 1)
+    assert set(pts) == {bench.Point(2, 0.5, 1), bench.Point(4, 0.5, 1), bench.Point(8, 0.5, 1),
+                        bench.Point(4, 0.0, 1), bench.Point(4, 0.5, 4)}
