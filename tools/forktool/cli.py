@@ -186,13 +186,14 @@ COMMANDS = {"fetch": cmd_fetch, "apply": cmd_apply, "export": cmd_export, "check
 
 def main(argv: list[str] | None = None) -> int:
     p = parser()
-    # NOTE: `test` and `serve` pass their remaining arguments (options included, e.g. `-q`)
-    # straight to pytest / vllm serve; argparse's REMAINDER alone would reject a leading option.
+    # NOTE: `test`, `serve` and `bench` pass their remaining arguments (options included,
+    # e.g. `-q`) straight to pytest / vllm serve / the benchmark; argparse's REMAINDER alone
+    # would reject a leading option.
     args, extra = p.parse_known_args(argv)
-    if extra and args.cmd == "test":
-        args.pytest_args = extra + args.pytest_args
-    elif extra and args.cmd == "serve":
-        args.vllm_args = extra + args.vllm_args
+    passthrough = {"test": "pytest_args", "serve": "vllm_args", "bench": "bench_args"}
+    if extra and args.cmd in passthrough:
+        name = passthrough[args.cmd]
+        setattr(args, name, extra + getattr(args, name))
     elif extra:
         p.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
