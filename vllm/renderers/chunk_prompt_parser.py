@@ -36,7 +36,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from vllm.v1.core.chunk_structures import ChunkedPrompt, SegmentSpan
+from vllm.v1.core.chunk_structures import ChunkedPrompt
 
 
 class SegmentTokenizer(Protocol):
@@ -135,7 +135,7 @@ class ChunkedPromptParser:
         keep = np.ones(tokens.size, dtype=bool)
         for start in starts.tolist():
             keep[start : start + sep_len] = False
-        return _prompt_from_lengths(tokens[keep].tolist(), lengths.tolist())
+        return ChunkedPrompt.from_lengths(tokens[keep].tolist(), lengths.tolist())
 
     # ------------------------------------------------------------- helpers
 
@@ -144,7 +144,7 @@ class ChunkedPromptParser:
         lengths = [len(ids) for ids in token_lists]
         self._check_lengths(lengths)
         flat = [tok for ids in token_lists for tok in ids]
-        return _prompt_from_lengths(flat, lengths)
+        return ChunkedPrompt.from_lengths(flat, lengths)
 
     def _check_num_chunks(self, num_chunks: int) -> None:
         if num_chunks > self.max_chunks:
@@ -202,12 +202,3 @@ def _as_int64_array(token_ids: TokenIdsLike) -> np.ndarray:
     if isinstance(token_ids, torch.Tensor):
         return token_ids.detach().to("cpu", torch.int64).reshape(-1).numpy()
     return np.asarray(token_ids, dtype=np.int64).reshape(-1)
-
-
-def _prompt_from_lengths(token_ids: list[int], lengths: list[int]) -> ChunkedPrompt:
-    spans = []
-    start = 0
-    for length in lengths:
-        spans.append(SegmentSpan(start, start + length))
-        start += length
-    return ChunkedPrompt(token_ids=token_ids, spans=tuple(spans))
