@@ -156,15 +156,23 @@ class Server:
                                       str(self.port), *flags],
                                      stdout=self.log, stderr=subprocess.STDOUT)
         self.url = f"http://127.0.0.1:{self.port}"
-        deadline = time.monotonic() + 900
-        while time.monotonic() < deadline:
+        started = time.monotonic()
+        next_note = started + 15
+        while time.monotonic() < started + 900:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"vllm serve exited; see {log}")
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=5):
+                    print(f"[bench] server up after {time.monotonic() - started:.0f} s",
+                          flush=True)
                     return
             except (urllib.error.URLError, ConnectionError, TimeoutError):
                 time.sleep(2)
+            # Start-up takes about a minute on 2 cores: say that it is still going.
+            if time.monotonic() >= next_note:
+                print(f"[bench]   still starting ({time.monotonic() - started:.0f} s; "
+                      f"log: {log})", flush=True)
+                next_note += 15
         self.stop()
         raise TimeoutError(f"vllm serve did not start; see {log}")
 
@@ -260,6 +268,28 @@ def write_table(results: list[Result], floor: dict[Point, float]) -> str:
             lines.append(f"| {point.k} | {point.reuse:g} | {point.concurrency} | floor "
                          f"(question alone) | {floor[point] * 1e3:.0f} | | | | | chunk = "
                          f"{ratio(chunk.ttft_median, floor[point])} of floor |")
+    return "\n".join(lines) + "\n"
+
+
+def write_ratios(results: list[Result], floor: dict[Point, float]) -> str:
+    """The three configurations against each other, per point, from this one run."""
+    lines = ["| k | reuse | conc | TTFT stock/chunk | TTFT prefix/chunk | TTFT stock/prefix "
+             "| req/s chunk/stock | req/s chunk/prefix | TTFT chunk/floor |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    by_point: dict[Point, dict[str, Result]] = {}
+    for r in results:
+        by_point.setdefault(r.point, {})[r.config] = r
+    for point, rows in by_point.items():
+        if not {"stock", "prefix", "chunk"} <= rows.keys():
+            continue
+        st, pf, ch = rows["stock"], rows["prefix"], rows["chunk"]
+        fl = ratio(ch.ttft_median, floor[point]) if point in floor else "-"
+        lines.append(f"| {point.k} | {point.reuse:g} | {point.concurrency} | "
+                     f"{ratio(st.ttft_median, ch.ttft_median)} | "
+                     f"{ratio(pf.ttft_median, ch.ttft_median)} | "
+                     f"{ratio(st.ttft_median, pf.ttft_median)} | "
+                     f"{ratio(ch.requests_per_s, st.requests_per_s)} | "
+                     f"{ratio(ch.requests_per_s, pf.requests_per_s)} | {fl} |")
     return "\n".join(lines) + "\n"
 
 
@@ -374,6 +404,9 @@ def main(argv=None) -> int:
         finally:
             server.stop()
     table = write_table(results, floor)
+    # NOTE: the floor is timed one request at a time, also for points with concurrency > 1.
+    table += "\nRatios (same run; floor timed one request at a time):\n\n"
+    table += write_ratios(results, floor)
     params = {"workload": asdict(work), "points": [asdict(p) for p in pts],
               "base_point": asdict(base), "configs": CONFIGS, "model": args.model,
               "machine": machine()}

@@ -56,3 +56,15 @@ def test_one_factor_sweeps_around_the_base_point():
     assert base == bench.Point(4, 0.5, 1)
     assert set(pts) == {bench.Point(2, 0.5, 1), bench.Point(4, 0.5, 1), bench.Point(8, 0.5, 1),
                         bench.Point(4, 0.0, 1), bench.Point(4, 0.5, 4)}
+
+
+def test_ratios_between_the_three_configurations():
+    p = bench.Point(4, 0.5, 1)
+    rows = [bench.Result("stock", p, [0.4, 0.6], 16, 2.0, None),
+            bench.Result("prefix", p, [0.3, 0.3], 16, 2.0, 0.25),
+            bench.Result("chunk", p, [0.1, 0.1], 16, 1.0, 0.5)]
+    ratios = bench.write_ratios(rows, {p: 0.05})
+    # TTFT stock/chunk, prefix/chunk, stock/prefix; req/s chunk/stock, chunk/prefix; floor.
+    assert "| 4 | 0.5 | 1 | 5.00x | 3.00x | 1.67x | 2.00x | 2.00x | 2.00x |" in ratios
+    # A point without all three configurations gets no ratio row.
+    assert bench.write_ratios(rows[:2], {}).count("\n") == 2
