@@ -162,12 +162,32 @@ def _pool_blocks(vllm_config: VllmConfig, num_kv_blocks: int, block_size: int) -
 
 
 def _layer_kv_elements(vllm_config: VllmConfig) -> int:
-    """K plus V elements of one token over all layers."""
+    """K plus V elements of one token over the layers of one rank: its own KV
+    heads (tensor parallelism) and the layers of the *largest* pipeline stage.
+
+    Every rank must derive the same number of pool rows as the scheduler's
+    allocator (whose config is that of rank 0). With --chunk-pool-size-gib the
+    rows come from bytes per token, and pipeline stages may hold different
+    numbers of layers (VLLM_PP_LAYER_PARTITION, or vLLM's split of a remainder
+    to the middle stages): sizing by the largest stage gives every rank the
+    same rows and keeps each rank's pool within the size asked for.
+    """
     model_config = vllm_config.model_config
     parallel_config = vllm_config.parallel_config
-    num_layers = model_config.get_num_layers(parallel_config)
+    num_layers = _max_stage_layers(model_config, parallel_config)
     num_kv_heads = model_config.get_num_kv_heads(parallel_config)
     return num_layers * num_kv_heads * model_config.get_head_size() * 2
+
+
+def _max_stage_layers(model_config, parallel_config) -> int:
+    pp_size = getattr(parallel_config, "pipeline_parallel_size", 1) or 1
+    if pp_size <= 1:
+        return model_config.get_num_layers(parallel_config)
+    from vllm.distributed.utils import get_pp_indices
+
+    total = model_config.get_total_num_hidden_layers()
+    return max(end - start for start, end in
+               (get_pp_indices(total, rank, pp_size) for rank in range(pp_size)))
 
 
 def _as_dtype(dtype: torch.dtype | str) -> torch.dtype:
