@@ -11,6 +11,7 @@ write) throughput as a ratio to a plain tensor copy of the same bytes.
 import argparse
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -85,8 +86,23 @@ def bench_hash() -> None:
           f" {PROMPT_TOKENS / seconds / 1e6:.1f} M tokens/s")
 
 
-def bench_remap(device: str, dtype: torch.dtype) -> None:
-    heads, head_size, rows = 8, 128, 16384
+@dataclass(frozen=True)
+class RemapTiming:
+    """Best-of seconds for one layer's rows, and the bytes moved (K+V)."""
+
+    plain_copy: float
+    gather_write: float
+    remap: float
+    nbytes: int
+
+    def line(self, seconds: float) -> str:
+        return (f"{seconds * 1e3:8.2f} ms ({self.nbytes / seconds / 1e9:5.1f} GB/s) "
+                f"= {seconds / self.plain_copy:.2f}x copy "
+                f"({self.plain_copy / seconds:.0%} of copy throughput)")
+
+
+def bench_remap(device: str, dtype: torch.dtype, heads: int = 8, head_size: int = 128,
+                rows: int = 16384) -> RemapTiming:
     rope = get_rope(head_size, 32768, True, {"rope_type": "default"}, torch.float32)
     pool_k = torch.randn(rows, heads, head_size, device=device).to(dtype)
     pool_v = torch.randn_like(pool_k)
@@ -98,8 +114,9 @@ def bench_remap(device: str, dtype: torch.dtype) -> None:
         paged_v.index_copy_(0, slot_mapping, value)
 
     perm = torch.randperm(rows, device=device)
-    # 8 segments of 2048 rows, one delta each (as a load plan has).
-    deltas = torch.arange(rows) // 2048 * 2048 + 5
+    # 8 segments of rows // 8 rows, one delta each (as a load plan has).
+    segment = max(rows // 8, 1)
+    deltas = (torch.arange(rows) // segment * segment + 5).to(device)
     remap_rows = RemapRows(src_rows=perm, dst_slots=torch.arange(rows, device=device),
                            deltas=deltas)
     remapper = PositionRemapper(RopeRotation(rope), write_rows)
@@ -107,17 +124,19 @@ def bench_remap(device: str, dtype: torch.dtype) -> None:
 
     remap = best_of(lambda: remapper.remap_layer("l", pool_k, pool_v, remap_rows),
                     sync=sync)
+    # NOTE: the plain copy reads and writes the same bytes as the remap: K and V
+    # rows from one tensor into another (the remap also writes them once).
     plain = best_of(lambda: (paged_k.copy_(pool_k), paged_v.copy_(pool_v)), sync=sync)
     copy_only = PositionRemapper(None, write_rows)
     gather = best_of(lambda: copy_only.remap_layer("l", pool_k, pool_v, remap_rows),
                      sync=sync)
-    nbytes = 2 * pool_k.numel() * pool_k.element_size()
+    timing = RemapTiming(plain, gather, remap, 2 * pool_k.numel() * pool_k.element_size())
     print(f"remap ({device}, {dtype}, {rows} rows x {heads} heads x {head_size}, "
-          f"{nbytes / 2**20:.0f} MiB K+V per layer):")
-    print(f"  plain copy          {plain * 1e3:8.2f} ms "
-          f"({nbytes / plain / 1e9:.1f} GB/s)")
-    print(f"  gather+write        {gather * 1e3:8.2f} ms  = {gather / plain:.2f}x copy")
-    print(f"  gather+rope+write   {remap * 1e3:8.2f} ms  = {remap / plain:.2f}x copy")
+          f"{timing.nbytes / 2**20:.0f} MiB K+V per layer):")
+    print(f"  plain copy          {timing.line(plain)}")
+    print(f"  gather+write        {timing.line(gather)}")
+    print(f"  gather+rope+write   {timing.line(remap)}")
+    return timing
 
 
 def main() -> None:

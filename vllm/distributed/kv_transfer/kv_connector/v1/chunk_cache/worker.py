@@ -50,6 +50,7 @@ from vllm.logger import init_logger
 from vllm.v1.worker.position_remapper import (
     PositionRemapper,
     RemapRows,
+    RemapScratch,
     RopeRotation,
 )
 
@@ -226,6 +227,8 @@ class ChunkCacheWorker:
         self.pool_key: dict[str, torch.Tensor] = {}
         self.pool_value: dict[str, torch.Tensor] = {}
         self.remappers: dict[str, PositionRemapper] = {}
+        # One set of load buffers for all layers.
+        self._scratch = RemapScratch()
         self._ropes: dict[str, nn.Module | None] | None = None
         self._rotations: dict[int, RopeRotation] = {}
         self._forward_context: ForwardContext | None = None
@@ -305,7 +308,7 @@ class ChunkCacheWorker:
             total += self.pool_key[name].nbytes + self.pool_value[name].nbytes
             rope = self._ropes[name]
             rotation = None if rope is None else self._rotations[id(rope)]
-            self.remappers[name] = PositionRemapper(rotation, self._write_rows)
+            self.remappers[name] = PositionRemapper(rotation, self._write_rows, self._scratch)
         self.pool_bytes = total
         logger.info(
             "Chunk cache pool: %d rows x %d layers, %.1f MiB on %s (%s)",
