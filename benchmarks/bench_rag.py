@@ -358,6 +358,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--system", default="Answer the question from the documents.")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="results directory")
+    p.add_argument("--targets", action="store_true",
+                   help="measure the performance targets instead of the sweeps "
+                        "(~400-token documents; see benchmarks/bench_targets.py)")
+    p.add_argument("--load-requests", type=int, default=16,
+                   help="--targets: requests of the concurrency-8 load workload")
     args = p.parse_args(argv)
     if args.quick:
         args.docs, args.reuse, args.concurrency = "2,4", "0,0.9", "1,4"
@@ -386,6 +391,8 @@ def main(argv=None) -> int:
     pts, base = points(args)
     out = Path(args.out or f"benchmarks/results/{time.strftime('%Y%m%d-%H%M%S')}")
     out.mkdir(parents=True, exist_ok=True)
+    if args.targets:
+        return run_targets(args, out)
     prompts = {p: make_prompts(work, p, f"k{p.k}-r{p.reuse}-c{p.concurrency}") for p in pts}
     results: list[Result] = []
     floor: dict[Point, float] = {}
@@ -418,6 +425,24 @@ def main(argv=None) -> int:
         + "".join(f"\n![{n}]({n})\n" for n in pngs))
     print(table)
     print(f"[bench] wrote {out}/results.md, params.json" + (", " + ", ".join(pngs) if pngs else ""))
+    return 0
+
+
+def run_targets(args, out: Path) -> int:
+    import bench_targets
+
+    if args.requests == 16:  # the sweeps' default: 5 per target keeps the run ~15 min
+        args.requests = 5
+    table = bench_targets.run(args, out)
+    params = {"targets": True, "requests": args.requests, "load_requests": args.load_requests,
+              "doc_words": bench_targets.TARGET_DOC_WORDS, "max_tokens": args.max_tokens,
+              "configs": CONFIGS, "model": args.model, "machine": machine()}
+    (out / "params.json").write_text(json.dumps(params, indent=1))
+    (out / "results.md").write_text(
+        f"# RAG benchmark targets ({time.strftime('%Y-%m-%d %H:%M')})\n\n"
+        f"Machine: {params['machine']}\n\n" + table)
+    print(table)
+    print(f"[bench] wrote {out}/results.md, params.json")
     return 0
 
 

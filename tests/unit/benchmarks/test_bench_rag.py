@@ -68,3 +68,50 @@ def test_ratios_between_the_three_configurations():
     assert "| 4 | 0.5 | 1 | 5.00x | 3.00x | 1.67x | 2.00x | 2.00x | 2.00x |" in ratios
     # A point without all three configurations gets no ratio row.
     assert bench.write_ratios(rows[:2], {}).count("\n") == 2
+
+
+def _targets():
+    path = _PATH.with_name("bench_targets.py")
+    spec = importlib.util.spec_from_file_location("bench_targets", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["bench_targets"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_target_workloads_hit_the_same_documents_in_new_orders():
+    targets = _targets()
+    work = bench.Workload(doc_words=30, requests=5, max_tokens=4, system="Sys.", seed=1)
+    hit = targets.hit_runs(work, 4, 5)
+    sets = [frozenset(p.split(" ## ")[1:-1]) for p, _ in hit.timed]
+    assert len(set(sets)) == 1 and len(sets[0]) == 4  # always the same 4 documents
+    assert len({tuple(p.split(" ## ")[1:-1]) for p, _ in hit.timed}) > 1  # reordered
+    assert set(hit.warmup[0].split(" ## ")[1:-1]) == sets[0]  # warmed before timing
+    miss = targets.miss_runs(work, 8, 5)
+    docs = [d for p, _ in miss.timed for d in p.split(" ## ")[1:-1]]
+    assert len(docs) == len(set(docs)) == 40  # never a document seen before
+    assert targets.load_runs(work, 8, 16).concurrency == 8
+
+
+def test_verdicts_compare_each_target_with_its_threshold():
+    targets = _targets()
+
+    def result(config, name, ttft, wall=1.0):
+        r = bench.Result(config, bench.Point(8, 0, 1), ttft=[ttft] * 3)
+        r.wall = wall
+        return r
+
+    results = {}
+    for name in ("hit-4", "hit-8", "miss-8", "load-8"):
+        results[("stock", name)] = result("stock", name, 10.0, wall=30.0)
+        results[("prefix", name)] = result("prefix", name, 5.0, wall=20.0)
+        results[("chunk", name)] = result("chunk", name, 0.3, wall=5.0)
+    found = {v.target: v for v in targets.verdicts(results, {"hit-4": 0.2, "hit-8": 0.1},
+                                                   remap_share=0.6)}
+    assert found["all-hit, 8 docs: TTFT >= 25x lower than stock"].met  # 33x
+    assert not found["all-hit, 8 docs: TTFT >= 25x lower than prefix"].met  # 16.7x
+    assert found["all-hit, 4 docs: TTFT <= 2x the floor"].met  # 1.5x
+    assert not found["all-hit, 8 docs: TTFT <= 2x the floor"].met  # 3x
+    assert found["all-miss first request, 8 docs: TTFT <= stock"].met
+    assert found["load (concurrency 8, 80% reuse, 8 docs): req/s >= 5x stock"].met  # 6x
+    assert found["remap >= 50% of plain-copy throughput"].met
