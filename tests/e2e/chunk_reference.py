@@ -8,7 +8,7 @@ top-k logprobs against the reference."""
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -118,3 +118,42 @@ def compare(ref_logprobs: torch.Tensor, token_ids: list[int], logprobs: list[dic
                 assert float(ref[t]) >= kth - tol, (
                     f"step {step}: vLLM top-5 token {t} is not in the reference top-5")
     return {"max_diff": max_diff, "exact_argmax": exact_argmax, "steps": len(token_ids)}
+
+
+@dataclass
+class ExactnessTally:
+    """What a run of random layouts covered and how close it stayed to the reference."""
+
+    layouts: int = 0
+    cold: int = 0
+    warm: int = 0
+    mixed: int = 0
+    max_diff: float = 0.0
+    exact: int = 0
+    steps: int = 0
+    # Smallest first-token distance to plain causal attention (the negative control).
+    control_min: float = float("inf")
+    # Chunks sent before: a layout of only those is warm.
+    seen: set[str] = field(default_factory=set, repr=False)
+
+    def add(self, layout: Layout, result: dict, control: float) -> None:
+        self.max_diff = max(self.max_diff, result["max_diff"])
+        self.exact += result["exact_argmax"]
+        self.steps += result["steps"]
+        if len(layout.chunks) >= 2:  # (one chunk in "system" mode is causal)
+            self.control_min = min(self.control_min, control)
+        self.layouts += 1
+        warm = all(c in self.seen for c in layout.chunks)
+        self.cold += not warm
+        self.warm += warm
+        self.mixed += int(not warm and any(c in self.seen for c in layout.chunks))
+
+    def sent(self, batch: list[Layout]) -> None:
+        for layout in batch:
+            self.seen.update(layout.chunks)
+
+    def check(self, layouts: int, min_cold: int, min_warm: int, tol: float) -> None:
+        assert self.layouts == layouts and self.cold >= min_cold and self.warm >= min_warm
+        assert self.exact >= self.steps - 1
+        assert self.max_diff < tol / 10
+        assert self.control_min > 10 * tol

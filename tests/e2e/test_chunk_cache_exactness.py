@@ -24,7 +24,13 @@ import random
 import pytest
 
 from tests.conftest import models_dir
-from tests.e2e.chunk_reference import Layout, Reference, compare, random_text
+from tests.e2e.chunk_reference import (
+    ExactnessTally,
+    Layout,
+    Reference,
+    compare,
+    random_text,
+)
 from tests.e2e.engine import close_llm, make_llm
 
 pytestmark = pytest.mark.e2e
@@ -86,13 +92,12 @@ def test_random_layouts_match_the_isolation_mask_reference(engine):
     docs = _docs(rng, reference, 12, max_words)
     params = SamplingParams(max_tokens=NUM_GEN, temperature=0.0, logprobs=5,
                             ignore_eos=True)
-    seen: set[str] = set()
-    stats = {"control_min": float("inf"), "mixed": 0, "cold": 0, "warm": 0, "layouts": 0, "max_diff": 0.0, "exact": 0, "steps": 0}
+    tally = ExactnessTally()
     # Batches of concurrent requests: the first batch is all cold, later ones
     # mix chunks seen before (warm) with new ones (cold), in shuffled order.
     for step in range(3):
         # cold; then mixed; then only chunks seen before (warm), reordered.
-        pool = docs[:6] if step == 0 else docs if step == 1 else sorted(seen)
+        pool = docs[:6] if step == 0 else docs if step == 1 else sorted(tally.seen)
         batch = _layouts(rng, pool, 3 if step < 2 else 2)
         outputs = llm.generate([layout.prompt for layout in batch], params, use_tqdm=False)
         for layout, out in zip(batch, outputs):
@@ -103,25 +108,13 @@ def test_random_layouts_match_the_isolation_mask_reference(engine):
             result = compare(ref, list(completion.token_ids), completion.logprobs, TOL)
             # Only the question was computed by the parent.
             assert out.num_cached_tokens == prompt.question_span.start
-            stats["max_diff"] = max(stats["max_diff"], result["max_diff"])
             # Negative control: the same tokens under plain causal attention
             # (no isolation) are far outside the tolerance, so the comparison
             # above does discriminate.
             causal = reference.causal_logprobs(prompt, list(completion.token_ids))
             step0 = completion.logprobs[0]
             control = max(abs(lp.logprob - float(causal[0][t])) for t, lp in step0.items())
-            if len(layout.chunks) >= 2:  # (one chunk in "system" mode is causal)
-                stats["control_min"] = min(stats["control_min"], control)
-            stats["exact"] += result["exact_argmax"]
-            stats["steps"] += result["steps"]
-            stats["layouts"] += 1
-            warm = all(c in seen for c in layout.chunks)
-            stats["warm" if warm else "cold"] += 1
-            stats["mixed"] += int(not warm and any(c in seen for c in layout.chunks))
-        for layout in batch:
-            seen.update(layout.chunks)
-    print(f"mode={mode}: {stats}")
-    assert stats["layouts"] == 8 and stats["cold"] >= 1 and stats["warm"] >= 1
-    assert stats["exact"] >= stats["steps"] - 1
-    assert stats["max_diff"] < TOL / 10
-    assert stats["control_min"] > 10 * TOL
+            tally.add(layout, result, control)
+        tally.sent(batch)
+    print(f"mode={mode}: {tally}")
+    tally.check(layouts=8, min_cold=1, min_warm=1, tol=TOL)

@@ -51,7 +51,13 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import models_dir
-from tests.e2e.chunk_reference import Layout, Reference, compare, random_text
+from tests.e2e.chunk_reference import (
+    ExactnessTally,
+    Layout,
+    Reference,
+    compare,
+    random_text,
+)
 from tests.e2e.server import start_server
 from tests.e2e.test_chunk_cache_server import _ids, _Lp
 from tests.e2e.test_chunk_cache_server import metrics as _metrics
@@ -186,31 +192,17 @@ def test_each_rank_allocates_the_pool_for_its_own_heads_and_layers(server):
 def test_random_layouts_cold_and_warm_match_the_reference(server, reference):
     rng = random.Random(f"parallel-exactness-{server.config}")
     docs = _docs(rng, 10)
-    seen: set[str] = set()
-    stats = {"layouts": 0, "cold": 0, "warm": 0, "mixed": 0, "max_diff": 0.0,
-             "exact": 0, "steps": 0, "control_min": float("inf")}
+    tally = ExactnessTally()
     # Concurrent batches: all cold; cold and warm mixed; only warm chunks, reordered.
     for step in range(3):
-        pool = docs[:5] if step == 0 else docs if step == 1 else sorted(seen)
+        pool = docs[:5] if step == 0 else docs if step == 1 else sorted(tally.seen)
         batch = _layouts(rng, pool, 4)
         for layout, (status, body) in zip(batch, _send(server, batch)):
             result = check(reference, layout, status, body)
-            stats["max_diff"] = max(stats["max_diff"], result["max_diff"])
-            stats["exact"] += result["exact_argmax"]
-            stats["steps"] += result["steps"]
-            if len(layout.chunks) >= 2:
-                stats["control_min"] = min(stats["control_min"], result["control"])
-            stats["layouts"] += 1
-            warm = all(c in seen for c in layout.chunks)
-            stats["warm" if warm else "cold"] += 1
-            stats["mixed"] += int(not warm and any(c in seen for c in layout.chunks))
-        for layout in batch:
-            seen.update(layout.chunks)
-    print(f"{server.config}: {stats}")
-    assert stats["layouts"] == 12 and stats["cold"] >= 4 and stats["warm"] >= 4
-    assert stats["exact"] >= stats["steps"] - 1
-    assert stats["max_diff"] < TOL / 10
-    assert stats["control_min"] > 10 * TOL
+            tally.add(layout, result, result["control"])
+        tally.sent(batch)
+    print(f"{server.config}: {tally}")
+    tally.check(layouts=12, min_cold=4, min_warm=4, tol=TOL)
 
 
 def test_concurrent_requests_are_exact_and_counted_once(server, reference):
