@@ -330,13 +330,21 @@ class RemapScratch:
     def __init__(self) -> None:
         self._buffers: dict[tuple, torch.Tensor] = {}
 
-    def take(self, role: str, like: torch.Tensor, num_rows: int) -> torch.Tensor:
-        """A [num_rows, *like.shape[1:]] buffer of like's dtype and device."""
-        key = (role, like.dtype, like.device, tuple(like.shape[1:]))
+    def take(
+        self,
+        role: str,
+        like: torch.Tensor,
+        num_rows: int,
+        dtype: torch.dtype | None = None,
+    ) -> torch.Tensor:
+        """A [num_rows, *like.shape[1:]] buffer on like's device, of `dtype`
+        (default: like's)."""
+        dtype = dtype or like.dtype
+        key = (role, dtype, like.device, tuple(like.shape[1:]))
         buffer = self._buffers.get(key)
         if buffer is None or buffer.shape[0] < num_rows:
             buffer = torch.empty(
-                (num_rows, *like.shape[1:]), dtype=like.dtype, device=like.device
+                (num_rows, *like.shape[1:]), dtype=dtype, device=like.device
             )
             self._buffers[key] = buffer
         return buffer[:num_rows]
@@ -378,5 +386,14 @@ class PositionRemapper:
         torch.index_select(pool_value.flatten(1), 0, rows.src_rows, out=value.flatten(1))
         if self.rotation is not None:
             rotated = self.scratch.take("rotated", pool_key, num_rows)
-            key = self.rotation.rotate(key, rows.deltas, cos_sin, out=rotated)
+            if key.dtype == torch.float32:
+                key = self.rotation.rotate(key, rows.deltas, cos_sin, out=rotated)
+            else:
+                # The rotation runs in fp32 (module doc): through fp32 buffers,
+                # cast back once into the pool's dtype.
+                key32 = self.scratch.take("key32", key, num_rows, torch.float32)
+                key32.copy_(key)
+                rotated32 = self.scratch.take("rotated32", key, num_rows, torch.float32)
+                self.rotation.rotate(key32, rows.deltas, cos_sin, out=rotated32)
+                key = rotated.copy_(rotated32)
         self.write_rows(layer_name, key, value, rows.dst_slots)

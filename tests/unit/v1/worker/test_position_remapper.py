@@ -29,7 +29,12 @@ from vllm.v1.core.chunk_structures import (
     SegmentLoad,
     SegmentSpan,
 )
-from vllm.v1.worker.position_remapper import PositionRemapper, RemapRows, RopeRotation
+from vllm.v1.worker.position_remapper import (
+    PositionRemapper,
+    RemapRows,
+    RemapScratch,
+    RopeRotation,
+)
 
 ATOL = 2e-3
 HEAD_SIZE = 64
@@ -281,3 +286,35 @@ def test_layer_without_rope_copies_and_zero_delta_skips_rotation(
                      deltas=torch.tensor([0]))
     PositionRemapper(rotation, paged.write_rows).remap_layer("l", pool_k, pool_v, zero)
     assert torch.equal(paged.key[4], pool_k[2])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_reused_buffers_give_each_layer_and_step_its_own_rows(vllm_config_context, dtype):
+    """Two layers and two steps of different sizes through one shared scratch:
+    every write equals the rotation of its own rows (a buffer reused too early, or
+    sliced to another step's size, would hand a layer another layer's rows)."""
+    rotation = RopeRotation(make_rope({"rope_type": "default"}, True))
+    pools = {name: (torch.randn(32, NUM_HEADS, HEAD_SIZE).to(dtype),
+                    torch.randn(32, NUM_HEADS, HEAD_SIZE).to(dtype)) for name in ("a", "b")}
+    written: list[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor]] = []
+
+    def write_rows(name, key, value, slots):
+        written.append((name, key.clone(), value.clone(), slots.clone()))
+
+    scratch = RemapScratch()
+    remappers = {name: PositionRemapper(rotation, write_rows, scratch) for name in pools}
+    steps = [RemapRows(src_rows=torch.tensor([5, 9, 2, 30, 17]),
+                       dst_slots=torch.arange(5), deltas=torch.tensor([3, 3, 3, 40, 40])),
+             RemapRows(src_rows=torch.tensor([1, 4]), dst_slots=torch.tensor([7, 8]),
+                       deltas=torch.tensor([-1, 12]))]
+    for rows in steps:
+        for name, (pool_k, pool_v) in pools.items():
+            remappers[name].remap_layer(name, pool_k, pool_v, rows)
+    assert [w[0] for w in written] == ["a", "b", "a", "b"]
+    for (name, key, value, slots), rows in zip(written, [steps[0]] * 2 + [steps[1]] * 2):
+        pool_k, pool_v = pools[name]
+        expected = rotation.rotate(pool_k[rows.src_rows], rows.deltas)
+        assert key.dtype == dtype and key.shape[0] == rows.src_rows.shape[0]
+        torch.testing.assert_close(key, expected, atol=0, rtol=0)
+        assert torch.equal(value, pool_v[rows.src_rows])
+        assert torch.equal(slots, rows.dst_slots)
