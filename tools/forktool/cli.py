@@ -132,6 +132,12 @@ def cmd_bench(paths: Paths, args) -> int:
                          *args.bench_args])
 
 
+def cmd_eval(paths: Paths, args) -> int:
+    s = setup(paths, sdists=False)
+    return _exec(paths, [s.python, str(paths.repo / "benchmarks" / "eval_quality.py"),
+                         *args.eval_args])
+
+
 def cmd_sync(paths: Paths, args) -> int:
     """Developer shortcut: copy overlay files into the installed package (no rebuild)."""
     site = subprocess.run(
@@ -175,22 +181,27 @@ def parser() -> argparse.ArgumentParser:
                                       "prefix caching vs the chunk cache; extra args go to "
                                       "benchmarks/bench_rag.py, e.g. --quick)")
     sp.add_argument("bench_args", nargs=argparse.REMAINDER)
+    sp = sub.add_parser("eval", help="set up, then run the answer-quality evaluation (full "
+                                     "attention vs the chunk-context modes, recompute levers; "
+                                     "extra args go to benchmarks/eval_quality.py, e.g. --quick)")
+    sp.add_argument("eval_args", nargs=argparse.REMAINDER)
     sub.add_parser("sync", help="(dev) copy overlay files into the installed vllm package")
     return p
 
 
 COMMANDS = {"fetch": cmd_fetch, "apply": cmd_apply, "export": cmd_export, "check": cmd_check,
             "build": cmd_build, "env": cmd_env, "setup": cmd_setup, "test": cmd_test,
-            "serve": cmd_serve, "bench": cmd_bench, "sync": cmd_sync}
+            "serve": cmd_serve, "bench": cmd_bench, "eval": cmd_eval, "sync": cmd_sync}
 
 
 def main(argv: list[str] | None = None) -> int:
     p = parser()
-    # NOTE: `test`, `serve` and `bench` pass their remaining arguments (options included,
+    # NOTE: `test`, `serve`, `bench` and `eval` pass their remaining arguments (options included,
     # e.g. `-q`) straight to pytest / vllm serve / the benchmark; argparse's REMAINDER alone
     # would reject a leading option.
     args, extra = p.parse_known_args(argv)
-    passthrough = {"test": "pytest_args", "serve": "vllm_args", "bench": "bench_args"}
+    passthrough = {"test": "pytest_args", "serve": "vllm_args", "bench": "bench_args",
+                   "eval": "eval_args"}
     if extra and args.cmd in passthrough:
         name = passthrough[args.cmd]
         setattr(args, name, extra + getattr(args, name))

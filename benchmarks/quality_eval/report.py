@@ -1,0 +1,103 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Tables (markdown) and the lever plot of the quality evaluation."""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+
+from .engine_runs import EngineRun, summarize
+
+
+def engine_table(runs: list[EngineRun]) -> str:
+    lines = ["| configuration | EM all | EM single | EM two-hop | gold log-lik. | prompt tok. "
+             "| computed tok./request | TTFT median ms (stream) | TTFT median ms (all hit) |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for run in runs:
+        a, s, t = summarize(run), summarize(run, "single"), summarize(run, "two-hop")
+        warm = "-" if a["warm_ttft_median_s"] is None else f"{a['warm_ttft_median_s'] * 1e3:.0f}"
+        name = "full causal (stock)" if run.config == "stock" else f"chunk cache `{run.config}`"
+        lines.append(f"| {name} | {a['exact_match']:.1%} | {s['exact_match']:.1%} | "
+                     f"{t['exact_match']:.1%} | {a['gold_logprob']:.3f} | "
+                     f"{a['prompt_tokens']:.0f} | {a['computed_tokens']:.1f} | "
+                     f"{a['ttft_median_s'] * 1e3:.0f} | {warm} |")
+    lines.append(f"\nTTFT: medians over the first {summarize(runs[0])['timed']} questions, sent "
+                 "one at a time; the rest were sent as one batch (no TTFT).")
+    return "\n".join(lines) + "\n"
+
+
+def aggregate(rows: list[dict]) -> dict[str, dict]:
+    """rows: one {variant: {gold_logprob, exact, recomputed, chunk_tokens}} per question."""
+    out = {}
+    for name in rows[0]:
+        scores = [r[name] for r in rows]
+        out[name] = {
+            "gold_logprob": statistics.fmean(s["gold_logprob"] for s in scores),
+            "exact_match": statistics.fmean(s["exact"] for s in scores),
+            "recomputed_fraction": sum(s["recomputed"] for s in scores)
+            / sum(s["chunk_tokens"] for s in scores),
+        }
+    return out
+
+
+def _gap(agg: dict, name: str) -> str:
+    """Share of the gold-log-likelihood gap between the lever's base mode and full
+    attention that the lever closes."""
+    base = name.split("+")[0]
+    if base not in agg or "+" not in name:
+        return "-"
+    gap = agg["full"]["gold_logprob"] - agg[base]["gold_logprob"]
+    if abs(gap) < 1e-9:
+        return "-"
+    return f"{(agg[name]['gold_logprob'] - agg[base]['gold_logprob']) / gap:.0%}"
+
+
+def reference_table(rows: list[dict], kinds: dict[str, str]) -> str:
+    """kinds: qid -> single / two-hop, to split EM."""
+    agg = aggregate([r["scores"] for r in rows])
+    single = aggregate([r["scores"] for r in rows if kinds[r["qid"]] == "single"])
+    two = aggregate([r["scores"] for r in rows if kinds[r["qid"]] == "two-hop"])
+    lines = ["| configuration | chunk tokens recomputed | EM all | EM single | EM two-hop "
+             "| gold log-lik. | gap to full closed |",
+             "|---|---|---|---|---|---|---|"]
+    for name, a in agg.items():
+        lines.append(f"| {name} | {a['recomputed_fraction']:.1%} | {a['exact_match']:.1%} | "
+                     f"{single[name]['exact_match']:.1%} | {two[name]['exact_match']:.1%} | "
+                     f"{a['gold_logprob']:.3f} | {_gap(agg, name)} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot_levers(rows: list[dict], path: Path) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    agg = aggregate([r["scores"] for r in rows])
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    for mode, colour in (("sink", "tab:blue"), ("none", "tab:orange")):
+        if mode not in agg:
+            continue
+        for lever, style in (("first", "o-"), ("blend", "s--")):
+            names = [n for n in agg if n.startswith(f"{mode}+{lever}")]
+            pts = sorted([(0.0, agg[mode]["gold_logprob"])]
+                         + [(agg[n]["recomputed_fraction"], agg[n]["gold_logprob"])
+                            for n in names])
+            label = f"{mode} + " + ("first K tokens" if lever == "first"
+                                    else "top-r% KV deviation (CacheBlend)")
+            ax.plot([p[0] * 100 for p in pts], [p[1] for p in pts], style, color=colour,
+                    label=label)
+    for name, colour in (("full", "black"), ("system", "tab:green")):
+        if name in agg:
+            ax.axhline(agg[name]["gold_logprob"], color=colour, linestyle=":",
+                       label=f"{name} (no recompute)" if name == "system"
+                       else "full causal attention")
+    ax.set_xlabel("chunk tokens recomputed (%)")
+    ax.set_ylabel("mean gold-answer log-likelihood")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
