@@ -40,7 +40,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--model", default=os.path.join(os.environ.get("FORK_MODELS", ".cache/models"),
                                                     "SmolLM2-135M-Instruct"))
     p.add_argument("--quick", action="store_true",
-                   help="12 engine questions, 4 reference questions, one lever each")
+                   help="CI smoke subset: stock and sink only, 6 engine questions, "
+                        "2 reference questions, one lever each (~3 min)")
     p.add_argument("--questions", type=int, default=None,
                    help="engine questions (default: all 240)")
     p.add_argument("--lever-questions", type=int, default=40,
@@ -59,8 +60,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", default=None, help="results directory")
     args = p.parse_args(argv)
     if args.quick:
-        args.questions, args.lever_questions, args.timed = 12, 4, 4
-        args.boundary_k, args.fractions = "4", "0.25"
+        # Each engine costs ~1 min of start-up on 2 cores: two of them keep the CI
+        # smoke under ~3 min; the full run covers none and system.
+        args.questions, args.lever_questions, args.timed = 6, 2, 2
+        args.boundary_k, args.fractions, args.configs = "4", "0.25", "stock,sink"
     return args
 
 
