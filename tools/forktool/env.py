@@ -1,4 +1,4 @@
-"""env: the fork's virtual environment: PyPI torch 2.11.0 + the patched wheel + dev tools.
+"""env: the fork's virtual environment: the release's torch + the patched wheel + dev tools.
 
 Idempotent: a stamp records what was installed; only what changed is reinstalled (a rebuilt
 wheel is swapped in with --no-deps in seconds).
@@ -38,15 +38,19 @@ def ensure_env(paths: Paths, torch_wheel: Path, wheel: BuiltWheel) -> Path:
         with step(f"creating virtual environment {paths.venv}"):
             run([sys.executable, "-m", "venv", str(paths.venv)])
         stamp = {}
-    want_base = _base_digest(torch_wheel, reqs / "constraints.txt", reqs / "dev.txt")
+    constraints = reqs / paths.base.constraints
+    want_base = _base_digest(torch_wheel, constraints, reqs / "dev.txt")
     if stamp.get("base") != want_base:
         had_vllm = any(paths.venv.glob("lib/python*/site-packages/vllm-*.dist-info"))
-        with step("installing torch 2.11.0 (first run downloads ~2 GB: a few minutes)"):
+        torch_family = [line.split("==")[0] for line in constraints.read_text().splitlines()
+                        if "==" in line and not line.startswith(("#", "torch=="))]
+        with step(f"installing {torch_wheel.name} into {paths.venv} (a few minutes: "
+                  "the first run downloads up to ~2 GB)"):
             run(pip + ["install", "--progress-bar", "off", str(torch_wheel),
-                       "-c", str(reqs / "constraints.txt"), "torchvision", "torchaudio"])
+                       "-c", str(constraints), *torch_family])
         with step("installing the patched vLLM wheel with its dependencies and dev tools"):
             run(pip + ["install", "--progress-bar", "off", str(wheel.path),
-                       "-r", str(reqs / "dev.txt"), "-c", str(reqs / "constraints.txt")])
+                       "-r", str(reqs / "dev.txt"), "-c", str(constraints)])
         # NOTE: when an older build of the same version was already installed, pip kept it
         # ("already satisfied"), so the swap below must still run; in a new venv the wheel
         # just installed is this build, and installing it again would only cost time.
@@ -72,6 +76,8 @@ def runtime_env(paths: Paths) -> dict[str, str]:
         "HF_HUB_OFFLINE": "1",
         "TRANSFORMERS_OFFLINE": "1",
         "FORK_MODELS": str(paths.models),
+        # The release under test: tests that read an upstream base ask forktool for this one.
+        "FORK_BASE": paths.base.name,
         "VIRTUAL_ENV": str(paths.venv),
         "PATH": f"{paths.venv / 'bin'}:" + os.environ.get("PATH", ""),
     }

@@ -17,7 +17,7 @@ from .progress import ToolError, run, say, step
 # vllm-ascend's setup.py wants SOC_VERSION and setuptools_scm. So sdists are downloaded with a
 # Python that has those (the fork's venv), wheels with any pip.
 SDIST_ENV = {
-    "vllm": {"VLLM_TARGET_DEVICE": "empty", "VLLM_VERSION_OVERRIDE": "0.23.0"},
+    "vllm": {"VLLM_TARGET_DEVICE": "empty"},
     "vllm-ascend": {"SOC_VERSION": "ascend910b1"},
 }
 
@@ -54,7 +54,9 @@ def _fetch_one(paths: Paths, pin: Pin, python: Path | None) -> Path:
         env = dict(os.environ)
         if pin.kind == "sdist":
             cmd += ["--no-binary", ":all:", "--no-build-isolation"]
-            env.update(SDIST_ENV.get(pin.name, {}))
+            env.update(SDIST_ENV.get(pin.package, {}))
+            if pin.package == "vllm":
+                env["VLLM_VERSION_OVERRIDE"] = pin.version
         else:
             cmd += ["--only-binary", ":all:"]
         run(cmd + [pin.requirement], env=env, quiet=True)

