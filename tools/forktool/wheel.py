@@ -74,7 +74,9 @@ def _rewrite_metadata(text: str, version: str, dropped: tuple[str, ...] = ()) ->
     # and a local X+cpu wheel satisfies ==X too, so the requirement names what can be installed.
     text = re.sub(r"torch==([0-9.]+)\+cpu", r"torch==\1", text)
     for name in dropped:
-        text = re.sub(rf"^Requires-Dist: {re.escape(name)}\b.*\n", "", text, flags=re.M)
+        # The name ends where a version, marker or extra begins (not at a "-").
+        text = re.sub(rf"^Requires-Dist: {re.escape(name)}(?=[ ;<>=!~\[(]|$).*\n", "", text,
+                      flags=re.M)
     return text
 
 

@@ -10,8 +10,11 @@ an order below the tolerance. A wrong rule (e.g. mscale applied twice, a
 wrong base, a wrong style) gives errors of order 1e-1 and more.
 """
 
+import math
+
 import pytest
 import torch
+import vllm
 
 from vllm.model_executor.layers.rotary_embedding import get_rope
 from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
@@ -107,7 +110,10 @@ def test_rotate_by_delta_equals_rope_at_shifted_position(
 
 
 def test_magnitude_is_applied_once(vllm_config_context):
+    # NOTE: vLLM 0.23 scales YaRN's magnitude by `attn_factor`; 0.32 takes HF's
+    # `attention_factor` as the whole magnitude. Both give (0.1 ln 4 + 1) * 1.3 here.
     params = {"rope_type": "yarn", "factor": 4.0, "attn_factor": 1.3,
+              "attention_factor": (0.1 * math.log(4.0) + 1) * 1.3,
               "original_max_position_embeddings": 1024}
     rope = make_rope(params, True)
     rotation = RopeRotation(rope)
@@ -156,7 +162,14 @@ def test_bf16_cache_rows_rotate_within_bf16_rounding(vllm_config_context):
 def test_unsupported_rope_types_are_refused_by_name(
     vllm_config_context, kwargs, type_name
 ):
-    rope = get_rope(HEAD_SIZE, MAX_POS, True, dtype=torch.float32, **kwargs)
+    try:
+        rope = get_rope(HEAD_SIZE, MAX_POS, True, dtype=torch.float32, **kwargs)
+    except ValueError as e:
+        # Rope types come and go between vLLM releases (xdrope and telechat3-yarn exist in
+        # 0.23, not in 0.32); a type this vLLM cannot build cannot reach the remapper.
+        if "Unknown RoPE scaling type" not in str(e):
+            raise
+        pytest.skip(f"vLLM {vllm.__version__} has no rope type: {e}")
     assert type(rope).__name__ == type_name
     with pytest.raises(ValueError, match=f"RoPE type {type_name}"):
         RopeRotation(rope)
