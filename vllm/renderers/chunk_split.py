@@ -25,6 +25,7 @@ namespace and nothing else).
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from vllm.exceptions import VLLMValidationError
@@ -92,10 +93,16 @@ class ChunkPromptSplitter:
         return self._split_token_ids(prompt, tokenizer)
 
     async def split_async(
-        self, prompt: dict, params: Any, tokenizer: Any, async_tokenizer: Any
+        self,
+        prompt: dict,
+        params: Any,
+        tokenizer: Any,
+        encode_async: Callable[..., Awaitable[list[int]]],
     ) -> dict:
-        """`split`, with segments tokenized by vLLM's async tokenizer (off the
-        event loop, micro-batched with other requests)."""
+        """`split`, with segments tokenized off the event loop by `encode_async`
+        (`await encode_async(text, add_special_tokens=...)`: vLLM 0.23's async
+        micro-batching tokenizer's `encode`, or 0.32's tokenizer `encode` run on the
+        renderer's executor)."""
         if not self._wants_split(prompt, params):
             return prompt
         text = self._text_to_split(prompt, params, tokenizer)
@@ -105,7 +112,7 @@ class ChunkPromptSplitter:
         assert segments is not None
         special = bool(params.add_special_tokens)
         token_lists = await asyncio.gather(*(
-            async_tokenizer.encode(seg, add_special_tokens=special and index == 0)
+            encode_async(seg, add_special_tokens=special and index == 0)
             for index, seg in enumerate(segments)
         ))
         return self._mark(prompt, self._parse(lambda: self.parser.build(

@@ -79,7 +79,7 @@ def test_async_split_uses_the_async_tokenizer_and_gives_the_same_prompt():
     prompt = {"prompt": "system ## doc one ## doc two ## question", "cache_salt": "t"}
     async_tok = _CountingAsyncTokenizer(tok)
     out = asyncio.run(_splitter().split_async(prompt, _params(), _NoSyncTokenizer(tok),
-                                              async_tok))
+                                              async_tok.encode))
     assert out == _splitter().split(prompt, _params(), tok)
     assert [kw["add_special_tokens"] for _, kw in async_tok.calls] == [True, False, False,
                                                                      False]
@@ -99,7 +99,7 @@ def test_a_request_can_opt_out_of_splitting():
     prompt = {"prompt": "# Title ## Section ## more"}
     assert _splitter().split(prompt, _params(split_chunks=False), tok) is prompt
     out = asyncio.run(_splitter().split_async(prompt, _params(split_chunks=False), tok,
-                                              _CountingAsyncTokenizer(tok)))
+                                              _CountingAsyncTokenizer(tok).encode))
     assert out is prompt
 
 
