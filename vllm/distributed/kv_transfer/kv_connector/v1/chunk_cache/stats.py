@@ -45,6 +45,14 @@ GAUGES: dict[str, str] = {
     "live_requests": "Chunked requests and child requests the chunk cache tracks",
 }
 
+# Gauge name -> the ChunkCacheStats field it reports.
+_GAUGE_SOURCES: dict[str, str] = {
+    "pool_blocks_used": "pool_blocks_used",
+    "pool_blocks_total": "pool_blocks_total",
+    "pool_entries_pinned": "pinned_entries",
+    "live_requests": "live_requests",
+}
+
 
 @dataclass
 class ChunkCacheConnectorStats(KVConnectorStats):
@@ -59,12 +67,17 @@ class ChunkCacheConnectorStats(KVConnectorStats):
     def increments(
         cls, now: ChunkCacheStats, last: ChunkCacheStats
     ) -> ChunkCacheConnectorStats:
-        """Counter increments from `last` to `now`, plus `now`'s gauges."""
+        """Counter increments from `last` to `now`, plus the gauges that changed.
+
+        NOTE: a gauge that changed makes the report non-empty (`is_empty`), so that
+        vLLM forwards it even when no counter moved: e.g. the step in which the last
+        request finishes and its pins drop to 0. vLLM 0.32 forwards scheduler-side
+        stats only when they are not empty.
+        """
         data = {k: getattr(now, k) - getattr(last, k) for k in COUNTERS}
-        data["pool_blocks_used"] = now.pool_blocks_used
-        data["pool_blocks_total"] = now.pool_blocks_total
-        data["pool_entries_pinned"] = now.pinned_entries
-        data["live_requests"] = now.live_requests
+        for gauge, attr in _GAUGE_SOURCES.items():
+            if getattr(now, attr) != getattr(last, attr):
+                data[gauge] = getattr(now, attr)
         return cls(data=data)
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
@@ -87,7 +100,9 @@ class ChunkCacheConnectorStats(KVConnectorStats):
         return out
 
     def is_empty(self) -> bool:
-        return not any(self.data.get(k) for k in COUNTERS)
+        return not any(self.data.get(k) for k in COUNTERS) and not any(
+            k in self.data for k in GAUGES
+        )
 
 
 class ChunkCachePromMetrics(KVConnectorPromMetrics):
