@@ -6,6 +6,7 @@ level), content hashing tokens/s, and the remap (gather + RoPE delta +
 write) throughput as a ratio to a plain tensor copy of the same bytes.
 
     python benchmarks/bench_core.py [--device cpu|cuda] [--dtype bfloat16]
+        [--heads 3 --head-size 64 --rows 3200] [--repeat 20] [--remap-only]
 """
 
 import argparse
@@ -94,6 +95,9 @@ class RemapTiming:
     gather_write: float
     remap: float
     nbytes: int
+    # The same remap with the CPU fast path turned off (the generic,
+    # device-independent rotation; the same path as `remap` off the CPU).
+    remap_generic: float = 0.0
 
     def line(self, seconds: float) -> str:
         return (f"{seconds * 1e3:8.2f} ms ({self.nbytes / seconds / 1e9:5.1f} GB/s) "
@@ -102,7 +106,7 @@ class RemapTiming:
 
 
 def bench_remap(device: str, dtype: torch.dtype, heads: int = 8, head_size: int = 128,
-                rows: int = 16384) -> RemapTiming:
+                rows: int = 16384, repeat: int = 5) -> RemapTiming:
     rope = get_rope(head_size, 32768, True, {"rope_type": "default"}, torch.float32)
     pool_k = torch.randn(rows, heads, head_size, device=device).to(dtype)
     pool_v = torch.randn_like(pool_k)
@@ -120,22 +124,37 @@ def bench_remap(device: str, dtype: torch.dtype, heads: int = 8, head_size: int 
     remap_rows = RemapRows(src_rows=perm, dst_slots=torch.arange(rows, device=device),
                            deltas=deltas)
     remapper = PositionRemapper(RopeRotation(rope), write_rows)
+    generic = PositionRemapper(RopeRotation(rope, use_cpu_kernel=False), write_rows)
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
 
     remap = best_of(lambda: remapper.remap_layer("l", pool_k, pool_v, remap_rows),
-                    sync=sync)
+                    repeat, sync=sync)
+    remap_generic = best_of(
+        lambda: generic.remap_layer("l", pool_k, pool_v, remap_rows), repeat, sync=sync)
     # NOTE: the plain copy reads and writes the same bytes as the remap: K and V
     # rows from one tensor into another (the remap also writes them once).
-    plain = best_of(lambda: (paged_k.copy_(pool_k), paged_v.copy_(pool_v)), sync=sync)
+    plain = best_of(lambda: (paged_k.copy_(pool_k), paged_v.copy_(pool_v)), repeat,
+                    sync=sync)
     copy_only = PositionRemapper(None, write_rows)
     gather = best_of(lambda: copy_only.remap_layer("l", pool_k, pool_v, remap_rows),
-                     sync=sync)
-    timing = RemapTiming(plain, gather, remap, 2 * pool_k.numel() * pool_k.element_size())
+                     repeat, sync=sync)
+    # Our part alone: gather + rotation, the write left out (in the engine it
+    # is the backend's own op, outside the remapper).
+    no_write = PositionRemapper(remapper.rotation, lambda *args: None)
+    gather_rope = best_of(lambda: no_write.remap_layer("l", pool_k, pool_v, remap_rows),
+                          repeat, sync=sync)
+    timing = RemapTiming(plain, gather, remap, 2 * pool_k.numel() * pool_k.element_size(),
+                         remap_generic)
     print(f"remap ({device}, {dtype}, {rows} rows x {heads} heads x {head_size}, "
           f"{timing.nbytes / 2**20:.0f} MiB K+V per layer):")
     print(f"  plain copy          {timing.line(plain)}")
     print(f"  gather+write        {timing.line(gather)}")
-    print(f"  gather+rope+write   {timing.line(remap)}")
+    print(f"  gather+rope         {timing.line(gather_rope)}  (no write)")
+    if remapper.rotation.rotates_in_place(pool_k.device):
+        print(f"  gather+rope+write   {timing.line(remap_generic)}  (generic rotation)")
+    print(f"  gather+rope+write   {timing.line(remap)}"
+          + ("  (CPU in-place kernel)" if remapper.rotation.rotates_in_place(pool_k.device)
+             else ""))
     return timing
 
 
@@ -143,12 +162,20 @@ def main() -> None:
     arg_parser = argparse.ArgumentParser(description=__doc__)
     arg_parser.add_argument("--device", default="cpu")
     arg_parser.add_argument("--dtype", default="bfloat16")
+    arg_parser.add_argument("--heads", type=int, default=8)
+    arg_parser.add_argument("--head-size", type=int, default=128)
+    arg_parser.add_argument("--rows", type=int, default=16384)
+    arg_parser.add_argument("--repeat", type=int, default=5,
+                            help="best of N timings per line (more on a shared machine)")
+    arg_parser.add_argument("--remap-only", action="store_true")
     args = arg_parser.parse_args()
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}")
-    bench_parser()
-    bench_hash()
+    if not args.remap_only:
+        bench_parser()
+        bench_hash()
     with set_current_vllm_config(VllmConfig()):
-        bench_remap(args.device, getattr(torch, args.dtype))
+        bench_remap(args.device, getattr(torch, args.dtype), args.heads, args.head_size,
+                    args.rows, args.repeat)
 
 
 if __name__ == "__main__":

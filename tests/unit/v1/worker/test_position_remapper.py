@@ -331,3 +331,55 @@ def test_reused_buffers_give_each_layer_and_step_its_own_rows(vllm_config_contex
         torch.testing.assert_close(key, expected, atol=0, rtol=0)
         assert torch.equal(value, pool_v[rows.src_rows])
         assert torch.equal(slots, rows.dst_slots)
+
+
+# ------------------------------------------------- CPU in-place fast path
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name, params, neox", CASES,
+                         ids=[f"{c[0]}-{'neox' if c[2] else 'gptj'}" for c in CASES])
+def test_cpu_kernel_path_equals_generic_path_bit_for_bit(
+    vllm_config_context, name, params, neox, dtype
+):
+    """The CPU fast path (vLLM's RoPE op, in place on the gathered rows) writes
+    exactly what the generic rotate() path writes: bit for bit, not within a
+    tolerance. Where the op would differ (its scalar GPT-J / tail loops may use
+    FMA) the start-up self-check keeps the generic path, so this holds too."""
+    rope = make_rope(params, neox)
+    fast, generic = RopeRotation(rope), RopeRotation(rope, use_cpu_kernel=False)
+    assert not generic.rotates_in_place(torch.device("cpu"))
+    gen = torch.Generator().manual_seed(1)
+    pool_k = (4 * torch.randn(96, NUM_HEADS, HEAD_SIZE, generator=gen)).to(dtype)
+    pool_v = torch.randn(96, NUM_HEADS, HEAD_SIZE, generator=gen).to(dtype)
+    deltas = torch.tensor([0, 3, -700, 2900, 40000]).repeat_interleave(12)
+    rows = RemapRows(src_rows=torch.randperm(96, generator=gen)[:60],
+                     dst_slots=torch.arange(60), deltas=deltas)
+    written = {}
+    for label, rotation in (("fast", fast), ("generic", generic)):
+        paged = PagedCache(num_slots=60, dtype=dtype)
+        remapper = PositionRemapper(rotation, paged.write_rows)
+        remapper.remap_layer("l", pool_k, pool_v, rows)
+        remapper.remap_layer("l", pool_k, pool_v, rows)  # cached delta table
+        written[label] = paged
+    assert torch.equal(written["fast"].key, written["generic"].key)
+    assert torch.equal(written["fast"].value, written["generic"].value)
+    if name == "default" and neox:
+        # The common case (Llama-style neox RoPE, 32 rotated pairs) must take
+        # the fast path on the CPU, else the load loses its speed silently.
+        assert fast.rotates_in_place(torch.device("cpu"))
+
+
+def test_cpu_kernel_delta_table_follows_in_place_changes(vllm_config_context):
+    rotation = RopeRotation(make_rope({"rope_type": "default"}, True))
+    if not rotation.rotates_in_place(torch.device("cpu")):
+        pytest.skip("vLLM's CPU RoPE op is not used on this machine")
+    key = torch.randn(4, NUM_HEADS, HEAD_SIZE)
+    deltas = torch.tensor([5, 5, 9, 9])
+    first = key.clone()
+    rotation.rotate_in_place(first, deltas)
+    deltas[2:] = 100  # same tensor, new contents: the table must follow
+    second = key.clone()
+    rotation.rotate_in_place(second, deltas)
+    assert torch.equal(second, rotation.rotate(key, deltas))
+    assert not torch.equal(second[2:], first[2:])
