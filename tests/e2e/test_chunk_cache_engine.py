@@ -11,6 +11,10 @@ import random
 
 import pytest
 
+# NOTE: a ValueError in vLLM 0.23, a VLLMClientError (not a ValueError) in 0.32: the
+# refusals are vLLM validation errors on both, as vLLM's own request checks are.
+from vllm.exceptions import VLLMValidationError
+
 from tests.conftest import models_dir
 from tests.e2e.chunk_reference import Layout, Reference, compare, random_text
 from tests.e2e.engine import close_llm, make_llm
@@ -261,12 +265,12 @@ def test_token_id_prompt_is_split_on_the_separator_ids(llm, reference):
     ("sys ## doc ## ", "segment 2 is empty"),
 ])
 def test_bad_chunked_prompts_are_refused_with_a_message(llm, prompt, message):
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(VLLMValidationError, match=message):
         llm.generate([prompt], params(), use_tqdm=False)
 
 
 def test_prompt_logprobs_are_refused_for_chunked_prompts(llm):
-    with pytest.raises(ValueError, match="prompt_logprobs is not supported"):
+    with pytest.raises(VLLMValidationError, match="prompt_logprobs is not supported"):
         llm.generate(["sys ## doc ## q"], params(prompt_logprobs=1), use_tqdm=False)
     # A plain prompt may still ask for them.
     out = llm.generate(["plain prompt"], params(prompt_logprobs=1), use_tqdm=False)[0]
@@ -277,13 +281,13 @@ def test_segments_larger_than_the_pool_are_refused_offline_too(llm):
     rng = random.Random("oversize")
     layout = Layout("sys", [doc(rng, 60) for _ in range(3)], "q")  # > 19 blocks of rows
     before = snapshot(chunk_scheduler(llm))
-    with pytest.raises(ValueError, match="chunk pool") as e:
+    with pytest.raises(VLLMValidationError, match="chunk pool") as e:
         llm.generate([layout.prompt], params(), use_tqdm=False)
     assert "--chunk-pool" in str(e.value)
     assert snapshot(chunk_scheduler(llm))["child_computes"] == before["child_computes"]
 
 
 def test_a_prompt_may_not_bring_its_own_layout(llm):
-    with pytest.raises(ValueError, match="may not carry one"):
+    with pytest.raises(VLLMValidationError, match="may not carry one"):
         llm.generate([{"prompt_token_ids": [5, 6, 7, 8], "chunk_layout": [1, 2, 1]}],
                      params(), use_tqdm=False)
