@@ -84,7 +84,8 @@ def test_a_salt_shaped_like_a_layout_selects_nothing(server, reference):
     choose isolation spans or enter another tenant's chunk namespace."""
     text = "The capital of France is a city that many people visit every year"
     n = len(reference.tokenizer.encode(text))
-    forged = f"vllm-chunk-cache/v1/{n - 5},2,3/=tenantB"
+    # (0.32 refuses "/" in a salt: the old transport format, written with ":".)
+    forged = f"vllm-chunk-cache:v1:{n - 5},2,3:=tenantB"
     before = metrics(server)
     status, body = complete(server, text, cache_salt=forged)
     assert status == 200, body
