@@ -194,7 +194,13 @@ def test_check_fails_on_an_overlay_file_that_shadows_upstream(fork_repo: Paths):
 
 def test_check_command_exit_code(fork_repo: Paths, monkeypatch):
     from forktool import cli
-    monkeypatch.setattr(cli.Paths, "default", classmethod(lambda cls: fork_repo))
+    from forktool.releases import DEFAULT, RELEASES
+
+    monkeypatch.setattr(cli.Paths, "default", classmethod(lambda cls, base=None: fork_repo))
+    # The default release only: the second base's downloads and venv are made by its own
+    # tier, later in CI (tests/tools/test_releases.py covers check's per-release parts).
+    monkeypatch.setattr(cli, "RELEASES", {DEFAULT: RELEASES[DEFAULT]})
+    (fork_repo.cache / "venv").symlink_to(REAL.venv)  # overlay imports: the real venv
     assert cli.main(["check"]) == 0
     (fork_repo.patches_dir("vllm") / "0099-orphan.patch").write_text("x")
     assert cli.main(["check"]) == 1

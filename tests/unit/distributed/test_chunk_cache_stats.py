@@ -17,7 +17,8 @@ def test_a_step_where_only_pins_drop_is_still_reported():
     # vLLM 0.32 forwards a scheduler-side report only when it is not empty.
     assert not report.is_empty()
     assert report.data["pool_entries_pinned"] == 0 and report.data["live_requests"] == 0
-    assert "pool_blocks_used" not in report.data  # unchanged: the last value stands
+    # Every gauge rides along (the log line shows them all), unchanged ones too.
+    assert (report.data["pool_blocks_used"], report.data["pool_blocks_total"]) == (9, 40)
     assert report.reduce()["hits"] == 0
 
 

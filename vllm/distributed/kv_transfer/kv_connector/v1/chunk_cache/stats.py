@@ -67,16 +67,19 @@ class ChunkCacheConnectorStats(KVConnectorStats):
     def increments(
         cls, now: ChunkCacheStats, last: ChunkCacheStats
     ) -> ChunkCacheConnectorStats:
-        """Counter increments from `last` to `now`, plus the gauges that changed.
+        """Counter increments from `last` to `now`, plus `now`'s gauges when anything
+        changed (an empty report when nothing did).
 
-        NOTE: a gauge that changed makes the report non-empty (`is_empty`), so that
+        NOTE: a changed gauge alone makes the report non-empty (`is_empty`), so that
         vLLM forwards it even when no counter moved: e.g. the step in which the last
         request finishes and its pins drop to 0. vLLM 0.32 forwards scheduler-side
         stats only when they are not empty.
         """
         data = {k: getattr(now, k) - getattr(last, k) for k in COUNTERS}
-        for gauge, attr in _GAUGE_SOURCES.items():
-            if getattr(now, attr) != getattr(last, attr):
+        if any(data.values()) or any(
+            getattr(now, attr) != getattr(last, attr) for attr in _GAUGE_SOURCES.values()
+        ):
+            for gauge, attr in _GAUGE_SOURCES.items():
                 data[gauge] = getattr(now, attr)
         return cls(data=data)
 
