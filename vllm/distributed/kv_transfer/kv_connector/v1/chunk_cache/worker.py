@@ -336,10 +336,12 @@ class ChunkCacheWorker:
         if self.device.type != "cpu":
             packed = packed.pin_memory().to(self.device, non_blocking=True)
         rows = RemapRows(src_rows=packed[0], dst_slots=packed[1], deltas=packed[2])
-        # fp32 cos/sin per row, once per step and distinct rope.
+        # fp32 cos/sin per row, once per step and distinct rope; not for a rope
+        # that rotates in place (CPU), which builds its own per-delta table.
         cos_sin = {
             id(rotation): rotation.cos_sin_rows(rows.deltas)
             for rotation in self._rotations.values()
+            if not rotation.rotates_in_place(self.device)
         }
         self._forward_context = forward_context
         try:
@@ -350,7 +352,7 @@ class ChunkCacheWorker:
                     self.pool_key[name],
                     self.pool_value[name],
                     rows,
-                    cos_sin=None if rotation is None else cos_sin[id(rotation)],
+                    cos_sin=None if rotation is None else cos_sin.get(id(rotation)),
                 )
         finally:
             self._forward_context = None
