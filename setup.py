@@ -21,11 +21,13 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "tools"))
 
 from forktool import fetch, wheel  # noqa: E402
+from forktool.bases import pin_name  # noqa: E402
 from forktool.paths import Paths  # noqa: E402
 from forktool.pins import load_pins  # noqa: E402
 from forktool.progress import ToolError  # noqa: E402
 
-WHEEL_PIN = load_pins(Paths.default().pins_file)[Paths.default().base.trees["vllm"]["wheel"]]
+PATHS = Paths(repo=__import__("pathlib").Path(HERE), cache=Paths.default().cache)
+WHEEL_PIN = load_pins(PATHS.pins_file)[pin_name(PATHS, "vllm", "wheel")]
 VERSION = f"{WHEEL_PIN.version}+{wheel.LOCAL_VERSION}"
 
 
@@ -33,10 +35,9 @@ class PatchedWheel(bdist_wheel):
     """Emit the patched upstream wheel instead of packaging this repository's files."""
 
     def run(self):
-        paths = Paths(repo=__import__("pathlib").Path(HERE), cache=Paths.default().cache)
         try:
-            fetch.fetch(paths, [WHEEL_PIN.name])
-            built = wheel.build_wheel(paths)
+            fetch.fetch(PATHS, [WHEEL_PIN.name])
+            built = wheel.build_wheel(PATHS)
         except ToolError as e:
             raise SystemExit(f"error: {e}") from None
         os.makedirs(self.dist_dir, exist_ok=True)

@@ -73,7 +73,7 @@ def test_check_names_a_missing_venv_instead_of_skipping(scratch: Paths):
 def test_check_reports_each_overlay_module_that_does_not_import(scratch: Paths):
     # A venv without the patched vLLM: the overlay module's package cannot be imported.
     _fake_venv(scratch, "")
-    assert check.overlay_modules(scratch) == ["vllm.v1.core.new_module"]
+    assert list(check.overlay_modules(scratch)) == ["vllm.v1.core.new_module"]
     report = check.CheckReport()
     check.check_overlay_imports(scratch, report)
     assert len(report.problems) == 1, report.problems

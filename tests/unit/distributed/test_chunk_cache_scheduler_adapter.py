@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from forktool.paths import Paths
-from forktool.tree import overlay_files
+from forktool.check import overlay_modules
 
 from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.scheduler_adapter import (
     ChunkCacheSchedulerAdapter,
@@ -136,10 +136,7 @@ def test_engine_core_connector_does_not_import_front_end_code():
     """
     import ast
 
-    overlay = {}
-    for rel, path in overlay_files(Paths.default(), "vllm").items():
-        if rel.endswith(".py"):
-            overlay[rel[:-3].replace("/", ".").removesuffix(".__init__")] = path
+    overlay = overlay_modules(Paths.default())
     start = "vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.connector"
     seen, todo, bad = set(), [start], []
     while todo:
