@@ -62,14 +62,18 @@ class Reference:
 
     @torch.no_grad()
     def next_token_logprobs(
-        self, prompt: ChunkedPrompt, mode: str, generated: list[int]
+        self, prompt: ChunkedPrompt, mode: str, generated: list[int], *,
+        recompute_tokens: int = 0,
     ) -> torch.Tensor:
         """[len(generated) + 1, vocab] float64 log-probabilities of the token after
-        the prompt and after each generated token (teacher forcing on `generated`)."""
+        the prompt and after each generated token (teacher forcing on `generated`).
+        `recompute_tokens` = K > 0: the boundary-recompute reference (the first K
+        tokens of every chunk recomputed, see chunk_isolation_mask)."""
         # The deployment's sink: the tokenizer's BOS token (ChunkCacheConfig's
         # default), whatever the prompt starts with.
         seq = build_isolated_sequence(prompt, mode, extra_token_ids=generated,
-                                      sink_token_id=self.tokenizer.bos_token_id)
+                                      sink_token_id=self.tokenizer.bos_token_id,
+                                      recompute_tokens=recompute_tokens)
         out = self.model(
             input_ids=torch.tensor([seq.token_ids]),
             position_ids=seq.position_ids[None],
