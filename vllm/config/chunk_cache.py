@@ -60,6 +60,14 @@ class ChunkCacheConfig:
     Default: the tokenizer's BOS token, whether or not prompts start with it;
     a model without a BOS token must set this flag (start-up fails otherwise)."""
 
+    chunk_recompute_tokens: int = 0
+    """Boundary recompute: the first N tokens of every cached chunk are
+    computed inside the request, attending to the system prompt and to every
+    earlier chunk; the rest of the chunk keeps its cached KV. 0 (default)
+    recomputes nothing. Buys back answer quality lost to chunk isolation at
+    the cost of computing N tokens per chunk and one engine step per chunk
+    (docs/quality.md, docs/design/boundary-recompute.md)."""
+
     def __post_init__(self) -> None:
         if not self.chunk_separator or not self.chunk_separator.strip():
             raise ValueError(
@@ -83,6 +91,11 @@ class ChunkCacheConfig:
             raise ValueError(
                 "chunk_pool_fraction must be in (0, 1), "
                 f"got {self.chunk_pool_fraction}"
+            )
+        if self.chunk_recompute_tokens < 0:
+            raise ValueError(
+                "chunk_recompute_tokens must be >= 0, "
+                f"got {self.chunk_recompute_tokens}"
             )
         if self.chunk_sink_token_id is not None and self.chunk_sink_token_id < 0:
             raise ValueError(
@@ -114,7 +127,8 @@ class ChunkCacheConfig:
         return (
             f"separator={self.chunk_separator!r}, max_chunks={self.max_chunks}, "
             f"max_chunk_tokens={self.max_chunk_tokens}, pool={pool}, "
-            f"hash={self.chunk_hash_algo}, chunk_context={self.chunk_context}"
+            f"hash={self.chunk_hash_algo}, chunk_context={self.chunk_context}, "
+            f"recompute_tokens={self.chunk_recompute_tokens}"
             + (
                 f", sink_token_id={self.chunk_sink_token_id}"
                 if self.chunk_context == "sink"

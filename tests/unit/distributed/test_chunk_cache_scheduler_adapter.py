@@ -21,9 +21,10 @@ BLOCK = 16  # paged block size of the fake KV cache
 SINK = 1
 
 
-def make_config(num_kv_blocks=64, fraction=0.5, groups=1):
+def make_config(num_kv_blocks=64, fraction=0.5, groups=1, recompute=0):
     chunk = SimpleNamespace(chunk_context="sink", chunk_sink_token_id=SINK,
-                            chunk_pool_fraction=fraction, chunk_pool_size_gib=None)
+                            chunk_pool_fraction=fraction, chunk_pool_size_gib=None,
+                            chunk_recompute_tokens=recompute)
     vllm_config = SimpleNamespace(
         chunk_cache_config=chunk,
         cache_config=SimpleNamespace(cache_dtype="auto", block_size=BLOCK),
@@ -67,6 +68,53 @@ def test_arrival_pins_nothing_and_admission_spawns_children():
     finish(adapter, r, RequestStatus.FINISHED_STOPPED)
     stats = adapter.stats()
     assert (stats.pinned_entries, stats.live_requests, stats.misses) == (0, 0, 2)
+
+
+class FakeBlocks:
+    def __init__(self, block_ids):
+        self.block_ids = block_ids
+
+    def get_block_ids(self):
+        return (self.block_ids,)
+
+
+def test_boundary_recompute_loads_each_rest_in_the_step_before_its_next_head():
+    """K=2: [sys 3][doc 5][doc 4][question 2] -> load sys, compute doc1[:2],
+    load doc1[2:], compute doc2[:2], load doc2[2:], compute the question; each
+    stretch's rows land in the request's slots at their real positions."""
+    adapter = ChunkCacheSchedulerAdapter(*make_config(recompute=2))
+    r = parent("p", [3, 5, 4, 2])
+    adapter.on_new_request(r)
+    assert adapter.get_num_new_matched_tokens(r, 0) == (None, False)
+    for c in adapter.take_internal_requests():
+        finish(adapter, c, RequestStatus.FINISHED_LENGTH_CAPPED)
+    out = SimpleNamespace(scheduled_new_reqs=[], scheduled_cached_reqs=None)
+    blocks = FakeBlocks([7])  # one paged block of 16 slots: slot = 7 * 16 + pos
+
+    assert adapter.get_num_new_matched_tokens(r, 0) == (3, False)
+    assert adapter.get_prefill_gap(r, 3).max_new_tokens == 2  # doc1's head
+    adapter.update_state_after_alloc(r, blocks, 3)
+    meta = adapter.build_connector_meta(out)
+    assert meta.load_dst_slots == [112, 113, 114]  # positions 0..2
+
+    gap = adapter.get_prefill_gap(r, 5)  # after doc1's head
+    assert (gap.num_external_tokens, gap.max_new_tokens) == (3, 2)
+    adapter.update_state_after_alloc(r, blocks, 3)
+    meta = adapter.build_connector_meta(out)
+    assert meta.load_dst_slots == [112 + p for p in (5, 6, 7)]
+    # The pool rows of doc1 from its third token on, rotated by its real start.
+    assert len(meta.load_src_rows) == 3 and set(meta.load_deltas) == {3 - 1}
+
+    gap = adapter.get_prefill_gap(r, 10)  # after doc2's head
+    assert (gap.num_external_tokens, gap.max_new_tokens) == (2, 2)
+    adapter.update_state_after_alloc(r, blocks, 2)
+    assert adapter.build_connector_meta(out).load_dst_slots == [112 + 10, 112 + 11]
+    gap = adapter.get_prefill_gap(r, 12)  # the question: nothing more to load
+    assert (gap.num_external_tokens, gap.max_new_tokens) == (0, 2)
+    adapter.update_state_after_alloc(r, blocks, 0)
+    assert adapter.build_connector_meta(out).load_dst_slots == []
+    assert adapter.stats().tokens_loaded == 3 + 3 + 2
+    finish(adapter, r, RequestStatus.FINISHED_STOPPED)
 
 
 def test_a_request_without_layout_is_not_touched_whatever_its_salt():
@@ -118,13 +166,15 @@ def test_more_than_one_kv_cache_group_is_refused_at_start_up():
 def test_new_connector_hooks_are_base_class_methods_with_no_op_defaults():
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 
-    for name in ("register_model", "take_internal_requests", "take_failed_requests"):
+    for name in ("register_model", "take_internal_requests", "take_failed_requests",
+                 "get_prefill_gap"):
         method = getattr(KVConnectorBase_V1, name)
         assert not getattr(method, "__isabstractmethod__", False), name
     stub = object()  # the defaults use nothing of the instance
     assert KVConnectorBase_V1.take_internal_requests(stub) == []
     assert KVConnectorBase_V1.take_failed_requests(stub) == {}
     assert KVConnectorBase_V1.register_model(stub, object()) is None
+    assert KVConnectorBase_V1.get_prefill_gap(stub, object(), 0) is None
 
 
 def test_engine_core_connector_does_not_import_front_end_code():

@@ -18,8 +18,11 @@ counter (docs/design/ownership.md). Life of a chunked request (the parent):
 3. `child_finished` / `child_failed`: a child stored its rows (the entry
    becomes RESIDENT) or ended without them; a failed child is retried once,
    then its waiters are refused (`take_refusals`).
-4. `is_ready` -> `load_plan`: once every segment is resident, the rows to
-   copy, with delta = real_start - stored_start.
+4. `is_ready` -> `prefill_step` / `load_plan`: once every segment is
+   resident, which stretch to load at a position (all of system and chunks
+   at once, or with boundary recompute the part of each chunk after its
+   first K tokens, chunk_prefill_plan.py) and the rows to copy, with
+   delta = real_start - stored_start.
 5. `release` on finish or abort, in any state, drops the parent's pins.
 
 Children compute `context + segment` where the context follows the
@@ -33,6 +36,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from vllm.v1.core.chunk_block_pool import ChunkBlockPool
+from vllm.v1.core.chunk_prefill_plan import PrefillPlan, PrefillStep
 from vllm.v1.core.chunk_hash_index import (
     ChunkHashIndex,
     ChunkNamespace,
@@ -104,6 +108,8 @@ class ChunkAdmission:
 class _Parent:
     prompt: ChunkedPrompt
     namespace: ChunkNamespace
+    # Loaded and computed stretches of the prompt (boundary recompute).
+    plan: PrefillPlan
     # QUEUED until admitted; a refusal is final.
     reason: AdmitReason | None = None
     segments: tuple[CachedSegment, ...] = ()
@@ -142,7 +148,9 @@ class ChunkCacheManager:
         block_size: int,
         context_mode: ChunkContextMode = ChunkContextMode.SINK,
         sink_token_id: int | None = None,
+        recompute_tokens: int = 0,
     ):
+        self.recompute_tokens = recompute_tokens
         self.context_mode = ChunkContextMode(context_mode)
         if self.context_mode == ChunkContextMode.SINK and sink_token_id is None:
             raise ValueError("chunk_context='sink' needs a sink token id")
@@ -167,7 +175,11 @@ class ChunkCacheManager:
         """A chunked request arrived (nothing is pinned until `admit`)."""
         if request_id in self._parents or request_id in self._children:
             raise ValueError(f"request {request_id} is already known")
-        self._parents[request_id] = _Parent(prompt=prompt, namespace=namespace)
+        self._parents[request_id] = _Parent(
+            prompt=prompt,
+            namespace=namespace,
+            plan=PrefillPlan.for_prompt(prompt, self.recompute_tokens),
+        )
         self._queued[request_id] = None
 
     def has_request(self, request_id: str) -> bool:
@@ -248,27 +260,40 @@ class ChunkCacheManager:
         )
 
     def question_start(self, request_id: str) -> int:
-        """Prompt tokens served from the pool (everything before the question)."""
+        """Where the question starts (the prompt's cached segments end)."""
         return self._require_parent(request_id).prompt.question_span.start
+
+    def prefill_plan(self, request_id: str) -> PrefillPlan:
+        return self._require_parent(request_id).plan
+
+    def prefill_step(self, request_id: str, position: int) -> PrefillStep:
+        """Tokens to load at `position` (the request's computed tokens) and
+        how many to compute after them."""
+        return self._require_parent(request_id).plan.step_at(position)
 
     def is_ready(self, request_id: str) -> bool:
         parent = self._require_parent(request_id)
         return parent.reason == AdmitReason.ADMITTED and not parent.waiting_on
 
-    def load_plan(self, request_id: str, first_position: int = 0) -> ChunkLoadPlan:
-        """Rows to copy into the parent for positions >= first_position
-        (those before it are already in its paged KV, e.g. vLLM's own prefix
-        cache hit)."""
+    def load_plan(
+        self, request_id: str, first_position: int = 0, end_position: int | None = None
+    ) -> ChunkLoadPlan:
+        """Rows to copy into the parent for positions in [first_position,
+        end_position) (default: up to the question). Those before are already
+        in its paged KV (vLLM's own prefix cache hit, or an earlier stretch);
+        those after are loaded later or recomputed."""
         parent = self._require_parent(request_id)
         if not self.is_ready(request_id):
             raise ValueError(
                 f"request {request_id} is not ready (still waits for "
                 f"{len(parent.waiting_on)} segment(s))"
             )
+        end = parent.prompt.question_span.start if end_position is None else end_position
         loads = []
         for seg in parent.segments:
             skip = max(0, min(first_position - seg.span.start, seg.span.num_tokens))
-            if skip == seg.span.num_tokens:
+            stop = max(0, min(end - seg.span.start, seg.span.num_tokens))
+            if skip >= stop:
                 continue
             entry = self.pool.get(seg.chunk_hash)
             assert entry is not None, "pinned entries are never evicted"
@@ -281,6 +306,7 @@ class ChunkCacheManager:
                     stored_start=seg.stored_start,
                     dst_start=seg.span.start,
                     first_row=skip,
+                    end_row=None if stop == seg.span.num_tokens else stop,
                 )
             )
         plan = ChunkLoadPlan(request_id=request_id, segments=tuple(loads))

@@ -244,8 +244,16 @@ class SegmentLoad:
     # Position of the first row in the request (its span start).
     dst_start: int
     # First row to copy: rows before it are already in the request's paged
-    # KV (vLLM's own prefix cache hit on an identical chunked request).
+    # KV (vLLM's own prefix cache hit on an identical chunked request, or an
+    # earlier stretch of a boundary-recompute request).
     first_row: int = 0
+    # One past the last row to copy (None: num_tokens); rows after it are
+    # loaded by a later stretch, or recomputed in the request.
+    end_row: int | None = None
+
+    @property
+    def row_end(self) -> int:
+        return self.num_tokens if self.end_row is None else self.end_row
 
     @property
     def position_delta(self) -> int:
@@ -259,18 +267,12 @@ class ChunkLoadPlan:
 
     # The (parent) request that receives the rows.
     request_id: str
-    # Segment copies in prompt order; together they cover
-    # [0, num_cached_tokens) exactly.
+    # Segment copies in prompt order (their rows [first_row, row_end)).
     segments: tuple[SegmentLoad, ...]
 
     @property
-    def num_cached_tokens(self) -> int:
-        """Prompt tokens the engine may treat as already computed."""
-        return sum(s.num_tokens for s in self.segments)
-
-    @property
     def num_rows_to_copy(self) -> int:
-        return sum(s.num_tokens - s.first_row for s in self.segments)
+        return sum(s.row_end - s.first_row for s in self.segments)
 
 
 @dataclass

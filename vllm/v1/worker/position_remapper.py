@@ -363,26 +363,24 @@ class RemapRows:
         cls, plan: ChunkLoadPlan, pool_block_size: int, dst_slots: torch.Tensor
     ) -> "RemapRows":
         """Expand a plan; `dst_slots[p]` is the paged slot of position p."""
-        src, deltas = [], []
+        src, deltas, positions = [], [], []
         for seg in plan.segments:
-            offsets = torch.arange(seg.num_tokens)
+            offsets = torch.arange(seg.first_row, seg.row_end)
             blocks = torch.tensor(seg.pool_block_ids, dtype=torch.int64)
             src.append(blocks[offsets // pool_block_size] * pool_block_size
                        + offsets % pool_block_size)
-            deltas.append(torch.full((seg.num_tokens,), seg.position_delta))
-            if seg.dst_start + seg.num_tokens > dst_slots.shape[0]:
+            deltas.append(torch.full((len(offsets),), seg.position_delta))
+            positions.append(seg.dst_start + offsets)
+            if seg.dst_start + seg.row_end > dst_slots.shape[0]:
                 raise ValueError(
                     f"segment {seg.segment_index} ends at position "
-                    f"{seg.dst_start + seg.num_tokens} beyond the "
+                    f"{seg.dst_start + seg.row_end} beyond the "
                     f"{dst_slots.shape[0]} slots given"
                 )
-        positions = torch.cat(
-            [torch.arange(s.dst_start, s.dst_start + s.num_tokens)
-             for s in plan.segments]
-        )
+        position = torch.cat(positions)
         return cls(
             src_rows=torch.cat(src).to(dst_slots.device),
-            dst_slots=dst_slots[positions.to(dst_slots.device)],
+            dst_slots=dst_slots[position.to(dst_slots.device)],
             deltas=torch.cat(deltas),
         )
 

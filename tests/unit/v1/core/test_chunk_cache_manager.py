@@ -99,7 +99,7 @@ def test_first_request_misses_everything_then_loads():
         SegmentLoad(hb, 2, [3], 2, stored_start=1, dst_start=8),
     )
     assert [s.position_delta for s in plan.segments] == [0, 2, 7]
-    assert plan.num_cached_tokens == 10  # the question (2 tokens) is computed
+    assert plan.num_rows_to_copy == 10  # the question (2 tokens) is computed
 
     # Only the parent's pins remain (writers released theirs).
     assert m.pinned_by("r1") == [hs, ha, hb]

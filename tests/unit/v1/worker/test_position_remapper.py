@@ -270,7 +270,7 @@ def test_manager_plan_through_remapper_lands_rope_at_real_positions(
     remapper = PositionRemapper(RopeRotation(rope), paged.write_rows)
     remapper.remap_layer("layers.0.attn", pool_k, pool_v, rows)
 
-    cached = prompt.token_ids[: plan.num_cached_tokens]
+    cached = prompt.token_ids[: prompt.question_span.start]
     truth_k = apply_rope(rope, torch.arange(len(cached)),
                          torch.stack([raw_k[t] for t in cached]))
     slots = dst_slots[: len(cached)]

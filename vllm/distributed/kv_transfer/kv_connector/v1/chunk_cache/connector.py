@@ -6,7 +6,7 @@ Thin on both sides: the scheduler role delegates to
 owns every chunked request's state), the worker role to `ChunkCacheWorker`
 (worker.py: the pool tensors, capture and load). The hooks the fork adds to
 `KVConnectorBase_V1` (`register_model`, `take_internal_requests`,
-`take_failed_requests`) are overridden here; the base class gives them
+`take_failed_requests`, `get_prefill_gap`) are overridden here; the base class gives them
 no-op defaults.
 """
 
@@ -18,6 +18,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    PrefillGap,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.metadata import (
     ChunkCacheMetadata,
@@ -82,6 +83,11 @@ class ChunkCacheConnector(KVConnectorBase_V1):
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
         return self.chunk_scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def get_prefill_gap(
+        self, request: Request, num_computed_tokens: int
+    ) -> PrefillGap | None:
+        return self.chunk_scheduler.get_prefill_gap(request, num_computed_tokens)
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int

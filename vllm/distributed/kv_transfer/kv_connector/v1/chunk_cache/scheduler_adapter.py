@@ -9,8 +9,11 @@ request's state and every counter. This module only translates:
   pinned);
 * `get_num_new_matched_tokens`: the scheduler is about to run the request,
   so the manager admits it now; None ("ask again") while it is deferred,
-  refused or waiting for its children, then every token before the question
-  is reported as computed externally;
+  refused or waiting for its children, then the first loaded stretch (every
+  token before the question, unless boundary recompute splits it) is
+  reported as computed externally;
+* `get_prefill_gap`: with boundary recompute, the next loaded stretch and
+  the chunk head to compute after it, one per step;
 * `build_connector_meta`: manager plans -> paged slots and pool rows;
 * `request_finished`: children stored their rows (or failed and are
   retried); parents are released;
@@ -29,6 +32,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from vllm.distributed.kv_transfer.kv_connector.v1.base import PrefillGap
 from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.metadata import (
     ChunkCacheMetadata,
 )
@@ -42,6 +46,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.stats import (
 from vllm.logger import init_logger
 from vllm.v1.core.chunk_cache_manager import ChunkCacheManager
 from vllm.v1.core.chunk_hash_index import ChunkNamespace
+from vllm.v1.core.chunk_prefill_plan import PrefillStep
 from vllm.v1.core.chunk_structures import (
     AdmitReason,
     ChildSpec,
@@ -73,8 +78,11 @@ class _ChildSlots:
 
 @dataclass(frozen=True)
 class _PendingLoad:
-    # First prompt position to load (earlier ones hit vLLM's prefix cache).
+    # Prompt positions [first_position, end_position) to load (earlier ones
+    # are computed or hit vLLM's prefix cache; later ones are loaded by a
+    # later stretch or computed).
     first_position: int
+    end_position: int
     # The parent's paged block ids.
     block_ids: list[int]
 
@@ -113,6 +121,7 @@ class ChunkCacheSchedulerAdapter:
             POOL_BLOCK_SIZE,
             ChunkContextMode(cfg.chunk_context),
             sink_token_id=cfg.chunk_sink_token_id,
+            recompute_tokens=cfg.chunk_recompute_tokens,
         )
         model_config = vllm_config.model_config
         self._model = str(model_config.model)
@@ -127,6 +136,9 @@ class ChunkCacheSchedulerAdapter:
         )
         self._children: dict[str, _ChildSlots] = {}
         self._pending_loads: dict[str, _PendingLoad] = {}
+        # Position each parent's last reported stretch starts at, between the
+        # report and the scheduler's allocation (update_state_after_alloc).
+        self._load_starts: dict[str, int] = {}
         self._new_children: list[Request] = []
         self._reported = ChunkCacheStats()
         logger.info(
@@ -167,17 +179,37 @@ class ChunkCacheSchedulerAdapter:
             return None, False
         if not self.manager.is_ready(rid):
             return None, False
-        end = self.manager.question_start(rid)
-        return max(0, end - num_computed_tokens), False
+        return self._report(rid, num_computed_tokens).num_loaded, False
+
+    def get_prefill_gap(self, request: Request, num_computed_tokens: int) -> PrefillGap | None:
+        rid = request.request_id
+        if not self.manager.has_request(rid) or not self.manager.is_ready(rid):
+            return None
+        step = self._report(rid, num_computed_tokens)
+        return PrefillGap(num_external_tokens=step.num_loaded, max_new_tokens=step.max_computed)
+
+    def _report(self, rid: str, position: int) -> PrefillStep:
+        """The manager's step at `position`; remembers where a stretch to
+        load starts until the scheduler allocates it.
+
+        NOTE: in the waiting path the scheduler asks twice (matched tokens,
+        then the gap after them, which loads nothing): only a report that
+        loads something replaces the start."""
+        step = self.manager.prefill_step(rid, position)
+        if step.num_loaded:
+            self._load_starts[rid] = position
+        return step
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
         rid = request.request_id
-        if num_external_tokens == 0 or not self.manager.has_request(rid):
+        first = self._load_starts.pop(rid, None)
+        if num_external_tokens == 0 or first is None:
             return
-        first = self.manager.question_start(rid) - num_external_tokens
-        self._pending_loads[rid] = _PendingLoad(first, list(blocks.get_block_ids()[0]))
+        self._pending_loads[rid] = _PendingLoad(
+            first, first + num_external_tokens, list(blocks.get_block_ids()[0])
+        )
 
     def take_internal_requests(self) -> list[Request]:
         children, self._new_children = self._new_children, []
@@ -213,6 +245,7 @@ class ChunkCacheSchedulerAdapter:
                 self._spawn_children(request)
             return
         self._pending_loads.pop(rid, None)
+        self._load_starts.pop(rid, None)
         self.manager.release(rid)
 
     # --------------------------------------------------------------- meta
@@ -225,10 +258,10 @@ class ChunkCacheSchedulerAdapter:
 
     def _add_loads(self, meta: ChunkCacheMetadata) -> None:
         for rid, pending in self._pending_loads.items():
-            plan = self.manager.load_plan(rid, pending.first_position)
+            plan = self.manager.load_plan(rid, pending.first_position, pending.end_position)
             for seg in plan.segments:
                 positions = np.arange(
-                    seg.dst_start + seg.first_row, seg.dst_start + seg.num_tokens,
+                    seg.dst_start + seg.first_row, seg.dst_start + seg.row_end,
                     dtype=np.int64,
                 )
                 src = rows_of_blocks(

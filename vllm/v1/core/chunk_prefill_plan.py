@@ -1,0 +1,88 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Which prompt tokens of a chunked request are loaded and which computed.
+
+Without boundary recompute a chunked request loads one prefix (system and
+every chunk) and computes the question. With `--chunk-recompute-tokens K`
+the first K tokens of every chunk are computed inside the request too
+(they attend to every real token before them), so the prompt alternates:
+
+    [system: loaded][c1[:K] computed][c1[K:] loaded][c2[:K] computed]...[question]
+
+vLLM computes one contiguous stretch per step, so the request takes one
+step per computed stretch; the loaded stretch before each is copied in by
+the connector in the same step (docs/design/boundary-recompute.md).
+Everything here is a pure function of the prompt's layout and K, so it is
+the same on every call (after a preemption too) and needs no state.
+"""
+
+from dataclasses import dataclass
+
+from vllm.v1.core.chunk_structures import ChunkedPrompt, SegmentSpan
+
+
+@dataclass(frozen=True)
+class PrefillStep:
+    """What to do at one prompt position (the request's num_computed_tokens)."""
+
+    # Tokens from that position on that are loaded from the pool.
+    num_loaded: int
+    # Tokens to compute right after them before the next loaded stretch
+    # (the rest of the prompt after the last one; always >= 1).
+    max_computed: int
+
+
+@dataclass(frozen=True)
+class PrefillPlan:
+    """The loaded stretches of a chunked prompt; the rest is computed."""
+
+    # Loaded stretches in prompt order, disjoint, non-adjacent, all before
+    # the question (adjacent ones are merged).
+    loaded: tuple[SegmentSpan, ...]
+    # Prompt length (the question ends there).
+    num_tokens: int
+
+    @classmethod
+    def for_prompt(cls, prompt: ChunkedPrompt, recompute_tokens: int) -> "PrefillPlan":
+        """The system segment is always loaded (it sees nothing before it, so
+        recomputing it would change nothing); of each chunk, all but its first
+        `recompute_tokens` tokens."""
+        if recompute_tokens < 0:
+            raise ValueError(f"recompute_tokens must be >= 0, got {recompute_tokens}")
+        stretches = [prompt.system_span]
+        for span in prompt.chunk_spans:
+            start = min(span.start + recompute_tokens, span.end)
+            if start == span.end:
+                continue  # the whole chunk is recomputed
+            if stretches[-1].end == start:
+                stretches[-1] = SegmentSpan(stretches[-1].start, span.end)
+            else:
+                stretches.append(SegmentSpan(start, span.end))
+        return cls(loaded=tuple(stretches), num_tokens=len(prompt.token_ids))
+
+    @property
+    def num_loaded(self) -> int:
+        return sum(s.num_tokens for s in self.loaded)
+
+    @property
+    def num_recomputed(self) -> int:
+        """Chunk tokens computed inside the request (the question excluded)."""
+        return self.loaded[-1].end - self.num_loaded
+
+    @property
+    def num_steps(self) -> int:
+        """Engine steps of the prefill (one per computed stretch)."""
+        return len(self.loaded)
+
+    def step_at(self, position: int) -> PrefillStep:
+        """What to load at `position` and how much to compute after it."""
+        if not 0 <= position < self.num_tokens:
+            raise ValueError(
+                f"position {position} is outside the prompt [0, {self.num_tokens})"
+            )
+        loaded_end = position
+        for stretch in self.loaded:
+            if stretch.start <= position < stretch.end:
+                loaded_end = stretch.end
+            elif stretch.start > loaded_end:
+                return PrefillStep(loaded_end - position, stretch.start - loaded_end)
+        return PrefillStep(loaded_end - position, self.num_tokens - loaded_end)
