@@ -36,7 +36,18 @@ ENGINE_ENV = {
     # The engine in-process: ~10 s start-up instead of ~45 s.
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
 }
-CONFIGS = ("stock", "none", "sink", "system")
+CONFIGS = ("stock", "none", "sink", "system", "sink+first12")
+
+
+def chunk_cache_args(config: str) -> dict:
+    """Engine arguments of a configuration: "stock" (none), a `--chunk-context`
+    mode, or "mode+firstK": that mode with boundary recompute of K tokens
+    (`--chunk-recompute-tokens K`, the lever built in the engine)."""
+    if config == "stock":
+        return {}
+    mode, _, k = config.partition("+first")
+    return dict(enable_chunk_cache=True, chunk_context=mode,
+                chunk_recompute_tokens=int(k or 0))
 
 
 @dataclass
@@ -70,7 +81,8 @@ def _child_tokens(config: str, item: EncodedQuestion, seen: set) -> int:
     long as nothing is evicted (the pool holds the whole corpus here; checked by the
     caller against the engine's hit counter)."""
     system = item.segments[0]
-    context = {"none": (), "sink": ("sink",), "system": system}[config]
+    mode = chunk_cache_args(config)["chunk_context"]
+    context = {"none": (), "sink": ("sink",), "system": system}[mode]
     total = 0
     for i, seg in enumerate(item.segments[:-1]):
         ctx = () if i == 0 else context
@@ -97,7 +109,7 @@ def run_config(config: str, model: str, items: list[EncodedQuestion], timed: int
         # share only a system prompt shorter than one 128-token block anyway).
         kwargs.update(enable_prefix_caching=False)
     else:
-        kwargs.update(enable_chunk_cache=True, chunk_context=config)
+        kwargs.update(chunk_cache_args(config))
     start = time.perf_counter()
     llm = LLM(**kwargs)
     run = EngineRun(config, vllm.__version__, time.perf_counter() - start)

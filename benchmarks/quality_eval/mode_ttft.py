@@ -13,7 +13,19 @@ import statistics
 import sys
 from pathlib import Path
 
-MODES = ("none", "sink", "system")
+# The modes, and `sink` with the boundary-recompute lever built in the engine.
+MODES = ("none", "sink", "system", "sink+first12")
+
+
+def server_flags(config: str) -> list[str]:
+    """`vllm serve` flags of an engine configuration (engine_runs' names)."""
+    from .engine_runs import chunk_cache_args
+
+    flags = []
+    for name, value in chunk_cache_args(config).items():
+        flag = "--" + name.replace("_", "-")
+        flags += [flag] if value is True else [flag, str(value)]
+    return flags
 
 
 def measure(model: str, out: Path, requests: int = 5, max_tokens: int = 8) -> dict[str, float]:
@@ -29,8 +41,7 @@ def measure(model: str, out: Path, requests: int = 5, max_tokens: int = 8) -> di
     medians = {}
     for mode in MODES:
         print(f"[eval] all-hit TTFT, 8 documents: starting the {mode} server ...", flush=True)
-        server = Server(model, ["--enable-chunk-cache", "--chunk-context", mode],
-                        out / f"server-{mode}.log")
+        server = Server(model, server_flags(mode), out / f"server-{mode}.log")
         try:
             for prompt in runs.warmup:
                 server.complete(prompt, max_tokens)

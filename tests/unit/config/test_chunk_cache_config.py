@@ -19,6 +19,7 @@ def test_defaults_follow_the_spec():
         False, "##", 500, 4096)
     assert (c.chunk_pool_fraction, c.chunk_pool_size_gib, c.chunk_hash_algo,
             c.chunk_context) == (0.15, None, "xxhash", "sink")
+    assert c.chunk_recompute_tokens == 0  # boundary recompute is opt-in
     assert VllmConfig().chunk_cache_config == ChunkCacheConfig()
 
 
@@ -32,6 +33,7 @@ def test_defaults_follow_the_spec():
     ({"chunk_pool_size_gib": 0}, "chunk_pool_size_gib must be > 0"),
     ({"chunk_context": "everything"}, "chunk_context"),
     ({"chunk_hash_algo": "md5"}, "chunk_hash_algo"),
+    ({"chunk_recompute_tokens": -1}, "chunk_recompute_tokens must be >= 0"),
 ])
 def test_bad_values_fail_with_a_message_naming_the_field(kwargs, message):
     with pytest.raises(Exception, match=message):
@@ -57,11 +59,13 @@ def test_cli_flags_parse_into_engine_args():
     parser = EngineArgs.add_cli_args(FlexibleArgumentParser())
     ns = parser.parse_args(["--model", TINY, "--enable-chunk-cache", "--chunk-separator",
                             "<<SEP>>", "--max-chunks", "12", "--max-chunk-tokens", "256",
-                            "--chunk-pool-fraction", "0.3", "--chunk-context", "none"])
+                            "--chunk-pool-fraction", "0.3", "--chunk-context", "none",
+                            "--chunk-recompute-tokens", "12"])
     args = EngineArgs.from_cli_args(ns)
     assert (args.enable_chunk_cache, args.chunk_separator, args.max_chunks,
-            args.max_chunk_tokens, args.chunk_pool_fraction, args.chunk_context) == (
-        True, "<<SEP>>", 12, 256, 0.3, "none")
+            args.max_chunk_tokens, args.chunk_pool_fraction, args.chunk_context,
+            args.chunk_recompute_tokens) == (True, "<<SEP>>", 12, 256, 0.3, "none", 12)
+    assert args.create_engine_config().chunk_cache_config.chunk_recompute_tokens == 12
 
 
 def test_serve_help_lists_the_flags_with_their_help():
@@ -70,6 +74,6 @@ def test_serve_help_lists_the_flags_with_their_help():
                          text=True, timeout=300, check=True).stdout
     for flag in ("--enable-chunk-cache", "--chunk-separator", "--max-chunks",
                  "--max-chunk-tokens", "--chunk-pool-fraction", "--chunk-pool-size-gib",
-                 "--chunk-hash-algo", "--chunk-context"):
+                 "--chunk-hash-algo", "--chunk-context", "--chunk-recompute-tokens"):
         assert flag in out
     assert "Markdown headings" in out  # the separator's help text, from its docstring
