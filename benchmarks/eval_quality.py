@@ -51,6 +51,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--configs", default=",".join(CONFIGS), help="engine configurations")
     p.add_argument("--boundary-k", default="4,8,16")
     p.add_argument("--fractions", default="0.1,0.25")
+    p.add_argument("--scales", default="0.5,2",
+                   help="APE context scaling factors (lever c; empty: none)")
     p.add_argument("--skip-engine", action="store_true")
     p.add_argument("--skip-reference", action="store_true")
     p.add_argument("--ttft-8docs", action="store_true",
@@ -64,6 +66,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         # smoke under ~3 min; the full run covers none and system.
         args.questions, args.lever_questions, args.timed = 6, 2, 2
         args.boundary_k, args.fractions, args.configs = "4", "0.25", "stock,sink"
+        args.scales = "2"
     return args
 
 
@@ -108,8 +111,9 @@ def run_reference(args, items, out: Path) -> list[dict]:
         for line in path.read_text().splitlines():
             row = json.loads(line)
             done[row["qid"]] = row
-    grid = LeverGrid(boundary_k=tuple(int(k) for k in args.boundary_k.split(",")),
-                     fractions=tuple(float(r) for r in args.fractions.split(",")))
+    grid = LeverGrid(boundary_k=tuple(int(k) for k in args.boundary_k.split(",") if k),
+                     fractions=tuple(float(r) for r in args.fractions.split(",") if r),
+                     scales=tuple(float(s) for s in args.scales.split(",") if s))
     # The deployment's sink: the tokenizer's BOS (ChunkCacheConfig's default).
     sink = AutoTokenizer.from_pretrained(args.model).bos_token_id
     scorer = None
@@ -166,7 +170,13 @@ def main(argv=None) -> int:
     if args.ttft_8docs:
         from quality_eval.mode_ttft import measure
 
-        medians = measure(args.model, out)
+        path = out / "ttft-8docs.json"
+        if path.exists():
+            medians = json.loads(path.read_text())
+            print(f"[eval] all-hit TTFT: kept {path}", flush=True)
+        else:
+            medians = measure(args.model, out)
+            path.write_text(json.dumps(medians, indent=1))
     md = [f"# Answer quality ({time.strftime('%Y-%m-%d %H:%M')})\n",
           f"Model: {args.model}; dataset: {dataclasses.asdict(dataset.config)}\n"]
     if runs:

@@ -6,15 +6,18 @@ mask in which some tokens of each chunk are recomputed with full visibility and
 the rest keep their isolated KV), its `Role`s, and the boundary selection
 `first_k` (EPIC / LegoLink) - is part of the engine's isolation reference,
 `vllm.v1.core.chunk_isolation_mask` (its docstring defines the semantics); it is
-re-exported here. This module adds only the benchmark-only selection
-`top_fraction` (CacheBlend).
+re-exported here. This module adds the benchmark-only levers: the selection
+`top_fraction` (CacheBlend) and `context_scale_bias` (APE's scaling factor).
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from vllm.v1.core.chunk_isolation_mask import (
+    IsolatedSequence,
     LeverSequence,
     Role,
     build_lever_sequence,
@@ -22,7 +25,27 @@ from vllm.v1.core.chunk_isolation_mask import (
 )
 from vllm.v1.core.chunk_structures import ChunkedPrompt
 
-__all__ = ["LeverSequence", "Role", "build_lever_sequence", "first_k", "top_fraction"]
+__all__ = ["LeverSequence", "Role", "build_lever_sequence", "context_scale_bias", "first_k",
+           "top_fraction"]
+
+
+def context_scale_bias(prompt: ChunkedPrompt, seq: IsolatedSequence,
+                       scale: float) -> torch.Tensor:
+    """APE's scaling factor (Yang et al. 2025, "APE: faster and longer context-augmented
+    generation via adaptive parallel encoding"), training-free, as an additive logit
+    bias [T, T] on top of a mode's extended sequence: log(scale) on the logits of the
+    question and generated tokens toward the real chunk tokens, i.e. their attention
+    weights to the documents are multiplied by `scale` before normalisation. Nothing is
+    recomputed. (APE's other half, a temperature on those logits, is multiplicative
+    and not expressible as a bias; it is not measured.)"""
+    source = seq.source_index
+    chunks_start = prompt.system_span.end
+    question_start = prompt.question_span.start
+    rows = source >= question_start
+    cols = (source >= chunks_start) & (source < question_start)
+    bias = torch.zeros(len(source), len(source))
+    bias[rows[:, None] & cols[None, :]] = math.log(scale)
+    return bias
 
 
 def top_fraction(prompt: ChunkedPrompt, scores: torch.Tensor, fraction: float) -> list[list[int]]:

@@ -18,7 +18,7 @@ import torch
 from vllm.v1.core.chunk_isolation_mask import IsolatedSequence, build_isolated_sequence
 from vllm.v1.core.chunk_structures import ChunkedPrompt
 
-from .levers import build_lever_sequence, first_k, top_fraction
+from .levers import build_lever_sequence, context_scale_bias, first_k, top_fraction
 from .prompts import EncodedQuestion, ends_word
 
 # The layer whose KV deviation selects CacheBlend's tokens. Layer 0's K/V depend
@@ -41,6 +41,8 @@ class LeverGrid:
     modes: tuple[str, ...] = ("sink", "none")
     boundary_k: tuple[int, ...] = (4, 8, 16)
     fractions: tuple[float, ...] = (0.1, 0.25)
+    # APE's context scaling factors (nothing recomputed).
+    scales: tuple[float, ...] = ()
 
 
 class ReferenceScorer:
@@ -61,11 +63,13 @@ class ReferenceScorer:
         attn.v_proj.register_forward_hook(lambda m, i, o: self._kv.__setitem__("v", o))
 
     @torch.inference_mode()
-    def _forward(self, seqs: list[IsolatedSequence], n_tail: int
+    def _forward(self, seqs: list[IsolatedSequence], n_tail: int,
+                 biases: list[torch.Tensor] | None = None
                  ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per sequence: log-probs of its last n_tail rows, and layer-1 [k|v] of its
         real rows. One padded batch: on 2 shared cores a batch of 5 ran ~2x faster
-        per sequence than one at a time."""
+        per sequence than one at a time. `biases`: an additive [T, T] logit bias per
+        sequence on its allowed entries (APE's scaling)."""
         size = max(len(s.token_ids) for s in seqs)
         ids = torch.zeros(len(seqs), size, dtype=torch.int64)
         pos = torch.zeros(len(seqs), size, dtype=torch.int64)
@@ -76,7 +80,11 @@ class ReferenceScorer:
             ids[b, :n] = torch.tensor(s.token_ids)
             pos[b, :n] = s.position_ids
             allowed[b, 0, :n, :n] = s.allowed[0, 0]
-        mask = torch.zeros(allowed.shape).masked_fill(~allowed, torch.finfo(torch.float32).min)
+        mask = torch.zeros(allowed.shape)
+        for b, bias in enumerate(biases or []):
+            n = bias.shape[0]
+            mask[b, 0, :n, :n] = bias
+        mask = mask.masked_fill(~allowed, torch.finfo(torch.float32).min)
         hidden = self.model.model(input_ids=ids, position_ids=pos,
                                   attention_mask=mask).last_hidden_state
         out = []
@@ -101,7 +109,8 @@ class ReferenceScorer:
 
     def evaluate(self, item: EncodedQuestion, modes: tuple[str, ...],
                  grid: LeverGrid | None) -> dict[str, Score]:
-        """Scores keyed "full", "<mode>", "<mode>+first<K>", "<mode>+blend<r>"."""
+        """Scores keyed "full", "<mode>", "<mode>+first<K>", "<mode>+blend<r>",
+        "<mode>+scale<S>"."""
         prompt: ChunkedPrompt = item.prompt
         gold = list(item.gold)
         n_tail = len(gold) + 1
@@ -138,6 +147,12 @@ class ReferenceScorer:
             for name, (logprobs, _) in zip(part, self._forward(
                     [levers[n].seq for n in part], n_tail)):
                 out[name] = self._score(item, logprobs, levers[name].num_recomputed)
+        # Stage 3: APE's context scaling on each mode's own sequence.
+        for mode in grid.modes if grid.scales else ():
+            seqs = [base[mode]] * len(grid.scales)
+            biases = [context_scale_bias(prompt, base[mode], s) for s in grid.scales]
+            for s, (logprobs, _) in zip(grid.scales, self._forward(seqs, n_tail, biases)):
+                out[f"{mode}+scale{s:g}"] = self._score(item, logprobs, 0)
         return out
 
 

@@ -89,6 +89,9 @@ def plot_levers(rows: list[dict], path: Path) -> bool:
                                     else "top-r% KV deviation (CacheBlend)")
             ax.plot([p[0] * 100 for p in pts], [p[1] for p in pts], style, color=colour,
                     label=label)
+        for name in [n for n in agg if n.startswith(f"{mode}+scale")]:
+            ax.plot([0.0], [agg[name]["gold_logprob"]], "^", color=colour, alpha=0.6,
+                    label=f"{mode} + context scaling {name.rsplit('scale', 1)[1]} (APE)")
     for name, colour in (("full", "black"), ("system", "tab:green")):
         if name in agg:
             ax.axhline(agg[name]["gold_logprob"], color=colour, linestyle=":",

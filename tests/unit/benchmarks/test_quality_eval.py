@@ -4,12 +4,19 @@ set's determinism and content, and the structure of the recompute-lever masks.""
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "benchmarks"))
 
 from quality_eval.dataset import DatasetConfig, build_dataset  # noqa: E402
-from quality_eval.levers import Role, build_lever_sequence, first_k, top_fraction  # noqa: E402
+from quality_eval.levers import (  # noqa: E402
+    Role,
+    build_lever_sequence,
+    context_scale_bias,
+    first_k,
+    top_fraction,
+)
 from quality_eval.prompts import EncodedQuestion, ends_word  # noqa: E402
 
 from vllm.v1.core.chunk_isolation_mask import build_isolated_sequence  # noqa: E402
@@ -109,3 +116,19 @@ def test_top_fraction():
     lever = build_lever_sequence(PROMPT, "none", top_fraction(PROMPT, scores, 3 / 9))
     assert [r.value for r in lever.roles[2:6]] == [
         "isolated", "cached", "cached", "recomputed"]  # chunk 1 recomputes 14 only
+
+
+def test_context_scale_bias_touches_only_question_rows_toward_real_chunk_tokens():
+    import math
+
+    seq = build_isolated_sequence(PROMPT, "sink", extra_token_ids=[30], sink_token_id=SINK)
+    bias = context_scale_bias(PROMPT, seq, 2.0)
+    src = seq.source_index.tolist()
+    for q, row in enumerate(bias.tolist()):
+        for k, value in enumerate(row):
+            toward_chunk = src[k] >= 2 and src[k] < 11  # real chunk tokens [2, 11)
+            expected = math.log(2.0) if src[q] >= 11 and toward_chunk else 0.0
+            assert value == pytest.approx(expected, abs=1e-6), (q, k)
+    # The private sink copies are never real: no bias toward them.
+    copies = [k for k, s in enumerate(src) if s < 0]
+    assert copies and not bias[:, copies].any()
