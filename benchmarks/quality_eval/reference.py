@@ -3,7 +3,8 @@
 configuration) over an extended sequence with its 4D mask.
 
 The engine equals this reference for the modes (the e2e suite's invariant), so the
-mode numbers here are what the engine would give; the levers exist only here.
+mode numbers here are what the engine would give (boundary recompute is built in
+the engine too, `--chunk-recompute-tokens`; the other levers exist only here).
 Scores: the gold continuation's log-likelihood (teacher forcing) and exact match,
 which under greedy decoding is: every gold token is the argmax after the previous
 ones, and the argmax after the last does not continue the word.

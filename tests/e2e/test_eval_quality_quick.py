@@ -70,7 +70,9 @@ def test_reference_levers_table_plot_and_cross_check(quick_run):
     assert len(res["reference"]) == 2
     for row in res["reference"]:
         scores = row["scores"]
-        assert {"full", "none", "sink", "system", "sink+first4", "sink+blend25"} <= set(scores)
+        assert {"full", "none", "sink", "system", "sink+first4", "sink+blend25",
+                "sink+scale2"} <= set(scores)
+        assert scores["sink+scale2"]["recomputed"] == 0
         assert scores["sink"]["recomputed"] == 0
         assert 0 < scores["sink+blend25"]["recomputed"] < scores["full"]["recomputed"]
     assert (out / "levers.png").stat().st_size > 1000
