@@ -21,7 +21,9 @@ BLOCK = 16  # paged block size of the fake KV cache
 SINK = 1
 
 
-def make_config(num_kv_blocks=64, fraction=0.5, groups=1, recompute=0):
+def make_config(num_kv_blocks=64, fraction=0.5, groups=1, recompute=0, scheduler=None):
+    from vllm.v1.core.sched.scheduler import Scheduler
+
     chunk = SimpleNamespace(chunk_context="sink", chunk_sink_token_id=SINK,
                             chunk_pool_fraction=fraction, chunk_pool_size_gib=None,
                             chunk_recompute_tokens=recompute)
@@ -29,6 +31,7 @@ def make_config(num_kv_blocks=64, fraction=0.5, groups=1, recompute=0):
         chunk_cache_config=chunk,
         cache_config=SimpleNamespace(cache_dtype="auto", block_size=BLOCK),
         model_config=SimpleNamespace(model="m", tokenizer="t", dtype="float32"),
+        scheduler_config=SimpleNamespace(get_scheduler_cls=lambda: scheduler or Scheduler),
     )
     group = SimpleNamespace(kv_cache_spec=SimpleNamespace(block_size=BLOCK))
     kv_cache_config = SimpleNamespace(kv_cache_groups=[group] * groups,
@@ -115,6 +118,20 @@ def test_boundary_recompute_loads_each_rest_in_the_step_before_its_next_head():
     assert adapter.build_connector_meta(out).load_dst_slots == []
     assert adapter.stats().tokens_loaded == 3 + 3 + 2
     finish(adapter, r, RequestStatus.FINISHED_STOPPED)
+
+
+def test_boundary_recompute_refuses_a_scheduler_that_replaces_schedule_at_start_up():
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    class OwnLoop(Scheduler):  # e.g. one of vllm-ascend's optional schedulers
+        def schedule(self, *args, **kwargs):
+            raise AssertionError("never called")
+
+    ChunkCacheSchedulerAdapter(*make_config(recompute=4, scheduler=AsyncScheduler))
+    ChunkCacheSchedulerAdapter(*make_config(recompute=0, scheduler=OwnLoop))
+    with pytest.raises(ValueError, match="OwnLoop replaces its schedule"):
+        ChunkCacheSchedulerAdapter(*make_config(recompute=4, scheduler=OwnLoop))
 
 
 def test_a_request_without_layout_is_not_touched_whatever_its_salt():

@@ -38,6 +38,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.metadata import (
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.setup import (
     POOL_BLOCK_SIZE,
+    check_scheduler_serves_gaps,
     pool_num_blocks,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.stats import (
@@ -114,6 +115,7 @@ class ChunkCacheSchedulerAdapter:
         from vllm.sampling_params import RequestOutputKind, SamplingParams
 
         cfg = vllm_config.chunk_cache_config
+        check_scheduler_serves_gaps(vllm_config)
         self.block_size = single_group_block_size(kv_cache_config)
         num_pool_blocks = pool_num_blocks(vllm_config, kv_cache_config)
         self.manager = ChunkCacheManager(

@@ -59,6 +59,27 @@ def configure_chunk_cache_connector(vllm_config: VllmConfig) -> None:
     )
 
 
+def check_scheduler_serves_gaps(vllm_config: VllmConfig) -> None:
+    """Boundary recompute needs a scheduler that asks the connector for prefill
+    gaps (vLLM's Scheduler with patch 0012). One that replaces `schedule` (e.g.
+    vllm-ascend's optional schedulers) would compute the stretches the cache
+    should load, with another attention: refused at start-up instead."""
+    if vllm_config.chunk_cache_config.chunk_recompute_tokens == 0:
+        return
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    cls = vllm_config.scheduler_config.get_scheduler_cls()
+    if not (isinstance(cls, type) and issubclass(cls, Scheduler)
+            and cls.schedule is Scheduler.schedule):
+        name = getattr(cls, "__qualname__", str(cls))
+        raise ValueError(
+            f"--chunk-recompute-tokens needs vLLM's own scheduler; the scheduler "
+            f"class {name} replaces its schedule() and would not load the cached "
+            "parts of a chunk between recomputed ones. Use the default scheduler "
+            "or --chunk-recompute-tokens 0"
+        )
+
+
 def _resolve_cudagraph_mode(vllm_config: VllmConfig) -> None:
     """CUDA graphs with the chunk cache: PIECEWISE only.
 
