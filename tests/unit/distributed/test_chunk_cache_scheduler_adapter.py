@@ -117,6 +117,10 @@ def test_boundary_recompute_loads_each_rest_in_the_step_before_its_next_head():
     adapter.update_state_after_alloc(r, blocks, 0)
     assert adapter.build_connector_meta(out).load_dst_slots == []
     assert adapter.stats().tokens_loaded == 3 + 3 + 2
+    # Past the prompt (resumed after a preemption with generated tokens that vLLM's
+    # prefix cache still holds): nothing to load, no cap.
+    assert adapter.get_prefill_gap(r, 14) is None
+    assert adapter.get_num_new_matched_tokens(r, 15) == (0, False)
     finish(adapter, r, RequestStatus.FINISHED_STOPPED)
 
 

@@ -181,22 +181,29 @@ class ChunkCacheSchedulerAdapter:
             return None, False
         if not self.manager.is_ready(rid):
             return None, False
-        return self._report(rid, num_computed_tokens).num_loaded, False
+        step = self._report(rid, num_computed_tokens)
+        return (0 if step is None else step.num_loaded), False
 
     def get_prefill_gap(self, request: Request, num_computed_tokens: int) -> PrefillGap | None:
         rid = request.request_id
         if not self.manager.has_request(rid) or not self.manager.is_ready(rid):
             return None
         step = self._report(rid, num_computed_tokens)
+        if step is None:
+            return None
         return PrefillGap(num_external_tokens=step.num_loaded, max_new_tokens=step.max_computed)
 
-    def _report(self, rid: str, position: int) -> PrefillStep:
-        """The manager's step at `position`; remembers where a stretch to
-        load starts until the scheduler allocates it.
+    def _report(self, rid: str, position: int) -> PrefillStep | None:
+        """The manager's step at `position`, None past the prompt (a request
+        resumed after a preemption whose prefix-cache hit covers its prompt
+        and generated tokens); remembers where a stretch to load starts until
+        the scheduler allocates it.
 
         NOTE: in the waiting path the scheduler asks twice (matched tokens,
         then the gap after them, which loads nothing): only a report that
         loads something replaces the start."""
+        if position >= self.manager.prefill_plan(rid).num_tokens:
+            return None
         step = self.manager.prefill_step(rid, position)
         if step.num_loaded:
             self._load_starts[rid] = position
