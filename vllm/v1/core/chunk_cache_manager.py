@@ -18,7 +18,7 @@ counter (docs/design/ownership.md). Life of a chunked request (the parent):
 3. `child_finished` / `child_failed`: a child stored its rows (the entry
    becomes RESIDENT) or ended without them; a failed child is retried once,
    then its waiters are refused (`take_refusals`).
-4. `is_ready` -> `prefill_step` / `load_plan`: once every segment is
+4. `is_ready` -> `prefill_plan` / `load_plan`: once every segment is
    resident, which stretch to load at a position (all of system and chunks
    at once, or with boundary recompute the part of each chunk after its
    first K tokens, chunk_prefill_plan.py) and the rows to copy, with
@@ -36,7 +36,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from vllm.v1.core.chunk_block_pool import ChunkBlockPool
-from vllm.v1.core.chunk_prefill_plan import PrefillPlan, PrefillStep
+from vllm.v1.core.chunk_prefill_plan import PrefillPlan
 from vllm.v1.core.chunk_hash_index import (
     ChunkHashIndex,
     ChunkNamespace,
@@ -259,17 +259,9 @@ class ChunkCacheManager:
             request_id, AdmitReason.ADMITTED, parent.segments, tuple(new_children)
         )
 
-    def question_start(self, request_id: str) -> int:
-        """Where the question starts (the prompt's cached segments end)."""
-        return self._require_parent(request_id).prompt.question_span.start
-
     def prefill_plan(self, request_id: str) -> PrefillPlan:
+        """Which prompt stretches the parent loads and which it computes."""
         return self._require_parent(request_id).plan
-
-    def prefill_step(self, request_id: str, position: int) -> PrefillStep:
-        """Tokens to load at `position` (the request's computed tokens) and
-        how many to compute after them."""
-        return self._require_parent(request_id).plan.step_at(position)
 
     def is_ready(self, request_id: str) -> bool:
         parent = self._require_parent(request_id)

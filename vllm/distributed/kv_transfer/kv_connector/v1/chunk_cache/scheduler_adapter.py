@@ -202,9 +202,10 @@ class ChunkCacheSchedulerAdapter:
         NOTE: in the waiting path the scheduler asks twice (matched tokens,
         then the gap after them, which loads nothing): only a report that
         loads something replaces the start."""
-        if position >= self.manager.prefill_plan(rid).num_tokens:
+        plan = self.manager.prefill_plan(rid)
+        if position >= plan.num_tokens:
             return None
-        step = self.manager.prefill_step(rid, position)
+        step = plan.step_at(position)
         if step.num_loaded:
             self._load_starts[rid] = position
         return step
