@@ -81,6 +81,67 @@ class FakeBlocks:
         return (self.block_ids,)
 
 
+def step_output(num_scheduled_tokens, preempted=None):
+    """The parts of a SchedulerOutput the loads read (no child scheduled)."""
+    return SimpleNamespace(scheduled_new_reqs=[], scheduled_cached_reqs=None,
+                           num_scheduled_tokens=num_scheduled_tokens,
+                           preempted_req_ids=preempted)
+
+
+def test_a_load_of_a_request_preempted_in_the_same_step_is_dropped():
+    """Priority policy: a request allocated (its load recorded) and then
+    preempted later in the same step has its blocks freed; the load must not
+    write into them. It loads again, into its new blocks, when it resumes."""
+    adapter = ChunkCacheSchedulerAdapter(*make_config())
+    r = parent("p", [3, 5, 2])
+    adapter.on_new_request(r)
+    adapter.get_num_new_matched_tokens(r, 0)
+    for c in adapter.take_internal_requests():
+        finish(adapter, c, RequestStatus.FINISHED_LENGTH_CAPPED)
+    assert adapter.get_num_new_matched_tokens(r, 0) == (8, False)
+    adapter.update_state_after_alloc(r, FakeBlocks([7]), 8)
+    meta = adapter.build_connector_meta(step_output({}, preempted={"p"}))
+    assert meta.load_dst_slots == [] and meta.load_src_rows == []
+
+    # Resumed in a later step with other blocks: loaded there, and only there.
+    assert adapter.get_num_new_matched_tokens(r, 0) == (8, False)
+    adapter.update_state_after_alloc(r, FakeBlocks([3]), 8)
+    meta = adapter.build_connector_meta(step_output({"p": 2}))
+    assert meta.load_dst_slots == [48 + p for p in range(8)]
+    finish(adapter, r, RequestStatus.FINISHED_STOPPED)
+    assert adapter.stats().pinned_entries == 0
+
+
+def test_connector_reset_forgets_every_segment_and_reports_pinned_ones():
+    """`reset_cache` (vLLM's cache reset after a weight update, sleep or
+    pause(clear_cache)) answers a bool, never None (which vLLM reads as
+    success without a reset); afterwards the same documents are computed
+    again by new children."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.connector import (
+        ChunkCacheConnector,
+    )
+
+    connector = ChunkCacheConnector.__new__(ChunkCacheConnector)
+    connector._scheduler = adapter = ChunkCacheSchedulerAdapter(*make_config())
+    r = parent("p", [3, 5, 2])
+    adapter.on_new_request(r)
+    adapter.get_num_new_matched_tokens(r, 0)
+    for c in adapter.take_internal_requests():
+        finish(adapter, c, RequestStatus.FINISHED_LENGTH_CAPPED)
+    assert adapter.get_num_new_matched_tokens(r, 0) == (8, False)
+    # p still holds its two entries: retired, not freed under it.
+    assert connector.reset_cache() is False
+    finish(adapter, r, RequestStatus.FINISHED_STOPPED)
+    assert adapter.stats().pool_blocks_used == 0
+
+    again = parent("q", [3, 5, 2])
+    adapter.on_new_request(again)
+    assert adapter.get_num_new_matched_tokens(again, 0) == (None, False)
+    assert len(adapter.take_internal_requests()) == 2  # recomputed, not hit
+    assert connector.reset_cache() is False  # q's children write under pins
+    finish(adapter, again, RequestStatus.FINISHED_ABORTED)
+
+
 def test_boundary_recompute_loads_each_rest_in_the_step_before_its_next_head():
     """K=2: [sys 3][doc 5][doc 4][question 2] -> load sys, compute doc1[:2],
     load doc1[2:], compute doc2[:2], load doc2[2:], compute the question; each
@@ -91,7 +152,7 @@ def test_boundary_recompute_loads_each_rest_in_the_step_before_its_next_head():
     assert adapter.get_num_new_matched_tokens(r, 0) == (None, False)
     for c in adapter.take_internal_requests():
         finish(adapter, c, RequestStatus.FINISHED_LENGTH_CAPPED)
-    out = SimpleNamespace(scheduled_new_reqs=[], scheduled_cached_reqs=None)
+    out = step_output({"p": 2})
     blocks = FakeBlocks([7])  # one paged block of 16 slots: slot = 7 * 16 + pos
 
     assert adapter.get_num_new_matched_tokens(r, 0) == (3, False)

@@ -14,6 +14,10 @@ Rules:
   recently used unpinned entry, then the next, until the request fits.
 * Free blocks are handed out in FIFO order (lowest ids first on a fresh
   pool; freed blocks go to the back), which keeps block ids deterministic.
+* `retire_all` (a cache reset: new weights, sleep) frees every unpinned
+  entry now and retires the pinned ones: a retired entry is freed when its
+  last pin drops instead of entering the LRU, so its rows (old weights, or
+  memory a sleep discarded) are never handed to a new holder.
 """
 
 from collections import OrderedDict, deque
@@ -66,6 +70,8 @@ class ChunkBlockPool:
         self._lru: OrderedDict[ChunkHash, None] = OrderedDict()
         # Blocks held by entries in _lru (kept to answer can_allocate in O(1)).
         self._evictable_blocks = 0
+        # Pinned entries retired by a reset: freed on their last unpin.
+        self._retired: set[ChunkHash] = set()
         self.num_evictions = 0
 
     # ------------------------------------------------------------- queries
@@ -86,6 +92,9 @@ class ChunkBlockPool:
 
     def __contains__(self, chunk_hash: object) -> bool:
         return chunk_hash in self._entries
+
+    def is_retired(self, chunk_hash: ChunkHash) -> bool:
+        return chunk_hash in self._retired
 
     def lru_order(self) -> list[ChunkHash]:
         """Evictable entries, next victim first."""
@@ -141,7 +150,10 @@ class ChunkBlockPool:
         if entry.pin_count == 0:
             raise ValueError(f"chunk {chunk_hash.hex()} is not pinned")
         entry.pin_count -= 1
-        if entry.pin_count == 0:
+        if entry.pin_count == 0 and chunk_hash in self._retired:
+            self._retired.discard(chunk_hash)
+            self._release(chunk_hash)
+        elif entry.pin_count == 0:
             # NOTE: the last holder just used it, so it enters the LRU at
             # the most-recently-used end.
             self._lru[chunk_hash] = None
@@ -161,6 +173,17 @@ class ChunkBlockPool:
                 f"chunk {chunk_hash.hex()} is pinned {entry.pin_count} time(s)"
             )
         self._release(chunk_hash)
+
+    def retire_all(self) -> list[ChunkHash]:
+        """Drop every entry: unpinned ones now, pinned ones on their last
+        unpin (they stay readable for their current holders only). Returns
+        the keys of all entries that existed (the caller drops them from its
+        index). Eviction counters are not touched: a reset is no eviction."""
+        dropped = list(self._entries)
+        for chunk_hash in list(self._lru):
+            self._release(chunk_hash)
+        self._retired.update(self._entries)
+        return dropped
 
     def evict_lru(self) -> ChunkHash | None:
         """Evict the least recently used unpinned entry, if any."""
@@ -184,7 +207,7 @@ class ChunkBlockPool:
 
     def _release(self, chunk_hash: ChunkHash) -> None:
         entry = self._entries.pop(chunk_hash)
-        del self._lru[chunk_hash]
-        self._evictable_blocks -= len(entry.block_ids)
+        if self._lru.pop(chunk_hash, False) is None:
+            self._evictable_blocks -= len(entry.block_ids)
         self._free_blocks.extend(entry.block_ids)
         entry.block_ids = []

@@ -24,6 +24,12 @@ counter (docs/design/ownership.md). Life of a chunked request (the parent):
    first K tokens, chunk_prefill_plan.py) and the rows to copy, with
    delta = real_start - stored_start.
 5. `release` on finish or abort, in any state, drops the parent's pins.
+6. `reset` (vLLM resets its caches: new weights, sleep, pause with
+   clear_cache) retires every entry and starts a new epoch, which is part
+   of every key: nothing computed before it is found again. A parent
+   admitted in an older epoch is admitted afresh when the scheduler next
+   asks for it (a waiting or preempted request); one that is running keeps
+   the rows it holds, as vLLM's running requests keep their KV.
 
 Children compute `context + segment` where the context follows the
 `chunk_context` mode: the deployment's sink token (`sink`), the system
@@ -32,6 +38,7 @@ position 0) is computed alone. The manager never blocks: the engine glue
 polls it.
 """
 
+import dataclasses
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -120,6 +127,10 @@ class _Parent:
     waiting_on: set[ChunkHash] = field(default_factory=set)
     # Counted in `deferred_requests` already.
     was_deferred: bool = False
+    # Arrival order (the queue's order, also after a re-admission).
+    seq: int = 0
+    # The manager's epoch when the parent was admitted.
+    epoch: int = 0
 
 
 @dataclass
@@ -165,6 +176,9 @@ class ChunkCacheManager:
         self._new_children: list[ChildSpec] = []
         self._refusals: list[ChunkRefusal] = []
         self._num_children_created = 0
+        self._num_parents_seen = 0
+        # Bumped by `reset`; mixed into every key.
+        self._epoch = 0
         self._stats = ChunkCacheStats()
 
     # ------------------------------------------------------------ parents
@@ -179,7 +193,9 @@ class ChunkCacheManager:
             prompt=prompt,
             namespace=namespace,
             plan=PrefillPlan.for_prompt(prompt, self.recompute_tokens),
+            seq=self._num_parents_seen,
         )
+        self._num_parents_seen += 1
         self._queued[request_id] = None
 
     def has_request(self, request_id: str) -> bool:
@@ -188,15 +204,21 @@ class ChunkCacheManager:
     def admit(self, request_id: str) -> ChunkAdmission:
         """Admit a queued parent, now that the scheduler is about to run it.
 
-        Idempotent: an admitted or refused parent gets its decision again.
+        Idempotent: an admitted or refused parent gets its decision again,
+        except one admitted before a `reset`, which is admitted afresh.
         """
         parent = self._require_parent(request_id)
+        if parent.reason == AdmitReason.ADMITTED and parent.epoch != self._epoch:
+            self._requeue(request_id, parent)
         if parent.reason is not None:
             return ChunkAdmission(request_id, parent.reason, parent.segments)
         if next(iter(self._queued)) != request_id:
             return self._defer(request_id, parent)
         prompt = parent.prompt
-        ns_digest = parent.namespace.digest()
+        # NOTE: the epoch makes keys from before a reset unreachable, while
+        # their retired entries may still be pinned under the old keys.
+        namespace = dataclasses.replace(parent.namespace, weights_epoch=self._epoch)
+        ns_digest = namespace.digest()
         keyed = [
             self._segment_key(prompt, index, ns_digest)
             for index in range(len(prompt.cached_spans))
@@ -253,6 +275,7 @@ class ChunkCacheManager:
         for h in parent.waiting_on:
             self._children[self._child_by_hash[h]].waiters.add(request_id)
         parent.reason = AdmitReason.ADMITTED
+        parent.epoch = self._epoch
         del self._queued[request_id]
         self._count_admission(status_of, parent.segments)
         return ChunkAdmission(
@@ -311,14 +334,23 @@ class ChunkCacheManager:
         if parent is None:
             return False
         self._queued.pop(request_id, None)
-        for h in parent.waiting_on:
-            # NOTE: absent when called from _fail_child for that very child.
-            child_id = self._child_by_hash.get(h)
-            if child_id is not None:
-                self._children[child_id].waiters.discard(request_id)
-        for h in parent.pinned:
-            self.pool.unpin(h)
+        self._drop_holds(request_id, parent)
         return True
+
+    def reset(self) -> bool:
+        """Forget every cached segment (vLLM's cache reset: the weights may
+        have changed, or a sleep discarded the pool's memory).
+
+        Unpinned entries are freed now; pinned ones are retired (freed on
+        their last unpin, never found again). True if nothing was pinned,
+        as vLLM's prefix cache answers a reset while blocks are in use.
+        """
+        usage = self.pool.usage()
+        self._epoch += 1
+        for h in self.pool.retire_all():
+            if h in self.index:  # else a child is still writing it
+                self.index.remove(h)
+        return usage.num_entries == usage.num_evictable
 
     def take_refusals(self) -> list[ChunkRefusal]:
         """Parents refused since the last call; the engine finishes each with
@@ -352,7 +384,8 @@ class ChunkCacheManager:
         """The child's rows are in the pool. Returns parents now ready."""
         child = self._pop_child(child_request_id)
         h = child.spec.chunk_hash
-        self.index.insert(h, child.segment_ids, child.context_ids)
+        if not self.pool.is_retired(h):  # else computed before a reset
+            self.index.insert(h, child.segment_ids, child.context_ids)
         self.pool.unpin(h)  # the writer's pin
         ready = []
         for parent_id in sorted(child.waiters):
@@ -388,7 +421,8 @@ class ChunkCacheManager:
         for _ in child.waiters:
             self.pool.unpin(h)
         self.pool.unpin(h)  # the writer's pin
-        self.pool.free(h)
+        if h in self.pool:  # a retired entry went with its last pin
+            self.pool.free(h)
         return None
 
     # -------------------------------------------------------------- stats
@@ -464,6 +498,27 @@ class ChunkCacheManager:
         for h, status in status_of.items():
             if status != SegmentStatus.MISSING:
                 self.pool.unpin(h)
+
+    def _drop_holds(self, request_id: str, parent: _Parent) -> None:
+        for h in parent.waiting_on:
+            # NOTE: absent when called from _fail_child for that very child.
+            child_id = self._child_by_hash.get(h)
+            if child_id is not None:
+                self._children[child_id].waiters.discard(request_id)
+        for h in parent.pinned:
+            self.pool.unpin(h)
+
+    def _requeue(self, request_id: str, parent: _Parent) -> None:
+        """Undo an admission from an older epoch: drop its pins and put the
+        parent back in the queue at its arrival place."""
+        self._drop_holds(request_id, parent)
+        parent.reason = None
+        parent.segments = ()
+        parent.pinned = []
+        parent.waiting_on = set()
+        self._queued[request_id] = None
+        order = sorted(self._queued, key=lambda rid: self._parents[rid].seq)
+        self._queued = OrderedDict.fromkeys(order)
 
     def _defer(self, request_id: str, parent: _Parent) -> ChunkAdmission:
         if not parent.was_deferred:

@@ -48,12 +48,16 @@ class ChunkNamespace:
     lora_id: int = 0
     # Per-request salt: requests with different salts never share entries.
     cache_salt: str | None = None
+    # Cache resets so far (the manager's epoch): weights may have changed at
+    # each, so KV from before one must never match a key after it.
+    weights_epoch: int = 0
 
     def digest(self) -> bytes:
         h = xxhash.xxh3_128()
         for part in (self.model, self.kv_dtype, self.tokenizer):
             _update_with_text(h, part)
         h.update(int(self.lora_id).to_bytes(8, "little", signed=True))
+        h.update(int(self.weights_epoch).to_bytes(8, "little"))
         # NOTE: None and "" must differ, hence the explicit presence byte.
         if self.cache_salt is None:
             h.update(b"\x00")

@@ -17,6 +17,25 @@ def key(i: int) -> ChunkHash:
     return ChunkHash(i.to_bytes(16, "little"))
 
 
+def test_retire_all_frees_unpinned_now_and_pinned_on_their_last_unpin():
+    pool = ChunkBlockPool(num_blocks=8, block_size=4)
+    pool.allocate(key(1), 4)
+    pool.unpin(key(1))  # resident, unpinned
+    pool.allocate(key(2), 8)  # pinned by its writer
+    pool.pin(key(2))  # and by a reader
+    assert pool.retire_all() == [key(1), key(2)]
+    assert key(1) not in pool and pool.is_retired(key(2))
+    assert pool.usage().blocks_used == 2 and pool.usage().num_evictable == 0
+    assert pool.evict_lru() is None  # a retired entry is never an LRU victim
+    pool.unpin(key(2))
+    assert key(2) in pool  # still read by its other holder
+    pool.unpin(key(2))
+    assert key(2) not in pool and not pool.is_retired(key(2))
+    assert pool.usage().blocks_used == 0 and pool.num_evictions == 0
+    # The key can be allocated again (new rows).
+    assert pool.allocate(key(2), 4).entry.block_ids == [3]
+
+
 def test_fresh_pool_hands_out_lowest_blocks_first():
     pool = ChunkBlockPool(num_blocks=8, block_size=4)
     a = pool.allocate(key(1), 5)  # 2 blocks

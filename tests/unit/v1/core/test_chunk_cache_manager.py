@@ -112,6 +112,59 @@ def test_first_request_misses_everything_then_loads():
     assert (stats.pool_blocks_used, stats.pool_blocks_total) == (4, 16)
 
 
+def finish_children(manager, admission):
+    for c in admission.new_children:
+        manager.child_finished(c.request_id)
+
+
+def test_reset_forgets_resident_segments_they_are_computed_again():
+    """After a reset (new weights) the same prompt misses everything: the
+    old rows are never served again, and the epoch is part of every key."""
+    m = Manager(num_pool_blocks=16, block_size=4)
+    prompt = make_prompt(SYS, DOC_A, [30])
+    finish_children(m, admit(m, "r1", prompt))
+    m.release("r1")
+    assert m.reset() is True  # nothing was pinned
+    assert m.stats().pool_blocks_used == 0 and len(m.index) == 0
+    adm = admit(m, "r2", prompt)
+    assert [s.status for s in adm.segments] == [SegmentStatus.MISSING] * 2
+    assert len(adm.new_children) == 2
+    assert adm.segments[0].chunk_hash != h(SYS, [])
+    assert adm.segments[0].chunk_hash == h(SYS, [], dataclasses.replace(NS, weights_epoch=1))
+    stats = m.stats()
+    assert (stats.hits, stats.misses, stats.evictions) == (0, 4, 0)
+
+
+def test_reset_with_running_and_waiting_parents():
+    """A reset while requests hold entries answers False (as vLLM's prefix
+    cache does with blocks in use). A parent that was admitted before it and
+    is asked again (waiting or preempted) is admitted afresh: its own rows
+    are recomputed and the child that was computing with the old weights is
+    not indexed; a running parent keeps its rows until it finishes."""
+    m = Manager(num_pool_blocks=16, block_size=4)
+    running = make_prompt(SYS, DOC_A, [30])
+    finish_children(m, admit(m, "run", running))
+    assert m.is_ready("run")
+    old = admit(m, "wait", make_prompt(SYS, DOC_B, [31]))
+    assert [s.status for s in old.segments] == [SegmentStatus.RESIDENT, SegmentStatus.MISSING]
+    assert m.reset() is False
+    # "run" may still read its retired rows.
+    assert m.load_plan("run").num_rows_to_copy == 8
+    # The old child finishes after the reset: its rows are not found again.
+    m.child_finished(old.new_children[0].request_id)
+    adm = m.admit("wait")
+    assert adm.reason == AdmitReason.ADMITTED
+    assert [s.status for s in adm.segments] == [SegmentStatus.MISSING] * 2
+    assert [c.token_ids for c in adm.new_children] == [SYS, [SINK] + DOC_B]
+    m.release("run")
+    finish_children(m, adm)
+    m.release("wait")
+    stats = m.stats()
+    assert (stats.pinned_entries, stats.live_requests) == (0, 0)
+    # Only the two new entries are left: the retired ones went with their pins.
+    assert stats.pool_blocks_used == 1 + 1
+
+
 def test_reordered_chunks_after_another_system_prompt_hit():
     m = Manager(num_pool_blocks=16, block_size=4)
     finish_all(m, admit(m, "r1", make_prompt(SYS, DOC_A, DOC_B, [30]), NS))

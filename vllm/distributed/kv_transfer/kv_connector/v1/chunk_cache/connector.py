@@ -103,6 +103,14 @@ class ChunkCacheConnector(KVConnectorBase_V1):
         self.chunk_scheduler.request_finished(request)
         return False, None
 
+    def reset_cache(self) -> bool:
+        # NOTE: vLLM calls this on the scheduler's connector only; the worker
+        # keeps its pool tensors, whose rows are never read again once the
+        # manager forgot them.
+        if self._scheduler is None:
+            return True
+        return self._scheduler.reset()
+
     def get_kv_connector_stats(self) -> ChunkCacheConnectorStats | None:
         if self._scheduler is not None:
             return self._scheduler.take_stats()

@@ -17,6 +17,8 @@ request's state and every counter. This module only translates:
 * `build_connector_meta`: manager plans -> paged slots and pool rows;
 * `request_finished`: children stored their rows (or failed and are
   retried); parents are released;
+* `reset`: vLLM reset its caches (weights changed, sleep): the manager
+  forgets every cached segment;
 * `take_internal_requests` / `take_failed_requests`: children to schedule,
   refused parents to finish with an error.
 
@@ -221,6 +223,18 @@ class ChunkCacheSchedulerAdapter:
             first, first + num_external_tokens, list(blocks.get_block_ids()[0])
         )
 
+    def reset(self) -> bool:
+        """vLLM's cache reset (`reset_prefix_cache(reset_connector=True)`,
+        `pause_generation(clear_cache=True)`, sleep level >= 1)."""
+        stats = self.manager.stats()
+        complete = self.manager.reset()
+        logger.info(
+            "chunk cache reset: %d pool blocks dropped, %d entries still pinned by "
+            "running requests are retired (freed when they finish)",
+            stats.pool_blocks_used, stats.pinned_entries,
+        )
+        return complete
+
     def take_internal_requests(self) -> list[Request]:
         children, self._new_children = self._new_children, []
         return children
@@ -262,12 +276,19 @@ class ChunkCacheSchedulerAdapter:
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> ChunkCacheMetadata:
         meta = ChunkCacheMetadata()
-        self._add_loads(meta)
+        self._add_loads(meta, scheduler_output)
         self._add_stores(meta, scheduler_output)
         return meta
 
-    def _add_loads(self, meta: ChunkCacheMetadata) -> None:
+    def _add_loads(self, meta: ChunkCacheMetadata, out: SchedulerOutput) -> None:
+        # NOTE: a request allocated (and given a load) earlier in this step
+        # can be preempted later in the same step (priority policy): its
+        # blocks are free again, so its load must not run. It is asked again
+        # when it resumes.
+        preempted = out.preempted_req_ids or set()
         for rid, pending in self._pending_loads.items():
+            if rid in preempted or rid not in out.num_scheduled_tokens:
+                continue
             plan = self.manager.load_plan(rid, pending.first_position, pending.end_position)
             for seg in plan.segments:
                 positions = np.arange(
