@@ -225,6 +225,48 @@ def test_preempted_requests_reload_their_chunks_and_stay_exact(llm, reference):
     assert snap["pinned_entries"] == 0 and snap["live_requests"] == 0
 
 
+def scale_input_norms(factor: float):
+    """A weight update in place, as RL trainers do it: every layer's input
+    RMSNorm weight times `factor` (a power of two: undone exactly)."""
+
+    def scale(model) -> None:
+        import torch
+
+        with torch.no_grad():
+            for name, weight in model.named_parameters():
+                if name.endswith("input_layernorm.weight"):
+                    weight.mul_(factor)
+
+    return scale
+
+
+def update_weights(llm, reference, factor: float) -> None:
+    scale = scale_input_norms(factor)
+    llm.collective_rpc(lambda worker: scale(worker.model_runner.model))
+    scale(reference.model)
+
+
+def test_weight_update_and_reset_serve_kv_of_the_new_weights(llm, reference):
+    """Update the weights in place, reset the caches (what vLLM's weight-update
+    and sleep paths do): the same documents are computed again, and the answer
+    is the reference's with the new weights, never the old model's KV."""
+    rng = random.Random("weights")
+    layout = Layout("sys", [doc(rng, 30), doc(rng, 25)], "after new weights")
+    check(reference, layout, llm.generate([layout.prompt], params(), use_tqdm=False)[0])
+    sched = chunk_scheduler(llm)
+    before = snapshot(sched)
+    update_weights(llm, reference, 2.0)
+    try:
+        assert llm.reset_prefix_cache(reset_connector=True) is True
+        out = llm.generate([layout.prompt], params(), use_tqdm=False)[0]
+        check(reference, layout, out)
+        snap = snapshot(sched)
+        assert (snap["hits"] - before["hits"], snap["misses"] - before["misses"]) == (0, 3)
+    finally:
+        update_weights(llm, reference, 0.5)
+        llm.reset_prefix_cache(reset_connector=True)
+
+
 def test_prompt_without_separator_is_plain_vllm(llm, reference):
     import torch
 

@@ -1,6 +1,7 @@
 """Hardening of the chunk cache through `vllm serve` (SmolLM2-135M-Instruct, float32,
 a small chunk pool): issue 7's findings reproduced against a real server, then a
-bounded soak (>= 150 requests, concurrency 16, client aborts, bad inputs, evictions).
+bounded soak (>= 150 requests, concurrency 16, priority scheduling, client aborts, bad inputs,
+evictions, and two cache resets that preempt every running request).
 
 Findings covered here (the others have unit tests):
 1. a client salt shaped like the old layout salt selects no layout (no forged layouts);
@@ -40,12 +41,25 @@ TRACEBACK_MARKERS = ("Traceback (most recent call last)", "Exception in ASGI app
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    s = start_server(MODEL, ["--enable-chunk-cache", "--served-model-name", "smollm2",
-                             "--chunk-context", MODE, "--chunk-pool-size-gib", str(POOL_GIB),
-                             "--max-chunks", "8", "--seed", "0"],
-                     tmp_path_factory.mktemp("serve") / "serve.log")
+    # Dev mode: the soak resets the caches mid-stream (POST /reset_prefix_cache).
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("VLLM_SERVER_DEV_MODE", "1")
+        s = start_server(MODEL, ["--enable-chunk-cache", "--served-model-name", "smollm2",
+                                 "--chunk-context", MODE, "--chunk-pool-size-gib",
+                                 str(POOL_GIB), "--max-chunks", "8", "--seed", "0",
+                                 "--scheduling-policy", "priority"],
+                         tmp_path_factory.mktemp("serve") / "serve.log")
     yield s
     s.stop()
+
+
+def reset_caches(server) -> int:
+    """vLLM's cache reset with the connector's, running requests preempted."""
+    req = urllib.request.Request(
+        server.url + "/reset_prefix_cache?reset_external=true&reset_running_requests=true",
+        method="POST")
+    with urllib.request.urlopen(req, timeout=60) as r:
+        return r.status
 
 
 @pytest.fixture(scope="module")
@@ -172,7 +186,9 @@ def test_soak_keeps_the_server_exact_and_idle_after(server, reference):
     jobs = []
     for i in range(SOAK_REQUESTS):
         kind = rng.random()
-        if kind < 0.08:
+        if i in (SOAK_REQUESTS // 3, 2 * SOAK_REQUESTS // 3):
+            jobs.append(("reset", None))
+        elif kind < 0.08:
             jobs.append(("bad", rng.choice(["sys ## ## q", "##", "a ## " * 12 + "q"])))
         elif kind < 0.16:
             jobs.append(("abort", Layout(rng.choice(systems), rng.sample(corpus, 2), "go").prompt))
@@ -180,18 +196,24 @@ def test_soak_keeps_the_server_exact_and_idle_after(server, reference):
             layout = Layout(rng.choice(systems), rng.sample(corpus, rng.randint(1, 3)),
                             f"question {i}?")
             jobs.append(("ok", layout))
+    # Priority scheduling: a later, more urgent request preempts running ones.
+    priorities = [rng.choice([0, 0, 1, -1]) for _ in jobs]
 
-    def run(job):
-        kind, payload = job
+    def run(i):
+        kind, payload = jobs[i]
+        if kind == "reset":
+            return kind, payload, reset_caches(server), None
         if kind == "abort":
             _abort_mid_request(server, payload)
             return kind, payload, None, None
         prompt = payload if kind == "bad" else payload.prompt
-        status, body = complete(server, prompt, n=2)
+        status, body = complete(server, prompt, n=2, priority=priorities[i])
         return kind, payload, status, body
 
     with ThreadPoolExecutor(SOAK_CONCURRENCY) as pool:
-        results = list(pool.map(run, jobs))
+        results = list(pool.map(run, range(len(jobs))))
+    assert all(s == 200 for k, _, s, _ in results if k == "reset")
+    assert server.log().count("chunk cache reset:") == 2
 
     answered = [(p, b) for k, p, s, b in results if k == "ok" and s == 200]
     assert all(s == 400 for k, _, s, _ in results if k == "bad")

@@ -176,6 +176,8 @@ class RopeRotation:
         # vLLM's CPU RoPE kernel (see rotate_in_place): None until the first
         # use checks it against rotate(); False disables it.
         self._cpu_kernel: bool | None = None if use_cpu_kernel else False
+        # Why the CPU kernel is used or not (for the start-up log).
+        self._cpu_kernel_reason = "" if use_cpu_kernel else "disabled by the caller"
         # (deltas, row -> table index, table, deltas' version) of the last
         # rows rotated in place: one load plan per step, the same for every
         # layer.
@@ -281,6 +283,15 @@ class RopeRotation:
             self._cpu_kernel = self._cpu_kernel_matches()
         return self._cpu_kernel
 
+    def describe_path(self, device: torch.device) -> str:
+        """Which rotation path runs on `device`, and why (start-up log)."""
+        if device.type != "cpu":
+            return f"generic fp32 rotation on {device.type}"
+        if self.rotates_in_place(device):
+            return ("vLLM's CPU RoPE op in place (checked bit-identical to the "
+                    "generic rotation on this CPU)")
+        return f"generic fp32 rotation: {self._cpu_kernel_reason}"
+
     def rotate_in_place(self, key: torch.Tensor, deltas: torch.Tensor) -> None:
         """Rotates `key` [n, heads, head_size] (fp32, contiguous, on the CPU)
         by `deltas` [n] in place with vLLM's own CPU RoPE op, whose "positions"
@@ -318,8 +329,17 @@ class RopeRotation:
             deltas = torch.arange(64, dtype=torch.int64).remainder(8) * 9973 - 31000
             expected = self.rotate(key, deltas)
             self.rotate_in_place(key, deltas)
-            return torch.equal(key, expected)
-        except Exception:  # op missing or without a CPU kernel: generic path
+            differ = int((key != expected).sum())
+            if differ:
+                self._cpu_kernel_reason = (
+                    f"vLLM's CPU RoPE op differs from it in the last bit on "
+                    f"{differ} of {key.numel()} sampled values on this CPU "
+                    "(its build's rounding, e.g. FMA contraction; "
+                    "docs/design/rotation-paths.md)"
+                )
+            return differ == 0
+        except Exception as e:  # op missing or without a CPU kernel: generic path
+            self._cpu_kernel_reason = f"vLLM's CPU RoPE op is unavailable ({e})"
             return False
         finally:
             self._delta_table = None

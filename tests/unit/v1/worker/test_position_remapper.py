@@ -364,10 +364,30 @@ def test_cpu_kernel_path_equals_generic_path_bit_for_bit(
         written[label] = paged
     assert torch.equal(written["fast"].key, written["generic"].key)
     assert torch.equal(written["fast"].value, written["generic"].value)
-    if name == "default" and neox:
-        # The common case (Llama-style neox RoPE, 32 rotated pairs) must take
-        # the fast path on the CPU, else the load loses its speed silently.
-        assert fast.rotates_in_place(torch.device("cpu"))
+    # Which path ran is a property of this machine (vLLM's op rounds like
+    # rotate() on some x86 CPUs, not on others): reported, never asserted.
+    print(f"{name}-{'neox' if neox else 'gptj'}: {fast.describe_path(torch.device('cpu'))}")
+
+
+def test_cpu_rope_op_is_a_rotation_by_the_delta_on_every_cpu(vllm_config_context):
+    """Whatever the machine, vLLM's CPU RoPE op with our per-delta table
+    rotates by the delta to within fp32 rounding (so the self-check's only
+    question is the last bit); where it is also bit-identical the fast path
+    is taken, else the reason names the difference."""
+    rotation = RopeRotation(make_rope({"rope_type": "default"}, True))
+    gen = torch.Generator().manual_seed(2)
+    key = 4 * torch.randn(40, NUM_HEADS, HEAD_SIZE, generator=gen)
+    deltas = torch.tensor([0, 7, -300, 5000]).repeat_interleave(10)
+    expected = rotation.rotate(key, deltas)
+    in_place = key.clone()
+    rotation.rotate_in_place(in_place, deltas)
+    torch.testing.assert_close(in_place, expected, atol=1e-5, rtol=1e-6)
+    exact = torch.equal(in_place, expected)
+    assert rotation.rotates_in_place(torch.device("cpu")) == exact
+    path = rotation.describe_path(torch.device("cpu"))
+    assert ("in place" in path) if exact else ("differs" in path), path
+    if not exact:
+        pytest.skip(f"fast path not taken on this CPU: {path}")
 
 
 def test_cpu_kernel_delta_table_follows_in_place_changes(vllm_config_context):

@@ -318,6 +318,11 @@ class ChunkCacheWorker:
             self.device,
             self.dtype,
         )
+        # NOTE: the CPU path depends on the machine (vLLM's RoPE op is used
+        # only where it is bit-identical to the generic rotation): say which.
+        for rotation in self._rotations.values():
+            logger.info("Chunk cache: keys re-rotated with %s",
+                        rotation.describe_path(self.device))
 
     # --------------------------------------------------------------- load
 
