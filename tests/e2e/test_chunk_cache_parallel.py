@@ -99,7 +99,10 @@ def _environ(**values: str):
                 os.environ[k] = v
 
 
-@pytest.fixture(scope="module", params=list(CONFIGS))
+# NOTE: pipeline parallelism (a pool per stage, unit-tested in
+# test_chunk_pool_pp_stages.py) end to end is in the `slow` tier: two more ranks'
+# start-up on the 2-core CI machine.
+@pytest.fixture(scope="module", params=["tp2", pytest.param("pp2", marks=pytest.mark.slow)])
 def server(request, tmp_path_factory):
     name = request.param
     env = {"VLLM_CPU_OMP_THREADS_BIND": _bind_one_core_per_rank(),

@@ -375,6 +375,10 @@ def test_cpu_rope_op_is_a_rotation_by_the_delta_on_every_cpu(vllm_config_context
     question is the last bit); where it is also bit-identical the fast path
     is taken, else the reason names the difference."""
     rotation = RopeRotation(make_rope({"rope_type": "default"}, True))
+    taken = rotation.rotates_in_place(torch.device("cpu"))
+    path = rotation.describe_path(torch.device("cpu"))
+    if "unavailable" in path:  # this vLLM build has no such CPU op
+        pytest.skip(path)
     gen = torch.Generator().manual_seed(2)
     key = 4 * torch.randn(40, NUM_HEADS, HEAD_SIZE, generator=gen)
     deltas = torch.tensor([0, 7, -300, 5000]).repeat_interleave(10)
@@ -383,8 +387,7 @@ def test_cpu_rope_op_is_a_rotation_by_the_delta_on_every_cpu(vllm_config_context
     rotation.rotate_in_place(in_place, deltas)
     torch.testing.assert_close(in_place, expected, atol=1e-5, rtol=1e-6)
     exact = torch.equal(in_place, expected)
-    assert rotation.rotates_in_place(torch.device("cpu")) == exact
-    path = rotation.describe_path(torch.device("cpu"))
+    assert taken == exact
     assert ("in place" in path) if exact else ("differs" in path), path
     if not exact:
         pytest.skip(f"fast path not taken on this CPU: {path}")
