@@ -14,9 +14,11 @@ Numerics:
   delta per segment) on the CPU in float64 from vLLM's own fp32 inverse
   frequencies, then cast to fp32, so the delta adds no angle rounding of
   its own (fp32 angles lose ~1e-2 rad at 1e5 positions);
+* the generic `rotate` rounds each product on its own (no fused
+  multiply-add), as vLLM's CPU RoPE op does on AVX2 and AVX-512 builds;
 * on the CPU the rotation runs in place through vLLM's own RoPE op with a
   table of those cos/sin per distinct delta, only where a start-up check
-  finds it bit-identical to the generic `rotate` (neox style; not GPT-J);
+  finds it bit-identical to the generic `rotate`;
 * YaRN and LongRoPE bake a magnitude factor (mscale) into their cos/sin
   caches, so the stored K already carries it once. The delta rotation must
   be a pure rotation: we build cos/sin from the frequencies alone, which is
@@ -253,12 +255,17 @@ class RopeRotation:
         else:
             pairs, res = source.unflatten(-1, (half, 2)), result.unflatten(-1, (half, 2))
             x1, x2, o1, o2 = pairs[..., 0], pairs[..., 1], res[..., 0], res[..., 1]
-        # NOTE: out= and addcmul_ avoid the temporaries of a cat-based
-        # formulation (3x faster on CPU, where this is memory bound).
+        # NOTE: every product rounded on its own, then one add: no fused
+        # multiply-add. addcmul_ fuses on some builds (PyTorch's AVX2 CPU
+        # kernel: fma(-x2, sin, x1 * cos)) and not on others, and vLLM's CPU
+        # RoPE op does not fuse, so only this form is the same bits on every
+        # x86 CPU (docs/design/rotation-paths.md).
+        product = torch.mul(x2, sin)
         torch.mul(x1, cos, out=o1)
-        o1.addcmul_(x2, sin, value=-1)
+        o1.sub_(product)
+        torch.mul(x1, sin, out=product)
         torch.mul(x2, cos, out=o2)
-        o2.addcmul_(x1, sin)
+        o2.add_(product)
         if result is not target:
             target.copy_(result)
         if self.rotary_dim < self.head_size:
