@@ -32,6 +32,7 @@ rotary. Anything else (dual-chunk, M-RoPE, FoPE, DeepSeek/MLA, ...) is
 refused with a ValueError naming the type.
 """
 
+import enum
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
@@ -155,6 +156,21 @@ _FREQUENCY_RULES: dict[type, Callable] = {
 }
 
 
+class Rounding(enum.Enum):
+    """How `RopeRotation.rotate` rounds `x1*cos - x2*sin` (and the `+` twin).
+
+    NOTE: vLLM's CPU RoPE op rounds one way or the other depending on its
+    build and the rope style (measured: AVX2 build plain everywhere; AVX-512
+    build fused in the neox vector body, plain in GPT-J style), so the CPU
+    self-check picks the one it reproduces (docs/design/rotation-paths.md).
+    """
+
+    # Each product rounded, then add/subtract: no fused multiply-add.
+    PRODUCTS = "rounded products"
+    # mul, then addcmul_: fused where PyTorch's CPU kernel fuses.
+    ADDCMUL = "addcmul"
+
+
 class RopeRotation:
     """Rotates post-RoPE keys by a position delta, for one rope object."""
 
@@ -180,6 +196,9 @@ class RopeRotation:
         self._cpu_kernel: bool | None = None if use_cpu_kernel else False
         # Why the CPU kernel is used or not (for the start-up log).
         self._cpu_kernel_reason = "" if use_cpu_kernel else "disabled by the caller"
+        # The rounding of rotate(); the CPU self-check may switch it to the
+        # one vLLM's op reproduces. Off the CPU it stays PRODUCTS.
+        self.rounding = Rounding.PRODUCTS
         # (deltas, row -> table index, table, deltas' version) of the last
         # rows rotated in place: one load plan per step, the same for every
         # layer.
@@ -255,17 +274,23 @@ class RopeRotation:
         else:
             pairs, res = source.unflatten(-1, (half, 2)), result.unflatten(-1, (half, 2))
             x1, x2, o1, o2 = pairs[..., 0], pairs[..., 1], res[..., 0], res[..., 1]
-        # NOTE: every product rounded on its own, then one add: no fused
-        # multiply-add. addcmul_ fuses on some builds (PyTorch's AVX2 CPU
-        # kernel: fma(-x2, sin, x1 * cos)) and not on others, and vLLM's CPU
-        # RoPE op does not fuse, so only this form is the same bits on every
-        # x86 CPU (docs/design/rotation-paths.md).
-        product = torch.mul(x2, sin)
-        torch.mul(x1, cos, out=o1)
-        o1.sub_(product)
-        torch.mul(x1, sin, out=product)
-        torch.mul(x2, cos, out=o2)
-        o2.add_(product)
+        if self.rounding is Rounding.ADDCMUL:
+            # fma(-x2, sin, x1 * cos) where PyTorch's CPU kernel fuses the
+            # multiply into the add (its AVX2 and AVX-512 builds on the x86
+            # CPUs measured), the other form where it does not.
+            torch.mul(x1, cos, out=o1)
+            o1.addcmul_(x2, sin, value=-1)
+            torch.mul(x2, cos, out=o2)
+            o2.addcmul_(x1, sin)
+        else:
+            # Every product rounded on its own, then one add: IEEE-exact
+            # operations, the same bits on every device.
+            product = torch.mul(x2, sin)
+            torch.mul(x1, cos, out=o1)
+            o1.sub_(product)
+            torch.mul(x1, sin, out=product)
+            torch.mul(x2, cos, out=o2)
+            o2.add_(product)
         if result is not target:
             target.copy_(result)
         if self.rotary_dim < self.head_size:
@@ -296,7 +321,7 @@ class RopeRotation:
             return f"generic fp32 rotation on {device.type}"
         if self.rotates_in_place(device):
             return ("vLLM's CPU RoPE op in place (checked bit-identical to the "
-                    "generic rotation on this CPU)")
+                    f"generic rotation with {self.rounding.value} on this CPU)")
         return f"generic fp32 rotation: {self._cpu_kernel_reason}"
 
     def rotate_in_place(self, key: torch.Tensor, deltas: torch.Tensor) -> None:
@@ -325,27 +350,33 @@ class RopeRotation:
 
     def _cpu_kernel_matches(self) -> bool:
         """Use the kernel only if it is there and equals rotate() bit for bit
-        on a random sample (its scalar paths - GPT-J style, a rotary half
-        that is no multiple of the vector width - may contract to FMA and
-        differ in the last bit: then the generic path is kept)."""
+        on a random sample, with one of rotate()'s roundings (which one the
+        op reproduces depends on its build and the rope style: that one is
+        kept); if it equals neither, the generic path is kept."""
         try:
             from vllm import _custom_ops  # noqa: F401  (loads vLLM's _C ops)
 
             generator = torch.Generator().manual_seed(0)
-            key = 4 * torch.randn(64, 2, self.head_size, generator=generator)
+            sample = 4 * torch.randn(64, 2, self.head_size, generator=generator)
             deltas = torch.arange(64, dtype=torch.int64).remainder(8) * 9973 - 31000
-            expected = self.rotate(key, deltas)
-            self.rotate_in_place(key, deltas)
-            differ = int((key != expected).sum())
-            if differ:
-                self._cpu_kernel_reason = (
-                    f"vLLM's CPU RoPE op differs from it in the last bit on "
-                    f"{differ} of {key.numel()} sampled values on this CPU "
-                    "(its build's rounding, e.g. FMA contraction; "
-                    "docs/design/rotation-paths.md)"
-                )
-            return differ == 0
+            in_place = sample.clone()
+            self.rotate_in_place(in_place, deltas)
+            differ = {}
+            for rounding in Rounding:
+                self.rounding = rounding
+                differ[rounding] = int((self.rotate(sample, deltas) != in_place).sum())
+                if differ[rounding] == 0:
+                    return True
+            self.rounding = Rounding.PRODUCTS
+            self._cpu_kernel_reason = (
+                "vLLM's CPU RoPE op differs from it in the last bit on "
+                + ", ".join(f"{n} ({r.value})" for r, n in differ.items())
+                + f" of {sample.numel()} sampled values on this CPU "
+                "(docs/design/rotation-paths.md)"
+            )
+            return False
         except Exception as e:  # op missing or without a CPU kernel: generic path
+            self.rounding = Rounding.PRODUCTS
             self._cpu_kernel_reason = f"vLLM's CPU RoPE op is unavailable ({e})"
             return False
         finally:
