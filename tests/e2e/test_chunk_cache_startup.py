@@ -55,3 +55,12 @@ def test_unsupported_rope_types_are_refused_by_name():
         RopeRotation(rope)
     # A model without attention layers maps nothing.
     assert find_layer_ropes(torch.nn.Linear(2, 2)) == ({}, [])
+
+
+def test_speculative_decoding_is_refused_at_start_up():
+    # Before (issue 20, finding 5): accepted here; with a drafter (EAGLE/MTP)
+    # the first step failed with "layer not found", with n-gram the drafts
+    # were verified against chunks nobody loaded into the drafter's view.
+    with pytest.raises(ValueError, match="does not support speculative decoding"):
+        _config(enable_chunk_cache=True, speculative_config={
+            "method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2})

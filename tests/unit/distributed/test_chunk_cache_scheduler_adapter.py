@@ -7,6 +7,7 @@ hooks, and the import boundary (engine-core code never imports the front end).""
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from forktool.paths import Paths
 from forktool.check import overlay_modules
@@ -33,7 +34,11 @@ def make_config(num_kv_blocks=64, fraction=0.5, groups=1, recompute=0, scheduler
         model_config=SimpleNamespace(model="m", tokenizer="t", dtype="float32"),
         scheduler_config=SimpleNamespace(get_scheduler_cls=lambda: scheduler or Scheduler),
     )
-    group = SimpleNamespace(kv_cache_spec=SimpleNamespace(block_size=BLOCK))
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=8,
+                             dtype=torch.float32)
+    group = SimpleNamespace(kv_cache_spec=spec)
     kv_cache_config = SimpleNamespace(kv_cache_groups=[group] * groups,
                                       num_blocks=num_kv_blocks)
     return vllm_config, kv_cache_config

@@ -11,10 +11,12 @@ import torch
 from torch import nn
 
 from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache import setup
-from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.worker import (
-    ChunkCacheWorker,
+from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.support import (
     check_graph_mode,
     check_model_config,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.worker import (
+    ChunkCacheWorker,
     find_layer_ropes,
     rope_use,
 )

@@ -336,8 +336,13 @@ class RopeRotation:
         )
 
     def _table_for(self, deltas: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # NOTE: tensors made under inference mode (the worker's, every step)
+        # have no version counter: for them the table is keyed by identity
+        # alone, which holds because the worker builds a new deltas tensor
+        # per step and never writes into it.
+        version = -1 if deltas.is_inference() else deltas._version
         cached = self._delta_table
-        if cached is not None and cached[0] is deltas and cached[3] == deltas._version:
+        if cached is not None and cached[0] is deltas and cached[3] == version:
             return cached[1], cached[2]
         distinct, index = torch.unique(deltas.cpu(), return_inverse=True)
         cos, sin = self.cos_sin(distinct)
@@ -345,7 +350,7 @@ class RopeRotation:
         table = torch.cat((cos, sin), dim=-1).contiguous()
         # Holding `deltas` keeps its id from being reused by another tensor;
         # its version counter catches in-place changes.
-        self._delta_table = (deltas, index.to(torch.int64), table, deltas._version)
+        self._delta_table = (deltas, index.to(torch.int64), table, version)
         return self._delta_table[1], table
 
     def _cpu_kernel_matches(self) -> bool:

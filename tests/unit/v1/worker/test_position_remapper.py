@@ -411,3 +411,26 @@ def test_cpu_kernel_delta_table_follows_in_place_changes(vllm_config_context):
     rotation.rotate_in_place(second, deltas)
     assert torch.equal(second, rotation.rotate(key, deltas))
     assert not torch.equal(second[2:], first[2:])
+
+
+def test_cpu_kernel_rotates_tensors_made_under_inference_mode(vllm_config_context):
+    """The worker loads under torch.inference_mode, where new tensors have no
+    version counter. Before: "Inference tensors do not track version counter"
+    at the first load of every engine whose CPU took the in-place path."""
+    rotation = RopeRotation(make_rope({"rope_type": "default"}, True))
+    taken = rotation.rotates_in_place(torch.device("cpu"))
+    if "unavailable" in rotation.describe_path(torch.device("cpu")):
+        pytest.skip(rotation.describe_path(torch.device("cpu")))
+    with torch.inference_mode():
+        key = torch.randn(6, NUM_HEADS, HEAD_SIZE)
+        deltas = torch.tensor([3, 3, -40, -40, 900, 900])
+        assert deltas.is_inference()
+        rotated = key.clone()
+        rotation.rotate_in_place(rotated, deltas)
+        again = key.clone()
+        rotation.rotate_in_place(again, deltas)  # the step's cached table
+        expected = rotation.rotate(key, deltas)
+    assert torch.equal(again, rotated)
+    if taken:
+        assert torch.equal(rotated, expected)
+    torch.testing.assert_close(rotated, expected, atol=1e-5, rtol=1e-6)

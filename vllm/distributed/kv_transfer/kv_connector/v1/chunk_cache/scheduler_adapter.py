@@ -40,8 +40,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.metadata import (
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.setup import (
     POOL_BLOCK_SIZE,
-    check_scheduler_serves_gaps,
     pool_num_blocks,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.support import (
+    check_scheduler_serves_gaps,
+    kv_cache_block_size,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.stats import (
     ChunkCacheConnectorStats,
@@ -96,18 +99,6 @@ def rows_of_blocks(block_ids: list[int], block_size: int, positions: np.ndarray)
     return blocks[positions // block_size] * block_size + positions % block_size
 
 
-def single_group_block_size(kv_cache_config: KVCacheConfig) -> int:
-    """The paged block size; refuses layouts the chunk cache cannot serve."""
-    groups = kv_cache_config.kv_cache_groups
-    if len(groups) != 1:
-        raise ValueError(
-            f"--enable-chunk-cache supports models with one KV cache group; this "
-            f"model has {len(groups)} (e.g. sliding-window or hybrid attention "
-            "layers), which the chunk cache cannot re-position yet"
-        )
-    return groups[0].kv_cache_spec.block_size
-
-
 class ChunkCacheSchedulerAdapter:
     """Scheduler-side half of the connector (engine-core process)."""
 
@@ -118,7 +109,7 @@ class ChunkCacheSchedulerAdapter:
 
         cfg = vllm_config.chunk_cache_config
         check_scheduler_serves_gaps(vllm_config)
-        self.block_size = single_group_block_size(kv_cache_config)
+        self.block_size = kv_cache_block_size(kv_cache_config)
         num_pool_blocks = pool_num_blocks(vllm_config, kv_cache_config)
         self.manager = ChunkCacheManager(
             num_pool_blocks,

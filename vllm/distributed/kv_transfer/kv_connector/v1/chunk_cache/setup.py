@@ -7,6 +7,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.support import (
+    CONNECTOR_NAME,
+    check_config,
+)
 from vllm.logger import init_logger
 
 if TYPE_CHECKING:
@@ -15,69 +19,23 @@ if TYPE_CHECKING:
 
 logger = init_logger(__name__)
 
-CONNECTOR_NAME = "ChunkCacheConnector"
 # Rows per chunk-pool block (allocation granularity of the pool; independent
 # of vLLM's paged block size).
 POOL_BLOCK_SIZE = 16
 
 
 def configure_chunk_cache_connector(vllm_config: VllmConfig) -> None:
-    """Point kv_transfer_config at the chunk cache's connector."""
+    """Refuse what the chunk cache cannot serve (support.check_config), then
+    point kv_transfer_config at its connector."""
     from vllm.config import KVTransferConfig
 
-    if vllm_config.cache_config.kv_offloading_size is not None:
-        raise ValueError(
-            "--enable-chunk-cache cannot be combined with --kv-offloading-size: "
-            "both need vLLM's single KV connector slot"
-        )
-    current = vllm_config.kv_transfer_config
-    if current is not None and current.kv_connector not in (None, CONNECTOR_NAME):
-        raise ValueError(
-            "--enable-chunk-cache cannot be combined with --kv-transfer-config "
-            f"(connector {current.kv_connector!r}): the chunk cache uses vLLM's "
-            "single KV connector slot"
-        )
-    model_config = vllm_config.model_config
-    if model_config is not None:
-        if getattr(model_config, "use_mla", False):
-            raise ValueError(
-                "--enable-chunk-cache does not support MLA attention, nor the "
-                "MLA-based SFA/DSA attention of vllm-ascend (their latent KV cache "
-                "cannot be re-positioned by a RoPE rotation of whole keys; see "
-                "docs/ascend.md)"
-            )
-        if model_config.is_multimodal_model:
-            raise ValueError(
-                "--enable-chunk-cache does not support multimodal models yet "
-                "(M-RoPE positions are not linear in the token index)"
-            )
+    check_config(vllm_config)
     _resolve_cudagraph_mode(vllm_config)
     vllm_config.chunk_cache_config.resolve_sink_token_id(_bos_token_id(vllm_config))
     logger.info("Chunk cache enabled: %s", vllm_config.chunk_cache_config.describe())
     vllm_config.kv_transfer_config = KVTransferConfig(
         kv_connector=CONNECTOR_NAME, kv_role="kv_both"
     )
-
-
-def check_scheduler_serves_gaps(vllm_config: VllmConfig) -> None:
-    """Boundary recompute needs a scheduler that asks the connector for prefill
-    gaps (vLLM's Scheduler with patch 0012). One that replaces `schedule` (e.g.
-    vllm-ascend's optional schedulers) would compute the stretches the cache
-    should load, with another attention: refused at start-up instead."""
-    if vllm_config.chunk_cache_config.chunk_recompute_tokens == 0:
-        return
-    from vllm.v1.core.sched.scheduler import Scheduler
-
-    cls = vllm_config.scheduler_config.get_scheduler_cls()
-    if not (isinstance(cls, type) and issubclass(cls, Scheduler)
-            and cls.schedule is Scheduler.schedule):
-        name = getattr(cls, "__qualname__", str(cls))
-        raise ValueError(
-            f"--chunk-recompute-tokens needs vLLM's own scheduler; the scheduler "
-            f"class {name} replaces its schedule() and would not load the cached "
-            "parts of a chunk between recomputed ones. Use the default scheduler "
-            "or --chunk-recompute-tokens 0"
-        )
 
 
 def _resolve_cudagraph_mode(vllm_config: VllmConfig) -> None:

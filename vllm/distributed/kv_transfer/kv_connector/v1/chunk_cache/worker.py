@@ -37,14 +37,15 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.cache_writers import (
-    supported_backends,
-    writer_for,
-)
+from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.cache_writers import writer_for
 from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.setup import (
     POOL_BLOCK_SIZE,
     pool_dtype,
     pool_num_blocks,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.support import (
+    check_attention_layer,
+    check_graph_mode,
 )
 from vllm.logger import init_logger
 from vllm.v1.worker.position_remapper import (
@@ -60,10 +61,6 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
 logger = init_logger(__name__)
-
-# Config keys of models that skip RoPE on some layers (NoPE layers).
-_NOPE_CONFIG_KEYS = ("no_rope_layers", "use_rope_layers", "nope_layer_interval")
-
 
 def cache_device(kv_cache: torch.Tensor | Any) -> torch.device:
     """Device of a layer's paged cache: one tensor (vLLM's backends) or a
@@ -140,18 +137,12 @@ def find_layer_ropes(
     which layers' keys carry RoPE.
     """
     from vllm.model_executor.layers.attention.attention import Attention
-    from vllm.model_executor.layers.attention.mla_attention import MLAAttention
 
     ropes: dict[str, nn.Module | None] = {}
     orphans: list[str] = []
     any_rope = False
     use_by_class: dict[type, str] = {}
     for _, module in model.named_modules():
-        if isinstance(module, MLAAttention):
-            raise ValueError(
-                f"chunk cache does not support MLA attention ({module.layer_name}): "
-                "its latent KV cannot be re-positioned by a RoPE rotation"
-            )
         rope = getattr(module, "rotary_emb", None)
         if not isinstance(rope, nn.Module):
             rope = None
@@ -178,46 +169,6 @@ def find_layer_ropes(
     return ropes, orphans
 
 
-def check_model_config(hf_config: Any) -> None:
-    """Refuse models whose config selects NoPE layers (some layers skip
-    RoPE): the layer-to-rope map could not be trusted."""
-    for cfg in (hf_config, getattr(hf_config, "text_config", None)):
-        if cfg is None:
-            continue
-        for key in _NOPE_CONFIG_KEYS:
-            if getattr(cfg, key, None) not in (None, [], 0):
-                raise ValueError(
-                    f"chunk cache does not support models whose config sets {key} "
-                    "(layers without RoPE chosen per layer)"
-                )
-
-
-def check_graph_mode(compilation_config: Any) -> None:
-    """Refuse CUDA-graph modes under which the capture would be recorded into
-    a graph (and replayed with stale indices) instead of running eagerly."""
-    from vllm.config.compilation import CUDAGraphMode
-
-    mode = getattr(compilation_config, "cudagraph_mode", None)
-    if mode is None or mode == CUDAGraphMode.NONE:
-        return
-    if mode.has_full_cudagraphs():
-        raise ValueError(
-            f"chunk cache does not support cudagraph_mode={mode.name}: a full CUDA "
-            "graph would capture the attention wrapper's capture step; use PIECEWISE "
-            "(the default with --enable-chunk-cache) or --enforce-eager"
-        )
-    if not getattr(compilation_config, "use_inductor_graph_partition", False) and (
-        "vllm::unified_attention_with_output"
-        not in (getattr(compilation_config, "splitting_ops", None) or [])
-    ):
-        raise ValueError(
-            "chunk cache needs attention outside the captured CUDA graphs: "
-            "compilation_config.splitting_ops must contain "
-            "vllm::unified_attention_with_output (vLLM's default), or use "
-            "--enforce-eager"
-        )
-
-
 class ChunkCacheWorker:
     def __init__(self, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig):
         self.vllm_config = vllm_config
@@ -241,9 +192,6 @@ class ChunkCacheWorker:
     # ----------------------------------------------------------- start-up
 
     def register_model(self, model: nn.Module) -> None:
-        hf_config = getattr(self.vllm_config.model_config, "hf_config", None)
-        if hf_config is not None:
-            check_model_config(hf_config)
         ropes, orphans = find_layer_ropes(model)
         if orphans:
             raise ValueError(
@@ -281,21 +229,16 @@ class ChunkCacheWorker:
 
         check_graph_mode(self.vllm_config.compilation_config)
         layers = self.vllm_config.compilation_config.static_forward_context
+        # NOTE: every attention layer of the forward, not only those with a
+        # cache of their own (a KV-sharing layer may have none); the context
+        # also holds non-attention layers (fused MoE), which have no keys.
+        for name, layer in layers.items():
+            if isinstance(layer, Attention):
+                check_attention_layer(name, layer)
         total = 0
         for name, kv_cache in kv_caches.items():
             layer = layers.get(name)
-            if not isinstance(layer, Attention):
-                raise ValueError(
-                    f"chunk cache supports standard attention layers only; "
-                    f"{name} is {type(layer).__name__}"
-                )
-            if writer_for(layer.impl) is None:
-                raise ValueError(
-                    f"chunk cache does not support the attention backend of {name} "
-                    f"({type(layer.impl).__name__}); supported: "
-                    f"{', '.join(supported_backends())} (choose one with "
-                    "--attention-backend)"
-                )
+            check_attention_layer(name, layer)
             if name not in self._ropes:
                 raise ValueError(f"chunk cache: attention layer {name} not found in the model")
             # On the paged cache's device (the GPU on CUDA), inside the budget.

@@ -1,0 +1,229 @@
+# SPDX-License-Identifier: Apache-2.0
+"""What the chunk cache can serve: the one owner of its start-up refusals.
+
+A set-up under which a load or a capture would not give the chunk-isolation
+semantics exactly is refused at start-up with a message naming it, never
+served with a warning (or failing at the first request with a message about
+something else). The checks run at the three moments where vLLM knows what
+they need:
+
+* `check_config`: the engine config (front end and engine core, before
+  anything is built): features that change what a step computes;
+* `kv_cache_block_size`: the KV cache layout (scheduler, once vLLM grouped
+  the layers): one group of plain full attention;
+* `check_attention_layer`: each attention layer (worker, once the model is
+  built): standard attention, its own KV cache, no window, a backend whose
+  cache write the load can use.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+CONNECTOR_NAME = "ChunkCacheConnector"
+
+# Config keys of models that skip RoPE on some layers (NoPE layers).
+_NOPE_CONFIG_KEYS = ("no_rope_layers", "use_rope_layers", "nope_layer_interval")
+
+
+def check_config(vllm_config: VllmConfig) -> None:
+    """Refuse engine options and model kinds the chunk cache cannot serve."""
+    if vllm_config.cache_config.kv_offloading_size is not None:
+        raise ValueError(
+            "--enable-chunk-cache cannot be combined with --kv-offloading-size: "
+            "both need vLLM's single KV connector slot"
+        )
+    current = vllm_config.kv_transfer_config
+    if current is not None and current.kv_connector not in (None, CONNECTOR_NAME):
+        raise ValueError(
+            "--enable-chunk-cache cannot be combined with --kv-transfer-config "
+            f"(connector {current.kv_connector!r}): the chunk cache uses vLLM's "
+            "single KV connector slot"
+        )
+    model_config = vllm_config.model_config
+    if model_config is not None:
+        _check_model_kind(model_config)
+    if getattr(vllm_config, "speculative_config", None) is not None:
+        # NOTE: a drafter (EAGLE, MTP, a draft model) has attention layers of
+        # its own that the chunk cache neither captures nor loads, and
+        # verification steps schedule tokens the load plan does not know.
+        raise ValueError(
+            "--enable-chunk-cache does not support speculative decoding "
+            "(--speculative-config): drafter layers would attend to chunks the "
+            "cache never loaded into them"
+        )
+    _check_parallelism(getattr(vllm_config, "parallel_config", None))
+
+
+def _check_model_kind(model_config: Any) -> None:
+    if getattr(model_config, "use_mla", False):
+        raise ValueError(
+            "--enable-chunk-cache does not support MLA attention, nor the "
+            "MLA-based SFA/DSA attention of vllm-ascend (their latent KV cache "
+            "cannot be re-positioned by a RoPE rotation of whole keys; see "
+            "docs/ascend.md)"
+        )
+    if getattr(model_config, "is_encoder_decoder", False):
+        raise ValueError(
+            "--enable-chunk-cache does not support encoder-decoder models "
+            "(cross-attention KV is not a prompt segment the cache can reuse)"
+        )
+    if getattr(model_config, "is_multimodal_model", False):
+        raise ValueError(
+            "--enable-chunk-cache does not support multimodal models yet "
+            "(M-RoPE positions are not linear in the token index)"
+        )
+    hf_config = getattr(model_config, "hf_config", None)
+    if hf_config is not None:
+        check_model_config(hf_config)
+
+
+def _check_parallelism(parallel_config: Any) -> None:
+    if parallel_config is None:
+        return
+    for name, flag in (("decode_context_parallel_size", "--decode-context-parallel-size"),
+                       ("prefill_context_parallel_size", "--prefill-context-parallel-size")):
+        if (getattr(parallel_config, name, 1) or 1) > 1:
+            # NOTE: each rank then holds every n-th token of a request; a load
+            # writes whole segments into one rank's blocks.
+            raise ValueError(
+                f"--enable-chunk-cache does not support context parallelism "
+                f"({flag} {getattr(parallel_config, name)}): a request's KV is "
+                "split across ranks by token, a cached segment is not"
+            )
+    if getattr(parallel_config, "enable_dbo", False) or (
+        getattr(parallel_config, "ubatch_size", 1) or 1
+    ) > 1:
+        raise ValueError(
+            "--enable-chunk-cache does not support dual-batch overlap / micro-batching "
+            "(--enable-dbo, --ubatch-size): a step's loads and captures are planned "
+            "for the whole batch, not per micro-batch"
+        )
+
+
+def check_model_config(hf_config: Any) -> None:
+    """Refuse models whose config selects NoPE layers (some layers skip
+    RoPE): the layer-to-rope map could not be trusted."""
+    for cfg in (hf_config, getattr(hf_config, "text_config", None)):
+        if cfg is None:
+            continue
+        for key in _NOPE_CONFIG_KEYS:
+            if getattr(cfg, key, None) not in (None, [], 0):
+                raise ValueError(
+                    f"chunk cache does not support models whose config sets {key} "
+                    "(layers without RoPE chosen per layer)"
+                )
+
+
+def kv_cache_block_size(kv_cache_config: KVCacheConfig) -> int:
+    """The paged block size of the single KV cache group of plain full
+    attention; refuses every other layout."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    groups = kv_cache_config.kv_cache_groups
+    if len(groups) != 1:
+        raise ValueError(
+            f"--enable-chunk-cache supports models with one KV cache group; this "
+            f"model has {len(groups)} (e.g. sliding-window or hybrid attention "
+            "layers), which the chunk cache cannot re-position yet"
+        )
+    spec = groups[0].kv_cache_spec
+    # NOTE: a window (sliding or chunked-local) makes a token see only its
+    # recent neighbours: neither a chunk computed alone nor the parent's
+    # question would see what the chunk-isolation mask says; vLLM keeps such
+    # layers in a FullAttentionSpec when the hybrid allocator is off, hence
+    # the fields as well as the type.
+    window = getattr(spec, "sliding_window", None) or getattr(spec, "attention_chunk_size", None)
+    if type(spec) is not FullAttentionSpec or window is not None:
+        detail = f", window {window}" if window is not None else ""
+        raise ValueError(
+            "--enable-chunk-cache supports full attention only; this model's KV "
+            f"cache is {type(spec).__name__}{detail} (sliding-window, chunked-local, "
+            "attention-sink, MLA or state-space layers)"
+        )
+    return spec.block_size
+
+
+def check_attention_layer(name: str, layer: Any) -> None:
+    """Refuse an attention layer whose keys the chunk cache cannot load."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.cache_writers import (
+        supported_backends,
+        writer_for,
+    )
+    from vllm.model_executor.layers.attention.attention import Attention
+
+    if not isinstance(layer, Attention):
+        raise ValueError(
+            f"chunk cache supports standard attention layers only; "
+            f"{name} is {type(layer).__name__}"
+        )
+    target = getattr(layer, "kv_sharing_target_layer_name", None)
+    if target is not None:
+        raise ValueError(
+            f"chunk cache does not support KV-sharing layers: {name} reuses the KV "
+            f"cache of {target} and computes no keys of its own to capture"
+        )
+    if getattr(layer, "sliding_window", None) is not None:
+        raise ValueError(
+            f"chunk cache does not support sliding-window attention ({name}, window "
+            f"{layer.sliding_window}): the chunk-isolation semantics the cache "
+            "serves are defined for full attention"
+        )
+    if writer_for(layer.impl) is None:
+        raise ValueError(
+            f"chunk cache does not support the attention backend of {name} "
+            f"({type(layer.impl).__name__}); supported: "
+            f"{', '.join(supported_backends())} (choose one with "
+            "--attention-backend)"
+        )
+
+
+def check_graph_mode(compilation_config: Any) -> None:
+    """Refuse CUDA-graph modes under which the capture would be recorded into
+    a graph (and replayed with stale indices) instead of running eagerly."""
+    from vllm.config.compilation import CUDAGraphMode
+
+    mode = getattr(compilation_config, "cudagraph_mode", None)
+    if mode is None or mode == CUDAGraphMode.NONE:
+        return
+    if mode.has_full_cudagraphs():
+        raise ValueError(
+            f"chunk cache does not support cudagraph_mode={mode.name}: a full CUDA "
+            "graph would capture the attention wrapper's capture step; use PIECEWISE "
+            "(the default with --enable-chunk-cache) or --enforce-eager"
+        )
+    if not getattr(compilation_config, "use_inductor_graph_partition", False) and (
+        "vllm::unified_attention_with_output"
+        not in (getattr(compilation_config, "splitting_ops", None) or [])
+    ):
+        raise ValueError(
+            "chunk cache needs attention outside the captured CUDA graphs: "
+            "compilation_config.splitting_ops must contain "
+            "vllm::unified_attention_with_output (vLLM's default), or use "
+            "--enforce-eager"
+        )
+
+
+def check_scheduler_serves_gaps(vllm_config: VllmConfig) -> None:
+    """Boundary recompute needs a scheduler that asks the connector for prefill
+    gaps (vLLM's Scheduler with patch 0012). One that replaces `schedule` (e.g.
+    vllm-ascend's optional schedulers) would compute the stretches the cache
+    should load, with another attention: refused at start-up instead."""
+    if vllm_config.chunk_cache_config.chunk_recompute_tokens == 0:
+        return
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    cls = vllm_config.scheduler_config.get_scheduler_cls()
+    if not (isinstance(cls, type) and issubclass(cls, Scheduler)
+            and cls.schedule is Scheduler.schedule):
+        name = getattr(cls, "__qualname__", str(cls))
+        raise ValueError(
+            f"--chunk-recompute-tokens needs vLLM's own scheduler; the scheduler "
+            f"class {name} replaces its schedule() and would not load the cached "
+            "parts of a chunk between recomputed ones. Use the default scheduler "
+            "or --chunk-recompute-tokens 0"
+        )
