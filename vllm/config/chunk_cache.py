@@ -43,6 +43,15 @@ class ChunkCacheConfig:
     chunk_pool_size_gib: float | None = None
     """Size of the chunk pool in GiB; overrides --chunk-pool-fraction."""
 
+    max_chunk_load_tokens: int = 16384
+    """Most prompt tokens loaded from the chunk pool in one engine step, over
+    all requests. A request whose load would pass it waits for the next step,
+    unless nothing was loaded yet in this step (every request gets its turn;
+    a longer load then runs alone, in pieces of this size). Loads are copies,
+    not attention, but not free (~14 ms per 16k rows measured on an H100 with
+    Llama-3-8B shapes) and every running request's decode waits for them. The
+    workers' load buffers hold this many rows, inside the pool's memory."""
+
     chunk_hash_algo: ChunkHashAlgo = "xxhash"
     """Content hash of a chunk's key (xxh3-128). Hits are always verified
     against the stored token ids, so a collision never serves wrong KV."""
@@ -87,6 +96,10 @@ class ChunkCacheConfig:
             raise ValueError(
                 f"max_chunk_tokens must be >= 1, got {self.max_chunk_tokens}"
             )
+        if self.max_chunk_load_tokens < 1:
+            raise ValueError(
+                f"max_chunk_load_tokens must be >= 1, got {self.max_chunk_load_tokens}"
+            )
         if not 0.0 < self.chunk_pool_fraction < 1.0:
             raise ValueError(
                 "chunk_pool_fraction must be in (0, 1), "
@@ -128,7 +141,8 @@ class ChunkCacheConfig:
             f"separator={self.chunk_separator!r}, max_chunks={self.max_chunks}, "
             f"max_chunk_tokens={self.max_chunk_tokens}, pool={pool}, "
             f"hash={self.chunk_hash_algo}, chunk_context={self.chunk_context}, "
-            f"recompute_tokens={self.chunk_recompute_tokens}"
+            f"recompute_tokens={self.chunk_recompute_tokens}, "
+            f"max_load_tokens={self.max_chunk_load_tokens}"
             + (
                 f", sink_token_id={self.chunk_sink_token_id}"
                 if self.chunk_context == "sink"

@@ -22,12 +22,14 @@ BLOCK = 16  # paged block size of the fake KV cache
 SINK = 1
 
 
-def make_config(num_kv_blocks=64, fraction=0.5, groups=1, recompute=0, scheduler=None):
+def make_config(num_kv_blocks=64, fraction=0.5, groups=1, recompute=0, scheduler=None,
+                max_load=16384):
     from vllm.v1.core.sched.scheduler import Scheduler
 
     chunk = SimpleNamespace(chunk_context="sink", chunk_sink_token_id=SINK,
                             chunk_pool_fraction=fraction, chunk_pool_size_gib=None,
-                            chunk_recompute_tokens=recompute)
+                            chunk_recompute_tokens=recompute,
+                            max_chunk_load_tokens=max_load)
     vllm_config = SimpleNamespace(
         chunk_cache_config=chunk,
         cache_config=SimpleNamespace(cache_dtype="auto", block_size=BLOCK),
@@ -290,3 +292,107 @@ def test_engine_core_connector_does_not_import_front_end_code():
                 todo.extend(m for m in overlay if name == m or name.startswith(m + "."))
     assert len(seen) > 5, seen  # the walk really followed the connector's imports
     assert not bad, bad
+
+def test_lora_adapters_are_keyed_by_name_as_the_prefix_cache_does():
+    """Issue 20, finding 9. Before: keyed by lora_int_id, a per-process slot
+    number: the same adapter under another id missed, and another adapter
+    given a recycled id would have shared the first one's KV."""
+    from vllm.lora.request import LoRARequest
+
+    adapter = ChunkCacheSchedulerAdapter(*make_config())
+
+    def with_lora(rid, name, int_id):
+        r = parent(rid, [3, 5, 2])
+        r.lora_request = LoRARequest(name, int_id, "/adapters/" + name)
+        adapter.on_new_request(r)
+        adapter.get_num_new_matched_tokens(r, 0)
+        return r, adapter.take_internal_requests()
+
+    first, children = with_lora("a", "sql", 1)
+    assert all(c.lora_request.lora_name == "sql" for c in children)
+    for c in children:
+        finish(adapter, c, RequestStatus.FINISHED_LENGTH_CAPPED)
+    # The same adapter under another slot id: every segment hits.
+    _, children = with_lora("b", "sql", 7)
+    assert children == []
+    # Another adapter that got the first one's slot id: computed afresh.
+    _, children = with_lora("c", "chat", 1)
+    assert len(children) == 2
+
+
+def test_tokens_loaded_counts_the_rows_sent_not_the_plans_asked_for():
+    """Issue 20, finding 9: load_plan is a query. Before: every call counted
+    its rows, so a plan asked twice (or dropped) counted as loaded."""
+    adapter = ChunkCacheSchedulerAdapter(*make_config())
+    r = parent("p", [3, 5, 2])
+    adapter.on_new_request(r)
+    adapter.get_num_new_matched_tokens(r, 0)
+    for c in adapter.take_internal_requests():
+        finish(adapter, c, RequestStatus.FINISHED_LENGTH_CAPPED)
+    assert adapter.manager.load_plan("p").num_rows_to_copy == 8
+    assert adapter.manager.load_plan("p").num_rows_to_copy == 8
+    assert adapter.stats().tokens_loaded == 0
+
+
+def _ready_parents(adapter, layouts):
+    parents = []
+    for i, layout in enumerate(layouts):
+        r = parent(f"p{i}", layout)
+        adapter.on_new_request(r)
+        adapter.get_num_new_matched_tokens(r, 0)
+        parents.append(r)
+    for c in adapter.take_internal_requests():
+        finish(adapter, c, RequestStatus.FINISHED_LENGTH_CAPPED)
+    return parents
+
+
+def test_loads_past_the_per_step_cap_wait_for_the_next_step():
+    """Issue 20, finding 3. Before: every ready request's load went into the
+    same step (here 3 x 8 rows with a cap of 10), however many."""
+    adapter = ChunkCacheSchedulerAdapter(*make_config(max_load=10))
+    a, b, c = _ready_parents(adapter, [[3, 5, 2]] * 3)
+    # The first load of a step always fits (here 8 <= 10); the next would pass it.
+    assert adapter.get_num_new_matched_tokens(a, 0) == (8, False)
+    adapter.update_state_after_alloc(a, FakeBlocks([1]), 8)
+    assert adapter.get_num_new_matched_tokens(b, 0) == (None, False)
+    assert adapter.get_num_new_matched_tokens(c, 0) == (None, False)
+    meta = adapter.build_connector_meta(step_output({"p0": 2}))
+    assert len(meta.load_src_rows) == 8
+    # Next step: b's turn (c waits again), then c's.
+    assert adapter.get_num_new_matched_tokens(b, 0) == (8, False)
+    adapter.update_state_after_alloc(b, FakeBlocks([2]), 8)
+    assert adapter.get_num_new_matched_tokens(c, 0) == (None, False)
+    assert adapter.build_connector_meta(step_output({"p1": 2})).load_dst_slots == [
+        32 + p for p in range(8)]
+    assert adapter.get_num_new_matched_tokens(c, 0) == (8, False)
+
+
+def test_a_load_longer_than_the_cap_runs_alone():
+    adapter = ChunkCacheSchedulerAdapter(*make_config(max_load=4))
+    a, b = _ready_parents(adapter, [[3, 5, 2], [3, 5, 2]])
+    assert adapter.get_num_new_matched_tokens(a, 0) == (8, False)
+    adapter.update_state_after_alloc(a, FakeBlocks([1]), 8)
+    assert adapter.get_num_new_matched_tokens(b, 0) == (None, False)
+    # A request that asked but was not allocated (no blocks) takes no room.
+    adapter.build_connector_meta(step_output({"p0": 2}))
+    assert adapter.get_num_new_matched_tokens(b, 0) == (8, False)
+    assert adapter.get_num_new_matched_tokens(a, 0) == (8, False)
+
+
+def test_a_running_request_whose_stretch_passes_the_cap_computes_nothing_this_step():
+    """With boundary recompute a running request loads a stretch per step:
+    over the cap it is scheduled for nothing (max_new_tokens 0), never for
+    computing the tokens the cache should load."""
+    adapter = ChunkCacheSchedulerAdapter(*make_config(recompute=2, max_load=4))
+    a, b = _ready_parents(adapter, [[3, 5, 4, 2], [3, 5, 4, 2]])
+    assert adapter.get_num_new_matched_tokens(a, 0) == (3, False)
+    adapter.update_state_after_alloc(a, FakeBlocks([1]), 3)
+    adapter.build_connector_meta(step_output({"p0": 2}))
+    assert adapter.get_num_new_matched_tokens(b, 0) == (3, False)
+    adapter.update_state_after_alloc(b, FakeBlocks([2]), 3)
+    gap = adapter.get_prefill_gap(a, 5)  # doc1's rest: 3 rows, 3 + 3 > 4
+    assert (gap.num_external_tokens, gap.max_new_tokens) == (0, 0)
+    meta = adapter.build_connector_meta(step_output({"p1": 2}))
+    assert meta.load_dst_slots == [32, 33, 34]
+    gap = adapter.get_prefill_gap(a, 5)
+    assert (gap.num_external_tokens, gap.max_new_tokens) == (3, 2)

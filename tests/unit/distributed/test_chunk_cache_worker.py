@@ -102,7 +102,8 @@ def test_nope_layer_configs_are_refused():
 
 
 def _worker(fraction=0.15):
-    chunk = SimpleNamespace(chunk_pool_fraction=fraction, chunk_pool_size_gib=None)
+    chunk = SimpleNamespace(chunk_pool_fraction=fraction, chunk_pool_size_gib=None,
+                            max_chunk_load_tokens=64)
     model = SimpleNamespace(dtype=torch.float32)
     vllm_config = SimpleNamespace(chunk_cache_config=chunk, model_config=model,
                                   cache_config=SimpleNamespace(cache_dtype="auto"),
@@ -160,7 +161,8 @@ class _Model(SimpleNamespace):
 def _sizing_config(cache_dtype="auto", fraction=0.15, size_gib=None):
     return SimpleNamespace(
         chunk_cache_config=SimpleNamespace(chunk_pool_fraction=fraction,
-                                           chunk_pool_size_gib=size_gib),
+                                           chunk_pool_size_gib=size_gib,
+                                           max_chunk_load_tokens=4096),
         model_config=_Model(dtype=torch.bfloat16),
         cache_config=SimpleNamespace(cache_dtype=cache_dtype),
         parallel_config=None,
@@ -170,9 +172,10 @@ def _sizing_config(cache_dtype="auto", fraction=0.15, size_gib=None):
 @pytest.mark.parametrize("cache_dtype", ["auto", "fp8"])
 @pytest.mark.parametrize("fraction,size_gib", [(0.15, None), (0.5, None), (None, 1.0)])
 def test_pool_is_carved_out_of_the_kv_budget(cache_dtype, fraction, size_gib):
-    """The paged KV capacity shrinks by the pool's size and the total stays
-    within the budget (the sizing vLLM's get_kv_cache_configs then applies:
-    whole blocks of block_size tokens in the budget it is given)."""
+    """The paged KV capacity shrinks by the pool's size plus the load
+    buffers', and the total stays within the budget (the sizing vLLM's
+    get_kv_cache_configs then applies: whole blocks of block_size tokens in
+    the budget it is given)."""
     cfg = _sizing_config(cache_dtype, fraction or 0.15, size_gib)
     budget, block = 4 << 30, 16
     kv_token = setup.kv_bytes_per_token(cfg)
@@ -183,21 +186,28 @@ def test_pool_is_carved_out_of_the_kv_budget(cache_dtype, fraction, size_gib):
     blocks = setup.carve_chunk_pool(cfg, budget) // (block * kv_token)
     pool = setup._pool_blocks(cfg, blocks, block) * setup.POOL_BLOCK_SIZE * pool_token
     kv = blocks * block * kv_token
-    assert kv + pool <= budget
+    # The load buffers: 4096 rows of K, V and the rotated K in bf16, and two
+    # fp32 copies of K (3 KV heads x 64), allocated once per worker.
+    scratch = setup.load_scratch_bytes(cfg)
+    assert scratch == 4096 * (3 * 192 * 2 + 2 * 192 * 4)
+    assert kv + pool + scratch <= budget
     shrink = (stock_blocks - blocks) * block * kv_token
-    # Shrinks by the pool's size, up to the rounding of one block and one
-    # pool block on each side.
     slack = block * kv_token + setup.POOL_BLOCK_SIZE * pool_token
-    assert abs(shrink - pool) <= 2 * slack
     if size_gib is not None:
+        # Shrinks by the pool's size and the buffers', up to the rounding of
+        # one block and one pool block on each side.
+        assert abs(shrink - (1 << 30) - scratch) <= 2 * slack
         assert abs(pool - (1 << 30)) <= slack
     else:
-        assert abs(pool - fraction * budget) <= 2 * slack
+        # The pool is f / (1 - f) of the paged cache, which lost the buffers
+        # too: B * f minus that share of them.
+        assert abs(pool - (fraction * budget - scratch * fraction / (1 - fraction))) <= 2 * slack
+        assert abs(shrink - fraction * budget - scratch) <= 2 * slack
 
 
 def test_a_pool_larger_than_the_budget_is_refused():
     cfg = _sizing_config(size_gib=8.0)
-    with pytest.raises(ValueError, match="does not fit the KV cache budget"):
+    with pytest.raises(ValueError, match="do not fit the KV cache budget"):
         setup.carve_chunk_pool(cfg, 4 << 30)
 
 

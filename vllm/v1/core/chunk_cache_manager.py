@@ -324,9 +324,13 @@ class ChunkCacheManager:
                     end_row=None if stop == seg.span.num_tokens else stop,
                 )
             )
-        plan = ChunkLoadPlan(request_id=request_id, segments=tuple(loads))
+        return ChunkLoadPlan(request_id=request_id, segments=tuple(loads))
+
+    def record_load(self, plan: ChunkLoadPlan) -> None:
+        """Count a plan whose rows were sent to the workers (`load_plan` is a
+        query: a plan dropped, e.g. for a request preempted in the same step,
+        or asked twice, loads nothing)."""
         self._stats.tokens_loaded += plan.num_rows_to_copy
-        return plan
 
     def release(self, request_id: str) -> bool:
         """Forget a parent (finish or abort, any state). False if unknown."""

@@ -44,8 +44,11 @@ class ChunkNamespace:
     kv_dtype: str
     # Tokenizer name or path (ids mean nothing without it).
     tokenizer: str
-    # LoRA adapter id, 0 when none (adapters change K/V).
-    lora_id: int = 0
+    # LoRA adapter name, "" when none (adapters change K/V). NOTE: the name,
+    # as vLLM's prefix cache keys blocks: the integer id is a per-process
+    # slot number that another deployment (or a reload) may give another
+    # adapter.
+    lora_name: str = ""
     # Per-request salt: requests with different salts never share entries.
     cache_salt: str | None = None
     # Cache resets so far (the manager's epoch): weights may have changed at
@@ -54,9 +57,8 @@ class ChunkNamespace:
 
     def digest(self) -> bytes:
         h = xxhash.xxh3_128()
-        for part in (self.model, self.kv_dtype, self.tokenizer):
+        for part in (self.model, self.kv_dtype, self.tokenizer, self.lora_name):
             _update_with_text(h, part)
-        h.update(int(self.lora_id).to_bytes(8, "little", signed=True))
         h.update(int(self.weights_epoch).to_bytes(8, "little"))
         # NOTE: None and "" must differ, hence the explicit presence byte.
         if self.cache_salt is None:

@@ -421,6 +421,18 @@ class RemapRows:
     # Position delta per row (real - stored) [n].
     deltas: torch.Tensor
 
+    @property
+    def num_rows(self) -> int:
+        return self.src_rows.shape[0]
+
+    def pieces(self, max_rows: int) -> list["RemapRows"]:
+        """The rows in order, in pieces of at most `max_rows` (views)."""
+        return [
+            RemapRows(self.src_rows[i : i + max_rows], self.dst_slots[i : i + max_rows],
+                      self.deltas[i : i + max_rows])
+            for i in range(0, self.num_rows, max_rows)
+        ]
+
     @classmethod
     def from_load_plan(
         cls, plan: ChunkLoadPlan, pool_block_size: int, dst_slots: torch.Tensor
@@ -457,10 +469,34 @@ class RemapScratch:
     these buffers. Reuse across layers is safe: the cache-write op consumes
     the rows before the next layer overwrites them (synchronously on the
     CPU, in stream order on a device).
+
+    With `max_rows` (the worker's: --max-chunk-load-tokens) each buffer is
+    allocated once at that size and never grows, so the pool's carve-out
+    can count it (setup.load_scratch_bytes); callers pass at most that many
+    rows (`RemapRows.pieces`). Without it (tests, tools) buffers grow.
     """
 
-    def __init__(self) -> None:
+    # Buffers of one key/value shape in the worst case (generic path, 16-bit
+    # pool): (role, in the pool's dtype or fp32, K or V shape).
+    ROLES = (("key", False, "k"), ("value", False, "v"), ("rotated", False, "k"),
+             ("key32", True, "k"), ("rotated32", True, "k"))
+
+    def __init__(self, max_rows: int | None = None) -> None:
+        self.max_rows = max_rows
         self._buffers: dict[tuple, torch.Tensor] = {}
+
+    @classmethod
+    def bytes_per_row(cls, key_elements: int, value_elements: int, dtype: torch.dtype) -> int:
+        """Bytes per row of every buffer `remap_layer` may take, for one
+        K/V shape and pool dtype (the fp32 ones only for a 16-bit pool)."""
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        total = 0
+        for _, fp32, part in cls.ROLES:
+            if fp32 and dtype == torch.float32:
+                continue
+            elements = key_elements if part == "k" else value_elements
+            total += elements * (4 if fp32 else itemsize)
+        return total
 
     def take(
         self,
@@ -474,9 +510,18 @@ class RemapScratch:
         dtype = dtype or like.dtype
         key = (role, dtype, like.device, tuple(like.shape[1:]))
         buffer = self._buffers.get(key)
+        if self.max_rows is not None:
+            if num_rows > self.max_rows:
+                raise ValueError(
+                    f"{num_rows} rows exceed the load buffers' {self.max_rows}: "
+                    "pass them in pieces (RemapRows.pieces)"
+                )
+            num_alloc = self.max_rows
+        else:
+            num_alloc = num_rows
         if buffer is None or buffer.shape[0] < num_rows:
             buffer = torch.empty(
-                (num_rows, *like.shape[1:]), dtype=dtype, device=like.device
+                (num_alloc, *like.shape[1:]), dtype=dtype, device=like.device
             )
             self._buffers[key] = buffer
         return buffer[:num_rows]

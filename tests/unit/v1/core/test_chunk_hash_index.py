@@ -56,7 +56,7 @@ def test_context_changes_the_key():
         {"model": "other"},
         {"kv_dtype": "float16"},
         {"tokenizer": "other"},
-        {"lora_id": 3},
+        {"lora_name": "sql-adapter"},
         {"cache_salt": "tenant-a"},
         {"cache_salt": ""},
     ],

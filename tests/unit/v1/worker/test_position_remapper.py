@@ -434,3 +434,33 @@ def test_cpu_kernel_rotates_tensors_made_under_inference_mode(vllm_config_contex
     if taken:
         assert torch.equal(rotated, expected)
     torch.testing.assert_close(rotated, expected, atol=1e-5, rtol=1e-6)
+
+
+def test_fixed_scratch_never_grows_and_pieces_cover_every_row_in_order(vllm_config_context):
+    """Issue 20, finding 3: the worker's load buffers are allocated once at
+    the per-step cap's size (counted in the carve-out); a longer load goes
+    through them in pieces and writes exactly what one pass writes."""
+    rope = make_rope({"rope_type": "default"}, True)
+    gen = torch.Generator().manual_seed(3)
+    pool_k = torch.randn(50, NUM_HEADS, HEAD_SIZE, generator=gen)
+    pool_v = torch.randn(50, NUM_HEADS, HEAD_SIZE, generator=gen)
+    rows = RemapRows(src_rows=torch.randperm(50, generator=gen)[:23],
+                     dst_slots=torch.arange(23), deltas=torch.arange(23) * 37 - 400)
+    assert [p.num_rows for p in rows.pieces(8)] == [8, 8, 7]
+    assert torch.equal(torch.cat([p.deltas for p in rows.pieces(8)]), rows.deltas)
+    written = {}
+    for label, max_rows in (("one pass", None), ("pieces", 8)):
+        paged = PagedCache(num_slots=23, dtype=torch.float32)
+        scratch = RemapScratch(max_rows)
+        remapper = PositionRemapper(RopeRotation(rope), paged.write_rows, scratch)
+        for piece in rows.pieces(max_rows or rows.num_rows):
+            remapper.remap_layer("l", pool_k, pool_v, piece)
+        written[label] = paged
+        if max_rows is not None:
+            assert {b.shape[0] for b in scratch._buffers.values()} == {8}
+            with pytest.raises(ValueError, match="9 rows exceed the load buffers' 8"):
+                scratch.take("key", pool_k, 9)
+    assert torch.equal(written["pieces"].key, written["one pass"].key)
+    assert torch.equal(written["pieces"].value, written["one pass"].value)
+    assert RemapScratch.bytes_per_row(8, 8, torch.float32) == 3 * 8 * 4
+    assert RemapScratch.bytes_per_row(8, 8, torch.bfloat16) == 3 * 8 * 2 + 2 * 8 * 4

@@ -134,6 +134,10 @@ class ChunkCacheSchedulerAdapter:
         # Position each parent's last reported stretch starts at, between the
         # report and the scheduler's allocation (update_state_after_alloc).
         self._load_starts: dict[str, int] = {}
+        # Rows allocated for loads in the step being scheduled, against the
+        # per-step cap (--max-chunk-load-tokens).
+        self._max_load_rows = cfg.max_chunk_load_tokens
+        self._rows_this_step = 0
         self._new_children: list[Request] = []
         self._reported = ChunkCacheStats()
         logger.info(
@@ -155,7 +159,7 @@ class ChunkCacheSchedulerAdapter:
             model=self._model,
             kv_dtype=self._kv_dtype,
             tokenizer=self._tokenizer,
-            lora_id=lora.lora_int_id if lora is not None else 0,
+            lora_name=lora.lora_name if lora is not None else "",
             cache_salt=request.cache_salt,
         )
         self.manager.add_request(request.request_id, prompt, namespace)
@@ -175,7 +179,11 @@ class ChunkCacheSchedulerAdapter:
         if not self.manager.is_ready(rid):
             return None, False
         step = self._report(rid, num_computed_tokens)
-        return (0 if step is None else step.num_loaded), False
+        if step is None:
+            return 0, False
+        if not self._fits_this_step(rid, step.num_loaded):
+            return None, False
+        return step.num_loaded, False
 
     def get_prefill_gap(self, request: Request, num_computed_tokens: int) -> PrefillGap | None:
         rid = request.request_id
@@ -184,7 +192,22 @@ class ChunkCacheSchedulerAdapter:
         step = self._report(rid, num_computed_tokens)
         if step is None:
             return None
+        if not self._fits_this_step(rid, step.num_loaded):
+            # NOTE: computing nothing, not computing without the load: the
+            # running request skips this step and is asked again next step.
+            return PrefillGap(num_external_tokens=0, max_new_tokens=0)
         return PrefillGap(num_external_tokens=step.num_loaded, max_new_tokens=step.max_computed)
+
+    def _fits_this_step(self, rid: str, num_rows: int) -> bool:
+        """Whether a load of `num_rows` stays within this step's cap. The
+        first load of a step always fits (a load longer than the cap runs
+        alone, in pieces, on the workers), so every request gets its turn."""
+        if num_rows == 0 or self._rows_this_step == 0:
+            return True
+        if self._rows_this_step + num_rows <= self._max_load_rows:
+            return True
+        self._load_starts.pop(rid, None)
+        return False
 
     def _report(self, rid: str, position: int) -> PrefillStep | None:
         """The manager's step at `position`, None past the prompt (a request
@@ -213,6 +236,7 @@ class ChunkCacheSchedulerAdapter:
         self._pending_loads[rid] = _PendingLoad(
             first, first + num_external_tokens, list(blocks.get_block_ids()[0])
         )
+        self._rows_this_step += num_external_tokens
 
     def reset(self) -> bool:
         """vLLM's cache reset (`reset_prefix_cache(reset_connector=True)`,
@@ -269,6 +293,7 @@ class ChunkCacheSchedulerAdapter:
         meta = ChunkCacheMetadata()
         self._add_loads(meta, scheduler_output)
         self._add_stores(meta, scheduler_output)
+        self._rows_this_step = 0
         return meta
 
     def _add_loads(self, meta: ChunkCacheMetadata, out: SchedulerOutput) -> None:
@@ -281,6 +306,7 @@ class ChunkCacheSchedulerAdapter:
             if rid in preempted or rid not in out.num_scheduled_tokens:
                 continue
             plan = self.manager.load_plan(rid, pending.first_position, pending.end_position)
+            self.manager.record_load(plan)
             for seg in plan.segments:
                 positions = np.arange(
                     seg.dst_start + seg.first_row, seg.dst_start + seg.row_end,

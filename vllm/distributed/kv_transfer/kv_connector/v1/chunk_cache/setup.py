@@ -96,31 +96,51 @@ def pool_num_blocks_from_config(vllm_config: VllmConfig) -> int | None:
 # workers and front end agree): the paged cache takes at most B', so with
 # kv = num_blocks * block_size * kv_bytes_per_token <= B',
 #   pool = kv * f / (1 - f) <= B' * f / (1 - f) = B * f
-# and kv + pool <= B.
+# and kv + pool <= B. The workers' load buffers (S bytes, fixed) come out of
+# the same budget: B' = B - pool - S (or B * (1 - f) - S), so kv + pool + S
+# <= B still.
 
 
 def carve_chunk_pool(vllm_config: VllmConfig, available_bytes: int) -> int:
-    """The KV budget left to vLLM's paged cache once the pool is taken out."""
+    """The KV budget left to vLLM's paged cache once the pool and the load
+    buffers are taken out."""
     cfg = vllm_config.chunk_cache_config
+    scratch = load_scratch_bytes(vllm_config)
     if cfg.chunk_pool_size_gib is not None:
         pool = int(cfg.chunk_pool_size_gib * (1 << 30))
-        if pool >= available_bytes:
-            raise ValueError(
-                f"--chunk-pool-size-gib {cfg.chunk_pool_size_gib} does not fit the "
-                f"KV cache budget of {available_bytes / (1 << 30):.2f} GiB (the pool is "
-                "carved out of it): lower it, or raise gpu_memory_utilization / "
-                "VLLM_CPU_KVCACHE_SPACE"
-            )
-        left = available_bytes - pool
     else:
-        left = int(available_bytes * (1.0 - cfg.chunk_pool_fraction))
+        pool = available_bytes - int(available_bytes * (1.0 - cfg.chunk_pool_fraction))
+    left = available_bytes - pool - scratch
+    if left <= 0:
+        raise ValueError(
+            f"the chunk pool ({pool / (1 << 30):.3f} GiB) and its load buffers "
+            f"({scratch / (1 << 30):.3f} GiB for --max-chunk-load-tokens "
+            f"{cfg.max_chunk_load_tokens}) do not fit the KV cache budget of "
+            f"{available_bytes / (1 << 30):.2f} GiB (both are carved out of it): "
+            "lower --chunk-pool-size-gib / --chunk-pool-fraction or "
+            "--max-chunk-load-tokens, or raise gpu_memory_utilization / "
+            "VLLM_CPU_KVCACHE_SPACE"
+        )
     logger.info(
         "Chunk cache: KV budget %.2f GiB -> %.2f GiB for the paged KV cache, "
-        "the rest for the chunk pool",
+        "%.2f GiB for the chunk pool, %.1f MiB for its load buffers",
         available_bytes / (1 << 30),
         left / (1 << 30),
+        pool / (1 << 30),
+        scratch / (1 << 20),
     )
     return left
+
+
+def load_scratch_bytes(vllm_config: VllmConfig) -> int:
+    """The workers' load buffers (`RemapScratch` of --max-chunk-load-tokens
+    rows, allocated once): part of the pool's share of the KV budget."""
+    from vllm.v1.worker.position_remapper import RemapScratch
+
+    model_config = vllm_config.model_config
+    key = model_config.get_num_kv_heads(vllm_config.parallel_config) * model_config.get_head_size()
+    per_row = RemapScratch.bytes_per_row(key, key, pool_dtype(vllm_config))
+    return vllm_config.chunk_cache_config.max_chunk_load_tokens * per_row
 
 
 def _pool_blocks(vllm_config: VllmConfig, num_kv_blocks: int, block_size: int) -> int:

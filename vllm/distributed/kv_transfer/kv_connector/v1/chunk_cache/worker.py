@@ -178,8 +178,9 @@ class ChunkCacheWorker:
         self.pool_key: dict[str, torch.Tensor] = {}
         self.pool_value: dict[str, torch.Tensor] = {}
         self.remappers: dict[str, PositionRemapper] = {}
-        # One set of load buffers for all layers.
-        self._scratch = RemapScratch()
+        # One set of load buffers for all layers, of the per-step cap's rows
+        # (in the carve-out: setup.load_scratch_bytes).
+        self._scratch = RemapScratch(vllm_config.chunk_cache_config.max_chunk_load_tokens)
         self._ropes: dict[str, nn.Module | None] | None = None
         self._rotations: dict[int, RopeRotation] = {}
         self._forward_context: ForwardContext | None = None
@@ -284,26 +285,33 @@ class ChunkCacheWorker:
         if self.device.type != "cpu":
             packed = packed.pin_memory().to(self.device, non_blocking=True)
         rows = RemapRows(src_rows=packed[0], dst_slots=packed[1], deltas=packed[2])
-        # fp32 cos/sin per row, once per step and distinct rope; not for a rope
-        # that rotates in place (CPU), which builds its own per-delta table.
+        self._forward_context = forward_context
+        try:
+            # NOTE: more rows than the buffers hold only for a load longer than
+            # the per-step cap, which the scheduler lets run alone.
+            for piece in rows.pieces(self._scratch.max_rows):
+                self._load_piece(piece)
+        finally:
+            self._forward_context = None
+
+    def _load_piece(self, rows: RemapRows) -> None:
+        # fp32 cos/sin per row, once per piece and distinct rope; not for a
+        # rope that rotates in place (CPU), which builds its own per-delta
+        # table.
         cos_sin = {
             id(rotation): rotation.cos_sin_rows(rows.deltas)
             for rotation in self._rotations.values()
             if not rotation.rotates_in_place(self.device)
         }
-        self._forward_context = forward_context
-        try:
-            for name, remapper in self.remappers.items():
-                rotation = remapper.rotation
-                remapper.remap_layer(
-                    name,
-                    self.pool_key[name],
-                    self.pool_value[name],
-                    rows,
-                    cos_sin=None if rotation is None else cos_sin.get(id(rotation)),
-                )
-        finally:
-            self._forward_context = None
+        for name, remapper in self.remappers.items():
+            rotation = remapper.rotation
+            remapper.remap_layer(
+                name,
+                self.pool_key[name],
+                self.pool_value[name],
+                rows,
+                cos_sin=None if rotation is None else cos_sin.get(id(rotation)),
+            )
 
     def _write_rows(
         self,
