@@ -38,6 +38,7 @@ from tests.e2e.chunk_reference import (
     random_text,
 )
 from tests.e2e.engine import close_llm, make_llm
+from vllm.config import ChunkCacheConfig
 from vllm.v1.core.chunk_prefill_plan import PrefillPlan
 
 pytestmark = pytest.mark.e2e
@@ -54,8 +55,11 @@ NUM_GEN = 4
 # model, prefix caching off with exact counts, boundary recompute); the `slow` tier
 # (`./fork test -m slow`) sweeps the rest.
 SLOW = pytest.mark.slow
+# A sixth element caps the rows loaded per step (--max-chunk-load-tokens, issue 20
+# finding 3): 40 rows makes every load of the `system` run wait for its own step
+# and go through the load buffers in pieces.
 CONFIGS = [(TINY, "sink", True, 160, 0), (TINY, "none", True, 160, 0),
-           (TINY, "system", True, 160, 0),
+           (TINY, "system", True, 160, 0, 40),
            pytest.param((TINY, "sink", False, 160, 0), marks=SLOW),
            (SMOL, "sink", True, 60, 0),
            pytest.param((SMOL, "none", True, 60, 0), marks=SLOW),
@@ -68,7 +72,8 @@ CONFIGS = [(TINY, "sink", True, 160, 0), (TINY, "none", True, 160, 0),
 
 def _config_id(c) -> str:
     return (f"{c[0].rsplit('/', 1)[-1]}-{c[1]}-prefix{int(c[2])}"
-            + (f"-recompute{c[4]}" if c[4] else ""))
+            + (f"-recompute{c[4]}" if c[4] else "")
+            + (f"-cap{c[5]}" if len(c) > 5 else ""))
 
 
 _REFERENCES: dict[str, Reference] = {}
@@ -76,10 +81,11 @@ _REFERENCES: dict[str, Reference] = {}
 
 @pytest.fixture(scope="module", params=CONFIGS, ids=_config_id)
 def engine(request):
-    model, mode, prefix_caching, max_words, recompute = request.param
+    model, mode, prefix_caching, max_words, recompute, *cap = request.param
     llm = make_llm(model, enable_chunk_cache=True, chunk_context=mode,
                    enable_prefix_caching=prefix_caching,
-                   chunk_recompute_tokens=recompute)
+                   chunk_recompute_tokens=recompute,
+                   max_chunk_load_tokens=cap[0] if cap else ChunkCacheConfig.max_chunk_load_tokens)
     if model not in _REFERENCES:
         _REFERENCES.clear()
         _REFERENCES[model] = Reference(model)

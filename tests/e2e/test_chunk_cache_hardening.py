@@ -1,7 +1,8 @@
 """Hardening of the chunk cache through `vllm serve` (SmolLM2-135M-Instruct, float32,
 a small chunk pool): issue 7's findings reproduced against a real server, then a
 bounded soak (>= 150 requests, concurrency 16, priority scheduling, client aborts, bad inputs,
-evictions, and two cache resets that preempt every running request).
+evictions, a cache reset that preempts every running request, and an RL trainer's step
+mid-stream: weights reloaded in place through `POST /collective_rpc`, then a reset).
 
 Findings covered here (the others have unit tests):
 1. a client salt shaped like the old layout salt selects no layout (no forged layouts);
@@ -59,6 +60,17 @@ def reset_caches(server) -> int:
         server.url + "/reset_prefix_cache?reset_external=true&reset_running_requests=true",
         method="POST")
     with urllib.request.urlopen(req, timeout=60) as r:
+        return r.status
+
+
+def reload_weights(server) -> int:
+    """Dev mode: reload the checkpoint in place on every worker (the same
+    weights: the soak's answers keep one reference; the engine test checks
+    that KV of really different weights is never served after a reset)."""
+    request = urllib.request.Request(
+        server.url + "/collective_rpc", data=json.dumps({"method": "reload_weights"}).encode(),
+        headers={"Content-Type": "application/json"}, method="POST")
+    with urllib.request.urlopen(request, timeout=300) as r:
         return r.status
 
 
@@ -186,8 +198,10 @@ def test_soak_keeps_the_server_exact_and_idle_after(server, reference):
     jobs = []
     for i in range(SOAK_REQUESTS):
         kind = rng.random()
-        if i in (SOAK_REQUESTS // 3, 2 * SOAK_REQUESTS // 3):
+        if i == SOAK_REQUESTS // 3:
             jobs.append(("reset", None))
+        elif i == 2 * SOAK_REQUESTS // 3:
+            jobs.append(("weights", None))
         elif kind < 0.08:
             jobs.append(("bad", rng.choice(["sys ## ## q", "##", "a ## " * 12 + "q"])))
         elif kind < 0.16:
@@ -203,6 +217,10 @@ def test_soak_keeps_the_server_exact_and_idle_after(server, reference):
         kind, payload = jobs[i]
         if kind == "reset":
             return kind, payload, reset_caches(server), None
+        if kind == "weights":
+            # An RL trainer's step: weights reloaded in place while requests run,
+            # then every cache reset.
+            return kind, payload, (reload_weights(server), reset_caches(server)), None
         if kind == "abort":
             _abort_mid_request(server, payload)
             return kind, payload, None, None
@@ -213,6 +231,7 @@ def test_soak_keeps_the_server_exact_and_idle_after(server, reference):
     with ThreadPoolExecutor(SOAK_CONCURRENCY) as pool:
         results = list(pool.map(run, range(len(jobs))))
     assert all(s == 200 for k, _, s, _ in results if k == "reset")
+    assert all(s == (200, 200) for k, _, s, _ in results if k == "weights")
     assert server.log().count("chunk cache reset:") == 2
 
     answered = [(p, b) for k, p, s, b in results if k == "ok" and s == 200]

@@ -324,13 +324,9 @@ def test_tokens_loaded_counts_the_rows_sent_not_the_plans_asked_for():
     """Issue 20, finding 9: load_plan is a query. Before: every call counted
     its rows, so a plan asked twice (or dropped) counted as loaded."""
     adapter = ChunkCacheSchedulerAdapter(*make_config())
-    r = parent("p", [3, 5, 2])
-    adapter.on_new_request(r)
-    adapter.get_num_new_matched_tokens(r, 0)
-    for c in adapter.take_internal_requests():
-        finish(adapter, c, RequestStatus.FINISHED_LENGTH_CAPPED)
-    assert adapter.manager.load_plan("p").num_rows_to_copy == 8
-    assert adapter.manager.load_plan("p").num_rows_to_copy == 8
+    _ready_parents(adapter, [[3, 5, 2]])
+    assert adapter.manager.load_plan("p0").num_rows_to_copy == 8
+    assert adapter.manager.load_plan("p0").num_rows_to_copy == 8
     assert adapter.stats().tokens_loaded == 0
 
 

@@ -235,3 +235,24 @@ def test_mla_and_ascend_sfa_dsa_are_refused_at_start_up():
     )
     with pytest.raises(ValueError, match="MLA.*SFA/DSA"):
         configure_chunk_cache_connector(config)
+
+
+def test_capture_indices_read_nothing_back_to_the_host(monkeypatch):
+    """Issue 20, finding 4. Before: `bool((slots[rows] == wanted).all())` in
+    every step with a child, a device->host read that serialises CPU and GPU
+    under async scheduling. Now a device-side assertion: no Python-level read
+    of a tensor's value, and a slot missing from the batch still raises."""
+    meta = SimpleNamespace(store_src_slots=[5, 9, 2], store_dst_rows=[40, 41, 42])
+    slot_mapping = torch.tensor([7, 9, 2, 5, 11], dtype=torch.int32)
+
+    def host_read(*args):
+        raise AssertionError("a tensor's value was read on the host")
+
+    with monkeypatch.context() as m:
+        for name in ("__bool__", "item", "tolist", "__int__", "__float__"):
+            m.setattr(torch.Tensor, name, host_read)
+        rows, dst = ChunkCacheWorker._capture_indices(meta, slot_mapping)
+    assert rows.tolist() == [3, 1, 2] and dst.tolist() == [40, 41, 42]
+    with pytest.raises(RuntimeError, match="not in this step's batch"):
+        ChunkCacheWorker._capture_indices(
+            SimpleNamespace(store_src_slots=[4], store_dst_rows=[0]), slot_mapping)

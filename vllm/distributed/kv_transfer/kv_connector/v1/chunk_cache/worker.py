@@ -360,9 +360,10 @@ class ChunkCacheWorker:
         meta: Any, slot_mapping: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Batch row of each token to capture (found by its paged slot) and
-        its pool row, on the batch's device. Once per step: the check that
-        every slot is in the batch is the step's one host synchronisation
-        on the capture path."""
+        its pool row, on the batch's device, once per step, with no host
+        synchronisation: the check that every slot is in the batch is a
+        device-side assertion (raised at once on the CPU, by the device in
+        stream order elsewhere)."""
         device = slot_mapping.device
         packed = torch.tensor(
             [meta.store_src_slots, meta.store_dst_rows], dtype=torch.int64
@@ -375,9 +376,11 @@ class ChunkCacheWorker:
         sorted_slots = slots[order]
         pos = torch.searchsorted(sorted_slots, wanted).clamp_(max=slots.numel() - 1)
         rows = order[pos]
-        if not bool((slots[rows] == wanted).all()):
-            raise RuntimeError(
-                "chunk cache: some child tokens to capture are not in this "
-                "step's batch (scheduler/worker disagree)"
-            )
+        # NOTE: not `bool(...)`: a device->host copy per step would serialise
+        # the CPU and the device under async scheduling (issue 20, finding 4).
+        torch._assert_async(
+            (slots[rows] == wanted).all(),
+            "chunk cache: some child tokens to capture are not in this step's "
+            "batch (scheduler/worker disagree)",
+        )
         return rows, dst
