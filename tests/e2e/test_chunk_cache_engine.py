@@ -124,6 +124,31 @@ def test_repeated_prompt_combines_vllm_prefix_cache_and_chunk_cache(llm, referen
     assert loaded == prompt.question_span.start - 128 * (prompt.question_span.start // 128)
 
 
+def test_a_new_question_over_the_same_documents_hits_vllm_prefix_cache(llm, reference):
+    """Issue 20, finding 7. Before: the layout (the question's length too) keyed
+    the first block, so another question over the same system prompt and
+    documents shared no block with the first: every document was loaded again."""
+    rng = random.Random("follow-up")
+    docs = [doc(rng, 35), doc(rng, 20)]
+    sched = chunk_scheduler(llm)
+    first = Layout("sys", docs, "what does the first say")
+    first_prompt = check(reference, first,
+                         llm.generate([first.prompt], params(), use_tqdm=False)[0])
+    start = first_prompt.question_span.start
+    assert start > 128
+    before = snapshot(sched)
+    follow_up = Layout("sys", docs, "and the second one, in a few more words?")
+    out = llm.generate([follow_up.prompt], params(), use_tqdm=False)[0]
+    prompt = check(reference, follow_up, out)
+    assert prompt.question_span.start == start
+    assert prompt.question_span.num_tokens != first_prompt.question_span.num_tokens
+    loaded = snapshot(sched)["tokens_loaded"] - before["tokens_loaded"]
+    # vLLM's prefix cache served the full 128-token blocks of the documents;
+    # the chunk cache loaded only the rest before the question.
+    assert out.num_cached_tokens >= start
+    assert loaded == start - 128 * (start // 128)
+
+
 def test_cache_salt_isolates_tenants(llm, reference):
     from vllm.inputs import TextPrompt
 

@@ -77,6 +77,18 @@ def _pool_bytes() -> int:
         t.nbytes for t in worker.pool_value.values())
 
 
+def _load_buffer_bytes(llm) -> tuple[int, int]:
+    """The load buffers' share of the KV budget, and what the worker allocated
+    (at most that: its buffers hold --max-chunk-load-tokens rows, never more)."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+    from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.setup import (
+        load_scratch_bytes,
+    )
+
+    buffers = get_kv_transfer_group()._worker._scratch._buffers.values()
+    return load_scratch_bytes(llm.llm_engine.vllm_config), sum(b.nbytes for b in buffers)
+
+
 def _kv_bytes_per_token(llm) -> int:
     from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.setup import (
         kv_bytes_per_token,
@@ -126,6 +138,7 @@ def test_half_precision_chunk_cache_within_3x_of_stock_vllm(reference, dtype):
                 chunk_worst = max(chunk_worst, _worst(ref, completion))
         chunk_kv_blocks = llm.llm_engine.vllm_config.cache_config.num_gpu_blocks
         pool_bytes = _pool_bytes()
+        scratch_bytes, scratch_allocated = _load_buffer_bytes(llm)
     finally:
         close_llm(llm)
 
@@ -151,15 +164,19 @@ def test_half_precision_chunk_cache_within_3x_of_stock_vllm(reference, dtype):
 
     block = llm_block_size = BLOCK_SIZE_CPU
     if os.environ.get("VLLM_CPU_KVCACHE_SPACE") and not _on_gpu():
-        # The pool is carved out of VLLM_CPU_KVCACHE_SPACE: the paged KV cache
-        # shrinks by the pool's size and the total stays within the budget.
+        # The pool and its load buffers are carved out of VLLM_CPU_KVCACHE_SPACE:
+        # the paged KV cache shrinks by their size and the total stays within
+        # the budget.
         budget = int(float(os.environ["VLLM_CPU_KVCACHE_SPACE"]) * (1 << 30))
         chunk_kv = chunk_kv_blocks * llm_block_size * kv_token_bytes
         stock_kv = stock_kv_blocks * llm_block_size * kv_token_bytes
         print(f"KV budget {budget >> 20} MiB: stock paged KV {stock_kv >> 20} MiB; with "
-              f"the chunk cache paged KV {chunk_kv >> 20} MiB + pool {pool_bytes >> 20} MiB")
-        assert pool_bytes > 0 and chunk_kv + pool_bytes <= budget
-        assert abs((stock_kv - chunk_kv) - pool_bytes) <= 2 * block * kv_token_bytes + (1 << 20)
+              f"the chunk cache paged KV {chunk_kv >> 20} MiB + pool {pool_bytes >> 20} MiB "
+              f"+ load buffers {scratch_bytes >> 20} MiB ({scratch_allocated >> 20} MiB used)")
+        assert 0 < scratch_allocated <= scratch_bytes
+        assert pool_bytes > 0 and chunk_kv + pool_bytes + scratch_bytes <= budget
+        assert abs((stock_kv - chunk_kv) - pool_bytes - scratch_bytes) <= (
+            2 * block * kv_token_bytes + (1 << 20))
 
     print(f"dtype={dtype} eager={EAGER} backend={os.environ.get('CHUNK_HALF_BACKEND', 'default')}: chunk cache worst |dlogprob| {chunk_worst:.4g}, "
           f"stock vLLM (control) {control_worst:.4g}, ratio "

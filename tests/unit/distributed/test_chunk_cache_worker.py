@@ -199,10 +199,9 @@ def test_pool_is_carved_out_of_the_kv_budget(cache_dtype, fraction, size_gib):
         assert abs(shrink - (1 << 30) - scratch) <= 2 * slack
         assert abs(pool - (1 << 30)) <= slack
     else:
-        # The pool is f / (1 - f) of the paged cache, which lost the buffers
-        # too: B * f minus that share of them.
-        assert abs(pool - (fraction * budget - scratch * fraction / (1 - fraction))) <= 2 * slack
-        assert abs(shrink - fraction * budget - scratch) <= 2 * slack
+        # f of what the buffers leave for the pool.
+        assert abs(pool - fraction * (budget - scratch)) <= 2 * slack
+        assert abs(shrink - pool - scratch) <= 2 * slack
 
 
 def test_a_pool_larger_than_the_budget_is_refused():

@@ -96,9 +96,9 @@ def pool_num_blocks_from_config(vllm_config: VllmConfig) -> int | None:
 # workers and front end agree): the paged cache takes at most B', so with
 # kv = num_blocks * block_size * kv_bytes_per_token <= B',
 #   pool = kv * f / (1 - f) <= B' * f / (1 - f) = B * f
-# and kv + pool <= B. The workers' load buffers (S bytes, fixed) come out of
-# the same budget: B' = B - pool - S (or B * (1 - f) - S), so kv + pool + S
-# <= B still.
+# and kv + pool <= B. The workers' load buffers (S bytes, fixed) are taken
+# out first: B' = B - pool - S, or (B - S) * (1 - f) with the fraction (f is
+# the pool's share of what the buffers leave), so kv + pool + S <= B still.
 
 
 def carve_chunk_pool(vllm_config: VllmConfig, available_bytes: int) -> int:
@@ -109,7 +109,8 @@ def carve_chunk_pool(vllm_config: VllmConfig, available_bytes: int) -> int:
     if cfg.chunk_pool_size_gib is not None:
         pool = int(cfg.chunk_pool_size_gib * (1 << 30))
     else:
-        pool = available_bytes - int(available_bytes * (1.0 - cfg.chunk_pool_fraction))
+        rest = available_bytes - scratch
+        pool = rest - int(rest * (1.0 - cfg.chunk_pool_fraction))
     left = available_bytes - pool - scratch
     if left <= 0:
         raise ValueError(

@@ -1,0 +1,70 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Prefix-cache keys of a chunked prompt's blocks (issue 20, finding 7): each
+block is keyed by the segment boundaries inside it, so requests with the same
+leading segments share those blocks and nothing else does."""
+
+from __future__ import annotations
+
+import pytest
+
+from vllm.sampling_params import SamplingParams
+from vllm.v1.core.chunk_block_keys import block_extra_keys
+from vllm.v1.request import Request
+
+BLOCK = 4
+
+
+def test_keys_name_each_boundary_in_the_block_with_its_kind():
+    layout = (3, 5, 4, 2)  # system 0-2, chunk 3-7, chunk 8-11, question 12-13
+    assert block_extra_keys(layout, 0, 4) == ["chunk-segment:0:s", "chunk-segment:3:c"]
+    assert block_extra_keys(layout, 4, 8) == []
+    assert block_extra_keys(layout, 8, 12) == ["chunk-segment:0:c"]
+    assert block_extra_keys(layout, 12, 16) == ["chunk-segment:0:q"]
+
+
+def test_a_question_and_a_chunk_starting_at_the_same_place_differ():
+    # sys ## doc ## X (X the question) vs sys ## doc ## X ## Y (X a document):
+    # X's tokens attend to everything in the first, to X alone in the second.
+    assert block_extra_keys((3, 5, 4), 8, 12) != block_extra_keys((3, 5, 4, 2), 8, 12)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _none_hash():
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import init_none_hash
+
+    init_none_hash(sha256)  # the chain's seed: once, as the engine does
+
+
+def _block_hashes(layout, token_ids):
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher
+
+    request = Request("r", token_ids, SamplingParams(max_tokens=1), None,
+                      block_hasher=get_request_block_hasher(BLOCK, sha256),
+                      chunk_layout=layout)
+    return request.block_hashes
+
+
+def test_requests_share_the_blocks_of_their_common_leading_segments():
+    """Before (layout digest in block 0's keys): a second question over the
+    same system prompt and documents shared no block with the first."""
+    docs = list(range(100, 112))  # system 3 + chunks 5 and 4: 12 tokens, 3 blocks
+    first = _block_hashes((3, 5, 4, 6), docs + [7] * 6)
+    second = _block_hashes((3, 5, 4, 9), docs + [8] * 9)
+    assert first[:3] == second[:3]
+    assert first[3] != second[3]
+    # The same tokens as a causal request, or split otherwise: nothing shared.
+    plain = _block_hashes(None, docs + [7] * 6)
+    other = _block_hashes((3, 4, 5, 6), docs + [7] * 6)
+    assert plain[0] != first[0]
+    assert other[0] == first[0] and other[1] != first[1]
+
+
+@pytest.mark.parametrize("layout", [(1, 1, 1, 1), (16,), (4, 4, 4, 4)])
+def test_block_edges_and_single_token_segments(layout):
+    total = sum(layout)
+    keys = [k for s in range(0, total, BLOCK) for k in block_extra_keys(layout, s, s + BLOCK)]
+    assert len(keys) == len(layout)
+    assert keys[0] == "chunk-segment:0:s"
+    assert keys[-1].endswith(":q" if len(layout) > 1 else ":s")
