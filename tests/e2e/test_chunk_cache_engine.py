@@ -292,6 +292,25 @@ def test_weight_update_and_reset_serve_kv_of_the_new_weights(llm, reference):
         llm.reset_prefix_cache(reset_connector=True)
 
 
+def test_sleep_empties_the_pool_and_the_answer_after_wake_up_is_exact(llm, reference):
+    """vLLM's sleep (level >= 1) discards the KV cache memory, the pool's
+    included: it resets the caches, the connector's too, so nothing is marked
+    resident after it (the CPU worker keeps its memory, but the index must
+    not know that). After wake_up the documents are computed again."""
+    rng = random.Random("sleep")
+    layout = Layout("sys", [doc(rng, 30), doc(rng, 25)], "after a nap")
+    check(reference, layout, llm.generate([layout.prompt], params(), use_tqdm=False)[0])
+    sched = chunk_scheduler(llm)
+    assert snapshot(sched)["pool_blocks_used"] > 0
+    llm.sleep(level=1)
+    llm.wake_up()
+    assert snapshot(sched)["pool_blocks_used"] == 0
+    before = snapshot(sched)
+    check(reference, layout, llm.generate([layout.prompt], params(), use_tqdm=False)[0])
+    snap = snapshot(sched)
+    assert (snap["hits"] - before["hits"], snap["misses"] - before["misses"]) == (0, 3)
+
+
 def test_prompt_without_separator_is_plain_vllm(llm, reference):
     import torch
 
