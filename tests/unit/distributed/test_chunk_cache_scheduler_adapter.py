@@ -100,20 +100,16 @@ def test_a_load_of_a_request_preempted_in_the_same_step_is_dropped():
     preempted later in the same step has its blocks freed; the load must not
     write into them. It loads again, into its new blocks, when it resumes."""
     adapter = ChunkCacheSchedulerAdapter(*make_config())
-    r = parent("p", [3, 5, 2])
-    adapter.on_new_request(r)
-    adapter.get_num_new_matched_tokens(r, 0)
-    for c in adapter.take_internal_requests():
-        finish(adapter, c, RequestStatus.FINISHED_LENGTH_CAPPED)
+    (r,) = _ready_parents(adapter, [[3, 5, 2]])
     assert adapter.get_num_new_matched_tokens(r, 0) == (8, False)
     adapter.update_state_after_alloc(r, FakeBlocks([7]), 8)
-    meta = adapter.build_connector_meta(step_output({}, preempted={"p"}))
+    meta = adapter.build_connector_meta(step_output({}, preempted={"p0"}))
     assert meta.load_dst_slots == [] and meta.load_src_rows == []
 
     # Resumed in a later step with other blocks: loaded there, and only there.
     assert adapter.get_num_new_matched_tokens(r, 0) == (8, False)
     adapter.update_state_after_alloc(r, FakeBlocks([3]), 8)
-    meta = adapter.build_connector_meta(step_output({"p": 2}))
+    meta = adapter.build_connector_meta(step_output({"p0": 2}))
     assert meta.load_dst_slots == [48 + p for p in range(8)]
     finish(adapter, r, RequestStatus.FINISHED_STOPPED)
     assert adapter.stats().pinned_entries == 0
@@ -130,11 +126,7 @@ def test_connector_reset_forgets_every_segment_and_reports_pinned_ones():
 
     connector = ChunkCacheConnector.__new__(ChunkCacheConnector)
     connector._scheduler = adapter = ChunkCacheSchedulerAdapter(*make_config())
-    r = parent("p", [3, 5, 2])
-    adapter.on_new_request(r)
-    adapter.get_num_new_matched_tokens(r, 0)
-    for c in adapter.take_internal_requests():
-        finish(adapter, c, RequestStatus.FINISHED_LENGTH_CAPPED)
+    (r,) = _ready_parents(adapter, [[3, 5, 2]])
     assert adapter.get_num_new_matched_tokens(r, 0) == (8, False)
     # p still holds its two entries: retired, not freed under it.
     assert connector.reset_cache() is False
