@@ -88,6 +88,16 @@ class FakeBlocks:
         return (self.block_ids,)
 
 
+def loaded(meta):
+    """A step's loads as the rows the workers expand them into."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.metadata import LoadRows
+    from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.setup import POOL_BLOCK_SIZE
+
+    rows = LoadRows.expand(meta.loads, POOL_BLOCK_SIZE, BLOCK)
+    return SimpleNamespace(src=rows.src_rows.tolist(), dst=rows.dst_slots.tolist(),
+                           deltas=rows.deltas.tolist())
+
+
 def step_output(num_scheduled_tokens, preempted=None):
     """The parts of a SchedulerOutput the loads read (no child scheduled)."""
     return SimpleNamespace(scheduled_new_reqs=[], scheduled_cached_reqs=None,
@@ -104,13 +114,13 @@ def test_a_load_of_a_request_preempted_in_the_same_step_is_dropped():
     assert adapter.get_num_new_matched_tokens(r, 0) == (8, False)
     adapter.update_state_after_alloc(r, FakeBlocks([7]), 8)
     meta = adapter.build_connector_meta(step_output({}, preempted={"p0"}))
-    assert meta.load_dst_slots == [] and meta.load_src_rows == []
+    assert loaded(meta).dst == [] and loaded(meta).src == []
 
     # Resumed in a later step with other blocks: loaded there, and only there.
     assert adapter.get_num_new_matched_tokens(r, 0) == (8, False)
     adapter.update_state_after_alloc(r, FakeBlocks([3]), 8)
     meta = adapter.build_connector_meta(step_output({"p0": 2}))
-    assert meta.load_dst_slots == [48 + p for p in range(8)]
+    assert loaded(meta).dst == [48 + p for p in range(8)]
     finish(adapter, r, RequestStatus.FINISHED_STOPPED)
     assert adapter.stats().pinned_entries == 0
 
@@ -158,24 +168,24 @@ def test_boundary_recompute_loads_each_rest_in_the_step_before_its_next_head():
     assert adapter.get_prefill_gap(r, 3).max_new_tokens == 2  # doc1's head
     adapter.update_state_after_alloc(r, blocks, 3)
     meta = adapter.build_connector_meta(out)
-    assert meta.load_dst_slots == [112, 113, 114]  # positions 0..2
+    assert loaded(meta).dst == [112, 113, 114]  # positions 0..2
 
     gap = adapter.get_prefill_gap(r, 5)  # after doc1's head
     assert (gap.num_external_tokens, gap.max_new_tokens) == (3, 2)
     adapter.update_state_after_alloc(r, blocks, 3)
     meta = adapter.build_connector_meta(out)
-    assert meta.load_dst_slots == [112 + p for p in (5, 6, 7)]
+    assert loaded(meta).dst == [112 + p for p in (5, 6, 7)]
     # The pool rows of doc1 from its third token on, rotated by its real start.
-    assert len(meta.load_src_rows) == 3 and set(meta.load_deltas) == {3 - 1}
+    assert len(loaded(meta).src) == 3 and set(loaded(meta).deltas) == {3 - 1}
 
     gap = adapter.get_prefill_gap(r, 10)  # after doc2's head
     assert (gap.num_external_tokens, gap.max_new_tokens) == (2, 2)
     adapter.update_state_after_alloc(r, blocks, 2)
-    assert adapter.build_connector_meta(out).load_dst_slots == [112 + 10, 112 + 11]
+    assert loaded(adapter.build_connector_meta(out)).dst == [112 + 10, 112 + 11]
     gap = adapter.get_prefill_gap(r, 12)  # the question: nothing more to load
     assert (gap.num_external_tokens, gap.max_new_tokens) == (0, 2)
     adapter.update_state_after_alloc(r, blocks, 0)
-    assert adapter.build_connector_meta(out).load_dst_slots == []
+    assert loaded(adapter.build_connector_meta(out)).dst == []
     assert adapter.stats().tokens_loaded == 3 + 3 + 2
     # Past the prompt (resumed after a preemption with generated tokens that vLLM's
     # prefix cache still holds): nothing to load, no cap.
@@ -345,12 +355,12 @@ def test_loads_past_the_per_step_cap_wait_for_the_next_step():
     assert adapter.get_num_new_matched_tokens(b, 0) == (None, False)
     assert adapter.get_num_new_matched_tokens(c, 0) == (None, False)
     meta = adapter.build_connector_meta(step_output({"p0": 2}))
-    assert len(meta.load_src_rows) == 8
+    assert len(loaded(meta).src) == 8
     # Next step: b's turn (c waits again), then c's.
     assert adapter.get_num_new_matched_tokens(b, 0) == (8, False)
     adapter.update_state_after_alloc(b, FakeBlocks([2]), 8)
     assert adapter.get_num_new_matched_tokens(c, 0) == (None, False)
-    assert adapter.build_connector_meta(step_output({"p1": 2})).load_dst_slots == [
+    assert loaded(adapter.build_connector_meta(step_output({"p1": 2}))).dst == [
         32 + p for p in range(8)]
     assert adapter.get_num_new_matched_tokens(c, 0) == (8, False)
 
@@ -381,6 +391,6 @@ def test_a_running_request_whose_stretch_passes_the_cap_computes_nothing_this_st
     gap = adapter.get_prefill_gap(a, 5)  # doc1's rest: 3 rows, 3 + 3 > 4
     assert (gap.num_external_tokens, gap.max_new_tokens) == (0, 0)
     meta = adapter.build_connector_meta(step_output({"p1": 2}))
-    assert meta.load_dst_slots == [32, 33, 34]
+    assert loaded(meta).dst == [32, 33, 34]
     gap = adapter.get_prefill_gap(a, 5)
     assert (gap.num_external_tokens, gap.max_new_tokens) == (3, 2)

@@ -437,26 +437,31 @@ class RemapRows:
     def from_load_plan(
         cls, plan: ChunkLoadPlan, pool_block_size: int, dst_slots: torch.Tensor
     ) -> "RemapRows":
-        """Expand a plan; `dst_slots[p]` is the paged slot of position p."""
-        src, deltas, positions = [], [], []
+        """Expand a plan; `dst_slots[p]` is the paged slot of position p.
+
+        NOTE: the connector's one expansion of loads into rows
+        (`LoadRows.expand`), with every position its own block of one slot.
+        """
+        from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.metadata import (
+            LoadRows,
+            RequestLoad,
+            SegmentStretch,
+        )
+
         for seg in plan.segments:
-            offsets = torch.arange(seg.first_row, seg.row_end)
-            blocks = torch.tensor(seg.pool_block_ids, dtype=torch.int64)
-            src.append(blocks[offsets // pool_block_size] * pool_block_size
-                       + offsets % pool_block_size)
-            deltas.append(torch.full((len(offsets),), seg.position_delta))
-            positions.append(seg.dst_start + offsets)
             if seg.dst_start + seg.row_end > dst_slots.shape[0]:
                 raise ValueError(
                     f"segment {seg.segment_index} ends at position "
                     f"{seg.dst_start + seg.row_end} beyond the "
                     f"{dst_slots.shape[0]} slots given"
                 )
-        position = torch.cat(positions)
+        load = RequestLoad(block_ids=tuple(dst_slots.tolist()),
+                           stretches=tuple(SegmentStretch.of(s) for s in plan.segments))
+        rows = LoadRows.expand([load], pool_block_size, block_size=1)
         return cls(
-            src_rows=torch.cat(src).to(dst_slots.device),
-            dst_slots=dst_slots[position.to(dst_slots.device)],
-            deltas=torch.cat(deltas),
+            src_rows=torch.from_numpy(rows.src_rows).to(dst_slots.device),
+            dst_slots=torch.from_numpy(rows.dst_slots).to(dst_slots.device),
+            deltas=torch.from_numpy(rows.deltas),
         )
 
 

@@ -37,6 +37,8 @@ import numpy as np
 from vllm.distributed.kv_transfer.kv_connector.v1.base import PrefillGap
 from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.metadata import (
     ChunkCacheMetadata,
+    RequestLoad,
+    SegmentStretch,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.setup import (
     POOL_BLOCK_SIZE,
@@ -307,19 +309,10 @@ class ChunkCacheSchedulerAdapter:
                 continue
             plan = self.manager.load_plan(rid, pending.first_position, pending.end_position)
             self.manager.record_load(plan)
-            for seg in plan.segments:
-                positions = np.arange(
-                    seg.dst_start + seg.first_row, seg.dst_start + seg.row_end,
-                    dtype=np.int64,
-                )
-                src = rows_of_blocks(
-                    [int(b) for b in seg.pool_block_ids], POOL_BLOCK_SIZE,
-                    positions - seg.dst_start,
-                )
-                dst = rows_of_blocks(pending.block_ids, self.block_size, positions)
-                meta.load_src_rows.extend(src.tolist())
-                meta.load_dst_slots.extend(dst.tolist())
-                meta.load_deltas.extend([seg.position_delta] * len(positions))
+            meta.loads.append(RequestLoad(
+                block_ids=tuple(pending.block_ids),
+                stretches=tuple(SegmentStretch.of(seg) for seg in plan.segments),
+            ))
         self._pending_loads.clear()
 
     def _add_stores(self, meta: ChunkCacheMetadata, out: SchedulerOutput) -> None:

@@ -12,9 +12,10 @@
   the batch by their paged slots, which the scheduler knows: once per step,
   on the device; every layer then does two index_copy_ kernels.
 * Load (`start_load_kv`, before the forward, outside any CUDA graph): the
-  step's index tensors (pool rows, paged slots, deltas) go to the device in
-  one copy and the fp32 cos/sin of every row's delta is computed there once
-  per step; per layer the `PositionRemapper` gathers the rows, rotates K and
+  step's block ids are expanded into rows once (`LoadRows.expand`), the
+  index arrays (pool rows, paged slots, deltas) go to the device in one copy
+  and the fp32 cos/sin of every row's delta is computed there once per
+  step; per layer the `PositionRemapper` gathers the rows, rotates K and
   writes K/V into the parent's paged blocks through the attention backend's
   own cache-write op (`do_kv_cache_update` of FlashAttention, FlashInfer and
   Triton on CUDA; `ops.cpu_attn_reshape_and_cache` on CPU, which packs per
@@ -34,10 +35,12 @@ import inspect
 import textwrap
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 from torch import nn
 
 from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.cache_writers import writer_for
+from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.metadata import LoadRows
 from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.setup import (
     POOL_BLOCK_SIZE,
     pool_dtype,
@@ -173,6 +176,8 @@ class ChunkCacheWorker:
     def __init__(self, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig):
         self.vllm_config = vllm_config
         self.num_pool_rows = pool_num_blocks(vllm_config, kv_cache_config) * POOL_BLOCK_SIZE
+        # The paged block size of the single KV cache group (support.py).
+        self.block_size = kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size
         self.dtype = pool_dtype(vllm_config)
         self.device: torch.device | None = None
         self.pool_key: dict[str, torch.Tensor] = {}
@@ -274,13 +279,14 @@ class ChunkCacheWorker:
         self._step_rows = None
         self._step_dst = None
         self._step_key = None
-        if not meta.load_src_rows:
+        if not meta.loads:
             return
         assert self.device is not None
-        # One host-to-device copy of the step's three index lists.
-        packed = torch.tensor(
-            [meta.load_src_rows, meta.load_dst_slots, meta.load_deltas],
-            dtype=torch.int64,
+        # The step's block ids expanded into rows once (numpy, on the host),
+        # then one host-to-device copy of the three index arrays.
+        expanded = LoadRows.expand(meta.loads, POOL_BLOCK_SIZE, self.block_size)
+        packed = torch.from_numpy(
+            np.stack((expanded.src_rows, expanded.dst_slots, expanded.deltas))
         )
         if self.device.type != "cpu":
             packed = packed.pin_memory().to(self.device, non_blocking=True)
