@@ -64,6 +64,13 @@ def params(n=3, **kw):
     return SamplingParams(max_tokens=n, temperature=0.0, logprobs=5, ignore_eos=True, **kw)
 
 
+def rendered(llm, prompt: str):
+    """A prompt as LLM.generate hands it to the engine: rendered, so the
+    separator is split. NOTE: LLMEngine.add_request given the raw string skips
+    the renderer (vLLM's deprecated path) and serves the prompt unsplit."""
+    return llm._preprocess_cmpl([prompt])[0]
+
+
 def check(reference, layout, out):
     prompt = reference.chunked_prompt(layout)
     assert list(out.prompt_token_ids) == prompt.token_ids
@@ -211,12 +218,14 @@ def test_abort_and_preemption_leave_nothing_pinned(llm, reference):
     sched = chunk_scheduler(llm)
     layouts = [Layout("sys", [doc(rng, 40)], f"q{i}") for i in range(3)]
     for i, layout in enumerate(layouts):
-        engine.add_request(f"abort-{i}", layout.prompt, params(50))
+        engine.add_request(f"abort-{i}", rendered(llm, layout.prompt), params(50))
     # Step until every request is running (children done, parents loaded),
     # then abort them mid-generation; one more is aborted while waiting.
     for _ in range(6):
         engine.step()
-    engine.add_request("abort-waiting", Layout("sys", [doc(rng, 30)], "q").prompt, params(5))
+    assert snapshot(sched)["live_requests"] == 3  # all three are chunked (split)
+    waiting = Layout("sys", [doc(rng, 30)], "q")
+    engine.add_request("abort-waiting", rendered(llm, waiting.prompt), params(5))
     engine.abort_request(["abort-0", "abort-1", "abort-2", "abort-waiting"])
     while engine.has_unfinished_requests():
         engine.step()
@@ -309,6 +318,59 @@ def test_sleep_empties_the_pool_and_the_answer_after_wake_up_is_exact(llm, refer
     check(reference, layout, llm.generate([layout.prompt], params(), use_tqdm=False)[0])
     snap = snapshot(sched)
     assert (snap["hits"] - before["hits"], snap["misses"] - before["misses"]) == (0, 3)
+
+
+def test_a_document_that_cannot_be_computed_fails_its_request_with_the_reason(
+        llm, reference):
+    """A document's child that ends without its rows twice (here: aborted by
+    the engine while it waits) refuses its parent. The client reads why in the
+    output (the error finish's stop_reason: which document, how its child
+    ended, that a retry is safe), and the retry is served and exact."""
+    from vllm import SamplingParams
+    from vllm.v1.core.chunk_cache_manager import CHILD_REQUEST_PREFIX
+
+    rng = random.Random("child fails")
+    warm = Layout("sys", [doc(rng, 10)], "warm the system prompt")
+    check(reference, warm, llm.generate([warm.prompt], params(), use_tqdm=False)[0])
+    layout = Layout("sys", [doc(rng, 20)], "which document failed?")
+    num_doc_tokens = reference.chunked_prompt(layout).spans[1].num_tokens
+    engine = llm.llm_engine
+    scheduler = engine.engine_core.engine_core.scheduler
+    sched = chunk_scheduler(llm)
+    # The parent is admitted first (its system prompt resident: one child).
+    engine.add_request("child-fails", rendered(llm, layout.prompt), params())
+    engine.step()
+    # NOTE: a plain 900-token prompt then takes each step's whole budget (192)
+    # for five steps, so the child and its retry wait where an abort finds them.
+    plain = {"prompt_token_ids": [rng.randrange(3, 500) for _ in range(900)]}
+    engine.add_request("budget-eater", plain, SamplingParams(max_tokens=1))
+    aborted: set[str] = set()
+    final = None
+    for _ in range(4):
+        for out in engine.step():
+            if out.request_id == "child-fails" and out.finished:
+                final = out
+        if final is not None:
+            break
+        children = [r for r in scheduler.requests if r.startswith(CHILD_REQUEST_PREFIX)]
+        # NOTE: to the engine core, as the front end sends a client's abort
+        # (the front end's own abort only knows its clients' requests).
+        engine.engine_core.abort_requests(children)
+        aborted.update(children)
+    assert final is not None and len(aborted) == 2
+    while engine.has_unfinished_requests():
+        engine.step()
+    completion = final.outputs[0]
+    assert completion.finish_reason == "error" and list(completion.token_ids) == []
+    reason = completion.stop_reason
+    assert isinstance(reason, str)
+    assert f"document 1 of this request ({num_doc_tokens} tokens" in reason
+    assert "could not be computed (2 attempts, the last ended FINISHED_ABORTED)" in reason
+    assert "retrying the request is safe" in reason
+    snap = snapshot(sched)
+    assert snap["pinned_entries"] == 0 and snap["live_requests"] == 0
+    # Retrying is safe: computed afresh, exact.
+    check(reference, layout, llm.generate([layout.prompt], params(), use_tqdm=False)[0])
 
 
 def test_prompt_without_separator_is_plain_vllm(llm, reference):

@@ -230,7 +230,10 @@ def test_failed_child_is_retried_then_the_parent_is_finished_with_an_error():
     assert adapter.take_failed_requests() == {}
     finish(adapter, retry, RequestStatus.FINISHED_ABORTED)
     failed = adapter.take_failed_requests()
-    assert list(failed) == ["p"] and "could not be computed" in failed["p"]
+    assert list(failed) == ["p"]
+    assert "document 1 of this request (5 tokens" in failed["p"]
+    assert "the last ended FINISHED_ABORTED" in failed["p"]
+    assert "retrying the request is safe" in failed["p"]
     # Never served with another attention: it waits until finished with an error.
     assert adapter.get_num_new_matched_tokens(r, 0) == (None, False)
     finish(adapter, sys_child, RequestStatus.FINISHED_LENGTH_CAPPED)

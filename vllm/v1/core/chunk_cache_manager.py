@@ -399,8 +399,9 @@ class ChunkCacheManager:
                 ready.append(parent_id)
         return ready
 
-    def child_failed(self, child_request_id: str) -> ChildSpec | None:
-        """The child ended without storing. Returns its retry, if any.
+    def child_failed(self, child_request_id: str, ended: str = "") -> ChildSpec | None:
+        """The child ended without storing (`ended`: how, for the message).
+        Returns its retry, if any.
 
         NOTE: the entry keeps its blocks and pins for the retry; after the
         last attempt its waiters are refused (never served otherwise).
@@ -413,14 +414,9 @@ class ChunkCacheManager:
             self._children[retry.request_id].waiters = child.waiters
             return retry
         for parent_id in sorted(child.waiters):
+            message = self._child_failed_message(parent_id, child, ended)
             self._release_pins(parent_id, skip=child.spec.chunk_hash)
-            self._refuse(
-                parent_id,
-                AdmitReason.CHILD_FAILED,
-                "chunk cache: a segment of this request could not be computed "
-                f"({MAX_CHILD_ATTEMPTS} attempts); the request is refused rather "
-                "than served with another attention",
-            )
+            self._refuse(parent_id, AdmitReason.CHILD_FAILED, message)
         h = child.spec.chunk_hash
         for _ in child.waiters:
             self.pool.unpin(h)
@@ -542,6 +538,24 @@ class ChunkCacheManager:
         self._refusals.append(ChunkRefusal(request_id, reason, message))
         self._stats.refused_requests += 1
         return ChunkAdmission(request_id, reason, message=message)
+
+    def _child_failed_message(self, parent_id: str, child: _Child, ended: str) -> str:
+        """What the client of a parent refused for `child` is told: which
+        segment, and that nothing of it was kept (so a retry is safe)."""
+        h = child.spec.chunk_hash
+        indices = [s.segment_index for s in self._parents[parent_id].segments
+                   if s.chunk_hash == h]
+        where = ", ".join(
+            "the system segment" if i == 0 else f"document {i}" for i in indices
+        ) or "a segment"
+        how = f", the last ended {ended}" if ended else ""
+        return (
+            f"chunk cache: {where} of this request ({len(child.segment_ids)} "
+            f"tokens, chunk key {h.hex()[:16]}) could not be computed "
+            f"({MAX_CHILD_ATTEMPTS} attempts{how}); the request is refused rather "
+            "than served with another attention. Nothing of it was cached: "
+            "retrying the request is safe."
+        )
 
     def _release_pins(self, request_id: str, skip: ChunkHash) -> None:
         """Drop a parent's pins except on `skip` (the failed child's entry,

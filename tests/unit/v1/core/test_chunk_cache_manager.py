@@ -267,12 +267,17 @@ def test_failed_child_is_retried_once_then_its_waiters_are_refused():
     assert m.take_refusals() == []
 
     # Second failure: refused, never served otherwise; pins and entry gone.
-    assert m.child_failed(retry.request_id) is None
+    assert m.child_failed(retry.request_id, ended="FINISHED_ABORTED") is None
     assert ha not in m.pool
     refusals = m.take_refusals()
     assert [(r.request_id, r.reason) for r in refusals] == [
         ("r1", AdmitReason.CHILD_FAILED), ("r2", AdmitReason.CHILD_FAILED)]
-    assert "could not be computed" in refusals[0].message
+    # The client is told which segment, how it ended and that a retry is safe.
+    for r in refusals:
+        assert f"document 1 of this request ({len(DOC_A)} tokens, chunk key " \
+            f"{ha.hex()[:16]}) could not be computed (2 attempts, the last " \
+            "ended FINISHED_ABORTED)" in r.message
+        assert "retrying the request is safe" in r.message
     assert not m.is_ready("r1")
     assert m.admit("r1").reason == AdmitReason.CHILD_FAILED
     # Remaining children still complete into entries nobody pins.

@@ -277,7 +277,7 @@ class ChunkCacheSchedulerAdapter:
             ) and request.num_computed_tokens >= request.num_prompt_tokens:
                 self.manager.child_finished(rid)
             else:
-                retry = self.manager.child_failed(rid)
+                retry = self.manager.child_failed(rid, ended=request.status.name)
                 logger.warning(
                     "chunk cache: child %s ended without its rows (%s); %s",
                     rid, request.status.name,
