@@ -397,3 +397,47 @@ def test_a_running_request_whose_stretch_passes_the_cap_computes_nothing_this_st
     assert loaded(meta).dst == [32, 33, 34]
     gap = adapter.get_prefill_gap(a, 5)
     assert (gap.num_external_tokens, gap.max_new_tokens) == (3, 2)
+
+
+def stored(meta):
+    """A step's captures as the rows the workers expand them into."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.metadata import StoreRows
+    from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.setup import POOL_BLOCK_SIZE
+
+    rows = StoreRows.expand(meta.stores, POOL_BLOCK_SIZE, BLOCK)
+    return rows.src_slots.tolist(), rows.dst_rows.tolist()
+
+
+def test_a_child_prefilled_in_pieces_stores_each_piece_as_block_ids():
+    """Captures travel as block ids (issue 20, finding 6): per child and step
+    its paged blocks, its entry's pool blocks and the positions computed; the
+    sink (position 0) is computed, never stored."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.metadata import ChildStore
+
+    adapter = ChunkCacheSchedulerAdapter(*make_config())
+    r = parent("p", [3, 5, 2])
+    adapter.on_new_request(r)
+    adapter.get_num_new_matched_tokens(r, 0)
+    sys_child, doc_child = adapter.take_internal_requests()
+    pool = tuple(adapter.manager.store_plan(doc_child.request_id).pool_block_ids)
+    assert pool == (1,)  # the system prompt's entry took pool block 0
+    # Step 1: the document's child is new, 4 of its 6 tokens in paged block 7.
+    new = SimpleNamespace(req_id=doc_child.request_id, block_ids=([7],),
+                          num_computed_tokens=0)
+    out = SimpleNamespace(scheduled_new_reqs=[new], num_scheduled_tokens={new.req_id: 4},
+                          scheduled_cached_reqs=SimpleNamespace(
+                              req_ids=[], new_block_ids=[], resumed_req_ids=set(),
+                              num_computed_tokens=[]),
+                          preempted_req_ids=None)
+    meta = adapter.build_connector_meta(out)
+    assert meta.stores == [ChildStore(block_ids=(7,), pool_block_ids=pool,
+                                      first_position=1, end_position=4, store_start=1)]
+    assert stored(meta) == ([7 * BLOCK + 1, 7 * BLOCK + 2, 7 * BLOCK + 3], [16, 17, 18])
+    # Step 2: the last 2 tokens, no new block.
+    out = SimpleNamespace(scheduled_new_reqs=[], num_scheduled_tokens={new.req_id: 2},
+                          scheduled_cached_reqs=SimpleNamespace(
+                              req_ids=[new.req_id], new_block_ids=[None],
+                              resumed_req_ids=set(), num_computed_tokens=[4]),
+                          preempted_req_ids=None)
+    meta = adapter.build_connector_meta(out)
+    assert stored(meta) == ([7 * BLOCK + 4, 7 * BLOCK + 5], [19, 20])

@@ -11,6 +11,11 @@ import torch
 from torch import nn
 
 from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache import setup
+from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.metadata import (
+    ChildStore,
+    ChunkCacheMetadata,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.setup import POOL_BLOCK_SIZE
 from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.support import (
     check_graph_mode,
     check_model_config,
@@ -241,8 +246,12 @@ def test_capture_indices_read_nothing_back_to_the_host(monkeypatch):
     every step with a child, a device->host read that serialises CPU and GPU
     under async scheduling. Now a device-side assertion: no Python-level read
     of a tensor's value, and a slot missing from the batch still raises."""
-    meta = SimpleNamespace(store_src_slots=[5, 9, 2], store_dst_rows=[40, 41, 42])
-    slot_mapping = torch.tensor([7, 9, 2, 5, 11], dtype=torch.int32)
+    # A child of blocks (2, 0) of 4 slots computes positions 1..4 (slots 9,
+    # 10, 11, 0) and stores them from position 1 on: rows 0..3 of pool block 10.
+    store = ChildStore(block_ids=(2, 0), pool_block_ids=(10,), first_position=1,
+                       end_position=5, store_start=1)
+    worker = SimpleNamespace(block_size=4)
+    slot_mapping = torch.tensor([7, 9, 10, 11, 0, 13], dtype=torch.int32)
 
     def host_read(*args):
         raise AssertionError("a tensor's value was read on the host")
@@ -250,8 +259,13 @@ def test_capture_indices_read_nothing_back_to_the_host(monkeypatch):
     with monkeypatch.context() as m:
         for name in ("__bool__", "item", "tolist", "__int__", "__float__"):
             m.setattr(torch.Tensor, name, host_read)
-        rows, dst = ChunkCacheWorker._capture_indices(meta, slot_mapping)
-    assert rows.tolist() == [3, 1, 2] and dst.tolist() == [40, 41, 42]
+        rows, dst = ChunkCacheWorker._capture_indices(
+            worker, ChunkCacheMetadata(stores=[store]), slot_mapping)
+    first = 10 * POOL_BLOCK_SIZE
+    assert rows.tolist() == [1, 2, 3, 4]
+    assert dst.tolist() == [first, first + 1, first + 2, first + 3]
+    missing = ChildStore(block_ids=(1,), pool_block_ids=(0,), first_position=0,
+                         end_position=1, store_start=0)  # slot 4: not in the batch
     with pytest.raises(RuntimeError, match="not in this step's batch"):
         ChunkCacheWorker._capture_indices(
-            SimpleNamespace(store_src_slots=[4], store_dst_rows=[0]), slot_mapping)
+            worker, ChunkCacheMetadata(stores=[missing]), slot_mapping)

@@ -142,13 +142,6 @@ class ChunkPoolEntry:
     # entry can never be evicted.
     pin_count: int = 0
 
-    def row_ids(self, block_size: int) -> list[int]:
-        """Flat pool row index (block_id * block_size + offset) per token."""
-        return [
-            int(self.block_ids[i // block_size]) * block_size + i % block_size
-            for i in range(self.num_tokens)
-        ]
-
 
 class AdmitReason(str, Enum):
     """Outcome of `ChunkCacheManager.admit` for a chunked request."""

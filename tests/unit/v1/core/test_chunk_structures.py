@@ -4,7 +4,6 @@ import pytest
 from vllm.v1.core.chunk_structures import (
     ChunkCacheStats,
     ChunkedPrompt,
-    ChunkPoolEntry,
     SegmentSpan,
 )
 
@@ -33,11 +32,6 @@ def test_chunked_prompt_views():
 def test_chunked_prompt_rejects_bad_spans(token_ids, spans, match):
     with pytest.raises(ValueError, match=match):
         ChunkedPrompt(token_ids, spans)
-
-
-def test_pool_entry_rows_follow_blocks():
-    entry = ChunkPoolEntry(b"k" * 16, [7, 2], num_tokens=6)
-    assert entry.row_ids(4) == [28, 29, 30, 31, 8, 9]
 
 
 def test_stats_ratios():

@@ -174,7 +174,7 @@ class ChunkCacheConnector(KVConnectorBase_V1):
         assert self._worker is not None
         meta = self._get_connector_metadata()
         assert isinstance(meta, ChunkCacheMetadata)
-        if not meta.store_src_slots:
+        if not meta.stores:
             return
         from vllm.forward_context import get_forward_context
 

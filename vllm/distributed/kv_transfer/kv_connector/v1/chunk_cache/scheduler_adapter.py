@@ -32,10 +32,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-import numpy as np
-
 from vllm.distributed.kv_transfer.kv_connector.v1.base import PrefillGap
 from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.metadata import (
+    ChildStore,
     ChunkCacheMetadata,
     RequestLoad,
     SegmentStretch,
@@ -78,8 +77,8 @@ class _ChildSlots:
     # Tokens of the child's sequence and the first one to store.
     num_tokens: int
     store_start: int
-    # Pool row of each stored token.
-    pool_rows: np.ndarray
+    # Its entry's pool blocks, in row order.
+    pool_block_ids: tuple[int, ...]
     # Paged block ids of the child (grows with chunked prefill).
     block_ids: list[int] = field(default_factory=list)
 
@@ -93,12 +92,6 @@ class _PendingLoad:
     end_position: int
     # The parent's paged block ids.
     block_ids: list[int]
-
-
-def rows_of_blocks(block_ids: list[int], block_size: int, positions: np.ndarray) -> np.ndarray:
-    """Flat row (block_id * block_size + offset) of each position."""
-    blocks = np.asarray(block_ids, dtype=np.int64)
-    return blocks[positions // block_size] * block_size + positions % block_size
 
 
 class ChunkCacheSchedulerAdapter:
@@ -342,13 +335,13 @@ class ChunkCacheSchedulerAdapter:
             hi = min(start + n, child.num_tokens)
             if lo >= hi:
                 continue
-            positions = np.arange(lo, hi, dtype=np.int64)
-            meta.store_src_slots.extend(
-                rows_of_blocks(child.block_ids, self.block_size, positions).tolist()
-            )
-            meta.store_dst_rows.extend(
-                child.pool_rows[positions - child.store_start].tolist()
-            )
+            meta.stores.append(ChildStore(
+                block_ids=tuple(child.block_ids),
+                pool_block_ids=child.pool_block_ids,
+                first_position=lo,
+                end_position=hi,
+                store_start=child.store_start,
+            ))
 
     # -------------------------------------------------------------- stats
 
@@ -391,12 +384,9 @@ class ChunkCacheSchedulerAdapter:
             block_hasher=origin._block_hasher,
         )
         plan = self.manager.store_plan(spec.request_id)
-        offsets = np.arange(plan.num_tokens, dtype=np.int64)
         self._children[spec.request_id] = _ChildSlots(
             num_tokens=len(spec.token_ids),
             store_start=spec.store_start,
-            pool_rows=rows_of_blocks(
-                [int(b) for b in plan.pool_block_ids], POOL_BLOCK_SIZE, offsets
-            ),
+            pool_block_ids=tuple(int(b) for b in plan.pool_block_ids),
         )
         return child

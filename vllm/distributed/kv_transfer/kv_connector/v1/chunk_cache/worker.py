@@ -40,7 +40,10 @@ import torch
 from torch import nn
 
 from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.cache_writers import writer_for
-from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.metadata import LoadRows
+from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.metadata import (
+    LoadRows,
+    StoreRows,
+)
 from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.setup import (
     POOL_BLOCK_SIZE,
     pool_dtype,
@@ -344,7 +347,7 @@ class ChunkCacheWorker:
         key: torch.Tensor | None,
         value: torch.Tensor | None,
     ) -> None:
-        if not meta.store_src_slots or layer_name not in self.pool_key:
+        if not meta.stores or layer_name not in self.pool_key:
             return
         if key is None or value is None or slot_mapping is None:
             raise RuntimeError(
@@ -361,9 +364,8 @@ class ChunkCacheWorker:
         pool_key.index_copy_(0, dst, key.index_select(0, rows).to(pool_key.dtype))
         pool_value.index_copy_(0, dst, value.index_select(0, rows).to(pool_value.dtype))
 
-    @staticmethod
     def _capture_indices(
-        meta: Any, slot_mapping: torch.Tensor
+        self, meta: Any, slot_mapping: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Batch row of each token to capture (found by its paged slot) and
         its pool row, on the batch's device, once per step, with no host
@@ -371,9 +373,8 @@ class ChunkCacheWorker:
         device-side assertion (raised at once on the CPU, by the device in
         stream order elsewhere)."""
         device = slot_mapping.device
-        packed = torch.tensor(
-            [meta.store_src_slots, meta.store_dst_rows], dtype=torch.int64
-        )
+        expanded = StoreRows.expand(meta.stores, POOL_BLOCK_SIZE, self.block_size)
+        packed = torch.from_numpy(np.stack((expanded.src_slots, expanded.dst_rows)))
         if device.type != "cpu":
             packed = packed.pin_memory().to(device, non_blocking=True)
         wanted, dst = packed[0], packed[1]

@@ -1,0 +1,48 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The connector metadata's block-id descriptors and their one expansion into
+rows (what each worker does once per step), with exact rows."""
+
+import numpy as np
+
+from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.metadata import (
+    ChildStore,
+    LoadRows,
+    RequestLoad,
+    SegmentStretch,
+    StoreRows,
+    rows_of_blocks,
+)
+
+
+def test_rows_follow_the_blocks():
+    # Rows 0..5 of a sequence in blocks [7, 2] of 4 rows.
+    assert rows_of_blocks([7, 2], 4, np.arange(6)).tolist() == [28, 29, 30, 31, 8, 9]
+
+
+def test_a_load_expands_to_pool_rows_paged_slots_and_deltas():
+    # Rows 2..5 of an entry in pool blocks (3, 1) of 4 rows, loaded at
+    # positions 6..9 of a request whose paged blocks are (5, 0, 9) of 4 slots.
+    stretch = SegmentStretch(pool_block_ids=(3, 1), first_row=2, num_rows=4,
+                             dst_position=6, delta=-7)
+    other = SegmentStretch(pool_block_ids=(8,), first_row=0, num_rows=1,
+                           dst_position=0, delta=0)
+    rows = LoadRows.expand([RequestLoad(block_ids=(5, 0, 9), stretches=(stretch,)),
+                            RequestLoad(block_ids=(4,), stretches=(other,))], 4, 4)
+    assert rows.src_rows.tolist() == [14, 15, 4, 5, 32]
+    assert rows.dst_slots.tolist() == [2, 3, 36, 37, 16]
+    assert rows.deltas.tolist() == [-7, -7, -7, -7, 0]
+
+
+def test_a_capture_expands_to_paged_slots_and_pool_rows():
+    # Positions 3..6 of a child in paged blocks (6, 2) of 4 slots; its entry
+    # starts at position 1 (the sink before it) in pool blocks (0, 5).
+    store = ChildStore(block_ids=(6, 2), pool_block_ids=(0, 5), first_position=3,
+                       end_position=7, store_start=1)
+    rows = StoreRows.expand([store], 4, 4)
+    assert rows.src_slots.tolist() == [27, 8, 9, 10]
+    assert rows.dst_rows.tolist() == [2, 3, 20, 21]
+
+
+def test_nothing_to_expand():
+    assert LoadRows.expand([], 16, 16).src_rows.size == 0
+    assert StoreRows.expand([], 16, 16).dst_rows.size == 0
