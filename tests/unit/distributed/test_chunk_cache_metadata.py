@@ -1,8 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """The connector metadata's block-id descriptors and their one expansion into
-rows (what each worker does once per step), with exact rows."""
+rows (what each worker does once per step, on its device), with exact rows."""
 
-import numpy as np
+import torch
 
 from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.metadata import (
     ChildStore,
@@ -10,13 +10,19 @@ from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.metadata import (
     RequestLoad,
     SegmentStretch,
     StoreRows,
-    rows_of_blocks,
 )
+
+CPU = torch.device("cpu")
 
 
 def test_rows_follow_the_blocks():
-    # Rows 0..5 of a sequence in blocks [7, 2] of 4 rows.
-    assert rows_of_blocks([7, 2], 4, np.arange(6)).tolist() == [28, 29, 30, 31, 8, 9]
+    # Rows 0..5 of an entry in pool blocks (7, 2) of 4 rows, to positions
+    # 0..5 of a request in paged blocks (1, 3) of 8 slots.
+    stretch = SegmentStretch(pool_block_ids=(7, 2), first_row=0, num_rows=6,
+                             dst_position=0, delta=3)
+    rows = LoadRows.expand([RequestLoad(block_ids=(1, 3), stretches=(stretch,))], 4, 8, CPU)
+    assert rows.src_rows.tolist() == [28, 29, 30, 31, 8, 9]
+    assert rows.dst_slots.tolist() == [8, 9, 10, 11, 12, 13]
 
 
 def test_a_load_expands_to_pool_rows_paged_slots_and_deltas():
@@ -27,7 +33,7 @@ def test_a_load_expands_to_pool_rows_paged_slots_and_deltas():
     other = SegmentStretch(pool_block_ids=(8,), first_row=0, num_rows=1,
                            dst_position=0, delta=0)
     rows = LoadRows.expand([RequestLoad(block_ids=(5, 0, 9), stretches=(stretch,)),
-                            RequestLoad(block_ids=(4,), stretches=(other,))], 4, 4)
+                            RequestLoad(block_ids=(4,), stretches=(other,))], 4, 4, CPU)
     assert rows.src_rows.tolist() == [14, 15, 4, 5, 32]
     assert rows.dst_slots.tolist() == [2, 3, 36, 37, 16]
     assert rows.deltas.tolist() == [-7, -7, -7, -7, 0]
@@ -38,11 +44,23 @@ def test_a_capture_expands_to_paged_slots_and_pool_rows():
     # starts at position 1 (the sink before it) in pool blocks (0, 5).
     store = ChildStore(block_ids=(6, 2), pool_block_ids=(0, 5), first_position=3,
                        end_position=7, store_start=1)
-    rows = StoreRows.expand([store], 4, 4)
+    rows = StoreRows.expand([store], 4, 4, CPU)
     assert rows.src_slots.tolist() == [27, 8, 9, 10]
     assert rows.dst_rows.tolist() == [2, 3, 20, 21]
 
 
 def test_nothing_to_expand():
-    assert LoadRows.expand([], 16, 16).src_rows.size == 0
-    assert StoreRows.expand([], 16, 16).dst_rows.size == 0
+    assert LoadRows.expand([], 16, 16, CPU).src_rows.numel() == 0
+    assert StoreRows.expand([], 16, 16, CPU).dst_rows.numel() == 0
+
+
+def test_stretches_of_one_request_share_its_block_table():
+    # Two stretches of one request and one of another: each table shipped once.
+    a = SegmentStretch(pool_block_ids=(0,), first_row=0, num_rows=2, dst_position=0, delta=1)
+    b = SegmentStretch(pool_block_ids=(1,), first_row=1, num_rows=2, dst_position=2, delta=2)
+    c = SegmentStretch(pool_block_ids=(2,), first_row=0, num_rows=1, dst_position=1, delta=3)
+    rows = LoadRows.expand([RequestLoad(block_ids=(9,), stretches=(a, b)),
+                            RequestLoad(block_ids=(5,), stretches=(c,))], 4, 4, CPU)
+    assert rows.src_rows.tolist() == [0, 1, 5, 6, 8]
+    assert rows.dst_slots.tolist() == [36, 37, 38, 39, 21]
+    assert rows.deltas.tolist() == [1, 1, 2, 2, 3]

@@ -93,7 +93,7 @@ def loaded(meta):
     from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.metadata import LoadRows
     from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.setup import POOL_BLOCK_SIZE
 
-    rows = LoadRows.expand(meta.loads, POOL_BLOCK_SIZE, BLOCK)
+    rows = LoadRows.expand(meta.loads, POOL_BLOCK_SIZE, BLOCK, torch.device("cpu"))
     return SimpleNamespace(src=rows.src_rows.tolist(), dst=rows.dst_slots.tolist(),
                            deltas=rows.deltas.tolist())
 
@@ -404,7 +404,7 @@ def stored(meta):
     from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.metadata import StoreRows
     from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.setup import POOL_BLOCK_SIZE
 
-    rows = StoreRows.expand(meta.stores, POOL_BLOCK_SIZE, BLOCK)
+    rows = StoreRows.expand(meta.stores, POOL_BLOCK_SIZE, BLOCK, torch.device("cpu"))
     return rows.src_slots.tolist(), rows.dst_rows.tolist()
 
 

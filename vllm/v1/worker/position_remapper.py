@@ -457,12 +457,9 @@ class RemapRows:
                 )
         load = RequestLoad(block_ids=tuple(dst_slots.tolist()),
                            stretches=tuple(SegmentStretch.of(s) for s in plan.segments))
-        rows = LoadRows.expand([load], pool_block_size, block_size=1)
-        return cls(
-            src_rows=torch.from_numpy(rows.src_rows).to(dst_slots.device),
-            dst_slots=torch.from_numpy(rows.dst_slots).to(dst_slots.device),
-            deltas=torch.from_numpy(rows.deltas),
-        )
+        rows = LoadRows.expand([load], pool_block_size, 1, dst_slots.device)
+        return cls(src_rows=rows.src_rows, dst_slots=rows.dst_slots,
+                   deltas=rows.deltas.cpu())
 
 
 class RemapScratch:

@@ -3,27 +3,19 @@
 
 Loads and captures travel as block ids, vLLM's own currency: per request its
 paged blocks, per cached segment its pool blocks and the stretch to copy,
-and the workers expand them into rows (`LoadRows.expand`,
-`StoreRows.expand`; both address rows with `rows_of_blocks`). A step of 64
-documents of 500 tokens ships a few hundred integers instead of three lists
-of 32,000 (docs/benchmarks.md).
+and each worker expands them into rows on its device (`LoadRows.expand`,
+`StoreRows.expand`, both through `_expand`, the one definition of "blocks
+-> rows"). A step of 64 documents of 500 tokens ships a few hundred integers
+instead of three lists of 32,000 (docs/benchmarks.md).
 """
 
 from dataclasses import dataclass, field
 
 import numpy as np
+import torch
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 from vllm.v1.core.chunk_structures import SegmentLoad
-
-
-def rows_of_blocks(
-    block_ids: tuple[int, ...] | np.ndarray, block_size: int, positions: np.ndarray
-) -> np.ndarray:
-    """Flat row (block_id * block_size + offset) of each position of a
-    sequence stored in `block_ids` (paged blocks or pool blocks alike)."""
-    blocks = np.asarray(block_ids, dtype=np.int64)
-    return blocks[positions // block_size] * block_size + positions % block_size
 
 
 @dataclass(frozen=True)
@@ -61,30 +53,24 @@ class RequestLoad:
 
 @dataclass(frozen=True)
 class LoadRows:
-    """A step's loads as rows: pool row -> paged slot, and the K rotation."""
+    """A step's loads as rows on the device: pool row -> paged slot, and
+    the K rotation of each."""
 
-    src_rows: np.ndarray
-    dst_slots: np.ndarray
-    deltas: np.ndarray
+    src_rows: torch.Tensor
+    dst_slots: torch.Tensor
+    deltas: torch.Tensor
 
     @classmethod
-    def expand(cls, loads: list[RequestLoad], pool_block_size: int,
-               block_size: int) -> "LoadRows":
-        src, dst, deltas = [], [], []
-        for load in loads:
-            # NOTE: converted once per request, not per stretch (thousands of
-            # blocks at 64 documents).
-            blocks = np.asarray(load.block_ids, dtype=np.int64)
-            for s in load.stretches:
-                rows = np.arange(s.first_row, s.first_row + s.num_rows, dtype=np.int64)
-                src.append(rows_of_blocks(s.pool_block_ids, pool_block_size, rows))
-                positions = rows - s.first_row + s.dst_position
-                dst.append(rows_of_blocks(blocks, block_size, positions))
-                deltas.append(np.full(s.num_rows, s.delta, dtype=np.int64))
-        if not src:
-            empty = np.zeros(0, dtype=np.int64)
-            return cls(empty, empty, empty)
-        return cls(np.concatenate(src), np.concatenate(dst), np.concatenate(deltas))
+    def expand(cls, loads: list[RequestLoad], pool_block_size: int, block_size: int,
+               device: torch.device) -> "LoadRows":
+        copies = [
+            _Copy(src_blocks=s.pool_block_ids, src_first=s.first_row,
+                  dst_blocks=load.block_ids, dst_first=s.dst_position,
+                  count=s.num_rows, delta=s.delta)
+            for load in loads for s in load.stretches
+        ]
+        src, dst, deltas = _expand(copies, pool_block_size, block_size, device)
+        return cls(src, dst, deltas)
 
 
 @dataclass(frozen=True)
@@ -105,24 +91,84 @@ class ChildStore:
 
 @dataclass(frozen=True)
 class StoreRows:
-    """A step's captures as rows: paged slot -> pool row."""
+    """A step's captures as rows on the device: paged slot -> pool row."""
 
-    src_slots: np.ndarray
-    dst_rows: np.ndarray
+    src_slots: torch.Tensor
+    dst_rows: torch.Tensor
 
     @classmethod
-    def expand(cls, stores: list[ChildStore], pool_block_size: int,
-               block_size: int) -> "StoreRows":
-        src, dst = [], []
-        for s in stores:
-            positions = np.arange(s.first_position, s.end_position, dtype=np.int64)
-            src.append(rows_of_blocks(s.block_ids, block_size, positions))
-            dst.append(rows_of_blocks(s.pool_block_ids, pool_block_size,
-                                      positions - s.store_start))
-        if not src:
-            empty = np.zeros(0, dtype=np.int64)
-            return cls(empty, empty)
-        return cls(np.concatenate(src), np.concatenate(dst))
+    def expand(cls, stores: list[ChildStore], pool_block_size: int, block_size: int,
+               device: torch.device) -> "StoreRows":
+        copies = [
+            _Copy(src_blocks=s.block_ids, src_first=s.first_position,
+                  dst_blocks=s.pool_block_ids, dst_first=s.first_position - s.store_start,
+                  count=s.end_position - s.first_position, delta=0)
+            for s in stores
+        ]
+        src, dst, _ = _expand(copies, block_size, pool_block_size, device)
+        return cls(src, dst)
+
+
+@dataclass(frozen=True)
+class _Copy:
+    """`count` consecutive positions: from `src_first` on in the sequence
+    stored in `src_blocks`, to `dst_first` on in `dst_blocks`."""
+
+    src_blocks: tuple[int, ...]
+    src_first: int
+    dst_blocks: tuple[int, ...]
+    dst_first: int
+    count: int
+    delta: int
+
+
+def _expand(copies: list[_Copy], src_block_size: int, dst_block_size: int,
+            device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Flat source row, destination row and delta of every copied position
+    (row = block_id * block_size + offset), expanded on `device`.
+
+    NOTE: the host packs only block tables and six integers per copy (a
+    request's table once, however many stretches use it) into one array:
+    one host->device copy, then the expansion runs where the rows are used,
+    with no host synchronisation (the row count is known on the host).
+    """
+    if not copies:
+        empty = torch.zeros(0, dtype=torch.int64, device=device)
+        return empty, empty, empty
+    tables: dict[int, int] = {}  # id(block tuple) -> offset in `flat`
+    flat: list[np.ndarray] = []
+    size = 0
+
+    def offset_of(blocks: tuple[int, ...]) -> int:
+        nonlocal size
+        if id(blocks) not in tables:
+            tables[id(blocks)] = size
+            flat.append(np.asarray(blocks, dtype=np.int64))
+            size += len(blocks)
+        return tables[id(blocks)]
+
+    per_copy = np.array(
+        [(offset_of(c.src_blocks), c.src_first, offset_of(c.dst_blocks), c.dst_first,
+          c.count, c.delta) for c in copies], dtype=np.int64,
+    ).T
+    total = int(per_copy[4].sum())
+    packed = torch.from_numpy(np.concatenate([per_copy.reshape(-1)] + flat))
+    if device.type != "cpu":
+        packed = packed.pin_memory().to(device, non_blocking=True)
+    num = len(copies)
+    src_off, src_first, dst_off, dst_first, count, delta = packed[:6 * num].view(6, num)
+    blocks = packed[6 * num:]
+    which = torch.repeat_interleave(
+        torch.arange(num, device=device), count, output_size=total
+    )
+    local = torch.arange(total, device=device) - (torch.cumsum(count, 0) - count)[which]
+    src = src_first[which] + local
+    dst = dst_first[which] + local
+    src_rows = (blocks[src_off[which] + src // src_block_size] * src_block_size
+                + src % src_block_size)
+    dst_rows = (blocks[dst_off[which] + dst // dst_block_size] * dst_block_size
+                + dst % dst_block_size)
+    return src_rows, dst_rows, delta[which]
 
 
 @dataclass

@@ -12,10 +12,9 @@
   the batch by their paged slots, which the scheduler knows: once per step,
   on the device; every layer then does two index_copy_ kernels.
 * Load (`start_load_kv`, before the forward, outside any CUDA graph): the
-  step's block ids are expanded into rows once (`LoadRows.expand`), the
-  index arrays (pool rows, paged slots, deltas) go to the device in one copy
-  and the fp32 cos/sin of every row's delta is computed there once per
-  step; per layer the `PositionRemapper` gathers the rows, rotates K and
+  step's block ids go to the device in one copy and are expanded there into
+  rows once (`LoadRows.expand`: pool rows, paged slots, deltas), and the
+  fp32 cos/sin of every row's delta is computed there once per step; per layer the `PositionRemapper` gathers the rows, rotates K and
   writes K/V into the parent's paged blocks through the attention backend's
   own cache-write op (`do_kv_cache_update` of FlashAttention, FlashInfer and
   Triton on CUDA; `ops.cpu_attn_reshape_and_cache` on CPU, which packs per
@@ -35,7 +34,6 @@ import inspect
 import textwrap
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -285,15 +283,11 @@ class ChunkCacheWorker:
         if not meta.loads:
             return
         assert self.device is not None
-        # The step's block ids expanded into rows once (numpy, on the host),
-        # then one host-to-device copy of the three index arrays.
-        expanded = LoadRows.expand(meta.loads, POOL_BLOCK_SIZE, self.block_size)
-        packed = torch.from_numpy(
-            np.stack((expanded.src_rows, expanded.dst_slots, expanded.deltas))
-        )
-        if self.device.type != "cpu":
-            packed = packed.pin_memory().to(self.device, non_blocking=True)
-        rows = RemapRows(src_rows=packed[0], dst_slots=packed[1], deltas=packed[2])
+        # The step's block ids expanded into rows once, on the device.
+        expanded = LoadRows.expand(meta.loads, POOL_BLOCK_SIZE, self.block_size,
+                                   self.device)
+        rows = RemapRows(src_rows=expanded.src_rows, dst_slots=expanded.dst_slots,
+                         deltas=expanded.deltas)
         self._forward_context = forward_context
         try:
             # NOTE: more rows than the buffers hold only for a load longer than
@@ -372,12 +366,9 @@ class ChunkCacheWorker:
         synchronisation: the check that every slot is in the batch is a
         device-side assertion (raised at once on the CPU, by the device in
         stream order elsewhere)."""
-        device = slot_mapping.device
-        expanded = StoreRows.expand(meta.stores, POOL_BLOCK_SIZE, self.block_size)
-        packed = torch.from_numpy(np.stack((expanded.src_slots, expanded.dst_rows)))
-        if device.type != "cpu":
-            packed = packed.pin_memory().to(device, non_blocking=True)
-        wanted, dst = packed[0], packed[1]
+        expanded = StoreRows.expand(meta.stores, POOL_BLOCK_SIZE, self.block_size,
+                                    slot_mapping.device)
+        wanted, dst = expanded.src_slots, expanded.dst_rows
         slots = slot_mapping.to(torch.int64)
         order = torch.argsort(slots)
         sorted_slots = slots[order]
