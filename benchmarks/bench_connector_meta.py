@@ -55,9 +55,11 @@ def _adapter(num_pool_tokens: int):
     return ChunkCacheSchedulerAdapter(config, kv)
 
 
-def measure(num_docs: int, doc_tokens: int, repeat: int) -> dict:
+def _admitted(num_docs: int, doc_tokens: int):
+    """An adapter that has admitted one request of N documents (its
+    children spawned, not run), the request and its layout."""
     from vllm.sampling_params import SamplingParams
-    from vllm.v1.request import Request, RequestStatus
+    from vllm.v1.request import Request
 
     layout = [8] + [doc_tokens] * num_docs + [16]
     total = sum(layout)
@@ -66,6 +68,14 @@ def measure(num_docs: int, doc_tokens: int, repeat: int) -> dict:
     parent = Request("p", ids, SamplingParams(max_tokens=2), None, chunk_layout=layout)
     adapter.on_new_request(parent)
     adapter.get_num_new_matched_tokens(parent, 0)
+    return adapter, parent, layout
+
+
+def measure(num_docs: int, doc_tokens: int, repeat: int) -> dict:
+    from vllm.v1.request import RequestStatus
+
+    adapter, parent, layout = _admitted(num_docs, doc_tokens)
+    total = sum(layout)
     for child in adapter.take_internal_requests():
         child.status = RequestStatus.FINISHED_LENGTH_CAPPED
         child.num_computed_tokens = child.num_prompt_tokens
@@ -114,16 +124,8 @@ def measure_captures(num_docs: int, doc_tokens: int, repeat: int) -> dict:
 
     from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.metadata import StoreRows
     from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.setup import POOL_BLOCK_SIZE
-    from vllm.sampling_params import SamplingParams
-    from vllm.v1.request import Request
 
-    layout = [8] + [doc_tokens] * num_docs + [16]
-    total = sum(layout)
-    adapter = _adapter(4 * total)
-    ids = [10 + (i % 30000) for i in range(total)]
-    parent = Request("p", ids, SamplingParams(max_tokens=2), None, chunk_layout=layout)
-    adapter.on_new_request(parent)
-    adapter.get_num_new_matched_tokens(parent, 0)
+    adapter, _, _ = _admitted(num_docs, doc_tokens)
     children = adapter.take_internal_requests()
     new, scheduled, next_block = [], {}, 1
     for child in children:
