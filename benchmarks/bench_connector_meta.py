@@ -111,7 +111,7 @@ def measure(num_docs: int, doc_tokens: int, repeat: int) -> dict:
         expand.append(t3 - t2)
         former.append(t5 - t4)
         size = len(data)
-    return {"docs": num_docs, "rows": total - layout[-1],
+    return {"docs": num_docs, "rows": rows.src_rows.numel(),
             "build_ms": 1e3 * statistics.median(build),
             "pickle_ms": 1e3 * statistics.median(dump), "bytes": size,
             "expand_ms": 1e3 * statistics.median(expand),
