@@ -53,3 +53,14 @@ def test_prompt_logprobs_work_as_usual(llm):
     out = llm.generate(["sys ## doc ## q"], SamplingParams(max_tokens=1, prompt_logprobs=1),
                        use_tqdm=False)[0]
     assert out.prompt_logprobs is not None
+
+
+def test_prompt_segments_are_refused_naming_the_flag(llm):
+    """A prompt given as segments needs the chunk cache: a validation error
+    that says so, not a failure on the missing "prompt"."""
+    from vllm import SamplingParams
+    from vllm.exceptions import VLLMValidationError
+
+    with pytest.raises(VLLMValidationError, match="--enable-chunk-cache"):
+        llm.generate([{"prompt_segments": ["sys", "doc", "q"]}],
+                     SamplingParams(max_tokens=1), use_tqdm=False)

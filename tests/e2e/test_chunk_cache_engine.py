@@ -373,6 +373,29 @@ def test_a_document_that_cannot_be_computed_fails_its_request_with_the_reason(
     check(reference, layout, llm.generate([layout.prompt], params(), use_tqdm=False)[0])
 
 
+def test_prompt_segments_offline_hit_the_separator_forms_chunks_and_stay_exact(
+        llm, reference):
+    """LLM.generate({"prompt_segments": [...]}): the documents of a separator
+    prompt are hits in another order, as strings and as token-id lists."""
+    rng = random.Random("offline segments")
+    docs = [doc(rng, 12), doc(rng, 9)]
+    first = Layout("sys", docs, "first question")
+    check(reference, first, llm.generate([first.prompt], params(), use_tqdm=False)[0])
+    sched = chunk_scheduler(llm)
+    before = snapshot(sched)
+    second = Layout("sys", docs[::-1], "second question")
+    segments = [second.system, *second.chunks, second.question]
+    out = llm.generate([{"prompt_segments": segments}], params(), use_tqdm=False)[0]
+    check(reference, second, out)
+    prompt = reference.chunked_prompt(second)
+    as_ids = [prompt.token_ids[s.start:s.end] for s in prompt.spans]
+    out = llm.generate([{"prompt_segments": as_ids}], params(), use_tqdm=False)[0]
+    check(reference, second, out)
+    snap = snapshot(sched)
+    assert snap["child_computes"] == before["child_computes"]
+    assert snap["misses"] == before["misses"] and snap["hits"] - before["hits"] == 6
+
+
 def test_prompt_without_separator_is_plain_vllm(llm, reference):
     import torch
 

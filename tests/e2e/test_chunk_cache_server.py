@@ -218,3 +218,102 @@ def test_client_disconnect_leaves_nothing_pinned(server):
         running = [ln for ln in r.read().decode().splitlines()
                    if ln.startswith("vllm:num_requests_running{")]
     assert running and all(float(ln.rsplit(" ", 1)[1]) == 0 for ln in running)
+
+
+# ------------------------------------------------- documents as structured input
+
+
+def segments_of(layout: Layout) -> list[str]:
+    return [layout.system, *layout.chunks, layout.question]
+
+
+def test_prompt_segments_reuse_the_separator_forms_chunks_and_match_the_reference(
+        server, reference):
+    """The same documents through the separator and through `prompt_segments`
+    have the same chunk keys: the second form computes nothing new, in another
+    order, and both answers equal the isolation reference."""
+    rng = random.Random("segments")
+    docs = [random_text(rng, 30), random_text(rng, 25), random_text(rng, 20)]
+    first = Layout("You answer from the documents.", docs, "Which is first?")
+    status, body = complete(server, first.prompt)
+    assert status == 200, body
+    check_completion(reference, reference.chunked_prompt(first), body)
+    before = metrics(server)
+    second = Layout(first.system, [docs[2], docs[0], docs[1]], "Which is last?")
+    status, body = complete(server, None, prompt_segments=segments_of(second))
+    assert status == 200, body
+    prompt = reference.chunked_prompt(second)
+    check_completion(reference, prompt, body)
+    after = metrics(server)
+    assert after["child_computes"] == before["child_computes"]
+    assert after["hits"] - before.get("hits", 0) == 4  # the system prompt, 3 documents
+    assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == \
+        prompt.question_span.start
+
+
+def test_a_document_with_the_separator_in_it_is_one_chunk(server, reference):
+    layout = Layout("sys", ["# Notes ## Section two ## more", "plain text"], "Summarise.")
+    status, body = complete(server, None, prompt_segments=segments_of(layout))
+    assert status == 200, body
+    prompt = reference.chunked_prompt(layout)
+    assert len(prompt.spans) == 4  # system, two documents, question
+    check_completion(reference, prompt, body)
+
+
+def test_prompt_segments_stream_echo_n_and_salt(server):
+    layout = Layout("sys", ["alpha beta gamma", "delta epsilon"], "Continue:")
+    segments = segments_of(layout)
+    # echo: the prompt comes back as its segments' text, then the completion
+    # (without logprobs: echo would ask for the prompt's, which cached
+    # segments do not have; refused with a 400 like prompt_logprobs).
+    status, body = server.post("/v1/completions", {
+        "model": "smollm2", "prompt_segments": segments, "echo": True, "n": 2,
+        "temperature": 0.8, "seed": 1, "max_tokens": 3})
+    assert status == 200, body
+    assert sorted(c["index"] for c in body["choices"]) == [0, 1]
+    for choice in body["choices"]:
+        assert "alpha beta gamma" in choice["text"] and "Continue:" in choice["text"]
+    # Streaming: events arrive, the last one finishes.
+    import http.client
+    import json
+
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=120)
+    conn.request("POST", "/v1/completions", json.dumps({
+        "model": "smollm2", "prompt_segments": segments, "max_tokens": 4, "temperature": 0,
+        "ignore_eos": True, "stream": True}), {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200
+    events = [ln for ln in resp.read().decode().splitlines() if ln.startswith("data: ")]
+    conn.close()
+    assert events[-1] == "data: [DONE]"
+    assert json.loads(events[-2][6:])["choices"][0]["finish_reason"] == "length"
+    # Another tenant's salt: its own namespace, so its own children.
+    before = metrics(server)
+    status, body = complete(server, None, prompt_segments=segments, cache_salt="tenant-z")
+    assert status == 200, body
+    assert metrics(server)["child_computes"] - before["child_computes"] == 3
+
+
+@pytest.mark.parametrize("extra,message", [
+    ({"prompt_segments": []}, "at least 2 segments"),
+    ({"prompt_segments": ["only the question"]}, "at least 2 segments"),
+    ({"prompt_segments": ["sys", "", "q"]}, "segment 1 is empty"),
+    ({"prompt_segments": ["sys", *(["doc"] * (MAX_CHUNKS + 1)), "q"]}, "more than max_chunks"),
+    ({"prompt_segments": ["sys", "word " * (MAX_CHUNK_TOKENS + 10), "q"]},
+     "more than max_chunk_tokens"),
+    ({"prompt_segments": ["sys", 3, "q"]}, "prompt_segments"),
+    ({"prompt_segments": ["sys", "q"], "prompt": "sys ## q"}, "do not send prompt"),
+    ({"prompt_segments": ["sys", "q"], "split_chunks": False}, "split_chunks=false"),
+])
+def test_bad_prompt_segments_get_http_400_and_pin_nothing(server, extra, message):
+    body = {"model": "smollm2", "max_tokens": 2}
+    body.update(extra)
+    status, out = server.post("/v1/completions", body)
+    assert status == 400, out
+    assert message in out["error"]["message"], out
+    status, _ = complete(server, "sys ## a short document ## q")
+    assert status == 200
+    # A plain request's steps report the pool gauges with nothing in flight.
+    status, _ = complete(server, "The capital of France is")
+    assert status == 200
+    assert metrics(server)["pool_entries_pinned"] == 0

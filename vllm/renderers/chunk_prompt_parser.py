@@ -75,7 +75,7 @@ class ChunkedPromptParser:
         parts = prompt.split(self.separator)
         if len(parts) < 2:
             return None
-        self._check_num_chunks(len(parts) - 2)
+        self.check_num_chunks(len(parts) - 2)
         last = len(parts) - 1
         segments = []
         for index, part in enumerate(parts):
@@ -125,7 +125,7 @@ class ChunkedPromptParser:
         starts = find_separator_starts(tokens, np.asarray(separator_token_ids))
         if starts.size == 0:
             return None
-        self._check_num_chunks(starts.size - 1)
+        self.check_num_chunks(starts.size - 1)
         sep_len = len(separator_token_ids)
         # Segment i spans [bounds_start[i], bounds_end[i]) in the input.
         bounds_start = np.concatenate(([0], starts + sep_len))
@@ -146,7 +146,7 @@ class ChunkedPromptParser:
         flat = [tok for ids in token_lists for tok in ids]
         return ChunkedPrompt.from_lengths(flat, lengths)
 
-    def _check_num_chunks(self, num_chunks: int) -> None:
+    def check_num_chunks(self, num_chunks: int) -> None:
         if num_chunks > self.max_chunks:
             raise ValueError(
                 f"chunked prompt has {num_chunks} chunks (segments 1.."

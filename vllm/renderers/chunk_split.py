@@ -13,7 +13,11 @@ through:
   for them (chat templates render BOS themselves and ask for none);
 * a token-id prompt is split where the separator's own token ids occur;
 * a prompt without the separator is returned untouched (stock vLLM), and so
-  is one whose request opted out (`split_chunks=False`).
+  is one whose request opted out (`split_chunks=False`);
+* a prompt given as segments (`{"prompt_segments": [system, doc, ...,
+  question]}`, strings or token-id lists; the completions API's
+  `prompt_segments`) is tokenized per segment as given: no separator is
+  searched and no whitespace stripped, so a document may contain anything.
 
 The segment layout travels as the prompt's `chunk_layout` (segment token
 counts), copied into `EngineCoreRequest.chunk_layout`: a field only this
@@ -37,6 +41,8 @@ if TYPE_CHECKING:
 
 # Key of a rendered prompt that carries its segment layout.
 LAYOUT_KEY = "chunk_layout"
+# Key of a prompt given as its segments (system, documents..., question).
+SEGMENTS_KEY = "prompt_segments"
 
 
 class ChunkPromptError(VLLMValidationError):
@@ -84,6 +90,14 @@ class ChunkPromptSplitter:
 
     def split(self, prompt: dict, params: Any, tokenizer: Any) -> dict:
         """The prompt, tokenized per segment and marked if it is chunked."""
+        if SEGMENTS_KEY in prompt:
+            segments = self._given_segments(prompt, params, tokenizer)
+            special = bool(params.add_special_tokens)
+            return self._mark(prompt, self._parse(lambda: self.parser.build([
+                seg if isinstance(seg, list)
+                else list(tokenizer.encode(seg, add_special_tokens=special and i == 0))
+                for i, seg in enumerate(segments)
+            ])))
         if not self._wants_split(prompt, params):
             return prompt
         text = self._text_to_split(prompt, params, tokenizer)
@@ -103,6 +117,16 @@ class ChunkPromptSplitter:
         (`await encode_async(text, add_special_tokens=...)`: vLLM 0.23's async
         micro-batching tokenizer's `encode`, or 0.32's tokenizer `encode` run on the
         renderer's executor)."""
+        if SEGMENTS_KEY in prompt:
+            segments = self._given_segments(prompt, params, tokenizer)
+            special = bool(params.add_special_tokens)
+            token_lists = await asyncio.gather(*(
+                _as_awaitable(seg) if isinstance(seg, list)
+                else encode_async(seg, add_special_tokens=special and i == 0)
+                for i, seg in enumerate(segments)
+            ))
+            return self._mark(prompt, self._parse(lambda: self.parser.build(
+                [list(ids) for ids in token_lists])))
         if not self._wants_split(prompt, params):
             return prompt
         text = self._text_to_split(prompt, params, tokenizer)
@@ -128,6 +152,47 @@ class ChunkPromptSplitter:
             )
 
     # ---------------------------------------------------------- helpers
+
+    def _given_segments(self, prompt: dict, params: Any, tokenizer: Any) -> list:
+        """The segments of a prompt given as such, checked (a 400 naming the
+        field and the limit for anything the engine cannot serve)."""
+        segments = prompt[SEGMENTS_KEY]
+        if LAYOUT_KEY in prompt:
+            self._wants_split(prompt, params)  # refuses it
+        others = [k for k in ("prompt", "prompt_token_ids", "prompt_embeds") if k in prompt]
+        if others:
+            raise ChunkPromptError(
+                f"'{SEGMENTS_KEY}' gives the whole prompt; it cannot be combined "
+                f"with {', '.join(repr(k) for k in others)}", parameter=SEGMENTS_KEY)
+        if not getattr(params, "split_chunks", True):
+            raise ChunkPromptError(
+                f"'{SEGMENTS_KEY}' marks the segments explicitly; split_chunks=false "
+                "cannot apply to it (send the text as 'prompt' to serve it unsplit)",
+                parameter="split_chunks")
+        if getattr(params, "truncate_prompt_tokens", None) is not None:
+            raise ChunkPromptError(
+                "truncate_prompt_tokens cannot be used with a chunked prompt "
+                "(truncation would cut segments of the chunk layout)",
+                parameter="truncate_prompt_tokens")
+        if not isinstance(segments, list) or len(segments) < 2:
+            raise ChunkPromptError(
+                f"'{SEGMENTS_KEY}' must be a list of at least 2 segments (the system "
+                "prompt first, the question last, documents between)",
+                parameter=SEGMENTS_KEY)
+        texts = all(isinstance(seg, str) for seg in segments)
+        ids = all(isinstance(seg, list) and all(type(t) is int and t >= 0 for t in seg)
+                  for seg in segments)
+        if not (texts or ids):
+            raise ChunkPromptError(
+                f"'{SEGMENTS_KEY}' must be a list of strings or a list of token-id "
+                "lists (non-negative integers), not a mix", parameter=SEGMENTS_KEY)
+        if texts and tokenizer is None:
+            raise ChunkPromptError(
+                f"text '{SEGMENTS_KEY}' need a tokenizer (the server was started "
+                "with --skip-tokenizer-init): send token-id lists",
+                parameter=SEGMENTS_KEY)
+        self._parse(lambda: self.parser.check_num_chunks(len(segments) - 2))
+        return segments
 
     @staticmethod
     def _wants_split(prompt: dict, params: Any) -> bool:
@@ -178,9 +243,14 @@ class ChunkPromptSplitter:
     @staticmethod
     def _mark(prompt: dict, chunked: ChunkedPrompt) -> dict:
         prompt = dict(prompt)
+        prompt.pop(SEGMENTS_KEY, None)
         prompt["prompt_token_ids"] = chunked.token_ids
         prompt[LAYOUT_KEY] = list(chunked.segment_lengths)
         return prompt
+
+
+async def _as_awaitable(value: list[int]) -> list[int]:
+    return value
 
 
 def validate_chunked_request(

@@ -12,6 +12,7 @@ from vllm.config import ChunkCacheConfig
 from vllm.exceptions import VLLMValidationError
 from vllm.renderers.chunk_split import (
     LAYOUT_KEY,
+    SEGMENTS_KEY,
     ChunkPromptError,
     ChunkPromptSplitter,
     make_splitter,
@@ -121,6 +122,61 @@ def test_bad_prompts_raise_a_validation_error(prompt, message):
         _splitter(max_chunks=1).split({"prompt": prompt}, _params(), build_toy_tokenizer())
     # vLLM's own validation-error type: HTTP 400 through its handler, no traceback.
     assert isinstance(e.value, VLLMValidationError)
+
+
+def test_given_segments_equal_the_separator_split_of_the_same_text():
+    """Same tokens and layout (so the same chunk keys) as the separator form,
+    sync and async; the `prompt_segments` key is consumed."""
+    tok = build_toy_tokenizer()
+    by_separator = _splitter().split({"prompt": "system ## doc one ## question"},
+                                     _params(), tok)
+    prompt = {SEGMENTS_KEY: ["system", "doc one", "question"], "cache_salt": "t"}
+    out = _splitter().split(prompt, _params(), tok)
+    assert out == {"prompt_token_ids": by_separator["prompt_token_ids"],
+                   LAYOUT_KEY: by_separator[LAYOUT_KEY], "cache_salt": "t"}
+    async_tok = _CountingAsyncTokenizer(tok)
+    assert asyncio.run(_splitter().split_async(prompt, _params(), _NoSyncTokenizer(tok),
+                                               async_tok.encode)) == out
+    assert [kw["add_special_tokens"] for _, kw in async_tok.calls] == [True, False, False]
+
+
+def test_given_segments_keep_any_text_and_token_ids_as_given():
+    tok = build_toy_tokenizer()
+    # A document with the separator (and Markdown) in it is one segment.
+    doc = "# Title ## Section ##"
+    out = _splitter().split({SEGMENTS_KEY: ["sys", doc, "q"]}, _params(), tok)
+    assert out[LAYOUT_KEY][1] == len(tok.encode(doc, add_special_tokens=False))
+    out = _splitter().split({SEGMENTS_KEY: [[5, 6], [7], [8, 9, 10]]}, _params(), tok)
+    assert out["prompt_token_ids"] == [5, 6, 7, 8, 9, 10] and out[LAYOUT_KEY] == [2, 1, 3]
+    out = asyncio.run(_splitter().split_async({SEGMENTS_KEY: [[5, 6], [7], [8]]}, _params(),
+                                              tok, _CountingAsyncTokenizer(tok).encode))
+    assert out[LAYOUT_KEY] == [2, 1, 1]
+
+
+@pytest.mark.parametrize("prompt,params,message", [
+    ({SEGMENTS_KEY: []}, {}, "at least 2 segments"),
+    ({SEGMENTS_KEY: ["only one"]}, {}, "at least 2 segments"),
+    ({SEGMENTS_KEY: "sys ## q"}, {}, "at least 2 segments"),
+    ({SEGMENTS_KEY: ["sys", 3, "q"]}, {}, "strings or a list of token-id lists"),
+    ({SEGMENTS_KEY: ["sys", [5], "q"]}, {}, "not a mix"),
+    ({SEGMENTS_KEY: [[5], [-1], [6]]}, {}, "non-negative"),
+    ({SEGMENTS_KEY: ["sys", "", "q"]}, {}, "segment 1 is empty"),
+    ({SEGMENTS_KEY: ["sys", "a", "b", "c", "q"]}, {}, "3 chunks .* more than max_chunks=2"),
+    ({SEGMENTS_KEY: ["sys", "word " * 50, "q"]}, {}, "more than max_chunk_tokens=20"),
+    ({SEGMENTS_KEY: ["sys", "q"], "prompt": "x"}, {}, "cannot be combined with 'prompt'"),
+    ({SEGMENTS_KEY: ["sys", "q"]}, {"split_chunks": False}, "split_chunks=false"),
+    ({SEGMENTS_KEY: ["sys", "q"]}, {"truncate": 5}, "truncate_prompt_tokens"),
+    ({SEGMENTS_KEY: ["sys", "q"], LAYOUT_KEY: [1, 1]}, {}, "may not carry one"),
+])
+def test_bad_segments_are_refused_naming_the_field_and_the_limit(prompt, params, message):
+    splitter = _splitter(max_chunks=2, max_chunk_tokens=20)
+    tok = build_toy_tokenizer()
+    with pytest.raises(ChunkPromptError, match=message) as e:
+        splitter.split(prompt, _params(**params), tok)
+    assert isinstance(e.value, VLLMValidationError)
+    with pytest.raises(ChunkPromptError, match=message):
+        asyncio.run(splitter.split_async(prompt, _params(**params), tok,
+                                         _CountingAsyncTokenizer(tok).encode))
 
 
 def test_a_prompt_may_not_bring_its_own_layout():
