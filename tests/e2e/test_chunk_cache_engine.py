@@ -396,6 +396,59 @@ def test_prompt_segments_offline_hit_the_separator_forms_chunks_and_stay_exact(
     assert snap["misses"] == before["misses"] and snap["hits"] - before["hits"] == 6
 
 
+RAG_TEMPLATE = (
+    "System: {{ messages[0].content }}\n"
+    "{% for d in documents %}Document {{ loop.index }}: {{ d.title }}\n{{ d.text }}\n"
+    "{% endfor %}User: {{ messages[-1].content }}\nAssistant:")
+
+
+def test_chat_documents_are_chunks_where_the_template_renders_them(llm, reference):
+    """LLM.chat with `documents` and a template that renders them: the prompt's
+    tokens are the template's own, each document is a chunk (the template's
+    words between documents one too), exact against the isolation reference,
+    and a document hits what the structured completions form cached."""
+    from vllm.v1.core.chunk_structures import ChunkedPrompt
+
+    rng = random.Random("chat documents")
+    docs = [{"title": "First", "text": doc(rng, 10)},
+            {"title": "Second", "text": "## " + doc(rng, 8) + " ##"}]
+    messages = [{"role": "system", "content": "Answer briefly."},
+                {"role": "user", "content": "What do they say?"}]
+    sched = chunk_scheduler(llm)
+    before = snapshot(sched)
+    out = llm.chat(messages, params(), use_tqdm=False, chat_template=RAG_TEMPLATE,
+                   chat_template_kwargs={"documents": docs})[0]
+    tok = reference.tokenizer
+    plain = tok.apply_chat_template(messages, chat_template=RAG_TEMPLATE, documents=docs,
+                                    tokenize=False)
+    assert list(out.prompt_token_ids) == tok.encode(plain, add_special_tokens=False)
+    pieces = ["System: Answer briefly.\nDocument 1:",
+              f" First\n{docs[0]['text']}", "\nDocument 2:", f" Second\n{docs[1]['text']}",
+              "\nUser: What do they say?\nAssistant:"]
+    assert "".join(pieces) == plain
+    lengths = [len(tok.encode(p, add_special_tokens=False)) for p in pieces]
+    prompt = ChunkedPrompt.from_lengths(list(out.prompt_token_ids), lengths)
+    completion = out.outputs[0]
+    ref = reference.next_token_logprobs(prompt, MODE, list(completion.token_ids))
+    compare(ref, list(completion.token_ids), completion.logprobs, TOL)
+    assert snapshot(sched)["misses"] - before["misses"] == 4
+    # The second document, sent as a segment of a completion: a hit.
+    before = snapshot(sched)
+    llm.generate([{"prompt_segments": ["sys", pieces[3], "q"]}], params(), use_tqdm=False)
+    assert snapshot(sched)["hits"] - before["hits"] >= 1
+    assert snapshot(sched)["child_computes"] - before["child_computes"] <= 1  # "sys" only
+
+
+def test_chat_documents_with_a_template_that_ignores_them_are_refused(llm):
+    from vllm.exceptions import VLLMValidationError
+
+    template = "System: {{ messages[0].content }}\nUser: {{ messages[-1].content }}"
+    messages = [{"role": "system", "content": "s"}, {"role": "user", "content": "q"}]
+    with pytest.raises(VLLMValidationError, match="does not render 'documents'"):
+        llm.chat(messages, params(), use_tqdm=False, chat_template=template,
+                 chat_template_kwargs={"documents": [{"text": "a document"}]})
+
+
 def test_prompt_without_separator_is_plain_vllm(llm, reference):
     import torch
 

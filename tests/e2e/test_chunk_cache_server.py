@@ -34,7 +34,9 @@ def server(tmp_path_factory):
     s = start_server(MODEL, ["--enable-chunk-cache", "--served-model-name", "smollm2",
                              "--chunk-context", MODE, "--max-chunks", str(MAX_CHUNKS),
                              "--max-chunk-tokens", str(MAX_CHUNK_TOKENS), "--seed", "0",
-                             "--enable-prompt-tokens-details"],
+                             "--enable-prompt-tokens-details",
+                             # For the chat `documents` tests' RAG template.
+                             "--trust-request-chat-template"],
                      tmp_path_factory.mktemp("serve") / "serve.log")
     yield s
     s.stop()
@@ -317,3 +319,54 @@ def test_bad_prompt_segments_get_http_400_and_pin_nothing(server, extra, message
     status, _ = complete(server, "The capital of France is")
     assert status == 200
     assert metrics(server)["pool_entries_pinned"] == 0
+
+
+RAG_TEMPLATE = (
+    "System: {{ messages[0].content }}\n"
+    "{% for d in documents %}Document {{ loop.index }}: {{ d.title }}\n{{ d.text }}\n"
+    "{% endfor %}User: {{ messages[-1].content }}\nAssistant:")
+
+
+def test_chat_documents_are_chunks_where_the_template_renders_them(server, reference):
+    rng = random.Random("server chat documents")
+    docs = [{"title": "One", "text": random_text(rng, 20)},
+            {"title": "Two", "text": random_text(rng, 15)}]
+    messages = [{"role": "system", "content": "Answer briefly."},
+                {"role": "user", "content": "What do they say?"}]
+    request = {"model": "smollm2", "messages": messages, "documents": docs,
+               "chat_template": RAG_TEMPLATE, "max_tokens": 3, "temperature": 0,
+               "ignore_eos": True}
+    before = metrics(server)
+    status, body = server.post("/v1/chat/completions", request)
+    assert status == 200, body
+    # System, two documents and the words between them: four new chunks.
+    assert metrics(server)["misses"] - before.get("misses", 0) == 4
+    # Again with the documents swapped: only the new words between them and
+    # the new system segment ("Document 1: " now precedes the other title) miss.
+    before = metrics(server)
+    status, body = server.post("/v1/chat/completions", dict(request, documents=docs[::-1]))
+    assert status == 200, body
+    assert metrics(server)["hits"] - before.get("hits", 0) >= 2  # both documents
+    question = reference.tokenizer.encode("\nUser: What do they say?\nAssistant:",
+                                          add_special_tokens=False)
+    assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == \
+        body["usage"]["prompt_tokens"] - len(question)
+
+
+@pytest.mark.parametrize("extra,message", [
+    ({}, "does not render 'documents'"),  # SmolLM2's own template ignores them
+    ({"documents": []}, "non-empty list"),
+    ({"documents": [{"text": ""}]}, "documents[0] is empty"),
+    ({"chat_template": RAG_TEMPLATE.replace("{{ d.text }}", "")
+      .replace("{{ d.title }}", "{% if loop.index == 1 %}{{ d.title }}{% endif %}")},
+     "drops documents [1]"),
+])
+def test_bad_chat_documents_get_http_400(server, extra, message):
+    request = {"model": "smollm2", "max_tokens": 2,
+               "messages": [{"role": "system", "content": "s"},
+                            {"role": "user", "content": "q"}],
+               "documents": [{"title": "a", "text": "first"}, {"title": "b", "text": "x"}]}
+    request.update(extra)
+    status, out = server.post("/v1/chat/completions", request)
+    assert status == 400, out
+    assert message in out["error"]["message"], out
