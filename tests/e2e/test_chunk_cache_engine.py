@@ -417,7 +417,7 @@ def test_chat_documents_are_chunks_where_the_template_renders_them(llm, referenc
     sched = chunk_scheduler(llm)
     before = snapshot(sched)
     out = llm.chat(messages, params(), use_tqdm=False, chat_template=RAG_TEMPLATE,
-                   chat_template_kwargs={"documents": docs})[0]
+                   documents=docs)[0]
     tok = reference.tokenizer
     plain = tok.apply_chat_template(messages, chat_template=RAG_TEMPLATE, documents=docs,
                                     tokenize=False)
@@ -446,7 +446,7 @@ def test_chat_documents_with_a_template_that_ignores_them_are_refused(llm):
     messages = [{"role": "system", "content": "s"}, {"role": "user", "content": "q"}]
     with pytest.raises(VLLMValidationError, match="does not render 'documents'"):
         llm.chat(messages, params(), use_tqdm=False, chat_template=template,
-                 chat_template_kwargs={"documents": [{"text": "a document"}]})
+                 documents=[{"text": "a document"}])
 
 
 def test_prompt_without_separator_is_plain_vllm(llm, reference):
