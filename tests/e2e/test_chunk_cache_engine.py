@@ -439,6 +439,29 @@ def test_chat_documents_are_chunks_where_the_template_renders_them(llm, referenc
     assert snapshot(sched)["child_computes"] - before["child_computes"] <= 1  # "sys" only
 
 
+def test_chat_content_parts_marked_chunk_are_chunks_offline(llm, reference):
+    from vllm.v1.core.chunk_structures import ChunkedPrompt
+
+    template = ("{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+                "assistant:")
+    rng = random.Random("offline parts")
+    docs = [doc(rng, 9), doc(rng, 7)]
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": [
+        *({"type": "text", "text": d, "chunk": True} for d in docs),
+        {"type": "text", "text": "And so?"}]}]
+    out = llm.chat(messages, params(), use_tqdm=False, chat_template=template)[0]
+    # vLLM joins a message's text parts with a newline for such a template.
+    pieces = ["system: Be brief.\nuser:", f" {docs[0]}", "\n", docs[1],
+              "\nAnd so?\nassistant:"]
+    tok = reference.tokenizer
+    assert list(out.prompt_token_ids) == tok.encode("".join(pieces), add_special_tokens=False)
+    lengths = [len(tok.encode(p, add_special_tokens=False)) for p in pieces]
+    prompt = ChunkedPrompt.from_lengths(list(out.prompt_token_ids), lengths)
+    completion = out.outputs[0]
+    ref = reference.next_token_logprobs(prompt, MODE, list(completion.token_ids))
+    compare(ref, list(completion.token_ids), completion.logprobs, TOL)
+
+
 def test_chat_documents_with_a_template_that_ignores_them_are_refused(llm):
     from vllm.exceptions import VLLMValidationError
 

@@ -359,7 +359,7 @@ def test_chat_documents_are_chunks_where_the_template_renders_them(server, refer
     ({"documents": [{"text": ""}]}, "documents[0] is empty"),
     ({"chat_template": RAG_TEMPLATE.replace("{{ d.text }}", "")
       .replace("{{ d.title }}", "{% if loop.index == 1 %}{{ d.title }}{% endif %}")},
-     "drops documents [1]"),
+     "drops documents[1]"),
 ])
 def test_bad_chat_documents_get_http_400(server, extra, message):
     request = {"model": "smollm2", "max_tokens": 2,
@@ -370,3 +370,39 @@ def test_bad_chat_documents_get_http_400(server, extra, message):
     status, out = server.post("/v1/chat/completions", request)
     assert status == 400, out
     assert message in out["error"]["message"], out
+
+
+def test_chat_content_parts_marked_chunk_match_the_reference(server, reference):
+    """Documents as content parts marked "chunk": each is a chunk where the
+    (SmolLM2 ChatML) template renders it, the newline vLLM joins parts with a
+    small chunk of its own, the last part and the template's tail the question."""
+    rng = random.Random("content parts")
+    docs = [random_text(rng, 15), random_text(rng, 12)]
+    content = [{"type": "text", "text": d, "chunk": True} for d in docs]
+    content.append({"type": "text", "text": "What do they say?"})
+    messages = [{"role": "system", "content": "Be brief."},
+                {"role": "user", "content": content}]
+    status, body = server.post("/v1/chat/completions", {
+        "model": "smollm2", "messages": messages, "max_tokens": 3, "temperature": 0,
+        "logprobs": True, "top_logprobs": 5, "ignore_eos": True})
+    assert status == 200, body
+    tok = reference.tokenizer
+    joined = [messages[0], {"role": "user", "content": "\n".join(
+        [*docs, "What do they say?"])}]
+    text = tok.apply_chat_template(joined, tokenize=False, add_generation_prompt=True)
+    head, tail = text.split(docs[0], 1)
+    pieces = [head, docs[0], "\n", docs[1], tail.split(docs[1], 1)[1]]
+    assert "".join(pieces) == text
+    lengths = [len(tok.encode(p, add_special_tokens=False)) for p in pieces]
+    ids = tok.encode(text, add_special_tokens=False)
+    assert sum(lengths) == len(ids)
+    from vllm.v1.core.chunk_structures import ChunkedPrompt
+
+    prompt = ChunkedPrompt.from_lengths(ids, lengths)
+    content = body["choices"][0]["logprobs"]["content"]
+    tokens = [tok.convert_tokens_to_ids(tok.convert_ids_to_tokens(
+        tok.encode(c["token"], add_special_tokens=False))[0]) for c in content]
+    ref = reference.next_token_logprobs(prompt, MODE, tokens)
+    for step, c in enumerate(content):
+        assert abs(c["logprob"] - float(ref[step][tokens[step]])) <= TOL
+    assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == prompt.question_span.start

@@ -1,35 +1,44 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Chat `documents` as chunks, placed where the chat template renders them.
+"""Chat documents as chunks, placed where the chat template renders them.
 
-vLLM hands a chat request's `documents` to the chat template, which renders
-them its own way (Command-R, Granite and RAG templates do). With the chunk
-cache on, every document becomes a chunk exactly where its text lands:
+Two ways to hand a chat request's documents over as a list:
 
-1. `mark_documents`: every string field of document i is wrapped in two
-   markers of private-use characters naming i, before the template runs;
-2. `documents_prompt`: in the rendered text, document i spans from its first
-   start marker to its last end marker (the template's words between its
-   fields included); the text before the first document is the system
+* `documents` (vLLM's field, passed to the chat template, which renders them
+  its own way: Command-R, Granite and other RAG templates do);
+* text parts of a message's content marked `"chunk": true`
+  (`{"type": "text", "text": "...", "chunk": true}`); the parts after the
+  last marked one are the question.
+
+With the chunk cache on, every such document becomes a chunk exactly where
+its text lands:
+
+1. `mark_chunks`: the text of every document field and every marked part is
+   wrapped in two markers of private-use characters naming it, before the
+   chat template runs;
+2. `chunks_prompt`: in the rendered text, chunk i spans from its first start
+   marker to its last end marker (a document's fields and the template's
+   words between them); the text before the first chunk is the system
    segment, the text after the last the question, and text between two
-   documents (the template's separators, often numbered) a chunk of its own.
-   Spaces right before a document go with it (BPE and SentencePiece put a
+   chunks (the template's separators, often numbered) a chunk of its own.
+   Spaces right before a chunk go with it (BPE and SentencePiece put a
    word's leading space in its token). The markers are removed and every
    piece is tokenized on its own.
 
 NOTE: the pieces' tokens must equal the tokens of the whole rendered text
 (what the template gives without the chunk cache): the prompt is tokenized
-twice to check it, and a template whose text around a document merges into
-one token with it is refused (400), never served with other tokens.
+twice to check it, and a template whose text merges into one token with a
+chunk's edge is refused (400), never served with other tokens.
 
-A template that ignores `documents`, drops one, renders one twice around
-another, or puts one first (no system segment) is refused with a 400 that
-says which; the documents then have to go in the messages (separator form).
+A template that ignores `documents`, drops one, renders one around another,
+or puts one first or last (no system segment or question) is refused with a
+400 that says which.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,22 +48,79 @@ _START, _START_END = "\ue000", "\ue001"
 _END, _END_END = "\ue002", "\ue003"
 _MARKER = re.compile("[\ue000\ue002]([0-9]+)[\ue001\ue003]")
 _PRIVATE = re.compile("[\ue000-\ue003]")
+# The key of a message content part that marks it as a chunk.
+PART_KEY = "chunk"
 
 
 @dataclass(frozen=True)
-class MarkedDocuments:
-    """The documents of one chat request, marked for the template."""
+class MarkedChunks:
+    """What was marked for one conversation: chunk i is `names[i]`."""
 
-    count: int
+    names: tuple[str, ...]
 
 
-def mark_documents(chat_params: Any) -> tuple[Any, MarkedDocuments | None]:
-    """`chat_params` with every document's fields wrapped in markers; None
-    when the request has no documents (nothing to do)."""
+def mark_chunks(
+    chat_params: Any, conversations: Sequence[list[Any]]
+) -> tuple[Any, list[list[Any]], list[MarkedChunks | None]]:
+    """`chat_params` and the conversations with every document and marked part
+    wrapped in markers; per conversation what was marked (None: nothing)."""
     kwargs = chat_params.chat_template_kwargs or {}
     documents = kwargs.get("documents")
-    if documents is None:
-        return chat_params, None
+    names: list[str] = []
+    if documents is not None:
+        chat_params = dataclasses.replace(
+            chat_params,
+            chat_template_kwargs={**kwargs, "documents": _mark_documents(documents)})
+        names = [f"documents[{i}]" for i in range(len(documents))]
+    out_conversations, marked = [], []
+    for messages in conversations:
+        messages, parts = _mark_parts(messages, first=len(names))
+        out_conversations.append(messages)
+        all_names = tuple(names + parts)
+        marked.append(MarkedChunks(all_names) if all_names else None)
+    return chat_params, out_conversations, marked
+
+
+def chunks_prompt(prompt: dict, marked: MarkedChunks, tokenizer: Any,
+                  add_special_tokens: bool) -> dict:
+    """The rendered prompt as token-id segments: system, chunks (and the
+    template's text between them), question."""
+    text = prompt.get("prompt")
+    if not isinstance(text, str) or "prompt_token_ids" in prompt:
+        raise ChunkPromptError(
+            "this model's chat template renders token ids, not text: documents "
+            "cannot be placed as chunks; mark them with the chunk separator",
+            parameter="documents")
+    pieces = _split(text, marked.names)
+    token_lists = [
+        list(tokenizer.encode(piece, add_special_tokens=add_special_tokens and i == 0))
+        for i, piece in enumerate(pieces)
+    ]
+    whole = list(tokenizer.encode("".join(pieces), add_special_tokens=add_special_tokens))
+    if [t for ids in token_lists for t in ids] != whole:
+        raise ChunkPromptError(
+            "the chat template's text next to a document merges with it into one "
+            "token, so the documents cannot be cached apart without changing the "
+            "prompt's tokens; mark them with the chunk separator instead",
+            parameter="documents")
+    out = {k: v for k, v in prompt.items() if k != "prompt"}
+    out[SEGMENTS_KEY] = token_lists
+    return out
+
+
+def _wrap(i: int, text: str) -> str:
+    return f"{_START}{i}{_START_END}{text}{_END}{i}{_END_END}"
+
+
+def _check_text(name: str, text: str) -> None:
+    if _PRIVATE.search(text):
+        raise ChunkPromptError(
+            f"{name} contains a character of U+E000..U+E003, which the chunk "
+            "cache uses to find documents in the rendered prompt",
+            parameter=name.split("[", 1)[0])
+
+
+def _mark_documents(documents: Any) -> list[dict[str, str]]:
     if not isinstance(documents, list) or not documents:
         raise ChunkPromptError("'documents' must be a non-empty list of documents",
                                parameter="documents")
@@ -67,47 +133,50 @@ def mark_documents(chat_params: Any) -> tuple[Any, MarkedDocuments | None]:
                 '(e.g. {"title": "...", "text": "..."})', parameter="documents")
         if not any(v for v in doc.values()):
             raise ChunkPromptError(f"documents[{i}] is empty", parameter="documents")
-        if any(_PRIVATE.search(v) for v in doc.values()):
-            raise ChunkPromptError(
-                f"documents[{i}] contains a character of U+E000..U+E003, which the "
-                "chunk cache uses to find documents in the rendered prompt",
-                parameter="documents")
-        marked.append({k: f"{_START}{i}{_START_END}{v}{_END}{i}{_END_END}"
-                       for k, v in doc.items()})
-    params = dataclasses.replace(
-        chat_params, chat_template_kwargs={**kwargs, "documents": marked})
-    return params, MarkedDocuments(len(documents))
+        for v in doc.values():
+            _check_text(f"documents[{i}]", v)
+        marked.append({k: _wrap(i, v) for k, v in doc.items()})
+    return marked
 
 
-def documents_prompt(prompt: dict, marked: MarkedDocuments, tokenizer: Any,
-                     add_special_tokens: bool) -> dict:
-    """The rendered prompt as token-id segments: system, documents (and the
-    template's text between them), question."""
-    text = prompt.get("prompt")
-    if not isinstance(text, str) or "prompt_token_ids" in prompt:
-        raise ChunkPromptError(
-            "this model's chat template renders token ids, not text: 'documents' "
-            "cannot be placed as chunks; put them in the messages",
-            parameter="documents")
-    pieces = _split(text, marked.count)
-    token_lists = [
-        list(tokenizer.encode(piece, add_special_tokens=add_special_tokens and i == 0))
-        for i, piece in enumerate(pieces)
-    ]
-    whole = list(tokenizer.encode("".join(pieces), add_special_tokens=add_special_tokens))
-    if [t for ids in token_lists for t in ids] != whole:
-        raise ChunkPromptError(
-            "the chat template's text next to a document merges with it into one "
-            "token, so the documents cannot be cached apart without changing the "
-            "prompt's tokens; put the documents in the messages instead",
-            parameter="documents")
-    out = {k: v for k, v in prompt.items() if k != "prompt"}
-    out[SEGMENTS_KEY] = token_lists
-    return out
+def _mark_parts(messages: list[Any], first: int) -> tuple[list[Any], list[str]]:
+    """The messages with every content part marked `"chunk": true` wrapped
+    (chunk indices from `first` on); the names of those parts."""
+    names: list[str] = []
+    out = []
+    for m, message in enumerate(messages):
+        content = message.get("content") if isinstance(message, dict) else None
+        if not isinstance(content, list) or not any(
+                isinstance(p, dict) and PART_KEY in p for p in content):
+            out.append(message)
+            continue
+        parts = []
+        for p, part in enumerate(content):
+            if not isinstance(part, dict) or PART_KEY not in part:
+                parts.append(part)
+                continue
+            name = f"messages[{m}].content[{p}]"
+            flag = part[PART_KEY]
+            if not isinstance(flag, bool):
+                raise ChunkPromptError(f"{name}.{PART_KEY} must be true or false",
+                                       parameter="messages")
+            part = {k: v for k, v in part.items() if k != PART_KEY}
+            if flag:
+                text = part.get("text")
+                if part.get("type") != "text" or not isinstance(text, str) or not text:
+                    raise ChunkPromptError(
+                        f"{name} is marked as a chunk but is not a non-empty text "
+                        "part", parameter="messages")
+                _check_text(name, text)
+                part["text"] = _wrap(first + len(names), text)
+                names.append(name)
+            parts.append(part)
+        out.append({**message, "content": parts})
+    return out, names
 
 
-def _split(text: str, count: int) -> list[str]:
-    """[system, doc, (between), doc, ..., question], markers removed."""
+def _split(text: str, names: tuple[str, ...]) -> list[str]:
+    """[system, chunk, (between), chunk, ..., question], markers removed."""
     first: dict[int, int] = {}
     last: dict[int, int] = {}
     for m in _MARKER.finditer(text):
@@ -117,12 +186,13 @@ def _split(text: str, count: int) -> list[str]:
     if not first:
         raise ChunkPromptError(
             "this model's chat template does not render 'documents'; put the "
-            "documents in the messages (marked with the chunk separator) or use a "
-            "template that renders them", parameter="documents")
-    missing = [i for i in range(count) if i not in first]
+            "documents in the messages (text parts marked \"chunk\": true, or the "
+            "chunk separator) or use a template that renders them",
+            parameter="documents")
+    missing = [names[i] for i in range(len(names)) if i not in first]
     if missing:
         raise ChunkPromptError(
-            f"the chat template drops documents {missing}: every document must "
+            f"the chat template drops {', '.join(missing)}: every document must "
             "appear in the prompt", parameter="documents")
     order = sorted(first, key=first.get)
     pieces = [text[:first[order[0]]]]
@@ -130,11 +200,11 @@ def _split(text: str, count: int) -> list[str]:
         region = text[first[i]:last[i]]
         if {int(n) for n in _MARKER.findall(region)} != {i}:
             raise ChunkPromptError(
-                f"the chat template renders document {i} around another one: "
+                f"the chat template renders {names[i]} around another document: "
                 "documents must each render in one place", parameter="documents")
         # NOTE: a space before a word belongs to the word's token in BPE and
         # SentencePiece vocabularies ("Title: Paris" -> "Title", ":", " Paris"):
-        # the spaces that end the text before a document go with the document.
+        # the spaces that end the text before a chunk go with the chunk.
         before = pieces[-1]
         spaces = len(before) - len(before.rstrip(" "))
         if spaces:
@@ -145,7 +215,7 @@ def _split(text: str, count: int) -> list[str]:
             if between:
                 pieces.append(between)
     pieces.append(text[last[order[-1]]:])
-    if len(order) != count or any(_PRIVATE.search(piece) for piece in pieces):
+    if len(order) != len(names) or any(_PRIVATE.search(piece) for piece in pieces):
         raise ChunkPromptError(
             "the chat messages contain characters of U+E000..U+E003, which the "
             "chunk cache uses to find documents in the rendered prompt",

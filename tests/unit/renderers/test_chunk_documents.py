@@ -1,14 +1,14 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Chat `documents` as chunks where the template renders them
-(vllm/renderers/chunk_documents.py), with real jinja2 templates and a real
-(offline) tokenizer: the pieces, their tokens equal to the whole rendered
-prompt's, and every refusal."""
+"""Chat documents as chunks where the template renders them
+(vllm/renderers/chunk_documents.py): `documents` and content parts marked
+"chunk", with real jinja2 templates and a real (offline) tokenizer: the
+pieces, their tokens equal to the whole rendered prompt's, and every refusal."""
 
 import jinja2
 import pytest
 
 from vllm.exceptions import VLLMValidationError
-from vllm.renderers.chunk_documents import documents_prompt, mark_documents
+from vllm.renderers.chunk_documents import chunks_prompt, mark_chunks
 from vllm.renderers.chunk_split import SEGMENTS_KEY, ChunkPromptError
 from vllm.renderers.params import ChatParams
 from tests.unit.conftest import build_toy_tokenizer
@@ -24,15 +24,14 @@ DOCS = [{"title": "Paris", "text": "The Eiffel Tower is in Paris."},
         {"title": "Berlin", "text": "## The Brandenburg Gate ## is in Berlin."}]
 
 
-def render(template, params):
-    return jinja2.Template(template).render(messages=MESSAGES,
+def pieces(template=RAG, docs=DOCS, messages=MESSAGES):
+    kwargs = {} if docs is None else {"documents": docs}
+    params, (messages,), (marked,) = mark_chunks(
+        ChatParams(chat_template_kwargs=kwargs), [messages])
+    text = jinja2.Template(template).render(messages=messages,
                                             **params.chat_template_kwargs)
-
-
-def pieces(template=RAG, docs=DOCS):
-    params, marked = mark_documents(ChatParams(chat_template_kwargs={"documents": docs}))
     tok = build_toy_tokenizer()
-    out = documents_prompt({"prompt": render(template, params)}, marked, tok, False)
+    out = chunks_prompt({"prompt": text}, marked, tok, False)
     return [tok.decode(ids) for ids in out[SEGMENTS_KEY]], out
 
 
@@ -55,15 +54,58 @@ def test_every_document_is_a_chunk_where_the_template_renders_it():
 
 def test_no_documents_no_change():
     params = ChatParams(chat_template_kwargs={"add_generation_prompt": True})
-    assert mark_documents(params) == (params, None)
+    assert mark_chunks(params, [MESSAGES]) == (params, [MESSAGES], [None])
+
+
+# ChatML-like, content parts joined with a newline (vLLM's "string" format).
+CHATML = ("{% for m in messages %}<|{{ m.role }}|>\n"
+          "{% if m.content is string %}{{ m.content }}{% else %}"
+          "{% for p in m.content %}{{ p.text }}{% if not loop.last %}\n{% endif %}"
+          "{% endfor %}{% endif %}\n{% endfor %}<|assistant|>\n")
+
+
+def test_content_parts_marked_chunk_are_chunks_and_the_rest_the_question():
+    messages = [{"role": "system", "content": "Answer briefly."},
+                {"role": "user", "content": [
+                    {"type": "text", "text": "Doc one: the tower is in Paris.", "chunk": True},
+                    {"type": "text", "text": "## Doc two ##", "chunk": True},
+                    {"type": "text", "text": "Where is the tower?"}]}]
+    texts, _ = pieces(CHATML, None, messages)
+    assert texts == [
+        "<|system|>\nAnswer briefly.\n<|user|>\n",
+        "Doc one: the tower is in Paris.",
+        "\n",
+        "## Doc two ##",
+        "\nWhere is the tower?\n<|assistant|>",  # (jinja drops the last newline)
+    ]
+
+
+@pytest.mark.parametrize("part,message", [
+    ({"type": "text", "text": "x", "chunk": "yes"}, "must be true or false"),
+    ({"type": "text", "text": "", "chunk": True}, "not a non-empty text part"),
+    ({"type": "image_url", "image_url": {"url": "u"}, "chunk": True},
+     "not a non-empty text part"),
+])
+def test_bad_marked_parts_are_refused(part, message):
+    messages = [{"role": "user", "content": [part, {"type": "text", "text": "q"}]}]
+    with pytest.raises(ChunkPromptError, match=message):
+        mark_chunks(ChatParams(), [messages])
+
+
+def test_a_part_marked_false_is_plain_text():
+    messages = [{"role": "user", "content": [
+        {"type": "text", "text": "sys"}, {"type": "text", "text": "d", "chunk": False},
+        {"type": "text", "text": "q"}]}]
+    _, (out,), (marked,) = mark_chunks(ChatParams(), [messages])
+    assert marked is None and out[0]["content"][1] == {"type": "text", "text": "d"}
 
 
 @pytest.mark.parametrize("template,message", [
     ("System: {{ messages[0].content }}\nUser: {{ messages[-1].content }}",
      "does not render 'documents'"),
-    ("S: x {{ documents[0].text }} q", "drops documents \\[1\\]"),
+    ("S: x {{ documents[0].text }} q", "drops documents\\[1\\]"),
     ("S: {% for d in documents %}{{ d.title }} {% endfor %}"
-     "{% for d in documents %}{{ d.text }} {% endfor %}q", "around another one"),
+     "{% for d in documents %}{{ d.text }} {% endfor %}q", "around another document"),
     ("{% for d in documents %}{{ d.text }}\n{% endfor %}q", "renders a document first"),
     ("S: {% for d in documents %}\n{{ d.text }}{% endfor %}", "renders a document last"),
 ])
@@ -82,7 +124,7 @@ def test_templates_that_cannot_place_documents_are_refused(template, message):
 ])
 def test_bad_documents_are_refused(docs, message):
     with pytest.raises(ChunkPromptError, match=message):
-        mark_documents(ChatParams(chat_template_kwargs={"documents": docs}))
+        mark_chunks(ChatParams(chat_template_kwargs={"documents": docs}), [MESSAGES])
 
 
 def test_a_token_across_a_document_edge_is_refused():
