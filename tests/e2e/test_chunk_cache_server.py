@@ -360,6 +360,15 @@ def test_chat_documents_are_chunks_where_the_template_renders_them(server, refer
     ({"chat_template": RAG_TEMPLATE.replace("{{ d.text }}", "")
       .replace("{{ d.title }}", "{% if loop.index == 1 %}{{ d.title }}{% endif %}")},
      "drops documents[1]"),
+    ({"chat_template": RAG_TEMPLATE,
+      "documents": [{"title": "t", "text": f"doc {i}"} for i in range(MAX_CHUNKS)]},
+     "more than max_chunks"),  # documents and the words between them count
+    ({"chat_template": RAG_TEMPLATE,
+      "documents": [{"title": "t", "text": "word " * (MAX_CHUNK_TOKENS + 10)}]},
+     "more than max_chunk_tokens"),
+    ({"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "d", "chunk": "yes"}, {"type": "text", "text": "q"}]}],
+      "documents": None}, "chunk must be true or false"),
 ])
 def test_bad_chat_documents_get_http_400(server, extra, message):
     request = {"model": "smollm2", "max_tokens": 2,
@@ -370,6 +379,10 @@ def test_bad_chat_documents_get_http_400(server, extra, message):
     status, out = server.post("/v1/chat/completions", request)
     assert status == 400, out
     assert message in out["error"]["message"], out
+    # Refused while rendering: nothing reached the engine, nothing is pinned.
+    status, _ = complete(server, "The capital of France is")
+    assert status == 200
+    assert metrics(server).get("pool_entries_pinned", 0) == 0
 
 
 def test_chat_content_parts_marked_chunk_match_the_reference(server, reference):
