@@ -36,9 +36,10 @@ or puts one first or last (no system segment or question) is refused with a
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import re
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -85,18 +86,43 @@ def chunks_prompt(prompt: dict, marked: MarkedChunks, tokenizer: Any,
                   add_special_tokens: bool) -> dict:
     """The rendered prompt as token-id segments: system, chunks (and the
     template's text between them), question."""
+    pieces = _pieces(prompt, marked)
+    token_lists = [
+        list(tokenizer.encode(piece, add_special_tokens=add_special_tokens and i == 0))
+        for i, piece in enumerate(pieces)
+    ]
+    whole = tokenizer.encode("".join(pieces), add_special_tokens=add_special_tokens)
+    return _segments_prompt(prompt, token_lists, list(whole))
+
+
+async def chunks_prompt_async(
+    prompt: dict,
+    marked: MarkedChunks,
+    encode_async: Callable[..., Awaitable[list[int]]],
+    add_special_tokens: bool,
+) -> dict:
+    """`chunks_prompt` with the pieces tokenized off the event loop by
+    `encode_async` (the renderer's own, as for the separator form)."""
+    pieces = _pieces(prompt, marked)
+    *token_lists, whole = await asyncio.gather(
+        *(encode_async(piece, add_special_tokens=add_special_tokens and i == 0)
+          for i, piece in enumerate(pieces)),
+        encode_async("".join(pieces), add_special_tokens=add_special_tokens),
+    )
+    return _segments_prompt(prompt, [list(ids) for ids in token_lists], list(whole))
+
+
+def _pieces(prompt: dict, marked: MarkedChunks) -> list[str]:
     text = prompt.get("prompt")
     if not isinstance(text, str) or "prompt_token_ids" in prompt:
         raise ChunkPromptError(
             "this model's chat template renders token ids, not text: documents "
             "cannot be placed as chunks; mark them with the chunk separator",
             parameter="documents")
-    pieces = _split(text, marked.names)
-    token_lists = [
-        list(tokenizer.encode(piece, add_special_tokens=add_special_tokens and i == 0))
-        for i, piece in enumerate(pieces)
-    ]
-    whole = list(tokenizer.encode("".join(pieces), add_special_tokens=add_special_tokens))
+    return _split(text, marked.names)
+
+
+def _segments_prompt(prompt: dict, token_lists: list[list[int]], whole: list[int]) -> dict:
     if [t for ids in token_lists for t in ids] != whole:
         raise ChunkPromptError(
             "the chat template's text next to a document merges with it into one "

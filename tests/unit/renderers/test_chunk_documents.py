@@ -4,11 +4,13 @@
 "chunk", with real jinja2 templates and a real (offline) tokenizer: the
 pieces, their tokens equal to the whole rendered prompt's, and every refusal."""
 
+import asyncio
+
 import jinja2
 import pytest
 
 from vllm.exceptions import VLLMValidationError
-from vllm.renderers.chunk_documents import chunks_prompt, mark_chunks
+from vllm.renderers.chunk_documents import chunks_prompt, chunks_prompt_async, mark_chunks
 from vllm.renderers.chunk_split import SEGMENTS_KEY, ChunkPromptError
 from vllm.renderers.params import ChatParams
 from tests.unit.conftest import build_toy_tokenizer
@@ -32,6 +34,12 @@ def pieces(template=RAG, docs=DOCS, messages=MESSAGES):
                                             **params.chat_template_kwargs)
     tok = build_toy_tokenizer()
     out = chunks_prompt({"prompt": text}, marked, tok, False)
+
+    async def encode(text, add_special_tokens):
+        return tok.encode(text, add_special_tokens=add_special_tokens)
+
+    # The async path (the renderer's async tokenizer) gives the same prompt.
+    assert asyncio.run(chunks_prompt_async({"prompt": text}, marked, encode, False)) == out
     return [tok.decode(ids) for ids in out[SEGMENTS_KEY]], out
 
 
