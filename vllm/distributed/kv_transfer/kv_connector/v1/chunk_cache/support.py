@@ -62,10 +62,12 @@ def check_config(vllm_config: VllmConfig) -> None:
 def _check_model_kind(model_config: Any) -> None:
     if getattr(model_config, "use_mla", False):
         raise ValueError(
-            "--enable-chunk-cache does not support MLA attention, nor the "
-            "MLA-based SFA/DSA attention of vllm-ascend (their latent KV cache "
-            "cannot be re-positioned by a RoPE rotation of whole keys; see "
-            "docs/ascend.md)"
+            "--enable-chunk-cache does not support MLA attention yet "
+            "(DeepSeek-V2/V3 and the MLA-based sparse SFA/DSA attention of "
+            "DeepSeek-V3.2 and vllm-ascend): re-positioning a latent row (kv_c "
+            "copied, k_pe rotated) is built and checked against the HF "
+            "reference, but the latent pool, its capture and the load through "
+            "the backend's latent cache-write op are not (docs/design/mla.md)"
         )
     if getattr(model_config, "is_encoder_decoder", False):
         raise ValueError(

@@ -1,0 +1,70 @@
+# SPDX-License-Identifier: Apache-2.0
+"""An MLA latent cache row, and how a chunk-cache load re-positions it.
+
+Multi-head latent attention (DeepSeek-V2/V3, and V3.2 under its sparse
+indexer) caches one row per token for all heads: `[kv_c | k_pe]`, the
+RMS-normed compressed KV (kv_lora_rank wide, no position in it) and the
+decoupled RoPE key (rope_dim wide, rotated at the token's position). Every
+head's key and value are projections of `kv_c` plus the shared `k_pe`, so
+moving a chunk's rows from stored to real positions copies `kv_c` as is and
+rotates `k_pe` alone by the delta: a tenth of the row for DeepSeek-V3
+(64 of 576). docs/design/mla.md argues why this is exact; the tiny
+DeepSeek reference test runs it against the isolation-mask forward.
+
+The rotation is `RopeRotation` of the model's own rope (DeepSeek's YaRN in
+GPT-J interleaved style in vLLM's layout): its magnitude (mscale) is in the
+stored k_pe already and is not applied again.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+from vllm.v1.worker.position_remapper import RopeRotation
+
+
+@dataclass(frozen=True)
+class LatentRowLayout:
+    """Widths of one MLA cache row `[kv_c | k_pe]`."""
+
+    kv_lora_rank: int
+    rope_dim: int
+
+    @property
+    def width(self) -> int:
+        return self.kv_lora_rank + self.rope_dim
+
+    def split(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views (kv_c [..., kv_lora_rank], k_pe [..., rope_dim]) of `rows`."""
+        if rows.shape[-1] != self.width:
+            raise ValueError(
+                f"MLA latent rows are {self.width} wide (kv_lora_rank "
+                f"{self.kv_lora_rank} + rope_dim {self.rope_dim}), got {rows.shape[-1]}"
+            )
+        return rows[..., : self.kv_lora_rank], rows[..., self.kv_lora_rank :]
+
+
+def reposition_latent_rows(
+    layout: LatentRowLayout,
+    rotation: RopeRotation,
+    rows: torch.Tensor,
+    deltas: torch.Tensor,
+    cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(kv_c, k_pe) of latent `rows` [n, width] moved by `deltas` [n]: kv_c
+    unchanged (a view of `rows`), k_pe [n, rope_dim] rotated (new tensor).
+
+    The pair is what a latent cache-write op takes (`concat_and_cache_mla`
+    on CUDA), so the backend lays out and quantizes it as for computed
+    tokens. `cos_sin`: `rotation.cos_sin_rows(deltas)` if computed already
+    (once per step for every layer).
+    """
+    if rotation.head_size != layout.rope_dim or rotation.rotary_dim != layout.rope_dim:
+        raise ValueError(
+            f"the rope rotates {rotation.rotary_dim} of {rotation.head_size} values "
+            f"per key, the latent row's k_pe has {layout.rope_dim}"
+        )
+    kv_c, k_pe = layout.split(rows)
+    # [n, 1, rope_dim]: k_pe is one head shared by every query head.
+    k_pe = rotation.rotate(k_pe.unsqueeze(1), deltas, cos_sin=cos_sin).squeeze(1)
+    return kv_c, k_pe
