@@ -1,0 +1,140 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The fused load kernel (Triton, run by its interpreter on the CPU) writes exactly what
+today's path writes: gather, `RopeRotation.rotate` (rounded products, fp32), cast to the
+pool's dtype, then the backend's `reshape_and_cache_flash` (here its arithmetic in torch:
+store, or `float(x) / scale` saturated to +-448 and rounded to fp8 e4m3). Bit for bit, for
+the NHD (FlashAttention, Triton) and HND (FlashInfer) layouts, neox and GPT-J, partial
+rotary, fp32/bf16 pools, fp8 with one scale or one per head, and a layer without RoPE.
+"""
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before Triton compiles anything
+
+import pytest
+import torch
+
+from vllm.model_executor.layers.rotary_embedding import get_rope
+from vllm.v1.worker.position_remapper import RopeRotation
+
+fused = pytest.importorskip("vllm.v1.worker.fused_chunk_load")
+if not fused.available():
+    pytest.fail("Triton is part of vLLM's CPU install: the fused load must be importable")
+
+NUM_HEADS, HEAD_SIZE, BLOCK_SIZE, NUM_BLOCKS, POOL_ROWS = 2, 32, 16, 8, 64
+
+
+def paged(layout: str, dtype: torch.dtype) -> torch.Tensor:
+    """A zeroed cache viewed as [blocks, block_size, heads, head] in `layout`."""
+    if layout == "NHD":
+        return torch.zeros(NUM_BLOCKS, BLOCK_SIZE, NUM_HEADS, HEAD_SIZE, dtype=dtype)
+    return torch.zeros(NUM_BLOCKS, NUM_HEADS, BLOCK_SIZE, HEAD_SIZE, dtype=dtype).transpose(1, 2)
+
+
+def reference_write(cache, rows, slots, scale):
+    """reshape_and_cache_flash's arithmetic, per row and head."""
+    if cache.dtype == torch.float8_e4m3fn:
+        per_head = scale.reshape(1, -1, 1) if scale.numel() > 1 else scale
+        rows = (rows.float() / per_head).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+    cache[slots // BLOCK_SIZE, slots % BLOCK_SIZE] = rows
+
+
+CASES = [  # (layout, pool dtype, cache, rope params or None, neox, per-head scales)
+    ("NHD", torch.float32, "auto", {"rope_type": "default"}, True, False),
+    ("NHD", torch.float32, "auto", {"rope_type": "default"}, False, False),
+    ("HND", torch.bfloat16, "auto", {"rope_type": "default"}, True, False),
+    ("NHD", torch.bfloat16, "auto", {"rope_type": "default", "partial_rotary_factor": 0.5},
+     False, False),
+    ("NHD", torch.bfloat16, "fp8", {"rope_type": "yarn", "factor": 4.0,
+                                   "original_max_position_embeddings": 1024}, True, False),
+    ("HND", torch.float16, "fp8", {"rope_type": "default"}, False, True),
+    ("HND", torch.bfloat16, "auto", None, True, False),
+]
+
+
+@pytest.mark.parametrize("layout, dtype, cache, params, neox, per_head", CASES,
+                         ids=[f"{c[0]}-{str(c[1])[6:]}-{c[2]}-{'rope' if c[3] else 'norope'}-"
+                              f"{'neox' if c[4] else 'gptj'}{'-perhead' if c[5] else ''}"
+                              for c in CASES])
+def test_fused_load_writes_what_todays_path_writes_bit_for_bit(
+    vllm_config_context, layout, dtype, cache, params, neox, per_head
+):
+    gen = torch.Generator().manual_seed(3)
+    pool_key = (3 * torch.randn(POOL_ROWS, NUM_HEADS, HEAD_SIZE, generator=gen)).to(dtype)
+    pool_value = (3 * torch.randn(POOL_ROWS, NUM_HEADS, HEAD_SIZE, generator=gen)).to(dtype)
+    n = 40
+    src_rows = torch.randperm(POOL_ROWS, generator=gen)[:n]
+    dst_slots = torch.randperm(NUM_BLOCKS * BLOCK_SIZE, generator=gen)[:n]
+    deltas = torch.tensor([0, 5, -300, 2900]).repeat_interleave(10)
+    cache_dtype = torch.float8_e4m3fn if cache == "fp8" else dtype
+    k_scale = (torch.tensor([0.02, 0.05]) if per_head else torch.tensor([0.03]))
+    v_scale = k_scale * 0.5
+    fp8 = cache == "fp8"
+
+    # Today's path.
+    key = pool_key[src_rows]
+    rotation = None
+    if params is not None:
+        rope = get_rope(HEAD_SIZE, 4096, neox, dict(params), torch.float32)
+        rotation = RopeRotation(rope, use_cpu_kernel=False)
+        key = rotation.rotate(key.float(), deltas).to(dtype)
+    want_k, want_v = paged(layout, cache_dtype), paged(layout, cache_dtype)
+    reference_write(want_k, key, dst_slots, k_scale)
+    reference_write(want_v, pool_value[src_rows], dst_slots, v_scale)
+
+    # The fused kernel, with the step's per-distinct-delta table.
+    got_k, got_v = paged(layout, cache_dtype), paged(layout, cache_dtype)
+    delta_index = table = None
+    if rotation is not None:
+        distinct, delta_index = torch.unique(deltas, return_inverse=True)
+        table = rotation.cos_sin(distinct)
+    fused.fused_load_layer(
+        pool_key, pool_value, src_rows, dst_slots, delta_index, table,
+        neox, rotation.rotary_dim if rotation else HEAD_SIZE,
+        fused.PagedLayer(got_k, got_v, k_scale if fp8 else None, v_scale if fp8 else None))
+
+    def bits(t):
+        return t.contiguous().view(torch.uint8)
+
+    assert torch.equal(bits(got_v), bits(want_v))
+    assert torch.equal(bits(got_k), bits(want_k))
+    written = torch.zeros(NUM_BLOCKS * BLOCK_SIZE, dtype=torch.bool)
+    written[dst_slots] = True
+    # Something was written, and only at the slots given.
+    assert bits(got_k).reshape(NUM_BLOCKS * BLOCK_SIZE, -1)[written].any()
+    assert not bits(got_k).reshape(NUM_BLOCKS * BLOCK_SIZE, -1)[~written].any()
+
+
+def _conversion_inputs() -> torch.Tensor:
+    gen = torch.Generator().manual_seed(4)
+    e4m3 = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    grid = e4m3[torch.isfinite(e4m3)]
+    ties = (grid[:-1] + grid[1:]) / 2  # halfway between neighbours (sorted below)
+    spread = torch.cat([torch.randn(20000, generator=gen) * s for s in (1e-4, 1e-2, 1, 50, 300)])
+    values = torch.cat([grid, ties.sort().values, spread, -spread, torch.tensor([0.0, -0.0])])
+    return values.clamp(-448.0, 448.0).contiguous()
+
+
+def test_kernel_roundings_equal_torchs_round_to_nearest_even():
+    """The kernel's own fp32 -> bf16 and fp32 -> fp8 e4m3 roundings (integer and
+    magic-number arithmetic, so Triton's interpreter and a GPU agree) against torch's
+    casts, on e4m3's whole grid, every tie between neighbours, subnormals, +-0."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def convert(x_ptr, bf16_ptr, e4m3_ptr, n, BLOCK: tl.constexpr):
+        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        mask = i < n
+        x = tl.load(x_ptr + i, mask=mask)
+        tl.store(bf16_ptr + i, fused._round_to_bf16(x), mask=mask)
+        tl.store(e4m3_ptr + i, fused._round_to_e4m3_grid(x).to(tl.float8e4nv), mask=mask)
+
+    x = _conversion_inputs()
+    # Ties of e4m3's grid split fp32 values exactly: the test does meet ties.
+    assert x.numel() > 100000
+    bf16 = torch.empty(x.shape, dtype=torch.bfloat16)
+    e4m3 = torch.empty(x.shape, dtype=torch.float8_e4m3fn)
+    convert[(triton.cdiv(x.numel(), 1024),)](x, bf16, e4m3, x.numel(), BLOCK=1024)
+    assert torch.equal(bf16.view(torch.int16), x.to(torch.bfloat16).view(torch.int16))
+    assert torch.equal(e4m3.view(torch.uint8), x.to(torch.float8_e4m3fn).view(torch.uint8))

@@ -1,0 +1,219 @@
+# SPDX-License-Identifier: Apache-2.0
+"""One fused Triton kernel per layer for a chunk-cache load on a GPU (issue 21).
+
+Today's GPU load is about a dozen small kernels per layer: two gathers of pool
+rows, the fp32 rotation (elementwise passes over strided halves), a cast back,
+then the backend's `reshape_and_cache_flash`. This kernel does the same work in
+one pass: each program reads one pool row of one KV head once, rotates K by its
+row's delta with the step's cos/sin table (one row per distinct delta, built as
+`RopeRotation.cos_sin` builds it: float64 angles, fp32 values), and writes K and
+V once into the paged cache through its strides, so the NHD layout of
+FlashAttention / Triton and the HND layout of FlashInfer are the same code.
+
+Arithmetic, chosen to give today's path's bits (docs/design/fused-load.md):
+* the rotation is `RopeRotation.rotate` with `Rounding.PRODUCTS`: each product
+  rounded, then one add or subtract; the launch turns off Triton's fp fusion
+  (FMA contraction) for that;
+* the result is rounded to the pool's (model) dtype, as today's path casts the
+  rotated rows back before the backend's write;
+* fp8 caches (e4m3): `float(x) / scale`, saturated to the finite range, rounded
+  to nearest even: what `reshape_and_cache_flash` does with `__NV_SATFINITE`,
+  per tensor or per head (`kv_scale_stride` 0 or 1).
+
+Not executed on a GPU here: tested on the CPU with Triton's interpreter
+(`TRITON_INTERPRET=1`) against the reference path, bit for bit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # no Triton: the fused load is unavailable (the caller keeps today's path)
+    triton = None
+
+FP8_E4M3_MAX = 448.0
+
+
+@dataclass(frozen=True)
+class PagedLayer:
+    """A layer's paged K/V caches as the fused load writes them."""
+
+    # [num_blocks, block_size, num_kv_heads, head_size] views (NHD), or the
+    # same shape with HND strides; fp8 caches as float8_e4m3fn views.
+    key_cache: torch.Tensor
+    value_cache: torch.Tensor
+    # fp8 only: [1] or [num_kv_heads] fp32 scales (float(x) / scale).
+    k_scale: torch.Tensor | None = None
+    v_scale: torch.Tensor | None = None
+
+
+if triton is not None:
+
+    @triton.jit
+    def _round_to_bf16(x):
+        # fp32 -> bf16, round to nearest even, in integer ops.
+        # NOTE: Triton's interpreter truncates in `.to(tl.bfloat16)` (measured:
+        # 513 of 1,024 random values differ from torch), GPUs round to nearest
+        # even: integer rounding gives the same bits on both (finite inputs).
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = bits + (((bits >> 16) & 1) + 0x7FFF)
+        return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+
+    @triton.jit
+    def _round_to_e4m3_grid(y):
+        # y in [-448, 448] (fp32) -> the nearest fp8 e4m3 value, ties to even,
+        # still in fp32: adding and subtracting 2^(q + 23) rounds |y| to a
+        # multiple of q = its e4m3 quantum in one fp32 rounding (nearest even).
+        # NOTE: `.to(tl.float8e4nv)` of the result is then exact; the
+        # interpreter's own conversion is not round-to-nearest (88 of 4,096
+        # values differ from torch), the GPU's is (cvt.rn.satfinite).
+        bits = y.to(tl.uint32, bitcast=True)
+        exponent = ((bits >> 23) & 0xFF).to(tl.int32) - 127
+        quantum = tl.maximum(exponent, -6) - 3  # 3 mantissa bits; subnormals below 2^-6
+        magic = ((quantum + 23 + 127) << 23).to(tl.float32, bitcast=True)
+        rounded = (tl.abs(y) + magic) - magic
+        sign = bits & 0x80000000
+        return (rounded.to(tl.uint32, bitcast=True) | sign).to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _store(cache_ptr, offsets, x, mask, scale, MODEL: tl.constexpr, FP8: tl.constexpr):
+        # Round to the model's dtype first, as the rows reach the backend's
+        # cache write in that dtype today (MODEL: 0 fp32, 1 bf16, 2 fp16).
+        x = x.to(tl.float32)
+        if MODEL == 1:
+            x = _round_to_bf16(x)
+        elif MODEL == 2:
+            x = x.to(tl.float16)
+        if FP8:
+            y = x.to(tl.float32) / scale
+            y = tl.minimum(tl.maximum(y, -448.0), 448.0)  # saturating (SATFINITE)
+            tl.store(cache_ptr + offsets, _round_to_e4m3_grid(y).to(tl.float8e4nv), mask=mask)
+        else:
+            tl.store(cache_ptr + offsets, x, mask=mask)
+
+    @triton.jit
+    def _fused_load_kernel(
+        pool_key_ptr, pool_value_ptr, src_rows_ptr, dst_slots_ptr, delta_index_ptr,
+        cos_ptr, sin_ptr, key_cache_ptr, value_cache_ptr, k_scale_ptr, v_scale_ptr,
+        scale_stride, pool_row_stride, pool_head_stride, block_stride, page_stride,
+        head_stride, block_size,
+        HEAD_SIZE: tl.constexpr, ROT_HALF: tl.constexpr, BLOCK_D: tl.constexpr,
+        BLOCK_HALF: tl.constexpr, IS_NEOX: tl.constexpr, ROTATE: tl.constexpr,
+        MODEL: tl.constexpr, FP8: tl.constexpr,
+    ):
+        row = tl.program_id(0)
+        head = tl.program_id(1)
+        src = tl.load(src_rows_ptr + row)
+        slot = tl.load(dst_slots_ptr + row)
+        src_base = src * pool_row_stride + head * pool_head_stride
+        dst_base = (slot // block_size) * block_stride + (slot % block_size) * page_stride \
+            + head * head_stride
+        k_scale = 1.0
+        v_scale = 1.0
+        if FP8:
+            k_scale = tl.load(k_scale_ptr + head * scale_stride)
+            v_scale = tl.load(v_scale_ptr + head * scale_stride)
+
+        d = tl.arange(0, BLOCK_D)
+        in_head = d < HEAD_SIZE
+        value = tl.load(pool_value_ptr + src_base + d, mask=in_head)
+        _store(value_cache_ptr, dst_base + d, value, in_head, v_scale, MODEL, FP8)
+
+        if ROTATE:
+            # Values past the rotary part pass through (partial rotary).
+            key = tl.load(pool_key_ptr + src_base + d, mask=in_head)
+            tail = in_head & (d >= 2 * ROT_HALF)
+            _store(key_cache_ptr, dst_base + d, key, tail, k_scale, MODEL, FP8)
+            i = tl.arange(0, BLOCK_HALF)
+            pair = i < ROT_HALF
+            if IS_NEOX:
+                first = i
+                second = i + ROT_HALF
+            else:
+                first = 2 * i
+                second = 2 * i + 1
+            delta = tl.load(delta_index_ptr + row)
+            cos = tl.load(cos_ptr + delta * ROT_HALF + i, mask=pair)
+            sin = tl.load(sin_ptr + delta * ROT_HALF + i, mask=pair)
+            x1 = tl.load(pool_key_ptr + src_base + first, mask=pair).to(tl.float32)
+            x2 = tl.load(pool_key_ptr + src_base + second, mask=pair).to(tl.float32)
+            # Each product rounded (fp fusion is off at launch), then one add.
+            o1 = x1 * cos - x2 * sin
+            o2 = x2 * cos + x1 * sin
+            _store(key_cache_ptr, dst_base + first, o1, pair, k_scale, MODEL, FP8)
+            _store(key_cache_ptr, dst_base + second, o2, pair, k_scale, MODEL, FP8)
+        else:
+            key = tl.load(pool_key_ptr + src_base + d, mask=in_head)
+            _store(key_cache_ptr, dst_base + d, key, in_head, k_scale, MODEL, FP8)
+
+
+# The pool's (model's) dtype as the kernel's MODEL code.
+_MODEL_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+def available() -> bool:
+    return triton is not None
+
+
+def fused_load_layer(
+    pool_key: torch.Tensor,
+    pool_value: torch.Tensor,
+    src_rows: torch.Tensor,
+    dst_slots: torch.Tensor,
+    delta_index: torch.Tensor | None,
+    cos_sin_table: tuple[torch.Tensor, torch.Tensor] | None,
+    is_neox_style: bool,
+    rotary_dim: int,
+    layer: PagedLayer,
+) -> None:
+    """Writes pool rows `src_rows` [n] of `pool_key`/`pool_value` [rows, heads,
+    head_size] to `dst_slots` [n] of `layer`, K rotated by row: `delta_index`
+    [n] indexes `cos_sin_table` ([num_deltas, rotary_dim // 2] fp32 each).
+    `delta_index` None: no rotation (the layer has no RoPE)."""
+    if triton is None:
+        raise RuntimeError("the fused chunk load needs Triton")
+    num_rows = src_rows.shape[0]
+    if num_rows == 0:
+        return
+    _, num_heads, head_size = pool_key.shape
+    if pool_key.stride(2) != 1 or pool_value.stride() != pool_key.stride():
+        raise ValueError("pool K/V must share one layout with contiguous heads")
+    key_cache, value_cache = layer.key_cache, layer.value_cache
+    if key_cache.stride() != value_cache.stride() or key_cache.stride(3) != 1:
+        raise ValueError("paged K/V caches must share strides, head_size contiguous")
+    fp8 = key_cache.dtype == torch.float8_e4m3fn
+    if not fp8 and key_cache.dtype != pool_key.dtype:
+        raise ValueError(f"cache dtype {key_cache.dtype} is neither the pool's nor fp8 e4m3")
+    if fp8:
+        if layer.k_scale is None or layer.v_scale is None:
+            raise ValueError("an fp8 cache needs k_scale and v_scale")
+        k_scale = layer.k_scale.to(torch.float32)
+        v_scale = layer.v_scale.to(torch.float32)
+        scale_stride = 0 if k_scale.numel() == 1 else 1
+    else:
+        k_scale = v_scale = src_rows  # unused by the kernel
+        scale_stride = 0
+    rotate = delta_index is not None
+    if rotate:
+        cos, sin = (t.contiguous() for t in cos_sin_table)
+        rot_half = rotary_dim // 2
+    else:
+        cos = sin = pool_key  # unused
+        delta_index = src_rows
+        rot_half = 1
+    _fused_load_kernel[(num_rows, num_heads)](
+        pool_key, pool_value, src_rows, dst_slots, delta_index, cos, sin,
+        key_cache, value_cache, k_scale, v_scale, scale_stride,
+        pool_key.stride(0), pool_key.stride(1), key_cache.stride(0), key_cache.stride(1),
+        key_cache.stride(2), key_cache.shape[1],
+        HEAD_SIZE=head_size, ROT_HALF=rot_half, BLOCK_D=triton.next_power_of_2(head_size),
+        BLOCK_HALF=triton.next_power_of_2(rot_half), IS_NEOX=is_neox_style, ROTATE=rotate,
+        MODEL=_MODEL_CODES[pool_key.dtype], FP8=fp8,
+        # NOTE: no FMA contraction: today's rotation rounds each product.
+        enable_fp_fusion=False,
+    )
