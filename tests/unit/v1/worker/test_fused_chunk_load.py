@@ -14,6 +14,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # before Triton compiles anythin
 import pytest
 import torch
 
+from tests.unit.flash_cache_write import write_rows
 from vllm.model_executor.layers.rotary_embedding import get_rope
 from vllm.v1.worker.position_remapper import RopeRotation
 
@@ -29,14 +30,6 @@ def paged(layout: str, dtype: torch.dtype) -> torch.Tensor:
     if layout == "NHD":
         return torch.zeros(NUM_BLOCKS, BLOCK_SIZE, NUM_HEADS, HEAD_SIZE, dtype=dtype)
     return torch.zeros(NUM_BLOCKS, NUM_HEADS, BLOCK_SIZE, HEAD_SIZE, dtype=dtype).transpose(1, 2)
-
-
-def reference_write(cache, rows, slots, scale):
-    """reshape_and_cache_flash's arithmetic, per row and head."""
-    if cache.dtype == torch.float8_e4m3fn:
-        per_head = scale.reshape(1, -1, 1) if scale.numel() > 1 else scale
-        rows = (rows.float() / per_head).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
-    cache[slots // BLOCK_SIZE, slots % BLOCK_SIZE] = rows
 
 
 CASES = [  # (layout, pool dtype, cache, rope params or None, neox, per-head scales)
@@ -79,8 +72,8 @@ def test_fused_load_writes_what_todays_path_writes_bit_for_bit(
         rotation = RopeRotation(rope, use_cpu_kernel=False)
         key = rotation.rotate(key.float(), deltas).to(dtype)
     want_k, want_v = paged(layout, cache_dtype), paged(layout, cache_dtype)
-    reference_write(want_k, key, dst_slots, k_scale)
-    reference_write(want_v, pool_value[src_rows], dst_slots, v_scale)
+    write_rows(want_k, key, dst_slots, k_scale)
+    write_rows(want_v, pool_value[src_rows], dst_slots, v_scale)
 
     # The fused kernel, with the step's per-distinct-delta table.
     got_k, got_v = paged(layout, cache_dtype), paged(layout, cache_dtype)

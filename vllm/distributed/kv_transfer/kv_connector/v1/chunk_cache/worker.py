@@ -18,7 +18,9 @@
   writes K/V into the parent's paged blocks through the attention backend's
   own cache-write op (`do_kv_cache_update` of FlashAttention, FlashInfer and
   Triton on CUDA; `ops.cpu_attn_reshape_and_cache` on CPU, which packs per
-  ISA). No host synchronisation per layer.
+  ISA). On a GPU, a layer whose start-up self-check passes loads through
+  one fused Triton kernel instead, writing the same bytes
+  (fused_load_path.py). No host synchronisation per layer.
 * fp8 KV caches: see setup.pool_dtype (pool in model dtype, rotate in fp32,
   quantized by the backend's write with the layer's scale).
 * CUDA graphs: the connector asks vLLM for PIECEWISE graphs
@@ -38,6 +40,10 @@ import torch
 from torch import nn
 
 from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.cache_writers import writer_for
+from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.fused_load_path import (
+    FusedLoadChoice,
+    choose_fused_layers,
+)
 from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.metadata import (
     LoadRows,
     StoreRows,
@@ -173,6 +179,13 @@ def find_layer_ropes(
     return ropes, orphans
 
 
+def _backend_write(layer: Any, key: torch.Tensor, value: torch.Tensor,
+                   kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """The fused-load self-check's reference: the backend's own write into
+    `kv_cache` (the layer's cache; the CUDA backends' `do_kv_cache_update`)."""
+    layer.impl.do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
+
+
 class ChunkCacheWorker:
     def __init__(self, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig):
         self.vllm_config = vllm_config
@@ -189,6 +202,8 @@ class ChunkCacheWorker:
         self._scratch = RemapScratch(vllm_config.chunk_cache_config.max_chunk_load_tokens)
         self._ropes: dict[str, nn.Module | None] | None = None
         self._rotations: dict[int, RopeRotation] = {}
+        # Layers that load through the fused kernel (GPU, self-checked).
+        self._fused = FusedLoadChoice()
         self._forward_context: ForwardContext | None = None
         # Capture indices of this step (same for every layer of the single
         # KV cache group), built on the device at the first layer.
@@ -260,6 +275,11 @@ class ChunkCacheWorker:
             rotation = None if rope is None else self._rotations[id(rope)]
             self.remappers[name] = PositionRemapper(rotation, self._write_rows, self._scratch)
         self.pool_bytes = total
+        self._fused = choose_fused_layers(
+            {name: layers[name] for name in kv_caches}, kv_caches,
+            {name: remapper.rotation for name, remapper in self.remappers.items()},
+            self.dtype, _backend_write)
+        logger.info("Chunk cache: loads use %s", self._fused.summary())
         logger.info(
             "Chunk cache pool: %d rows x %d layers, %.1f MiB on %s (%s)",
             self.num_pool_rows,
@@ -306,8 +326,22 @@ class ChunkCacheWorker:
             for rotation in self._rotations.values()
             if not rotation.rotates_in_place(self.device)
         }
+        row_index = None
         for name, remapper in self.remappers.items():
             rotation = remapper.rotation
+            paged = self._fused.layers.get(name)
+            if paged is not None:
+                from vllm.v1.worker.fused_chunk_load import fused_load_layer
+
+                if row_index is None:  # cos/sin are per row: row i reads entry i
+                    row_index = torch.arange(rows.num_rows, device=rows.src_rows.device)
+                fused_load_layer(
+                    self.pool_key[name], self.pool_value[name], rows.src_rows,
+                    rows.dst_slots, None if rotation is None else row_index,
+                    None if rotation is None else cos_sin[id(rotation)],
+                    rotation is None or rotation.is_neox_style,
+                    rotation.rotary_dim if rotation is not None else 0, paged)
+                continue
             remapper.remap_layer(
                 name,
                 self.pool_key[name],

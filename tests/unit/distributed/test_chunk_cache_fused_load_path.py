@@ -1,0 +1,125 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The start-up choice of the fused load (fused_load_path.py), on the CPU.
+
+The self-check runs the fused kernel with Triton's interpreter and, as the backend's write,
+`reshape_and_cache_flash`'s arithmetic in torch (tests/unit/flash_cache_write.py): the CUDA op
+has no CPU kernel. The layer objects are stand-ins carrying what the check reads (the
+implementation's class name, head counts, k/v scales); the engine path on the CPU never takes
+the fused kernel, which the last test shows through `choose_fused_layers`.
+"""
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before Triton compiles anything
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from tests.unit.flash_cache_write import write_kv
+from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.fused_load_path import (
+    FusedLoadChoice,
+    choose_fused_layers,
+    paged_layer,
+    self_check,
+)
+from vllm.model_executor.layers.rotary_embedding import get_rope
+from vllm.v1.worker.position_remapper import RopeRotation
+
+HEADS, HEAD, BLOCK, BLOCKS = 2, 32, 16, 6
+
+
+class FlashAttentionImpl:  # the name the fused path knows; what the check reads
+    def __init__(self, kv_cache_dtype="auto"):
+        self.kv_cache_dtype = kv_cache_dtype
+
+
+class FlexAttentionImpl(FlashAttentionImpl):
+    pass
+
+
+def layer(impl=None, head_v=HEAD):
+    return SimpleNamespace(impl=impl or FlashAttentionImpl(), num_kv_heads=HEADS,
+                           head_size=HEAD, head_size_v=head_v,
+                           _k_scale=torch.tensor([0.03]), _v_scale=torch.tensor([0.02]))
+
+
+def kv_cache(dtype, hnd=False):
+    """[blocks, 2, block_size, heads, head], NHD or with FlashInfer's HND strides."""
+    if not hnd:
+        return torch.randn(BLOCKS, 2, BLOCK, HEADS, HEAD).to(dtype)
+    return torch.randn(BLOCKS, 2, HEADS, BLOCK, HEAD).to(dtype).transpose(2, 3)
+
+
+def backend_write(fp8=False):
+    def write(layer, key, value, cache, slots):
+        write_kv(cache, key, value, slots, layer._k_scale, layer._v_scale, fp8=fp8)
+    return write
+
+
+@pytest.fixture(scope="module")
+def rotation(vllm_config_context):
+    return RopeRotation(get_rope(HEAD, 4096, False, {"rope_type": "default"}, torch.float32),
+                        use_cpu_kernel=False)
+
+
+@pytest.mark.parametrize("dtype, fp8, hnd", [(torch.float32, False, False),
+                                             (torch.bfloat16, False, True),
+                                             (torch.uint8, True, False)],
+                         ids=["fp32-NHD", "bf16-HND", "fp8-NHD"])
+def test_self_check_passes_where_the_kernel_writes_the_backends_bytes(rotation, dtype, fp8, hnd):
+    the_layer = layer(FlashAttentionImpl("fp8" if fp8 else "auto"))
+    cache = kv_cache(dtype, hnd)
+    before = cache.clone()
+    paged = paged_layer(the_layer, cache)
+    assert not isinstance(paged, str), paged
+    pool_dtype = torch.bfloat16 if dtype != torch.float32 else torch.float32
+    assert self_check(the_layer, cache, paged, rotation, pool_dtype, backend_write(fp8)) is None
+    assert self_check(the_layer, cache, paged, None, pool_dtype, backend_write(fp8)) is None
+    assert torch.equal(cache.view(torch.uint8), before.view(torch.uint8))  # left as it was
+
+
+def test_self_check_names_a_difference_and_keeps_the_cache(rotation):
+    the_layer = layer()
+    cache = kv_cache(torch.bfloat16)
+    before = cache.clone()
+    paged = paged_layer(the_layer, cache)
+
+    def rounds_differently(layer, key, value, cache, slots):
+        # A backend that rounds differently from the kernel (one bf16 ulp on every key).
+        write_kv(cache, key + key.abs() * 2**-8, value, slots)
+
+    reason = self_check(the_layer, cache, paged, rotation, torch.bfloat16,
+                        rounds_differently)
+    assert reason is not None and "bytes differ" in reason
+    assert torch.equal(cache.view(torch.uint8), before.view(torch.uint8))
+
+    def broken_backend(layer, key, value, cache, slots):
+        raise RuntimeError("no kernel image")
+
+    assert "RuntimeError: no kernel image" in self_check(
+        the_layer, cache, paged, rotation, torch.bfloat16, broken_backend)
+    assert torch.equal(cache.view(torch.uint8), before.view(torch.uint8))
+
+
+def test_layers_the_kernel_does_not_know_keep_todays_path():
+    cache = kv_cache(torch.bfloat16)
+    assert "FlexAttentionImpl has no fused load" in paged_layer(layer(FlexAttentionImpl()), cache)
+    assert "head sizes differ" in paged_layer(layer(head_v=16), cache)
+    assert "fp8_e5m2" in paged_layer(layer(FlashAttentionImpl("fp8_e5m2")), cache)
+    quant = FlashAttentionImpl()
+    quant._is_per_token_head_quant = True
+    assert "per-token-head" in paged_layer(layer(quant), cache)
+    fp8 = paged_layer(layer(FlashAttentionImpl("fp8")), kv_cache(torch.uint8))
+    assert fp8.key_cache.dtype == torch.float8_e4m3fn and fp8.k_scale is not None
+
+
+def test_on_the_cpu_every_layer_keeps_the_backends_own_write(rotation):
+    choice = choose_fused_layers({"l0": layer(), "l1": layer()},
+                                 {"l0": kv_cache(torch.float32), "l1": kv_cache(torch.float32)},
+                                 {"l0": rotation, "l1": None}, torch.float32, backend_write())
+    assert choice.layers == {}
+    assert set(choice.reasons) == {"l0", "l1"}
+    assert "CPU backend's own cache write" in choice.summary()
+    assert "on all 2 layers" in FusedLoadChoice({"a": 1, "b": 2}).summary()
