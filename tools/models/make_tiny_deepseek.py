@@ -13,12 +13,10 @@ it on the CPU (it has no MLA there); the HF reference and vLLM's rope objects ca
 
 from __future__ import annotations
 
-import json
-import os
 import sys
 from pathlib import Path
 
-from make_tiny_llama import VOCAB_SIZE, build_tokenizer
+from make_tiny_llama import VOCAB_SIZE, make
 
 # Kept small and public: tests rebuild vLLM's rope object from these.
 ROPE_PARAMETERS = {
@@ -62,13 +60,5 @@ def build_model(out: Path) -> None:
     model.save_pretrained(out, safe_serialization=True)
 
 
-def main(out: Path) -> None:
-    os.environ["RAYON_NUM_THREADS"] = "1"  # deterministic BPE merges
-    out.mkdir(parents=True, exist_ok=True)
-    build_tokenizer(out)
-    build_model(out)
-    (out / "fork-model.json").write_text(json.dumps({"name": "tiny-deepseek", "seed": 0}) + "\n")
-
-
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    make(Path(sys.argv[1]), "tiny-deepseek", build_model)

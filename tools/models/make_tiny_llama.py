@@ -79,13 +79,14 @@ def build_model(out: Path) -> None:
     model.save_pretrained(out, safe_serialization=True)
 
 
-def main(out: Path) -> None:
+def make(out: Path, name: str, model_builder) -> None:
+    """The tokenizer, the model `model_builder(out)` saves, and the marker file."""
     os.environ["RAYON_NUM_THREADS"] = "1"  # deterministic BPE merges
     out.mkdir(parents=True, exist_ok=True)
     build_tokenizer(out)
-    build_model(out)
-    (out / "fork-model.json").write_text(json.dumps({"name": "tiny-llama", "seed": 0}) + "\n")
+    model_builder(out)
+    (out / "fork-model.json").write_text(json.dumps({"name": name, "seed": 0}) + "\n")
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    make(Path(sys.argv[1]), "tiny-llama", build_model)
