@@ -7,8 +7,11 @@
   .do_kv_cache_update calls); checked against a float64 reference, every
   layer's loop run under torch.cuda.set_sync_debug_mode("error") (any host
   synchronisation raises);
+* fused: the same load through the fused Triton kernel
+  (vllm/v1/worker/fused_chunk_load.py), which must write the same bytes as the
+  load above (compared at every written slot of every layer), same sync check;
 * capture: index_copy_ of a batch's K/V rows into the pool, same checks;
-* bytes/s of both against the device's measured copy bandwidth.
+* bytes/s of all three against the device's measured copy bandwidth.
 
 Run (device with vLLM importable): python benchmarks/gpu_remap.py
 """
@@ -74,7 +77,10 @@ def main() -> int:
 
     remapper = PositionRemapper(rotation, write_rows)
     results = []
-    for n_rows in (1024, 4096, 16384):
+    from vllm.v1.worker.fused_chunk_load import PagedLayer, fused_load_layer
+
+    paged = [PagedLayer(cache[:, 0], cache[:, 1]) for cache in caches]
+    for n_rows in (1024, 4096, 16384, 65536):
         # 4 segments at shuffled pool places, to a contiguous run of slots,
         # deltas up to ~8k positions in both directions.
         seg = n_rows // 4
@@ -119,11 +125,37 @@ def main() -> int:
         useful = LAYERS * 4 * n_rows * KV_HEADS * HEAD * DTYPE.itemsize
         results.append(("load", n_rows, t, useful / t, worst_rel, v_exact))
 
+        # Fused: same rows, one kernel per layer; the same bytes at every slot.
+        slots = dst.to(dev)
+        written = [c[slots // BLOCK, :, slots % BLOCK].clone() for c in caches]
+        row_index = torch.arange(n_rows, device=dev)
+
+        def fused_step():
+            cs = rotation.cos_sin_rows(rows.deltas)  # once per step
+            for layer in range(LAYERS):
+                fused_load_layer(pool_k[layer], pool_v[layer], rows.src_rows, rows.dst_slots,
+                                 row_index, cs, True, HEAD, paged[layer])
+
+        fused_step()
+        torch.cuda.synchronize()
+        for cache in caches:
+            cache.fill_(float("nan"))
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        fused_step()
+        torch.cuda.set_sync_debug_mode("default")
+        torch.cuda.synchronize()
+        same = all(torch.equal(c[slots // BLOCK, :, slots % BLOCK].view(torch.int16),
+                               w.view(torch.int16)) for c, w in zip(caches, written))
+        del written
+        tf = timed(fused_step)
+        results.append(("fused", n_rows, tf, useful / tf, worst_rel if same else 1.0, same))
+
         # Capture: a batch of n_rows tokens, rows picked by index, into the pool.
         batch_k = torch.randn(n_rows + 37, KV_HEADS, HEAD, device=dev, dtype=DTYPE)
         batch_v = torch.randn_like(batch_k)
         pick = torch.randperm(n_rows + 37, device=dev)[:n_rows]
-        dst_rows = torch.arange(n_rows, device=dev) + 5 * seg
+        dst_rows = (torch.arange(n_rows, device=dev) + 5 * seg) % POOL_ROWS
 
         def capture():
             for layer in range(LAYERS):
