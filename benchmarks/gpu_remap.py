@@ -128,13 +128,15 @@ def main() -> int:
         # Fused: same rows, one kernel per layer; the same bytes at every slot.
         slots = dst.to(dev)
         written = [c[slots // BLOCK, :, slots % BLOCK].clone() for c in caches]
-        row_index = torch.arange(n_rows, device=dev)
+        # As the worker: one cos/sin row per stretch, each row's stretch index.
+        stretch_index = torch.arange(4, device=dev).repeat_interleave(seg)
+        stretch_deltas = torch.tensor([8000, -123, 4097, 0], device=dev)
 
         def fused_step():
-            cs = rotation.cos_sin_rows(rows.deltas)  # once per step
+            cs = rotation.cos_sin_rows(stretch_deltas)  # once per step
             for layer in range(LAYERS):
                 fused_load_layer(pool_k[layer], pool_v[layer], rows.src_rows, rows.dst_slots,
-                                 row_index, cs, True, HEAD, paged[layer])
+                                 stretch_index, cs, True, HEAD, paged[layer])
 
         fused_step()
         torch.cuda.synchronize()

@@ -64,3 +64,17 @@ def test_stretches_of_one_request_share_its_block_table():
     assert rows.src_rows.tolist() == [0, 1, 5, 6, 8]
     assert rows.dst_slots.tolist() == [36, 37, 38, 39, 21]
     assert rows.deltas.tolist() == [1, 1, 2, 2, 3]
+
+
+def test_each_row_knows_its_stretch_and_each_stretch_its_delta():
+    # Two requests, three stretches: the fused load's cos/sin table has a row per
+    # stretch, and row i reads entry stretch_index[i] of it.
+    a = RequestLoad(block_ids=(4, 5), stretches=(
+        SegmentStretch(pool_block_ids=(9,), first_row=0, num_rows=2, dst_position=1, delta=1),
+        SegmentStretch(pool_block_ids=(8,), first_row=1, num_rows=3, dst_position=3, delta=2)))
+    b = RequestLoad(block_ids=(6,), stretches=(
+        SegmentStretch(pool_block_ids=(7,), first_row=0, num_rows=1, dst_position=2, delta=-5),))
+    rows = LoadRows.expand([a, b], 4, 4, torch.device("cpu"))
+    assert rows.stretch_index.tolist() == [0, 0, 1, 1, 1, 2]
+    assert rows.stretch_deltas.tolist() == [1, 2, -5]
+    assert torch.equal(rows.stretch_deltas[rows.stretch_index], rows.deltas)

@@ -5,8 +5,9 @@ Today's GPU load is about a dozen small kernels per layer: two gathers of pool
 rows, the fp32 rotation (elementwise passes over strided halves), a cast back,
 then the backend's `reshape_and_cache_flash`. This kernel does the same work in
 one pass: each program reads one pool row of one KV head once, rotates K by its
-row's delta with the step's cos/sin table (one row per distinct delta, built as
-`RopeRotation.cos_sin` builds it: float64 angles, fp32 values), and writes K and
+row's delta with the step's cos/sin table (one row per stretch of a cached
+segment, `RopeRotation.cos_sin_rows`: float64 angles, fp32 values; each row
+reads its stretch's entry), and writes K and
 V once into the paged cache through its strides, so the NHD layout of
 FlashAttention / Triton and the HND layout of FlashInfer are the same code.
 

@@ -432,6 +432,10 @@ class RemapRows:
     dst_slots: torch.Tensor
     # Position delta per row (real - stored) [n].
     deltas: torch.Tensor
+    # Optional, for a cos/sin table of one row per stretch (the fused GPU
+    # load): each row's stretch [n], and each stretch's delta.
+    stretch_index: torch.Tensor | None = None
+    stretch_deltas: torch.Tensor | None = None
 
     @property
     def num_rows(self) -> int:
@@ -441,7 +445,10 @@ class RemapRows:
         """The rows in order, in pieces of at most `max_rows` (views)."""
         return [
             RemapRows(self.src_rows[i : i + max_rows], self.dst_slots[i : i + max_rows],
-                      self.deltas[i : i + max_rows])
+                      self.deltas[i : i + max_rows],
+                      None if self.stretch_index is None
+                      else self.stretch_index[i : i + max_rows],
+                      self.stretch_deltas)
             for i in range(0, self.num_rows, max_rows)
         ]
 

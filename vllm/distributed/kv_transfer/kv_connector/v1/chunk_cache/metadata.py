@@ -54,11 +54,15 @@ class RequestLoad:
 @dataclass(frozen=True)
 class LoadRows:
     """A step's loads as rows on the device: pool row -> paged slot, and
-    the K rotation of each."""
+    the K rotation of each (per row, and as a stretch index into the
+    step's few per-stretch deltas, for a cos/sin table of one row each)."""
 
     src_rows: torch.Tensor
     dst_slots: torch.Tensor
     deltas: torch.Tensor
+    # Row -> its stretch [n]; each stretch's delta [num_stretches].
+    stretch_index: torch.Tensor
+    stretch_deltas: torch.Tensor
 
     @classmethod
     def expand(cls, loads: list[RequestLoad], pool_block_size: int, block_size: int,
@@ -69,8 +73,9 @@ class LoadRows:
                   count=s.num_rows, delta=s.delta)
             for load in loads for s in load.stretches
         ]
-        src, dst, deltas = _expand(copies, pool_block_size, block_size, device)
-        return cls(src, dst, deltas)
+        rows = _expand(copies, pool_block_size, block_size, device)
+        return cls(rows.src, rows.dst, rows.copy_deltas[rows.copy_index], rows.copy_index,
+                   rows.copy_deltas)
 
 
 @dataclass(frozen=True)
@@ -105,8 +110,8 @@ class StoreRows:
                   count=s.end_position - s.first_position, delta=0)
             for s in stores
         ]
-        src, dst, _ = _expand(copies, block_size, pool_block_size, device)
-        return cls(src, dst)
+        rows = _expand(copies, block_size, pool_block_size, device)
+        return cls(rows.src, rows.dst)
 
 
 @dataclass(frozen=True)
@@ -122,10 +127,20 @@ class _Copy:
     delta: int
 
 
+@dataclass(frozen=True)
+class _Rows:
+    """Every copied position's flat source and destination row (row =
+    block_id * block_size + offset) and copy, and each copy's delta."""
+
+    src: torch.Tensor
+    dst: torch.Tensor
+    copy_index: torch.Tensor
+    copy_deltas: torch.Tensor
+
+
 def _expand(copies: list[_Copy], src_block_size: int, dst_block_size: int,
-            device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Flat source row, destination row and delta of every copied position
-    (row = block_id * block_size + offset), expanded on `device`.
+            device: torch.device) -> _Rows:
+    """The rows of `copies`, expanded on `device`.
 
     NOTE: the host packs only block tables and six integers per copy (a
     request's table once, however many stretches use it) into one array:
@@ -134,7 +149,7 @@ def _expand(copies: list[_Copy], src_block_size: int, dst_block_size: int,
     """
     if not copies:
         empty = torch.zeros(0, dtype=torch.int64, device=device)
-        return empty, empty, empty
+        return _Rows(empty, empty, empty, empty)
     tables: dict[int, int] = {}  # id(block tuple) -> offset in `flat`
     flat: list[np.ndarray] = []
     size = 0
@@ -168,7 +183,7 @@ def _expand(copies: list[_Copy], src_block_size: int, dst_block_size: int,
                 + src % src_block_size)
     dst_rows = (blocks[dst_off[which] + dst // dst_block_size] * dst_block_size
                 + dst % dst_block_size)
-    return src_rows, dst_rows, delta[which]
+    return _Rows(src_rows, dst_rows, which, delta)
 
 
 @dataclass

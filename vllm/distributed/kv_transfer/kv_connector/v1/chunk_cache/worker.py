@@ -307,7 +307,8 @@ class ChunkCacheWorker:
         expanded = LoadRows.expand(meta.loads, POOL_BLOCK_SIZE, self.block_size,
                                    self.device)
         rows = RemapRows(src_rows=expanded.src_rows, dst_slots=expanded.dst_slots,
-                         deltas=expanded.deltas)
+                         deltas=expanded.deltas, stretch_index=expanded.stretch_index,
+                         stretch_deltas=expanded.stretch_deltas)
         self._forward_context = forward_context
         try:
             # NOTE: more rows than the buffers hold only for a load longer than
@@ -318,27 +319,31 @@ class ChunkCacheWorker:
             self._forward_context = None
 
     def _load_piece(self, rows: RemapRows) -> None:
-        # fp32 cos/sin per row, once per piece and distinct rope; not for a
-        # rope that rotates in place (CPU), which builds its own per-delta
-        # table.
+        fused = self._fused.layers
+        # fp32 cos/sin per row, once per piece and distinct rope, for the
+        # layers not fused; not for a rope that rotates in place (CPU), which
+        # builds its own per-delta table.
         cos_sin = {
             id(rotation): rotation.cos_sin_rows(rows.deltas)
             for rotation in self._rotations.values()
             if not rotation.rotates_in_place(self.device)
-        }
-        row_index = None
+        } if len(fused) < len(self.remappers) else {}
+        # The fused kernel reads one cos/sin row per stretch (a handful per
+        # step), indexed by each row's stretch.
+        stretch_cos_sin = {
+            id(rotation): rotation.cos_sin_rows(rows.stretch_deltas)
+            for rotation in self._rotations.values()
+        } if fused else {}
         for name, remapper in self.remappers.items():
             rotation = remapper.rotation
-            paged = self._fused.layers.get(name)
+            paged = fused.get(name)
             if paged is not None:
                 from vllm.v1.worker.fused_chunk_load import fused_load_layer
 
-                if row_index is None:  # cos/sin are per row: row i reads entry i
-                    row_index = torch.arange(rows.num_rows, device=rows.src_rows.device)
                 fused_load_layer(
                     self.pool_key[name], self.pool_value[name], rows.src_rows,
-                    rows.dst_slots, None if rotation is None else row_index,
-                    None if rotation is None else cos_sin[id(rotation)],
+                    rows.dst_slots, None if rotation is None else rows.stretch_index,
+                    None if rotation is None else stretch_cos_sin[id(rotation)],
                     rotation is None or rotation.is_neox_style,
                     rotation.rotary_dim if rotation is not None else 0, paged)
                 continue
