@@ -123,3 +123,56 @@ def test_on_the_cpu_every_layer_keeps_the_backends_own_write(rotation):
     assert set(choice.reasons) == {"l0", "l1"}
     assert "CPU backend's own cache write" in choice.summary()
     assert "on all 2 layers" in FusedLoadChoice({"a": 1, "b": 2}).summary()
+
+
+def test_the_workers_fused_branch_writes_what_its_layer_by_layer_branch_writes(rotation):
+    """ChunkCacheWorker._load_piece, both branches on the same step: the fused kernel with
+    the per-stretch cos/sin table and each row's stretch index, against gather + rotation
+    + the backend's write (reshape_and_cache_flash's arithmetic), on a RoPE layer and a
+    layer without RoPE; two requests, three stretches, deltas of both signs."""
+    from tests.unit.distributed.test_chunk_cache_worker import _worker
+    from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.metadata import (
+        LoadRows,
+        RequestLoad,
+        SegmentStretch,
+    )
+    from vllm.v1.worker.fused_chunk_load import PagedLayer
+    from vllm.v1.worker.position_remapper import PositionRemapper, RemapRows
+
+    gen = torch.Generator().manual_seed(5)
+    loads = [
+        RequestLoad(block_ids=(2, 3), stretches=(
+            SegmentStretch((4, 5), first_row=3, num_rows=9, dst_position=1, delta=700),
+            SegmentStretch((6,), first_row=0, num_rows=7, dst_position=12, delta=-2))),
+        RequestLoad(block_ids=(5,), stretches=(
+            SegmentStretch((1, 2), first_row=0, num_rows=11, dst_position=0, delta=40000),)),
+    ]
+    expanded = LoadRows.expand(loads, 16, BLOCK, torch.device("cpu"))
+    rows = RemapRows(expanded.src_rows, expanded.dst_slots, expanded.deltas,
+                     expanded.stretch_index, expanded.stretch_deltas)
+    pools = {name: (torch.randn(7 * 16, HEADS, HEAD, generator=gen).bfloat16(),
+                    torch.randn(7 * 16, HEADS, HEAD, generator=gen).bfloat16())
+             for name in ("rope", "plain")}
+    written = {}
+    for fused in (False, True):
+        caches = {name: kv_cache(torch.bfloat16).zero_() for name in pools}
+        worker = _worker()
+        worker.device = torch.device("cpu")
+        worker.pool_key = {name: k for name, (k, _) in pools.items()}
+        worker.pool_value = {name: v for name, (_, v) in pools.items()}
+        worker._rotations = {id(rotation): rotation}
+
+        def write(name, key, value, slots, caches=caches):
+            write_kv(caches[name], key, value, slots)
+
+        worker.remappers = {"rope": PositionRemapper(rotation, write),
+                            "plain": PositionRemapper(None, write)}
+        worker._fused = FusedLoadChoice(
+            {name: PagedLayer(*cache.unbind(1)) for name, cache in caches.items()}
+            if fused else {})
+        worker._load_piece(rows)
+        written[fused] = caches
+    for name in pools:
+        assert written[False][name].any(), name
+        assert torch.equal(written[True][name].view(torch.int16),
+                           written[False][name].view(torch.int16)), name
