@@ -21,6 +21,7 @@ from tests.unit.flash_cache_write import write_kv
 from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.fused_load_path import (
     FusedLoadChoice,
     choose_fused_layers,
+    group_fused_layers,
     paged_layer,
     self_check,
 )
@@ -170,9 +171,28 @@ def test_the_workers_fused_branch_writes_what_its_layer_by_layer_branch_writes(r
         worker._fused = FusedLoadChoice(
             {name: PagedLayer(*cache.unbind(1)) for name, cache in caches.items()}
             if fused else {})
+        worker._fused_groups = group_fused_layers(
+            worker._fused, worker.pool_key, worker.pool_value,
+            {name: remapper.rotation for name, remapper in worker.remappers.items()})
+        assert len(worker._fused_groups) == (2 if fused else 0)  # RoPE and no RoPE
         worker._load_piece(rows)
         written[fused] = caches
     for name in pools:
         assert written[False][name].any(), name
         assert torch.equal(written[True][name].view(torch.int16),
                            written[False][name].view(torch.int16)), name
+
+
+def test_fused_layers_share_one_launch_per_rope_and_shape(rotation):
+    from vllm.v1.worker.fused_chunk_load import PagedLayer
+
+    names = ["l0", "l1", "l2", "plain", "wide"]
+    pools = {n: torch.zeros(32, HEADS, 2 * HEAD if n == "wide" else HEAD) for n in names}
+    caches = {n: kv_cache(torch.float32) if n != "wide"
+              else torch.zeros(BLOCKS, 2, BLOCK, HEADS, 2 * HEAD) for n in names}
+    choice = FusedLoadChoice({n: PagedLayer(*caches[n].unbind(1)) for n in names})
+    rotations = {n: (None if n == "plain" else rotation) for n in names}
+    launches = group_fused_layers(choice, pools, pools, rotations)
+    assert sorted(launch.names for launch in launches) == [
+        ("l0", "l1", "l2"), ("plain",), ("wide",)]
+    assert {launch.names: launch.rotation for launch in launches}[("plain",)] is None

@@ -99,16 +99,27 @@ if triton is not None:
 
     @triton.jit
     def _fused_load_kernel(
-        pool_key_ptr, pool_value_ptr, src_rows_ptr, dst_slots_ptr, delta_index_ptr,
-        cos_ptr, sin_ptr, key_cache_ptr, value_cache_ptr, k_scale_ptr, v_scale_ptr,
+        tables_ptr, num_layers, src_rows_ptr, dst_slots_ptr, delta_index_ptr,
+        cos_ptr, sin_ptr,
         scale_stride, pool_row_stride, pool_head_stride, block_stride, page_stride,
         head_stride, block_size,
         HEAD_SIZE: tl.constexpr, ROT_HALF: tl.constexpr, BLOCK_D: tl.constexpr,
         BLOCK_HALF: tl.constexpr, IS_NEOX: tl.constexpr, ROTATE: tl.constexpr,
-        MODEL: tl.constexpr, FP8: tl.constexpr,
+        MODEL: tl.constexpr, FP8: tl.constexpr, POOL_DTYPE: tl.constexpr,
+        CACHE_DTYPE: tl.constexpr,
     ):
         row = tl.program_id(0)
         head = tl.program_id(1)
+        layer = tl.program_id(2)
+        # The layer's tensors: addresses in a [6, num_layers] table (pool K,
+        # pool V, key cache, value cache, k scale, v scale).
+        pool_key_ptr = tl.load(tables_ptr + layer).to(tl.pointer_type(POOL_DTYPE))
+        pool_value_ptr = tl.load(tables_ptr + num_layers + layer).to(
+            tl.pointer_type(POOL_DTYPE))
+        key_cache_ptr = tl.load(tables_ptr + 2 * num_layers + layer).to(
+            tl.pointer_type(CACHE_DTYPE))
+        value_cache_ptr = tl.load(tables_ptr + 3 * num_layers + layer).to(
+            tl.pointer_type(CACHE_DTYPE))
         src = tl.load(src_rows_ptr + row)
         slot = tl.load(dst_slots_ptr + row)
         src_base = src * pool_row_stride + head * pool_head_stride
@@ -117,6 +128,10 @@ if triton is not None:
         k_scale = 1.0
         v_scale = 1.0
         if FP8:
+            k_scale_ptr = tl.load(tables_ptr + 4 * num_layers + layer).to(
+                tl.pointer_type(tl.float32))
+            v_scale_ptr = tl.load(tables_ptr + 5 * num_layers + layer).to(
+                tl.pointer_type(tl.float32))
             k_scale = tl.load(k_scale_ptr + head * scale_stride)
             v_scale = tl.load(v_scale_ptr + head * scale_stride)
 
@@ -161,6 +176,119 @@ def available() -> bool:
     return triton is not None
 
 
+@dataclass(frozen=True)
+class FusedGroup:
+    """Layers one launch loads: the same pool and cache shapes, strides and
+    dtypes (a model's layers, usually all of them). Built once at start-up:
+    the kernel finds each layer's tensors through a table of their device
+    addresses, so the tensors must not move (they are the worker's pool and
+    vLLM's paged cache, allocated once)."""
+
+    # [6, num_layers] int64 addresses: pool K, pool V, key cache, value
+    # cache, k scale, v scale (the pool K's address where there is no scale).
+    tables: torch.Tensor
+    num_layers: int
+    num_heads: int
+    head_size: int
+    pool_dtype: torch.dtype
+    fp8: bool
+    scale_stride: int
+    pool_strides: tuple[int, int]
+    cache_strides: tuple[int, int, int]
+    block_size: int
+    # Keeps the tensors behind the addresses alive.
+    tensors: tuple
+
+    @classmethod
+    def of(cls, pool_keys: list[torch.Tensor], pool_values: list[torch.Tensor],
+           layers: list[PagedLayer]) -> "FusedGroup":
+        first_k, first = pool_keys[0], layers[0]
+        _, num_heads, head_size = first_k.shape
+        fp8 = first.key_cache.dtype == torch.float8_e4m3fn
+        for k, v, layer in zip(pool_keys, pool_values, layers):
+            if k.stride(2) != 1 or v.stride() != k.stride() or k.shape != v.shape:
+                raise ValueError("pool K/V must share one shape and layout, heads contiguous")
+            if (k.stride() != first_k.stride() or k.dtype != first_k.dtype
+                    or k.shape[1:] != first_k.shape[1:]):
+                raise ValueError("a fused group's pools must share shape, strides and dtype")
+            for cache in (layer.key_cache, layer.value_cache):
+                if cache.stride() != first.key_cache.stride() or cache.stride(3) != 1:
+                    raise ValueError("paged K/V caches must share strides, head contiguous")
+                if cache.shape != first.key_cache.shape or cache.dtype != first.key_cache.dtype:
+                    raise ValueError("a fused group's caches must share shape and dtype")
+            if not fp8 and layer.key_cache.dtype != k.dtype:
+                raise ValueError(
+                    f"cache dtype {layer.key_cache.dtype} is neither the pool's nor fp8 e4m3")
+            if fp8 and (layer.k_scale is None or layer.v_scale is None):
+                raise ValueError("an fp8 cache needs k_scale and v_scale")
+        scales: list[torch.Tensor] = []
+        if fp8:
+            scales = [s.to(torch.float32).contiguous()
+                      for layer in layers for s in (layer.k_scale, layer.v_scale)]
+            sizes = {s.numel() for s in scales}
+            if sizes - {1, num_heads} or len(sizes) > 1:
+                raise ValueError(f"k/v scales must be [1] or [num_heads], got sizes {sizes}")
+        addresses = [
+            [k.data_ptr() for k in pool_keys],
+            [v.data_ptr() for v in pool_values],
+            [layer.key_cache.data_ptr() for layer in layers],
+            [layer.value_cache.data_ptr() for layer in layers],
+            [s.data_ptr() for s in scales[0::2]] if fp8 else [k.data_ptr() for k in pool_keys],
+            [s.data_ptr() for s in scales[1::2]] if fp8 else [k.data_ptr() for k in pool_keys],
+        ]
+        tables = torch.tensor(addresses, dtype=torch.int64).to(first_k.device)
+        return cls(
+            tables=tables, num_layers=len(layers), num_heads=num_heads, head_size=head_size,
+            pool_dtype=first_k.dtype, fp8=fp8,
+            scale_stride=0 if not fp8 or scales[0].numel() == 1 else 1,
+            pool_strides=(first_k.stride(0), first_k.stride(1)),
+            cache_strides=tuple(first.key_cache.stride()[:3]),
+            block_size=first.key_cache.shape[1],
+            tensors=(tuple(pool_keys), tuple(pool_values), tuple(layers), tuple(scales)),
+        )
+
+
+def fused_load(
+    group: FusedGroup,
+    src_rows: torch.Tensor,
+    dst_slots: torch.Tensor,
+    delta_index: torch.Tensor | None,
+    cos_sin_table: tuple[torch.Tensor, torch.Tensor] | None,
+    is_neox_style: bool,
+    rotary_dim: int,
+) -> None:
+    """One launch: pool rows `src_rows` [n] of every layer of `group` to
+    paged slots `dst_slots` [n], K rotated by row: `delta_index` [n] indexes
+    `cos_sin_table` ([entries, rotary_dim // 2] fp32 each, any leading
+    shape). `delta_index` None: no rotation (no RoPE on these layers)."""
+    if triton is None:
+        raise RuntimeError("the fused chunk load needs Triton")
+    num_rows = src_rows.shape[0]
+    if num_rows == 0:
+        return
+    rotate = delta_index is not None
+    if rotate:
+        cos, sin = (t.contiguous() for t in cos_sin_table)
+        rot_half = rotary_dim // 2
+    else:
+        cos = sin = group.tables  # unused
+        delta_index = src_rows
+        rot_half = 1
+    tl_pool = getattr(tl, {0: "float32", 1: "bfloat16", 2: "float16"}[
+        _MODEL_CODES[group.pool_dtype]])
+    _fused_load_kernel[(num_rows, group.num_heads, group.num_layers)](
+        group.tables, group.num_layers, src_rows, dst_slots, delta_index, cos, sin,
+        group.scale_stride, *group.pool_strides, *group.cache_strides, group.block_size,
+        HEAD_SIZE=group.head_size, ROT_HALF=rot_half,
+        BLOCK_D=triton.next_power_of_2(group.head_size),
+        BLOCK_HALF=triton.next_power_of_2(rot_half), IS_NEOX=is_neox_style, ROTATE=rotate,
+        MODEL=_MODEL_CODES[group.pool_dtype], FP8=group.fp8, POOL_DTYPE=tl_pool,
+        CACHE_DTYPE=tl.float8e4nv if group.fp8 else tl_pool,
+        # NOTE: no FMA contraction: today's rotation rounds each product.
+        enable_fp_fusion=False,
+    )
+
+
 def fused_load_layer(
     pool_key: torch.Tensor,
     pool_value: torch.Tensor,
@@ -172,49 +300,7 @@ def fused_load_layer(
     rotary_dim: int,
     layer: PagedLayer,
 ) -> None:
-    """Writes pool rows `src_rows` [n] of `pool_key`/`pool_value` [rows, heads,
-    head_size] to `dst_slots` [n] of `layer`, K rotated by row: `delta_index`
-    [n] indexes `cos_sin_table` ([num_deltas, rotary_dim // 2] fp32 each).
-    `delta_index` None: no rotation (the layer has no RoPE)."""
-    if triton is None:
-        raise RuntimeError("the fused chunk load needs Triton")
-    num_rows = src_rows.shape[0]
-    if num_rows == 0:
-        return
-    _, num_heads, head_size = pool_key.shape
-    if pool_key.stride(2) != 1 or pool_value.stride() != pool_key.stride():
-        raise ValueError("pool K/V must share one layout with contiguous heads")
-    key_cache, value_cache = layer.key_cache, layer.value_cache
-    if key_cache.stride() != value_cache.stride() or key_cache.stride(3) != 1:
-        raise ValueError("paged K/V caches must share strides, head_size contiguous")
-    fp8 = key_cache.dtype == torch.float8_e4m3fn
-    if not fp8 and key_cache.dtype != pool_key.dtype:
-        raise ValueError(f"cache dtype {key_cache.dtype} is neither the pool's nor fp8 e4m3")
-    if fp8:
-        if layer.k_scale is None or layer.v_scale is None:
-            raise ValueError("an fp8 cache needs k_scale and v_scale")
-        k_scale = layer.k_scale.to(torch.float32)
-        v_scale = layer.v_scale.to(torch.float32)
-        scale_stride = 0 if k_scale.numel() == 1 else 1
-    else:
-        k_scale = v_scale = src_rows  # unused by the kernel
-        scale_stride = 0
-    rotate = delta_index is not None
-    if rotate:
-        cos, sin = (t.contiguous() for t in cos_sin_table)
-        rot_half = rotary_dim // 2
-    else:
-        cos = sin = pool_key  # unused
-        delta_index = src_rows
-        rot_half = 1
-    _fused_load_kernel[(num_rows, num_heads)](
-        pool_key, pool_value, src_rows, dst_slots, delta_index, cos, sin,
-        key_cache, value_cache, k_scale, v_scale, scale_stride,
-        pool_key.stride(0), pool_key.stride(1), key_cache.stride(0), key_cache.stride(1),
-        key_cache.stride(2), key_cache.shape[1],
-        HEAD_SIZE=head_size, ROT_HALF=rot_half, BLOCK_D=triton.next_power_of_2(head_size),
-        BLOCK_HALF=triton.next_power_of_2(rot_half), IS_NEOX=is_neox_style, ROTATE=rotate,
-        MODEL=_MODEL_CODES[pool_key.dtype], FP8=fp8,
-        # NOTE: no FMA contraction: today's rotation rounds each product.
-        enable_fp_fusion=False,
-    )
+    """`fused_load` of one layer (the start-up self-check, tests)."""
+    group = FusedGroup.of([pool_key], [pool_value], [layer])
+    fused_load(group, src_rows, dst_slots, delta_index, cos_sin_table, is_neox_style,
+               rotary_dim)

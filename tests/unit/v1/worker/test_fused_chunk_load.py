@@ -131,3 +131,57 @@ def test_kernel_roundings_equal_torchs_round_to_nearest_even():
     convert[(triton.cdiv(x.numel(), 1024),)](x, bf16, e4m3, x.numel(), BLOCK=1024)
     assert torch.equal(bf16.view(torch.int16), x.to(torch.bfloat16).view(torch.int16))
     assert torch.equal(e4m3.view(torch.uint8), x.to(torch.float8_e4m3fn).view(torch.uint8))
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8-perhead"])
+def test_one_launch_loads_every_layer_of_a_group_as_one_launch_per_layer(
+    vllm_config_context, fp8
+):
+    """All layers of a step in one launch (pointer tables): the bytes of a launch per layer."""
+    gen = torch.Generator().manual_seed(6)
+    rope = get_rope(HEAD_SIZE, 4096, True, {"rope_type": "default"}, torch.float32)
+    rotation = RopeRotation(rope, use_cpu_kernel=False)
+    layers = 3
+    pools_k = [(3 * torch.randn(POOL_ROWS, NUM_HEADS, HEAD_SIZE, generator=gen)).bfloat16()
+               for _ in range(layers)]
+    pools_v = [(3 * torch.randn(POOL_ROWS, NUM_HEADS, HEAD_SIZE, generator=gen)).bfloat16()
+               for _ in range(layers)]
+    cache_dtype = torch.float8_e4m3fn if fp8 else torch.bfloat16
+    scales = [(torch.rand(NUM_HEADS, generator=gen) / 10 + 0.01) for _ in range(2 * layers)]
+    src_rows = torch.randperm(POOL_ROWS, generator=gen)[:30]
+    dst_slots = torch.randperm(NUM_BLOCKS * BLOCK_SIZE, generator=gen)[:30]
+    stretch_index = torch.tensor([0] * 10 + [1] * 12 + [2] * 8)
+    table = rotation.cos_sin(torch.tensor([4, -900, 31000]))
+
+    def paged_layers():
+        return [fused.PagedLayer(paged("HND", cache_dtype), paged("HND", cache_dtype),
+                                 scales[2 * i] if fp8 else None,
+                                 scales[2 * i + 1] if fp8 else None) for i in range(layers)]
+
+    one_by_one, together = paged_layers(), paged_layers()
+    for k, v, layer in zip(pools_k, pools_v, one_by_one):
+        fused.fused_load_layer(k, v, src_rows, dst_slots, stretch_index, table, True,
+                               HEAD_SIZE, layer)
+    group = fused.FusedGroup.of(pools_k, pools_v, together)
+    assert group.num_layers == 3
+    fused.fused_load(group, src_rows, dst_slots, stretch_index, table, True, HEAD_SIZE)
+    for a, b in zip(one_by_one, together):
+        for x, y in ((a.key_cache, b.key_cache), (a.value_cache, b.value_cache)):
+            assert x.view(torch.uint8).any()
+            assert torch.equal(x.contiguous().view(torch.uint8), y.contiguous().view(torch.uint8))
+
+
+def test_a_group_refuses_layers_that_differ():
+    k = torch.zeros(POOL_ROWS, NUM_HEADS, HEAD_SIZE)
+    layer = fused.PagedLayer(paged("NHD", torch.float32), paged("NHD", torch.float32))
+    with pytest.raises(ValueError, match="pools must share"):
+        fused.FusedGroup.of([k, k.bfloat16()], [k, k.bfloat16()], [layer, layer])
+    with pytest.raises(ValueError, match="caches must share strides"):
+        fused.FusedGroup.of([k, k], [k, k], [layer, fused.PagedLayer(
+            paged("HND", torch.float32), paged("HND", torch.float32))])
+    with pytest.raises(ValueError, match="neither the pool's nor fp8"):
+        fused.FusedGroup.of([k], [k], [fused.PagedLayer(paged("NHD", torch.float16),
+                                                        paged("NHD", torch.float16))])
+    with pytest.raises(ValueError, match="needs k_scale"):
+        fused.FusedGroup.of([k], [k], [fused.PagedLayer(paged("NHD", torch.float8_e4m3fn),
+                                                        paged("NHD", torch.float8_e4m3fn))])

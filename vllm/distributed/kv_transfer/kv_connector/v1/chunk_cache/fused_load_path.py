@@ -58,6 +58,41 @@ class FusedLoadChoice:
                 f"{len(self.reasons)} layer(s): " + "; ".join(why[:3]))
 
 
+@dataclass(frozen=True)
+class FusedLayers:
+    """Layers loaded by one launch of the fused kernel, and their RoPE."""
+
+    names: tuple[str, ...]
+    group: Any  # fused_chunk_load.FusedGroup
+    rotation: RopeRotation | None
+
+
+def group_fused_layers(
+    choice: FusedLoadChoice,
+    pool_key: dict[str, torch.Tensor],
+    pool_value: dict[str, torch.Tensor],
+    rotations: dict[str, RopeRotation | None],
+) -> list[FusedLayers]:
+    """The fused layers in as few launches as they allow: one per RoPE and
+    shape (strides, dtypes) of pool and cache; for a usual model, one."""
+    from vllm.v1.worker.fused_chunk_load import FusedGroup
+
+    buckets: dict[tuple, list[str]] = {}
+    for name, paged in choice.layers.items():
+        key, cache = pool_key[name], paged.key_cache
+        bucket = (id(rotations[name]), tuple(key.shape[1:]), key.stride(), key.dtype,
+                  tuple(cache.shape), cache.stride(), cache.dtype,
+                  None if paged.k_scale is None else paged.k_scale.numel())
+        buckets.setdefault(bucket, []).append(name)
+    return [
+        FusedLayers(tuple(names),
+                    FusedGroup.of([pool_key[n] for n in names], [pool_value[n] for n in names],
+                                  [choice.layers[n] for n in names]),
+                    rotations[names[0]])
+        for names in buckets.values()
+    ]
+
+
 def paged_layer(layer: Any, kv_cache: torch.Tensor):
     """The kernel's view of a layer's cache, or a reason string it has none."""
     from vllm.v1.worker.fused_chunk_load import PagedLayer

@@ -18,9 +18,10 @@
   writes K/V into the parent's paged blocks through the attention backend's
   own cache-write op (`do_kv_cache_update` of FlashAttention, FlashInfer and
   Triton on CUDA; `ops.cpu_attn_reshape_and_cache` on CPU, which packs per
-  ISA). On a GPU, a layer whose start-up self-check passes loads through
-  one fused Triton kernel instead, writing the same bytes
-  (fused_load_path.py). No host synchronisation per layer.
+  ISA). On a GPU, the layers whose start-up self-check passes load through
+  one fused Triton kernel instead, all of them in one launch per step,
+  writing the same bytes (fused_load_path.py). No host synchronisation per
+  layer.
 * fp8 KV caches: see setup.pool_dtype (pool in model dtype, rotate in fp32,
   quantized by the backend's write with the layer's scale).
 * CUDA graphs: the connector asks vLLM for PIECEWISE graphs
@@ -41,8 +42,10 @@ from torch import nn
 
 from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.cache_writers import writer_for
 from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.fused_load_path import (
+    FusedLayers,
     FusedLoadChoice,
     choose_fused_layers,
+    group_fused_layers,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.metadata import (
     LoadRows,
@@ -202,8 +205,10 @@ class ChunkCacheWorker:
         self._scratch = RemapScratch(vllm_config.chunk_cache_config.max_chunk_load_tokens)
         self._ropes: dict[str, nn.Module | None] | None = None
         self._rotations: dict[int, RopeRotation] = {}
-        # Layers that load through the fused kernel (GPU, self-checked).
+        # Layers that load through the fused kernel (GPU, self-checked), and
+        # the launches that load them.
         self._fused = FusedLoadChoice()
+        self._fused_groups: list[FusedLayers] = []
         self._forward_context: ForwardContext | None = None
         # Capture indices of this step (same for every layer of the single
         # KV cache group), built on the device at the first layer.
@@ -275,11 +280,15 @@ class ChunkCacheWorker:
             rotation = None if rope is None else self._rotations[id(rope)]
             self.remappers[name] = PositionRemapper(rotation, self._write_rows, self._scratch)
         self.pool_bytes = total
+        layer_rotations = {name: remapper.rotation for name, remapper in self.remappers.items()}
         self._fused = choose_fused_layers(
-            {name: layers[name] for name in kv_caches}, kv_caches,
-            {name: remapper.rotation for name, remapper in self.remappers.items()},
+            {name: layers[name] for name in kv_caches}, kv_caches, layer_rotations,
             self.dtype, _backend_write)
-        logger.info("Chunk cache: loads use %s", self._fused.summary())
+        self._fused_groups = group_fused_layers(self._fused, self.pool_key, self.pool_value,
+                                                layer_rotations)
+        logger.info("Chunk cache: loads use %s%s", self._fused.summary(),
+                    f", in {len(self._fused_groups)} launch(es) per step"
+                    if self._fused_groups else "")
         logger.info(
             "Chunk cache pool: %d rows x %d layers, %.1f MiB on %s (%s)",
             self.num_pool_rows,
@@ -334,19 +343,20 @@ class ChunkCacheWorker:
             id(rotation): rotation.cos_sin_rows(rows.stretch_deltas)
             for rotation in self._rotations.values()
         } if fused else {}
-        for name, remapper in self.remappers.items():
-            rotation = remapper.rotation
-            paged = fused.get(name)
-            if paged is not None:
-                from vllm.v1.worker.fused_chunk_load import fused_load_layer
+        if self._fused_groups:
+            from vllm.v1.worker.fused_chunk_load import fused_load
 
-                fused_load_layer(
-                    self.pool_key[name], self.pool_value[name], rows.src_rows,
-                    rows.dst_slots, None if rotation is None else rows.stretch_index,
-                    None if rotation is None else stretch_cos_sin[id(rotation)],
-                    rotation is None or rotation.is_neox_style,
-                    rotation.rotary_dim if rotation is not None else 0, paged)
+            for launch in self._fused_groups:
+                rotation = launch.rotation
+                fused_load(launch.group, rows.src_rows, rows.dst_slots,
+                           None if rotation is None else rows.stretch_index,
+                           None if rotation is None else stretch_cos_sin[id(rotation)],
+                           rotation is None or rotation.is_neox_style,
+                           0 if rotation is None else rotation.rotary_dim)
+        for name, remapper in self.remappers.items():
+            if name in fused:
                 continue
+            rotation = remapper.rotation
             remapper.remap_layer(
                 name,
                 self.pool_key[name],
