@@ -7,8 +7,8 @@
   .do_kv_cache_update calls); checked against a float64 reference, every
   layer's loop run under torch.cuda.set_sync_debug_mode("error") (any host
   synchronisation raises);
-* fused: the same load through the fused Triton kernel
-  (vllm/v1/worker/fused_chunk_load.py), which must write the same bytes as the
+* fused: the same load through the fused Triton kernel, all 32 layers in one
+  launch (vllm/v1/worker/fused_chunk_load.py), which must write the same bytes as the
   load above (compared at every written slot of every layer), same sync check;
 * capture: index_copy_ of a batch's K/V rows into the pool, same checks;
 * bytes/s of all three against the device's measured copy bandwidth.
@@ -77,9 +77,10 @@ def main() -> int:
 
     remapper = PositionRemapper(rotation, write_rows)
     results = []
-    from vllm.v1.worker.fused_chunk_load import PagedLayer, fused_load_layer
+    from vllm.v1.worker.fused_chunk_load import FusedGroup, PagedLayer, fused_load
 
-    paged = [PagedLayer(cache[:, 0], cache[:, 1]) for cache in caches]
+    # As the worker: every layer in one launch per step.
+    group = FusedGroup.of(pool_k, pool_v, [PagedLayer(c[:, 0], c[:, 1]) for c in caches])
     for n_rows in (1024, 4096, 16384, 65536):
         # 4 segments at shuffled pool places, to a contiguous run of slots,
         # deltas up to ~8k positions in both directions.
@@ -134,9 +135,7 @@ def main() -> int:
 
         def fused_step():
             cs = rotation.cos_sin_rows(stretch_deltas)  # once per step
-            for layer in range(LAYERS):
-                fused_load_layer(pool_k[layer], pool_v[layer], rows.src_rows, rows.dst_slots,
-                                 stretch_index, cs, True, HEAD, paged[layer])
+            fused_load(group, rows.src_rows, rows.dst_slots, stretch_index, cs, True, HEAD)
 
         fused_step()
         torch.cuda.synchronize()
