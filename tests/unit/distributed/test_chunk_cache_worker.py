@@ -20,11 +20,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.support import (
     check_graph_mode,
     check_model_config,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.worker import (
-    ChunkCacheWorker,
+from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.layer_ropes import (
     find_layer_ropes,
     rope_use,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.worker import ChunkCacheWorker
 
 
 def _attention(name: str):

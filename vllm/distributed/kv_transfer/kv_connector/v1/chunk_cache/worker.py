@@ -1,6 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
 """Worker side of the chunk cache: the pool tensors, capture and load.
 
+Which rope each layer's keys went through is read from the model by
+layer_ropes.py; which layers load through the fused GPU kernel is decided
+by fused_load_path.py; start-up refusals are support.py's.
+
 * The chunk pool is a separate per-layer store on the device of the layer's
   paged KV cache: key [rows, num_kv_heads, head_size] and value [rows,
   num_kv_heads, head_size_v] in the model dtype (not vLLM's paged, ISA-packed
@@ -32,9 +36,6 @@
 
 from __future__ import annotations
 
-import ast
-import inspect
-import textwrap
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -46,6 +47,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.fused_load_path im
     FusedLoadChoice,
     choose_fused_layers,
     group_fused_layers,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.layer_ropes import (
+    find_layer_ropes,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.metadata import (
     LoadRows,
@@ -81,105 +85,6 @@ def cache_device(kv_cache: torch.Tensor | Any) -> torch.device:
     if isinstance(kv_cache, torch.Tensor):
         return kv_cache.device
     return kv_cache[0].device
-
-
-def rope_use(owner: nn.Module) -> str:
-    """How the forward of `owner` (the module holding `rotary_emb` and an
-    attention layer) uses its rotary embedding, read from its source:
-    "always" (called unconditionally in forward), "never" (forward does not
-    mention it) or "conditional"/"unknown" (cannot be told: refuse).
-    """
-    try:
-        source = textwrap.dedent(inspect.getsource(type(owner).forward))
-        tree = ast.parse(source)
-    except (OSError, TypeError, SyntaxError):
-        return "unknown"
-    func = tree.body[0]
-    if not isinstance(func, (ast.FunctionDef, ast.AsyncFunctionDef)):
-        return "unknown"
-    uses: list[bool] = []  # one per mention of self.rotary_emb: conditional?
-
-    def visit(node: ast.AST, conditional: bool) -> None:
-        if (
-            isinstance(node, ast.Attribute)
-            and node.attr == "rotary_emb"
-            and isinstance(node.value, ast.Name)
-            and node.value.id == "self"
-        ):
-            uses.append(conditional)
-        nested = conditional or isinstance(
-            node,
-            (ast.If, ast.IfExp, ast.For, ast.While, ast.Try, ast.BoolOp,
-             ast.Match, ast.Lambda, ast.FunctionDef, ast.comprehension),
-        )
-        for child in ast.iter_child_nodes(node):
-            # The test of an `if` is evaluated unconditionally, but a
-            # rotary_emb mentioned there still decides the branch.
-            visit(child, nested)
-
-    for stmt in func.body:
-        visit(stmt, False)
-    if not uses:
-        # Not in forward: either unused, or applied through a helper we do
-        # not follow. Only "unused" is safe when the class has no other
-        # method that mentions it.
-        for name, member in inspect.getmembers(type(owner), inspect.isfunction):
-            if name in ("forward", "__init__"):
-                continue
-            try:
-                if "rotary_emb" in inspect.getsource(member):
-                    return "unknown"
-            except (OSError, TypeError):
-                return "unknown"
-        return "never"
-    return "conditional" if any(uses) else "always"
-
-
-def find_layer_ropes(
-    model: nn.Module,
-) -> tuple[dict[str, nn.Module | None], list[str]]:
-    """Attention layer name -> the rotary embedding its keys went through
-    (None: no RoPE on that layer: the model has none, or the layer keeps a
-    `rotary_emb` its forward never calls); plus the names of attention
-    layers whose rope could not be found although the model uses RoPE.
-
-    The rope is the `rotary_emb` of the module that owns the attention
-    layer (the convention of vLLM's decoder models), and it must be applied
-    unconditionally by that module's forward. A module that applies it
-    conditionally (NoPE layers chosen by config) is refused: we cannot tell
-    which layers' keys carry RoPE.
-    """
-    from vllm.model_executor.layers.attention.attention import Attention
-
-    ropes: dict[str, nn.Module | None] = {}
-    orphans: list[str] = []
-    any_rope = False
-    use_by_class: dict[type, str] = {}
-    for _, module in model.named_modules():
-        rope = getattr(module, "rotary_emb", None)
-        if not isinstance(rope, nn.Module):
-            rope = None
-        attentions = [c for c in module.children() if isinstance(c, Attention)]
-        if rope is not None and attentions:
-            cls = type(module)
-            if cls not in use_by_class:
-                use_by_class[cls] = rope_use(module)
-            use = use_by_class[cls]
-            if use in ("conditional", "unknown"):
-                raise ValueError(
-                    f"chunk cache cannot tell whether {cls.__name__} applies its "
-                    f"rotary_emb to the keys of {attentions[0].layer_name} "
-                    f"({use} use in its forward): unsupported model structure"
-                )
-            if use == "never":
-                rope = None
-        if rope is not None:
-            any_rope = True
-        for child in attentions:
-            ropes[child.layer_name] = rope
-    if any_rope:
-        orphans = [name for name, rope in ropes.items() if rope is None]
-    return ropes, orphans
 
 
 def _backend_write(layer: Any, key: torch.Tensor, value: torch.Tensor,

@@ -1,0 +1,112 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Which rotary embedding each attention layer's keys went through.
+
+Read once at start-up from the model the runner registers (the connector's
+`register_model` hook): a load re-rotates a layer's cached keys with that
+rope, so a layer whose rope cannot be told for certain refuses the start.
+"""
+
+import ast
+import inspect
+import textwrap
+
+from torch import nn
+
+
+def rope_use(owner: nn.Module) -> str:
+    """How the forward of `owner` (the module holding `rotary_emb` and an
+    attention layer) uses its rotary embedding, read from its source:
+    "always" (called unconditionally in forward), "never" (forward does not
+    mention it) or "conditional"/"unknown" (cannot be told: refuse).
+    """
+    try:
+        source = textwrap.dedent(inspect.getsource(type(owner).forward))
+        tree = ast.parse(source)
+    except (OSError, TypeError, SyntaxError):
+        return "unknown"
+    func = tree.body[0]
+    if not isinstance(func, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        return "unknown"
+    uses: list[bool] = []  # one per mention of self.rotary_emb: conditional?
+
+    def visit(node: ast.AST, conditional: bool) -> None:
+        if (
+            isinstance(node, ast.Attribute)
+            and node.attr == "rotary_emb"
+            and isinstance(node.value, ast.Name)
+            and node.value.id == "self"
+        ):
+            uses.append(conditional)
+        nested = conditional or isinstance(
+            node,
+            (ast.If, ast.IfExp, ast.For, ast.While, ast.Try, ast.BoolOp,
+             ast.Match, ast.Lambda, ast.FunctionDef, ast.comprehension),
+        )
+        for child in ast.iter_child_nodes(node):
+            # The test of an `if` is evaluated unconditionally, but a
+            # rotary_emb mentioned there still decides the branch.
+            visit(child, nested)
+
+    for stmt in func.body:
+        visit(stmt, False)
+    if not uses:
+        # Not in forward: either unused, or applied through a helper we do
+        # not follow. Only "unused" is safe when the class has no other
+        # method that mentions it.
+        for name, member in inspect.getmembers(type(owner), inspect.isfunction):
+            if name in ("forward", "__init__"):
+                continue
+            try:
+                if "rotary_emb" in inspect.getsource(member):
+                    return "unknown"
+            except (OSError, TypeError):
+                return "unknown"
+        return "never"
+    return "conditional" if any(uses) else "always"
+
+
+def find_layer_ropes(
+    model: nn.Module,
+) -> tuple[dict[str, nn.Module | None], list[str]]:
+    """Attention layer name -> the rotary embedding its keys went through
+    (None: no RoPE on that layer: the model has none, or the layer keeps a
+    `rotary_emb` its forward never calls); plus the names of attention
+    layers whose rope could not be found although the model uses RoPE.
+
+    The rope is the `rotary_emb` of the module that owns the attention
+    layer (the convention of vLLM's decoder models), and it must be applied
+    unconditionally by that module's forward. A module that applies it
+    conditionally (NoPE layers chosen by config) is refused: we cannot tell
+    which layers' keys carry RoPE.
+    """
+    from vllm.model_executor.layers.attention.attention import Attention
+
+    ropes: dict[str, nn.Module | None] = {}
+    orphans: list[str] = []
+    any_rope = False
+    use_by_class: dict[type, str] = {}
+    for _, module in model.named_modules():
+        rope = getattr(module, "rotary_emb", None)
+        if not isinstance(rope, nn.Module):
+            rope = None
+        attentions = [c for c in module.children() if isinstance(c, Attention)]
+        if rope is not None and attentions:
+            cls = type(module)
+            if cls not in use_by_class:
+                use_by_class[cls] = rope_use(module)
+            use = use_by_class[cls]
+            if use in ("conditional", "unknown"):
+                raise ValueError(
+                    f"chunk cache cannot tell whether {cls.__name__} applies its "
+                    f"rotary_emb to the keys of {attentions[0].layer_name} "
+                    f"({use} use in its forward): unsupported model structure"
+                )
+            if use == "never":
+                rope = None
+        if rope is not None:
+            any_rope = True
+        for child in attentions:
+            ropes[child.layer_name] = rope
+    if any_rope:
+        orphans = [name for name, rope in ropes.items() if rope is None]
+    return ropes, orphans
