@@ -419,3 +419,23 @@ def test_chat_content_parts_marked_chunk_match_the_reference(server, reference):
     for step, c in enumerate(content):
         assert abs(c["logprob"] - float(ref[step][tokens[step]])) <= TOL
     assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == prompt.question_span.start
+
+
+def test_the_openai_client_example_runs_against_the_server(server):
+    """examples/documents_openai_client.py, as the README tells a newcomer to run it (here
+    against this module's server): both requests answered, the hit counter printed."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    out = subprocess.run(
+        [sys.executable, str(REPO / "examples" / "documents_openai_client.py")],
+        env={**os.environ, "OPENAI_BASE_URL": server.url + "/v1", "SERVED_MODEL": "smollm2"},
+        capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = out.stdout.strip().splitlines()
+    assert len(lines) == 3 and all(line.startswith("'") for line in lines[:2]), out.stdout
+    hits = float(lines[2].removeprefix("chunk cache hits: "))
+    assert hits >= 2  # the second request's two documents at least
