@@ -1,7 +1,7 @@
 """The chunk cache's MLA data path, run on HF transformers' latent KV cache.
 
-vLLM has no MLA attention on the CPU, so the engine cannot run a DeepSeek model here. What
-the engine would do can: HF's DeepSeek-V3 caches exactly MLA's latent row (`kv_c` after its
+The chunk cache's MLA data path is not built yet (every MLA model is refused), so no engine
+runs it. What it would do can run: HF's DeepSeek-V3 caches exactly MLA's latent row (`kv_c` after its
 RMSNorm, and `k_pe` after RoPE, one head for all query heads). This module
 
 * computes each chunk the way a child request would (its private context, then the chunk,

@@ -40,7 +40,7 @@ def test_kv_offloading_is_refused():
 def test_unsupported_rope_types_are_refused_by_name():
     import torch
 
-    from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.worker import (
+    from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.layer_ropes import (
         find_layer_ropes,
     )
     from vllm.model_executor.layers.rotary_embedding.dual_chunk_rope import (

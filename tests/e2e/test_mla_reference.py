@@ -1,6 +1,6 @@
 """MLA (DeepSeek-V3-style) under the chunk cache's semantics, on the tiny DeepSeek (issue 22).
 
-vLLM has no MLA on the CPU, so no engine runs here: HF transformers' DeepSeek-V3 caches
+The MLA data path is not built (MLA models are refused), so no engine runs it here: HF transformers' DeepSeek-V3 caches
 MLA's latent row, and mla_reference.LatentCacheEmulation runs the chunk cache's MLA data
 path on that cache (a child's latent rows at stored positions, `kv_c` copied and `k_pe`
 rotated by the delta with the fork's `reposition_latent_rows` and vLLM's own rope). For

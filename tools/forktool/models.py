@@ -1,5 +1,5 @@
 """models: the embedded default model (SmolLM2-135M-Instruct), the tiny random Llama and
-the tiny random DeepSeek (MLA; for the HF reference only: vLLM has no MLA on the CPU)."""
+the tiny random DeepSeek (MLA: the HF reference, and vLLM 0.32's CPU_MLA)."""
 
 from __future__ import annotations
 

@@ -4,11 +4,12 @@ Run by `./fork models` with the fork's venv Python:  python make_tiny_deepseek.p
 Same output on every run (fixed seed; the tokenizer is the tiny Llama's, built the same way).
 
 What it exercises (docs/design/mla.md): multi-head latent attention with q and kv LoRA ranks,
-decoupled RoPE on a 16-wide `k_pe` in GPT-J interleaved style (`rope_interleave`), DeepSeek's
+the latent row of DeepSeek-V3 (kv_c 512 + k_pe 64: vLLM's CPU MLA decode kernel takes only
+that), decoupled RoPE in GPT-J interleaved style (`rope_interleave`), DeepSeek's
 YaRN with *different* `mscale` and `mscale_all_dim` (so the rope's cos/sin carry a magnitude
 other than 1, which a re-rotation must not apply twice), one dense layer then MoE layers with a
-shared expert. Weights are random: only exactness (not quality) is meaningful. vLLM cannot run
-it on the CPU (it has no MLA there); the HF reference and vLLM's rope objects can.
+shared expert. Weights are random: only exactness (not quality) is meaningful. vLLM 0.32 serves
+it on the CPU (CPU_MLA); vLLM 0.23 has no MLA on the CPU.
 """
 
 from __future__ import annotations
@@ -42,13 +43,15 @@ def build_model(out: Path) -> None:
         num_key_value_heads=4, n_shared_experts=1, n_routed_experts=4,
         num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1,
         routed_scaling_factor=1.0, norm_topk_prob=True,
-        q_lora_rank=48, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=16,
+        q_lora_rank=48, kv_lora_rank=512, qk_nope_head_dim=16, qk_rope_head_dim=64,
         v_head_dim=16, max_position_embeddings=4096, rms_norm_eps=1e-5,
         rope_parameters=dict(ROPE_PARAMETERS), rope_interleave=True,
         bos_token_id=1, eos_token_id=2, pad_token_id=2, tie_word_embeddings=False,
         # NOTE: as for the tiny Llama, a larger init spreads the logits so greedy choices
         # are not near-ties that float rounding could flip.
         initializer_range=0.1, num_nextn_predict_layers=0,
+        # What vLLM reads to build V3's router (HF's V3 always routes this way).
+        topk_method="noaux_tc", scoring_func="sigmoid",
     )
     model = DeepseekV3ForCausalLM(config).to(torch.float32)
     # NOTE: the router's correction bias is zero-initialised; a random one makes the

@@ -15,7 +15,7 @@ from vllm.model_executor.layers.rotary_embedding import get_rope
 from vllm.v1.worker.mla_latent import LatentRowLayout, reposition_latent_rows
 from vllm.v1.worker.position_remapper import RopeRotation
 
-# DeepSeek-V3's widths are 512 + 64; the tiny DeepSeek's 32 + 16. Both are checked.
+# DeepSeek-V3's widths are 512 + 64 (the tiny DeepSeek's too); a narrower row is checked too.
 LAYOUTS = [LatentRowLayout(512, 64), LatentRowLayout(32, 16)]
 TINY_DEEPSEEK_ROPE = {"rope_type": "deepseek_yarn", "rope_theta": 10000.0, "factor": 4.0,
                       "original_max_position_embeddings": 1024, "beta_fast": 32.0,
