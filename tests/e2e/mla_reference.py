@@ -1,7 +1,8 @@
 """The chunk cache's MLA data path, run on HF transformers' latent KV cache.
 
-The chunk cache's MLA data path is not built yet (every MLA model is refused), so no engine
-runs it. What it would do can run: HF's DeepSeek-V3 caches exactly MLA's latent row (`kv_c` after its
+The engine runs the chunk cache's MLA data path only where vLLM has MLA on the CPU (0.32's
+CPU_MLA: the DeepSeek rows of test_chunk_cache_exactness.py). Its argument runs here on both
+bases, on HF's DeepSeek-V3, which caches exactly MLA's latent row (`kv_c` after its
 RMSNorm, and `k_pe` after RoPE, one head for all query heads). This module
 
 * computes each chunk the way a child request would (its private context, then the chunk,

@@ -1,7 +1,7 @@
 """The tiny DeepSeek-V3 (MLA) through the real engine, on the CPU (issue 22).
 
-* With --enable-chunk-cache it is refused at start-up by name, on both bases (the MLA data
-  path is not built: docs/design/mla.md).
+* With --enable-chunk-cache: served from the latent pool on vLLM 0.32 (exactness: the
+  DeepSeek rows of test_chunk_cache_exactness.py); sparse MLA (V3.2) is refused at start-up.
 * Without it: vLLM 0.32 serves it with its CPU_MLA backend and must give what HF
   transformers gives (greedy tokens, logprobs within the engine tests' tolerance). That is
   the ground a CPU test of the MLA data path stands on. vLLM 0.23 has no MLA on the CPU
@@ -29,13 +29,36 @@ def _vllm_minor() -> str:
     return ".".join(vllm.__version__.split(".")[:2])
 
 
-def test_the_chunk_cache_refuses_an_mla_model_at_start_up():
+def test_sparse_mla_is_refused_at_start_up():
+    # DeepSeek-V3.2's indexer keeps keys of its own that the chunk cache does not move yet.
     from vllm.engine.arg_utils import EngineArgs
 
     args = EngineArgs(model=MODEL, dtype="float32", enforce_eager=True, max_model_len=1024,
-                      enable_chunk_cache=True)
-    with pytest.raises(ValueError, match=r"does not support MLA attention yet .*mla\.md"):
+                      enable_chunk_cache=True, hf_overrides={"index_topk": 16})
+    with pytest.raises(ValueError, match=r"does not support sparse MLA attention yet"):
         args.create_engine_config()
+
+
+def test_the_chunk_cache_serves_mla_where_vllm_has_it_on_the_cpu():
+    """vLLM 0.32: an engine with the chunk cache starts on the tiny DeepSeek and serves
+    a chunked prompt's documents from its latent pool (exactness: the DeepSeek rows of
+    test_chunk_cache_exactness.py). vLLM 0.23: its own refusal, with or without it."""
+    from vllm import SamplingParams
+
+    if _vllm_minor() == "0.23":
+        with pytest.raises(Exception, match="MLA is not supported on CPU"):
+            make_llm(MODEL, max_model_len=1024, enable_chunk_cache=True)
+        return
+    llm = make_llm(MODEL, max_model_len=1024, enable_chunk_cache=True)
+    try:
+        prompt = "the system ## a document about the river ## another one on the city ## why"
+        out = llm.generate([prompt, prompt], SamplingParams(max_tokens=2, temperature=0),
+                           use_tqdm=False)
+    finally:
+        close_llm(llm)
+    for request in out:
+        assert request.num_cached_tokens > 0  # the documents came from the latent pool
+    assert out[0].outputs[0].token_ids == out[1].outputs[0].token_ids
 
 
 def test_vllm_serves_the_tiny_deepseek_as_hf_transformers_computes_it():

@@ -1,6 +1,6 @@
 """MLA (DeepSeek-V3-style) under the chunk cache's semantics, on the tiny DeepSeek (issue 22).
 
-The MLA data path is not built (MLA models are refused), so no engine runs it here: HF transformers' DeepSeek-V3 caches
+No engine here (see test_chunk_cache_exactness.py for the engine on vLLM 0.32's CPU_MLA): HF transformers' DeepSeek-V3 caches
 MLA's latent row, and mla_reference.LatentCacheEmulation runs the chunk cache's MLA data
 path on that cache (a child's latent rows at stored positions, `kv_c` copied and `k_pe`
 rotated by the delta with the fork's `reposition_latent_rows` and vLLM's own rope). For

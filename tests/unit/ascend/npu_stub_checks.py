@@ -42,6 +42,7 @@ def check_registration_covers_standard_attention_only() -> None:
     for refused in ("AscendMLAImpl", "AscendSFAImpl", "AscendDSAImpl",
                     "AscendC8AttentionBackendImpl"):
         assert cache_writers.writer_for(named(refused)) is None, refused
+        assert cache_writers.latent_writer_for(named(refused)) is None, refused
 
 
 def check_load_path_writes_rotated_rows_through_device_operator() -> None:

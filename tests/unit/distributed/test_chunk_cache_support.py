@@ -39,8 +39,15 @@ def test_a_plain_decoder_config_passes():
     check_config(_config())
 
 
+def test_a_dense_mla_config_passes_its_backend_is_checked_by_the_worker():
+    # DeepSeek-V2/V3 (issue 22): the latent data path exists for vLLM's CPU_MLA; other
+    # MLA backends are refused by name when the worker registers the layers.
+    check_config(_config(model={"use_mla": True, "hf_config": SimpleNamespace()}))
+
+
 @pytest.mark.parametrize("config, message", [
-    (_config(model={"use_mla": True}), "MLA.*SFA/DSA"),
+    (_config(model={"use_mla": True, "hf_config": SimpleNamespace(index_topk=2048)}),
+     "sparse MLA.*DeepSeek-V3.2's DSA.*SFA/DSA"),
     (_config(model={"is_encoder_decoder": True}), "encoder-decoder"),
     (_config(model={"is_multimodal_model": True}), "multimodal"),
     (_config(model={"hf_config": SimpleNamespace(no_rope_layers=[1, 0])}), "no_rope_layers"),
@@ -51,7 +58,7 @@ def test_a_plain_decoder_config_passes():
      "context parallelism.*--prefill-context-parallel-size 2"),
     (_config(parallel={"enable_dbo": True}), "dual-batch overlap"),
     (_config(parallel={"ubatch_size": 2}), "micro-batching"),
-], ids=["mla", "encoder-decoder", "multimodal", "nope-layers", "speculative",
+], ids=["sparse-mla", "encoder-decoder", "multimodal", "nope-layers", "speculative",
         "dcp", "pcp", "dbo", "ubatch"])
 def test_unsupported_set_ups_are_refused_by_name(config, message):
     # Before (finding 5): speculative decoding failed at the first step with

@@ -225,7 +225,7 @@ def test_pool_device_is_the_paged_cache_device_for_tensor_and_pair_caches():
     assert cache_device([torch.zeros(1), torch.zeros(1)]) == torch.device("cpu")
 
 
-def test_mla_and_ascend_sfa_dsa_are_refused_at_start_up():
+def test_sparse_mla_is_refused_at_start_up():
     from vllm.config import ChunkCacheConfig
     from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.setup import (
         configure_chunk_cache_connector,
@@ -235,9 +235,10 @@ def test_mla_and_ascend_sfa_dsa_are_refused_at_start_up():
         chunk_cache_config=ChunkCacheConfig(enable_chunk_cache=True),
         cache_config=SimpleNamespace(kv_offloading_size=None),
         kv_transfer_config=None,
-        model_config=SimpleNamespace(use_mla=True, is_multimodal_model=False),
+        model_config=SimpleNamespace(use_mla=True, is_multimodal_model=False,
+                                     hf_config=SimpleNamespace(index_topk=2048)),
     )
-    with pytest.raises(ValueError, match="MLA.*SFA/DSA"):
+    with pytest.raises(ValueError, match="sparse MLA.*SFA/DSA"):
         configure_chunk_cache_connector(config)
 
 
@@ -269,3 +270,16 @@ def test_capture_indices_read_nothing_back_to_the_host(monkeypatch):
     with pytest.raises(RuntimeError, match="not in this step's batch"):
         ChunkCacheWorker._capture_indices(
             worker, ChunkCacheMetadata(stores=[missing]), slot_mapping)
+
+
+def test_an_mla_pool_token_is_one_latent_row_per_layer():
+    from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.setup import (
+        kv_bytes_per_token,
+        pool_bytes_per_token,
+    )
+
+    config = _sizing_config()
+    assert pool_bytes_per_token(config) == 30 * 3 * 64 * 2 * 2  # K and V, bf16
+    config.model_config.use_mla = True
+    # MLA: the latent row alone, as vLLM's MLAAttentionSpec pages it (no V).
+    assert pool_bytes_per_token(config) == kv_bytes_per_token(config) == 30 * 3 * 64 * 2

@@ -91,6 +91,58 @@ def _step_isa(forward_context: ForwardContext, layer_name: str) -> str | None:
     return getattr(metadata, "isa", None)
 
 
+# MLA: (layer, kv_c [n, kv_lora_rank], k_pe [n, rope_dim], slots, the layer's
+# latent cache) -> None, through the backend's own latent cache write.
+LatentWriteFn = Callable[[Any, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
+
+
+@dataclass(frozen=True)
+class LatentWriter:
+    """How the chunk cache writes MLA latent rows for one implementation, and
+    reads a child's rows back from its latent cache (the capture: vLLM hands
+    the connector the layer's cache, not kv_c / k_pe)."""
+
+    backend: str
+    write: LatentWriteFn
+    # (latent cache, slots [n]) -> rows [n, kv_lora_rank + rope_dim].
+    read: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+_LATENT_WRITERS: dict[str, LatentWriter] = {}
+
+
+def register_latent_writer(impl_class_name: str, backend: str, write: LatentWriteFn,
+                           read: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> None:
+    _LATENT_WRITERS[impl_class_name] = LatentWriter(backend, write, read)
+
+
+def latent_writer_for(impl: Any) -> LatentWriter | None:
+    return _LATENT_WRITERS.get(type(impl).__name__)
+
+
+def supported_latent_backends() -> list[str]:
+    return sorted({w.backend for w in _LATENT_WRITERS.values()})
+
+
+def _write_latent_via_kv_cache_update(layer, kv_c, k_pe, slot_mapping, kv_cache) -> None:
+    # CPU_MLA (vLLM 0.32): rows written by indexing a plain [blocks, 16, 576]
+    # cache; k_pe as [n, 1, rope_dim], as the MLA layer hands it over.
+    layer.impl.do_kv_cache_update(kv_c, k_pe.unsqueeze(1), kv_cache, slot_mapping,
+                                  layer.kv_cache_dtype, layer._k_scale)
+
+
+def _read_plain_latent(kv_cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    return kv_cache.view(-1, kv_cache.shape[-1]).index_select(0, slots)
+
+
+# vLLM 0.32's CPU MLA backend (0.23 has none). Its cache is plain and in the
+# model dtype ("auto" only): what it wrote is what the capture reads. The
+# CUDA MLA backends (FLASH_ATTN_MLA, FLASHMLA, TRITON_MLA, ...) are not
+# registered: never executed (docs/design/mla.md), refused at start-up.
+register_latent_writer("CPUMLAImpl", "CPU_MLA", _write_latent_via_kv_cache_update,
+                       _read_plain_latent)
+
+
 # vLLM 0.23.0 picks, for standard attention on CUDA: FLASH_ATTN, FLASHINFER,
 # TRITON_ATTN, then FLEX_ATTENTION (FlashInfer first on Blackwell); on CPU:
 # CPU_ATTN. FLEX_ATTENTION (and ROCm, MLA) are not registered: refused.

@@ -48,6 +48,8 @@ class FusedLoadChoice:
     reasons: dict[str, str] = field(default_factory=dict)
 
     def summary(self) -> str:
+        if not self.reasons and not self.layers:
+            return "no standard attention layer (nothing for the fused kernel)"
         if not self.reasons:
             return (f"the fused Triton load kernel on all {len(self.layers)} layers "
                     "(self-check: bytes identical to the backend's cache write)")

@@ -18,6 +18,9 @@ def rope_use(owner: nn.Module) -> str:
     attention layer) uses its rotary embedding, read from its source:
     "always" (called unconditionally in forward), "never" (forward does not
     mention it) or "conditional"/"unknown" (cannot be told: refuse).
+
+    `if self.rotary_emb is not None:` (vLLM's MLA wrapper) guards on the
+    rope's presence alone: with a rope, its body runs unconditionally.
     """
     try:
         source = textwrap.dedent(inspect.getsource(type(owner).forward))
@@ -30,6 +33,12 @@ def rope_use(owner: nn.Module) -> str:
     uses: list[bool] = []  # one per mention of self.rotary_emb: conditional?
 
     def visit(node: ast.AST, conditional: bool) -> None:
+        if isinstance(node, ast.If) and _tests_rope_presence(node.test):
+            for child in node.body:
+                visit(child, conditional)
+            for child in node.orelse:
+                visit(child, True)
+            return
         if (
             isinstance(node, ast.Attribute)
             and node.attr == "rotary_emb"
@@ -65,6 +74,19 @@ def rope_use(owner: nn.Module) -> str:
     return "conditional" if any(uses) else "always"
 
 
+def _is_self_rope(node: ast.AST) -> bool:
+    return (isinstance(node, ast.Attribute) and node.attr == "rotary_emb"
+            and isinstance(node.value, ast.Name) and node.value.id == "self")
+
+
+def _tests_rope_presence(test: ast.AST) -> bool:
+    """`self.rotary_emb is not None`."""
+    return (isinstance(test, ast.Compare) and _is_self_rope(test.left)
+            and len(test.ops) == 1 and isinstance(test.ops[0], ast.IsNot)
+            and isinstance(test.comparators[0], ast.Constant)
+            and test.comparators[0].value is None)
+
+
 def find_layer_ropes(
     model: nn.Module,
 ) -> tuple[dict[str, nn.Module | None], list[str]]:
@@ -80,6 +102,7 @@ def find_layer_ropes(
     which layers' keys carry RoPE.
     """
     from vllm.model_executor.layers.attention.attention import Attention
+    from vllm.model_executor.layers.attention.mla_attention import MLAAttention
 
     ropes: dict[str, nn.Module | None] = {}
     orphans: list[str] = []
@@ -89,7 +112,8 @@ def find_layer_ropes(
         rope = getattr(module, "rotary_emb", None)
         if not isinstance(rope, nn.Module):
             rope = None
-        attentions = [c for c in module.children() if isinstance(c, Attention)]
+        attentions = [c for c in module.children()
+                      if isinstance(c, (Attention, MLAAttention))]
         if rope is not None and attentions:
             cls = type(module)
             if cls not in use_by_class:

@@ -162,8 +162,9 @@ def _pool_blocks(vllm_config: VllmConfig, num_kv_blocks: int, block_size: int) -
 
 
 def _layer_kv_elements(vllm_config: VllmConfig) -> int:
-    """K plus V elements of one token over the layers of one rank: its own KV
-    heads (tensor parallelism) and the layers of the *largest* pipeline stage.
+    """K plus V elements of one token over the layers of one rank (MLA: its
+    latent row): its own KV heads (tensor parallelism) and the layers of the
+    *largest* pipeline stage.
 
     Every rank must derive the same number of pool rows as the scheduler's
     allocator (whose config is that of rank 0). With --chunk-pool-size-gib the
@@ -176,7 +177,10 @@ def _layer_kv_elements(vllm_config: VllmConfig) -> int:
     parallel_config = vllm_config.parallel_config
     num_layers = _max_stage_layers(model_config, parallel_config)
     num_kv_heads = model_config.get_num_kv_heads(parallel_config)
-    return num_layers * num_kv_heads * model_config.get_head_size() * 2
+    # NOTE: MLA caches one latent row per token and layer (head size
+    # kv_lora_rank + rope_dim, one "head", the same on every TP rank), no V.
+    rows = 1 if getattr(model_config, "use_mla", False) else 2
+    return num_layers * num_kv_heads * model_config.get_head_size() * rows
 
 
 def _max_stage_layers(model_config, parallel_config) -> int:

@@ -60,14 +60,15 @@ def check_config(vllm_config: VllmConfig) -> None:
 
 
 def _check_model_kind(model_config: Any) -> None:
-    if getattr(model_config, "use_mla", False):
+    hf_config = getattr(model_config, "hf_config", None)
+    if getattr(model_config, "use_mla", False) and (
+        getattr(hf_config, "index_topk", None) is not None
+    ):
         raise ValueError(
-            "--enable-chunk-cache does not support MLA attention yet "
-            "(DeepSeek-V2/V3 and the MLA-based sparse SFA/DSA attention of "
-            "DeepSeek-V3.2 and vllm-ascend): re-positioning a latent row (kv_c "
-            "copied, k_pe rotated) is built and checked against the HF "
-            "reference, but the latent pool, its capture and the load through "
-            "the backend's latent cache-write op are not (docs/design/mla.md)"
+            "--enable-chunk-cache does not support sparse MLA attention yet "
+            "(DeepSeek-V3.2's DSA, vllm-ascend's SFA/DSA): the indexer's own "
+            "position-dependent key cache is not cached and re-rotated "
+            "(docs/design/mla.md)"
         )
     if getattr(model_config, "is_encoder_decoder", False):
         raise ValueError(
@@ -124,7 +125,7 @@ def check_model_config(hf_config: Any) -> None:
 def kv_cache_block_size(kv_cache_config: KVCacheConfig) -> int:
     """The paged block size of the single KV cache group of plain full
     attention; refuses every other layout."""
-    from vllm.v1.kv_cache_interface import FullAttentionSpec
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
 
     groups = kv_cache_config.kv_cache_groups
     if len(groups) != 1:
@@ -140,7 +141,9 @@ def kv_cache_block_size(kv_cache_config: KVCacheConfig) -> int:
     # layers in a FullAttentionSpec when the hybrid allocator is off, hence
     # the fields as well as the type.
     window = getattr(spec, "sliding_window", None) or getattr(spec, "attention_chunk_size", None)
-    if type(spec) is not FullAttentionSpec or window is not None:
+    # MLA's latent cache is full attention too (one latent row per token);
+    # its layers are checked by the worker (cache_writers' latent writers).
+    if type(spec) not in (FullAttentionSpec, MLAAttentionSpec) or window is not None:
         detail = f", window {window}" if window is not None else ""
         raise ValueError(
             "--enable-chunk-cache supports full attention only; this model's KV "
@@ -157,7 +160,11 @@ def check_attention_layer(name: str, layer: Any) -> None:
         writer_for,
     )
     from vllm.model_executor.layers.attention.attention import Attention
+    from vllm.model_executor.layers.attention.mla_attention import MLAAttention
 
+    if isinstance(layer, MLAAttention):
+        _check_latent_layer(name, layer)
+        return
     if not isinstance(layer, Attention):
         raise ValueError(
             f"chunk cache supports standard attention layers only; "
@@ -181,6 +188,26 @@ def check_attention_layer(name: str, layer: Any) -> None:
             f"({type(layer.impl).__name__}); supported: "
             f"{', '.join(supported_backends())} (choose one with "
             "--attention-backend)"
+        )
+
+
+def _check_latent_layer(name: str, layer: Any) -> None:
+    from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.cache_writers import (
+        latent_writer_for,
+        supported_latent_backends,
+    )
+
+    if latent_writer_for(layer.impl) is None:
+        raise ValueError(
+            f"chunk cache does not support the MLA backend of {name} "
+            f"({type(layer.impl).__name__}); supported: "
+            f"{', '.join(supported_latent_backends())} (the CUDA and Ascend MLA "
+            "backends are not built or never executed: docs/design/mla.md)"
+        )
+    if getattr(layer, "kv_cache_dtype", "auto") != "auto":
+        raise ValueError(
+            f"chunk cache supports MLA latent caches in the model dtype only; {name} "
+            f"has --kv-cache-dtype {layer.kv_cache_dtype}"
         )
 
 

@@ -41,12 +41,18 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.cache_writers import writer_for
+from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.cache_writers import (
+    latent_writer_for,
+    writer_for,
+)
 from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.fused_load_path import (
     FusedLayers,
     FusedLoadChoice,
     choose_fused_layers,
     group_fused_layers,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.latent_layers import (
+    LatentLayer,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.layer_ropes import (
     find_layer_ropes,
@@ -105,6 +111,8 @@ class ChunkCacheWorker:
         self.pool_key: dict[str, torch.Tensor] = {}
         self.pool_value: dict[str, torch.Tensor] = {}
         self.remappers: dict[str, PositionRemapper] = {}
+        # MLA layers: latent rows (latent_layers.py).
+        self.latent: dict[str, LatentLayer] = {}
         # One set of load buffers for all layers, of the per-step cap's rows
         # (in the carve-out: setup.load_scratch_bytes).
         self._scratch = RemapScratch(vllm_config.chunk_cache_config.max_chunk_load_tokens)
@@ -158,6 +166,7 @@ class ChunkCacheWorker:
                 "KVConnectorBase_V1.register_model(model), see patch 0007)"
             )
         from vllm.model_executor.layers.attention.attention import Attention
+        from vllm.model_executor.layers.attention.mla_attention import MLAAttention
 
         check_graph_mode(self.vllm_config.compilation_config)
         layers = self.vllm_config.compilation_config.static_forward_context
@@ -165,7 +174,7 @@ class ChunkCacheWorker:
         # cache of their own (a KV-sharing layer may have none); the context
         # also holds non-attention layers (fused MoE), which have no keys.
         for name, layer in layers.items():
-            if isinstance(layer, Attention):
+            if isinstance(layer, (Attention, MLAAttention)):
                 check_attention_layer(name, layer)
         total = 0
         for name, kv_cache in kv_caches.items():
@@ -176,18 +185,26 @@ class ChunkCacheWorker:
             # On the paged cache's device (the GPU on CUDA), inside the budget.
             device = cache_device(kv_cache)
             self.device = device
+            rope = self._ropes[name]
+            if isinstance(layer, MLAAttention):
+                self.latent[name] = LatentLayer.of(
+                    name, layer, kv_cache, None if rope is None else self._rotations[id(rope)],
+                    latent_writer_for(layer.impl), self.num_pool_rows, self.dtype)
+                self.pool_key[name] = self.latent[name].pool
+                total += self.latent[name].pool.nbytes
+                continue
             shape_k = (self.num_pool_rows, layer.num_kv_heads, layer.head_size)
             shape_v = (self.num_pool_rows, layer.num_kv_heads, layer.head_size_v)
             self.pool_key[name] = torch.zeros(shape_k, dtype=self.dtype, device=device)
             self.pool_value[name] = torch.zeros(shape_v, dtype=self.dtype, device=device)
             total += self.pool_key[name].nbytes + self.pool_value[name].nbytes
-            rope = self._ropes[name]
             rotation = None if rope is None else self._rotations[id(rope)]
             self.remappers[name] = PositionRemapper(rotation, self._write_rows, self._scratch)
         self.pool_bytes = total
         layer_rotations = {name: remapper.rotation for name, remapper in self.remappers.items()}
         self._fused = choose_fused_layers(
-            {name: layers[name] for name in kv_caches}, kv_caches, layer_rotations,
+            {name: layers[name] for name in self.remappers},
+            {name: kv_caches[name] for name in self.remappers}, layer_rotations,
             self.dtype, _backend_write)
         self._fused_groups = group_fused_layers(self._fused, self.pool_key, self.pool_value,
                                                 layer_rotations)
@@ -241,7 +258,7 @@ class ChunkCacheWorker:
             id(rotation): rotation.cos_sin_rows(rows.deltas)
             for rotation in self._rotations.values()
             if not rotation.rotates_in_place(self.device)
-        } if len(fused) < len(self.remappers) else {}
+        } if len(fused) < len(self.remappers) or self.latent else {}
         # The fused kernel reads one cos/sin row per stretch (a handful per
         # step), indexed by each row's stretch.
         stretch_cos_sin = {
@@ -269,6 +286,9 @@ class ChunkCacheWorker:
                 rows,
                 cos_sin=None if rotation is None else cos_sin.get(id(rotation)),
             )
+        for latent in self.latent.values():
+            rotation = latent.rotation
+            latent.load(rows, None if rotation is None else cos_sin.get(id(rotation)))
 
     def _write_rows(
         self,
@@ -297,20 +317,32 @@ class ChunkCacheWorker:
     ) -> None:
         if not meta.stores or layer_name not in self.pool_key:
             return
+        latent = self.latent.get(layer_name)
+        if latent is not None and slot_mapping is not None:
+            rows, dst = self._step_indices(meta, slot_mapping)
+            # The batch rows' slots are the child's (asserted on the device).
+            latent.capture(slot_mapping.to(torch.int64).index_select(0, rows), dst)
+            return
         if key is None or value is None or slot_mapping is None:
             raise RuntimeError(
                 "chunk cache: save_kv_layer got no key/value (is the "
                 "kv_transfer_utils patch applied?)"
             )
-        step_key = (id(meta), id(slot_mapping))
-        if self._step_rows is None or self._step_key != step_key:
-            self._step_rows, self._step_dst = self._capture_indices(meta, slot_mapping)
-            self._step_key = step_key
-        rows, dst = self._step_rows, self._step_dst
+        rows, dst = self._step_indices(meta, slot_mapping)
         pool_key = self.pool_key[layer_name]
         pool_value = self.pool_value[layer_name]
         pool_key.index_copy_(0, dst, key.index_select(0, rows).to(pool_key.dtype))
         pool_value.index_copy_(0, dst, value.index_select(0, rows).to(pool_value.dtype))
+
+    def _step_indices(
+        self, meta: Any, slot_mapping: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`_capture_indices` once per step (the same for every layer)."""
+        step_key = (id(meta), id(slot_mapping))
+        if self._step_rows is None or self._step_key != step_key:
+            self._step_rows, self._step_dst = self._capture_indices(meta, slot_mapping)
+            self._step_key = step_key
+        return self._step_rows, self._step_dst
 
     def _capture_indices(
         self, meta: Any, slot_mapping: torch.Tensor
