@@ -219,6 +219,14 @@ class ChunkCacheWorker:
             self.device,
             self.dtype,
         )
+        if self.latent:
+            widths = sorted({latent.layout.width for latent in self.latent.values()})
+            # NOTE: MLA's latent cache is not split by heads: every TP rank
+            # holds (and pools) whole rows.
+            logger.info(
+                "Chunk cache: %d MLA layer(s), latent rows of %s values (kv_c + k_pe), "
+                "replicated on every tensor-parallel rank", len(self.latent),
+                "/".join(map(str, widths)))
         # NOTE: the CPU path depends on the machine (vLLM's RoPE op is used
         # only where it is bit-identical to the generic rotation): say which.
         for rotation in self._rotations.values():
