@@ -310,11 +310,19 @@ def test_prompt_segments_stream_echo_n_and_salt(server):
 def test_bad_prompt_segments_get_http_400_and_pin_nothing(server, extra, message):
     body = {"model": "smollm2", "max_tokens": 2}
     body.update(extra)
-    status, out = server.post("/v1/completions", body)
-    assert status == 400, out
-    assert message in out["error"]["message"], out
+    assert_400(server, "/v1/completions", body, message)
     status, _ = complete(server, "sys ## a short document ## q")
     assert status == 200
+    assert_nothing_pinned(server)
+
+
+def assert_400(server, path: str, body: dict, message: str) -> None:
+    status, out = server.post(path, body)
+    assert status == 400, out
+    assert message in out["error"]["message"], out
+
+
+def assert_nothing_pinned(server) -> None:
     # A plain request's steps report the pool gauges with nothing in flight.
     status, _ = complete(server, "The capital of France is")
     assert status == 200
@@ -376,13 +384,9 @@ def test_bad_chat_documents_get_http_400(server, extra, message):
                             {"role": "user", "content": "q"}],
                "documents": [{"title": "a", "text": "first"}, {"title": "b", "text": "x"}]}
     request.update(extra)
-    status, out = server.post("/v1/chat/completions", request)
-    assert status == 400, out
-    assert message in out["error"]["message"], out
+    assert_400(server, "/v1/chat/completions", request, message)
     # Refused while rendering: nothing reached the engine, nothing is pinned.
-    status, _ = complete(server, "The capital of France is")
-    assert status == 200
-    assert metrics(server).get("pool_entries_pinned", 0) == 0
+    assert_nothing_pinned(server)
 
 
 def test_chat_content_parts_marked_chunk_match_the_reference(server, reference):

@@ -168,8 +168,10 @@ if triton is not None:
             _store(key_cache_ptr, dst_base + d, key, in_head, k_scale, MODEL, FP8)
 
 
-# The pool's (model's) dtype as the kernel's MODEL code.
+# The pool's (model's) dtype as the kernel's MODEL code, and as Triton's type.
 _MODEL_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+_TL_DTYPES = ({torch.float32: tl.float32, torch.bfloat16: tl.bfloat16,
+               torch.float16: tl.float16} if triton is not None else {})
 
 
 def available() -> bool:
@@ -274,8 +276,7 @@ def fused_load(
         cos = sin = group.tables  # unused
         delta_index = src_rows
         rot_half = 1
-    tl_pool = getattr(tl, {0: "float32", 1: "bfloat16", 2: "float16"}[
-        _MODEL_CODES[group.pool_dtype]])
+    tl_pool = _TL_DTYPES[group.pool_dtype]
     _fused_load_kernel[(num_rows, group.num_heads, group.num_layers)](
         group.tables, group.num_layers, src_rows, dst_slots, delta_index, cos, sin,
         group.scale_stride, *group.pool_strides, *group.cache_strides, group.block_size,
@@ -287,20 +288,3 @@ def fused_load(
         # NOTE: no FMA contraction: today's rotation rounds each product.
         enable_fp_fusion=False,
     )
-
-
-def fused_load_layer(
-    pool_key: torch.Tensor,
-    pool_value: torch.Tensor,
-    src_rows: torch.Tensor,
-    dst_slots: torch.Tensor,
-    delta_index: torch.Tensor | None,
-    cos_sin_table: tuple[torch.Tensor, torch.Tensor] | None,
-    is_neox_style: bool,
-    rotary_dim: int,
-    layer: PagedLayer,
-) -> None:
-    """`fused_load` of one layer (the start-up self-check, tests)."""
-    group = FusedGroup.of([pool_key], [pool_value], [layer])
-    fused_load(group, src_rows, dst_slots, delta_index, cos_sin_table, is_neox_style,
-               rotary_dim)

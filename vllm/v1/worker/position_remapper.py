@@ -127,14 +127,9 @@ def _dynamic_ntk_alpha(rope: DynamicNTKAlphaRotaryEmbedding) -> _Frequencies:
     return _Frequencies(rope._compute_inv_freq(base), 1.0, rope.cos_sin_cache, 0)
 
 
-def _yarn(rope: YaRNScalingRotaryEmbedding) -> _Frequencies:
-    inv_freq = rope._compute_inv_freq(rope.scaling_factor)
-    return _Frequencies(inv_freq, float(rope.mscale), rope.cos_sin_cache, 0)
-
-
-def _deepseek_yarn(rope: DeepseekScalingRotaryEmbedding) -> _Frequencies:
-    # NOTE: DeepSeek's YaRN (MLA's k_pe, and V3.2's indexer keys) bakes
-    # mscale / mscale_all_dim * attn_factor into its cos/sin, like YaRN.
+def _yarn(rope: YaRNScalingRotaryEmbedding | DeepseekScalingRotaryEmbedding) -> _Frequencies:
+    # NOTE: DeepSeek's YaRN (MLA's k_pe, V3.2's indexer keys) has the same
+    # rule: mscale / mscale_all_dim * attn_factor baked into its cos/sin.
     inv_freq = rope._compute_inv_freq(rope.scaling_factor)
     return _Frequencies(inv_freq, float(rope.mscale), rope.cos_sin_cache, 0)
 
@@ -163,7 +158,7 @@ _FREQUENCY_RULES: dict[type, Callable] = {
     DynamicNTKScalingRotaryEmbedding: _dynamic_ntk,
     DynamicNTKAlphaRotaryEmbedding: _dynamic_ntk_alpha,
     YaRNScalingRotaryEmbedding: _yarn,
-    DeepseekScalingRotaryEmbedding: _deepseek_yarn,
+    DeepseekScalingRotaryEmbedding: _yarn,
     Phi3LongRoPEScaledRotaryEmbedding: _longrope,
 }
 

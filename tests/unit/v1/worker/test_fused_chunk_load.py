@@ -81,10 +81,10 @@ def test_fused_load_writes_what_todays_path_writes_bit_for_bit(
     if rotation is not None:
         distinct, delta_index = torch.unique(deltas, return_inverse=True)
         table = rotation.cos_sin(distinct)
-    fused.fused_load_layer(
-        pool_key, pool_value, src_rows, dst_slots, delta_index, table,
-        neox, rotation.rotary_dim if rotation else HEAD_SIZE,
-        fused.PagedLayer(got_k, got_v, k_scale if fp8 else None, v_scale if fp8 else None))
+    layer = fused.PagedLayer(got_k, got_v, k_scale if fp8 else None, v_scale if fp8 else None)
+    fused.fused_load(fused.FusedGroup.of([pool_key], [pool_value], [layer]), src_rows,
+                     dst_slots, delta_index, table, neox,
+                     rotation.rotary_dim if rotation else HEAD_SIZE)
 
     def bits(t):
         return t.contiguous().view(torch.uint8)
@@ -160,8 +160,8 @@ def test_one_launch_loads_every_layer_of_a_group_as_one_launch_per_layer(
 
     one_by_one, together = paged_layers(), paged_layers()
     for k, v, layer in zip(pools_k, pools_v, one_by_one):
-        fused.fused_load_layer(k, v, src_rows, dst_slots, stretch_index, table, True,
-                               HEAD_SIZE, layer)
+        fused.fused_load(fused.FusedGroup.of([k], [v], [layer]), src_rows, dst_slots,
+                         stretch_index, table, True, HEAD_SIZE)
     group = fused.FusedGroup.of(pools_k, pools_v, together)
     assert group.num_layers == 3
     fused.fused_load(group, src_rows, dst_slots, stretch_index, table, True, HEAD_SIZE)

@@ -131,7 +131,7 @@ def self_check(
     """None if the fused kernel writes the bytes today's path writes on a
     sample of rows (random K/V, deltas of both signs up to 40,000, every
     row's slot in blocks 1..); else why not. Leaves `kv_cache` as it was."""
-    from vllm.v1.worker.fused_chunk_load import fused_load_layer
+    from vllm.v1.worker.fused_chunk_load import FusedGroup, fused_load
 
     device = kv_cache.device
     num_blocks, _, block_size = kv_cache.shape[:3]
@@ -155,11 +155,11 @@ def self_check(
         reference_write(layer, moved, value, kv_cache, slots)
         want = kv_cache[touched].clone()
         kv_cache[touched] = saved
-        fused_load_layer(
-            key, value, torch.arange(rows, device=device), slots,
+        fused_load(
+            FusedGroup.of([key], [value], [paged]), torch.arange(rows, device=device), slots,
             None if rotation is None else torch.arange(rows, device=device),
             cos_sin, rotation is None or rotation.is_neox_style,
-            rotation.rotary_dim if rotation is not None else layer.head_size, paged)
+            rotation.rotary_dim if rotation is not None else layer.head_size)
         got = kv_cache[touched].clone()
     except Exception as e:  # noqa: BLE001 - any failure keeps today's path
         return f"self-check failed ({type(e).__name__}: {e})"

@@ -39,12 +39,7 @@ def rope_use(owner: nn.Module) -> str:
             for child in node.orelse:
                 visit(child, True)
             return
-        if (
-            isinstance(node, ast.Attribute)
-            and node.attr == "rotary_emb"
-            and isinstance(node.value, ast.Name)
-            and node.value.id == "self"
-        ):
+        if _is_self_rope(node):
             uses.append(conditional)
         nested = conditional or isinstance(
             node,

@@ -190,7 +190,6 @@ class ChunkCacheWorker:
                 self.latent[name] = LatentLayer.of(
                     name, layer, kv_cache, None if rope is None else self._rotations[id(rope)],
                     latent_writer_for(layer.impl), self.num_pool_rows, self.dtype)
-                self.pool_key[name] = self.latent[name].pool
                 total += self.latent[name].pool.nbytes
                 continue
             shape_k = (self.num_pool_rows, layer.num_kv_heads, layer.head_size)
@@ -323,9 +322,9 @@ class ChunkCacheWorker:
         key: torch.Tensor | None,
         value: torch.Tensor | None,
     ) -> None:
-        if not meta.stores or layer_name not in self.pool_key:
-            return
         latent = self.latent.get(layer_name)
+        if not meta.stores or (latent is None and layer_name not in self.pool_key):
+            return
         if latent is not None and slot_mapping is not None:
             rows, dst = self._step_indices(meta, slot_mapping)
             # The batch rows' slots are the child's (asserted on the device).
