@@ -125,21 +125,38 @@ def supported_latent_backends() -> list[str]:
 
 
 def _write_latent_via_kv_cache_update(layer, kv_c, k_pe, slot_mapping, kv_cache) -> None:
-    # CPU_MLA (vLLM 0.32): rows written by indexing a plain [blocks, 16, 576]
-    # cache; k_pe as [n, 1, rope_dim], as the MLA layer hands it over.
-    layer.impl.do_kv_cache_update(kv_c, k_pe.unsqueeze(1), kv_cache, slot_mapping,
-                                  layer.kv_cache_dtype, layer._k_scale)
+    # The call the MLA layer itself makes (unified_mla_kv_cache_update), k_pe
+    # as [n, 1, rope_dim] as it hands it over: CPU_MLA indexes its cache, the
+    # CUDA impls below inherit MLAAttentionImpl's, which runs
+    # concat_and_cache_mla: laid out as for freshly computed tokens.
+    layer.impl.do_kv_cache_update(kv_c_normed=kv_c, k_pe=k_pe.unsqueeze(1), kv_cache=kv_cache,
+                                  slot_mapping=slot_mapping,
+                                  kv_cache_dtype=layer.kv_cache_dtype, k_scale=layer._k_scale)
 
 
 def _read_plain_latent(kv_cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    # Only a cache in the model dtype ("auto", support.py refuses the rest)
+    # holds the rows as written; a quantized one would need the rows captured
+    # before its write.
     return kv_cache.view(-1, kv_cache.shape[-1]).index_select(0, slots)
 
 
-# vLLM 0.32's CPU MLA backend (0.23 has none). Its cache is plain and in the
-# model dtype ("auto" only): what it wrote is what the capture reads. The
-# CUDA MLA backends (FLASH_ATTN_MLA, FLASHMLA, TRITON_MLA, ...) are not
-# registered: never executed (docs/design/mla.md), refused at start-up.
+# MLA backends whose latent cache is a plain [blocks, block_size, rank +
+# rope_dim] tensor written by the inherited do_kv_cache_update (read in the
+# pinned sources): vLLM 0.32's CPU_MLA (executed in CI), and on CUDA, vLLM
+# 0.23's TRITON_MLA (any GPU) and Hopper's dense picks FLASH_ATTN_MLA, then
+# FLASHMLA. The CUDA ones were never executed on a GPU (docs/design/mla.md).
+# Not registered, so refused at start-up: FLASHINFER_MLA, CUTLASS_MLA,
+# TOKENSPEED_MLA (Blackwell-first; their kernels' use of the cache not
+# checked), ROCm's, every sparse MLA backend (fp8_ds_mla and the indexer
+# cache) and Ascend's.
 register_latent_writer("CPUMLAImpl", "CPU_MLA", _write_latent_via_kv_cache_update,
+                       _read_plain_latent)
+register_latent_writer("TritonMLAImpl", "TRITON_MLA", _write_latent_via_kv_cache_update,
+                       _read_plain_latent)
+register_latent_writer("FlashAttnMLAImpl", "FLASH_ATTN_MLA", _write_latent_via_kv_cache_update,
+                       _read_plain_latent)
+register_latent_writer("FlashMLAImpl", "FLASHMLA", _write_latent_via_kv_cache_update,
                        _read_plain_latent)
 
 

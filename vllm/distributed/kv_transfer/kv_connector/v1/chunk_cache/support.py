@@ -201,13 +201,16 @@ def _check_latent_layer(name: str, layer: Any) -> None:
         raise ValueError(
             f"chunk cache does not support the MLA backend of {name} "
             f"({type(layer.impl).__name__}); supported: "
-            f"{', '.join(supported_latent_backends())} (the CUDA and Ascend MLA "
-            "backends are not built or never executed: docs/design/mla.md)"
+            f"{', '.join(supported_latent_backends())} (choose one with "
+            "--attention-backend; the other MLA backends, sparse MLA and Ascend's "
+            "are not built: docs/design/mla.md)"
         )
     if getattr(layer, "kv_cache_dtype", "auto") != "auto":
+        # NOTE: the capture reads the rows back from the cache (the connector
+        # gets no kv_c / k_pe), exact only where they are stored unquantized.
         raise ValueError(
             f"chunk cache supports MLA latent caches in the model dtype only; {name} "
-            f"has --kv-cache-dtype {layer.kv_cache_dtype}"
+            f"({type(layer.impl).__name__}) has --kv-cache-dtype {layer.kv_cache_dtype}"
         )
 
 
