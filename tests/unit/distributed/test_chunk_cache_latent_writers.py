@@ -146,10 +146,14 @@ def test_each_registered_backend_keeps_a_plain_cache_written_by_concat_and_cache
     assert "MLACommonImpl" in _base_names(impl_cls)
     assert "do_kv_cache_update" not in _methods(impl_cls)
     assert "MLACommonBackend" in _base_names(backend_cls)
-    assert not {"get_kv_cache_shape", "get_kv_cache_stride_order"} & _methods(backend_cls)
-    assert MLACommonBackend.get_kv_cache_shape(BLOCKS, BLOCK_SIZE, 1, RANK + ROPE) == (
-        BLOCKS, BLOCK_SIZE, RANK + ROPE)
-    assert MLACommonBackend.get_kv_cache_stride_order() == (0, 1, 2)
+    assert not ({"get_kv_cache_shape", "get_kv_cache_stride_order", "customize_spec"}
+                & _methods(backend_cls))
+    if hasattr(MLACommonBackend, "get_kv_cache_shape"):
+        # vLLM 0.23. (0.32 derives the shape from the spec, which
+        # MLACommonBackend.customize_spec changes only for per-token-head quantization.)
+        assert MLACommonBackend.get_kv_cache_shape(BLOCKS, BLOCK_SIZE, 1, RANK + ROPE) == (
+            BLOCKS, BLOCK_SIZE, RANK + ROPE)
+        assert MLACommonBackend.get_kv_cache_stride_order() == (0, 1, 2)
     assert "ops.concat_and_cache_mla(" in inspect.getsource(MLAAttentionImpl.do_kv_cache_update)
 
 
