@@ -196,3 +196,59 @@ def test_fused_layers_share_one_launch_per_rope_and_shape(rotation):
     assert sorted(launch.names for launch in launches) == [
         ("l0", "l1", "l2"), ("plain",), ("wide",)]
     assert {launch.names: launch.rotation for launch in launches}[("plain",)] is None
+
+
+def test_the_workers_fused_capture_copies_what_its_reader_branch_copies(rotation):
+    """ChunkCacheWorker.capture_after_forward, both branches on the same step (two
+    children, one mid-prefill): one fused copy launch per group against the backend's
+    reader layer by layer (`_read_flash`), on the RoPE and the no-RoPE launch."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.cache_writers import (
+        CacheWriter,
+        _read_flash,
+    )
+    from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.capture_path import (
+        CaptureChoice,
+    )
+    from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.metadata import (
+        ChildStore,
+        ChunkCacheMetadata,
+    )
+    from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.worker import (
+        ChunkCacheWorker,
+    )
+    from tests.unit.distributed.test_chunk_cache_worker import _worker
+    from vllm.v1.worker.fused_chunk_load import PagedLayer
+
+    gen = torch.Generator().manual_seed(9)
+    caches = {name: kv_cache(torch.bfloat16).normal_(generator=gen) for name in ("rope", "plain")}
+    meta = ChunkCacheMetadata(stores=[
+        ChildStore(block_ids=(2, 4), pool_block_ids=(3, 1), first_position=5,
+                   end_position=21, store_start=1),
+        ChildStore(block_ids=(5,), pool_block_ids=(6,), first_position=0,
+                   end_position=9, store_start=0),
+    ])
+    pools = {}
+    for fused in (False, True):
+        worker = _worker()
+        worker.device = torch.device("cpu")
+        worker.latent = {}
+        worker.pool_key = {n: torch.zeros(7 * 16, HEADS, HEAD, dtype=torch.bfloat16)
+                           for n in caches}
+        worker.pool_value = {n: torch.zeros(7 * 16, HEADS, HEAD, dtype=torch.bfloat16)
+                             for n in caches}
+        worker._layers = {n: SimpleNamespace() for n in caches}
+        worker._kv_caches = caches
+        worker._capture = CaptureChoice(
+            after_forward={n: CacheWriter("FLASH_ATTN", None, _read_flash) for n in caches})
+        choice = FusedLoadChoice({n: PagedLayer(*c.unbind(1)) for n, c in caches.items()})
+        worker._capture_groups = group_fused_layers(
+            choice, worker.pool_key, worker.pool_value,
+            {"rope": rotation, "plain": None}) if fused else []
+        assert len(worker._capture_groups) == (2 if fused else 0)
+        ChunkCacheWorker.capture_after_forward(worker, meta)
+        pools[fused] = worker
+    for n in caches:
+        assert pools[False].pool_key[n].any()
+        for part in ("pool_key", "pool_value"):
+            assert torch.equal(getattr(pools[True], part)[n].view(torch.int16),
+                               getattr(pools[False], part)[n].view(torch.int16)), (n, part)

@@ -125,31 +125,56 @@ def test_start_up_is_refused_when_the_runner_never_registered_the_model():
         worker.register_kv_caches({"l0": torch.zeros(4, 2, 16, 2, 8)})
 
 
-def test_graph_modes():
+def test_graph_modes_constrain_only_layers_captured_in_the_attention_hook():
     from vllm.config.compilation import CUDAGraphMode
 
     attn = ["vllm::unified_attention_with_output"]
-    check_graph_mode(SimpleNamespace(cudagraph_mode=CUDAGraphMode.NONE))
+    hooked = {"l3": "quantized KV cache (fp8)"}
+    # Every capture after the forward: full graphs stay (issue 21).
+    for mode in (CUDAGraphMode.FULL, CUDAGraphMode.FULL_AND_PIECEWISE):
+        check_graph_mode(SimpleNamespace(cudagraph_mode=mode, splitting_ops=[]), {})
+    check_graph_mode(SimpleNamespace(cudagraph_mode=CUDAGraphMode.NONE), hooked)
     check_graph_mode(SimpleNamespace(cudagraph_mode=CUDAGraphMode.PIECEWISE,
-                                     splitting_ops=attn))
-    with pytest.raises(ValueError, match="FULL"):
+                                     splitting_ops=attn), hooked)
+    with pytest.raises(ValueError, match=r"FULL.*l3.*fp8"):
         check_graph_mode(SimpleNamespace(cudagraph_mode=CUDAGraphMode.FULL,
-                                         splitting_ops=attn))
+                                         splitting_ops=attn), hooked)
     with pytest.raises(ValueError, match="splitting_ops"):
         check_graph_mode(SimpleNamespace(cudagraph_mode=CUDAGraphMode.PIECEWISE,
-                                         splitting_ops=[]))
+                                         splitting_ops=[]), hooked)
 
 
-def test_default_full_and_piecewise_becomes_piecewise_explicit_full_is_refused():
+@pytest.mark.parametrize("cache_dtype,hooked", [("auto", False), ("bfloat16", False),
+                                                ("fp8", True), ("fp8_e4m3", True)])
+def test_full_graphs_stay_unless_the_cache_is_quantized(cache_dtype, hooked):
+    """vLLM's default FULL_AND_PIECEWISE stays where captures run after the
+    forward; a quantized cache keeps the hook, so PIECEWISE (logged), and an
+    explicit FULL is refused there."""
+    from vllm.config import ChunkCacheConfig
     from vllm.config.compilation import CUDAGraphMode
 
-    cfg = SimpleNamespace(compilation_config=SimpleNamespace(
-        cudagraph_mode=CUDAGraphMode.FULL_AND_PIECEWISE))
-    setup._resolve_cudagraph_mode(cfg)
-    assert cfg.compilation_config.cudagraph_mode == CUDAGraphMode.PIECEWISE
+    cfg = SimpleNamespace(
+        chunk_cache_config=ChunkCacheConfig(enable_chunk_cache=True, chunk_context="none"),
+        cache_config=SimpleNamespace(kv_offloading_size=None, cache_dtype=cache_dtype),
+        compilation_config=SimpleNamespace(cudagraph_mode=CUDAGraphMode.FULL_AND_PIECEWISE),
+        kv_transfer_config=None, model_config=None)
+    setup.configure_chunk_cache_connector(cfg)
+    extra = cfg.kv_transfer_config.kv_connector_extra_config
+    assert extra == {"capture_in_attention": hooked}
+    from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.connector import (
+        ChunkCacheConnector,
+    )
+
+    assert ChunkCacheConnector.requires_piecewise_for_cudagraph(extra) is hooked
+    assert cfg.compilation_config.cudagraph_mode == (
+        CUDAGraphMode.PIECEWISE if hooked else CUDAGraphMode.FULL_AND_PIECEWISE)
     cfg.compilation_config.cudagraph_mode = CUDAGraphMode.FULL_DECODE_ONLY
-    with pytest.raises(ValueError, match="FULL_DECODE_ONLY"):
-        setup._resolve_cudagraph_mode(cfg)
+    cfg.kv_transfer_config = None
+    if hooked:
+        with pytest.raises(ValueError, match="FULL_DECODE_ONLY.*quantized"):
+            setup.configure_chunk_cache_connector(cfg)
+    else:
+        setup.configure_chunk_cache_connector(cfg)
 
 
 class _Model(SimpleNamespace):

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""One fused Triton kernel per layer for a chunk-cache load on a GPU (issue 21).
+"""Fused Triton kernels for a chunk-cache load and capture on a GPU (issue 21).
 
 Today's GPU load is about a dozen small kernels per layer: two gathers of pool
 rows, the fp32 rotation (elementwise passes over strided halves), a cast back,
@@ -20,6 +20,10 @@ Arithmetic, chosen to give today's path's bits (docs/design/fused-load.md):
 * fp8 caches (e4m3): `float(x) / scale`, saturated to the finite range, rounded
   to nearest even: what `reshape_and_cache_flash` does with `__NV_SATFINITE`,
   per tensor or per head (`kv_scale_stride` 0 or 1).
+
+The capture after the forward is the inverse copy (`fused_capture`): paged
+slots to pool rows, K and V of every layer of a group in one launch, no
+arithmetic (caches in the model dtype only).
 
 Not executed on a GPU here: tested on the CPU with Triton's interpreter
 (`TRITON_INTERPRET=1`) against the reference path, bit for bit.
@@ -168,6 +172,35 @@ if triton is not None:
             _store(key_cache_ptr, dst_base + d, key, in_head, k_scale, MODEL, FP8)
 
 
+    @triton.jit
+    def _fused_capture_kernel(
+        tables_ptr, num_layers, src_slots_ptr, dst_rows_ptr,
+        pool_row_stride, pool_head_stride, block_stride, page_stride, head_stride,
+        block_size, HEAD_SIZE: tl.constexpr, BLOCK_D: tl.constexpr, DTYPE: tl.constexpr,
+    ):
+        # The load's inverse, a plain copy: paged slot -> pool row, K and V of
+        # one head of one layer per program (same tables).
+        row = tl.program_id(0)
+        head = tl.program_id(1)
+        layer = tl.program_id(2)
+        pool_key_ptr = tl.load(tables_ptr + layer).to(tl.pointer_type(DTYPE))
+        pool_value_ptr = tl.load(tables_ptr + num_layers + layer).to(tl.pointer_type(DTYPE))
+        key_cache_ptr = tl.load(tables_ptr + 2 * num_layers + layer).to(tl.pointer_type(DTYPE))
+        value_cache_ptr = tl.load(tables_ptr + 3 * num_layers + layer).to(
+            tl.pointer_type(DTYPE))
+        slot = tl.load(src_slots_ptr + row)
+        dst = tl.load(dst_rows_ptr + row)
+        src_base = (slot // block_size) * block_stride + (slot % block_size) * page_stride \
+            + head * head_stride
+        dst_base = dst * pool_row_stride + head * pool_head_stride
+        d = tl.arange(0, BLOCK_D)
+        in_head = d < HEAD_SIZE
+        tl.store(pool_key_ptr + dst_base + d, tl.load(key_cache_ptr + src_base + d,
+                                                      mask=in_head), mask=in_head)
+        tl.store(pool_value_ptr + dst_base + d, tl.load(value_cache_ptr + src_base + d,
+                                                        mask=in_head), mask=in_head)
+
+
 # The pool's (model's) dtype as the kernel's MODEL code, and as Triton's type.
 _MODEL_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _TL_DTYPES = ({torch.float32: tl.float32, torch.bfloat16: tl.bfloat16,
@@ -287,4 +320,22 @@ def fused_load(
         CACHE_DTYPE=tl.float8e4nv if group.fp8 else tl_pool,
         # NOTE: no FMA contraction: today's rotation rounds each product.
         enable_fp_fusion=False,
+    )
+
+
+def fused_capture(group: FusedGroup, src_slots: torch.Tensor, dst_rows: torch.Tensor) -> None:
+    """One launch: the rows at paged slots `src_slots` [n] of every layer of
+    `group` into pool rows `dst_rows` [n], K and V as they are (the capture
+    after the forward; caches in the pool's dtype only)."""
+    if triton is None:
+        raise RuntimeError("the fused chunk capture needs Triton")
+    if group.fp8:
+        raise ValueError("an fp8 cache's bytes are not the rows: captured in the hook")
+    num_rows = src_slots.shape[0]
+    if num_rows == 0:
+        return
+    _fused_capture_kernel[(num_rows, group.num_heads, group.num_layers)](
+        group.tables, group.num_layers, src_slots, dst_rows, *group.pool_strides,
+        *group.cache_strides, group.block_size, HEAD_SIZE=group.head_size,
+        BLOCK_D=triton.next_power_of_2(group.head_size), DTYPE=_TL_DTYPES[group.pool_dtype],
     )

@@ -185,3 +185,43 @@ def test_a_group_refuses_layers_that_differ():
     with pytest.raises(ValueError, match="needs k_scale"):
         fused.FusedGroup.of([k], [k], [fused.PagedLayer(paged("NHD", torch.float8_e4m3fn),
                                                         paged("NHD", torch.float8_e4m3fn))])
+
+
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_fused_capture_copies_paged_slots_into_pool_rows_for_every_layer(layout, dtype):
+    """The capture after the forward (issue 21, deliverable 2): one launch copies each
+    layer's rows at the child's slots into its pool rows, what the reader
+    (`cache_writers._read_flash`: `cache[slot // bs, slot % bs]`) gives, bit for bit;
+    no other pool row changes."""
+    gen = torch.Generator().manual_seed(7)
+    layers = 3
+    caches = [fused.PagedLayer(paged(layout, dtype), paged(layout, dtype))
+              for _ in range(layers)]
+    for layer in caches:
+        layer.key_cache.copy_(3 * torch.randn(layer.key_cache.shape, generator=gen))
+        layer.value_cache.copy_(3 * torch.randn(layer.value_cache.shape, generator=gen))
+    pools_k = [torch.zeros(POOL_ROWS, NUM_HEADS, HEAD_SIZE, dtype=dtype) for _ in range(layers)]
+    pools_v = [torch.zeros(POOL_ROWS, NUM_HEADS, HEAD_SIZE, dtype=dtype) for _ in range(layers)]
+    src_slots = torch.randperm(NUM_BLOCKS * BLOCK_SIZE, generator=gen)[:37]
+    dst_rows = torch.randperm(POOL_ROWS, generator=gen)[:37]
+    fused.fused_capture(fused.FusedGroup.of(pools_k, pools_v, caches), src_slots, dst_rows)
+    others = torch.ones(POOL_ROWS, dtype=torch.bool)
+    others[dst_rows] = False
+    blocks, offsets = src_slots // BLOCK_SIZE, src_slots % BLOCK_SIZE
+    for k, v, layer in zip(pools_k, pools_v, caches):
+        assert torch.equal(k[dst_rows].view(torch.uint8),
+                           layer.key_cache[blocks, offsets].contiguous().view(torch.uint8))
+        assert torch.equal(v[dst_rows].view(torch.uint8),
+                           layer.value_cache[blocks, offsets].contiguous().view(torch.uint8))
+        assert not k[others].any() and not v[others].any()
+
+
+def test_fused_capture_refuses_an_fp8_group():
+    scale = torch.ones(1)
+    fp8 = fused.PagedLayer(paged("NHD", torch.float8_e4m3fn), paged("NHD", torch.float8_e4m3fn),
+                           scale, scale)
+    k = torch.zeros(POOL_ROWS, NUM_HEADS, HEAD_SIZE, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="captured in the hook"):
+        fused.fused_capture(fused.FusedGroup.of([k], [k], [fp8]), torch.arange(2),
+                            torch.arange(2))

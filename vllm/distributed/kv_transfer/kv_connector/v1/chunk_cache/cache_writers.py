@@ -23,6 +23,9 @@ if TYPE_CHECKING:
 
 # (layer, key rows, value rows, paged slot per row, forward context) -> None
 WriteFn = Callable[[Any, torch.Tensor, torch.Tensor, torch.Tensor, "ForwardContext"], None]
+# (layer, the layer's paged cache, paged slot per row [n]) -> (key rows
+# [n, num_kv_heads, head_size], value rows [n, num_kv_heads, head_size_v]).
+ReadFn = Callable[[Any, Any, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
 @dataclass(frozen=True)
@@ -33,14 +36,19 @@ class CacheWriter:
     backend: str
     # Writes the rows through the backend's own cache-write op.
     write: WriteFn
+    # Reads rows back from the paged cache (the capture after the forward,
+    # capture_path.py), where its layout is plain; None where it is not (a
+    # cache packed per ISA): the capture then takes the attention hook.
+    read: ReadFn | None = None
 
 
 # Attention implementation class name -> its writer.
 _WRITERS: dict[str, CacheWriter] = {}
 
 
-def register_cache_writer(impl_class_name: str, backend: str, write: WriteFn) -> None:
-    _WRITERS[impl_class_name] = CacheWriter(backend, write)
+def register_cache_writer(impl_class_name: str, backend: str, write: WriteFn,
+                          read: ReadFn | None = None) -> None:
+    _WRITERS[impl_class_name] = CacheWriter(backend, write, read)
 
 
 def writer_for(impl: Any) -> CacheWriter | None:
@@ -81,14 +89,39 @@ def _write_cpu(layer, key, value, slot_mapping, forward_context) -> None:
     )
 
 
-def _step_isa(forward_context: ForwardContext, layer_name: str) -> str | None:
+def _step_isa(forward_context: ForwardContext | None, layer_name: str) -> str | None:
     """The ISA the CPU backend chose for this step (it packs the cache per ISA)."""
+    if forward_context is None:  # the start-up self-check: no step yet
+        return None
     metadata = forward_context.attn_metadata
     if isinstance(metadata, list):
         metadata = metadata[0] if metadata else None
     if isinstance(metadata, dict):
         metadata = metadata.get(layer_name)
     return getattr(metadata, "isa", None)
+
+
+def _read_flash(layer, kv_cache, slots) -> tuple[torch.Tensor, torch.Tensor]:
+    # [num_blocks, 2, block_size, heads, head] (FlashAttention, FlashInfer and
+    # Triton; NHD, or HND through its strides): a copy of the rows written.
+    block_size = kv_cache.shape[2]
+    blocks, offsets = slots // block_size, slots % block_size
+    return kv_cache[:, 0][blocks, offsets], kv_cache[:, 1][blocks, offsets]
+
+
+def _read_cpu(layer, kv_cache, slots) -> tuple[torch.Tensor, torch.Tensor]:
+    # NOTE: the layout of the CPU backend's "vec" and "vec16" ISAs (read in
+    # csrc/cpu/cpu_attn_vec*.hpp): per block and head, K as [head_size,
+    # block_size] (column-major), then V as [block_size, head_size]. Other
+    # ISAs (AMX, fp8) pack differently: the start-up self-check
+    # (capture_path.py) finds it and keeps the attention hook there.
+    num_blocks, num_heads, block_size, _ = kv_cache.shape
+    head_size = layer.head_size
+    paged = kv_cache.view(num_blocks, num_heads, 2, block_size * head_size)
+    keys = paged[:, :, 0].view(num_blocks, num_heads, head_size, block_size)
+    values = paged[:, :, 1].view(num_blocks, num_heads, block_size, head_size)
+    blocks, offsets = slots // block_size, slots % block_size
+    return keys.permute(0, 3, 1, 2)[blocks, offsets], values.transpose(1, 2)[blocks, offsets]
 
 
 # MLA: (layer, kv_c [n, kv_lora_rank], k_pe [n, rope_dim], slots, the layer's
@@ -163,7 +196,9 @@ register_latent_writer("FlashMLAImpl", "FLASHMLA", _write_latent_via_kv_cache_up
 # vLLM 0.23.0 picks, for standard attention on CUDA: FLASH_ATTN, FLASHINFER,
 # TRITON_ATTN, then FLEX_ATTENTION (FlashInfer first on Blackwell); on CPU:
 # CPU_ATTN. FLEX_ATTENTION (and ROCm, MLA) are not registered: refused.
-register_cache_writer("FlashAttentionImpl", "FLASH_ATTN", _write_via_kv_cache_update)
-register_cache_writer("FlashInferImpl", "FLASHINFER", _write_via_kv_cache_update)
-register_cache_writer("TritonAttentionImpl", "TRITON_ATTN", _write_via_kv_cache_update)
-register_cache_writer("CPUAttentionBackendImpl", "CPU_ATTN", _write_cpu)
+register_cache_writer("FlashAttentionImpl", "FLASH_ATTN", _write_via_kv_cache_update,
+                      _read_flash)
+register_cache_writer("FlashInferImpl", "FLASHINFER", _write_via_kv_cache_update, _read_flash)
+register_cache_writer("TritonAttentionImpl", "TRITON_ATTN", _write_via_kv_cache_update,
+                      _read_flash)
+register_cache_writer("CPUAttentionBackendImpl", "CPU_ATTN", _write_cpu, _read_cpu)

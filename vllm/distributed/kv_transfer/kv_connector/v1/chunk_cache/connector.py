@@ -30,6 +30,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.stats import (
     ChunkCacheConnectorStats,
     ChunkCachePromMetrics,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.support import (
+    CAPTURE_IN_ATTENTION,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -141,11 +144,12 @@ class ChunkCacheConnector(KVConnectorBase_V1):
 
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
-        # The capture runs in the attention wrapper (save_kv_layer) with this
-        # step's indices: it must run eagerly between piecewise graphs, never
-        # inside a full graph. vLLM then turns FULL_AND_PIECEWISE (its
-        # default) into PIECEWISE; the worker refuses any full mode left.
-        return True
+        # Captures run after the forward (wait_for_save), outside any graph,
+        # except on a quantized KV cache: there they stay in the attention
+        # wrapper (save_kv_layer) with this step's indices, which must run
+        # eagerly between piecewise graphs (capture_path.py; the worker
+        # refuses a full mode over any layer left with the hook).
+        return bool(extra_config.get(CAPTURE_IN_ATTENTION, True))
 
     def register_model(self, model: Any) -> None:
         assert self._worker is not None
@@ -189,4 +193,9 @@ class ChunkCacheConnector(KVConnectorBase_V1):
         )
 
     def wait_for_save(self) -> None:
-        return
+        # NOTE: called after the forward, outside any CUDA graph: the
+        # children's rows of this step are in their paged blocks now.
+        assert self._worker is not None
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, ChunkCacheMetadata)
+        self._worker.capture_after_forward(meta)

@@ -8,6 +8,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.support import (
+    CAPTURE_IN_ATTENTION,
+    capture_needs_attention_hook,
     CONNECTOR_NAME,
     check_config,
 )
@@ -30,23 +32,27 @@ def configure_chunk_cache_connector(vllm_config: VllmConfig) -> None:
     from vllm.config import KVTransferConfig
 
     check_config(vllm_config)
-    _resolve_cudagraph_mode(vllm_config)
+    hooked = capture_needs_attention_hook(vllm_config)
+    if hooked:
+        _resolve_cudagraph_mode(vllm_config)
     vllm_config.chunk_cache_config.resolve_sink_token_id(_bos_token_id(vllm_config))
     logger.info("Chunk cache enabled: %s", vllm_config.chunk_cache_config.describe())
     vllm_config.kv_transfer_config = KVTransferConfig(
-        kv_connector=CONNECTOR_NAME, kv_role="kv_both"
+        kv_connector=CONNECTOR_NAME, kv_role="kv_both",
+        kv_connector_extra_config={CAPTURE_IN_ATTENTION: hooked},
     )
 
 
 def _resolve_cudagraph_mode(vllm_config: VllmConfig) -> None:
-    """CUDA graphs with the chunk cache: PIECEWISE only.
+    """CUDA graphs where captures may stay in the attention hook (a quantized
+    KV cache, capture_path.py): PIECEWISE only.
 
-    The capture runs in the attention wrapper with the step's indices, so
+    Such a capture runs in the attention wrapper with the step's indices, so
     attention must run eagerly between captured pieces (vLLM's splitting
     ops). vLLM's default FULL_AND_PIECEWISE becomes PIECEWISE (what vLLM does
-    for connectors that ask, `requires_piecewise_for_cudagraph`; it decides
-    that before this connector is selected, hence here); a FULL or
-    FULL_DECODE_ONLY mode asked for explicitly is refused.
+    for connectors that ask, `requires_piecewise_for_cudagraph`; said here
+    too so that the log gives the reason); a FULL or FULL_DECODE_ONLY mode
+    asked for explicitly is refused.
     """
     from vllm.config.compilation import CUDAGraphMode
 
@@ -57,14 +63,16 @@ def _resolve_cudagraph_mode(vllm_config: VllmConfig) -> None:
     if mode == CUDAGraphMode.FULL_AND_PIECEWISE:
         logger.info(
             "Chunk cache: cudagraph_mode FULL_AND_PIECEWISE -> PIECEWISE "
-            "(attention runs outside the captured graphs)"
+            "(the %s KV cache is captured in the attention hook, outside the graphs)",
+            vllm_config.cache_config.cache_dtype,
         )
         compilation_config.cudagraph_mode = CUDAGraphMode.PIECEWISE
         return
     raise ValueError(
-        f"--enable-chunk-cache does not support cudagraph_mode={mode.name}: a full "
-        "CUDA graph would capture the chunk cache's per-step capture; use PIECEWISE "
-        "(the default with --enable-chunk-cache) or --enforce-eager"
+        f"--enable-chunk-cache does not support cudagraph_mode={mode.name} with "
+        f"--kv-cache-dtype {vllm_config.cache_config.cache_dtype}: the capture of a "
+        "quantized cache runs in the attention hook, which a full CUDA graph would "
+        "capture; use PIECEWISE (the default then) or --enforce-eager"
     )
 
 

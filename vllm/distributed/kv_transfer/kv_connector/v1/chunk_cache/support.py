@@ -25,6 +25,9 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
 CONNECTOR_NAME = "ChunkCacheConnector"
+# kv_connector_extra_config key: whether captures may run in the attention
+# hook (then vLLM must keep attention out of full CUDA graphs).
+CAPTURE_IN_ATTENTION = "capture_in_attention"
 
 # Config keys of models that skip RoPE on some layers (NoPE layers).
 _NOPE_CONFIG_KEYS = ("no_rope_layers", "use_rope_layers", "nope_layer_interval")
@@ -214,30 +217,42 @@ def _check_latent_layer(name: str, layer: Any) -> None:
         )
 
 
-def check_graph_mode(compilation_config: Any) -> None:
-    """Refuse CUDA-graph modes under which the capture would be recorded into
-    a graph (and replayed with stale indices) instead of running eagerly."""
+def check_graph_mode(compilation_config: Any, hooked: dict[str, str]) -> None:
+    """Refuse CUDA-graph modes under which a capture in the attention hook
+    (the layers in `hooked`, with why: capture_path.py) would be recorded
+    into a graph and replayed with stale indices instead of running eagerly.
+    Captures after the forward run outside any graph: no constraint."""
     from vllm.config.compilation import CUDAGraphMode
 
     mode = getattr(compilation_config, "cudagraph_mode", None)
-    if mode is None or mode == CUDAGraphMode.NONE:
+    if not hooked or mode is None or mode == CUDAGraphMode.NONE:
         return
+    which = (f"layer(s) {sorted(hooked)[:3]} capture in the attention hook "
+             f"({next(iter(hooked.values()))})")
     if mode.has_full_cudagraphs():
         raise ValueError(
-            f"chunk cache does not support cudagraph_mode={mode.name}: a full CUDA "
-            "graph would capture the attention wrapper's capture step; use PIECEWISE "
-            "(the default with --enable-chunk-cache) or --enforce-eager"
+            f"chunk cache does not support cudagraph_mode={mode.name} here: {which}, "
+            "which a full CUDA graph would capture; use PIECEWISE or --enforce-eager"
         )
     if not getattr(compilation_config, "use_inductor_graph_partition", False) and (
         "vllm::unified_attention_with_output"
         not in (getattr(compilation_config, "splitting_ops", None) or [])
     ):
         raise ValueError(
-            "chunk cache needs attention outside the captured CUDA graphs: "
+            f"chunk cache needs attention outside the captured CUDA graphs: {which}; "
             "compilation_config.splitting_ops must contain "
             "vllm::unified_attention_with_output (vLLM's default), or use "
             "--enforce-eager"
         )
+
+
+def capture_needs_attention_hook(vllm_config: VllmConfig) -> bool:
+    """Whether captures may have to run in the attention hook, as far as the
+    config tells before any layer exists: where the KV cache is quantized (its
+    bytes are not the rows). The worker's self-check decides per layer
+    (capture_path.py); check_graph_mode then holds it to this."""
+    return str(vllm_config.cache_config.cache_dtype) not in (
+        "auto", "bfloat16", "float16", "float32", "half", "float")
 
 
 def check_scheduler_serves_gaps(vllm_config: VllmConfig) -> None:

@@ -10,11 +10,14 @@ by fused_load_path.py; start-up refusals are support.py's.
   num_kv_heads, head_size_v] in the model dtype (not vLLM's paged, ISA-packed
   or quantized cache). Its memory is carved out of the KV cache budget
   (setup.carve_chunk_pool, patch 0010), never added on top.
-* Capture (`save_kv_layer`): while a child request runs, its post-RoPE K
-  and raw V rows (handed over by the patched attention wrapper) are copied
-  into the pool rows the scheduler assigned. The child's rows are found in
-  the batch by their paged slots, which the scheduler knows: once per step,
-  on the device; every layer then does two index_copy_ kernels.
+* Capture (`wait_for_save`, after the forward): the rows a child computed
+  in this step are copied from its paged blocks into the pool rows the
+  scheduler assigned, through the backend's reader, on every layer whose
+  start-up self-check passed (capture_path.py). Nothing runs inside the
+  model's forward for them. A layer whose cache cannot be read back (a
+  quantized cache, a CPU ISA that packs K) captures in the attention hook
+  instead (`save_kv_layer`: the rows the patched wrapper hands over, found
+  in the batch by their paged slots once per step).
 * Load (`start_load_kv`, before the forward, outside any CUDA graph): the
   step's block ids go to the device in one copy and are expanded there into
   rows once (`LoadRows.expand`: pool rows, paged slots, deltas), and the
@@ -28,10 +31,11 @@ by fused_load_path.py; start-up refusals are support.py's.
   layer.
 * fp8 KV caches: see setup.pool_dtype (pool in model dtype, rotate in fp32,
   quantized by the backend's write with the layer's scale).
-* CUDA graphs: the connector asks vLLM for PIECEWISE graphs
-  (`requires_piecewise_for_cudagraph`); attention, and the capture in its
-  wrapper, then runs eagerly between the captured pieces. `check_graph_mode`
-  refuses at start-up any mode where the attention wrapper would be captured.
+* CUDA graphs: vLLM's default (FULL_AND_PIECEWISE) stays where the capture
+  runs after the forward; only a quantized KV cache (whose capture stays in
+  the attention hook) makes it PIECEWISE (setup._resolve_cudagraph_mode), and
+  `check_graph_mode` refuses at start-up a full graph over any layer left
+  with the hook.
 """
 
 from __future__ import annotations
@@ -44,6 +48,10 @@ from torch import nn
 from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.cache_writers import (
     latent_writer_for,
     writer_for,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.capture_path import (
+    CaptureChoice,
+    choose_capture,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.fused_load_path import (
     FusedLayers,
@@ -122,6 +130,14 @@ class ChunkCacheWorker:
         # the launches that load them.
         self._fused = FusedLoadChoice()
         self._fused_groups: list[FusedLayers] = []
+        # Where each standard layer captures (capture_path.py); the layers
+        # and caches the capture after the forward reads.
+        self._capture = CaptureChoice()
+        # Fused-load launches whose layers all capture after the forward: one
+        # copy launch each (GPU).
+        self._capture_groups: list[FusedLayers] = []
+        self._layers: dict[str, Any] = {}
+        self._kv_caches: dict[str, Any] = {}
         self._forward_context: ForwardContext | None = None
         # Capture indices of this step (same for every layer of the single
         # KV cache group), built on the device at the first layer.
@@ -168,7 +184,6 @@ class ChunkCacheWorker:
         from vllm.model_executor.layers.attention.attention import Attention
         from vllm.model_executor.layers.attention.mla_attention import MLAAttention
 
-        check_graph_mode(self.vllm_config.compilation_config)
         layers = self.vllm_config.compilation_config.static_forward_context
         # NOTE: every attention layer of the forward, not only those with a
         # cache of their own (a KV-sharing layer may have none); the context
@@ -200,6 +215,14 @@ class ChunkCacheWorker:
             rotation = None if rope is None else self._rotations[id(rope)]
             self.remappers[name] = PositionRemapper(rotation, self._write_rows, self._scratch)
         self.pool_bytes = total
+        self._layers = {name: layers[name] for name in kv_caches}
+        self._kv_caches = dict(kv_caches)
+        self._capture = choose_capture(
+            {name: layers[name] for name in self.remappers},
+            {name: kv_caches[name] for name in self.remappers},
+            {name: writer_for(layers[name].impl) for name in self.remappers}, self.dtype)
+        logger.info("Chunk cache: captures run %s", self._capture.summary())
+        check_graph_mode(self.vllm_config.compilation_config, self._capture.in_attention)
         layer_rotations = {name: remapper.rotation for name, remapper in self.remappers.items()}
         self._fused = choose_fused_layers(
             {name: layers[name] for name in self.remappers},
@@ -207,6 +230,12 @@ class ChunkCacheWorker:
             self.dtype, _backend_write)
         self._fused_groups = group_fused_layers(self._fused, self.pool_key, self.pool_value,
                                                 layer_rotations)
+        # NOTE: the fused copy reads the caches the fused load's self-check
+        # wrote on, in the pool's dtype (no fp8 group captures here).
+        self._capture_groups = [
+            launch for launch in self._fused_groups
+            if not launch.group.fp8 and all(n in self._capture.after_forward
+                                            for n in launch.names)]
         logger.info("Chunk cache: loads use %s%s", self._fused.summary(),
                     f", in {len(self._fused_groups)} launch(es) per step"
                     if self._fused_groups else "")
@@ -314,6 +343,32 @@ class ChunkCacheWorker:
 
     # ------------------------------------------------------------ capture
 
+    def capture_after_forward(self, meta: Any) -> None:
+        """The rows this step's children computed, from their paged blocks
+        into the pool, on every layer not captured by the hook (the forward
+        wrote them; the blocks are the children's until the step's output is
+        processed)."""
+        if not meta.stores or (not self._capture.after_forward and not self.latent):
+            return
+        assert self.device is not None
+        rows = StoreRows.expand(meta.stores, POOL_BLOCK_SIZE, self.block_size, self.device)
+        fused: set[str] = set()
+        if self._capture_groups:
+            from vllm.v1.worker.fused_chunk_load import fused_capture
+
+            for launch in self._capture_groups:
+                fused_capture(launch.group, rows.src_slots, rows.dst_rows)
+                fused.update(launch.names)
+        for name, writer in self._capture.after_forward.items():
+            if name in fused:
+                continue
+            key, value = writer.read(self._layers[name], self._kv_caches[name], rows.src_slots)
+            pool_key, pool_value = self.pool_key[name], self.pool_value[name]
+            pool_key.index_copy_(0, rows.dst_rows, key.to(pool_key.dtype))
+            pool_value.index_copy_(0, rows.dst_rows, value.to(pool_value.dtype))
+        for latent in self.latent.values():
+            latent.capture(rows.src_slots, rows.dst_rows)
+
     def save_kv_layer(
         self,
         meta: Any,
@@ -322,13 +377,7 @@ class ChunkCacheWorker:
         key: torch.Tensor | None,
         value: torch.Tensor | None,
     ) -> None:
-        latent = self.latent.get(layer_name)
-        if not meta.stores or (latent is None and layer_name not in self.pool_key):
-            return
-        if latent is not None and slot_mapping is not None:
-            rows, dst = self._step_indices(meta, slot_mapping)
-            # The batch rows' slots are the child's (asserted on the device).
-            latent.capture(slot_mapping.to(torch.int64).index_select(0, rows), dst)
+        if not meta.stores or layer_name not in self._capture.in_attention:
             return
         if key is None or value is None or slot_mapping is None:
             raise RuntimeError(
