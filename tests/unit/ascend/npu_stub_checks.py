@@ -31,7 +31,7 @@ def _device_op():
     return device_op
 
 
-def check_registration_covers_standard_attention_only() -> None:
+def check_registration_covers_standard_attention_and_mla_only() -> None:
     from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache import cache_writers
     from vllm_ascend.distributed.kv_transfer import register_connector
 
@@ -39,7 +39,18 @@ def check_registration_covers_standard_attention_only() -> None:
     named = lambda n: type(n, (), {})()  # noqa: E731 - an instance of a class named n
     writer = cache_writers.writer_for(named("AscendAttentionBackendImpl"))
     assert writer is not None and writer.backend == "ASCEND", writer
-    for refused in ("AscendMLAImpl", "AscendSFAImpl", "AscendDSAImpl",
+    assert cache_writers.latent_writer_for(named("AscendAttentionBackendImpl")) is None
+    latent = cache_writers.latent_writer_for(named("AscendMLAImpl"))
+    assert latent is not None and latent.backend == "ASCEND_MLA", latent
+    assert cache_writers.writer_for(named("AscendMLAImpl")) is None
+    # Exactly these two from vllm-ascend (the rest are vLLM's own).
+    from vllm_ascend.distributed import chunk_cache_npu
+
+    ours = {name for name, w in {**cache_writers._WRITERS,
+                                 **cache_writers._LATENT_WRITERS}.items()
+            if w.write.__module__ == chunk_cache_npu.__name__}
+    assert ours == {"AscendAttentionBackendImpl", "AscendMLAImpl"}, ours
+    for refused in ("AscendSFAImpl", "AscendDSAImpl", "AscendMlaCPImpl",
                     "AscendC8AttentionBackendImpl"):
         assert cache_writers.writer_for(named(refused)) is None, refused
         assert cache_writers.latent_writer_for(named(refused)) is None, refused
@@ -83,6 +94,187 @@ def check_load_path_writes_rotated_rows_through_device_operator() -> None:
         untouched = torch.ones(num_blocks, block_size, dtype=torch.bool)
         untouched[2, 44:54] = False
         assert key_cache[untouched].abs().sum() == 0, "rows written outside their slots"
+
+
+RANK, ROPE, MLA_BLOCK, MLA_BLOCKS = 512, 64, 128, 4  # DeepSeek-V3's row, NPU block 128
+DEEPSEEK_YARN = {"rope_type": "deepseek_yarn", "factor": 4.0, "original_max_position_embeddings": 1024,
+                 "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 0.707}
+
+
+def _ascend_config(**flags):
+    import vllm_ascend.ascend_config as ascend_config
+
+    config = types.SimpleNamespace(**{"enable_kv_nz": False, "enable_mlapo": False, **flags})
+    ascend_config.get_ascend_config = lambda: config
+
+
+def _mla_impl(gamma: torch.Tensor):
+    """An AscendMLAImpl with what its cache write reads (its __init__ needs an NPU
+    model config)."""
+    from vllm_ascend.attention.mla_v1 import AscendMLAImpl
+
+    impl = AscendMLAImpl.__new__(AscendMLAImpl)
+    impl.num_kv_heads, impl.kv_lora_rank, impl.qk_rope_head_dim = 1, RANK, ROPE
+    impl.enable_kv_nz = impl.enable_mlapo = impl.fa_quant_layer = False
+    impl.kv_a_layernorm = types.SimpleNamespace(weight=gamma, variance_epsilon=1e-6)
+    return impl
+
+
+def _mla_cache(dtype):
+    return (torch.zeros(MLA_BLOCKS, MLA_BLOCK, 1, RANK, dtype=dtype),
+            torch.zeros(MLA_BLOCKS, MLA_BLOCK, 1, ROPE, dtype=dtype))
+
+
+def _ascend_cos_sin(rope, positions):
+    """cos/sin as vllm-ascend hands them to its MLA ops: [n, 1, 1, rope], each
+    frequency twice (cat(freqs, freqs)), the magnitude baked in."""
+    cos, sin = rope.cos_sin_cache[positions].float().chunk(2, dim=-1)
+    return (torch.cat((cos, cos), -1)[:, None, None], torch.cat((sin, sin), -1)[:, None, None])
+
+
+def check_mla_load_writes_what_ascend_writes_at_the_new_position() -> None:
+    """A child's rows written by AscendMLAImpl's own prefill cache write (stub of
+    npu_kv_rmsnorm_rope_cache), captured through the registered reader, loaded at
+    p + d through LatentLayer (kv_c copied, k_pe rotated by d) and the registered
+    writer (_npu_reshape_and_cache / npu_scatter_pa_kv_cache stubs): the cache then
+    holds what AscendMLAImpl's write of the same tokens at p + d holds."""
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.cache_writers import (
+        latent_writer_for,
+    )
+    from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.latent_layers import (
+        LatentLayer,
+    )
+    from vllm.model_executor.layers.rotary_embedding import get_rope
+    from vllm.v1.worker.position_remapper import RemapRows, RopeRotation
+    from vllm_ascend.distributed.chunk_cache_npu import register_npu_chunk_cache
+
+    device_op = _device_op()
+    _ascend_config()
+    register_npu_chunk_cache()
+    with set_current_vllm_config(VllmConfig()):
+        rope = get_rope(ROPE, max_position=4096, rope_parameters=dict(DEEPSEEK_YARN),
+                        is_neox_style=False, dtype=torch.float32)
+    rotation = RopeRotation(rope)
+    gen = torch.Generator().manual_seed(0)
+    n = 20
+    gamma = torch.rand(RANK, generator=gen) + 0.5
+    impl = _mla_impl(gamma)
+    layer = types.SimpleNamespace(impl=impl, kv_lora_rank=RANK, qk_rope_head_dim=ROPE)
+    kv_no_split = torch.randn(n, RANK + ROPE, generator=gen)
+    p = torch.randint(0, 1500, (n,), generator=gen)
+    d = torch.randint(-1500, 1500, (n,), generator=gen).clamp(min=-p)
+    child_slots = torch.randperm(MLA_BLOCKS * MLA_BLOCK, generator=gen)[:n]
+    real_slots = torch.tensor([2 * MLA_BLOCK + 100 + i for i in range(n)])  # crosses a block
+
+    for adaptor in (device_op.BaseDeviceAdaptor, device_op.A5DeviceAdaptor):
+        device_op.DeviceOperator = adaptor  # A2/A3, then A5
+        cache = _mla_cache(torch.float32)
+        impl.exec_kv_prefill(kv_no_split, *_ascend_cos_sin(rope, p), cache, child_slots)
+        latent = LatentLayer.of("l0", layer, cache, rotation, latent_writer_for(impl),
+                                num_rows=64, dtype=torch.float32)
+        pool_rows = torch.arange(n) + 7
+        latent.capture(child_slots, pool_rows)
+        before = [part.clone() for part in cache]
+        latent.load(RemapRows(pool_rows, real_slots, d), None)
+
+        fresh = _mla_cache(torch.float32)
+        impl.exec_kv_prefill(kv_no_split, *_ascend_cos_sin(rope, p + d), fresh, real_slots)
+        blocks, offsets = real_slots // MLA_BLOCK, real_slots % MLA_BLOCK
+        assert torch.equal(cache[0][blocks, offsets], fresh[0][blocks, offsets]), adaptor
+        got, want = cache[1][blocks, offsets], fresh[1][blocks, offsets]
+        # fp32 cos/sin of the cache at positions up to 3000 (as the standard check)
+        assert torch.allclose(got, want, atol=2e-4), (adaptor, (got - want).abs().max())
+        # k_pe not moved would be far off: the check can fail.
+        unmoved = cache[1][child_slots // MLA_BLOCK, child_slots % MLA_BLOCK]
+        assert (unmoved - want).abs().max() > 0.1
+        written = torch.zeros(MLA_BLOCKS, MLA_BLOCK, dtype=torch.bool)
+        written[blocks, offsets] = True
+        for part, old in zip(cache, before):
+            assert torch.equal(part[~written], old[~written]), "rows written outside their slots"
+
+
+def check_mla_reader_returns_what_the_writer_wrote() -> None:
+    """bf16 rows through the registered writer and back through its reader: the same
+    bytes; on the cache, kv_c in the latent cache and k_pe de-interleaved (evens,
+    then odds) in the rope cache, at block slot // 128, offset slot % 128."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.cache_writers import (
+        latent_writer_for,
+    )
+    from vllm_ascend.distributed.chunk_cache_npu import register_npu_chunk_cache
+
+    device_op = _device_op()
+    _ascend_config()
+    register_npu_chunk_cache()
+    impl = _mla_impl(torch.ones(RANK))
+    layer = types.SimpleNamespace(impl=impl)
+    writer = latent_writer_for(impl)
+    gen = torch.Generator().manual_seed(1)
+    n = 300  # more than two NPU blocks
+    kv_c = torch.randn(n, RANK, generator=gen).to(torch.bfloat16)
+    k_pe = torch.randn(n, ROPE, generator=gen).to(torch.bfloat16)
+    slots = torch.randperm(MLA_BLOCKS * MLA_BLOCK, generator=gen)[:n]
+    for adaptor in (device_op.BaseDeviceAdaptor, device_op.A5DeviceAdaptor):
+        device_op.DeviceOperator = adaptor
+        cache = _mla_cache(torch.bfloat16)
+        writer.write(layer, kv_c, k_pe, slots, cache)
+        rows = writer.read(cache, slots)
+        assert rows.dtype == torch.bfloat16 and rows.shape == (n, RANK + ROPE)
+        assert torch.equal(rows.view(torch.int16),
+                           torch.cat((kv_c, k_pe), -1).view(torch.int16)), adaptor
+        s = int(slots[5])
+        assert torch.equal(cache[0][s // MLA_BLOCK, s % MLA_BLOCK, 0], kv_c[5])
+        assert torch.equal(cache[1][s // MLA_BLOCK, s % MLA_BLOCK, 0, :ROPE // 2], k_pe[5, 0::2])
+        assert torch.equal(cache[1][s // MLA_BLOCK, s % MLA_BLOCK, 0, ROPE // 2:], k_pe[5, 1::2])
+
+
+def check_mla_refusals() -> None:
+    """What the Ascend MLA writer cannot write is refused when LatentLayer.of reads
+    zero rows at start-up; SFA/DSA models are refused when the config is built,
+    naming the indexer's cache."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache import support
+    from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.cache_writers import (
+        latent_writer_for,
+    )
+    from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.latent_layers import (
+        LatentLayer,
+    )
+    from vllm_ascend.distributed.chunk_cache_npu import register_npu_chunk_cache
+
+    _device_op()
+    register_npu_chunk_cache()
+    impl = _mla_impl(torch.ones(RANK))
+    layer = types.SimpleNamespace(impl=impl, kv_lora_rank=RANK, qk_rope_head_dim=ROPE)
+    writer = latent_writer_for(impl)
+    rotation = object()  # not used before the refusals
+
+    def refused(cache, words, rot=rotation, **flags):
+        _ascend_config(**flags)
+        try:
+            LatentLayer.of("l0", layer, cache, rot, writer, 8, torch.bfloat16)
+        except ValueError as e:
+            assert words in str(e), str(e)
+            return
+        raise AssertionError(f"not refused: {words}")
+
+    bf16 = _mla_cache(torch.bfloat16)
+    refused(bf16, "enable_kv_nz", enable_kv_nz=True)
+    int8 = tuple(part.to(torch.int8) for part in bf16)  # fa_quant's latent cache
+    refused(int8, "quantized")
+    indexer = torch.zeros(MLA_BLOCKS, MLA_BLOCK, 1, 128, dtype=torch.bfloat16)
+    refused((*bf16, indexer), "indexer")  # SFA's (latent, rope, indexer key)
+    refused(bf16, "rope of MLA layer", rot=None)  # k_pe would stay where it was
+    _ascend_config()
+    assert LatentLayer.of("l0", layer, bf16, rotation, writer, 8, torch.bfloat16).pool.shape \
+        == (8, RANK + ROPE)
+
+    model = types.SimpleNamespace(use_mla=True, hf_config=types.SimpleNamespace(index_topk=2048))
+    try:
+        support._check_model_kind(model)
+    except ValueError as e:
+        assert "indexer" in str(e) and "SFA" in str(e), str(e)
+    else:
+        raise AssertionError("SFA/DSA not refused")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """The Ascend side without an NPU: the vllm-ascend series applied to the pinned sdist,
 every patched or new vllm-ascend file compiled, and the fork's NPU code paths run on
 CPU against a stub `torch_npu` (tests/unit/ascend/stubs: CPU reference implementations
-of the two cache-write ops; they check our index and layout math, not the NPU ops).
+of the two cache-write ops and MLA's fused norm-rope-cache write; they check our index and layout math, not the NPU ops).
 Nothing here executes NPU code: docs/ascend.md lists what never ran."""
 
 from __future__ import annotations
@@ -41,8 +41,11 @@ def test_every_patched_or_new_file_compiles(ascend_tree: Path):
 
 
 @pytest.mark.parametrize("check", [
-    "check_registration_covers_standard_attention_only",
+    "check_registration_covers_standard_attention_and_mla_only",
     "check_load_path_writes_rotated_rows_through_device_operator",
+    "check_mla_load_writes_what_ascend_writes_at_the_new_position",
+    "check_mla_reader_returns_what_the_writer_wrote",
+    "check_mla_refusals",
 ])
 def test_npu_code_path_against_stubs(ascend_tree: Path, check: str):
     env = {**os.environ,

@@ -14,10 +14,27 @@ head_size] and writes them with `DeviceOperator.reshape_and_cache`
 (`torch_npu._npu_reshape_and_cache` on A2/A3, `npu_scatter_pa_kv_cache` on
 A5), so both SoC families go through the op vllm-ascend itself uses.
 
-Not registered, hence refused at start-up by the chunk cache with a message:
-MLA/SFA/DSA (latent caches; also refused earlier for `use_mla` models),
+It also registers a latent writer and reader for Ascend's MLA
+(`AscendMLAImpl`, vllm-ascend's `mla_v1`). Its cache is a tuple per layer,
+`(latent [num_blocks, 128, 1, kv_lora_rank], rope [num_blocks, 128, 1,
+rope_dim])`, written by the fused `npu_kv_rmsnorm_rope_cache` (RMSNorm, rope
+and the scatter in one op, so it cannot take rows that are already normed and
+rotated). Rows that are (the PCP path of vllm-ascend's SFA, `sfa_cp.exec_kv`)
+go through `_npu_reshape_and_cache(key=kv_c, value=k_pe, key_cache=latent,
+value_cache=rope)`: the loader writes through that op, via
+`DeviceOperator.reshape_and_cache` (A5: `npu_scatter_pa_kv_cache`, whose
+"Norm" mode takes different key and value widths). Ascend's MLA rope is
+GPT-J's rotation stored de-interleaved (`npu_interleave_rope`: the even
+values, then the odd ones); the pool keeps vLLM's interleaved row, so the
+reader re-interleaves and the writer de-interleaves (a permutation: the bytes
+read are the bytes written).
+
+Not registered, hence refused at start-up with a message: SFA/DSA (the
+lightning indexer's key cache; also refused when the config is built),
 Ascend's int8 "C8" KV cache (`AscendC8AttentionBackendImpl`), and every other
-implementation. See docs/ascend.md: none of this was executed on an NPU.
+implementation; the Ascend MLA reader refuses the NZ cache (`enable_kv_nz`),
+MLAPO's fused decode write (`enable_mlapo`) and a quantized latent cache.
+See docs/ascend.md: none of this was executed on an NPU.
 """
 
 from __future__ import annotations
@@ -28,10 +45,13 @@ import torch
 
 from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.cache_writers import (
     register_cache_writer,
+    register_latent_writer,
 )
 
 # How users pick it: vllm-ascend's attention backend for standard attention.
 ASCEND_BACKEND = "ASCEND"
+# vllm-ascend's MLA backend (AscendMLABackend.get_name()).
+ASCEND_MLA_BACKEND = "ASCEND_MLA"
 
 
 def write_rows_npu(
@@ -57,7 +77,92 @@ def write_rows_npu(
     )
 
 
+def deinterleave_rope(k_pe: torch.Tensor) -> torch.Tensor:
+    """vLLM's GPT-J row (pairs at 2i, 2i+1) -> Ascend's stored row (i, i+half)."""
+    return torch.cat((k_pe[..., 0::2], k_pe[..., 1::2]), dim=-1)
+
+
+def interleave_rope(stored: torch.Tensor) -> torch.Tensor:
+    """Ascend's stored row (pairs at i, i+half) -> vLLM's GPT-J row."""
+    half = stored.shape[-1] // 2
+    return torch.stack((stored[..., :half], stored[..., half:]), dim=-1).flatten(-2)
+
+
+def mla_cache_parts(kv_cache: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """(latent, rope) caches of an AscendMLAImpl layer, or ValueError naming
+    what the chunk cache cannot write (checked at start-up: LatentLayer.of
+    reads zero rows through the reader)."""
+    from vllm_ascend.ascend_config import get_ascend_config
+
+    if not isinstance(kv_cache, (tuple, list)) or len(kv_cache) != 2:
+        parts = len(kv_cache) if isinstance(kv_cache, (tuple, list)) else "one tensor"
+        raise ValueError(
+            "chunk cache: an Ascend MLA cache is (latent, rope) caches, got "
+            f"{parts} (an indexer or C8 cache is not supported)")
+    latent, rope = kv_cache
+    for part in (latent, rope):
+        if part.dim() != 4 or part.shape[2] != 1 or not part.dtype.is_floating_point \
+                or part.element_size() < 2:
+            raise ValueError(
+                "chunk cache: Ascend MLA caches must be [blocks, block_size, 1, dim] in "
+                f"the model dtype, got {tuple(part.shape)} {part.dtype} (a quantized "
+                "latent cache, fa_quant or C8, is not supported)")
+    if latent.shape[:2] != rope.shape[:2] or latent.dtype != rope.dtype:
+        raise ValueError("chunk cache: Ascend MLA latent and rope caches do not match")
+    config = get_ascend_config()
+    # NOTE: both write the cache with other ops than the "PA" scatter this
+    # writer uses: FRACTAL_NZ decode writes (enable_kv_nz), and MLAPO's fused
+    # decode preprocessing, on by default on A5 (on A2/A3 only on PD decode
+    # instances, which the chunk cache is not: AscendMLAImpl.enable_mlapo).
+    if getattr(config, "enable_kv_nz", False):
+        raise ValueError("chunk cache does not support Ascend MLA with enable_kv_nz")
+    if getattr(config, "enable_mlapo", False) and _is_a5():
+        raise ValueError("chunk cache does not support Ascend MLA with MLAPO on A5 "
+                         "(set VLLM_ASCEND_ENABLE_MLAPO=0)")
+    return latent, rope
+
+
+def _is_a5() -> bool:
+    from vllm_ascend.utils import AscendDeviceType, get_ascend_device_type
+
+    return get_ascend_device_type() == AscendDeviceType.A5
+
+
+def write_latent_npu(layer: Any, kv_c: torch.Tensor, k_pe: torch.Tensor,
+                     slots: torch.Tensor, kv_cache: Any) -> None:
+    """Write latent rows (kv_c [n, rank], k_pe [n, rope_dim] in vLLM's GPT-J
+    layout, already rotated) at paged `slots` [n] of an AscendMLAImpl cache."""
+    from vllm_ascend.device import device_op
+
+    latent, rope = mla_cache_parts(kv_cache)
+    impl = layer.impl
+    for flag in ("enable_kv_nz", "enable_mlapo", "fa_quant_layer"):
+        if getattr(impl, flag, False):  # start-up refuses these: never reached
+            raise ValueError(f"chunk cache does not support Ascend MLA with {flag}")
+    n = kv_c.shape[0]
+    device_op.DeviceOperator.reshape_and_cache(
+        key=kv_c.reshape(n, 1, -1).contiguous(),
+        value=deinterleave_rope(k_pe).reshape(n, 1, -1).contiguous(),
+        key_cache=latent,
+        value_cache=rope,
+        slot_mapping=slots.to(torch.int32),
+    )
+
+
+def read_latent_npu(kv_cache: Any, slots: torch.Tensor) -> torch.Tensor:
+    """Rows [n, rank + rope_dim] at paged `slots` [n], k_pe re-interleaved
+    into vLLM's GPT-J layout: exactly what write_latent_npu wrote."""
+    latent, rope = mla_cache_parts(kv_cache)
+    kv_c = latent.view(-1, latent.shape[-1]).index_select(0, slots)
+    k_pe = rope.view(-1, rope.shape[-1]).index_select(0, slots)
+    return torch.cat((kv_c, interleave_rope(k_pe)), dim=-1)
+
+
 def register_npu_chunk_cache() -> None:
-    """Register the NPU cache writer (called from vllm-ascend's connector
+    """Register the NPU cache writers (called from vllm-ascend's connector
     registration, in every process)."""
     register_cache_writer("AscendAttentionBackendImpl", ASCEND_BACKEND, write_rows_npu)
+    # NOTE: AscendMlaCPImpl (context parallel) and AscendSFAImpl/AscendDSAImpl
+    # are not registered: refused by name.
+    register_latent_writer("AscendMLAImpl", ASCEND_MLA_BACKEND, write_latent_npu,
+                           read_latent_npu)

@@ -1,9 +1,11 @@
 """A stand-in for `torch_npu` on CPU: NOT Huawei's library.
 
-Two ops have CPU reference implementations written from their documented
+Three ops have CPU reference implementations written from their documented
 semantics (the paged caches are [num_blocks, block_size, num_kv_heads,
 head_size]; token i goes to block slot // block_size, offset slot %
-block_size). Every other attribute exists so that vllm-ascend's modules
+block_size; key and value widths may differ, as for MLA's latent and rope
+caches): the two cache writes and MLA's fused `npu_kv_rmsnorm_rope_cache`
+("PA" mode only). Every other attribute exists so that vllm-ascend's modules
 import, and raises NotImplementedError when called. Tests backed by this stub
 check the fork's index and layout math on Ascend's code path, not the NPU
 ops themselves.
@@ -68,6 +70,34 @@ def npu_scatter_pa_kv_cache(*, key, value, key_cache, value_cache, slot_mapping,
         raise NotImplementedError(f"cache_mode={cache_mode!r} has no CPU stub")
     _scatter(key, key_cache, slot_mapping)
     _scatter(value, value_cache, slot_mapping)
+
+
+def npu_kv_rmsnorm_rope_cache(kv, gamma, cos, sin, index, k_cache, ckv_cache, *,
+                              k_rope_scale=None, c_kv_scale=None, k_rope_offset=None,
+                              c_kv_offset=None, epsilon=1e-5, cache_mode="Norm",
+                              is_output_kv=False):
+    """MLA, "PA" mode: kv [n, 1, 1, rank + rope] -> RMSNorm(kv[..., :rank]) * gamma
+    into ckv_cache and the interleaved rope of kv[..., rank:] (evens then odds,
+    rotated neox-style with cos/sin [n, 1, 1, rope]) into k_cache, at slots
+    `index` [n]. Returns (k_cache, ckv_cache, k_pe, kv_c); the last two only
+    with is_output_kv (as the op's documented outputs)."""
+    if cache_mode != "PA" or c_kv_scale is not None or k_rope_scale is not None:
+        raise NotImplementedError(f"cache_mode={cache_mode!r} / quantized: no CPU stub")
+    rank = ckv_cache.shape[-1]
+    x = kv.float()
+    c = x[..., :rank]
+    kv_c = c * torch.rsqrt(c.pow(2).mean(-1, keepdim=True) + epsilon) * gamma.float()
+    r = x[..., rank:]
+    x1, x2 = r[..., 0::2], r[..., 1::2]
+    k_pe = (torch.cat((x1, x2), -1) * cos.float() + torch.cat((-x2, x1), -1) * sin.float())
+    n = kv.shape[0]
+    kv_c = kv_c.reshape(n, 1, rank).to(kv.dtype)
+    k_pe = k_pe.reshape(n, 1, -1).to(kv.dtype)
+    _scatter(kv_c, ckv_cache, index)
+    _scatter(k_pe, k_cache, index)
+    if is_output_kv:
+        return k_cache, ckv_cache, k_pe, kv_c
+    return k_cache, ckv_cache, None, None
 
 
 npu = _Namespace("torch_npu.npu")

@@ -32,7 +32,9 @@ class LatentLayer:
 
     name: str
     layer: Any
-    kv_cache: torch.Tensor
+    # The layer's latent cache as its backend keeps it (a tensor, or a tuple
+    # of parts on Ascend); only the registered writer and reader index it.
+    kv_cache: Any
     layout: LatentRowLayout
     rotation: RopeRotation | None
     writer: LatentWriter
@@ -40,14 +42,26 @@ class LatentLayer:
     pool: torch.Tensor
 
     @classmethod
-    def of(cls, name: str, layer: Any, kv_cache: torch.Tensor, rotation: RopeRotation | None,
+    def of(cls, name: str, layer: Any, kv_cache: Any, rotation: RopeRotation | None,
            writer: LatentWriter, num_rows: int, dtype: torch.dtype) -> "LatentLayer":
         layout = LatentRowLayout(layer.kv_lora_rank, layer.qk_rope_head_dim)
-        if kv_cache.shape[-1] != layout.width:
+        # NOTE: the latent cache is one tensor (vLLM) or a tuple of parts
+        # (vllm-ascend: latent and rope caches): its reader says how wide the
+        # rows it returns are (and refuses a cache form it cannot read).
+        parts = kv_cache if isinstance(kv_cache, (tuple, list)) else (kv_cache,)
+        device = parts[0].device
+        no_slots = torch.zeros(0, dtype=torch.int64, device=device)
+        width = writer.read(kv_cache, no_slots).shape[-1]
+        if width != layout.width:
             raise ValueError(
-                f"chunk cache: {name}'s latent cache rows are {kv_cache.shape[-1]} wide, "
+                f"chunk cache: {name}'s latent cache rows are {width} wide, "
                 f"not kv_lora_rank + rope_dim = {layout.width}")
-        pool = torch.zeros((num_rows, layout.width), dtype=dtype, device=kv_cache.device)
+        if rotation is None and layout.rope_dim > 0:
+            # k_pe carries the position: loading it unrotated would be wrong.
+            raise ValueError(
+                f"chunk cache: the rope of MLA layer {name} was not found, so its "
+                f"k_pe ({layout.rope_dim} values) could not be re-rotated")
+        pool = torch.zeros((num_rows, layout.width), dtype=dtype, device=device)
         return cls(name, layer, kv_cache, layout, rotation, writer, pool)
 
     def capture(self, slots: torch.Tensor, pool_rows: torch.Tensor) -> None:

@@ -82,6 +82,18 @@ def _tests_rope_presence(test: ast.AST) -> bool:
             and test.comparators[0].value is None)
 
 
+def _rope_of_mla_impl(layer: nn.Module) -> nn.Module | None:
+    """The rope an MLA implementation applies itself, when the module that
+    owns the layer keeps none: vllm-ascend's `AscendMultiHeadLatentAttention`
+    hands the model's rope to `MLAAttention` and `AscendMLAImpl` rotates k_pe
+    in every path of its forward (read in vllm-ascend 0.23.0.post1,
+    docs/ascend.md). Only an implementation with a registered latent writer
+    is loaded at all (support.check_attention_layer), so this names the rope
+    of those alone."""
+    rope = getattr(getattr(layer, "impl", None), "rotary_emb", None)
+    return rope if isinstance(rope, nn.Module) else None
+
+
 def find_layer_ropes(
     model: nn.Module,
 ) -> tuple[dict[str, nn.Module | None], list[str]]:
@@ -125,7 +137,12 @@ def find_layer_ropes(
         if rope is not None:
             any_rope = True
         for child in attentions:
-            ropes[child.layer_name] = rope
+            child_rope = rope
+            if child_rope is None and isinstance(child, MLAAttention):
+                child_rope = _rope_of_mla_impl(child)
+            if child_rope is not None:
+                any_rope = True
+            ropes[child.layer_name] = child_rope
     if any_rope:
         orphans = [name for name, rope in ropes.items() if rope is None]
     return ropes, orphans
