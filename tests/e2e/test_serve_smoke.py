@@ -23,6 +23,20 @@ def test_logs_the_chunk_cache_settings(server):
     assert "Chunk cache enabled: separator='##'" in server.log()
 
 
+def test_logs_where_captures_run(server):
+    """Issue 21: after the forward from the children's paged blocks wherever the CPU
+    backend's cache reads back what it wrote (its vec/vec16 layouts), in the attention
+    hook where a start-up self-check finds it packed (AMX): one or the other on every
+    layer, whichever this machine's ISA gives, and never a failed check."""
+    import re
+
+    line = re.search(r"Chunk cache: captures run (.*)", server.log())
+    assert line, "start-up line missing"
+    assert re.match(r"after the forward from the child's paged blocks on all 30 layer\(s\)$"
+                    r"|in the attention hook on 30 layer\(s\): self-check: \d+ of \d+ bytes "
+                    r"read back differ \(CPU_ATTN packs this cache\)$", line.group(1).strip()), line
+
+
 def test_completions_answer(server):
     status, body = server.post("/v1/completions", {
         "model": "smollm2", "prompt": "The capital of France is", "max_tokens": 8,

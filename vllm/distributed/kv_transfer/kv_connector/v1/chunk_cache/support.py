@@ -249,8 +249,13 @@ def check_graph_mode(compilation_config: Any, hooked: dict[str, str]) -> None:
 def capture_needs_attention_hook(vllm_config: VllmConfig) -> bool:
     """Whether captures may have to run in the attention hook, as far as the
     config tells before any layer exists: where the KV cache is quantized (its
-    bytes are not the rows). The worker's self-check decides per layer
-    (capture_path.py); check_graph_mode then holds it to this."""
+    bytes are not the rows), or on a platform whose standard attention has no
+    registered reader (vllm-ascend's NPU). The worker's self-check decides per
+    layer (capture_path.py); check_graph_mode then holds it to this."""
+    from vllm.platforms import current_platform
+
+    if getattr(current_platform, "device_type", "cpu") not in ("cuda", "cpu"):
+        return True
     return str(vllm_config.cache_config.cache_dtype) not in (
         "auto", "bfloat16", "float16", "float32", "half", "float")
 
