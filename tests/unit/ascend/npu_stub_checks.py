@@ -132,7 +132,171 @@ def _ascend_cos_sin(rope, positions):
     return (torch.cat((cos, cos), -1)[:, None, None], torch.cat((sin, sin), -1)[:, None, None])
 
 
-def check_mla_load_writes_what_ascend_writes_at_the_new_position() -> None:
+def _deepseek_rotation():
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.rotary_embedding import get_rope
+    from vllm.v1.worker.position_remapper import RopeRotation
+
+    with set_current_vllm_config(VllmConfig()):
+        rope = get_rope(ROPE, max_position=4096, rope_parameters=dict(DEEPSEEK_YARN),
+                        is_neox_style=False, dtype=torch.float32)
+    return RopeRotation(rope)
+
+
+def _ascend_ropes():
+    """vllm-ascend's rope classes as vLLM's `get_rope` builds them on an NPU:
+    vllm-ascend's own `register_ascend_customop` registers them as out-of-tree
+    ops, and vLLM's CustomOp dispatch instantiates them in place of vLLM's.
+    Returns {name: (rope, vLLM parent class)}. NOTE: on CPU, with one stand-in:
+    `NPUPlatform.device_type` is "cpu" (AscendDeepseekScalingRotaryEmbedding
+    builds its cache on that device; "npu" does not exist here)."""
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers import rotary_embedding as vllm_rope
+    from vllm.model_executor.layers.rotary_embedding import get_rope
+    from vllm_ascend.platform import NPUPlatform
+    from vllm_ascend.utils import register_ascend_customop
+
+    _device_op()
+    NPUPlatform.device_type = "cpu"
+    config = VllmConfig()
+    ropes = {}
+    with set_current_vllm_config(config):
+        # (it reads model_config.is_deepseek_mla alone; VllmConfig() has none)
+        register_ascend_customop(types.SimpleNamespace(
+            model_config=types.SimpleNamespace(is_deepseek_mla=False)))
+        for name, dim, neox, params, parent in (
+            ("default", 64, True, {"rope_type": "default"}, vllm_rope.RotaryEmbedding),
+            ("default_gptj", 64, False, {"rope_type": "default"}, vllm_rope.RotaryEmbedding),
+            ("yarn", 64, True, {"rope_type": "yarn", "factor": 4.0,
+                                "original_max_position_embeddings": 1024},
+             vllm_rope.YaRNScalingRotaryEmbedding),
+            ("deepseek_yarn", ROPE, False, dict(DEEPSEEK_YARN),
+             vllm_rope.DeepseekScalingRotaryEmbedding),
+        ):
+            rope = get_rope(dim, max_position=4096, is_neox_style=neox,
+                            rope_parameters=dict(params), dtype=torch.float32)
+            ropes[name] = (rope, parent)
+    return ropes
+
+
+def check_ascend_ropes_registered_and_keys_move_as_at_the_new_position() -> None:
+    """The rope classes vLLM builds on an NPU (AscendRotaryEmbedding,
+    AscendYaRNRotaryEmbedding, AscendDeepseekScalingRotaryEmbedding) are
+    refused by RopeRotation until the patched plugin hook registers them, then
+    accepted; K made by the Ascend rope's own forward at p (vllm-ascend's
+    rope_forward_oot through the stub `_npu_rotary_embedding`; DeepSeek's
+    forward de-interleaves GPT-J keys first), loaded at p + d through the
+    remapper and write_rows_npu, equals K made by the same forward at p + d,
+    and the parent vLLM rope's K at p + d in the layout that forward stores.
+    Unregistered: AscendMRotaryEmbedding and the 310P rope stay refused."""
+    from vllm.utils.torch_utils import vllm_lib
+    from vllm.v1.worker.position_remapper import PositionRemapper, RemapRows, RopeRotation
+    from vllm_ascend.distributed.chunk_cache_npu import write_rows_npu
+    from vllm_ascend.distributed.kv_transfer import register_connector
+    from vllm_ascend.ops.rotary_embedding import rope_forward_oot
+
+    ropes = _ascend_ropes()
+    expected = {"default": "AscendRotaryEmbedding", "default_gptj": "AscendRotaryEmbedding",
+                "yarn": "AscendYaRNRotaryEmbedding",
+                "deepseek_yarn": "AscendDeepseekScalingRotaryEmbedding"}
+    for name, (rope, _) in ropes.items():
+        assert type(rope).__name__ == expected[name], (name, type(rope))
+        try:
+            RopeRotation(rope)
+        except ValueError as e:
+            assert type(rope).__name__ in str(e), str(e)
+        else:
+            raise AssertionError(f"{type(rope).__name__} accepted before registration")
+    register_connector()  # the patched plugin entry point, as in every process
+    # vllm-ascend registers its rope op for the NPU dispatch key only: the same
+    # Python function on CPU tensors (it calls the stub _npu_rotary_embedding).
+    vllm_lib.impl("npu_rotary_embedding", rope_forward_oot, "CPU")
+    # Stand-in of Ascend's forward context, which forward_oot reads (no draft
+    # model, no flash-comm all-gather of positions).
+    import vllm_ascend.ops.rotary_embedding as ascend_rope
+
+    ascend_rope._EXTRA_CTX = types.SimpleNamespace(is_draft_model=False,
+                                                   flash_comm_v1_enabled=False)
+    device_op = _device_op()
+    gen = torch.Generator().manual_seed(0)
+    heads, n, block_size = 2, 12, 128
+    for name, (rope, parent) in ropes.items():
+        rotation = RopeRotation(rope)
+        dim = rope.head_size
+        neox_stored = name != "default_gptj"  # DeepSeek's forward stores halves
+        assert rotation.is_neox_style is neox_stored, name
+        raw_k = torch.randn(n, heads, dim, generator=gen)
+        p = torch.randint(0, 2000, (n,), generator=gen)
+        d = torch.randint(-2000, 2000, (n,), generator=gen).clamp(min=-p)
+
+        def ascend_k(pos):  # the Ascend class's forward (q is needed too)
+            if name == "deepseek_yarn":
+                _, k = rope.forward(pos, raw_k.clone(), raw_k.clone())
+            else:
+                _, k = rope.forward_oot(pos, raw_k.clone().view(n, -1), raw_k.clone().view(n, -1))
+            return k.reshape(n, heads, dim)
+
+        # vLLM's own rope math for these parameters: the parent's cache method
+        # and forward on the Ascend rope's attributes.
+        parent_cache = parent._compute_cos_sin_cache(rope)
+
+        def parent_k(pos):
+            vllm_rope = parent.forward_static(pos, raw_k.clone(), raw_k.clone(),
+                                              dim, rope.rotary_dim,
+                                              parent_cache, rope.is_neox_style)[1]
+            k = vllm_rope.view(n, heads, dim)
+            if name == "deepseek_yarn":  # the layout Ascend's forward stores
+                k = torch.cat((k[..., 0::2], k[..., 1::2]), -1)
+            return k
+
+        stored, want = ascend_k(p), ascend_k(p + d)
+        assert torch.allclose(want, parent_k(p + d), atol=1e-5), name
+        slots = torch.randperm(4 * block_size, generator=gen)[:n]
+        for adaptor in (device_op.BaseDeviceAdaptor, device_op.A5DeviceAdaptor):
+            device_op.DeviceOperator = adaptor
+            key_cache = torch.zeros(4, block_size, heads, dim)
+            value_cache = torch.zeros(4, block_size, heads, dim)
+            layer = types.SimpleNamespace(kv_cache=[key_cache, value_cache])
+            remapper = PositionRemapper(
+                rotation, lambda _, k, v, s: write_rows_npu(layer, k, v, s, None))
+            remapper.remap_layer("l0", stored, torch.zeros_like(stored),
+                                 RemapRows(torch.arange(n), slots, d))
+            got = key_cache[slots // block_size, slots % block_size]
+            # fp32 cos/sin caches at positions up to 4000 on both sides
+            assert torch.allclose(got, want, atol=1e-3), (name, adaptor, (got - want).abs().max())
+            assert (stored - want).abs().max() > 0.1  # the check can fail
+        if name == "deepseek_yarn":
+            # The pairing matters: the rope's own style (GPT-J) would be wrong.
+            gptj = rotation.with_pairing(False).rotate(stored, d)
+            assert (gptj - want).abs().max() > 0.1
+
+    from vllm_ascend._310p.ops.rotary_embedding import AscendRotaryEmbedding310
+    from vllm_ascend.ops.rotary_embedding import AscendMRotaryEmbedding
+    from vllm.v1.worker import position_remapper
+
+    for refused in (AscendRotaryEmbedding310, AscendMRotaryEmbedding):
+        assert refused not in position_remapper._FREQUENCY_RULES, refused
+    rope310 = AscendRotaryEmbedding310.__new__(AscendRotaryEmbedding310)
+    try:
+        RopeRotation(rope310)
+    except ValueError as e:
+        assert "AscendRotaryEmbedding310" in str(e), str(e)
+    else:
+        raise AssertionError("AscendRotaryEmbedding310 accepted")
+
+
+def check_mla_load_with_ascend_deepseek_rope() -> None:
+    """The MLA check below with the rope vLLM builds on an NPU,
+    AscendDeepseekScalingRotaryEmbedding: its rotation pairs halves (its
+    forward's layout) and LatentLayer switches it to the reader's GPT-J rows."""
+    from vllm_ascend.distributed.kv_transfer import register_connector
+
+    rope = _ascend_ropes()["deepseek_yarn"][0]
+    register_connector()
+    check_mla_load_writes_what_ascend_writes_at_the_new_position(rope)
+
+
+def check_mla_load_writes_what_ascend_writes_at_the_new_position(rope=None) -> None:
     """A child's rows written by AscendMLAImpl's own prefill cache write (stub of
     npu_kv_rmsnorm_rope_cache), captured through the registered reader, loaded at
     p + d through LatentLayer (kv_c copied, k_pe rotated by d) and the registered
@@ -152,9 +316,10 @@ def check_mla_load_writes_what_ascend_writes_at_the_new_position() -> None:
     device_op = _device_op()
     _ascend_config()
     register_npu_chunk_cache()
-    with set_current_vllm_config(VllmConfig()):
-        rope = get_rope(ROPE, max_position=4096, rope_parameters=dict(DEEPSEEK_YARN),
-                        is_neox_style=False, dtype=torch.float32)
+    if rope is None:
+        with set_current_vllm_config(VllmConfig()):
+            rope = get_rope(ROPE, max_position=4096, rope_parameters=dict(DEEPSEEK_YARN),
+                            is_neox_style=False, dtype=torch.float32)
     rotation = RopeRotation(rope)
     gen = torch.Generator().manual_seed(0)
     n = 20
@@ -246,7 +411,7 @@ def check_mla_refusals() -> None:
     impl = _mla_impl(torch.ones(RANK))
     layer = types.SimpleNamespace(impl=impl, kv_lora_rank=RANK, qk_rope_head_dim=ROPE)
     writer = latent_writer_for(impl)
-    rotation = object()  # not used before the refusals
+    rotation = _deepseek_rotation()
 
     def refused(cache, words, rot=rotation, **flags):
         _ascend_config(**flags)

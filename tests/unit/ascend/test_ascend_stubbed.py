@@ -46,6 +46,8 @@ def test_every_patched_or_new_file_compiles(ascend_tree: Path):
     "check_mla_load_writes_what_ascend_writes_at_the_new_position",
     "check_mla_reader_returns_what_the_writer_wrote",
     "check_mla_refusals",
+    "check_ascend_ropes_registered_and_keys_move_as_at_the_new_position",
+    "check_mla_load_with_ascend_deepseek_rope",
 ])
 def test_npu_code_path_against_stubs(ascend_tree: Path, check: str):
     env = {**os.environ,

@@ -29,6 +29,12 @@ values, then the odd ones); the pool keeps vLLM's interleaved row, so the
 reader re-interleaves and the writer de-interleaves (a permutation: the bytes
 read are the bytes written).
 
+It registers, with the fork's remapper (`position_remapper.register_rope_rule`,
+exact types), the rope classes vLLM's CustomOp dispatch builds on an NPU in
+place of vLLM's (`vllm_ascend.utils.register_ascend_customop`), each read to
+keep its parent's angle rule (below, `register_ascend_ropes`); the others
+stay refused by name.
+
 Not registered, hence refused at start-up with a message: SFA/DSA (the
 lightning indexer's key cache; also refused when the config is built),
 Ascend's int8 "C8" KV cache (`AscendC8AttentionBackendImpl`), and every other
@@ -47,6 +53,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.cache_writers impo
     register_cache_writer,
     register_latent_writer,
 )
+from vllm.logger import init_logger
+
+logger = init_logger(__name__)
 
 # How users pick it: vllm-ascend's attention backend for standard attention.
 ASCEND_BACKEND = "ASCEND"
@@ -158,11 +167,75 @@ def read_latent_npu(kv_cache: Any, slots: torch.Tensor) -> torch.Tensor:
     return torch.cat((kv_c, interleave_rope(k_pe)), dim=-1)
 
 
+def _always_halves(rope: Any) -> bool:
+    return True
+
+
+def register_ascend_ropes() -> None:
+    """Accept vllm-ascend's rope classes whose angle rule is their parent's
+    (read in vllm-ascend 0.23.0.post1, vllm_ascend/ops/rotary_embedding.py;
+    never executed on an NPU). Exact types: a subclass stays refused.
+
+    * AscendRotaryEmbedding, AscendYaRNRotaryEmbedding: their __init__ is the
+      parent's (inv_freq and the [pos, cos | sin] cos_sin_cache built by the
+      parent's own _compute_inv_freq / _compute_cos_sin_cache; the YaRN one
+      only changes the default of `truncate`, which that method reads), and
+      their forward rotates K with that cos_sin_cache and `is_neox_style`
+      (`torch_npu._npu_rotary_embedding` or the Triton kernel, vLLM's pairing):
+      K is stored in vLLM's layout.
+    * AscendDeepseekScalingRotaryEmbedding: DeepSeek's YaRN rebuilt in its own
+      fp32 torch code (`_set_cos_sin_cache`: the ramp without
+      extrapolation_factor), frequencies kept in its `inv_freq` buffer, cache
+      `cat(cos(p f) * mscale, sin(p f) * mscale)` as vLLM's: the rule takes
+      that buffer. Its forward de-interleaves a GPT-J rope's q/k (evens, then
+      odds) and rotates neox-style, so keys it produced pair (i, i + half)
+      whatever `is_neox_style` says. MLA layers do not use that forward
+      (AscendMLAImpl rotates k_pe itself, interleaved): their reader fixes the
+      layout of the rows instead (k_pe_neox_style=False below).
+    * Not registered, so refused: AscendMRotaryEmbedding (M-RoPE, refused as
+      its parent), AscendRotaryEmbedding310 (310P: rotates with the process-
+      global cos/sin slice `get_cos_and_sin_slice()`, filled by the runner from
+      the first rope recorded, not from its own cache: not verifiable from the
+      rope object), and anything else.
+    """
+    from vllm.model_executor.layers.rotary_embedding import (
+        RotaryEmbedding,
+        YaRNScalingRotaryEmbedding,
+    )
+    from vllm.v1.worker.position_remapper import (
+        register_rope_rule,
+        yarn_from_inv_freq_buffer,
+    )
+
+    try:
+        from vllm_ascend.ops.rotary_embedding import (
+            AscendDeepseekScalingRotaryEmbedding,
+            AscendRotaryEmbedding,
+            AscendYaRNRotaryEmbedding,
+        )
+    except ImportError as e:
+        # NOTE: the safe direction: unregistered ropes are refused at start-up
+        # (by name) only where the chunk cache is on; this runs in every
+        # process, so it must not break one that does not use it.
+        logger.warning("chunk cache: vllm-ascend's rope classes not registered (%s); "
+                       "models using them will be refused", e)
+        return
+
+    register_rope_rule(AscendRotaryEmbedding, RotaryEmbedding)
+    register_rope_rule(AscendYaRNRotaryEmbedding, YaRNScalingRotaryEmbedding)
+    register_rope_rule(AscendDeepseekScalingRotaryEmbedding, yarn_from_inv_freq_buffer,
+                       stored_neox_style=_always_halves)
+
+
 def register_npu_chunk_cache() -> None:
-    """Register the NPU cache writers (called from vllm-ascend's connector
-    registration, in every process)."""
+    """Register the NPU cache writers and rope rules (called from vllm-ascend's
+    connector registration, in every process)."""
     register_cache_writer("AscendAttentionBackendImpl", ASCEND_BACKEND, write_rows_npu)
     # NOTE: AscendMlaCPImpl (context parallel) and AscendSFAImpl/AscendDSAImpl
-    # are not registered: refused by name.
+    # are not registered: refused by name. k_pe: Ascend's MLA rotates it
+    # interleaved in every path (npu_interleave_rope, npu_kv_rmsnorm_rope_cache)
+    # whatever the rope's style, and read_latent_npu returns it re-interleaved:
+    # GPT-J pairs in the pool.
     register_latent_writer("AscendMLAImpl", ASCEND_MLA_BACKEND, write_latent_npu,
-                           read_latent_npu)
+                           read_latent_npu, k_pe_neox_style=False)
+    register_ascend_ropes()

@@ -33,6 +33,7 @@ LongRoPE; neox and GPT-J styles; partial rotary. Anything else
 with a ValueError naming the type.
 """
 
+import copy
 import enum
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -149,7 +150,11 @@ def _longrope(rope: Phi3LongRoPEScaledRotaryEmbedding) -> _Frequencies:
 
 
 # Exact types only: subclasses (M-RoPE, FoPE, Gemma4, TeleChat3, XD-RoPE...)
-# change the angle rule and must be refused rather than guessed.
+# change the angle rule and must be refused rather than guessed. A platform's
+# own subclasses (vllm-ascend's, which vLLM's CustomOp dispatch builds in place
+# of these on an NPU) are added one exact type at a time by the platform's
+# plugin through `register_rope_rule`, after reading that they keep the angle
+# rule; a subclass nobody registered stays refused.
 _FREQUENCY_RULES: dict[type, Callable] = {
     RotaryEmbedding: _plain,
     NTKScalingRotaryEmbedding: _plain,
@@ -161,6 +166,53 @@ _FREQUENCY_RULES: dict[type, Callable] = {
     DeepseekScalingRotaryEmbedding: _yarn,
     Phi3LongRoPEScaledRotaryEmbedding: _longrope,
 }
+
+# Rope types whose forward stores keys with another pairing than their
+# `is_neox_style` says: type -> (rope -> True for pairs (i, i + half), False
+# for (2i, 2i + 1)). Absent: `is_neox_style`.
+_STORED_PAIRING: dict[type, Callable[[torch.nn.Module], bool]] = {}
+
+
+def yarn_from_inv_freq_buffer(rope: torch.nn.Module) -> _Frequencies:
+    """YaRN whose rope keeps the inverse frequencies its cos/sin cache was
+    built from in an `inv_freq` buffer, with its magnitude `mscale`
+    (vllm-ascend's DeepSeek YaRN computes them in its own fp32 torch code,
+    which ignores `extrapolation_factor`: the buffer is what it rotated
+    with, vLLM's `_compute_inv_freq` is not)."""
+    return _Frequencies(rope.inv_freq.detach().float().cpu(), float(rope.mscale),
+                        rope.cos_sin_cache, 0)
+
+
+def register_rope_rule(
+    rope_type: type,
+    rule: type | Callable[[torch.nn.Module], _Frequencies],
+    stored_neox_style: Callable[[torch.nn.Module], bool] | None = None,
+) -> None:
+    """Accept the exact type `rope_type` (not its subclasses) with frequency
+    rule `rule`: a type already accepted (its rule: a subclass that keeps its
+    parent's angle rule) or a function of the rope (`yarn_from_inv_freq_buffer`),
+    for a platform plugin whose rope classes vLLM builds in place of its own
+    (vllm-ascend: vllm_ascend/distributed/chunk_cache_npu.py), without this
+    module importing the plugin.
+
+    Register only a class read to keep its parent's angle rule (same inverse
+    frequencies, the same [pos, cos | sin] cache); the start-up self-check
+    (`_check_against_cache`) still compares the rule with the rope's cache.
+    `stored_neox_style`: the pairing of the keys as the rope's forward leaves
+    them, where it is not the rope's `is_neox_style` (a forward that permutes
+    the values before rotating).
+    """
+    if not (isinstance(rope_type, type) and issubclass(rope_type, torch.nn.Module)):
+        raise TypeError(f"register_rope_rule takes a rope class, got {rope_type!r}")
+    if isinstance(rule, type):
+        if rule not in _FREQUENCY_RULES:
+            raise ValueError(f"no frequency rule for {rule.__name__} to reuse")
+        rule = _FREQUENCY_RULES[rule]
+    _FREQUENCY_RULES[rope_type] = rule
+    if stored_neox_style is None:
+        _STORED_PAIRING.pop(rope_type, None)
+    else:
+        _STORED_PAIRING[rope_type] = stored_neox_style
 
 
 class Rounding(enum.Enum):
@@ -188,12 +240,17 @@ class RopeRotation:
                 f"chunk cache cannot re-position keys of RoPE type "
                 f"{type(rope).__name__}: only RoPE whose angle is linear in "
                 "the position is supported (default, linear, ntk, dynamic, "
-                "llama3, yarn, deepseek_yarn, longrope)"
+                "llama3, yarn, deepseek_yarn, longrope; a platform's own "
+                "subclasses only where its plugin registered them)"
             )
         freqs = rule(rope)
         self.head_size: int = rope.head_size
         self.rotary_dim: int = rope.rotary_dim
-        self.is_neox_style: bool = bool(getattr(rope, "is_neox_style", True))
+        # The pairing of the stored keys: the rope's style, unless its type
+        # was registered with another (register_rope_rule).
+        pairing = _STORED_PAIRING.get(type(rope))
+        self.is_neox_style: bool = bool(
+            pairing(rope) if pairing is not None else getattr(rope, "is_neox_style", True))
         self.inv_freq = freqs.inv_freq.to(torch.float32).cpu()
         self._inv_freq_cache: dict[torch.device, torch.Tensor] = {}
         self.magnitude = freqs.magnitude
@@ -210,6 +267,24 @@ class RopeRotation:
         # rows rotated in place: one load plan per step, the same for every
         # layer.
         self._delta_table: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int] | None = None
+
+    def with_pairing(self, neox_style: bool) -> "RopeRotation":
+        """This rotation for rows whose pairs are laid out otherwise (halves
+        if `neox_style`, adjacent values if not): same frequencies, a copy
+        with its own delta table. For a reader that fixes the layout of the
+        rows it returns whatever the rope's forward does (vllm-ascend's MLA
+        reader re-interleaves k_pe: cache_writers.LatentWriter)."""
+        if neox_style == self.is_neox_style:
+            return self
+        other = copy.copy(self)
+        other.is_neox_style = neox_style
+        other._inv_freq_cache = {}
+        other._delta_table = None
+        # The CPU op is checked per pairing: check it again on first use.
+        if other._cpu_kernel is not False:
+            other._cpu_kernel = None
+            other.rounding = Rounding.PRODUCTS
+        return other
 
     def cos_sin(
         self, deltas: torch.Tensor

@@ -476,3 +476,130 @@ def test_fixed_scratch_never_grows_and_pieces_cover_every_row_in_order(vllm_conf
     assert torch.equal(written["pieces"].value, written["one pass"].value)
     assert RemapScratch.bytes_per_row(8, 8, torch.float32) == 3 * 8 * 4
     assert RemapScratch.bytes_per_row(8, 8, torch.bfloat16) == 3 * 8 * 2 + 2 * 8 * 4
+
+
+# ---------------------------------------------- platform registration seam
+
+
+@pytest.fixture
+def rope_rules():
+    """register_rope_rule changes module-level tables: restore them."""
+    from vllm.v1.worker import position_remapper
+
+    rules = dict(position_remapper._FREQUENCY_RULES)
+    pairing = dict(position_remapper._STORED_PAIRING)
+    yield position_remapper
+    position_remapper._FREQUENCY_RULES.clear()
+    position_remapper._FREQUENCY_RULES.update(rules)
+    position_remapper._STORED_PAIRING.clear()
+    position_remapper._STORED_PAIRING.update(pairing)
+
+
+class PlatformRope(RotaryEmbedding):
+    """A platform's subclass that keeps the parent's angle rule (as
+    vllm-ascend's AscendRotaryEmbedding: only its forward's op differs)."""
+
+
+class PlatformRopeVariant(PlatformRope):
+    """A subclass of a registered subclass: not registered itself."""
+
+
+class DeinterleavingRope(DeepseekScalingRotaryEmbedding):
+    """As vllm-ascend's AscendDeepseekScalingRotaryEmbedding: a GPT-J rope
+    whose forward de-interleaves q/k (evens, then odds) and rotates
+    neox-style, keeping its frequencies in an `inv_freq` buffer."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.register_buffer(
+            "inv_freq", self._compute_inv_freq(self.scaling_factor), persistent=False)
+
+    def forward_native(self, positions, query, key, offsets=None):
+        if not self.is_neox_style:
+            query = torch.cat((query[..., 0::2], query[..., 1::2]), -1)
+            key = torch.cat((key[..., 0::2], key[..., 1::2]), -1)
+        return self.forward_static(positions, query, key, self.head_size, self.rotary_dim,
+                                   self.cos_sin_cache, True)
+
+
+def _platform_rope(cls, neox):
+    if issubclass(cls, DeepseekScalingRotaryEmbedding):
+        return cls(HEAD_SIZE, HEAD_SIZE, 1024, 10000, neox, 4.0, torch.float32,
+                   beta_fast=32, beta_slow=1, mscale=1.0, mscale_all_dim=0.707)
+    return cls(HEAD_SIZE, HEAD_SIZE, MAX_POS, 10000, neox, torch.float32)
+
+
+def _moved_and_truth(rope, rotation):
+    gen = torch.Generator().manual_seed(3)
+    n = 48
+    p = torch.randint(0, 1600, (n,), generator=gen)
+    d = torch.randint(-1600, 1600, (n,), generator=gen).clamp(min=-p)
+    raw = torch.randn(n, NUM_HEADS * HEAD_SIZE, generator=gen)
+    stored = apply_rope(rope, p, raw)
+    truth = apply_rope(rope, p + d, raw)
+    assert (stored - truth).abs().max() > 0.1
+    return stored, d, truth
+
+
+@pytest.mark.parametrize("neox", [True, False])
+def test_platform_subclass_refused_until_registered_then_rotates_as_its_parent(
+    vllm_config_context, rope_rules, neox
+):
+    rope = _platform_rope(PlatformRope, neox)
+    with pytest.raises(ValueError, match="PlatformRope"):
+        RopeRotation(rope)
+    rope_rules.register_rope_rule(PlatformRope, RotaryEmbedding)
+    rotation = RopeRotation(rope)
+    parent = RopeRotation(_platform_rope(RotaryEmbedding, neox))
+    assert rotation.is_neox_style is neox
+    assert torch.equal(rotation.inv_freq, parent.inv_freq)
+    stored, d, truth = _moved_and_truth(rope, rotation)
+    moved = rotation.rotate(stored, d)
+    assert torch.equal(moved, parent.rotate(stored, d))  # bit for bit the parent's
+    torch.testing.assert_close(moved, truth, atol=ATOL, rtol=0)
+    # Exact types only: a subclass of the registered class stays refused.
+    with pytest.raises(ValueError, match="PlatformRopeVariant"):
+        RopeRotation(_platform_rope(PlatformRopeVariant, neox))
+
+
+def test_registered_subclass_still_faces_the_cache_self_check(vllm_config_context, rope_rules):
+    rope = _platform_rope(PlatformRope, True)
+    rope.cos_sin_cache = rope.cos_sin_cache * 1.5  # another magnitude than the rule's
+    rope_rules.register_rope_rule(PlatformRope, RotaryEmbedding)
+    with pytest.raises(ValueError, match="do not match"):
+        RopeRotation(rope)
+
+
+def test_registration_refuses_what_it_cannot_take(rope_rules):
+    with pytest.raises(TypeError):
+        rope_rules.register_rope_rule("AscendRotaryEmbedding", RotaryEmbedding)
+    with pytest.raises(ValueError, match="no frequency rule"):
+        rope_rules.register_rope_rule(PlatformRope, PlatformRopeVariant)
+
+
+@pytest.mark.parametrize("neox", [True, False])
+def test_stored_pairing_override_rotates_keys_as_the_forward_lays_them_out(
+    vllm_config_context, rope_rules, neox
+):
+    rope = _platform_rope(DeinterleavingRope, neox)
+    rope_rules.register_rope_rule(DeinterleavingRope, rope_rules.yarn_from_inv_freq_buffer,
+                                  stored_neox_style=lambda r: True)
+    rotation = RopeRotation(rope)
+    assert rotation.is_neox_style is True
+    assert rotation.magnitude == pytest.approx(float(rope.mscale))
+    stored, d, truth = _moved_and_truth(rope, rotation)
+    torch.testing.assert_close(rotation.rotate(stored, d), truth, atol=ATOL, rtol=0)
+    if not neox:
+        # The rope's own style (GPT-J) would pair the wrong values.
+        gptj = rotation.with_pairing(False)
+        assert gptj.is_neox_style is False and rotation.is_neox_style is True
+        assert (gptj.rotate(stored, d) - truth).abs().max() > 0.1
+        # Re-interleaved rows (what Ascend's MLA reader returns) need GPT-J.
+        inter = torch.stack((stored[..., :HEAD_SIZE // 2], stored[..., HEAD_SIZE // 2:]),
+                            -1).flatten(-2)
+        truth_inter = torch.stack((truth[..., :HEAD_SIZE // 2], truth[..., HEAD_SIZE // 2:]),
+                                  -1).flatten(-2)
+        torch.testing.assert_close(gptj.rotate(inter, d), truth_inter, atol=ATOL, rtol=0)
+    # Unregistered again without an override: the rope's style.
+    rope_rules.register_rope_rule(DeinterleavingRope, rope_rules.yarn_from_inv_freq_buffer)
+    assert RopeRotation(rope).is_neox_style is neox

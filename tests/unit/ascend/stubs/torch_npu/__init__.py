@@ -1,14 +1,15 @@
 """A stand-in for `torch_npu` on CPU: NOT Huawei's library.
 
-Three ops have CPU reference implementations written from their documented
-semantics (the paged caches are [num_blocks, block_size, num_kv_heads,
-head_size]; token i goes to block slot // block_size, offset slot %
-block_size; key and value widths may differ, as for MLA's latent and rope
-caches): the two cache writes and MLA's fused `npu_kv_rmsnorm_rope_cache`
-("PA" mode only). Every other attribute exists so that vllm-ascend's modules
-import, and raises NotImplementedError when called. Tests backed by this stub
-check the fork's index and layout math on Ascend's code path, not the NPU
-ops themselves.
+Four ops have CPU reference implementations written from their documented
+semantics: the two cache writes (the paged caches are [num_blocks,
+block_size, num_kv_heads, head_size]; token i goes to block slot //
+block_size, offset slot % block_size; key and value widths may differ, as
+for MLA's latent and rope caches), `_npu_rotary_embedding` (as vLLM's
+`rotary_embedding` op, whose signature it shares) and MLA's fused
+`npu_kv_rmsnorm_rope_cache` ("PA" mode only). Every other attribute exists
+so that vllm-ascend's modules import, and raises NotImplementedError when
+called. Tests backed by this stub check the fork's index and layout math on
+Ascend's code path, not the NPU ops themselves.
 """
 
 from __future__ import annotations
@@ -98,6 +99,28 @@ def npu_kv_rmsnorm_rope_cache(kv, gamma, cos, sin, index, k_cache, ckv_cache, *,
     if is_output_kv:
         return k_cache, ckv_cache, k_pe, kv_c
     return k_cache, ckv_cache, None, None
+
+
+def _npu_rotary_embedding(positions, query, key, head_size, cos_sin_cache, is_neox_style):
+    """vLLM's `rotary_embedding` semantics, in place: query/key [n, heads *
+    head_size] (rows of `head_size`, the first len(cos_sin_cache[0]) values
+    rotated), cos_sin_cache [positions, cos | sin]; pairs (i, i + half) if
+    is_neox_style, else (2i, 2i + 1)."""
+    cos, sin = cos_sin_cache.index_select(0, positions.flatten()).float().chunk(2, dim=-1)
+    rot = 2 * cos.shape[-1]
+    for x in (query, key):
+        if x is None:
+            continue
+        rows = x.view(x.shape[0], -1, head_size)
+        r = rows[..., :rot].float()
+        if is_neox_style:
+            x1, x2 = r[..., : rot // 2], r[..., rot // 2 :]
+        else:
+            x1, x2 = r[..., 0::2], r[..., 1::2]
+        c, s = cos[:, None], sin[:, None]
+        o1, o2 = x1 * c - x2 * s, x2 * c + x1 * s
+        out = torch.cat((o1, o2), -1) if is_neox_style else torch.stack((o1, o2), -1).flatten(-2)
+        rows[..., :rot] = out.to(x.dtype)
 
 
 npu = _Namespace("torch_npu.npu")

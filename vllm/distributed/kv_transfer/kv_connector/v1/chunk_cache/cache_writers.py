@@ -139,14 +139,20 @@ class LatentWriter:
     write: LatentWriteFn
     # (latent cache, slots [n]) -> rows [n, kv_lora_rank + rope_dim].
     read: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    # The pairing of k_pe in the rows `read` returns and `write` takes, where
+    # the backend fixes it whatever the rope's style (True: halves, False:
+    # adjacent values); None: the rope's. vllm-ascend's MLA always rotates
+    # k_pe interleaved and its reader returns GPT-J rows (chunk_cache_npu).
+    k_pe_neox_style: bool | None = None
 
 
 _LATENT_WRITERS: dict[str, LatentWriter] = {}
 
 
 def register_latent_writer(impl_class_name: str, backend: str, write: LatentWriteFn,
-                           read: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> None:
-    _LATENT_WRITERS[impl_class_name] = LatentWriter(backend, write, read)
+                           read: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                           k_pe_neox_style: bool | None = None) -> None:
+    _LATENT_WRITERS[impl_class_name] = LatentWriter(backend, write, read, k_pe_neox_style)
 
 
 def latent_writer_for(impl: Any) -> LatentWriter | None:

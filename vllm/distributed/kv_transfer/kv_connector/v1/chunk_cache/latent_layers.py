@@ -61,6 +61,10 @@ class LatentLayer:
             raise ValueError(
                 f"chunk cache: the rope of MLA layer {name} was not found, so its "
                 f"k_pe ({layout.rope_dim} values) could not be re-rotated")
+        if rotation is not None and writer.k_pe_neox_style is not None:
+            # The reader fixes k_pe's layout (Ascend: GPT-J rows whatever the
+            # rope's forward stores): rotate pairs as they lie in the pool.
+            rotation = rotation.with_pairing(writer.k_pe_neox_style)
         pool = torch.zeros((num_rows, layout.width), dtype=dtype, device=device)
         return cls(name, layer, kv_cache, layout, rotation, writer, pool)
 
