@@ -64,7 +64,11 @@ SLOW = pytest.mark.slow
 # A sixth element caps the rows loaded per step (--max-chunk-load-tokens, issue 20
 # finding 3): 40 rows makes every load of the `system` run wait for its own step
 # and go through the load buffers in pieces.
+# A seventh, "hook", captures in the attention hook (patch 0004) on every layer, as on a
+# quantized or AMX-packed cache, which no CI machine has (issue 21: elsewhere captures run
+# after the forward from the paged blocks wherever the start-up self-check reads them back).
 CONFIGS = [(TINY, "sink", True, 160, 0), (TINY, "none", True, 160, 0),
+           (TINY, "sink", True, 160, 0, None, "hook"),
            (TINY, "system", True, 160, 0, 40),
            pytest.param((TINY, "sink", False, 160, 0), marks=SLOW),
            (SMOL, "sink", True, 60, 0),
@@ -84,7 +88,8 @@ CONFIGS = [(TINY, "sink", True, 160, 0), (TINY, "none", True, 160, 0),
 def _config_id(c) -> str:
     return (f"{c[0].rsplit('/', 1)[-1]}-{c[1]}-prefix{int(c[2])}"
             + (f"-recompute{c[4]}" if c[4] else "")
-            + (f"-cap{c[5]}" if len(c) > 5 else ""))
+            + (f"-cap{c[5]}" if len(c) > 5 and c[5] else "")
+            + ("-hook" if len(c) > 6 else ""))
 
 
 _REFERENCES: dict[str, Reference] = {}
@@ -92,11 +97,23 @@ _REFERENCES: dict[str, Reference] = {}
 
 @pytest.fixture(scope="module", params=CONFIGS, ids=_config_id)
 def engine(request):
-    model, mode, prefix_caching, max_words, recompute, *cap = request.param
-    llm = make_llm(model, enable_chunk_cache=True, chunk_context=mode,
-                   enable_prefix_caching=prefix_caching,
-                   chunk_recompute_tokens=recompute,
-                   max_chunk_load_tokens=cap[0] if cap else ChunkCacheConfig.max_chunk_load_tokens)
+    model, mode, prefix_caching, max_words, recompute, *rest = request.param
+    cap = rest[0] if rest and rest[0] else ChunkCacheConfig.max_chunk_load_tokens
+    with pytest.MonkeyPatch.context() as patch:
+        if len(rest) > 1:
+            # The in-process engine's worker takes its capture path from this check.
+            from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache import capture_path
+
+            patch.setattr(capture_path, "self_check",
+                          lambda *args: "forced by the test (the hook path)")
+        llm = make_llm(model, enable_chunk_cache=True, chunk_context=mode,
+                       enable_prefix_caching=prefix_caching,
+                       chunk_recompute_tokens=recompute, max_chunk_load_tokens=cap)
+    if len(rest) > 1:
+        from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+        capture = get_kv_transfer_group()._worker._capture
+        assert capture.in_attention and not capture.after_forward, capture.summary()
     if model not in _REFERENCES:
         _REFERENCES.clear()
         _REFERENCES[model] = Reference(model)
