@@ -308,3 +308,26 @@ def test_an_mla_pool_token_is_one_latent_row_per_layer():
     config.model_config.use_mla = True
     # MLA: the latent row alone, as vLLM's MLAAttentionSpec pages it (no V).
     assert pool_bytes_per_token(config) == kv_bytes_per_token(config) == 30 * 3 * 64 * 2
+
+
+def test_a_rope_narrower_than_the_key_heads_is_refused(vllm_config_context):
+    """A rope built for part of a head (non-MLA DeepSeek attention puts k_pe at the end of
+    a 192-wide head) would be turned at the head's start: refused at start-up, by name."""
+    from vllm.model_executor.layers.rotary_embedding import get_rope
+    from vllm.v1.worker.position_remapper import RopeRotation
+
+    class CPUAttentionBackendImpl:  # the name the CPU writer is registered under
+        kv_cache_dtype = "auto"
+
+    layer = _attention("l0")
+    layer.impl = CPUAttentionBackendImpl()
+    layer.num_kv_heads, layer.head_size, layer.head_size_v = 1, 192, 128
+    layer.sliding_window = None
+    layer.kv_sharing_target_layer_name = None
+    rope = get_rope(64, 4096, True, {"rope_type": "default"}, torch.float32)
+    worker = _worker()
+    worker.vllm_config.compilation_config.static_forward_context = {"l0": layer}
+    worker._ropes = {"l0": rope}
+    worker._rotations = {id(rope): RopeRotation(rope, use_cpu_kernel=False)}
+    with pytest.raises(ValueError, match=r"l0 rotates heads of 64 values but its keys have 192"):
+        worker.register_kv_caches({"l0": torch.zeros(4, 1, 16, 2 * 192)})

@@ -213,6 +213,14 @@ class ChunkCacheWorker:
             self.pool_value[name] = torch.zeros(shape_v, dtype=self.dtype, device=device)
             total += self.pool_key[name].nbytes + self.pool_value[name].nbytes
             rotation = None if rope is None else self._rotations[id(rope)]
+            if rotation is not None and rotation.head_size != layer.head_size:
+                # NOTE: the delta rotation turns the first rotary_dim values of
+                # each key head; a rope built for another width (e.g. k_pe at
+                # the end of a wider head) would be turned in the wrong place.
+                raise ValueError(
+                    f"chunk cache: the rope of attention layer {name} rotates heads of "
+                    f"{rotation.head_size} values but its keys have {layer.head_size}: "
+                    "unsupported model structure (RoPE on part of a head)")
             self.remappers[name] = PositionRemapper(rotation, self._write_rows, self._scratch)
         self.pool_bytes = total
         self._layers = {name: layers[name] for name in kv_caches}
