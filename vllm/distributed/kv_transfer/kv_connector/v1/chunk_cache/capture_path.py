@@ -32,9 +32,11 @@ import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.cache_writers import (
     CacheWriter,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.support import (
+    UNQUANTIZED_KV_CACHE_DTYPES,
+)
 
 _SAMPLE_ROWS = 48
-_PLAIN_DTYPES = ("auto", "bfloat16", "float16", "float32", "half", "float")
 
 
 @dataclass
@@ -63,7 +65,7 @@ def self_check(layer: Any, kv_cache: Any, writer: CacheWriter,
     if writer.read is None:
         return f"{writer.backend}'s cache has no reader"
     cache_dtype = str(getattr(layer.impl, "kv_cache_dtype", "auto"))
-    if cache_dtype not in _PLAIN_DTYPES:
+    if cache_dtype not in UNQUANTIZED_KV_CACHE_DTYPES:
         return f"quantized KV cache ({cache_dtype}): its bytes are not the rows"
     if not isinstance(kv_cache, torch.Tensor) or getattr(layer, "kv_cache", None) is not kv_cache:
         # NOTE: the backend's write goes to the layer's bound cache; only a

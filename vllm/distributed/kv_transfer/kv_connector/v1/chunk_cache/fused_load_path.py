@@ -23,6 +23,9 @@ from typing import Any
 
 import torch
 
+from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.support import (
+    UNQUANTIZED_KV_CACHE_DTYPES,
+)
 from vllm.v1.worker.position_remapper import RopeRotation
 
 # Backends whose paged cache is [num_blocks, 2, block_size, heads, head] (NHD,
@@ -115,7 +118,7 @@ def paged_layer(layer: Any, kv_cache: torch.Tensor):
         key_cache = key_cache.view(torch.float8_e4m3fn)
         value_cache = value_cache.view(torch.float8_e4m3fn)
         return PagedLayer(key_cache, value_cache, layer._k_scale, layer._v_scale)
-    if dtype not in ("auto", "bfloat16", "float16", "float32", "half", "float"):
+    if dtype not in UNQUANTIZED_KV_CACHE_DTYPES:
         return f"KV-cache dtype {dtype}"
     return PagedLayer(key_cache, value_cache)
 

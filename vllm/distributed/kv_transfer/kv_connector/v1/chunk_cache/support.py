@@ -28,6 +28,9 @@ CONNECTOR_NAME = "ChunkCacheConnector"
 # kv_connector_extra_config key: whether captures may run in the attention
 # hook (then vLLM must keep attention out of full CUDA graphs).
 CAPTURE_IN_ATTENTION = "capture_in_attention"
+# --kv-cache-dtype values that keep K/V in a model dtype (not quantized): the
+# cache's bytes are the rows, so they can be read back and written as is.
+UNQUANTIZED_KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32", "half", "float")
 
 # Config keys of models that skip RoPE on some layers (NoPE layers).
 _NOPE_CONFIG_KEYS = ("no_rope_layers", "use_rope_layers", "nope_layer_interval")
@@ -256,8 +259,7 @@ def capture_needs_attention_hook(vllm_config: VllmConfig) -> bool:
 
     if getattr(current_platform, "device_type", "cpu") not in ("cuda", "cpu"):
         return True
-    return str(vllm_config.cache_config.cache_dtype) not in (
-        "auto", "bfloat16", "float16", "float32", "half", "float")
+    return str(vllm_config.cache_config.cache_dtype) not in UNQUANTIZED_KV_CACHE_DTYPES
 
 
 def check_scheduler_serves_gaps(vllm_config: VllmConfig) -> None:
