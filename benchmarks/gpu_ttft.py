@@ -1,14 +1,24 @@
-"""TTFT on a GPU: stock vLLM vs vLLM prefix caching vs the chunk cache, on a
-model with Llama-3-8B's shapes and random weights (load_format="dummy": no
-download; timing does not need trained weights).
+"""TTFT on a GPU: stock vLLM vs vLLM prefix caching vs the chunk cache (and the floor:
+the question alone on the chunk-cache engine), on a model with Llama-3-8B's shapes and
+random weights (load_format="dummy": no download; timing does not need trained weights).
 
-    python benchmarks/gpu_ttft.py MODE MODEL_DIR   # MODE: stock | prefix | chunk
+    python benchmarks/gpu_ttft.py make MODEL_DIR TOKENIZER_DIR
+    python benchmarks/gpu_ttft.py MODE MODEL_DIR     # MODE: stock | prefix | chunk
 
-Workload: a pool of 8 documents of ~DOC_TOKENS tokens; each request is
-system ## 4 documents (a random choice, shuffled) ## question. Warm-up: 6
-requests cover every document (the chunk cache and the prefix cache fill);
-then 10 measured requests, one at a time, each with a new question and new
-order of documents. TTFT = wall time of a generate() with max_tokens=1.
+Workload, per prompt size S in TTFT_SIZES (default 2048,8192,32768 tokens): documents of
+~DOC_TOKENS (500) tokens, S / DOC_TOKENS of them per request: system ## documents (all of
+the size's pool, shuffled anew per request) ## question. Warm-up: two requests (every
+document is seen; the chunk cache and the prefix cache fill); then TTFT_REPS (10) measured
+requests, one at a time, each with a new question and a new order. TTFT = wall time of a
+generate() with max_tokens=1. Default compilation (FULL_AND_PIECEWISE CUDA graphs) unless
+TTFT_EAGER=1.
+
+Decode (TTFT_DECODE=1, default): 64 requests of ~512 prompt tokens decode 256 tokens each
+(ignore_eos); tokens/s = 64 * 255 / (t(256 tokens) - t(1 token)): run on `prefix` (flag
+off) and `chunk` (flag on) to compare.
+Profile (TTFT_PROFILE=1, chunk mode): a torch profiler table of one all-hit request at the
+middle size. Every mode runs the engine core in-process.
+One JSON line per measurement on stdout.
 """
 
 from __future__ import annotations
@@ -21,13 +31,15 @@ import sys
 import time
 from pathlib import Path
 
-DOC_TOKENS = int(os.environ.get("DOC_TOKENS", "1000"))
+DOC_TOKENS = int(os.environ.get("DOC_TOKENS", "500"))
+SIZES = [int(s) for s in os.environ.get("TTFT_SIZES", "2048,8192,32768").split(",")]
+REPS = int(os.environ.get("TTFT_REPS", "10"))
 
 LLAMA3_8B = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama",
     "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
     "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
-    "vocab_size": 128256, "max_position_embeddings": 8192, "rms_norm_eps": 1e-5,
+    "vocab_size": 128256, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5,
     "rope_theta": 500000.0, "hidden_act": "silu", "tie_word_embeddings": False,
     "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                      "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
@@ -48,13 +60,22 @@ def words(rng: random.Random, n: int) -> str:
                             for _ in range(rng.randint(2, 7))) for _ in range(n))
 
 
+def emit(**fields) -> None:
+    print(json.dumps(fields), flush=True)
+
+
 def main() -> None:
     mode, model = sys.argv[1], sys.argv[2]
+    profile = mode == "chunk" and os.environ.get("TTFT_PROFILE") == "1"
+    # NOTE: in-process engine core for every mode (the profiler needs it): no mode pays an
+    # IPC hop the others do not.
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from vllm import LLM, SamplingParams
 
-    kwargs = dict(model=model, load_format="dummy", dtype="bfloat16", max_model_len=8192,
-                  gpu_memory_utilization=0.85, seed=0,
-                  enforce_eager=os.environ.get("TTFT_EAGER", "1") == "1")
+    eager = os.environ.get("TTFT_EAGER", "0") == "1"
+    kwargs = dict(model=model, load_format="dummy", dtype="bfloat16",
+                  max_model_len=max(SIZES) + 1024, gpu_memory_utilization=0.85, seed=0,
+                  enforce_eager=eager, max_num_seqs=64)
     if mode == "stock":
         kwargs["enable_prefix_caching"] = False
     elif mode == "prefix":
@@ -63,41 +84,71 @@ def main() -> None:
         kwargs.update(enable_chunk_cache=True, enable_prefix_caching=True)
     t0 = time.time()
     llm = LLM(**kwargs)
-    start_up = time.time() - t0
+    emit(mode=mode, start_up_s=round(time.time() - t0, 1), enforce_eager=eager)
     tok = llm.get_tokenizer()
     rng = random.Random(0)
-    docs = []
-    for _ in range(8):
+    sep = " ## " if mode == "chunk" else " "  # stock/prefix: the same text, no markers
+    one = SamplingParams(max_tokens=1, temperature=0.0)
+
+    def doc() -> str:
         text = words(rng, 20)
         while len(tok.encode(text, add_special_tokens=False)) < DOC_TOKENS:
             text += " " + words(rng, 5)
-        docs.append(text)
-    sep = " ## " if mode == "chunk" else " "  # stock/prefix: the same text, no markers
+        return text
 
-    def prompt(order):
-        return sep.join(["answer from the documents", *[docs[i] for i in order],
-                         "question: " + words(rng, 12)])
-
-    params = SamplingParams(max_tokens=1, temperature=0.0)
-    for i in range(6):
-        order = [(2 * i + k) % 8 for k in range(4)]
-        llm.generate([prompt(order)], params, use_tqdm=False)
-    ttfts, cached, lengths = [], [], []
-    for _ in range(10):
-        order = rng.sample(range(8), 4)
-        p = prompt(order)
+    def timed(prompt: str):
         t = time.perf_counter()
-        out = llm.generate([p], params, use_tqdm=False)[0]
-        ttfts.append(time.perf_counter() - t)
-        cached.append(out.num_cached_tokens or 0)
-        lengths.append(len(out.prompt_token_ids))
-    print(json.dumps({
-        "mode": mode, "enforce_eager": kwargs["enforce_eager"], "start_up_s": round(start_up, 1),
-        "prompt_tokens_mean": statistics.mean(lengths),
-        "cached_tokens_mean": statistics.mean(cached),
-        "ttft_ms_median": round(1e3 * statistics.median(ttfts), 1),
-        "ttft_ms_min": round(1e3 * min(ttfts), 1), "ttft_ms_max": round(1e3 * max(ttfts), 1),
-    }))
+        out = llm.generate([prompt], one, use_tqdm=False)[0]
+        return time.perf_counter() - t, out
+
+    for size in SIZES:
+        docs = [doc() for _ in range(max(1, (size - 64) // DOC_TOKENS))]
+
+        def prompt(question: str) -> str:
+            order = rng.sample(range(len(docs)), len(docs))
+            return sep.join(["answer from the documents", *[docs[i] for i in order],
+                             "question: " + question])
+
+        for _ in range(2):
+            timed(prompt(words(rng, 12)))
+        ttfts, cached, lengths, floor = [], [], [], []
+        for _ in range(REPS):
+            t, out = timed(prompt(words(rng, 12)))
+            ttfts.append(t)
+            cached.append(out.num_cached_tokens or 0)
+            lengths.append(len(out.prompt_token_ids))
+            if mode == "chunk":  # the floor: the question alone, same engine
+                floor.append(timed("question: " + words(rng, 12))[0])
+        row = dict(mode=mode, size=size, docs=len(docs),
+                   prompt_tokens_mean=round(statistics.mean(lengths)),
+                   cached_tokens_mean=round(statistics.mean(cached)),
+                   ttft_ms_median=round(1e3 * statistics.median(ttfts), 2),
+                   ttft_ms_min=round(1e3 * min(ttfts), 2),
+                   ttft_ms_max=round(1e3 * max(ttfts), 2))
+        if floor:
+            row["floor_ms_median"] = round(1e3 * statistics.median(floor), 2)
+        emit(**row)
+        if profile and size == SIZES[len(SIZES) // 2]:
+            from torch.profiler import ProfilerActivity, profile as torch_profile
+
+            p = prompt(words(rng, 12))
+            with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                timed(p)
+            print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25),
+                  flush=True)
+
+    if os.environ.get("TTFT_DECODE", "1") == "1" and mode != "stock":
+        batch = [sep.join(["answer from the documents", doc(), "question: " + words(rng, 12)])
+                 for _ in range(64)]
+        llm.generate(batch, one, use_tqdm=False)  # prefill (and fill the caches)
+        times = {}
+        for n in (1, 256):
+            params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+            t = time.perf_counter()
+            llm.generate(batch, params, use_tqdm=False)
+            times[n] = time.perf_counter() - t
+        emit(mode=mode, decode_batch=64, decode_tokens_per_s=round(
+            64 * 255 / (times[256] - times[1]), 1))
 
 
 if __name__ == "__main__":

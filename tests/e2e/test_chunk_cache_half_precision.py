@@ -40,6 +40,8 @@ def _engine_kwargs(dtype: str) -> dict:
     kwargs = dict(dtype=dtype, enforce_eager=EAGER)
     if os.environ.get("CHUNK_HALF_BACKEND"):  # e.g. TRITON_ATTN on a GPU
         kwargs["attention_backend"] = os.environ["CHUNK_HALF_BACKEND"]
+    if os.environ.get("CHUNK_HALF_KV_DTYPE"):  # e.g. fp8 on a GPU (both engines)
+        kwargs["kv_cache_dtype"] = os.environ["CHUNK_HALF_KV_DTYPE"]
     if os.environ.get("CHUNK_HALF_GPU_UTIL"):
         # Two engines one after the other in one process on a GPU.
         kwargs["gpu_memory_utilization"] = float(os.environ["CHUNK_HALF_GPU_UTIL"])
@@ -178,7 +180,8 @@ def test_half_precision_chunk_cache_within_3x_of_stock_vllm(reference, dtype):
         assert abs((stock_kv - chunk_kv) - pool_bytes - scratch_bytes) <= (
             2 * block * kv_token_bytes + (1 << 20))
 
-    print(f"dtype={dtype} eager={EAGER} backend={os.environ.get('CHUNK_HALF_BACKEND', 'default')}: chunk cache worst |dlogprob| {chunk_worst:.4g}, "
+    print(f"dtype={dtype} eager={EAGER} backend={os.environ.get('CHUNK_HALF_BACKEND', 'default')} "
+          f"kv={os.environ.get('CHUNK_HALF_KV_DTYPE', 'auto')}: chunk cache worst |dlogprob| {chunk_worst:.4g}, "
           f"stock vLLM (control) {control_worst:.4g}, ratio "
           f"{chunk_worst / max(control_worst, 1e-12):.2f}")
     assert control_worst > 0.0
