@@ -64,3 +64,11 @@ def test_speculative_decoding_is_refused_at_start_up():
     with pytest.raises(ValueError, match="does not support speculative decoding"):
         _config(enable_chunk_cache=True, speculative_config={
             "method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2})
+
+
+def test_a_pooling_runner_is_refused_at_start_up():
+    # Issue 30, finding 3. Before: accepted; an embedding request with "##" was split
+    # into children (SamplingParams) on a pooling runner, and the pooled output saw the
+    # question only.
+    with pytest.raises(ValueError, match="does not support pooling models"):
+        _config(enable_chunk_cache=True, runner="pooling")

@@ -10,7 +10,9 @@ Two ways to hand a chat request's documents over as a list:
   last marked one are the question.
 
 With the chunk cache on, every such document becomes a chunk exactly where
-its text lands:
+its text lands (unless the request says `split_chunks: false`: then the
+renderer does not call this module and the request is served as stock vLLM
+serves it):
 
 1. `mark_chunks`: the text of every document field and every marked part is
    wrapped in two markers of private-use characters naming it, before the
@@ -22,7 +24,9 @@ its text lands:
    chunks (the template's separators, often numbered) a chunk of its own.
    Spaces right before a chunk go with it (BPE and SentencePiece put a
    word's leading space in its token). The markers are removed and every
-   piece is tokenized on its own.
+   piece is tokenized on its own;
+3. `unmark_conversation`: the conversation handed back to the server (which
+   echoes it) without the markers.
 
 NOTE: the pieces' tokens must equal the tokens of the whole rendered text
 (what the template gives without the chunk cache): the prompt is tokenized
@@ -80,6 +84,21 @@ def mark_chunks(
         all_names = tuple(names + parts)
         marked.append(MarkedChunks(all_names) if all_names else None)
     return chat_params, out_conversations, marked
+
+
+def unmark_conversation(conversation: list[Any]) -> list[Any]:
+    """The rendered conversation (what the server echoes) without the markers:
+    they are the chunk cache's, never the client's."""
+    def clean(value: Any) -> Any:
+        if isinstance(value, str):
+            return _MARKER.sub("", value)
+        if isinstance(value, list):
+            return [clean(v) for v in value]
+        if isinstance(value, dict):
+            return {k: clean(v) for k, v in value.items()}
+        return value
+
+    return [clean(message) for message in conversation]
 
 
 def chunks_prompt(prompt: dict, marked: MarkedChunks, tokenizer: Any,

@@ -50,6 +50,10 @@ def test_a_dense_mla_config_passes_its_backend_is_checked_by_the_worker():
      "sparse MLA.*DeepSeek-V3.2's DSA.*SFA/DSA"),
     (_config(model={"is_encoder_decoder": True}), "encoder-decoder"),
     (_config(model={"is_multimodal_model": True}), "multimodal"),
+    # Issue 30, finding 3. Before: accepted; an embedding request with "##" was
+    # split, its children (SamplingParams) spawned on the pooling runner, and
+    # mean pooling covered the question only.
+    (_config(model={"runner_type": "pooling"}), "does not support pooling models"),
     (_config(model={"hf_config": SimpleNamespace(no_rope_layers=[1, 0])}), "no_rope_layers"),
     (_config(speculative=SimpleNamespace(method="eagle")), "speculative decoding"),
     (_config(parallel={"decode_context_parallel_size": 2}),
@@ -58,7 +62,7 @@ def test_a_dense_mla_config_passes_its_backend_is_checked_by_the_worker():
      "context parallelism.*--prefill-context-parallel-size 2"),
     (_config(parallel={"enable_dbo": True}), "dual-batch overlap"),
     (_config(parallel={"ubatch_size": 2}), "micro-batching"),
-], ids=["sparse-mla", "encoder-decoder", "multimodal", "nope-layers", "speculative",
+], ids=["sparse-mla", "encoder-decoder", "multimodal", "pooling", "nope-layers", "speculative",
         "dcp", "pcp", "dbo", "ubatch"])
 def test_unsupported_set_ups_are_refused_by_name(config, message):
     # Before (finding 5): speculative decoding failed at the first step with

@@ -16,11 +16,22 @@ whose tokens a boundary of another kind splits.
 
 Engine-free: patch 0002 calls `block_extra_keys` from vLLM's
 `generate_block_hash_extra_keys`.
+
+NOTE: the keys share one flat tuple with strings a client chooses (the
+cache_salt, a LoRA name) and with multimodal keys, (identifier, offset) pairs
+whose identifier a client may choose too. Each key is therefore a 3-tuple,
+which no string and no pair equals, in Python or serialised (pickle and CBOR,
+vLLM's --prefix-caching-hash-algo choices): a salt spelled like a key shares
+nothing with a chunked prompt (issue 30, finding 6).
 """
 
 from bisect import bisect_left
 from functools import lru_cache
 from itertools import accumulate
+
+# (tag, offset of a segment start in the block, kind of segment starting there).
+ChunkSegmentKey = tuple[str, int, str]
+_TAG = "chunk-segment"
 
 
 @lru_cache(maxsize=4096)
@@ -29,7 +40,7 @@ def _starts(layout: tuple[int, ...]) -> tuple[int, ...]:
     return (0, *accumulate(layout[:-1]))
 
 
-def block_extra_keys(layout: tuple[int, ...], start: int, end: int) -> list[str]:
+def block_extra_keys(layout: tuple[int, ...], start: int, end: int) -> list[ChunkSegmentKey]:
     """Keys of the block [start, end) of a prompt with segment token counts
     `layout`: one per segment start inside it, with its offset in the block
     and its kind (s: the system segment, c: a chunk, q: the question)."""
@@ -43,5 +54,5 @@ def block_extra_keys(layout: tuple[int, ...], start: int, end: int) -> list[str]
         if position >= end:
             break
         kind = "s" if i == 0 else "q" if i == last else "c"
-        keys.append(f"chunk-segment:{position - start}:{kind}")
+        keys.append((_TAG, position - start, kind))
     return keys

@@ -16,10 +16,11 @@ BLOCK = 4
 
 def test_keys_name_each_boundary_in_the_block_with_its_kind():
     layout = (3, 5, 4, 2)  # system 0-2, chunk 3-7, chunk 8-11, question 12-13
-    assert block_extra_keys(layout, 0, 4) == ["chunk-segment:0:s", "chunk-segment:3:c"]
+    assert block_extra_keys(layout, 0, 4) == [("chunk-segment", 0, "s"),
+                                              ("chunk-segment", 3, "c")]
     assert block_extra_keys(layout, 4, 8) == []
-    assert block_extra_keys(layout, 8, 12) == ["chunk-segment:0:c"]
-    assert block_extra_keys(layout, 12, 16) == ["chunk-segment:0:q"]
+    assert block_extra_keys(layout, 8, 12) == [("chunk-segment", 0, "c")]
+    assert block_extra_keys(layout, 12, 16) == [("chunk-segment", 0, "q")]
 
 
 def test_a_question_and_a_chunk_starting_at_the_same_place_differ():
@@ -66,5 +67,36 @@ def test_block_edges_and_single_token_segments(layout):
     total = sum(layout)
     keys = [k for s in range(0, total, BLOCK) for k in block_extra_keys(layout, s, s + BLOCK)]
     assert len(keys) == len(layout)
-    assert keys[0] == "chunk-segment:0:s"
-    assert keys[-1].endswith(":q" if len(layout) > 1 else ":s")
+    assert keys[0] == ("chunk-segment", 0, "s")
+    assert keys[-1][2] == ("q" if len(layout) > 1 else "s")
+
+
+@pytest.mark.parametrize("algo", ["sha256", "sha256_cbor", "xxhash", "xxhash_cbor"])
+def test_no_client_salt_shares_a_block_with_a_chunked_prompt(algo):
+    """Issue 30, finding 6. Before: the keys were strings in the same list as
+    cache_salt and the LoRA name, so a causal request salted "chunk-segment:0:s"
+    hashed its first block as an unsalted chunked prompt whose first block is all
+    system prompt: one client could share with, and probe, another's namespace.
+    Now no string a client sends (salt, LoRA name, multimodal UUID) equals a key,
+    under every hash vLLM offers (--prefix-caching-hash-algo)."""
+    from vllm.utils import hashing
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+
+    hash_fn = getattr(hashing, algo)
+    init_none_hash(hash_fn)
+    system = list(range(100, 100 + BLOCK))  # block 0: all system prompt
+
+    def hashes(layout, salt):
+        request = Request("r", system + [7] * 6, SamplingParams(max_tokens=1), None,
+                          block_hasher=get_request_block_hasher(BLOCK, hash_fn),
+                          cache_salt=salt, chunk_layout=layout)
+        return request.block_hashes
+
+    chunked = hashes((BLOCK, 4, 2), None)
+    shaped = [str(key) for key in block_extra_keys((BLOCK, 4, 2), 0, BLOCK)]
+    shaped += ["chunk-segment:0:s", "('chunk-segment', 0, 's')", "chunk-segment"]
+    for salt in shaped:
+        assert hashes(None, salt)[0] != chunked[0], salt
+    # A chunked prompt's salt keys its blocks too: a tenant's own hash differs.
+    assert hashes((BLOCK, 4, 2), "tenant")[0] != chunked[0]
+    init_none_hash(hashing.sha256)  # as the module fixture left it

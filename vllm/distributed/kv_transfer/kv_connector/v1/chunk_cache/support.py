@@ -66,6 +66,19 @@ def check_config(vllm_config: VllmConfig) -> None:
 
 
 def _check_model_kind(model_config: Any) -> None:
+    runner = getattr(model_config, "runner_type", "generate")
+    if runner == "pooling":
+        # NOTE: a pooled output (embedding, score, reward) covers every prompt
+        # token; the connector reports every token before the question as
+        # loaded, so mean or CLS pooling would see the question only, and
+        # pooling requests ask vLLM to skip prefix-cache reads, which a load
+        # is. Children (SamplingParams) cannot run on a pooling runner either.
+        raise ValueError(
+            "--enable-chunk-cache does not support pooling models (--runner "
+            "pooling: embedding, classification, scoring, reward): a pooled "
+            "output covers the whole prompt, which the chunk cache does not "
+            "compute"
+        )
     hf_config = getattr(model_config, "hf_config", None)
     if getattr(model_config, "use_mla", False) and (
         getattr(hf_config, "index_topk", None) is not None
