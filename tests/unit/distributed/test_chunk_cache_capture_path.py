@@ -28,7 +28,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.metadata import (
 from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.setup import POOL_BLOCK_SIZE
 from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.worker import ChunkCacheWorker
 
-from tests.unit.flash_cache_write import write_kv
+from tests.unit.vllm_triton_cache_write import write_kv
 
 HEADS, HEAD = 2, 64
 
@@ -46,6 +46,8 @@ CPU_WRITER = CacheWriter("CPU_ATTN", _write_cpu, _read_cpu)
 
 
 def _flash_writer():
+    # The write: vLLM's own Triton reshape_and_cache_flash (Triton's interpreter), not
+    # the reader's index expression.
     def write(layer, key, value, slots, forward_context):
         write_kv(layer.kv_cache, key, value, slots)
 
@@ -101,11 +103,25 @@ def test_self_check_takes_the_reader_where_it_reads_back_and_restores_the_cache(
     assert list(choice.in_attention) == ([] if readable else ["l0"])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
-def test_flash_reader_through_the_layouts_strides(layout):
-    layer, kv_cache = _flash_layer(layout, torch.bfloat16)
-    choice = choose_capture({"l0": layer}, {"l0": kv_cache}, {"l0": _flash_writer()},
-                            torch.bfloat16)
+def test_flash_reader_returns_what_vllms_flash_write_put_in(layout, dtype):
+    """Rows written by vLLM's own `triton_reshape_and_cache_flash` (the Triton twin of
+    the CUDA backends' write, run by Triton's interpreter) into FlashAttention's NHD and
+    FlashInfer's HND strides, read back by `_read_flash` bit for bit; the self-check
+    then takes the capture after the forward. Issue 30: before, the "write" was the
+    reader's own index expression."""
+    layer, kv_cache = _flash_layer(layout, dtype)
+    gen = torch.Generator().manual_seed(11)
+    key = (3 * torch.randn(37, HEADS, HEAD, generator=gen)).to(dtype)
+    value = (3 * torch.randn(37, HEADS, HEAD, generator=gen)).to(dtype)
+    slots = torch.randperm(6 * 16, generator=gen)[:37]
+    write_kv(kv_cache, key, value, slots)
+    assert kv_cache.count_nonzero() > 0
+    got_key, got_value = _read_flash(layer, kv_cache, slots)
+    assert torch.equal(got_key.view(torch.uint8), key.view(torch.uint8))
+    assert torch.equal(got_value.view(torch.uint8), value.view(torch.uint8))
+    choice = choose_capture({"l0": layer}, {"l0": kv_cache}, {"l0": _flash_writer()}, dtype)
     assert list(choice.after_forward) == ["l0"], choice.in_attention
 
 

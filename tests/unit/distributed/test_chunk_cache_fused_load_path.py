@@ -2,8 +2,10 @@
 """The start-up choice of the fused load (fused_load_path.py), on the CPU.
 
 The self-check runs the fused kernel with Triton's interpreter and, as the backend's write,
-`reshape_and_cache_flash`'s arithmetic in torch (tests/unit/flash_cache_write.py): the CUDA op
-has no CPU kernel. The layer objects are stand-ins carrying what the check reads (the
+vLLM's own Triton `triton_reshape_and_cache_flash` under the same interpreter
+(tests/unit/vllm_triton_cache_write.py): the CUDA op has no CPU kernel. The fp8 case needs
+the CUDA op itself (the interpreter is no fp8 oracle): GPU-only, not executed here. The
+layer objects are stand-ins carrying what the check reads (the
 implementation's class name, head counts, k/v scales); the engine path on the CPU never takes
 the fused kernel, which the last test shows through `choose_fused_layers`.
 """
@@ -17,7 +19,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tests.unit.flash_cache_write import write_kv
+from tests.unit.vllm_triton_cache_write import write_kv
 from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.fused_load_path import (
     FusedLoadChoice,
     choose_fused_layers,
@@ -46,16 +48,24 @@ def layer(impl=None, head_v=HEAD):
                            _k_scale=torch.tensor([0.03]), _v_scale=torch.tensor([0.02]))
 
 
-def kv_cache(dtype, hnd=False):
+def kv_cache(dtype, hnd=False, device="cpu"):
     """[blocks, 2, block_size, heads, head], NHD or with FlashInfer's HND strides."""
     if not hnd:
-        return torch.randn(BLOCKS, 2, BLOCK, HEADS, HEAD).to(dtype)
-    return torch.randn(BLOCKS, 2, HEADS, BLOCK, HEAD).to(dtype).transpose(2, 3)
+        return torch.randn(BLOCKS, 2, BLOCK, HEADS, HEAD).to(dtype).to(device)
+    return torch.randn(BLOCKS, 2, HEADS, BLOCK, HEAD).to(dtype).to(device).transpose(2, 3)
 
 
 def backend_write(fp8=False):
+    """vLLM's own cache write: its Triton op on the CPU, its CUDA op for fp8 (GPU)."""
     def write(layer, key, value, cache, slots):
-        write_kv(cache, key, value, slots, layer._k_scale, layer._v_scale, fp8=fp8)
+        if not fp8:
+            write_kv(cache, key, value, slots)
+            return
+        from vllm import _custom_ops as ops
+
+        key_cache, value_cache = cache.view(torch.float8_e4m3fn).unbind(1)
+        ops.reshape_and_cache_flash(key, value, key_cache, value_cache, slots, "fp8",
+                                    layer._k_scale, layer._v_scale)
     return write
 
 
@@ -65,13 +75,23 @@ def rotation(vllm_config_context):
                         use_cpu_kernel=False)
 
 
+GPU_ONLY = pytest.mark.skipif(
+    not torch.cuda.is_available(),
+    reason="GPU-only: the fp8 oracle is vLLM's CUDA reshape_and_cache_flash (Triton's "
+           "interpreter does not round to fp8 as the GPU does)")
+
+
 @pytest.mark.parametrize("dtype, fp8, hnd", [(torch.float32, False, False),
                                              (torch.bfloat16, False, True),
-                                             (torch.uint8, True, False)],
+                                             pytest.param(torch.uint8, True, False,
+                                                          marks=GPU_ONLY)],
                          ids=["fp32-NHD", "bf16-HND", "fp8-NHD"])
 def test_self_check_passes_where_the_kernel_writes_the_backends_bytes(rotation, dtype, fp8, hnd):
     the_layer = layer(FlashAttentionImpl("fp8" if fp8 else "auto"))
-    cache = kv_cache(dtype, hnd)
+    cache = kv_cache(dtype, hnd, device="cuda" if fp8 else "cpu")
+    if fp8:
+        the_layer._k_scale, the_layer._v_scale = (the_layer._k_scale.cuda(),
+                                                  the_layer._v_scale.cuda())
     before = cache.clone()
     paged = paged_layer(the_layer, cache)
     assert not isinstance(paged, str), paged

@@ -54,13 +54,28 @@ def test_nothing_to_expand():
     assert StoreRows.expand([], 16, 16, CPU).dst_rows.numel() == 0
 
 
-def test_stretches_of_one_request_share_its_block_table():
-    # Two stretches of one request and one of another: each table shipped once.
+def test_stretches_of_one_request_share_its_block_table(monkeypatch):
+    """What crosses to the device is one array: six integers per stretch, then each
+    block table once, however many stretches use it (observed on the array handed to
+    torch, not on the rows, which would be the same either way)."""
+    shipped = []
+    from_numpy = torch.from_numpy
+
+    def spy(array):
+        shipped.append(array.copy())
+        return from_numpy(array)
+
+    monkeypatch.setattr(torch, "from_numpy", spy)
+    # Two stretches of one request and one of another.
     a = SegmentStretch(pool_block_ids=(0,), first_row=0, num_rows=2, dst_position=0, delta=1)
     b = SegmentStretch(pool_block_ids=(1,), first_row=1, num_rows=2, dst_position=2, delta=2)
     c = SegmentStretch(pool_block_ids=(2,), first_row=0, num_rows=1, dst_position=1, delta=3)
     rows = LoadRows.expand([RequestLoad(block_ids=(9,), stretches=(a, b)),
                             RequestLoad(block_ids=(5,), stretches=(c,))], 4, 4, CPU)
+    (packed,) = shipped
+    tables = packed[6 * 3:].tolist()
+    # Paged tables (9,) and (5,), pool tables (0,), (1,), (2,): each once.
+    assert sorted(tables) == [0, 1, 2, 5, 9]
     assert rows.src_rows.tolist() == [0, 1, 5, 6, 8]
     assert rows.dst_slots.tolist() == [36, 37, 38, 39, 21]
     assert rows.deltas.tolist() == [1, 1, 2, 2, 3]
@@ -68,13 +83,17 @@ def test_stretches_of_one_request_share_its_block_table():
 
 def test_each_row_knows_its_stretch_and_each_stretch_its_delta():
     # Two requests, three stretches: the fused load's cos/sin table has a row per
-    # stretch, and row i reads entry stretch_index[i] of it.
+    # stretch, and row i reads entry stretch_index[i] of it. Expected rows worked out
+    # by hand from the blocks (4 rows per pool block, 4 slots per paged block).
     a = RequestLoad(block_ids=(4, 5), stretches=(
         SegmentStretch(pool_block_ids=(9,), first_row=0, num_rows=2, dst_position=1, delta=1),
         SegmentStretch(pool_block_ids=(8,), first_row=1, num_rows=3, dst_position=3, delta=2)))
     b = RequestLoad(block_ids=(6,), stretches=(
         SegmentStretch(pool_block_ids=(7,), first_row=0, num_rows=1, dst_position=2, delta=-5),))
     rows = LoadRows.expand([a, b], 4, 4, torch.device("cpu"))
-    assert rows.stretch_index.tolist() == [0, 0, 1, 1, 1, 2]
+    got = list(zip(rows.src_rows.tolist(), rows.dst_slots.tolist(),
+                   rows.stretch_index.tolist(), rows.deltas.tolist()))
+    assert got == [(36, 17, 0, 1), (37, 18, 0, 1),  # pool block 9 -> positions 1, 2
+                   (33, 19, 1, 2), (34, 20, 1, 2), (35, 21, 1, 2),  # block 8 -> 3..5
+                   (28, 26, 2, -5)]  # pool block 7 -> position 2 of block 6
     assert rows.stretch_deltas.tolist() == [1, 2, -5]
-    assert torch.equal(rows.stretch_deltas[rows.stretch_index], rows.deltas)

@@ -112,6 +112,6 @@ def test_a_gap_dropped_by_a_preemption_leaves_no_hashed_block_unwritten(schedule
 
     # The same prompt again: vLLM's prefix cache may offer only the blocks a wrote.
     again = request("again", prompt, priority=0, layout=LAYOUT)
-    _, num_hit = scheduler.kv_cache_manager.get_computed_blocks(again)
+    num_hit = scheduler.kv_cache_manager.get_computed_blocks(again)[1]  # tokens hit
     assert num_hit == written // BLOCK * BLOCK, (
         f"prefix-cache hit of {num_hit} tokens; only {written} were ever written")

@@ -1,10 +1,14 @@
 # SPDX-License-Identifier: Apache-2.0
 """The fused load kernel (Triton, run by its interpreter on the CPU) writes exactly what
 today's path writes: gather, `RopeRotation.rotate` (rounded products, fp32), cast to the
-pool's dtype, then the backend's `reshape_and_cache_flash` (here its arithmetic in torch:
-store, or `float(x) / scale` saturated to +-448 and rounded to fp8 e4m3). Bit for bit, for
-the NHD (FlashAttention, Triton) and HND (FlashInfer) layouts, neox and GPT-J, partial
-rotary, fp32/bf16 pools, fp8 with one scale or one per head, and a layer without RoPE.
+pool's dtype, then the backend's cache write. The backend's write is vLLM's own: its Triton
+`triton_reshape_and_cache_flash` under the interpreter on the CPU
+(tests/unit/vllm_triton_cache_write.py), and on a GPU the CUDA op `reshape_and_cache_flash`
+for the fp8 cases (`float(x) / scale`, saturated, rounded to e4m3), for which the
+interpreter is no oracle: GPU-only, not executed here. Bit for bit, for the NHD
+(FlashAttention, Triton) and HND (FlashInfer) layouts, neox and GPT-J, partial rotary,
+YaRN, fp32/bf16/fp16 pools, a layer without RoPE, and (GPU) fp8 with one scale or one
+per head.
 """
 
 import os
@@ -14,7 +18,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # before Triton compiles anythin
 import pytest
 import torch
 
-from tests.unit.flash_cache_write import write_rows
+from tests.unit.vllm_triton_cache_write import write_rows
 from vllm.model_executor.layers.rotary_embedding import get_rope
 from vllm.v1.worker.position_remapper import RopeRotation
 
@@ -23,35 +27,60 @@ if not fused.available():
     pytest.fail("Triton is part of vLLM's CPU install: the fused load must be importable")
 
 NUM_HEADS, HEAD_SIZE, BLOCK_SIZE, NUM_BLOCKS, POOL_ROWS = 2, 32, 16, 8, 64
+GPU_ONLY = pytest.mark.skipif(
+    not torch.cuda.is_available(),
+    reason="GPU-only: the fp8 oracle is vLLM's CUDA reshape_and_cache_flash (Triton's "
+           "interpreter does not round to fp8 as the GPU does)")
 
 
-def paged(layout: str, dtype: torch.dtype) -> torch.Tensor:
+def paged(layout: str, dtype: torch.dtype, device="cpu") -> torch.Tensor:
     """A zeroed cache viewed as [blocks, block_size, heads, head] in `layout`."""
     if layout == "NHD":
-        return torch.zeros(NUM_BLOCKS, BLOCK_SIZE, NUM_HEADS, HEAD_SIZE, dtype=dtype)
-    return torch.zeros(NUM_BLOCKS, NUM_HEADS, BLOCK_SIZE, HEAD_SIZE, dtype=dtype).transpose(1, 2)
+        return torch.zeros(NUM_BLOCKS, BLOCK_SIZE, NUM_HEADS, HEAD_SIZE, dtype=dtype,
+                           device=device)
+    return torch.zeros(NUM_BLOCKS, NUM_HEADS, BLOCK_SIZE, HEAD_SIZE, dtype=dtype,
+                       device=device).transpose(1, 2)
 
 
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024}
 CASES = [  # (layout, pool dtype, cache, rope params or None, neox, per-head scales)
     ("NHD", torch.float32, "auto", {"rope_type": "default"}, True, False),
     ("NHD", torch.float32, "auto", {"rope_type": "default"}, False, False),
     ("HND", torch.bfloat16, "auto", {"rope_type": "default"}, True, False),
     ("NHD", torch.bfloat16, "auto", {"rope_type": "default", "partial_rotary_factor": 0.5},
      False, False),
-    ("NHD", torch.bfloat16, "fp8", {"rope_type": "yarn", "factor": 4.0,
-                                   "original_max_position_embeddings": 1024}, True, False),
-    ("HND", torch.float16, "fp8", {"rope_type": "default"}, False, True),
+    ("NHD", torch.bfloat16, "auto", YARN, True, False),
+    ("HND", torch.float16, "auto", {"rope_type": "default"}, False, False),
     ("HND", torch.bfloat16, "auto", None, True, False),
+    pytest.param("NHD", torch.bfloat16, "fp8", YARN, True, False, marks=GPU_ONLY),
+    pytest.param("HND", torch.float16, "fp8", {"rope_type": "default"}, False, True,
+                 marks=GPU_ONLY),
 ]
 
 
+def _case_id(c):
+    c = c.values if hasattr(c, "values") else c
+    return (f"{c[0]}-{str(c[1])[6:]}-{c[2]}-{'rope' if c[3] else 'norope'}-"
+            f"{'neox' if c[4] else 'gptj'}{'-perhead' if c[5] else ''}")
+
+
+def _backend_write(key_cache, value_cache, key, value, slots, k_scale, v_scale, fp8):
+    if not fp8:
+        write_rows(key_cache, value_cache, key, value, slots)
+        return
+    from vllm import _custom_ops as ops  # the CUDA build's op (GPU-only cases)
+
+    ops.reshape_and_cache_flash(key, value, key_cache, value_cache, slots, "fp8",
+                                k_scale, v_scale)
+
+
 @pytest.mark.parametrize("layout, dtype, cache, params, neox, per_head", CASES,
-                         ids=[f"{c[0]}-{str(c[1])[6:]}-{c[2]}-{'rope' if c[3] else 'norope'}-"
-                              f"{'neox' if c[4] else 'gptj'}{'-perhead' if c[5] else ''}"
-                              for c in CASES])
+                         ids=[_case_id(c) for c in CASES])
 def test_fused_load_writes_what_todays_path_writes_bit_for_bit(
     vllm_config_context, layout, dtype, cache, params, neox, per_head
 ):
+    fp8 = cache == "fp8"
+    device = torch.device("cuda" if fp8 else "cpu")
     gen = torch.Generator().manual_seed(3)
     pool_key = (3 * torch.randn(POOL_ROWS, NUM_HEADS, HEAD_SIZE, generator=gen)).to(dtype)
     pool_value = (3 * torch.randn(POOL_ROWS, NUM_HEADS, HEAD_SIZE, generator=gen)).to(dtype)
@@ -59,24 +88,26 @@ def test_fused_load_writes_what_todays_path_writes_bit_for_bit(
     src_rows = torch.randperm(POOL_ROWS, generator=gen)[:n]
     dst_slots = torch.randperm(NUM_BLOCKS * BLOCK_SIZE, generator=gen)[:n]
     deltas = torch.tensor([0, 5, -300, 2900]).repeat_interleave(10)
-    cache_dtype = torch.float8_e4m3fn if cache == "fp8" else dtype
+    cache_dtype = torch.float8_e4m3fn if fp8 else dtype
     k_scale = (torch.tensor([0.02, 0.05]) if per_head else torch.tensor([0.03]))
     v_scale = k_scale * 0.5
-    fp8 = cache == "fp8"
+    pool_key, pool_value, src_rows, dst_slots, deltas, k_scale, v_scale = (
+        t.to(device) for t in (pool_key, pool_value, src_rows, dst_slots, deltas, k_scale,
+                               v_scale))
 
-    # Today's path.
+    # Today's path: gather, rotate, cast, the backend's own write.
     key = pool_key[src_rows]
     rotation = None
     if params is not None:
-        rope = get_rope(HEAD_SIZE, 4096, neox, dict(params), torch.float32)
+        rope = get_rope(HEAD_SIZE, 4096, neox, dict(params), torch.float32).to(device)
         rotation = RopeRotation(rope, use_cpu_kernel=False)
         key = rotation.rotate(key.float(), deltas).to(dtype)
-    want_k, want_v = paged(layout, cache_dtype), paged(layout, cache_dtype)
-    write_rows(want_k, key, dst_slots, k_scale)
-    write_rows(want_v, pool_value[src_rows], dst_slots, v_scale)
+    want_k, want_v = paged(layout, cache_dtype, device), paged(layout, cache_dtype, device)
+    _backend_write(want_k, want_v, key, pool_value[src_rows], dst_slots, k_scale, v_scale,
+                   fp8)
 
     # The fused kernel, with the step's per-distinct-delta table.
-    got_k, got_v = paged(layout, cache_dtype), paged(layout, cache_dtype)
+    got_k, got_v = paged(layout, cache_dtype, device), paged(layout, cache_dtype, device)
     delta_index = table = None
     if rotation is not None:
         distinct, delta_index = torch.unique(deltas, return_inverse=True)
@@ -87,12 +118,12 @@ def test_fused_load_writes_what_todays_path_writes_bit_for_bit(
                      rotation.rotary_dim if rotation else HEAD_SIZE)
 
     def bits(t):
-        return t.contiguous().view(torch.uint8)
+        return t.contiguous().view(torch.uint8).cpu()
 
     assert torch.equal(bits(got_v), bits(want_v))
     assert torch.equal(bits(got_k), bits(want_k))
     written = torch.zeros(NUM_BLOCKS * BLOCK_SIZE, dtype=torch.bool)
-    written[dst_slots] = True
+    written[dst_slots.cpu()] = True
     # Something was written, and only at the slots given.
     assert bits(got_k).reshape(NUM_BLOCKS * BLOCK_SIZE, -1)[written].any()
     assert not bits(got_k).reshape(NUM_BLOCKS * BLOCK_SIZE, -1)[~written].any()
