@@ -389,6 +389,24 @@ def test_bad_chat_documents_get_http_400(server, extra, message):
     assert_nothing_pinned(server)
 
 
+def test_a_chat_with_documents_and_split_chunks_false_is_served_as_stock(server):
+    """Issue 30, finding 4. Before: HTTP 400 "this model's chat template does not
+    render 'documents'" (SmolLM2's template ignores them) where stock vLLM answers: the
+    documents were marked whatever the request asked. Now rendered as without the chunk
+    cache: the prompt has the tokens of the same chat without documents."""
+    messages = [{"role": "system", "content": "Answer briefly."},
+                {"role": "user", "content": "Where is the tower? ## Paris."}]
+    plain = {"model": "smollm2", "messages": messages, "max_tokens": 2, "temperature": 0,
+             "split_chunks": False}
+    status, body = server.post("/v1/chat/completions", dict(
+        plain, documents=[{"title": "a", "text": "first"}, {"title": "b", "text": "x"}]))
+    assert status == 200, body
+    status, without = server.post("/v1/chat/completions", plain)
+    assert status == 200, without
+    assert body["usage"]["prompt_tokens"] == without["usage"]["prompt_tokens"]
+    assert body["choices"][0]["message"] == without["choices"][0]["message"]
+
+
 def test_chat_content_parts_marked_chunk_match_the_reference(server, reference):
     """Documents as content parts marked "chunk": each is a chunk where the
     (SmolLM2 ChatML) template renders it, the newline vLLM joins parts with a
