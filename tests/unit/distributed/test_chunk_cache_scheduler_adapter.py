@@ -106,9 +106,12 @@ def step_output(num_scheduled_tokens, preempted=None):
 
 
 def test_a_load_of_a_request_preempted_in_the_same_step_is_dropped():
-    """Priority policy: a request allocated (its load recorded) and then
-    preempted later in the same step has its blocks freed; the load must not
-    write into them. It loads again, into its new blocks, when it resumes."""
+    """The adapter's part only: a load recorded for a request that the step's
+    output names as preempted is not sent; the request loads again, into its new
+    blocks, when it resumes. (Driven here through the waiting-path hook for brevity,
+    a case vLLM does not produce: only running requests are preempted. The case it
+    produces, a running request's gap, with the scheduler's eviction of the gap's
+    blocks: tests/unit/v1/core/test_scheduler_prefill_gap.py.)"""
     adapter = ChunkCacheSchedulerAdapter(*make_config())
     (r,) = _ready_parents(adapter, [[3, 5, 2]])
     assert adapter.get_num_new_matched_tokens(r, 0) == (8, False)
