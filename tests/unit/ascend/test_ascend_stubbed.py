@@ -50,12 +50,29 @@ def test_every_patched_or_new_file_compiles(ascend_tree: Path):
     "check_mla_load_with_ascend_deepseek_rope",
 ])
 def test_npu_code_path_against_stubs(ascend_tree: Path, check: str):
+    _run_check(ascend_tree, "npu_stub_checks.py", check)
+
+
+@pytest.mark.parametrize("check", [
+    "check_hamming_sparse_refused",
+    "check_pp_refused_on_npu",
+    "check_fa_quant_and_pd_mix_refused",
+    "check_carve_counts_the_npu_kv_alignment",
+    "check_capture_check_avoids_assert_async_on_npu",
+    "check_mlapo_is_read_per_layer_after_weights_load",
+])
+def test_npu_start_up_against_vllm_ascend(ascend_tree: Path, check: str):
+    """Issue 29, findings 5, 6, 7, 9: tests/unit/ascend/npu_startup_checks.py."""
+    _run_check(ascend_tree, "npu_startup_checks.py", check)
+
+
+def _run_check(ascend_tree: Path, script: str, check: str) -> None:
     env = {**os.environ,
            "PYTHONPATH": os.pathsep.join([str(HERE / "stubs"), str(ascend_tree)]),
            "VLLM_LOGGING_LEVEL": "WARNING",
            # vLLM stays on its CPU platform (the tree's metadata would activate
            # vllm-ascend's NPU platform, which needs a real torch_npu device).
            "VLLM_PLUGINS": "none"}
-    proc = subprocess.run([sys.executable, str(HERE / "npu_stub_checks.py"), check],
+    proc = subprocess.run([sys.executable, str(HERE / script), check],
                           env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0 and f"OK {check}" in proc.stdout, proc.stderr[-4000:]

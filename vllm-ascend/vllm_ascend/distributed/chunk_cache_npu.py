@@ -38,8 +38,9 @@ stay refused by name.
 Not registered, hence refused at start-up with a message: SFA/DSA (the
 lightning indexer's key cache; also refused when the config is built),
 Ascend's int8 "C8" KV cache (`AscendC8AttentionBackendImpl`), and every other
-implementation; the Ascend MLA reader refuses the NZ cache (`enable_kv_nz`),
-MLAPO's fused decode write (`enable_mlapo`) and a quantized latent cache.
+implementation; the Ascend MLA reader refuses the NZ cache (`enable_kv_nz`)
+and a quantized latent cache, and its layer check MLAPO's fused decode write
+where a layer keeps it after its weights loaded (`impl.enable_mlapo`).
 See docs/ascend.md: none of this was executed on an NPU.
 """
 
@@ -118,23 +119,33 @@ def mla_cache_parts(kv_cache: Any) -> tuple[torch.Tensor, torch.Tensor]:
                 "latent cache, fa_quant or C8, is not supported)")
     if latent.shape[:2] != rope.shape[:2] or latent.dtype != rope.dtype:
         raise ValueError("chunk cache: Ascend MLA latent and rope caches do not match")
-    config = get_ascend_config()
-    # NOTE: both write the cache with other ops than the "PA" scatter this
-    # writer uses: FRACTAL_NZ decode writes (enable_kv_nz), and MLAPO's fused
-    # decode preprocessing, on by default on A5 (on A2/A3 only on PD decode
-    # instances, which the chunk cache is not: AscendMLAImpl.enable_mlapo).
-    if getattr(config, "enable_kv_nz", False):
+    # NOTE: FRACTAL_NZ decode writes (enable_kv_nz) write the cache with
+    # another op than the "PA" scatter this writer uses. MLAPO is per layer:
+    # check_mla_layer.
+    if getattr(get_ascend_config(), "enable_kv_nz", False):
         raise ValueError("chunk cache does not support Ascend MLA with enable_kv_nz")
-    if getattr(config, "enable_mlapo", False) and _is_a5():
-        raise ValueError("chunk cache does not support Ascend MLA with MLAPO on A5 "
-                         "(set VLLM_ASCEND_ENABLE_MLAPO=0)")
     return latent, rope
 
 
-def _is_a5() -> bool:
-    from vllm_ascend.utils import AscendDeviceType, get_ascend_device_type
-
-    return get_ascend_device_type() == AscendDeviceType.A5
+def check_mla_layer(name: str, layer: Any) -> None:
+    """Refuse an AscendMLAImpl layer, as its weights left it, whose decode
+    writes its cache with another op than the writer's: MLAPO's fused decode
+    preprocessing. NOTE: per layer, not the config's VLLM_ASCEND_ENABLE_MLAPO
+    (on by default; on A5 it is on for every instance, on A2/A3 only on PD
+    decode instances): vllm-ascend turns it off in
+    `AscendMLAImpl.process_weights_after_loading` for a layer whose
+    fused_qkv_a_proj is not W8A8 (or W8A8-MXFP8), which is the case of every
+    bf16 checkpoint. Also refused: a layer with fa_quant (a quantized latent
+    cache) or the NZ cache."""
+    impl = layer.impl
+    for flag, what in (("enable_mlapo", "MLAPO's fused decode write (W8A8 MLA "
+                        "checkpoints with VLLM_ASCEND_ENABLE_MLAPO=1, the default; "
+                        "set it to 0)"),
+                       ("fa_quant_layer", "fa_quant (an int8/fp8 latent cache)"),
+                       ("enable_kv_nz", "enable_kv_nz (FRACTAL_NZ decode writes)")):
+        if getattr(impl, flag, False):
+            raise ValueError(f"chunk cache does not support Ascend MLA layer {name} "
+                             f"with {what}")
 
 
 def write_latent_npu(layer: Any, kv_c: torch.Tensor, k_pe: torch.Tensor,
@@ -144,10 +155,8 @@ def write_latent_npu(layer: Any, kv_c: torch.Tensor, k_pe: torch.Tensor,
     from vllm_ascend.device import device_op
 
     latent, rope = mla_cache_parts(kv_cache)
-    impl = layer.impl
-    for flag in ("enable_kv_nz", "enable_mlapo", "fa_quant_layer"):
-        if getattr(impl, flag, False):  # start-up refuses these: never reached
-            raise ValueError(f"chunk cache does not support Ascend MLA with {flag}")
+    # Refused at start-up (support.check_attention_layer): never raises here.
+    check_mla_layer(getattr(layer, "layer_name", "?"), layer)
     n = kv_c.shape[0]
     device_op.DeviceOperator.reshape_and_cache(
         key=kv_c.reshape(n, 1, -1).contiguous(),
@@ -237,5 +246,6 @@ def register_npu_chunk_cache() -> None:
     # whatever the rope's style, and read_latent_npu returns it re-interleaved:
     # GPT-J pairs in the pool.
     register_latent_writer("AscendMLAImpl", ASCEND_MLA_BACKEND, write_latent_npu,
-                           read_latent_npu, k_pe_neox_style=False)
+                           read_latent_npu, k_pe_neox_style=False,
+                           check_layer=check_mla_layer)
     register_ascend_ropes()

@@ -1,12 +1,13 @@
 """A stand-in for `torch_npu` on CPU: NOT Huawei's library.
 
-Four ops have CPU reference implementations written from their documented
+Five ops have CPU reference implementations written from their documented
 semantics: the two cache writes (the paged caches are [num_blocks,
 block_size, num_kv_heads, head_size]; token i goes to block slot //
 block_size, offset slot % block_size; key and value widths may differ, as
 for MLA's latent and rope caches), `_npu_rotary_embedding` (as vLLM's
 `rotary_embedding` op, whose signature it shares) and MLA's fused
-`npu_kv_rmsnorm_rope_cache` ("PA" mode only). Every other attribute exists
+`npu_kv_rmsnorm_rope_cache` ("PA" mode only), and `npu_format_cast` to the
+plain ND format (the identity). Every other attribute exists
 so that vllm-ascend's modules import, and raises NotImplementedError when
 called. Tests backed by this stub check the fork's index and layout math on
 Ascend's code path, not the NPU ops themselves.
@@ -121,6 +122,13 @@ def _npu_rotary_embedding(positions, query, key, head_size, cos_sin_cache, is_ne
         o1, o2 = x1 * c - x2 * s, x2 * c + x1 * s
         out = torch.cat((o1, o2), -1) if is_neox_style else torch.stack((o1, o2), -1).flatten(-2)
         rows[..., :rot] = out.to(x.dtype)
+
+
+def npu_format_cast(tensor, acl_format):
+    """The plain ND format (ACL_FORMAT_FRACTAL_ND = 2) only: the tensor as it is."""
+    if acl_format != 2:
+        raise NotImplementedError(f"npu_format_cast to format {acl_format}: no CPU stub")
+    return tensor
 
 
 npu = _Namespace("torch_npu.npu")

@@ -144,6 +144,10 @@ class LatentWriter:
     # adjacent values); None: the rope's. vllm-ascend's MLA always rotates
     # k_pe interleaved and its reader returns GPT-J rows (chunk_cache_npu).
     k_pe_neox_style: bool | None = None
+    # (layer name, layer) -> None, or ValueError naming what this writer cannot
+    # serve on that layer as its weights left it (support.check_attention_layer,
+    # once the model is loaded); None: nothing per layer.
+    check_layer: Callable[[str, Any], None] | None = None
 
 
 _LATENT_WRITERS: dict[str, LatentWriter] = {}
@@ -151,8 +155,10 @@ _LATENT_WRITERS: dict[str, LatentWriter] = {}
 
 def register_latent_writer(impl_class_name: str, backend: str, write: LatentWriteFn,
                            read: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-                           k_pe_neox_style: bool | None = None) -> None:
-    _LATENT_WRITERS[impl_class_name] = LatentWriter(backend, write, read, k_pe_neox_style)
+                           k_pe_neox_style: bool | None = None,
+                           check_layer: Callable[[str, Any], None] | None = None) -> None:
+    _LATENT_WRITERS[impl_class_name] = LatentWriter(backend, write, read, k_pe_neox_style,
+                                                    check_layer)
 
 
 def latent_writer_for(impl: Any) -> LatentWriter | None:

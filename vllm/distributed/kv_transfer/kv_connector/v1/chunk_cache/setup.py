@@ -107,6 +107,8 @@ def pool_num_blocks_from_config(vllm_config: VllmConfig) -> int | None:
 # and kv + pool <= B. The workers' load buffers (S bytes, fixed) are taken
 # out first: B' = B - pool - S, or (B - S) * (1 - f) with the fraction (f is
 # the pool's share of what the buffers leave), so kv + pool + S <= B still.
+# On an NPU the padding vllm-ascend adds to each KV tensor (P bytes in all) is
+# taken out with them: kv + P + pool + S <= B.
 
 
 def carve_chunk_pool(vllm_config: VllmConfig, available_bytes: int) -> int:
@@ -114,17 +116,19 @@ def carve_chunk_pool(vllm_config: VllmConfig, available_bytes: int) -> int:
     buffers are taken out."""
     cfg = vllm_config.chunk_cache_config
     scratch = load_scratch_bytes(vllm_config)
+    padding = kv_allocation_padding_bytes(vllm_config)
     if cfg.chunk_pool_size_gib is not None:
         pool = int(cfg.chunk_pool_size_gib * (1 << 30))
     else:
-        rest = available_bytes - scratch
+        rest = available_bytes - scratch - padding
         pool = rest - int(rest * (1.0 - cfg.chunk_pool_fraction))
-    left = available_bytes - pool - scratch
+    left = available_bytes - pool - scratch - padding
     if left <= 0:
         raise ValueError(
             f"the chunk pool ({pool / (1 << 30):.3f} GiB) and its load buffers "
             f"({scratch / (1 << 30):.3f} GiB for --max-chunk-load-tokens "
-            f"{cfg.max_chunk_load_tokens}) do not fit the KV cache budget of "
+            f"{cfg.max_chunk_load_tokens}; {padding / (1 << 20):.0f} MiB of KV "
+            "cache alignment on NPUs) do not fit the KV cache budget of "
             f"{available_bytes / (1 << 30):.2f} GiB (both are carved out of it): "
             "lower --chunk-pool-size-gib / --chunk-pool-fraction or "
             "--max-chunk-load-tokens, or raise gpu_memory_utilization / "
@@ -132,13 +136,35 @@ def carve_chunk_pool(vllm_config: VllmConfig, available_bytes: int) -> int:
         )
     logger.info(
         "Chunk cache: KV budget %.2f GiB -> %.2f GiB for the paged KV cache, "
-        "%.2f GiB for the chunk pool, %.1f MiB for its load buffers",
+        "%.2f GiB for the chunk pool, %.1f MiB for its load buffers%s",
         available_bytes / (1 << 30),
         left / (1 << 30),
         pool / (1 << 30),
         scratch / (1 << 20),
+        f", {padding / (1 << 20):.0f} MiB for the KV tensors' alignment" if padding else "",
     )
     return left
+
+
+# vllm-ascend's NPU runner allocates every K and V tensor of a layer (MLA: its
+# latent and rope tensors) this much larger, to align its address, whenever a
+# KV connector is configured (`_allocate_int8_cache_tensor`, read in
+# vllm-ascend 0.23.0.post1): the chunk cache's connector always is.
+NPU_KV_TENSOR_ALIGNMENT = 2 << 20
+
+
+def kv_allocation_padding_bytes(vllm_config: VllmConfig) -> int:
+    """Memory the platform's KV cache allocation takes beyond the bytes vLLM
+    sized the paged cache for: on vllm-ascend's NPU runner, 2 MiB per K and V
+    tensor (two per attention layer), which vLLM's sizing does not see. Carved
+    out with the pool, so that the paged cache, the pool and the padding stay
+    within the budget."""
+    from vllm.platforms import current_platform
+
+    if getattr(current_platform, "device_type", None) != "npu":
+        return 0
+    layers = _max_stage_layers(vllm_config.model_config, vllm_config.parallel_config)
+    return 2 * layers * NPU_KV_TENSOR_ALIGNMENT
 
 
 def load_scratch_bytes(vllm_config: VllmConfig) -> int:

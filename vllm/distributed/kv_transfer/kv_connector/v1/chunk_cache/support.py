@@ -63,6 +63,51 @@ def check_config(vllm_config: VllmConfig) -> None:
             "cache never loaded into them"
         )
     _check_parallelism(getattr(vllm_config, "parallel_config", None))
+    from vllm.platforms import current_platform
+
+    if getattr(current_platform, "device_type", None) == "npu":
+        _check_ascend_options(vllm_config)
+
+
+def _check_ascend_options(vllm_config: VllmConfig) -> None:
+    """vllm-ascend's options under which a load or a capture would not be exact
+    (read in vllm-ascend 0.23.0.post1; never executed on an NPU). The chunk
+    cache's connector role, kv_both, counts as a PD producer AND consumer
+    there, which switches on PD-only branches (docs/ascend.md)."""
+    additional = getattr(vllm_config, "additional_config", None) or {}
+    hamming = additional.get("hamming_sparse") or {}
+    if additional.get("enable_hamming_sparse") or (
+            isinstance(hamming, dict) and hamming.get("enabled")):
+        # NOTE: kvcomp keeps a hash of every key block, written by the
+        # attention forward (reshape_and_cache_kvcomp); decode picks its top-k
+        # blocks by those hashes. Rows the load writes get none: stale hashes.
+        raise ValueError(
+            "--enable-chunk-cache does not support vllm-ascend's hamming sparse "
+            "attention (additional_config hamming_sparse / enable_hamming_sparse): "
+            "decode picks key blocks by hashes the attention forward writes, and "
+            "loaded rows get none, so it would select blocks by stale hashes")
+    pp = getattr(getattr(vllm_config, "parallel_config", None),
+                 "pipeline_parallel_size", 1) or 1
+    if pp > 1:
+        raise ValueError(
+            f"--enable-chunk-cache does not support pipeline parallelism on Ascend NPUs "
+            f"(--pipeline-parallel-size {pp}): its KV connector role (kv_both) makes "
+            "vllm-ascend's model runner take a PD producer's branch and skip the "
+            "async-scheduling broadcast of sampled tokens to the other stages")
+    quant = getattr(vllm_config, "quant_config", None)
+    if getattr(quant, "enable_fa_quant", False):
+        raise ValueError(
+            "--enable-chunk-cache does not support checkpoints with vllm-ascend's "
+            "fa_quant (fa_quant_type): as a KV consumer (kv_both) vllm-ascend keeps an "
+            "int8/fp8 latent cache, which the chunk cache can neither read back nor "
+            "write")
+    description = getattr(quant, "quant_description", None) or {}
+    if any(value == "W8A8_MIX" for value in description.values()):
+        raise ValueError(
+            "--enable-chunk-cache does not support vllm-ascend's W8A8_MIX (PD-mix) "
+            "checkpoints: as a KV consumer (kv_both) they would switch to the decode "
+            "node's static quantization for every token, unlike the same model served "
+            "without the chunk cache")
 
 
 def _check_model_kind(model_config: Any) -> None:
@@ -216,7 +261,8 @@ def _check_latent_layer(name: str, layer: Any) -> None:
         supported_latent_backends,
     )
 
-    if latent_writer_for(layer.impl) is None:
+    writer = latent_writer_for(layer.impl)
+    if writer is None:
         raise ValueError(
             f"chunk cache does not support the MLA backend of {name} "
             f"({type(layer.impl).__name__}); supported: "
@@ -231,6 +277,8 @@ def _check_latent_layer(name: str, layer: Any) -> None:
             f"chunk cache supports MLA latent caches in the model dtype only; {name} "
             f"({type(layer.impl).__name__}) has --kv-cache-dtype {layer.kv_cache_dtype}"
         )
+    if writer.check_layer is not None:
+        writer.check_layer(name, layer)
 
 
 def check_graph_mode(compilation_config: Any, hooked: dict[str, str]) -> None:

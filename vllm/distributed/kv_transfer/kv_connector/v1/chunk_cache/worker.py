@@ -413,9 +413,10 @@ class ChunkCacheWorker:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Batch row of each token to capture (found by its paged slot) and
         its pool row, on the batch's device, once per step, with no host
-        synchronisation: the check that every slot is in the batch is a
-        device-side assertion (raised at once on the CPU, by the device in
-        stream order elsewhere)."""
+        synchronisation on CPU and CUDA: the check that every slot is in the
+        batch is a device-side assertion there (raised at once on the CPU, by
+        the device in stream order on CUDA); on an NPU a host check
+        (assert_on_device)."""
         expanded = StoreRows.expand(meta.stores, POOL_BLOCK_SIZE, self.block_size,
                                     slot_mapping.device)
         wanted, dst = expanded.src_slots, expanded.dst_rows
@@ -424,11 +425,26 @@ class ChunkCacheWorker:
         sorted_slots = slots[order]
         pos = torch.searchsorted(sorted_slots, wanted).clamp_(max=slots.numel() - 1)
         rows = order[pos]
-        # NOTE: not `bool(...)`: a device->host copy per step would serialise
-        # the CPU and the device under async scheduling (issue 20, finding 4).
-        torch._assert_async(
+        assert_on_device(
             (slots[rows] == wanted).all(),
             "chunk cache: some child tokens to capture are not in this step's "
             "batch (scheduler/worker disagree)",
         )
         return rows, dst
+
+
+def assert_on_device(ok: torch.Tensor, message: str) -> None:
+    """Raise `message` unless the one-element bool tensor `ok` holds.
+
+    CPU and CUDA: `torch._assert_async`, with no host synchronisation (a
+    device->host copy per step would serialise the CPU and the device under
+    async scheduling, issue 20, finding 4). Other platforms (vllm-ascend's
+    NPU): that op has no kernel there (torch_npu's op-plugin lists none), so
+    the check reads the flag on the host: one synchronisation per step that
+    captures in the attention hook (it runs once per step, _step_indices)."""
+    from vllm.platforms import current_platform
+
+    if getattr(current_platform, "device_type", None) in ("cpu", "cuda"):
+        torch._assert_async(ok, message)
+    elif not bool(ok):
+        raise RuntimeError(message)
