@@ -290,6 +290,29 @@ def check_mlapo_is_read_per_layer_after_weights_load() -> None:
         raise AssertionError("a layer with MLAPO was not refused")
 
 
+def check_full_graph_refusal_names_the_npu_not_a_quantized_cache() -> None:
+    """Finding 11: on the NPU platform an explicit full graph mode (vllm-ascend
+    sets FULL_DECODE_ONLY itself under xlite decode-only) is refused because the
+    platform's captures run in the attention hook; the message says so, instead of
+    blaming a quantized KV cache the config does not have."""
+    from vllm.config.compilation import CUDAGraphMode
+    from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.setup import (
+        configure_chunk_cache_connector,
+    )
+
+    config = _chunk_cache_config()
+    assert str(config.cache_config.cache_dtype) == "auto"
+    config.compilation_config.cudagraph_mode = CUDAGraphMode.FULL_DECODE_ONLY
+    _on_npu()
+    try:
+        configure_chunk_cache_connector(config)
+    except ValueError as e:
+        assert "FULL_DECODE_ONLY" in str(e) and "npu platform" in str(e), str(e)
+        assert "quantized" not in str(e), str(e)
+    else:
+        raise AssertionError("FULL_DECODE_ONLY accepted on the NPU platform")
+
+
 if __name__ == "__main__":
     import vllm_ascend.ops  # noqa: F401 - vllm-ascend's own import order (device_op first)
 

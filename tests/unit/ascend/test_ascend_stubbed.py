@@ -60,9 +60,10 @@ def test_npu_code_path_against_stubs(ascend_tree: Path, check: str):
     "check_carve_counts_the_npu_kv_alignment",
     "check_capture_check_avoids_assert_async_on_npu",
     "check_mlapo_is_read_per_layer_after_weights_load",
+    "check_full_graph_refusal_names_the_npu_not_a_quantized_cache",
 ])
 def test_npu_start_up_against_vllm_ascend(ascend_tree: Path, check: str):
-    """Issue 29, findings 5, 6, 7, 9: tests/unit/ascend/npu_startup_checks.py."""
+    """Issue 29, findings 5, 6, 7, 9, 11: tests/unit/ascend/npu_startup_checks.py."""
     _run_check(ascend_tree, "npu_startup_checks.py", check)
 
 

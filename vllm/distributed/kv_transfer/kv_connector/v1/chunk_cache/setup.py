@@ -9,7 +9,7 @@ import torch
 
 from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.support import (
     CAPTURE_IN_ATTENTION,
-    capture_needs_attention_hook,
+    capture_hook_reason,
     CONNECTOR_NAME,
     check_config,
 )
@@ -32,9 +32,10 @@ def configure_chunk_cache_connector(vllm_config: VllmConfig) -> None:
     from vllm.config import KVTransferConfig
 
     check_config(vllm_config)
-    hooked = capture_needs_attention_hook(vllm_config)
+    reason = capture_hook_reason(vllm_config)
+    hooked = reason is not None
     if hooked:
-        _resolve_cudagraph_mode(vllm_config)
+        _resolve_cudagraph_mode(vllm_config, reason)
     vllm_config.chunk_cache_config.resolve_sink_token_id(_bos_token_id(vllm_config))
     logger.info("Chunk cache enabled: %s", vllm_config.chunk_cache_config.describe())
     vllm_config.kv_transfer_config = KVTransferConfig(
@@ -43,9 +44,9 @@ def configure_chunk_cache_connector(vllm_config: VllmConfig) -> None:
     )
 
 
-def _resolve_cudagraph_mode(vllm_config: VllmConfig) -> None:
-    """CUDA graphs where captures may stay in the attention hook (a quantized
-    KV cache, capture_path.py): PIECEWISE only.
+def _resolve_cudagraph_mode(vllm_config: VllmConfig, reason: str) -> None:
+    """CUDA graphs where captures may stay in the attention hook (`reason`: a
+    quantized KV cache, or the NPU platform, capture_path.py): PIECEWISE only.
 
     Such a capture runs in the attention wrapper with the step's indices, so
     attention must run eagerly between captured pieces (vLLM's splitting
@@ -61,18 +62,14 @@ def _resolve_cudagraph_mode(vllm_config: VllmConfig) -> None:
     if mode is None or not mode.has_full_cudagraphs():
         return
     if mode == CUDAGraphMode.FULL_AND_PIECEWISE:
-        logger.info(
-            "Chunk cache: cudagraph_mode FULL_AND_PIECEWISE -> PIECEWISE "
-            "(the %s KV cache is captured in the attention hook, outside the graphs)",
-            vllm_config.cache_config.cache_dtype,
-        )
+        logger.info("Chunk cache: cudagraph_mode FULL_AND_PIECEWISE -> PIECEWISE (%s, "
+                    "outside the graphs)", reason)
         compilation_config.cudagraph_mode = CUDAGraphMode.PIECEWISE
         return
     raise ValueError(
-        f"--enable-chunk-cache does not support cudagraph_mode={mode.name} with "
-        f"--kv-cache-dtype {vllm_config.cache_config.cache_dtype}: the capture of a "
-        "quantized cache runs in the attention hook, which a full CUDA graph would "
-        "capture; use PIECEWISE (the default then) or --enforce-eager"
+        f"--enable-chunk-cache does not support cudagraph_mode={mode.name} here: "
+        f"{reason}, which a full graph would capture; use PIECEWISE (the default "
+        "then) or --enforce-eager"
     )
 
 
