@@ -74,7 +74,8 @@ def _check_ascend_options(vllm_config: VllmConfig) -> None:
     (read in vllm-ascend 0.23.0.post1; never executed on an NPU). The chunk
     cache's connector role, kv_both, counts as a PD producer AND consumer
     there, which switches on PD-only branches (docs/ascend.md)."""
-    additional = getattr(vllm_config, "additional_config", None) or {}
+    additional = getattr(vllm_config, "additional_config", None)
+    additional = additional if isinstance(additional, dict) else {}
     hamming = additional.get("hamming_sparse") or {}
     if additional.get("enable_hamming_sparse") or (
             isinstance(hamming, dict) and hamming.get("enabled")):
@@ -101,7 +102,8 @@ def _check_ascend_options(vllm_config: VllmConfig) -> None:
             "fa_quant (fa_quant_type): as a KV consumer (kv_both) vllm-ascend keeps an "
             "int8/fp8 latent cache, which the chunk cache can neither read back nor "
             "write")
-    description = getattr(quant, "quant_description", None) or {}
+    description = getattr(quant, "quant_description", None)
+    description = description if isinstance(description, dict) else {}
     if any(value == "W8A8_MIX" for value in description.values()):
         raise ValueError(
             "--enable-chunk-cache does not support vllm-ascend's W8A8_MIX (PD-mix) "
