@@ -136,7 +136,8 @@ def test_layers_the_kernel_does_not_know_keep_todays_path():
     assert fp8.key_cache.dtype == torch.float8_e4m3fn and fp8.k_scale is not None
 
 
-def test_on_the_cpu_every_layer_keeps_the_backends_own_write(rotation):
+def test_on_the_cpu_every_layer_keeps_the_backends_own_write(rotation, monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET")  # Triton runs on CPU tensors only in it
     choice = choose_fused_layers({"l0": layer(), "l1": layer()},
                                  {"l0": kv_cache(torch.float32), "l1": kv_cache(torch.float32)},
                                  {"l0": rotation, "l1": None}, torch.float32, backend_write())
@@ -147,7 +148,7 @@ def test_on_the_cpu_every_layer_keeps_the_backends_own_write(rotation):
 
 
 def test_the_workers_fused_branch_writes_what_its_layer_by_layer_branch_writes(rotation):
-    """ChunkCacheWorker._load_piece, both branches on the same step: the fused kernel with
+    """ChunkCacheWorker._load_rows, both branches on the same step: the fused kernel with
     the per-stretch cos/sin table and each row's stretch index, against gather + rotation
     + the backend's write (reshape_and_cache_flash's arithmetic), on a RoPE layer and a
     layer without RoPE; two requests, three stretches, deltas of both signs."""
@@ -195,7 +196,7 @@ def test_the_workers_fused_branch_writes_what_its_layer_by_layer_branch_writes(r
             worker._fused, worker.pool_key, worker.pool_value,
             {name: remapper.rotation for name, remapper in worker.remappers.items()})
         assert len(worker._fused_groups) == (2 if fused else 0)  # RoPE and no RoPE
-        worker._load_piece(rows)
+        worker._load_rows(rows)
         written[fused] = caches
     for name in pools:
         assert written[False][name].any(), name

@@ -6,7 +6,7 @@ rows, the fp32 rotation (elementwise passes over strided halves), a cast back,
 then the backend's `reshape_and_cache_flash`. This kernel does the same work in
 one pass: each program reads one pool row of one KV head once, rotates K by its
 row's delta with the step's cos/sin table (one row per stretch of a cached
-segment, `RopeRotation.cos_sin_rows`: float64 angles, fp32 values; each row
+segment, `RopeRotation.stretch_cos_sin`: float64 angles, fp32 values; each row
 reads its stretch's entry), and writes K and
 V once into the paged cache through its strides, so the NHD layout of
 FlashAttention / Triton and the HND layout of FlashInfer are the same code.
@@ -207,17 +207,28 @@ _TL_DTYPES = ({torch.float32: tl.float32, torch.bfloat16: tl.bfloat16,
                torch.float16: tl.float16} if triton is not None else {})
 
 
-def available() -> bool:
-    return triton is not None
+def available(device: torch.device | None = None) -> bool:
+    """Whether the kernels can run on `device`: Triton is installed, and the
+    device is not the CPU, where Triton runs only in its interpreter
+    (TRITON_INTERPRET=1, the CPU tests)."""
+    if triton is None:
+        return False
+    if device is not None and device.type == "cpu":
+        import os
+
+        return os.environ.get("TRITON_INTERPRET") == "1"
+    return True
 
 
 @dataclass(frozen=True)
 class FusedGroup:
     """Layers one launch loads: the same pool and cache shapes, strides and
-    dtypes (a model's layers, usually all of them). Built once at start-up:
-    the kernel finds each layer's tensors through a table of their device
-    addresses, so the tensors must not move (they are the worker's pool and
-    vLLM's paged cache, allocated once)."""
+    dtypes (a model's layers, usually all of them). The kernel finds each
+    layer's tensors through a table of their device addresses, so the tensors
+    must not move (they are the worker's pool and vLLM's paged cache,
+    allocated once). Built at the first load, not at start-up: the table must
+    not live in the KV-cache memory pool a sleep discards
+    (fused_load_path.FusedLayers.group)."""
 
     # [6, num_layers] int64 addresses: pool K, pool V, key cache, value
     # cache, k scale, v scale (the pool K's address where there is no scale).

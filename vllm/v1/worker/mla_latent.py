@@ -44,6 +44,15 @@ class LatentRowLayout:
         return rows[..., : self.kv_lora_rank], rows[..., self.kv_lora_rank :]
 
 
+def check_latent_rope(layout: LatentRowLayout, rotation: RopeRotation) -> None:
+    """Refuse a rope that does not turn exactly the row's k_pe."""
+    if rotation.head_size != layout.rope_dim or rotation.rotary_dim != layout.rope_dim:
+        raise ValueError(
+            f"the rope rotates {rotation.rotary_dim} of {rotation.head_size} values "
+            f"per key, the latent row's k_pe has {layout.rope_dim}"
+        )
+
+
 def reposition_latent_rows(
     layout: LatentRowLayout,
     rotation: RopeRotation,
@@ -56,14 +65,10 @@ def reposition_latent_rows(
 
     The pair is what a latent cache-write op takes (`concat_and_cache_mla`
     on CUDA), so the backend lays out and quantizes it as for computed
-    tokens. `cos_sin`: `rotation.cos_sin_rows(deltas)` if computed already
-    (once per step for every layer).
+    tokens. `cos_sin`: each row's cos/sin if computed already (the worker's
+    LatentLayer.load does the same through its load buffers).
     """
-    if rotation.head_size != layout.rope_dim or rotation.rotary_dim != layout.rope_dim:
-        raise ValueError(
-            f"the rope rotates {rotation.rotary_dim} of {rotation.head_size} values "
-            f"per key, the latent row's k_pe has {layout.rope_dim}"
-        )
+    check_latent_rope(layout, rotation)
     kv_c, k_pe = layout.split(rows)
     # [n, 1, rope_dim]: k_pe is one head shared by every query head.
     k_pe = rotation.rotate(k_pe.unsqueeze(1), deltas, cos_sin=cos_sin).squeeze(1)

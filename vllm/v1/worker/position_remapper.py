@@ -10,10 +10,13 @@ plain function in tests). V carries no position and is copied as is.
 
 Numerics:
 * the rotation is applied in fp32 and cast back to the cache dtype;
-* cos/sin of the delta are computed per distinct delta (a load plan has one
-  delta per segment) on the CPU in float64 from vLLM's own fp32 inverse
-  frequencies, then cast to fp32, so the delta adds no angle rounding of
-  its own (fp32 angles lose ~1e-2 rad at 1e5 positions);
+* cos/sin of the delta are computed per stretch (a load plan has one delta
+  per stretch of a segment) on the host in float64 from vLLM's own fp32
+  inverse frequencies, then cast to fp32, so the delta adds no angle rounding
+  of its own (fp32 angles lose ~1e-2 rad at 1e5 positions); the worker sends
+  that small table to the device once per step and each row gathers its
+  stretch's entry there (`StretchCosSin`): no device copy of the frequencies
+  is kept between steps, and no device value is read back;
 * the generic `rotate` rounds each product on its own (no fused
   multiply-add), as vLLM's CPU RoPE op does on AVX2 and AVX-512 builds;
 * on the CPU the rotation runs in place through vLLM's own RoPE op with a
@@ -251,8 +254,12 @@ class RopeRotation:
         pairing = _STORED_PAIRING.get(type(rope))
         self.is_neox_style: bool = bool(
             pairing(rope) if pairing is not None else getattr(rope, "is_neox_style", True))
+        # On the host only: a device copy kept from start-up would live in the
+        # KV-cache memory pool, which a sleep discards (issue 30).
         self.inv_freq = freqs.inv_freq.to(torch.float32).cpu()
-        self._inv_freq_cache: dict[torch.device, torch.Tensor] = {}
+        # What a step's cos/sin depend on: rotations with the same
+        # frequencies (with_pairing copies, layers of one rope) share them.
+        self.frequency_key: bytes = self.inv_freq.numpy().tobytes()
         self.magnitude = freqs.magnitude
         _check_against_cache(self, freqs, type(rope).__name__)
         # vLLM's CPU RoPE kernel (see rotate_in_place): None until the first
@@ -278,7 +285,6 @@ class RopeRotation:
             return self
         other = copy.copy(self)
         other.is_neox_style = neox_style
-        other._inv_freq_cache = {}
         other._delta_table = None
         # The CPU op is checked per pairing: check it again on first use.
         if other._cpu_kernel is not False:
@@ -300,26 +306,28 @@ class RopeRotation:
         self, deltas: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """fp32 cos/sin [n, 1, rotary_dim // 2] of each row's delta, on the
-        deltas' device, with no host synchronisation.
+        deltas' device, formed on the host (`cos_sin`).
 
-        The angle is formed in float64 (exact for |delta| < 2^53 / f) where
-        the device has it (CPU, CUDA); elsewhere on the CPU, then copied.
+        NOTE: reads device deltas back to the host: for tests and tools. The
+        worker's step never calls it: it forms one row per stretch from the
+        metadata's host integers (`stretch_cos_sin`) and gathers on the device.
         """
         device = deltas.device
-        if device.type in ("cpu", "cuda"):
-            inv_freq = self._inv_freq_on(device)
-            angles = deltas.to(torch.float64)[:, None] * inv_freq
-            return angles.cos().float()[:, None], angles.sin().float()[:, None]
         cos, sin = self.cos_sin(deltas.cpu())
         return (cos.to(device, non_blocking=True)[:, None],
                 sin.to(device, non_blocking=True)[:, None])
 
-    def _inv_freq_on(self, device: torch.device) -> torch.Tensor:
-        cached = self._inv_freq_cache.get(device)
-        if cached is None:
-            cached = self.inv_freq.double().to(device)
-            self._inv_freq_cache[device] = cached
-        return cached
+    def stretch_cos_sin(self, stretch_deltas: torch.Tensor,
+                        device: torch.device) -> "StretchCosSin":
+        """fp32 cos/sin of each stretch's delta (`stretch_deltas` [s], on the
+        host), formed on the host and copied to `device` in one transfer each."""
+        if stretch_deltas.device.type != "cpu":
+            raise ValueError("stretch deltas must be the host's (no device read-back)")
+        cos, sin = self.cos_sin(stretch_deltas)
+        if device.type != "cpu":
+            cos = cos.pin_memory().to(device, non_blocking=True)
+            sin = sin.pin_memory().to(device, non_blocking=True)
+        return StretchCosSin(cos, sin)
 
     def rotate(
         self,
@@ -335,7 +343,7 @@ class RopeRotation:
         (shape and dtype of `key`, not overlapping it); a new tensor if None.
         """
         if cos_sin is None:
-            cos_sin = self.cos_sin_rows(deltas.to(key.device))
+            cos_sin = self.cos_sin_rows(deltas)
         if out is None:
             out = torch.empty_like(key)
         # [n, 1, rotary_dim // 2]: broadcast over heads.
@@ -412,6 +420,12 @@ class RopeRotation:
         index a table of cos/sin per distinct delta (built as by `cos_sin`,
         once per deltas tensor)."""
         index, table = self._table_for(deltas)
+        self.rotate_in_place_indexed(key, index, table)
+
+    def rotate_in_place_indexed(self, key: torch.Tensor, index: torch.Tensor,
+                                table: torch.Tensor) -> None:
+        """`rotate_in_place` with each row's entry `index` [n] (int64) of a
+        cos/sin `table` [entries, rotary_dim] (`StretchCosSin.op_table`)."""
         torch.ops._C.rotary_embedding(
             index, key.view(key.shape[0], -1), None, self.head_size, table,
             self.is_neox_style,
@@ -492,6 +506,35 @@ def _check_against_cache(
         )
 
 
+@dataclass
+class StretchCosSin:
+    """fp32 cos/sin [num_stretches, rotary_dim // 2] of a step's stretch
+    deltas for one set of frequencies, on the rows' device: built once per
+    step (`RopeRotation.stretch_cos_sin`) and shared by every layer whose
+    rotation has those frequencies."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    # (stretch index, its rows' cos/sin) of the last gather: one per piece of
+    # a step, the same for every layer.
+    _rows: tuple | None = None
+    _op_table: torch.Tensor | None = None
+
+    def rows(self, stretch_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's cos/sin [n, 1, rotary_dim // 2], gathered on the device
+        by `stretch_index` [n]."""
+        if self._rows is None or self._rows[0] is not stretch_index:
+            self._rows = (stretch_index, (self.cos[stretch_index][:, None],
+                                          self.sin[stretch_index][:, None]))
+        return self._rows[1]
+
+    def op_table(self) -> torch.Tensor:
+        """[num_stretches, rotary_dim]: vLLM's RoPE op's cache layout (cos | sin)."""
+        if self._op_table is None:
+            self._op_table = torch.cat((self.cos, self.sin), dim=-1).contiguous()
+        return self._op_table
+
+
 @dataclass(frozen=True)
 class RemapRows:
     """Row-level instruction for one layer (same for every layer)."""
@@ -502,8 +545,9 @@ class RemapRows:
     dst_slots: torch.Tensor
     # Position delta per row (real - stored) [n].
     deltas: torch.Tensor
-    # Optional, for a cos/sin table of one row per stretch (the fused GPU
-    # load): each row's stretch [n], and each stretch's delta.
+    # Optional, for a cos/sin table of one row per stretch (`StretchCosSin`):
+    # each row's stretch [n] (on the device), and each stretch's delta (on the
+    # host).
     stretch_index: torch.Tensor | None = None
     stretch_deltas: torch.Tensor | None = None
 
@@ -561,33 +605,61 @@ class RemapScratch:
     the rows before the next layer overwrites them (synchronously on the
     CPU, in stream order on a device).
 
-    With `max_rows` (the worker's: --max-chunk-load-tokens) each buffer is
-    allocated once at that size and never grows, so the pool's carve-out
-    can count it (setup.load_scratch_bytes); callers pass at most that many
-    rows (`RemapRows.pieces`). Without it (tests, tools) buffers grow.
+    With `max_rows` (the worker's: setup.load_scratch_rows) each buffer is
+    allocated once at that size by `prepare`, for the roles of the model's
+    kind, and never grows, so the pool's carve-out can count it
+    (setup.load_scratch_bytes); callers pass at most that many rows
+    (`RemapRows.pieces`). Without it (tests, tools) buffers grow.
     """
 
-    # Buffers of one key/value shape in the worst case (generic path, 16-bit
-    # pool): (role, in the pool's dtype or fp32, K or V shape).
-    ROLES = (("key", False, "k"), ("value", False, "v"), ("rotated", False, "k"),
-             ("key32", True, "k"), ("rotated32", True, "k"))
+    # Buffers a load takes per row, by model kind: (role, in fp32 (else the
+    # pool's dtype; fp32 ones only for a 16-bit pool), part of the row).
+    # Standard attention (the generic path's worst case): parts "k", "v".
+    STANDARD = (("key", False, "k"), ("value", False, "v"), ("rotated", False, "k"),
+                ("key32", True, "k"), ("rotated32", True, "k"))
+    # MLA: kv_c ("c") and k_pe ("r") gathered apart, contiguous as the latent
+    # writers take them, k_pe rotated through fp32.
+    LATENT = (("kv_c", False, "c"), ("k_pe", False, "r"), ("k_pe32", True, "r"),
+              ("k_pe_rotated32", True, "r"), ("k_pe_rotated", False, "r"))
+    ROLES = STANDARD
 
     def __init__(self, max_rows: int | None = None) -> None:
         self.max_rows = max_rows
         self._buffers: dict[tuple, torch.Tensor] = {}
 
+    @staticmethod
+    def _needed(fp32: bool, dtype: torch.dtype) -> bool:
+        return not (fp32 and dtype == torch.float32)
+
+    @classmethod
+    def row_bytes(cls, roles: tuple, elements: dict[str, int], dtype: torch.dtype) -> int:
+        """Bytes per row of the buffers `roles` for parts of `elements` values."""
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        return sum(elements[part] * (4 if fp32 else itemsize)
+                   for _, fp32, part in roles if cls._needed(fp32, dtype))
+
     @classmethod
     def bytes_per_row(cls, key_elements: int, value_elements: int, dtype: torch.dtype) -> int:
         """Bytes per row of every buffer `remap_layer` may take, for one
         K/V shape and pool dtype (the fp32 ones only for a 16-bit pool)."""
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        total = 0
-        for _, fp32, part in cls.ROLES:
-            if fp32 and dtype == torch.float32:
+        return cls.row_bytes(cls.STANDARD, {"k": key_elements, "v": value_elements}, dtype)
+
+    def prepare(self, roles: tuple, shapes: dict[str, tuple[int, ...]], dtype: torch.dtype,
+                device: torch.device) -> None:
+        """Allocate now the buffers of `roles` (parts of `shapes` per row) at
+        `max_rows` rows, as `take` will ask for them."""
+        assert self.max_rows is not None, "prepare needs max_rows"
+        for role, fp32, part in roles:
+            if not self._needed(fp32, dtype):
                 continue
-            elements = key_elements if part == "k" else value_elements
-            total += elements * (4 if fp32 else itemsize)
-        return total
+            buffer_dtype = torch.float32 if fp32 else dtype
+            key = (role, buffer_dtype, device, tuple(shapes[part]))
+            if key not in self._buffers:
+                self._buffers[key] = torch.empty((self.max_rows, *shapes[part]),
+                                                 dtype=buffer_dtype, device=device)
+
+    def nbytes(self) -> int:
+        return sum(b.nbytes for b in self._buffers.values())
 
     def take(
         self,
@@ -639,12 +711,14 @@ class PositionRemapper:
         pool_key: torch.Tensor,
         pool_value: torch.Tensor,
         rows: RemapRows,
-        cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None,
+        stretches: StretchCosSin | None = None,
     ) -> None:
         """`pool_key`/`pool_value`: contiguous [num_pool_rows, num_kv_heads,
-        head_size], on the device of `rows`. Device-side only: gather,
-        rotate (a zero delta rotates by cos 1, sin 0: exact), write; no host
-        sync."""
+        head_size], on the device of `rows`. Gather, rotate (a zero delta
+        rotates by cos 1, sin 0: exact), write. `stretches`: the step's
+        cos/sin of each stretch (`rows.stretch_index` picks each row's): then
+        nothing is read back from the device; without it (tests, tools) the
+        rows' deltas are read on the host."""
         num_rows = rows.src_rows.shape[0]
         key = self.scratch.take("key", pool_key, num_rows)
         value = self.scratch.take("value", pool_value, num_rows)
@@ -658,14 +732,20 @@ class PositionRemapper:
         elif rotation.rotates_in_place(key.device):
             # CPU: rotate the gathered rows in place, one pass (in fp32, as
             # the module doc says: a 16-bit pool goes through an fp32 buffer).
-            if key.dtype == torch.float32:
-                rotation.rotate_in_place(key, rows.deltas)
+            target = key
+            if key.dtype != torch.float32:
+                target = self.scratch.take("key32", key, num_rows, torch.float32)
+                target.copy_(key)
+            if stretches is not None and rows.stretch_index is not None:
+                rotation.rotate_in_place_indexed(target, rows.stretch_index,
+                                                 stretches.op_table())
             else:
-                key32 = self.scratch.take("key32", key, num_rows, torch.float32)
-                key32.copy_(key)
-                rotation.rotate_in_place(key32, rows.deltas)
-                key.copy_(key32)
+                rotation.rotate_in_place(target, rows.deltas)
+            if target is not key:
+                key.copy_(target)
         else:
+            cos_sin = (None if stretches is None or rows.stretch_index is None
+                       else stretches.rows(rows.stretch_index))
             rotated = self.scratch.take("rotated", pool_key, num_rows)
             if key.dtype == torch.float32:
                 key = rotation.rotate(key, rows.deltas, cos_sin, out=rotated)

@@ -15,11 +15,13 @@ packs K for its matrix unit) the capture stays **in the attention hook**
 (`save_kv_layer`, patch 0004), which sees the rows before the cache write;
 that needs attention outside any captured graph (support.check_graph_mode).
 
-Which one is decided per layer by a self-check, like the fused load's: a
-sample of random rows is written through the backend's own write into
-blocks no request holds yet (block 1 on), read back with the reader, and
-must come back bit for bit; the cache is restored. The start-up log says
-which path each layer took and why.
+Which one is decided per layer by a self-check (the fused load's harness,
+sample_check.py): a sample of random rows is written through the backend's
+own write into blocks no request holds yet (block 1 on), read back with the
+reader, and must come back bit for bit; the cache is restored. The start-up
+log says which path each layer took and why. This module is the one owner of
+that decision: the config-time guess the CUDA-graph mode is chosen from
+(`capture_hook_reason`) applies the same rule (`quantized_reason`).
 """
 
 from __future__ import annotations
@@ -32,11 +34,16 @@ import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.cache_writers import (
     CacheWriter,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.sample_check import (
+    bytes_differ,
+    random_rows,
+    restored,
+    sample_rows,
+    sample_slots,
+)
 from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.support import (
     UNQUANTIZED_KV_CACHE_DTYPES,
 )
-
-_SAMPLE_ROWS = 48
 
 
 @dataclass
@@ -58,51 +65,69 @@ class CaptureChoice:
         return f"{head}in the attention hook on {len(self.in_attention)} layer(s): {why}"
 
 
+def quantized_reason(cache_dtype: str) -> str | None:
+    """Why a cache of --kv-cache-dtype `cache_dtype` captures in the hook
+    (its bytes are not the rows), or None. One rule for the config-time
+    decision (`capture_hook_reason`) and the per-layer one (`self_check`)."""
+    if str(cache_dtype) not in UNQUANTIZED_KV_CACHE_DTYPES:
+        return f"quantized KV cache ({cache_dtype}): its bytes are not the rows"
+    return None
+
+
+def capture_hook_reason(vllm_config: Any) -> str | None:
+    """Why some layer may capture in the attention hook, as far as the config
+    tells before any layer exists (the CUDA-graph mode is chosen from it), or
+    None: a quantized cache (`quantized_reason`, the per-layer rule), or a
+    platform whose standard attention has no registered reader (vllm-ascend's
+    NPU). The worker then decides per layer with the same rule and a sample
+    (`choose_capture`), and support.check_graph_mode holds that to the mode
+    chosen here."""
+    from vllm.platforms import current_platform
+
+    device_type = getattr(current_platform, "device_type", "cpu")
+    if device_type not in ("cuda", "cpu"):
+        return (f"the {device_type} platform's standard attention has no cache reader, "
+                "so its captures run in the attention hook")
+    cache_dtype = str(vllm_config.cache_config.cache_dtype)
+    if quantized_reason(cache_dtype) is not None:
+        return (f"the capture of a quantized cache (--kv-cache-dtype {cache_dtype}) "
+                "runs in the attention hook")
+    return None
+
+
 def self_check(layer: Any, kv_cache: Any, writer: CacheWriter,
                dtype: torch.dtype) -> str | None:
     """None if rows written through `writer.write` come back bit for bit
     through `writer.read`; else why not. Leaves `kv_cache` as it was."""
     if writer.read is None:
         return f"{writer.backend}'s cache has no reader"
-    cache_dtype = str(getattr(layer.impl, "kv_cache_dtype", "auto"))
-    if cache_dtype not in UNQUANTIZED_KV_CACHE_DTYPES:
-        return f"quantized KV cache ({cache_dtype}): its bytes are not the rows"
+    reason = quantized_reason(getattr(layer.impl, "kv_cache_dtype", "auto"))
+    if reason is not None:
+        return reason
     if not isinstance(kv_cache, torch.Tensor) or getattr(layer, "kv_cache", None) is not kv_cache:
         # NOTE: the backend's write goes to the layer's bound cache; only a
         # check on the very tensor the reader reads proves anything.
         return "the layer's bound cache is not the registered one"
     # [blocks, heads, block_size, 2 * head] on the CPU, [blocks, 2,
     # block_size, heads, head] in the flash layouts.
-    block_size = kv_cache.shape[2]
-    rows = min(_SAMPLE_ROWS, (kv_cache.shape[0] - 1) * block_size)
+    rows = sample_rows(kv_cache)
     if rows <= 0:
         return "no free block for the self-check"
-    touched = slice(1, 1 + -(-rows // block_size))
-    gen = torch.Generator().manual_seed(1)
     device = kv_cache.device
-    key = (4 * torch.randn((rows, layer.num_kv_heads, layer.head_size), generator=gen))
-    value = (4 * torch.randn((rows, layer.num_kv_heads, layer.head_size_v), generator=gen))
-    key, value = key.to(dtype).to(device), value.to(dtype).to(device)
-    slots = torch.arange(block_size, block_size + rows, device=device)
-    saved = kv_cache[touched].clone()
+    key = random_rows((rows, layer.num_kv_heads, layer.head_size), dtype, device, seed=1)
+    value = random_rows((rows, layer.num_kv_heads, layer.head_size_v), dtype, device, seed=2)
+    slots = sample_slots(kv_cache, rows)
     try:
-        writer.write(layer, key, value, slots, None)
-        got_key, got_value = writer.read(layer, kv_cache, slots)
-        differ = _bytes_differ(got_key, key) + _bytes_differ(got_value, value)
+        with restored([kv_cache], rows):
+            writer.write(layer, key, value, slots, None)
+            got_key, got_value = writer.read(layer, kv_cache, slots)
+            differ = bytes_differ(got_key, key) + bytes_differ(got_value, value)
     except Exception as e:  # noqa: BLE001 - any failure keeps the hook
         return f"self-check failed ({type(e).__name__}: {e})"
-    finally:
-        kv_cache[touched] = saved
     if differ:
         return (f"self-check: {differ} of {2 * key.numel() * key.element_size()} bytes "
                 f"read back differ ({writer.backend} packs this cache)")
     return None
-
-
-def _bytes_differ(got: torch.Tensor, want: torch.Tensor) -> int:
-    if got.shape != want.shape or got.dtype != want.dtype:
-        return want.numel() * want.element_size()
-    return int((got.contiguous().view(torch.uint8) != want.view(torch.uint8)).sum())
 
 
 def choose_capture(layers: dict[str, Any], kv_caches: dict[str, Any],

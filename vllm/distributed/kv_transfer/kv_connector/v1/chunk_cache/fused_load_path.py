@@ -4,12 +4,31 @@
 On a GPU the fused kernel (`vllm/v1/worker/fused_chunk_load.py`) replaces a
 layer's gather + rotation + backend cache write only where a start-up
 self-check finds it writes **the same bytes** as that path, on the layer's own
-paged cache, dtype, layout and k/v scales: a sample of rows is written both
-ways into blocks no request holds yet (block 1 on; the cache is restored after).
-Anything else (the CPU, whose backend packs its cache per ISA; a backend or
-KV-cache dtype the kernel does not know; a difference in one byte; an error)
-keeps today's path, and the start-up log says which and why. So a fused load
-is never a different answer, only a faster one.
+paged cache, dtype, layout and k/v scales. Anything else (the CPU, whose
+backend packs its cache per ISA; a backend or KV-cache dtype the kernel does
+not know; a difference in one byte; an error) keeps today's path, and the
+start-up log says which and why.
+
+What the self-check covers (`self_check_launch`, the harness of
+sample_check.py): per launch the step will make (all the layers of one RoPE
+and shape), one launch over **all** those layers through the table of their
+addresses, built over the worker's own pool tensors and the layers' paged
+caches exactly as the first load builds it; 48 rows gathered out of order
+from the pools' first rows, in 6 stretches (deltas 0, 3, -700, 2900, 40000,
+-1) with a cos/sin table of one row per stretch and each row's stretch index,
+written into blocks no request holds yet (block 1 on); against, per layer,
+the generic rotation with the same table and the backend's own cache write.
+Every byte of every layer's touched blocks must agree; the caches and the
+pools are restored after. Not covered: more rows than the sample, slots in
+other blocks than the first ones, a step's other launches' order (each
+launch writes its own layers only). Where it passes, a fused load is the
+same answer as today's path, only faster.
+
+The table of addresses is not kept from start-up: built in
+`register_kv_caches`, it would live in the KV-cache memory pool, which a
+sleep discards (issue 30). `FusedLayers.group` builds it at the first load or
+capture, outside that pool; the addresses in it stay valid across a sleep
+(vLLM's CuMem allocator maps the same virtual addresses on wake-up).
 
 NOTE: written and tested on the CPU (the self-check's logic, with Triton's
 interpreter); not executed on a GPU here (docs/gpu.md).
@@ -23,6 +42,15 @@ from typing import Any
 
 import torch
 
+from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.sample_check import (
+    SAMPLE_ROWS,
+    bytes_differ,
+    random_rows,
+    restored,
+    sample_rows,
+    sample_slots,
+    touched_blocks,
+)
 from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.support import (
     UNQUANTIZED_KV_CACHE_DTYPES,
 )
@@ -34,11 +62,44 @@ from vllm.v1.worker.position_remapper import RopeRotation
 _FUSED_BACKENDS = ("FlashAttentionImpl", "FlashInferImpl", "TritonAttentionImpl")
 # KV-cache dtypes the kernel writes: the model's own, or fp8 e4m3.
 _FP8 = ("fp8", "fp8_e4m3")
-_SAMPLE_ROWS = 48
+# The self-check's stretches: deltas of both signs, up to 40,000.
+_SAMPLE_DELTAS = (0, 3, -700, 2900, 40000, -1)
 
 # (layer, key rows, value rows, kv_cache, slots) -> None: the backend's write
 # into the given cache (the layer's `impl.do_kv_cache_update` on a GPU).
 ReferenceWrite = Callable[[Any, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
+
+
+@dataclass
+class FusedLayers:
+    """Layers loaded by one launch of the fused kernel, and their RoPE."""
+
+    names: tuple[str, ...]
+    rotation: RopeRotation | None
+    pool_keys: tuple[torch.Tensor, ...]
+    pool_values: tuple[torch.Tensor, ...]
+    # fused_chunk_load.PagedLayer per layer.
+    paged: tuple[Any, ...]
+    _group: Any = field(default=None, repr=False)
+
+    @property
+    def fp8(self) -> bool:
+        return self.paged[0].key_cache.dtype == torch.float8_e4m3fn
+
+    def build(self) -> Any:
+        """A new fused_chunk_load.FusedGroup (its table of addresses) over
+        these tensors."""
+        from vllm.v1.worker.fused_chunk_load import FusedGroup
+
+        return FusedGroup.of(list(self.pool_keys), list(self.pool_values), list(self.paged))
+
+    @property
+    def group(self) -> Any:
+        """The launch's FusedGroup, built at first use (a step's load or
+        capture), never in register_kv_caches: see the module doc."""
+        if self._group is None:
+            self._group = self.build()
+        return self._group
 
 
 @dataclass
@@ -49,6 +110,8 @@ class FusedLoadChoice:
     layers: dict[str, Any] = field(default_factory=dict)
     # layer name -> why it keeps today's path (start-up log).
     reasons: dict[str, str] = field(default_factory=dict)
+    # The launches that load `layers`, one per RoPE and shape.
+    launches: list[FusedLayers] = field(default_factory=list)
 
     def summary(self) -> str:
         if not self.reasons and not self.layers:
@@ -63,15 +126,6 @@ class FusedLoadChoice:
                 f"{len(self.reasons)} layer(s): " + "; ".join(why[:3]))
 
 
-@dataclass(frozen=True)
-class FusedLayers:
-    """Layers loaded by one launch of the fused kernel, and their RoPE."""
-
-    names: tuple[str, ...]
-    group: Any  # fused_chunk_load.FusedGroup
-    rotation: RopeRotation | None
-
-
 def group_fused_layers(
     choice: FusedLoadChoice,
     pool_key: dict[str, torch.Tensor],
@@ -80,8 +134,6 @@ def group_fused_layers(
 ) -> list[FusedLayers]:
     """The fused layers in as few launches as they allow: one per RoPE and
     shape (strides, dtypes) of pool and cache; for a usual model, one."""
-    from vllm.v1.worker.fused_chunk_load import FusedGroup
-
     buckets: dict[tuple, list[str]] = {}
     for name, paged in choice.layers.items():
         key, cache = pool_key[name], paged.key_cache
@@ -90,12 +142,39 @@ def group_fused_layers(
                   None if paged.k_scale is None else paged.k_scale.numel())
         buckets.setdefault(bucket, []).append(name)
     return [
-        FusedLayers(tuple(names),
-                    FusedGroup.of([pool_key[n] for n in names], [pool_value[n] for n in names],
-                                  [choice.layers[n] for n in names]),
-                    rotations[names[0]])
+        FusedLayers(tuple(names), rotations[names[0]], tuple(pool_key[n] for n in names),
+                    tuple(pool_value[n] for n in names),
+                    tuple(choice.layers[n] for n in names))
         for names in buckets.values()
     ]
+
+
+# vLLM's names (--attention-backend) of the backends in _FUSED_BACKENDS.
+_FUSED_BACKEND_NAMES = ("FLASH_ATTN", "FLASHINFER", "TRITON_ATTN")
+
+
+def fused_load_expected(vllm_config: Any) -> bool:
+    """Whether every layer is expected to load through the fused kernel, as
+    far as the config tells before any layer exists (the load buffers are
+    sized from it: setup.load_scratch_rows): standard attention on CUDA with
+    Triton, a backend left to vLLM or one the kernel knows, a KV-cache dtype it
+    writes. The start-up self-check decides per layer (`choose_fused_layers`);
+    a layer it turns away loads through the buffers all the same."""
+    from vllm.platforms import current_platform
+    from vllm.v1.worker import fused_chunk_load
+
+    if getattr(current_platform, "device_type", "cpu") != "cuda":
+        return False
+    if not fused_chunk_load.available():
+        return False
+    model_config = vllm_config.model_config
+    if getattr(model_config, "use_mla", False):
+        return False
+    cache_dtype = str(getattr(vllm_config.cache_config, "cache_dtype", "auto"))
+    if cache_dtype not in UNQUANTIZED_KV_CACHE_DTYPES and cache_dtype not in _FP8:
+        return False
+    backend = getattr(getattr(vllm_config, "attention_config", None), "backend", None)
+    return backend is None or getattr(backend, "name", str(backend)) in _FUSED_BACKEND_NAMES
 
 
 def paged_layer(layer: Any, kv_cache: torch.Tensor):
@@ -123,6 +202,69 @@ def paged_layer(layer: Any, kv_cache: torch.Tensor):
     return PagedLayer(key_cache, value_cache)
 
 
+def self_check_launch(
+    launch: FusedLayers,
+    layers: dict[str, Any],
+    kv_caches: dict[str, torch.Tensor],
+    pool_dtype: torch.dtype,
+    reference_write: ReferenceWrite,
+) -> str | None:
+    """None if one launch over all of `launch`'s layers writes, into every
+    layer's cache, the bytes today's path writes (the module doc says what
+    the sample covers); else why not, naming the first layer that differs.
+    Leaves the caches and the pools as they were."""
+    from vllm.v1.worker.fused_chunk_load import fused_load
+
+    names = launch.names
+    caches = [kv_caches[n] for n in names]
+    rows = min([sample_rows(c) for c in caches] + [k.shape[0] for k in launch.pool_keys])
+    if rows < len(_SAMPLE_DELTAS):
+        return "no free block for the self-check"
+    device = caches[0].device
+    rotation = launch.rotation
+    stretch_index = (torch.arange(rows) % len(_SAMPLE_DELTAS)).to(device)
+    deltas = torch.tensor(_SAMPLE_DELTAS)
+    src_rows = torch.arange(rows - 1, -1, -1, device=device)  # out of order
+    slots = sample_slots(caches[0], rows)
+    pools = list(launch.pool_keys) + list(launch.pool_values)
+    want: dict[str, torch.Tensor] = {}
+    got: dict[str, torch.Tensor] = {}
+    try:
+        with restored([], rows, others=pools):
+            for i, (key, value) in enumerate(zip(launch.pool_keys, launch.pool_values)):
+                # Other rows per layer: a table entry pointing at another
+                # layer's tensors is a difference.
+                key[:rows] = random_rows((rows, *key.shape[1:]), pool_dtype, device, 2 * i)
+                value[:rows] = random_rows((rows, *value.shape[1:]), pool_dtype, device,
+                                           2 * i + 1)
+            stretches = None if rotation is None else rotation.stretch_cos_sin(deltas, device)
+            with restored(caches, rows):
+                for name, key, value in zip(names, launch.pool_keys, launch.pool_values):
+                    moved, plain = key[src_rows], value[src_rows]
+                    if rotation is not None:
+                        moved = rotation.rotate(moved.float(), deltas[stretch_index.cpu()],
+                                                stretches.rows(stretch_index)).to(pool_dtype)
+                    reference_write(layers[name], moved, plain, kv_caches[name], slots)
+                    want[name] = kv_caches[name][touched_blocks(kv_caches[name], rows)].clone()
+            with restored(caches, rows):
+                # The table the first load builds (then dropped: see module doc).
+                fused_load(launch.build(), src_rows, slots,
+                           None if rotation is None else stretch_index,
+                           None if rotation is None else (stretches.cos, stretches.sin),
+                           rotation is None or rotation.is_neox_style,
+                           0 if rotation is None else rotation.rotary_dim)
+                for name in names:
+                    got[name] = kv_caches[name][touched_blocks(kv_caches[name], rows)].clone()
+    except Exception as e:  # noqa: BLE001 - any failure keeps today's path
+        return f"self-check failed ({type(e).__name__}: {e})"
+    for name in names:
+        differ = bytes_differ(got[name], want[name])
+        if differ:
+            size = want[name].numel() * want[name].element_size()
+            return f"self-check: {differ} of {size} bytes differ on {name}"
+    return None
+
+
 def self_check(
     layer: Any,
     kv_cache: torch.Tensor,
@@ -131,47 +273,12 @@ def self_check(
     pool_dtype: torch.dtype,
     reference_write: ReferenceWrite,
 ) -> str | None:
-    """None if the fused kernel writes the bytes today's path writes on a
-    sample of rows (random K/V, deltas of both signs up to 40,000, every
-    row's slot in blocks 1..); else why not. Leaves `kv_cache` as it was."""
-    from vllm.v1.worker.fused_chunk_load import FusedGroup, fused_load
-
-    device = kv_cache.device
-    num_blocks, _, block_size = kv_cache.shape[:3]
-    rows = min(_SAMPLE_ROWS, (num_blocks - 1) * block_size)
-    if rows <= 0:
-        return "no free block for the self-check"
-    touched = slice(1, 1 + -(-rows // block_size))
-    gen = torch.Generator().manual_seed(0)
-    shape = (rows, layer.num_kv_heads, layer.head_size)
-    key = (4 * torch.randn(shape, generator=gen)).to(pool_dtype).to(device)
-    value = (4 * torch.randn(shape, generator=gen)).to(pool_dtype).to(device)
-    deltas = torch.tensor([0, 3, -700, 2900, 40000, -1]).repeat(rows)[:rows].to(device)
-    slots = torch.arange(block_size, block_size + rows, device=device)
-    saved = kv_cache[touched].clone()
-    try:
-        moved = key
-        cos_sin = None
-        if rotation is not None:
-            cos_sin = rotation.cos_sin_rows(deltas)
-            moved = rotation.rotate(key.float(), deltas, cos_sin).to(pool_dtype)
-        reference_write(layer, moved, value, kv_cache, slots)
-        want = kv_cache[touched].clone()
-        kv_cache[touched] = saved
-        fused_load(
-            FusedGroup.of([key], [value], [paged]), torch.arange(rows, device=device), slots,
-            None if rotation is None else torch.arange(rows, device=device),
-            cos_sin, rotation is None or rotation.is_neox_style,
-            rotation.rotary_dim if rotation is not None else layer.head_size)
-        got = kv_cache[touched].clone()
-    except Exception as e:  # noqa: BLE001 - any failure keeps today's path
-        return f"self-check failed ({type(e).__name__}: {e})"
-    finally:
-        kv_cache[touched] = saved
-    differ = int((got.view(torch.uint8) != want.view(torch.uint8)).sum())
-    if differ:
-        return f"self-check: {differ} of {want.numel() * want.element_size()} bytes differ"
-    return None
+    """`self_check_launch` for one layer, over pools of its own."""
+    shape = (SAMPLE_ROWS, layer.num_kv_heads, layer.head_size)
+    key = torch.zeros(shape, dtype=pool_dtype, device=kv_cache.device)
+    launch = FusedLayers(("layer",), rotation, (key,), (torch.zeros_like(key),), (paged,))
+    return self_check_launch(launch, {"layer": layer}, {"layer": kv_cache}, pool_dtype,
+                             reference_write)
 
 
 def choose_fused_layers(
@@ -180,27 +287,42 @@ def choose_fused_layers(
     rotations: dict[str, RopeRotation | None],
     pool_dtype: torch.dtype,
     reference_write: ReferenceWrite,
+    pool_key: dict[str, torch.Tensor] | None = None,
+    pool_value: dict[str, torch.Tensor] | None = None,
 ) -> FusedLoadChoice:
-    """Per layer: the fused kernel where available and self-checked, else why not."""
-    choice = FusedLoadChoice()
-    for name, kv_cache in kv_caches.items():
-        if not isinstance(kv_cache, torch.Tensor) or kv_cache.device.type == "cpu":
-            # NOTE: the CPU backend packs its cache per ISA: its own op writes.
-            choice.reasons[name] = "the CPU backend's own cache write"
-            continue
-        from vllm.v1.worker import fused_chunk_load
+    """Per layer: the fused kernel where available and its launch
+    self-checked, else why not. `pool_key`/`pool_value`: the worker's pools
+    (the launches' tables point at them); pools of the sample's size if None."""
+    from vllm.v1.worker import fused_chunk_load
 
-        if not fused_chunk_load.available():
-            choice.reasons[name] = "Triton is not installed"
+    candidates = FusedLoadChoice()
+    for name, kv_cache in kv_caches.items():
+        if not isinstance(kv_cache, torch.Tensor):
+            candidates.reasons[name] = "a paged cache of several tensors"
+            continue
+        if not fused_chunk_load.available(kv_cache.device):
+            # NOTE: the CPU backend packs its cache per ISA: its own op
+            # writes (Triton runs on CPU tensors only in its interpreter).
+            candidates.reasons[name] = ("the CPU backend's own cache write"
+                                        if kv_cache.device.type == "cpu"
+                                        else "Triton is not installed")
             continue
         paged = paged_layer(layers[name], kv_cache)
         if isinstance(paged, str):
-            choice.reasons[name] = paged
+            candidates.reasons[name] = paged
             continue
-        reason = self_check(layers[name], kv_cache, paged, rotations[name], pool_dtype,
-                            reference_write)
+        candidates.layers[name] = paged
+    if pool_key is None or pool_value is None:
+        pool_key = {n: torch.zeros((SAMPLE_ROWS, layers[n].num_kv_heads, layers[n].head_size),
+                                   dtype=pool_dtype, device=kv_caches[n].device)
+                    for n in candidates.layers}
+        pool_value = {n: torch.zeros_like(k) for n, k in pool_key.items()}
+    choice = FusedLoadChoice(reasons=dict(candidates.reasons))
+    for launch in group_fused_layers(candidates, pool_key, pool_value, rotations):
+        reason = self_check_launch(launch, layers, kv_caches, pool_dtype, reference_write)
         if reason is None:
-            choice.layers[name] = paged
+            choice.layers.update(zip(launch.names, launch.paged))
+            choice.launches.append(launch)
         else:
-            choice.reasons[name] = reason
+            choice.reasons.update(dict.fromkeys(launch.names, reason))
     return choice

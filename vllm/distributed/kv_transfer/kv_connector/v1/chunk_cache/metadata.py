@@ -60,7 +60,8 @@ class LoadRows:
     src_rows: torch.Tensor
     dst_slots: torch.Tensor
     deltas: torch.Tensor
-    # Row -> its stretch [n]; each stretch's delta [num_stretches].
+    # Row -> its stretch [n]; each stretch's delta [num_stretches], on the
+    # host (the cos/sin table is formed there: no device read-back).
     stretch_index: torch.Tensor
     stretch_deltas: torch.Tensor
 
@@ -75,7 +76,7 @@ class LoadRows:
         ]
         rows = _expand(copies, pool_block_size, block_size, device)
         return cls(rows.src, rows.dst, rows.copy_deltas[rows.copy_index], rows.copy_index,
-                   rows.copy_deltas)
+                   rows.host_deltas)
 
 
 @dataclass(frozen=True)
@@ -136,6 +137,8 @@ class _Rows:
     dst: torch.Tensor
     copy_index: torch.Tensor
     copy_deltas: torch.Tensor
+    # Each copy's delta, on the host.
+    host_deltas: torch.Tensor
 
 
 def _expand(copies: list[_Copy], src_block_size: int, dst_block_size: int,
@@ -149,7 +152,7 @@ def _expand(copies: list[_Copy], src_block_size: int, dst_block_size: int,
     """
     if not copies:
         empty = torch.zeros(0, dtype=torch.int64, device=device)
-        return _Rows(empty, empty, empty, empty)
+        return _Rows(empty, empty, empty, empty, torch.zeros(0, dtype=torch.int64))
     tables: dict[int, int] = {}  # id(block tuple) -> offset in `flat`
     flat: list[np.ndarray] = []
     size = 0
@@ -183,7 +186,7 @@ def _expand(copies: list[_Copy], src_block_size: int, dst_block_size: int,
                 + src % src_block_size)
     dst_rows = (blocks[dst_off[which] + dst // dst_block_size] * dst_block_size
                 + dst % dst_block_size)
-    return _Rows(src_rows, dst_rows, which, delta)
+    return _Rows(src_rows, dst_rows, which, delta, torch.from_numpy(per_copy[5].copy()))
 
 
 @dataclass

@@ -7,9 +7,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.capture_path import (
+    capture_hook_reason,
+)
 from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.support import (
     CAPTURE_IN_ATTENTION,
-    capture_hook_reason,
     CONNECTOR_NAME,
     check_config,
 )
@@ -164,15 +166,44 @@ def kv_allocation_padding_bytes(vllm_config: VllmConfig) -> int:
     return 2 * layers * NPU_KV_TENSOR_ALIGNMENT
 
 
+# Rows of the load buffers where every standard layer is expected to load
+# through the fused kernel (which takes none): a layer its start-up
+# self-check turns away still loads, through these, in pieces of this size.
+FALLBACK_SCRATCH_ROWS = 512
+
+
+def load_scratch_rows(vllm_config: VllmConfig) -> int:
+    """Rows of the workers' load buffers: --max-chunk-load-tokens where a
+    layer is expected to load through them (the CPU, MLA, a backend or cache
+    the fused kernel does not write), `FALLBACK_SCRATCH_ROWS` where the fused
+    kernel is expected on every layer (fused_load_path.fused_load_expected)."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.fused_load_path import (
+        fused_load_expected,
+    )
+
+    cap = vllm_config.chunk_cache_config.max_chunk_load_tokens
+    if fused_load_expected(vllm_config):
+        return min(cap, FALLBACK_SCRATCH_ROWS)
+    return cap
+
+
 def load_scratch_bytes(vllm_config: VllmConfig) -> int:
-    """The workers' load buffers (`RemapScratch` of --max-chunk-load-tokens
-    rows, allocated once): part of the pool's share of the KV budget."""
+    """The workers' load buffers (`RemapScratch`, `load_scratch_rows` rows of
+    the roles of the model's kind, allocated once in register_kv_caches):
+    part of the pool's share of the KV budget."""
     from vllm.v1.worker.position_remapper import RemapScratch
 
     model_config = vllm_config.model_config
-    key = model_config.get_num_kv_heads(vllm_config.parallel_config) * model_config.get_head_size()
-    per_row = RemapScratch.bytes_per_row(key, key, pool_dtype(vllm_config))
-    return vllm_config.chunk_cache_config.max_chunk_load_tokens * per_row
+    head = model_config.get_head_size()
+    if getattr(model_config, "use_mla", False):
+        # One latent row [kv_c | k_pe] per token, for all heads.
+        rope = model_config.hf_text_config.qk_rope_head_dim
+        roles, parts = RemapScratch.LATENT, {"c": head - rope, "r": rope}
+    else:
+        key = model_config.get_num_kv_heads(vllm_config.parallel_config) * head
+        roles, parts = RemapScratch.STANDARD, {"k": key, "v": key}
+    per_row = RemapScratch.row_bytes(roles, parts, pool_dtype(vllm_config))
+    return load_scratch_rows(vllm_config) * per_row
 
 
 def _pool_blocks(vllm_config: VllmConfig, num_kv_blocks: int, block_size: int) -> int:

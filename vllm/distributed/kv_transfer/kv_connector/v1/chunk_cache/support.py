@@ -312,31 +312,6 @@ def check_graph_mode(compilation_config: Any, hooked: dict[str, str]) -> None:
         )
 
 
-def capture_needs_attention_hook(vllm_config: VllmConfig) -> bool:
-    """Whether captures may have to run in the attention hook, as far as the
-    config tells before any layer exists (`capture_hook_reason`). The worker's
-    self-check decides per layer (capture_path.py); check_graph_mode then
-    holds it to this."""
-    return capture_hook_reason(vllm_config) is not None
-
-
-def capture_hook_reason(vllm_config: VllmConfig) -> str | None:
-    """Why captures may run in the attention hook, or None: a quantized KV
-    cache (its bytes are not the rows), or a platform whose standard attention
-    has no registered reader (vllm-ascend's NPU)."""
-    from vllm.platforms import current_platform
-
-    device_type = getattr(current_platform, "device_type", "cpu")
-    if device_type not in ("cuda", "cpu"):
-        return (f"the {device_type} platform's standard attention has no cache reader, "
-                "so its captures run in the attention hook")
-    cache_dtype = str(vllm_config.cache_config.cache_dtype)
-    if cache_dtype not in UNQUANTIZED_KV_CACHE_DTYPES:
-        return (f"the capture of a quantized cache (--kv-cache-dtype {cache_dtype}) "
-                "runs in the attention hook")
-    return None
-
-
 def check_scheduler_serves_gaps(vllm_config: VllmConfig) -> None:
     """Boundary recompute needs a scheduler that asks the connector for prefill
     gaps (vLLM's Scheduler with patch 0012). One that replaces `schedule` (e.g.

@@ -20,15 +20,23 @@ by fused_load_path.py; start-up refusals are support.py's.
   in the batch by their paged slots once per step).
 * Load (`start_load_kv`, before the forward, outside any CUDA graph): the
   step's block ids go to the device in one copy and are expanded there into
-  rows once (`LoadRows.expand`: pool rows, paged slots, deltas), and the
-  fp32 cos/sin of every row's delta is computed there once per step; per layer the `PositionRemapper` gathers the rows, rotates K and
+  rows once (`LoadRows.expand`: pool rows, paged slots, each row's stretch),
+  and the fp32 cos/sin of each stretch's delta is formed on the host from the
+  metadata and sent over once per step and set of frequencies (each row
+  gathers its stretch's there); per layer the `PositionRemapper` gathers the rows, rotates K and
   writes K/V into the parent's paged blocks through the attention backend's
   own cache-write op (`do_kv_cache_update` of FlashAttention, FlashInfer and
   Triton on CUDA; `ops.cpu_attn_reshape_and_cache` on CPU, which packs per
   ISA). On a GPU, the layers whose start-up self-check passes load through
   one fused Triton kernel instead, all of them in one launch per step,
-  writing the same bytes (fused_load_path.py). No host synchronisation per
-  layer.
+  writing the same bytes (fused_load_path.py). No device value is read back
+  to the host.
+* Sleep (vLLM's CuMem pool discards what register_kv_caches allocated, on a
+  GPU): only the pool, its load buffers and vLLM's caches are allocated there,
+  whose contents nothing reads after a sleep (the scheduler forgets the pool's
+  entries at the reset; the buffers are rewritten by every load). The fused
+  kernel's table of addresses is built at the first load, outside that pool,
+  and no device copy of the RoPE frequencies is kept.
 * fp8 KV caches: see setup.pool_dtype (pool in model dtype, rotate in fp32,
   quantized by the backend's write with the layer's scale).
 * CUDA graphs: vLLM's default (FULL_AND_PIECEWISE) stays where the capture
@@ -57,7 +65,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.fused_load_path im
     FusedLayers,
     FusedLoadChoice,
     choose_fused_layers,
-    group_fused_layers,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.latent_layers import (
     LatentLayer,
@@ -71,6 +78,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.metadata import (
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.setup import (
     POOL_BLOCK_SIZE,
+    load_scratch_rows,
     pool_dtype,
     pool_num_blocks,
 )
@@ -84,6 +92,7 @@ from vllm.v1.worker.position_remapper import (
     RemapRows,
     RemapScratch,
     RopeRotation,
+    StretchCosSin,
 )
 
 if TYPE_CHECKING:
@@ -121,9 +130,10 @@ class ChunkCacheWorker:
         self.remappers: dict[str, PositionRemapper] = {}
         # MLA layers: latent rows (latent_layers.py).
         self.latent: dict[str, LatentLayer] = {}
-        # One set of load buffers for all layers, of the per-step cap's rows
-        # (in the carve-out: setup.load_scratch_bytes).
-        self._scratch = RemapScratch(vllm_config.chunk_cache_config.max_chunk_load_tokens)
+        # One set of load buffers for the layers that need them (not those the
+        # fused kernel loads), of the rows the carve-out counts
+        # (setup.load_scratch_rows), allocated in register_kv_caches.
+        self._scratch = RemapScratch(load_scratch_rows(vllm_config))
         self._ropes: dict[str, nn.Module | None] | None = None
         self._rotations: dict[int, RopeRotation] = {}
         # Layers that load through the fused kernel (GPU, self-checked), and
@@ -204,7 +214,8 @@ class ChunkCacheWorker:
             if isinstance(layer, MLAAttention):
                 self.latent[name] = LatentLayer.of(
                     name, layer, kv_cache, None if rope is None else self._rotations[id(rope)],
-                    latent_writer_for(layer.impl), self.num_pool_rows, self.dtype)
+                    latent_writer_for(layer.impl), self.num_pool_rows, self.dtype,
+                    self._scratch)
                 total += self.latent[name].pool.nbytes
                 continue
             shape_k = (self.num_pool_rows, layer.num_kv_heads, layer.head_size)
@@ -235,15 +246,18 @@ class ChunkCacheWorker:
         self._fused = choose_fused_layers(
             {name: layers[name] for name in self.remappers},
             {name: kv_caches[name] for name in self.remappers}, layer_rotations,
-            self.dtype, _backend_write)
-        self._fused_groups = group_fused_layers(self._fused, self.pool_key, self.pool_value,
-                                                layer_rotations)
+            self.dtype, _backend_write, self.pool_key, self.pool_value)
+        # NOTE: their tables of addresses are built at the first load, not
+        # here: this runs inside the KV-cache memory pool, which a sleep
+        # discards (fused_load_path.FusedLayers.group).
+        self._fused_groups = self._fused.launches
         # NOTE: the fused copy reads the caches the fused load's self-check
         # wrote on, in the pool's dtype (no fp8 group captures here).
         self._capture_groups = [
             launch for launch in self._fused_groups
-            if not launch.group.fp8 and all(n in self._capture.after_forward
-                                            for n in launch.names)]
+            if not launch.fp8 and all(n in self._capture.after_forward
+                                      for n in launch.names)]
+        self._allocate_scratch()
         logger.info("Chunk cache: loads use %s%s", self._fused.summary(),
                     f", in {len(self._fused_groups)} launch(es) per step"
                     if self._fused_groups else "")
@@ -271,6 +285,29 @@ class ChunkCacheWorker:
 
     # --------------------------------------------------------------- load
 
+    def _allocate_scratch(self) -> None:
+        """The load buffers of the layers that take them, now (inside the KV
+        cache's memory, which the carve-out counted; vllm-ascend's sleep pool
+        too): K/V buffers for the standard layers the fused kernel does not
+        load, latent ones for MLA layers, none otherwise. Their contents are
+        workspace, rewritten by every load: a sleep may discard them."""
+        per_layer = [name for name in self.remappers if name not in self._fused.layers]
+        if per_layer:
+            key = self.pool_key[per_layer[0]]
+            value = self.pool_value[per_layer[0]]
+            self._scratch.prepare(RemapScratch.STANDARD,
+                                  {"k": tuple(key.shape[1:]), "v": tuple(value.shape[1:])},
+                                  self.dtype, key.device)
+        for latent in self.latent.values():
+            self._scratch.prepare(RemapScratch.LATENT,
+                                  {"c": (latent.layout.kv_lora_rank,),
+                                   "r": (latent.layout.rope_dim,)},
+                                  self.dtype, latent.pool.device)
+        logger.info("Chunk cache: load buffers of %d rows, %.1f MiB on %s", self._scratch.max_rows
+                    or 0, self._scratch.nbytes() / (1 << 20), self.device)
+
+    # --------------------------------------------------------------- load
+
     def start_load_kv(self, meta: Any, forward_context: ForwardContext) -> None:
         self._step_rows = None
         self._step_dst = None
@@ -286,39 +323,55 @@ class ChunkCacheWorker:
                          stretch_deltas=expanded.stretch_deltas)
         self._forward_context = forward_context
         try:
-            # NOTE: more rows than the buffers hold only for a load longer than
-            # the per-step cap, which the scheduler lets run alone.
-            for piece in rows.pieces(self._scratch.max_rows):
-                self._load_piece(piece)
+            self._load_rows(rows)
         finally:
             self._forward_context = None
 
-    def _load_piece(self, rows: RemapRows) -> None:
-        fused = self._fused.layers
-        # fp32 cos/sin per row, once per piece and distinct rope, for the
-        # layers not fused; not for a rope that rotates in place (CPU), which
-        # builds its own per-delta table.
-        cos_sin = {
-            id(rotation): rotation.cos_sin_rows(rows.deltas)
-            for rotation in self._rotations.values()
-            if not rotation.rotates_in_place(self.device)
-        } if len(fused) < len(self.remappers) or self.latent else {}
-        # The fused kernel reads one cos/sin row per stretch (a handful per
-        # step), indexed by each row's stretch.
-        stretch_cos_sin = {
-            id(rotation): rotation.cos_sin_rows(rows.stretch_deltas)
-            for rotation in self._rotations.values()
-        } if fused else {}
-        if self._fused_groups:
-            from vllm.v1.worker.fused_chunk_load import fused_load
+    def _load_rows(self, rows: RemapRows) -> None:
+        stretches = self._stretch_cos_sin(rows.stretch_deltas)
+        self._load_fused(rows, stretches)
+        # NOTE: the other layers go through the load buffers, in pieces of
+        # their rows: more rows only for a load longer than the per-step cap
+        # (which the scheduler lets run alone), or where the buffers were
+        # sized for a fused model (setup.load_scratch_rows).
+        for piece in rows.pieces(self._scratch.max_rows or rows.num_rows):
+            self._load_piece(piece, stretches)
 
-            for launch in self._fused_groups:
-                rotation = launch.rotation
-                fused_load(launch.group, rows.src_rows, rows.dst_slots,
-                           None if rotation is None else rows.stretch_index,
-                           None if rotation is None else stretch_cos_sin[id(rotation)],
-                           rotation is None or rotation.is_neox_style,
-                           0 if rotation is None else rotation.rotary_dim)
+    def _stretch_cos_sin(self, stretch_deltas: torch.Tensor) -> dict[bytes, StretchCosSin]:
+        """fp32 cos/sin of each stretch's delta, once per step and set of
+        frequencies (not per rope object: an MLA layer's `with_pairing` copy
+        shares its rope's), formed on the host from the metadata's integers
+        and sent to the device: no device value is read back."""
+        rotations = [launch.rotation for launch in self._fused_groups]
+        rotations += [self.remappers[name].rotation for name in self.remappers
+                      if name not in self._fused.layers]
+        rotations += [latent.rotation for latent in self.latent.values()]
+        tables: dict[bytes, StretchCosSin] = {}
+        for rotation in rotations:
+            if rotation is not None and rotation.frequency_key not in tables:
+                assert self.device is not None
+                tables[rotation.frequency_key] = rotation.stretch_cos_sin(stretch_deltas,
+                                                                          self.device)
+        return tables
+
+    def _load_fused(self, rows: RemapRows, stretches: dict[bytes, StretchCosSin]) -> None:
+        """The fused layers, one launch per group over all the step's rows."""
+        if not self._fused_groups:
+            return
+        from vllm.v1.worker.fused_chunk_load import fused_load
+
+        for launch in self._fused_groups:
+            rotation = launch.rotation
+            table = None if rotation is None else stretches[rotation.frequency_key]
+            fused_load(launch.group, rows.src_rows, rows.dst_slots,
+                       None if rotation is None else rows.stretch_index,
+                       None if table is None else (table.cos, table.sin),
+                       rotation is None or rotation.is_neox_style,
+                       0 if rotation is None else rotation.rotary_dim)
+
+    def _load_piece(self, rows: RemapRows, stretches: dict[bytes, StretchCosSin]) -> None:
+        """The layers not fused, through the load buffers."""
+        fused = self._fused.layers
         for name, remapper in self.remappers.items():
             if name in fused:
                 continue
@@ -328,11 +381,11 @@ class ChunkCacheWorker:
                 self.pool_key[name],
                 self.pool_value[name],
                 rows,
-                cos_sin=None if rotation is None else cos_sin.get(id(rotation)),
+                stretches=None if rotation is None else stretches[rotation.frequency_key],
             )
         for latent in self.latent.values():
             rotation = latent.rotation
-            latent.load(rows, None if rotation is None else cos_sin.get(id(rotation)))
+            latent.load(rows, None if rotation is None else stretches[rotation.frequency_key])
 
     def _write_rows(
         self,
