@@ -90,15 +90,22 @@ def main() -> int:
         deltas = torch.cat([torch.full((seg,), d) for d in (8000, -123, 4097, 0)])
         first_slot = 1000 * BLOCK + 3
         dst = torch.arange(first_slot, first_slot + n_rows)
-        packed = torch.stack([src, dst, deltas]).pin_memory().to(dev, non_blocking=True)
-        rows = RemapRows(src_rows=packed[0], dst_slots=packed[1], deltas=packed[2])
+        # As the worker: one cos/sin row per stretch (formed on the host from
+        # the stretches' deltas, sent once per step), each row's stretch index.
+        host_deltas = torch.tensor([8000, -123, 4097, 0])
+        stretch_index = torch.arange(4).repeat_interleave(seg)
+        packed = torch.stack([src, dst, deltas, stretch_index]).pin_memory().to(
+            dev, non_blocking=True)
+        rows = RemapRows(src_rows=packed[0], dst_slots=packed[1], deltas=packed[2],
+                         stretch_index=packed[3], stretch_deltas=host_deltas)
 
         def step():
-            cs = rotation.cos_sin_rows(rows.deltas)  # once per step
+            stretches = rotation.stretch_cos_sin(host_deltas, dev)  # once per step
             for layer in range(LAYERS):
-                remapper.remap_layer(str(layer), pool_k[layer], pool_v[layer], rows, cs)
+                remapper.remap_layer(str(layer), pool_k[layer], pool_v[layer], rows,
+                                     stretches)
 
-        step()  # warm-up (first use moves inv_freq to the device once)
+        step()  # warm-up
         torch.cuda.synchronize()
         for cache in caches:
             cache.fill_(float("nan"))  # poison: every checked row must be written
@@ -129,13 +136,10 @@ def main() -> int:
         # Fused: same rows, one kernel per layer; the same bytes at every slot.
         slots = dst.to(dev)
         written = [c[slots // BLOCK, :, slots % BLOCK].clone() for c in caches]
-        # As the worker: one cos/sin row per stretch, each row's stretch index.
-        stretch_index = torch.arange(4, device=dev).repeat_interleave(seg)
-        stretch_deltas = torch.tensor([8000, -123, 4097, 0], device=dev)
-
         def fused_step():
-            cs = rotation.cos_sin_rows(stretch_deltas)  # once per step
-            fused_load(group, rows.src_rows, rows.dst_slots, stretch_index, cs, True, HEAD)
+            stretches = rotation.stretch_cos_sin(host_deltas, dev)  # once per step
+            fused_load(group, rows.src_rows, rows.dst_slots, rows.stretch_index,
+                       (stretches.cos, stretches.sin), True, HEAD)
 
         fused_step()
         torch.cuda.synchronize()
