@@ -621,7 +621,6 @@ class RemapScratch:
     # writers take them, k_pe rotated through fp32.
     LATENT = (("kv_c", False, "c"), ("k_pe", False, "r"), ("k_pe32", True, "r"),
               ("k_pe_rotated32", True, "r"), ("k_pe_rotated", False, "r"))
-    ROLES = STANDARD
 
     def __init__(self, max_rows: int | None = None) -> None:
         self.max_rows = max_rows

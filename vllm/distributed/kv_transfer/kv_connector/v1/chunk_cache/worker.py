@@ -283,8 +283,6 @@ class ChunkCacheWorker:
             logger.info("Chunk cache: keys re-rotated with %s",
                         rotation.describe_path(self.device))
 
-    # --------------------------------------------------------------- load
-
     def _allocate_scratch(self) -> None:
         """The load buffers of the layers that take them, now (inside the KV
         cache's memory, which the carve-out counted; vllm-ascend's sleep pool
