@@ -186,7 +186,8 @@ def _expand(copies: list[_Copy], src_block_size: int, dst_block_size: int,
                 + src % src_block_size)
     dst_rows = (blocks[dst_off[which] + dst // dst_block_size] * dst_block_size
                 + dst % dst_block_size)
-    return _Rows(src_rows, dst_rows, which, delta, torch.from_numpy(per_copy[5].copy()))
+    # The deltas stay on the host too (a copy, not part of what is shipped).
+    return _Rows(src_rows, dst_rows, which, delta, torch.tensor(per_copy[5]))
 
 
 @dataclass
