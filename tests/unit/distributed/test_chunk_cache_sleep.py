@@ -29,6 +29,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from tests.unit.distributed.test_chunk_cache_worker import _worker
+from tests.unit.vllm_triton_cache_write import write_kv
 from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.metadata import (
     ChunkCacheMetadata,
     RequestLoad,
@@ -39,52 +40,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.setup import POOL_
 HEADS, HEAD, BLOCK, BLOCKS, LAYERS = 2, 32, 16, 64, 3
 
 
-def _vllm_triton_cache_write():
-    """vLLM's `triton_reshape_and_cache_flash`, loaded with the real Triton (vLLM's CPU
-    build binds `vllm.triton_utils` to a placeholder when Triton has no CPU backend), to
-    run in Triton's interpreter. Its launch asks the CUDA capability of the keys' device
-    for a tile size: Hopper's answer is given (the tile size changes no value written)."""
-    import importlib.util
-
-    import triton
-    import triton.language as tl
-
-    import vllm.triton_utils as triton_utils
-
-    name = "vllm.v1.attention.ops.triton_reshape_and_cache_flash"
-    saved = triton_utils.triton, triton_utils.tl
-    triton_utils.triton, triton_utils.tl = triton, tl
-    try:
-        spec = importlib.util.find_spec(name)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    finally:
-        triton_utils.triton, triton_utils.tl = saved
-
-    def write(*args):
-        capability = torch.cuda.get_device_capability
-        torch.cuda.get_device_capability = lambda device=None: (9, 0)
-        try:
-            module.triton_reshape_and_cache_flash(*args)
-        finally:
-            torch.cuda.get_device_capability = capability
-
-    return write
-
-
 class FlashAttentionImpl:
     """What the worker reads of vLLM's FlashAttention implementation; its cache write is
-    vLLM's Triton twin of reshape_and_cache_flash."""
+    vLLM's Triton twin of reshape_and_cache_flash (tests/unit/vllm_triton_cache_write.py)."""
 
     kv_cache_dtype = "auto"
-    _write = None
 
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping):
-        if FlashAttentionImpl._write is None:
-            FlashAttentionImpl._write = _vllm_triton_cache_write()
-        key_cache, value_cache = kv_cache.unbind(1)
-        FlashAttentionImpl._write(key, value, key_cache, value_cache, slot_mapping, "auto",
-                                  layer._k_scale, layer._v_scale)
+        write_kv(kv_cache, key, value, slot_mapping)
 
 
 def _attention(name: str, kv_cache: torch.Tensor):
