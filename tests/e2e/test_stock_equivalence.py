@@ -14,14 +14,12 @@ import json
 import os
 import subprocess
 import sys
-import zipfile
 from pathlib import Path
 
 import pytest
 
-from forktool.bases import base_for
-from forktool.paths import Paths
 from tests.conftest import models_dir
+from tests.stock_vllm import unpack_stock_vllm
 from tests.e2e.engine import ENGINE_ENV
 
 pytestmark = pytest.mark.e2e
@@ -41,21 +39,7 @@ def _run(extra_env: dict[str, str]) -> dict:
 
 @pytest.fixture(scope="module")
 def stock_dir(tmp_path_factory) -> Path:
-    import vllm
-
-    installed = Path(vllm.__file__).parent
-    root = tmp_path_factory.mktemp("stock-vllm")
-    with zipfile.ZipFile(base_for(Paths.default(), "vllm", "wheel").path) as wheel:
-        for name in wheel.namelist():
-            if not name.startswith("vllm/") or name.endswith("/"):
-                continue
-            if name.endswith(".so"):
-                target = root / name
-                target.parent.mkdir(parents=True, exist_ok=True)
-                target.symlink_to(installed / name[len("vllm/"):])
-            else:
-                wheel.extract(name, root)
-    return root
+    return unpack_stock_vllm(tmp_path_factory.mktemp("stock-vllm"))
 
 
 def test_fork_without_the_flag_equals_stock_vllm(stock_dir: Path):

@@ -6,29 +6,13 @@ Nothing here executes NPU code: docs/ascend.md lists what never ran."""
 
 from __future__ import annotations
 
-import os
 import py_compile
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from forktool import bases, tree
 from forktool.git import git
-from forktool.paths import Paths
-
-HERE = Path(__file__).resolve().parent
-REAL = Paths.default()
-
-
-@pytest.fixture(scope="module")
-def ascend_tree(tmp_path_factory) -> Path:
-    """The patched vllm-ascend tree (upstream sdist + series + overlay)."""
-    cache = tmp_path_factory.mktemp("cache")
-    (cache / "downloads").symlink_to(REAL.downloads)
-    paths = Paths(repo=REAL.repo, cache=cache)
-    return tree.apply(paths, bases.base_for(paths, "vllm-ascend", "sdist"), force=False)
+from tests.unit.ascend.ascend_checks import run_check
 
 
 def test_every_patched_or_new_file_compiles(ascend_tree: Path):
@@ -50,7 +34,7 @@ def test_every_patched_or_new_file_compiles(ascend_tree: Path):
     "check_mla_load_with_ascend_deepseek_rope",
 ])
 def test_npu_code_path_against_stubs(ascend_tree: Path, check: str):
-    _run_check(ascend_tree, "npu_stub_checks.py", check)
+    run_check("npu_stub_checks.py", check, ascend_tree)
 
 
 @pytest.mark.parametrize("check", [
@@ -64,16 +48,4 @@ def test_npu_code_path_against_stubs(ascend_tree: Path, check: str):
 ])
 def test_npu_start_up_against_vllm_ascend(ascend_tree: Path, check: str):
     """Issue 29, findings 5, 6, 7, 9, 11: tests/unit/ascend/npu_startup_checks.py."""
-    _run_check(ascend_tree, "npu_startup_checks.py", check)
-
-
-def _run_check(ascend_tree: Path, script: str, check: str) -> None:
-    env = {**os.environ,
-           "PYTHONPATH": os.pathsep.join([str(HERE / "stubs"), str(ascend_tree)]),
-           "VLLM_LOGGING_LEVEL": "WARNING",
-           # vLLM stays on its CPU platform (the tree's metadata would activate
-           # vllm-ascend's NPU platform, which needs a real torch_npu device).
-           "VLLM_PLUGINS": "none"}
-    proc = subprocess.run([sys.executable, str(HERE / script), check],
-                          env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0 and f"OK {check}" in proc.stdout, proc.stderr[-4000:]
+    run_check("npu_startup_checks.py", check, ascend_tree)

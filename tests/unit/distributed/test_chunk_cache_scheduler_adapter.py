@@ -207,8 +207,15 @@ def test_boundary_recompute_refuses_a_scheduler_that_replaces_schedule_at_start_
 
     ChunkCacheSchedulerAdapter(*make_config(recompute=4, scheduler=AsyncScheduler))
     ChunkCacheSchedulerAdapter(*make_config(recompute=0, scheduler=OwnLoop))
-    with pytest.raises(ValueError, match="OwnLoop replaces its schedule"):
+    with pytest.raises(ValueError, match="runs the schedule\\(\\) of .*OwnLoop"):
         ChunkCacheSchedulerAdapter(*make_config(recompute=4, scheduler=OwnLoop))
+
+    class NotVllms:  # implements the interface from scratch: nothing known
+        def schedule(self):
+            raise AssertionError("never called")
+
+    with pytest.raises(ValueError, match="needs vLLM's scheduler or a subclass"):
+        ChunkCacheSchedulerAdapter(*make_config(recompute=0, scheduler=NotVllms))
 
 
 def test_a_request_without_layout_is_not_touched_whatever_its_salt():

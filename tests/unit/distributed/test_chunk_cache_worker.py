@@ -331,3 +331,39 @@ def test_a_rope_narrower_than_the_key_heads_is_refused(vllm_config_context):
     worker._rotations = {id(rope): RopeRotation(rope, use_cpu_kernel=False)}
     with pytest.raises(ValueError, match=r"l0 rotates heads of 64 values but its keys have 192"):
         worker.register_kv_caches({"l0": torch.zeros(4, 1, 16, 2 * 192)})
+
+
+def test_a_step_with_captures_fails_if_a_hooked_layer_never_captured():
+    """Issue 29, finding 4. Before: a layer whose attention ran outside vLLM's
+    wrapper (vllm-ascend's xlite full mode) never reached save_kv_layer, the
+    step went on and parents later loaded the pool's zeros. Now the step that
+    had captures to make fails, naming the layer."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.capture_path import (
+        CaptureChoice,
+    )
+
+    worker = _worker()
+    worker.block_size = 4
+    worker._capture = CaptureChoice(in_attention={"l0": "hook", "l1": "hook"})
+    for name in ("l0", "l1"):
+        worker.pool_key[name] = torch.zeros(64, 1, 2)
+        worker.pool_value[name] = torch.zeros(64, 1, 2)
+    store = ChildStore(block_ids=(2,), pool_block_ids=(1,), first_position=0,
+                       end_position=4, store_start=0)
+    meta = ChunkCacheMetadata(stores=[store])
+    slot_mapping = torch.tensor([8, 9, 10, 11])
+    rows = torch.arange(8.0).view(4, 1, 2)
+
+    worker.start_load_kv(meta, None)
+    worker.save_kv_layer(meta, "l0", slot_mapping, rows, rows + 1)
+    with pytest.raises(RuntimeError, match=r"layer\(s\) \['l1'\] \(1 of 2\) never reached"):
+        worker.capture_after_forward(meta)
+    # Every hooked layer captured: the step goes on; a step without captures
+    # checks nothing.
+    worker.start_load_kv(meta, None)
+    for name in ("l0", "l1"):
+        worker.save_kv_layer(meta, name, slot_mapping, rows, rows + 1)
+    worker.capture_after_forward(meta)
+    assert torch.equal(worker.pool_key["l1"][POOL_BLOCK_SIZE:POOL_BLOCK_SIZE + 4], rows)
+    worker.start_load_kv(ChunkCacheMetadata(), None)
+    worker.capture_after_forward(ChunkCacheMetadata())

@@ -46,14 +46,11 @@ See docs/ascend.md: none of this was executed on an NPU.
 
 from __future__ import annotations
 
+import importlib.util
 from typing import Any
 
 import torch
 
-from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.cache_writers import (
-    register_cache_writer,
-    register_latent_writer,
-)
 from vllm.logger import init_logger
 
 logger = init_logger(__name__)
@@ -236,9 +233,40 @@ def register_ascend_ropes() -> None:
                        stored_neox_style=_always_halves)
 
 
+# The fork's chunk cache in vLLM; absent from a stock vLLM.
+_CHUNK_CACHE_PACKAGE = "vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache"
+# vllm-ascend's balance scheduler (patch_balance_schedule rebinds vLLM's
+# Scheduler to it in every process that applies its platform patches).
+_BALANCE_SCHEDULER = "vllm_ascend.patch.platform.patch_balance_schedule.BalanceScheduler"
+
+
+def _balance_scheduler_runs_vllm_schedule(vllm_config: Any) -> bool:
+    """BalanceScheduler.schedule() calls vLLM's (super().schedule()) unless
+    balance scheduling is on or preemption is disabled on a PD prefill node
+    (read in vllm-ascend 0.23.0.post1, patch_balance_schedule.py:107-111; the
+    same two functions it asks). Only called where that class is in use, so
+    its module is already imported."""
+    from vllm_ascend.patch.platform import patch_balance_schedule as balance
+
+    return not (balance._balance_scheduling_enabled(vllm_config)
+                or balance._disable_preemption_on_prefill_node(vllm_config))
+
+
 def register_npu_chunk_cache() -> None:
-    """Register the NPU cache writers and rope rules (called from vllm-ascend's
-    connector registration, in every process)."""
+    """Register the NPU cache writers, rope rules and scheduler rule (called
+    from vllm-ascend's connector registration, in every process). Nothing on a vLLM without the chunk cache: vllm-ascend may be
+    installed next to a stock vLLM, whose plugin loader calls this unguarded."""
+    if importlib.util.find_spec(_CHUNK_CACHE_PACKAGE) is None:
+        return
+    from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.cache_writers import (
+        register_cache_writer,
+        register_latent_writer,
+    )
+    from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.support import (
+        register_delegating_scheduler,
+    )
+
+    register_delegating_scheduler(_BALANCE_SCHEDULER, _balance_scheduler_runs_vllm_schedule)
     register_cache_writer("AscendAttentionBackendImpl", ASCEND_BACKEND, write_rows_npu)
     # NOTE: AscendMlaCPImpl (context parallel) and AscendSFAImpl/AscendDSAImpl
     # are not registered: refused by name. k_pe: Ascend's MLA rotates it

@@ -19,11 +19,17 @@ def rope_use(owner: nn.Module) -> str:
     "always" (called unconditionally in forward), "never" (forward does not
     mention it) or "conditional"/"unknown" (cannot be told: refuse).
 
-    `if self.rotary_emb is not None:` (vLLM's MLA wrapper) guards on the
-    rope's presence alone: with a rope, its body runs unconditionally.
+    Two tests of the rope object itself are decided for this owner's rope,
+    the branch taken is read as unconditional and the other one as dead:
+    `if self.rotary_emb is not None:` (vLLM's MLA wrapper: with a rope, its
+    body runs), and `if isinstance(self.rotary_emb, X):` with X a class (or
+    tuple of classes) named in the forward's module (vllm-ascend's
+    patch_qwen3vl forward of Qwen3 and Qwen3-MoE attention: a fused M-RoPE
+    path for AscendMRotaryEmbedding, the plain rope call otherwise).
     """
+    forward = type(owner).forward
     try:
-        source = textwrap.dedent(inspect.getsource(type(owner).forward))
+        source = textwrap.dedent(inspect.getsource(forward))
         tree = ast.parse(source)
     except (OSError, TypeError, SyntaxError):
         return "unknown"
@@ -31,14 +37,16 @@ def rope_use(owner: nn.Module) -> str:
     if not isinstance(func, (ast.FunctionDef, ast.AsyncFunctionDef)):
         return "unknown"
     uses: list[bool] = []  # one per mention of self.rotary_emb: conditional?
+    rope = getattr(owner, "rotary_emb", None)
+    names = getattr(forward, "__globals__", {})
 
     def visit(node: ast.AST, conditional: bool) -> None:
-        if isinstance(node, ast.If) and _tests_rope_presence(node.test):
-            for child in node.body:
-                visit(child, conditional)
-            for child in node.orelse:
-                visit(child, True)
-            return
+        if isinstance(node, ast.If):
+            taken = _rope_test_outcome(node.test, rope, names)
+            if taken is not None:
+                for child in node.body if taken else node.orelse:
+                    visit(child, conditional)
+                return
         if _is_self_rope(node):
             uses.append(conditional)
         nested = conditional or isinstance(
@@ -74,12 +82,47 @@ def _is_self_rope(node: ast.AST) -> bool:
             and isinstance(node.value, ast.Name) and node.value.id == "self")
 
 
-def _tests_rope_presence(test: ast.AST) -> bool:
-    """`self.rotary_emb is not None`."""
-    return (isinstance(test, ast.Compare) and _is_self_rope(test.left)
+def _rope_test_outcome(test: ast.AST, rope: object, names: dict) -> bool | None:
+    """The value of an `if` test on the rope object alone, for this `rope`:
+    `self.rotary_emb is not None`, `isinstance(self.rotary_emb, X)` (X a
+    class or tuple of classes resolved in the forward's globals `names`),
+    either under `not`; None for any other test (or an X not resolved)."""
+    if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
+        inner = _rope_test_outcome(test.operand, rope, names)
+        return None if inner is None else not inner
+    if (isinstance(test, ast.Compare) and _is_self_rope(test.left)
             and len(test.ops) == 1 and isinstance(test.ops[0], ast.IsNot)
             and isinstance(test.comparators[0], ast.Constant)
-            and test.comparators[0].value is None)
+            and test.comparators[0].value is None):
+        return rope is not None
+    if (isinstance(test, ast.Call) and isinstance(test.func, ast.Name)
+            and test.func.id == "isinstance" and names.get("isinstance", isinstance) is isinstance
+            and len(test.args) == 2 and not test.keywords and _is_self_rope(test.args[0])):
+        classes = _resolve_classes(test.args[1], names)
+        if classes is not None:
+            return isinstance(rope, classes)
+    return None
+
+
+def _resolve_classes(node: ast.AST, names: dict) -> tuple[type, ...] | None:
+    """Classes named by `node` (a name, a dotted name or a tuple of them) in
+    the module globals `names`; None if any is not a class found there."""
+    items = node.elts if isinstance(node, ast.Tuple) else [node]
+    classes = []
+    for item in items:
+        path = []
+        while isinstance(item, ast.Attribute):
+            path.append(item.attr)
+            item = item.value
+        if not isinstance(item, ast.Name) or item.id not in names:
+            return None
+        value = names[item.id]
+        for attr in reversed(path):
+            value = getattr(value, attr, None)
+        if not isinstance(value, type):
+            return None
+        classes.append(value)
+    return tuple(classes)
 
 
 def _rope_of_mla_impl(layer: nn.Module) -> nn.Module | None:
@@ -114,7 +157,7 @@ def find_layer_ropes(
     ropes: dict[str, nn.Module | None] = {}
     orphans: list[str] = []
     any_rope = False
-    use_by_class: dict[type, str] = {}
+    use_by_class: dict[tuple[type, type], str] = {}
     for _, module in model.named_modules():
         rope = getattr(module, "rotary_emb", None)
         if not isinstance(rope, nn.Module):
@@ -123,9 +166,11 @@ def find_layer_ropes(
                       if isinstance(c, (Attention, MLAAttention))]
         if rope is not None and attentions:
             cls = type(module)
-            if cls not in use_by_class:
-                use_by_class[cls] = rope_use(module)
-            use = use_by_class[cls]
+            # NOTE: per rope class too: a forward may test the rope's type.
+            key = (cls, type(rope))
+            if key not in use_by_class:
+                use_by_class[key] = rope_use(module)
+            use = use_by_class[key]
             if use in ("conditional", "unknown"):
                 raise ValueError(
                     f"chunk cache cannot tell whether {cls.__name__} applies its "

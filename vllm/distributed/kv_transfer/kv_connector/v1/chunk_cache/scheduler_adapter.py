@@ -44,7 +44,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.setup import (
     pool_num_blocks,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.support import (
-    check_scheduler_serves_gaps,
+    check_scheduler,
     kv_cache_block_size,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.stats import (
@@ -103,7 +103,7 @@ class ChunkCacheSchedulerAdapter:
         from vllm.sampling_params import RequestOutputKind, SamplingParams
 
         cfg = vllm_config.chunk_cache_config
-        check_scheduler_serves_gaps(vllm_config)
+        check_scheduler(vllm_config)
         self.block_size = kv_cache_block_size(kv_cache_config)
         num_pool_blocks = pool_num_blocks(vllm_config, kv_cache_config)
         self.manager = ChunkCacheManager(

@@ -18,6 +18,7 @@ they need:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -76,6 +77,18 @@ def _check_ascend_options(vllm_config: VllmConfig) -> None:
     there, which switches on PD-only branches (docs/ascend.md)."""
     additional = getattr(vllm_config, "additional_config", None)
     additional = additional if isinstance(additional, dict) else {}
+    xlite = additional.get("xlite_graph_config") or {}
+    if isinstance(xlite, dict) and xlite.get("enabled", False):
+        # NOTE: xlite runs the model in its own runtime (xlite_model.forward;
+        # in full mode prefill too, in eager mode), never through vLLM's
+        # Attention layers: nothing would capture a child's rows, and the
+        # pool's zeros would be loaded into its parents.
+        mode = "full" if xlite.get("full_mode", False) else "decode-only"
+        raise ValueError(
+            f"--enable-chunk-cache does not support vllm-ascend's xlite graph mode "
+            f"(additional_config xlite_graph_config.enabled, {mode} mode): xlite "
+            "computes attention in its own runtime, outside vLLM's attention layers, "
+            "so the chunk cache could neither capture nor load a segment's KV")
     hamming = additional.get("hamming_sparse") or {}
     if additional.get("enable_hamming_sparse") or (
             isinstance(hamming, dict) and hamming.get("enabled")):
@@ -312,22 +325,68 @@ def check_graph_mode(compilation_config: Any, hooked: dict[str, str]) -> None:
         )
 
 
-def check_scheduler_serves_gaps(vllm_config: VllmConfig) -> None:
-    """Boundary recompute needs a scheduler that asks the connector for prefill
-    gaps (vLLM's Scheduler with patch 0012). One that replaces `schedule` (e.g.
-    vllm-ascend's optional schedulers) would compute the stretches the cache
-    should load, with another attention: refused at start-up instead."""
+# Scheduler classes that replace schedule() but call vLLM's own under some
+# configs (qualified class name -> predicate on the VllmConfig), registered
+# by a platform's glue (chunk_cache_npu: vllm-ascend's BalanceScheduler).
+_DELEGATING_SCHEDULERS: dict[str, Callable[[Any], bool]] = {}
+
+
+def register_delegating_scheduler(qualname: str, runs_vllm_schedule: Callable[[Any], bool]) -> None:
+    """`qualname`'s schedule() calls the next one in its MRO (super()) when
+    `runs_vllm_schedule(vllm_config)` is true."""
+    _DELEGATING_SCHEDULERS[qualname] = runs_vllm_schedule
+
+
+def _vllm_scheduler(cls: type) -> type | None:
+    """vLLM's own Scheduler class among `cls`'s bases. NOTE: found in the MRO,
+    never as `vllm.v1.core.sched.scheduler.Scheduler`, which a plugin may
+    rebind (vllm-ascend's patch_balance_schedule binds its BalanceScheduler)."""
+    for base in getattr(cls, "__mro__", ()):
+        if base.__module__ == "vllm.v1.core.sched.scheduler" and base.__qualname__ == "Scheduler":
+            return base
+    return None
+
+
+def _foreign_schedule(cls: type, vllm_config: Any) -> type | None:
+    """The class whose own schedule() runs instead of vLLM's (compared as
+    function objects), or None if vLLM's runs (directly or through
+    registered delegating overrides)."""
+    original = _vllm_scheduler(cls)
+    for base in cls.__mro__:
+        if "schedule" not in vars(base):
+            continue
+        if base is original:
+            return None
+        rule = _DELEGATING_SCHEDULERS.get(f"{base.__module__}.{base.__qualname__}")
+        if rule is None or not rule(vllm_config):
+            return base
+    return cls
+
+
+def check_scheduler(vllm_config: VllmConfig) -> None:
+    """The scheduler class must be vLLM's or derive from it (the connector
+    calls of its schedule(): get_num_new_matched_tokens, allocation,
+    build_connector_meta). The children of chunked requests are added by
+    EngineCore before every schedule() (patch 0006), whatever class runs.
+    Boundary recompute needs more: vLLM's own schedule(), which asks the
+    connector for prefill gaps (patch 0012). One that replaces it (e.g.
+    vllm-ascend's SchedulerDynamicBatch, ProfilingChunkScheduler, or its
+    BalanceScheduler with balance scheduling on) would compute the stretches
+    the cache should load, with another attention: refused at start-up."""
+    cls = vllm_config.scheduler_config.get_scheduler_cls()
+    name = getattr(cls, "__qualname__", str(cls))
+    if not isinstance(cls, type) or _vllm_scheduler(cls) is None:
+        raise ValueError(
+            f"--enable-chunk-cache needs vLLM's scheduler or a subclass of it; the "
+            f"scheduler class {name} is neither")
     if vllm_config.chunk_cache_config.chunk_recompute_tokens == 0:
         return
-    from vllm.v1.core.sched.scheduler import Scheduler
-
-    cls = vllm_config.scheduler_config.get_scheduler_cls()
-    if not (isinstance(cls, type) and issubclass(cls, Scheduler)
-            and cls.schedule is Scheduler.schedule):
-        name = getattr(cls, "__qualname__", str(cls))
+    foreign = _foreign_schedule(cls, vllm_config)
+    if foreign is not None:
         raise ValueError(
             f"--chunk-recompute-tokens needs vLLM's own scheduler; the scheduler "
-            f"class {name} replaces its schedule() and would not load the cached "
-            "parts of a chunk between recomputed ones. Use the default scheduler "
-            "or --chunk-recompute-tokens 0"
+            f"class {name} runs the schedule() of {foreign.__module__}."
+            f"{foreign.__qualname__}, which would not load the cached parts of a "
+            "chunk between recomputed ones. Use the default scheduler or "
+            "--chunk-recompute-tokens 0"
         )

