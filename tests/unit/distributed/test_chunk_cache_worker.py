@@ -367,3 +367,45 @@ def test_a_step_with_captures_fails_if_a_hooked_layer_never_captured():
     assert torch.equal(worker.pool_key["l1"][POOL_BLOCK_SIZE:POOL_BLOCK_SIZE + 4], rows)
     worker.start_load_kv(ChunkCacheMetadata(), None)
     worker.capture_after_forward(ChunkCacheMetadata())
+
+
+class _OtherRope(_Rope):
+    pass
+
+
+class TypeTestedRope(nn.Module):
+    """A forward whose rope use depends on the rope's class (vllm-ascend's
+    patch_qwen3vl forward of Qwen3 attention: a fused path for an M-RoPE)."""
+
+    def __init__(self, name, rope):
+        super().__init__()
+        self.rotary_emb = rope
+        self.attn = _attention(name)
+
+    def forward(self, positions, q, k):
+        if isinstance(self.rotary_emb, _OtherRope):
+            q = self.rotary_emb.cos_sin_cache[positions]
+        else:
+            q, k = self.rotary_emb(positions, q, k)
+        return self.attn(q, k)
+
+
+class UnknownTypeTested(TypeTestedRope):
+    def forward(self, positions, q, k):
+        if isinstance(self.rotary_emb, NotAName):  # noqa: F821 - never resolved
+            return q
+        q, k = self.rotary_emb(positions, q, k)
+        return self.attn(q, k)
+
+
+def test_an_isinstance_test_of_the_rope_is_decided_for_the_layers_rope():
+    """Issue 29, finding 2. Before: any `if` on the rope made its use
+    "conditional" and Qwen3 on Ascend was refused. Now the branch taken with this
+    layer's rope is read as unconditional, the other one as dead; a class the
+    forward's module does not name stays undecided."""
+    assert rope_use(TypeTestedRope("a", _Rope())) == "always"
+    assert rope_use(TypeTestedRope("a", _OtherRope())) == "always"  # mentioned, not called
+    assert rope_use(UnknownTypeTested("a", _Rope())) == "conditional"
+    model = nn.ModuleList([TypeTestedRope("l0", _Rope()), TypeTestedRope("l1", _Rope())])
+    ropes, orphans = find_layer_ropes(model)
+    assert ropes == {"l0": model[0].rotary_emb, "l1": model[1].rotary_emb} and not orphans
