@@ -11,6 +11,8 @@ the prefix cache, where the next request with the same prompt would hit unwritte
 
 from __future__ import annotations
 
+import types
+
 import pytest
 
 from tests.conftest import models_dir
@@ -68,10 +70,15 @@ def request(rid, token_ids, priority, layout=None):
 
 
 def step(scheduler):
-    """One step: schedule, then the model runner's answer (a token for every request
-    whose prompt is computed after this step, nothing for a prefill chunk)."""
+    """One step as EngineCore.step runs it: the connector's children added (patch
+    0006), schedule, then the model runner's answer (a token for every request whose
+    prompt is computed after this step, nothing for a prefill chunk)."""
+    from vllm.v1.engine.core import EngineCore
     from vllm.v1.outputs import ModelRunnerOutput
 
+    # NOTE: EngineCore's own method, on the two attributes it reads.
+    EngineCore._add_internal_requests(types.SimpleNamespace(
+        _internal_request_connector=scheduler.connector, scheduler=scheduler))
     out = scheduler.schedule()
     ids = list(out.num_scheduled_tokens)
     sampled = []
