@@ -35,9 +35,7 @@ place of vLLM's (`vllm_ascend.utils.register_ascend_customop`), each read to
 keep its parent's angle rule (below, `register_ascend_ropes`); the others
 stay refused by name.
 
-It also registers a config check (`check_ascend_config`: vllm-ascend's xlite
-graph mode is refused, its attention runs outside vLLM's layers) and the rule
-under which vllm-ascend's BalanceScheduler runs vLLM's own schedule()
+It also registers the rule under which vllm-ascend's BalanceScheduler runs vLLM's own schedule()
 (balance scheduling off), which boundary recompute needs (support.check_scheduler).
 On a vLLM without the chunk cache (vllm-ascend next to a stock vLLM) it
 registers nothing: no fork-only module is imported at import time.
