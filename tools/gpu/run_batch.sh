@@ -32,6 +32,9 @@ case $1 in
       >"$OUT/half-nofused.log" 2>&1; echo "half nofused rc=$?"
     grep -E "worst|Chunk cache: loads" "$OUT/half-nofused.log" | sort -u | head
     ;;
+  half-fa)
+    half fa CHUNK_HALF_DTYPES=bfloat16 CHUNK_HALF_EAGER=0
+    ;;
   ttft)  # ttft MODE...
     shift
     [ -e $M/llama3-8b/config.json ] || python3 benchmarks/gpu_ttft.py make $M/llama3-8b $M/gpu-llama

@@ -111,7 +111,8 @@ def test_fused_load_writes_what_todays_path_writes_bit_for_bit(
     delta_index = table = None
     if rotation is not None:
         distinct, delta_index = torch.unique(deltas, return_inverse=True)
-        table = rotation.cos_sin(distinct)
+        # NOTE: cos_sin forms the table on the host; the kernel reads it where it runs.
+        table = tuple(t.to(device) for t in rotation.cos_sin(distinct))
     layer = fused.PagedLayer(got_k, got_v, k_scale if fp8 else None, v_scale if fp8 else None)
     fused.fused_load(fused.FusedGroup.of([pool_key], [pool_value], [layer]), src_rows,
                      dst_slots, delta_index, table, neox,
