@@ -369,6 +369,39 @@ def test_a_step_with_captures_fails_if_a_hooked_layer_never_captured():
     worker.capture_after_forward(ChunkCacheMetadata())
 
 
+def test_the_hooks_captures_count_when_the_step_starts_its_loads_after_the_forward():
+    """vLLM 0.32 calls start_load_kv after the forward in a step without
+    synchronous loads (kv_connector_model_runner_mixin: start_after_forward).
+    Before: start_load_kv forgot the hook's captures and every such step with
+    captures failed ("4 of 4 never reached the capture hook", CI on 0.32). The
+    captures belong to the step's metadata, whatever the order of the calls."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.capture_path import (
+        CaptureChoice,
+    )
+
+    worker = _worker()
+    worker.block_size = 4
+    worker._capture = CaptureChoice(in_attention={"l0": "hook", "l1": "hook"})
+    for name in ("l0", "l1"):
+        worker.pool_key[name] = torch.zeros(64, 1, 2)
+        worker.pool_value[name] = torch.zeros(64, 1, 2)
+    meta = ChunkCacheMetadata(stores=[ChildStore(block_ids=(2,), pool_block_ids=(1,),
+                                                 first_position=0, end_position=4,
+                                                 store_start=0)])
+    slot_mapping = torch.tensor([8, 9, 10, 11])
+    rows = torch.arange(8.0).view(4, 1, 2)
+    for name in ("l0", "l1"):
+        worker.save_kv_layer(meta, name, slot_mapping, rows, rows + 1)
+    worker.start_load_kv(meta, None)  # after the forward, as 0.32 orders it
+    worker.capture_after_forward(meta)
+    assert torch.equal(worker.pool_value["l0"][POOL_BLOCK_SIZE:POOL_BLOCK_SIZE + 4], rows + 1)
+    # The next step's metadata starts with nothing captured.
+    nxt = ChunkCacheMetadata(stores=meta.stores)
+    worker.save_kv_layer(nxt, "l0", slot_mapping, rows, rows + 1)
+    with pytest.raises(RuntimeError, match=r"\['l1'\] \(1 of 2\) never reached"):
+        worker.capture_after_forward(nxt)
+
+
 class _OtherRope(_Rope):
     pass
 

@@ -154,8 +154,12 @@ class ChunkCacheWorker:
         self._step_rows: torch.Tensor | None = None
         self._step_dst: torch.Tensor | None = None
         self._step_key: tuple[int, int] | None = None
-        # Layers whose attention hook captured in this step (a step with
-        # captures must see every hooked layer: capture_after_forward).
+        # Layers whose attention hook captured for the step whose metadata is
+        # _hook_step (a step with captures must see every hooked layer:
+        # capture_after_forward). NOTE: owned by the step's metadata, never reset
+        # in start_load_kv: vLLM 0.32 calls start_load_kv after the forward in a
+        # step without synchronous loads, which would forget the hook's captures.
+        self._hook_step: Any = None
         self._hook_captured: set[str] = set()
 
     # ----------------------------------------------------------- start-up
@@ -313,7 +317,6 @@ class ChunkCacheWorker:
         self._step_rows = None
         self._step_dst = None
         self._step_key = None
-        self._hook_captured.clear()
         if not meta.loads:
             return
         assert self.device is not None
@@ -415,8 +418,9 @@ class ChunkCacheWorker:
         Attention wrapper, e.g. a platform's own model runtime) would leave
         pool rows that parents then load; fail the step instead."""
         if meta.stores and self._capture.in_attention:
-            missing = set(self._capture.in_attention) - self._hook_captured
-            self._hook_captured.clear()
+            captured = self._hook_captured if self._hook_step is meta else set()
+            self._hook_step, self._hook_captured = None, set()
+            missing = set(self._capture.in_attention) - captured
             if missing:
                 raise RuntimeError(
                     f"chunk cache: this step computed chunks to cache but attention "
@@ -461,6 +465,8 @@ class ChunkCacheWorker:
                 "kv_transfer_utils patch applied?)"
             )
         rows, dst = self._step_indices(meta, slot_mapping)
+        if self._hook_step is not meta:
+            self._hook_step, self._hook_captured = meta, set()
         self._hook_captured.add(layer_name)
         pool_key = self.pool_key[layer_name]
         pool_value = self.pool_value[layer_name]
