@@ -333,11 +333,9 @@ def test_a_rope_narrower_than_the_key_heads_is_refused(vllm_config_context):
         worker.register_kv_caches({"l0": torch.zeros(4, 1, 16, 2 * 192)})
 
 
-def test_a_step_with_captures_fails_if_a_hooked_layer_never_captured():
-    """Issue 29, finding 4. Before: a layer whose attention ran outside vLLM's
-    wrapper (vllm-ascend's xlite full mode) never reached save_kv_layer, the
-    step went on and parents later loaded the pool's zeros. Now the step that
-    had captures to make fails, naming the layer."""
+def _two_hooked_layers_and_a_child_step():
+    """A worker whose layers l0 and l1 capture in the attention hook, and one
+    step's metadata with a child storing 4 rows (slots 8-11 -> pool block 1)."""
     from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.capture_path import (
         CaptureChoice,
     )
@@ -350,9 +348,16 @@ def test_a_step_with_captures_fails_if_a_hooked_layer_never_captured():
         worker.pool_value[name] = torch.zeros(64, 1, 2)
     store = ChildStore(block_ids=(2,), pool_block_ids=(1,), first_position=0,
                        end_position=4, store_start=0)
-    meta = ChunkCacheMetadata(stores=[store])
-    slot_mapping = torch.tensor([8, 9, 10, 11])
-    rows = torch.arange(8.0).view(4, 1, 2)
+    return (worker, ChunkCacheMetadata(stores=[store]), torch.tensor([8, 9, 10, 11]),
+            torch.arange(8.0).view(4, 1, 2))
+
+
+def test_a_step_with_captures_fails_if_a_hooked_layer_never_captured():
+    """Issue 29, finding 4. Before: a layer whose attention ran outside vLLM's
+    wrapper (vllm-ascend's xlite full mode) never reached save_kv_layer, the
+    step went on and parents later loaded the pool's zeros. Now the step that
+    had captures to make fails, naming the layer."""
+    worker, meta, slot_mapping, rows = _two_hooked_layers_and_a_child_step()
 
     worker.start_load_kv(meta, None)
     worker.save_kv_layer(meta, "l0", slot_mapping, rows, rows + 1)
@@ -375,21 +380,7 @@ def test_the_hooks_captures_count_when_the_step_starts_its_loads_after_the_forwa
     Before: start_load_kv forgot the hook's captures and every such step with
     captures failed ("4 of 4 never reached the capture hook", CI on 0.32). The
     captures belong to the step's metadata, whatever the order of the calls."""
-    from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.capture_path import (
-        CaptureChoice,
-    )
-
-    worker = _worker()
-    worker.block_size = 4
-    worker._capture = CaptureChoice(in_attention={"l0": "hook", "l1": "hook"})
-    for name in ("l0", "l1"):
-        worker.pool_key[name] = torch.zeros(64, 1, 2)
-        worker.pool_value[name] = torch.zeros(64, 1, 2)
-    meta = ChunkCacheMetadata(stores=[ChildStore(block_ids=(2,), pool_block_ids=(1,),
-                                                 first_position=0, end_position=4,
-                                                 store_start=0)])
-    slot_mapping = torch.tensor([8, 9, 10, 11])
-    rows = torch.arange(8.0).view(4, 1, 2)
+    worker, meta, slot_mapping, rows = _two_hooked_layers_and_a_child_step()
     for name in ("l0", "l1"):
         worker.save_kv_layer(meta, name, slot_mapping, rows, rows + 1)
     worker.start_load_kv(meta, None)  # after the forward, as 0.32 orders it
