@@ -1,0 +1,3 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The fleet tier of the chunk cache: a byte store shared by every replica
+(base.py: the seam; mooncake.py: the one backend on the data path)."""

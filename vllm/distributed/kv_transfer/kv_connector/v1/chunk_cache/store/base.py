@@ -1,0 +1,64 @@
+# SPDX-License-Identifier: Apache-2.0
+"""ChunkStore: the seam between the chunk cache and a fleet-wide byte store.
+
+The store holds finished chunk entries (header + payload bytes, entry_format.py)
+under typed keys (keys.py). It is shared by every replica, so nothing read from
+it is trusted: the connector verifies each entry before it reaches the pool.
+
+NOTE: every method may block on the network. The connector calls them from its
+own thread (never from the scheduler's step or the forward), and a call that
+has not answered yet is "not yet" to the engine, never a wait.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import Enum
+
+
+@dataclass(frozen=True)
+class HostBuffer:
+    """A span of host memory the store reads into or writes from (zero-copy
+    where the backend registered it with `register_buffer`)."""
+
+    ptr: int
+    nbytes: int
+
+
+class Presence(Enum):
+    PRESENT = "present"
+    ABSENT = "absent"
+    ERROR = "error"
+
+
+class ChunkStore(ABC):
+    """Batch exists / get into a buffer / put from a buffer, by string key."""
+
+    @abstractmethod
+    def register_buffer(self, buffer: HostBuffer) -> None:
+        """Make `buffer` usable by the get/put calls below (once, at start-up)."""
+
+    @abstractmethod
+    def batch_exists(self, keys: Sequence[str]) -> list[Presence]:
+        """One answer per key, in order."""
+
+    @abstractmethod
+    def batch_get_into(
+        self, keys: Sequence[str], buffers: Sequence[HostBuffer]
+    ) -> list[int]:
+        """Read each key's value into its buffer; per key the number of bytes
+        read (>= 0) or a negative error code (absent, too large, transport)."""
+
+    @abstractmethod
+    def batch_put_from(
+        self, keys: Sequence[str], buffers: Sequence[HostBuffer]
+    ) -> list[int]:
+        """Store each buffer's bytes under its key; per key 0 or a negative
+        error code. A key already present keeps its value (entries are
+        immutable: the same key always names the same content)."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release the connection; later calls fail with an error code."""
