@@ -18,4 +18,4 @@ def test_small_run_reports_every_rate():
     for r in rows:
         for k in ("store_GBps", "store_one_GBps", "memcpy_GBps", "tcp_GBps", "xxh3_GBps"):
             assert r[k] > 0, (k, r)
-        assert r["ratio"] == r["store_GBps"] / r["memcpy_GBps"]
+        assert abs(r["ratio"] - r["store_GBps"] / r["memcpy_GBps"]) < 1e-9
