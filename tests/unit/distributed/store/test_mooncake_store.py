@@ -242,3 +242,27 @@ def test_segment_holder_killed_gets_fail_within_the_deadline(own_fleet):
     fleet.kill_client()
     codes, took = _timed(lambda: store.batch_get_into([k], [buf.span(8192, 4096)]))
     assert _all_failed(codes) and took < TIMEOUT_S + SLACK_S, (codes, took)
+
+
+def test_calls_from_two_threads_each_keep_their_own_deadline(own_fleet):
+    fleet, store, buf = own_fleet
+    k = _key(0)
+    assert store.batch_put_from([k], [buf.span(0, 128)]) == [0]
+    fleet.stop_master()
+    took = {}
+
+    def call(name):
+        t0 = time.monotonic()
+        took[name] = (store.batch_exists([k]), time.monotonic() - t0)
+
+    import threading
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(2)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+    finally:
+        fleet.continue_master()
+    for codes, seconds in took.values():
+        assert codes == [Presence.ERROR] and seconds < TIMEOUT_S + SLACK_S, took
