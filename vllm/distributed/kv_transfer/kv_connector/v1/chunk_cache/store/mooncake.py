@@ -173,7 +173,8 @@ class MooncakeChunkStore(ChunkStore):
                 "`./fork setup` installs both"
             ) from e
         for name, value in mooncake_timeout_env(spec.timeout_s).items():
-            # NOTE: the user's own setting wins; Mooncake reads these at setup.
+            # NOTE: the user's own setting wins; Mooncake reads these at setup, so the
+            # first connection's timeout holds for the whole process (one spec per vLLM).
             os.environ.setdefault(name, value)
         client = MooncakeDistributedStore()
         worker = _DeadlineWorker(f"chunk-store-{spec.master_address}")
