@@ -28,6 +28,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Sequence
 from pathlib import Path
 
 PACKAGE = "mooncake-transfer-engine-non-cuda==0.3.13.post1"
@@ -76,7 +77,8 @@ class MooncakeFleet:
 
     def __init__(self, workdir: Path | None = None, *, segment_bytes: int = 64 << 20,
                  timeout_s: float = 3.0, buffer_bytes: int = 16 << 20,
-                 ready_timeout_s: float = 30.0, python: Path | None = None):
+                 ready_timeout_s: float = 30.0, python: Path | None = None,
+                 master_args: Sequence[str] = (), client_args: Sequence[str] = ()):
         # The venv whose Mooncake runs: its binaries sit next to its python.
         self.python = Path(python or sys.executable)
         check_installed(self.python)
@@ -86,6 +88,9 @@ class MooncakeFleet:
         self.timeout_s = timeout_s
         self.buffer_bytes = buffer_bytes
         self.ready_timeout_s = ready_timeout_s
+        # Extra flags, e.g. ["--client_ttl=3"] (`mooncake_master --help`).
+        self.master_args = list(master_args)
+        self.client_args = list(client_args)
         self.master_port = free_port()
         self.metrics_port = free_port({self.master_port})
         self.client_port = free_port({self.master_port, self.metrics_port})
@@ -174,7 +179,8 @@ class MooncakeFleet:
         self.master = self._spawn("master", [
             _binary(self.python, "mooncake_master"), "--rpc_address=127.0.0.1",
             f"--rpc_port={self.master_port}", "--rpc_thread_num=2",
-            "--metrics_host=127.0.0.1", f"--metrics_port={self.metrics_port}"])
+            "--metrics_host=127.0.0.1", f"--metrics_port={self.metrics_port}",
+            *self.master_args])
         self._wait(lambda: _listening(self.master_port) and _listening(self.metrics_port),
                    f"mooncake_master listening on 127.0.0.1:{self.master_port}",
                    proc=self.master)
@@ -185,7 +191,7 @@ class MooncakeFleet:
             f"--master_server_address={self.master_address}",
             "--metadata_server=P2PHANDSHAKE", "--host=127.0.0.1",
             f"--port={self.client_port}", f"--global_segment_size={self.segment_bytes}",
-            "--protocol=tcp"])
+            "--protocol=tcp", *self.client_args])
         self._wait(lambda: _listening(self.client_port) and self._segment_mounted(),
                    f"mooncake_client's {self.segment_bytes}-byte segment mounted",
                    proc=self.client)
