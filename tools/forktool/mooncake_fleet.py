@@ -114,8 +114,12 @@ class MooncakeFleet:
         _kill(self.master)
 
     def stop_master(self) -> None:
-        """SIGSTOP: the master keeps its sockets but answers nothing (a partition)."""
+        """SIGSTOP: the master keeps its sockets but answers nothing (a partition).
+        Returns once every thread of it is stopped."""
         os.kill(self.master.pid, signal.SIGSTOP)
+        # NOTE: kill() returns before the threads stop; a call made at once was seen
+        # answered by a master thread still running on the other core.
+        self._wait(lambda: _all_threads_stopped(self.master.pid), "the master stopped")
 
     def continue_master(self) -> None:
         os.kill(self.master.pid, signal.SIGCONT)
@@ -214,6 +218,17 @@ class MooncakeFleet:
             time.sleep(0.1)
         raise RuntimeError(f"{what}: not ready within {self.ready_timeout_s:.0f} s\n"
                            f"{self.logs()}")
+
+
+def _all_threads_stopped(pid: int) -> bool:
+    states = []
+    for stat in Path(f"/proc/{pid}/task").glob("*/stat"):
+        try:
+            # The state follows the parenthesised command name.
+            states.append(stat.read_text().rsplit(")", 1)[1].split()[0])
+        except (OSError, IndexError):
+            continue
+    return bool(states) and all(st in ("T", "t") for st in states)
 
 
 def _listening(port: int) -> bool:
