@@ -40,9 +40,22 @@ It also registers the rule under which vllm-ascend's BalanceScheduler runs vLLM'
 On a vLLM without the chunk cache (vllm-ascend next to a stock vLLM) it
 registers nothing: no fork-only module is imported at import time.
 
-Not registered, hence refused at start-up with a message: SFA/DSA (the
-lightning indexer's key cache; also refused when the config is built),
-Ascend's int8 "C8" KV cache (`AscendC8AttentionBackendImpl`), and every other
+It registers vllm-ascend's SFA (`AscendSFAImpl`, `sfa_v1`: DeepSeek-V3.2's
+sparse attention) for its plain configuration: the cache is `(latent, rope,
+indexer key [num_blocks, 128, 1, index_head_dim])` in the model dtype (or the
+first two parts alone on a layer that reuses another's top-k), the latent
+written as MLA's above and the indexer key, rotated on its first
+qk_rope_head_dim values with MLA's cos/sin (neox pairing,
+`is_rope_neox_style`), by `npu_scatter_nd_update_` into the third part, as
+`AscendSFAImpl.forward` writes it (docs/design/sparse.md). Refused per layer,
+by name: the C8 caches (`enable_sparse_li_c8`: a Hadamard-transformed int8/fp8
+key whose pre-quantization value the connector never sees;
+`enable_sparse_sfa_c8`: a packed 656-byte latent), DSA context parallelism,
+the fused decode writes (MLAPO, SFA prolog v3), `c8_enable_reshape_optim`
+(`store_kv_block`), the NZ cache, and `glm_moe_dsa`'s interleaved indexer rope.
+
+Not registered, hence refused at start-up with a message: vllm-ascend's DSA
+(`AscendDSAImpl`), Ascend's int8 "C8" KV cache (`AscendC8AttentionBackendImpl`), and every other
 implementation; the Ascend MLA reader refuses the NZ cache (`enable_kv_nz`)
 and a quantized latent cache, and its layer check MLAPO's fused decode write
 where a layer keeps it after its weights loaded (`impl.enable_mlapo`).
@@ -64,6 +77,8 @@ logger = init_logger(__name__)
 ASCEND_BACKEND = "ASCEND"
 # vllm-ascend's MLA backend (AscendMLABackend.get_name()).
 ASCEND_MLA_BACKEND = "ASCEND_MLA"
+# vllm-ascend's sparse MLA backend for DeepSeek-V3.2 (AscendSFABackend.get_name()).
+ASCEND_SFA_BACKEND = "ASCEND_SFA"
 
 
 def write_rows_npu(
@@ -178,6 +193,97 @@ def read_latent_npu(kv_cache: Any, slots: torch.Tensor) -> torch.Tensor:
     return torch.cat((kv_c, interleave_rope(k_pe)), dim=-1)
 
 
+def sfa_cache_parts(kv_cache: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(latent, rope, indexer key or None) caches of an AscendSFAImpl layer in the
+    plain configuration, or ValueError naming what the chunk cache cannot write."""
+    if not isinstance(kv_cache, (tuple, list)) or len(kv_cache) not in (2, 3):
+        parts = len(kv_cache) if isinstance(kv_cache, (tuple, list)) else "one tensor"
+        raise ValueError(
+            "chunk cache: an Ascend SFA cache is (latent, rope[, indexer key]) caches, "
+            f"got {parts} (the C8 caches, enable_sparse_li_c8 / enable_sparse_sfa_c8, "
+            "are not supported)")
+    latent, rope = mla_cache_parts(tuple(kv_cache[:2]))
+    if len(kv_cache) == 2:
+        return latent, rope, None
+    index = kv_cache[2]
+    if index.dim() != 4 or index.shape[:3] != latent.shape[:3] or index.dtype != latent.dtype:
+        raise ValueError(
+            "chunk cache: an Ascend SFA indexer key cache must be [blocks, block_size, 1, "
+            f"dim] in the latent's dtype, got {tuple(index.shape)} {index.dtype}")
+    return latent, rope, index
+
+
+def write_sfa_latent_npu(layer: Any, kv_c: torch.Tensor, k_pe: torch.Tensor,
+                         slots: torch.Tensor, kv_cache: Any) -> None:
+    """MLA's latent write (write_latent_npu) on an SFA cache's first two parts."""
+    latent, rope, _ = sfa_cache_parts(kv_cache)
+    write_latent_npu(layer, kv_c, k_pe, slots, (latent, rope))
+
+
+def read_sfa_latent_npu(kv_cache: Any, slots: torch.Tensor) -> torch.Tensor:
+    latent, rope, _ = sfa_cache_parts(kv_cache)
+    return read_latent_npu((latent, rope), slots)
+
+
+def write_indexer_key_npu(layer: Any, keys: torch.Tensor, slots: torch.Tensor,
+                          kv_cache: Any) -> None:
+    """Indexer keys [n, index_head_dim], already rotated at their real positions, at
+    paged `slots` [n]: `AscendSFAImpl.forward`'s own write of `k_li` (sfa_v1.py, the
+    `npu_scatter_nd_update_` on `kv_cache[2]` without C8 or `c8_enable_reshape_optim`)."""
+    import torch_npu
+
+    _, _, index = sfa_cache_parts(kv_cache)
+    check_sfa_layer(getattr(layer, "layer_name", "?"), layer)
+    torch_npu.npu_scatter_nd_update_(
+        index.view(-1, keys.shape[-1]),
+        slots.to(torch.int64).view(-1, 1),
+        keys.to(index.dtype).view(-1, keys.shape[-1]),
+    )
+
+
+def read_indexer_key_npu(kv_cache: Any, slots: torch.Tensor) -> torch.Tensor | None:
+    """The rows write_indexer_key_npu (or the layer's forward) wrote at `slots`: in
+    the plain configuration the cache holds the key before any quantization (bf16,
+    no Hadamard transform: that comes with C8 only). None on a layer without an
+    indexer part (skip_topk)."""
+    _, _, index = sfa_cache_parts(kv_cache)
+    if index is None:
+        return None
+    return index.view(-1, index.shape[-1]).index_select(0, slots)
+
+
+def check_sfa_layer(name: str, layer: Any) -> None:
+    """Refuse an AscendSFAImpl layer whose cache the SFA writers do not write as it
+    does (read in vllm-ascend 0.23.0.post1's sfa_v1.py)."""
+    from vllm_ascend.ascend_config import get_ascend_config
+
+    impl = layer.impl
+    for flag, what in (
+        ("enable_sparse_li_c8", "enable_sparse_li_c8 (a Hadamard-transformed, quantized "
+         "indexer key cache: its pre-quantization key is not captured)"),
+        ("enable_sparse_sfa_c8", "enable_sparse_sfa_c8 (the packed 656-byte latent cache)"),
+        ("enable_dsa_cp", "DSA context parallelism (enable_dsa_cp)"),
+        ("enable_mlapo", "MLAPO's fused write (VLLM_ASCEND_ENABLE_MLAPO=1; set it to 0)"),
+        ("enable_sfa_prolog_v3", "SFA prolog v3's fused decode write"),
+        ("enable_kv_nz", "enable_kv_nz (FRACTAL_NZ writes)"),
+        ("use_torch_npu_lightning_indexer", "torch_npu's lightning indexer (glm_moe_dsa)"),
+    ):
+        if getattr(impl, flag, False):
+            raise ValueError(f"chunk cache does not support Ascend SFA layer {name} with {what}")
+    if getattr(impl, "has_indexer", False) and not getattr(impl, "is_rope_neox_style", True):
+        raise ValueError(
+            f"chunk cache does not support Ascend SFA layer {name} with an interleaved "
+            "indexer rope (glm_moe_dsa: its Triton and torch paths pair differently)")
+    if getattr(get_ascend_config(), "c8_enable_reshape_optim", False):
+        raise ValueError(
+            f"chunk cache does not support Ascend SFA layer {name} with "
+            "c8_enable_reshape_optim (store_kv_block writes the indexer cache)")
+
+
+def _sfa_neox_style(layer: Any) -> bool:
+    return bool(layer.impl.is_rope_neox_style)
+
+
 def _always_halves(rope: Any) -> bool:
     return True
 
@@ -273,12 +379,25 @@ def register_npu_chunk_cache() -> None:
 
     register_delegating_scheduler(_BALANCE_SCHEDULER, _balance_scheduler_runs_vllm_schedule)
     register_cache_writer("AscendAttentionBackendImpl", ASCEND_BACKEND, write_rows_npu)
-    # NOTE: AscendMlaCPImpl (context parallel) and AscendSFAImpl/AscendDSAImpl
-    # are not registered: refused by name. k_pe: Ascend's MLA rotates it
+    # NOTE: AscendMlaCPImpl (context parallel) and AscendDSAImpl are not
+    # registered: refused by name. k_pe: Ascend's MLA rotates it
     # interleaved in every path (npu_interleave_rope, npu_kv_rmsnorm_rope_cache)
     # whatever the rope's style, and read_latent_npu returns it re-interleaved:
     # GPT-J pairs in the pool.
     register_latent_writer("AscendMLAImpl", ASCEND_MLA_BACKEND, write_latent_npu,
                            read_latent_npu, k_pe_neox_style=False,
                            check_layer=check_mla_layer)
+    # SFA: the same latent write on its first two parts (its k_pe is rotated
+    # interleaved by npu_kv_rmsnorm_rope_cache as MLA's), and the indexer key.
+    register_latent_writer("AscendSFAImpl", ASCEND_SFA_BACKEND, write_sfa_latent_npu,
+                           read_sfa_latent_npu, k_pe_neox_style=False,
+                           check_layer=check_sfa_layer)
+    from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.indexer_writers import (
+        IndexerWriter,
+        register_indexer_writer,
+    )
+
+    register_indexer_writer("AscendSFAImpl", IndexerWriter(
+        ASCEND_SFA_BACKEND, write_indexer_key_npu, read_indexer_key_npu, _sfa_neox_style,
+        check_layer=check_sfa_layer))
     register_ascend_ropes()
