@@ -613,7 +613,7 @@ def check_sfa_reader_returns_what_the_writer_wrote() -> None:
         index_writer.write(layer, keys, slots, cache)
         rows = latent_writer.read(cache, slots)
         assert torch.equal(rows.view(torch.int16), torch.cat((kv_c, k_pe), -1).view(torch.int16))
-        assert torch.equal(index_writer.read(cache, slots).view(torch.int16),
+        assert torch.equal(index_writer.read(layer, cache, slots).view(torch.int16),
                            keys.view(torch.int16))
         s = int(slots[5])
         assert torch.equal(cache[2][s // MLA_BLOCK, s % MLA_BLOCK, 0], keys[5])
@@ -622,6 +622,121 @@ def check_sfa_reader_returns_what_the_writer_wrote() -> None:
     two = LatentLayer.of("l1", dense, _sfa_cache(torch.bfloat16, indexer=False),
                          _deepseek_rotation(), latent_writer, 8, torch.bfloat16)
     assert two.indexer is None and two.pool.shape == (8, RANK + ROPE)
+
+
+def check_sfa_li_c8_load_quantizes_as_ascend_at_the_new_position() -> None:
+    """enable_sparse_li_c8 (A2/A3: int8 key, fp16 per-token scale): the cache holds
+    the Hadamard-transformed, quantized key, so the capture takes the key before
+    quantization from patch 0003's seam (turned on by the registered writer's layer
+    check at start-up), and the load quantizes the moved key through the layer's own
+    `quantize_indexer_key`. In bf16 as the model runs: the moved key equals
+    vllm-ascend's key at p + d within one bf16 ulp (bit for bit past the rope slice),
+    what the load wrote is vllm-ascend's own quantization of it bit for bit (key and
+    scale), and so the fresh write up to that rounding carried through the transform."""
+    import numpy as np
+    import scipy.linalg
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.cache_writers import (
+        latent_writer_for,
+    )
+    from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.latent_layers import (
+        LatentLayer,
+    )
+    from vllm.model_executor.layers.rotary_embedding import get_rope
+    from vllm.v1.worker.indexer_keys import reposition_indexer_keys
+    from vllm.v1.worker.position_remapper import RemapRows, RopeRotation
+
+    import torch_npu
+
+    _device_op()  # first: vllm_ascend.ops before the attention modules
+    from vllm_ascend.attention.sfa_v1 import AscendSFAImpl
+    from vllm_ascend.distributed.chunk_cache_npu import register_npu_chunk_cache
+
+    _ascend_config()
+    register_npu_chunk_cache()
+    with set_current_vllm_config(VllmConfig()):
+        rope = get_rope(ROPE, max_position=4096, rope_parameters=dict(DEEPSEEK_YARN),
+                        is_neox_style=False, dtype=torch.float32)
+    AscendSFAImpl.k_hadamard = torch.tensor(np.asarray(scipy.linalg.hadamard(128)),
+                                            dtype=torch.bfloat16) / (128 ** 0.5)
+    gen = torch.Generator().manual_seed(4)
+    n = 40
+    impl = _sfa_impl((torch.rand(RANK, generator=gen) + 0.5).to(torch.bfloat16))
+    impl.k_norm = impl.k_norm.to(torch.bfloat16)
+    weight = torch.randn(INDEX_DIM + INDEX_HEADS, HIDDEN, generator=gen).to(torch.bfloat16)
+    impl.wk_weights_proj = lambda x: (x @ weight.T / HIDDEN ** 0.5, None)
+    impl.enable_sparse_li_c8 = True
+    impl.c8_k_cache_dtype, impl.c8_k_scale_cache_dtype = torch.int8, torch.float16
+    assert not impl.chunk_cache_capture  # patch 0003's default: the seam stores nothing
+    layer = types.SimpleNamespace(impl=impl, kv_lora_rank=RANK, qk_rope_head_dim=ROPE,
+                                  use_sparse=True, layer_name="l0")
+
+    def cache():
+        return (*_mla_cache(torch.bfloat16),
+                torch.zeros(MLA_BLOCKS, MLA_BLOCK, 1, INDEX_DIM, dtype=torch.int8),
+                torch.zeros(MLA_BLOCKS, MLA_BLOCK, 1, 1, dtype=torch.float16))
+
+    def forward_writes(positions, kv_cache, slots):
+        # AscendSFAImpl.forward on its native path, li_c8: exec_kv, the pre-process
+        # (which quantizes), the patched slots record, the two scatters.
+        cos, sin = (t.to(torch.bfloat16) for t in _ascend_cos_sin(rope, positions))
+        impl.exec_kv(kv_no_split, cos, sin, kv_cache, slots, None)
+        with torch.no_grad():
+            k_li, k_li_scale = impl.indexer_select_pre_process(x=x, cos=cos, sin=sin)
+        assert k_li.dtype == torch.int8 and k_li_scale.dtype == torch.float16
+        if impl.chunk_cache_capture:
+            impl.chunk_cache_k_li_slots = slots
+        torch_npu.npu_scatter_nd_update_(kv_cache[2].view(-1, 128), slots.view(-1, 1),
+                                         k_li.view(-1, 128))
+        torch_npu.npu_scatter_nd_update_(kv_cache[3].view(-1, 1), slots.view(-1, 1),
+                                         k_li_scale.view(-1, 1))
+
+    kv_no_split = torch.randn(n, RANK + ROPE, generator=gen).to(torch.bfloat16)
+    x = torch.randn(n, HIDDEN, generator=gen).to(torch.bfloat16)
+    p = torch.randint(0, 1500, (n,), generator=gen)
+    d = torch.randint(-1500, 1500, (n,), generator=gen).clamp(min=-p)
+    child_slots = torch.randperm(MLA_BLOCKS * MLA_BLOCK, generator=gen)[:n]
+    real_slots = torch.tensor([2 * MLA_BLOCK + 90 + i for i in range(n)])
+    blocks, offsets = real_slots // MLA_BLOCK, real_slots % MLA_BLOCK
+
+    child = cache()
+    latent = LatentLayer.of("l0", layer, child, RopeRotation(rope), latent_writer_for(impl),
+                            num_rows=64, dtype=torch.bfloat16)
+    assert impl.chunk_cache_capture and latent.pool.shape == (64, RANK + ROPE + INDEX_DIM)
+    forward_writes(p, child, child_slots)
+    pool_rows = torch.arange(n) + 3
+    latent.capture(child_slots, pool_rows)
+    # The pool holds the key before quantization: what the pre-process computed.
+    assert torch.equal(latent.pool[pool_rows, RANK + ROPE:], impl.chunk_cache_k_li.view(n, -1))
+    latent.load(RemapRows(pool_rows, real_slots, d), None)
+
+    stored = latent.pool[pool_rows, RANK + ROPE:].clone()
+    fresh = cache()
+    forward_writes(p + d, fresh, real_slots)
+    fresh_key = impl.chunk_cache_k_li.view(n, -1)  # vllm-ascend's key at p + d, pre-C8
+    assert torch.equal(child[0][blocks, offsets], fresh[0][blocks, offsets])
+    # 1. The moved key is the fresh key up to bf16 rounding: vllm-ascend ropes with
+    # bf16 cos/sin (2^-9 relative each) at p and at p + d, the load rotates in fp32.
+    moved = reposition_indexer_keys(latent.indexer.layout, latent.indexer.rotation,
+                                    stored.float(), d).to(torch.bfloat16)
+    err = (moved.float() - fresh_key.float()).abs().amax(-1)
+    scale = fresh_key.float().abs().amax(-1)
+    assert (err <= scale * 2.0 ** -6).all(), (err / scale).max()
+    assert torch.equal(moved[:, ROPE:], fresh_key[:, ROPE:])  # no position: bit for bit
+    # 2. What the load wrote is vllm-ascend's own C8 quantization of that key, exactly.
+    with torch.no_grad():
+        want_q, want_scale = impl.quantize_indexer_key(moved)
+    assert torch.equal(child[2][blocks, offsets, 0], want_q.view(n, -1))
+    assert torch.equal(child[3][blocks, offsets, 0], want_scale.view(n, -1))
+    # 3. Against the fresh write: the same up to that rounding carried through the
+    # Hadamard transform and the int8 step (observed: at most 2 steps, 13% of values).
+    steps = (child[2][blocks, offsets].int() - fresh[2][blocks, offsets].int()).abs()
+    assert steps.max() <= 2, steps.max()
+    print(f"li_c8: moved vs fresh key {float((err / scale).max()):.2e} of the row's max; "
+          f"int8 steps vs the fresh write: max {int(steps.max())}, "
+          f"{float((steps > 0).float().mean()):.1%} of values")
+    unmoved = child[2][child_slots // MLA_BLOCK, child_slots % MLA_BLOCK].int()
+    assert (unmoved - fresh[2][blocks, offsets].int()).abs().max() > 10  # not moved: far
 
 
 def check_sfa_refusals() -> None:
@@ -657,11 +772,8 @@ def check_sfa_refusals() -> None:
             return
         raise AssertionError(f"not refused: {words}")
 
-    li_c8 = (*bf16[:2], bf16[2].to(torch.int8), torch.zeros(MLA_BLOCKS, MLA_BLOCK, 1, 1,
-                                                          dtype=torch.float16))
-    refused("enable_sparse_li_c8", cache=li_c8, enable_sparse_li_c8=True)
-    refused("C8", cache=li_c8)  # the cache's form alone
     refused("enable_sparse_sfa_c8", enable_sparse_sfa_c8=True)
+    refused("the latent's dtype", cache=(*bf16[:2], bf16[2].to(torch.int8)))  # no scale part
     refused("enable_dsa_cp", enable_dsa_cp=True)
     refused("MLAPO", enable_mlapo=True)
     refused("prolog v3", enable_sfa_prolog_v3=True)

@@ -34,6 +34,7 @@ def test_every_patched_or_new_file_compiles(ascend_tree: Path):
     "check_mla_load_with_ascend_deepseek_rope",
     "check_sfa_load_writes_what_ascend_writes_at_the_new_position",
     "check_sfa_reader_returns_what_the_writer_wrote",
+    "check_sfa_li_c8_load_quantizes_as_ascend_at_the_new_position",
     "check_sfa_refusals",
 ])
 def test_npu_code_path_against_stubs(ascend_tree: Path, check: str):

@@ -47,10 +47,12 @@ first two parts alone on a layer that reuses another's top-k), the latent
 written as MLA's above and the indexer key, rotated on its first
 qk_rope_head_dim values with MLA's cos/sin (neox pairing,
 `is_rope_neox_style`), by `npu_scatter_nd_update_` into the third part, as
-`AscendSFAImpl.forward` writes it (docs/design/sparse.md). Refused per layer,
-by name: the C8 caches (`enable_sparse_li_c8`: a Hadamard-transformed int8/fp8
-key whose pre-quantization value the connector never sees;
-`enable_sparse_sfa_c8`: a packed 656-byte latent), DSA context parallelism,
+`AscendSFAImpl.forward` writes it (docs/design/sparse.md). With
+`enable_sparse_li_c8` the key is captured before quantization from the seam of
+patch 0003 and quantized on load by the layer's own `quantize_indexer_key`
+(Hadamard transform, per-token `npu_dynamic_quant`), key and scale scattered
+into parts 2 and 3. Refused per layer, by name: `enable_sparse_sfa_c8` (a
+packed 656-byte latent), DSA context parallelism,
 the fused decode writes (MLAPO, SFA prolog v3), `c8_enable_reshape_optim`
 (`store_kv_block`), the NZ cache, and `glm_moe_dsa`'s interleaved indexer rope.
 
@@ -193,23 +195,27 @@ def read_latent_npu(kv_cache: Any, slots: torch.Tensor) -> torch.Tensor:
     return torch.cat((kv_c, interleave_rope(k_pe)), dim=-1)
 
 
-def sfa_cache_parts(kv_cache: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """(latent, rope, indexer key or None) caches of an AscendSFAImpl layer in the
-    plain configuration, or ValueError naming what the chunk cache cannot write."""
-    if not isinstance(kv_cache, (tuple, list)) or len(kv_cache) not in (2, 3):
+def sfa_cache_parts(kv_cache: Any) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...]]:
+    """(latent, rope, indexer parts) caches of an AscendSFAImpl layer: indexer parts ()
+    on a layer without an indexer (skip_topk), (key,) in the model dtype, or (key,
+    scale) with enable_sparse_li_c8; ValueError naming what the chunk cache cannot
+    write (enable_sparse_sfa_c8's packed latent)."""
+    if not isinstance(kv_cache, (tuple, list)) or len(kv_cache) not in (2, 3, 4):
         parts = len(kv_cache) if isinstance(kv_cache, (tuple, list)) else "one tensor"
         raise ValueError(
-            "chunk cache: an Ascend SFA cache is (latent, rope[, indexer key]) caches, "
-            f"got {parts} (the C8 caches, enable_sparse_li_c8 / enable_sparse_sfa_c8, "
-            "are not supported)")
+            "chunk cache: an Ascend SFA cache is (latent, rope[, indexer key[, scale]]) "
+            f"caches, got {parts} (enable_sparse_sfa_c8's packed latent is not supported)")
     latent, rope = mla_cache_parts(tuple(kv_cache[:2]))
-    if len(kv_cache) == 2:
-        return latent, rope, None
-    index = kv_cache[2]
-    if index.dim() != 4 or index.shape[:3] != latent.shape[:3] or index.dtype != latent.dtype:
+    index = tuple(kv_cache[2:])
+    for part in index:
+        if part.dim() != 4 or part.shape[:3] != latent.shape[:3]:
+            raise ValueError(
+                "chunk cache: Ascend SFA indexer caches must be [blocks, block_size, 1, dim], "
+                f"got {tuple(part.shape)}")
+    if len(index) == 1 and index[0].dtype != latent.dtype:
         raise ValueError(
-            "chunk cache: an Ascend SFA indexer key cache must be [blocks, block_size, 1, "
-            f"dim] in the latent's dtype, got {tuple(index.shape)} {index.dtype}")
+            "chunk cache: an Ascend SFA indexer key cache without its scale part must be in "
+            f"the latent's dtype, got {index[0].dtype}")
     return latent, rope, index
 
 
@@ -225,31 +231,56 @@ def read_sfa_latent_npu(kv_cache: Any, slots: torch.Tensor) -> torch.Tensor:
     return read_latent_npu((latent, rope), slots)
 
 
+def _scatter_rows(cache: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> None:
+    import torch_npu
+
+    width = rows.shape[-1]
+    torch_npu.npu_scatter_nd_update_(cache.view(-1, width), slots.view(-1, 1),
+                                     rows.to(cache.dtype).view(-1, width))
+
+
 def write_indexer_key_npu(layer: Any, keys: torch.Tensor, slots: torch.Tensor,
                           kv_cache: Any) -> None:
     """Indexer keys [n, index_head_dim], already rotated at their real positions, at
-    paged `slots` [n]: `AscendSFAImpl.forward`'s own write of `k_li` (sfa_v1.py, the
-    `npu_scatter_nd_update_` on `kv_cache[2]` without C8 or `c8_enable_reshape_optim`)."""
-    import torch_npu
-
+    paged `slots` [n], as `AscendSFAImpl.forward` writes `k_li` (sfa_v1.py, the
+    `npu_scatter_nd_update_` path): as is into part 2; with enable_sparse_li_c8
+    through the layer's own `quantize_indexer_key` (Hadamard transform, per-token
+    `npu_dynamic_quant`, patch 0003), the key into part 2 and its scale into part 3."""
     _, _, index = sfa_cache_parts(kv_cache)
+    impl = layer.impl
     check_sfa_layer(getattr(layer, "layer_name", "?"), layer)
-    torch_npu.npu_scatter_nd_update_(
-        index.view(-1, keys.shape[-1]),
-        slots.to(torch.int64).view(-1, 1),
-        keys.to(index.dtype).view(-1, keys.shape[-1]),
-    )
+    slots = slots.to(torch.int64)
+    if getattr(impl, "enable_sparse_li_c8", False):
+        quantized, scale = impl.quantize_indexer_key(keys)
+        _scatter_rows(index[0], slots, quantized)
+        _scatter_rows(index[1], slots, scale)
+    else:
+        _scatter_rows(index[0], slots, keys)
 
 
-def read_indexer_key_npu(kv_cache: Any, slots: torch.Tensor) -> torch.Tensor | None:
-    """The rows write_indexer_key_npu (or the layer's forward) wrote at `slots`: in
-    the plain configuration the cache holds the key before any quantization (bf16,
-    no Hadamard transform: that comes with C8 only). None on a layer without an
-    indexer part (skip_topk)."""
-    _, _, index = sfa_cache_parts(kv_cache)
-    if index is None:
+def read_indexer_key_npu(layer: Any, kv_cache: Any, slots: torch.Tensor) -> torch.Tensor | None:
+    """The indexer keys written at `slots` this step, before any quantization. In the
+    plain configuration from the cache (bf16, no Hadamard transform: that comes with C8
+    only); with enable_sparse_li_c8 from the seam of patch 0003 (the step's key before
+    quantization and its slots). None on a layer without an indexer part (skip_topk)."""
+    latent, _, index = sfa_cache_parts(kv_cache)
+    if not index:
         return None
-    return index.view(-1, index.shape[-1]).index_select(0, slots)
+    impl = layer.impl
+    if not getattr(impl, "enable_sparse_li_c8", False):
+        return index[0].view(-1, index[0].shape[-1]).index_select(0, slots)
+    keys = getattr(impl, "chunk_cache_k_li", None)
+    if slots.numel() == 0 or keys is None:
+        # At start-up (zero rows): the key's width, in the model dtype.
+        return torch.zeros((0, impl.head_dim), dtype=latent.dtype, device=slots.device)
+    step_slots = impl.chunk_cache_k_li_slots.to(torch.int64).view(-1)
+    # The rows of `slots` in this step's keys (each slot written once per step).
+    # NOTE: the capture asks only for slots its child wrote this step (capture
+    # path), so every slot is found; no device assertion (docs/ascend.md).
+    order = torch.argsort(step_slots)
+    found = order[torch.searchsorted(step_slots[order], slots.to(torch.int64))
+                  .clamp(max=order.numel() - 1)]
+    return keys.view(-1, keys.shape[-1]).index_select(0, found)
 
 
 def check_sfa_layer(name: str, layer: Any) -> None:
@@ -259,8 +290,6 @@ def check_sfa_layer(name: str, layer: Any) -> None:
 
     impl = layer.impl
     for flag, what in (
-        ("enable_sparse_li_c8", "enable_sparse_li_c8 (a Hadamard-transformed, quantized "
-         "indexer key cache: its pre-quantization key is not captured)"),
         ("enable_sparse_sfa_c8", "enable_sparse_sfa_c8 (the packed 656-byte latent cache)"),
         ("enable_dsa_cp", "DSA context parallelism (enable_dsa_cp)"),
         ("enable_mlapo", "MLAPO's fused write (VLLM_ASCEND_ENABLE_MLAPO=1; set it to 0)"),
@@ -278,6 +307,18 @@ def check_sfa_layer(name: str, layer: Any) -> None:
         raise ValueError(
             f"chunk cache does not support Ascend SFA layer {name} with "
             "c8_enable_reshape_optim (store_kv_block writes the indexer cache)")
+    if getattr(impl, "enable_sparse_li_c8", False) and not hasattr(impl, "quantize_indexer_key"):
+        raise ValueError(
+            f"chunk cache: Ascend SFA layer {name} has enable_sparse_li_c8 but vllm-ascend "
+            "lacks the fork's seam (patch 0003: quantize_indexer_key, chunk_cache_k_li)")
+
+
+def prepare_sfa_indexer_layer(name: str, layer: Any) -> None:
+    """check_sfa_layer, then (start-up, chunk cache on) turn on patch 0003's seam on a
+    C8 layer: its forward keeps the indexer key before quantization for the capture."""
+    check_sfa_layer(name, layer)
+    if getattr(layer.impl, "enable_sparse_li_c8", False):
+        layer.impl.chunk_cache_capture = True
 
 
 def _sfa_neox_style(layer: Any) -> bool:
@@ -399,5 +440,5 @@ def register_npu_chunk_cache() -> None:
 
     register_indexer_writer("AscendSFAImpl", IndexerWriter(
         ASCEND_SFA_BACKEND, write_indexer_key_npu, read_indexer_key_npu, _sfa_neox_style,
-        check_layer=check_sfa_layer))
+        check_layer=prepare_sfa_indexer_layer))
     register_ascend_ropes()

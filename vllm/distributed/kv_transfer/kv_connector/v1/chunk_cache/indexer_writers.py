@@ -22,10 +22,12 @@ import torch
 # (layer, indexer key rows [n, head_dim] at the real positions, paged slots [n],
 # the layer's cache) -> None
 IndexerWriteFn = Callable[[Any, torch.Tensor, torch.Tensor, Any], None]
-# (the layer's cache, paged slots [n]) -> indexer key rows [n, head_dim] as the
-# layer computed them before any quantization, or None where this layer's cache
-# has no indexer part (a layer reusing another's top-k: vllm-ascend's skip_topk).
-IndexerReadFn = Callable[[Any, torch.Tensor], "torch.Tensor | None"]
+# (layer, the layer's cache, paged slots [n]) -> indexer key rows [n, head_dim] as
+# the layer computed them before any quantization (from the cache where it holds
+# them so, else from a seam the implementation keeps for the step), or None where
+# this layer's cache has no indexer part (a layer reusing another's top-k:
+# vllm-ascend's skip_topk).
+IndexerReadFn = Callable[[Any, Any, torch.Tensor], "torch.Tensor | None"]
 
 
 @dataclass(frozen=True)

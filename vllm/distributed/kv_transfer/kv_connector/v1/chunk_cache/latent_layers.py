@@ -134,7 +134,7 @@ class LatentLayer:
                 f"writer (supported: {supported}; docs/design/sparse.md)")
         if writer.check_layer is not None:
             writer.check_layer(name, layer)
-        keys = writer.read(kv_cache, no_slots)
+        keys = writer.read(layer, kv_cache, no_slots)
         if keys is None:
             return None
         if rotation is None:
@@ -163,7 +163,7 @@ class LatentLayer:
         rows = self.writer.read(self.kv_cache, slots)
         if self.indexer is not None:
             # NOTE: the key as the layer computed it, before any quantization.
-            keys = self.indexer.writer.read(self.kv_cache, slots)
+            keys = self.indexer.writer.read(self.layer, self.kv_cache, slots)
             rows = torch.cat((rows.to(self.pool.dtype), keys.to(self.pool.dtype)), -1)
         self.pool.index_copy_(0, pool_rows, rows.to(self.pool.dtype))
 
