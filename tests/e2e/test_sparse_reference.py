@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from tests.conftest import models_dir
-from tests.e2e.chunk_reference import Layout, Reference, random_text
+from tests.e2e.chunk_reference import Layout, Reference, private_context, random_text
 from tests.e2e.sparse_reference import (
     LayerRows,
     SparseCacheEmulation,
@@ -75,17 +75,6 @@ def _layouts(rng: random.Random, n: int) -> list[Layout]:
                    chunks=[random_text(rng, rng.randint(2, 6)) for _ in range(3)],
                    question=random_text(rng, rng.randint(2, 4)))
             for _ in range(n)]
-
-
-def _context(reference: Reference, mode: str):
-    sink = reference.tokenizer.bos_token_id
-
-    def context_of(prompt) -> list[int]:
-        system = prompt.spans[0]
-        return {"none": [], "sink": [sink],
-                "system": prompt.token_ids[system.start:system.end]}[mode]
-
-    return context_of
 
 
 def _distance(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -163,7 +152,7 @@ def test_the_selection_matters_on_the_tiny_model(reference, model):
 
 @pytest.mark.parametrize("mode", MODES)
 def test_loaded_entries_select_and_attend_as_in_isolation(reference, model, emulation, mode):
-    context_of = _context(reference, mode)
+    context_of = private_context(reference, mode)
     sink = reference.tokenizer.bos_token_id
     rng = random.Random(32)
     worst, selections = 0.0, 0
@@ -189,7 +178,7 @@ def test_loaded_entries_select_and_attend_as_in_isolation(reference, model, emul
 
 def test_indexer_key_controls_select_other_tokens(reference, model, emulation, ropes):
     mla_rope, indexer_rope = ropes
-    context_of = _context(reference, "sink")
+    context_of = private_context(reference, "sink")
     prompt = reference.chunked_prompt(_layouts(random.Random(11), 1)[0])
     want = isolation_reference(model, prompt, "sink", GENERATED,
                                reference.tokenizer.bos_token_id)

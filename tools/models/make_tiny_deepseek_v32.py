@@ -19,8 +19,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from make_tiny_deepseek import ROPE_PARAMETERS
-from make_tiny_llama import VOCAB_SIZE, make
+from make_tiny_deepseek import shared_config
+from make_tiny_llama import make
 
 INDEX_TOPK = 6
 # NOTE: the indexer sums relu(q_h . k) over its heads: with few heads a key often scores
@@ -35,19 +35,8 @@ def build_model(out: Path) -> None:
 
     torch.manual_seed(0)
     config = DeepseekV32Config(
-        vocab_size=VOCAB_SIZE, hidden_size=128, intermediate_size=256,
-        moe_intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
-        num_key_value_heads=4, n_shared_experts=1, n_routed_experts=4,
-        num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1,
-        routed_scaling_factor=1.0, norm_topk_prob=True,
-        q_lora_rank=48, kv_lora_rank=512, qk_nope_head_dim=16, qk_rope_head_dim=64,
-        v_head_dim=16, max_position_embeddings=4096, rms_norm_eps=1e-5,
-        rope_parameters=dict(ROPE_PARAMETERS),
+        **shared_config(),
         index_topk=INDEX_TOPK, index_head_dim=128, index_n_heads=INDEX_HEADS,
-        bos_token_id=1, eos_token_id=2, pad_token_id=2, tie_word_embeddings=False,
-        # NOTE: as for the tiny Llama, a larger init spreads the logits (and the indexer's
-        # scores) so greedy choices and top-k selections are not near-ties.
-        initializer_range=0.1,
     )
     model = DeepseekV32ForCausalLM(config).to(torch.float32)
     with torch.no_grad():

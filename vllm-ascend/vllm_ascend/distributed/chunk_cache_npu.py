@@ -41,7 +41,7 @@ On a vLLM without the chunk cache (vllm-ascend next to a stock vLLM) it
 registers nothing: no fork-only module is imported at import time.
 
 It registers vllm-ascend's SFA (`AscendSFAImpl`, `sfa_v1`: DeepSeek-V3.2's
-sparse attention) for its plain configuration: the cache is `(latent, rope,
+sparse attention): the cache is `(latent, rope,
 indexer key [num_blocks, 128, 1, index_head_dim])` in the model dtype (or the
 first two parts alone on a layer that reuses another's top-k), the latent
 written as MLA's above and the indexer key, rotated on its first

@@ -160,8 +160,8 @@ def _check_model_kind(model_config: Any) -> None:
             "--enable-chunk-cache does not support sparse MLA attention yet "
             "(DeepSeek-V3.2's DSA on CUDA: its fp8 indexer key cache is not "
             "captured before quantization; the CPU has no sparse attention) "
-            "outside vllm-ascend's SFA (plain configuration only; C8 caches and "
-            "vllm-ascend's SFA/DSA variants refused by name): docs/design/sparse.md"
+            "outside vllm-ascend's SFA (its other variants, sfa_c8, DSA-CP and "
+            "AscendDSAImpl, refused by name): docs/design/sparse.md"
         )
     if getattr(model_config, "is_encoder_decoder", False):
         raise ValueError(
