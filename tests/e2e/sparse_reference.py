@@ -97,8 +97,25 @@ def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
 
 
+def fp8_ue8m0_roundtrip(x: torch.Tensor) -> torch.Tensor:
+    """x [..., 128] as vLLM's CUDA indexer caches and scores it, dequantized: one scale per
+    128 values, max(amax, 1e-4) / 448 rounded up to a power of two ("ue8m0"), values as
+    float8_e4m3fn (`indexer_k_quant_and_cache`, csrc/libtorch_stable/cache_kernels.cu; the
+    query's `per_token_group_quant_fp8(..., 128, use_ue8m0=True)` the same but for its
+    epsilon). Written from the kernel's source: a reference of its arithmetic, not the op."""
+    groups = x.float().unflatten(-1, (-1, 128))
+    scale = groups.abs().amax(-1, keepdim=True).clamp(min=1e-4) / 448.0
+    scale = torch.exp2(torch.ceil(torch.log2(scale)))
+    return ((groups / scale).to(torch.float8_e4m3fn).float() * scale).flatten(-2)
+
+
 class SparseDeepseek:
-    """The tiny DeepSeek-V3.2's forward from its safetensors, float32."""
+    """The tiny DeepSeek-V3.2's forward from its safetensors, float32.
+
+    `index_quant`: what the indexer's keys and queries go through before scoring (None:
+    unquantized, HF's definition; `fp8_ue8m0_roundtrip`: vLLM's CUDA fp8 indexer)."""
+
+    index_quant: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def __init__(self, model_dir: str | Path, mla_rope, indexer_rope):
         from safetensors.torch import load_file
@@ -149,6 +166,10 @@ class SparseDeepseek:
         q = (q_resid @ self._p(p + "wq_b.weight").T).view(s, self.index_heads, self.index_dim)
         q = torch.cat((self._rope(self.indexer_rope, positions, q[..., : self.rope_dim]),
                        q[..., self.rope_dim:]), -1)
+        if self.index_quant is not None:
+            # NOTE: the cache holds keys quantized when written; quantizing every key at
+            # use is the same values (per-key scales), for fresh and loaded keys alike.
+            q, keys = self.index_quant(q), self.index_quant(keys)
         scores = F.relu(torch.einsum("shd,td->sht", q, keys)) * self.index_dim ** -0.5
         weights = (h @ self._p(p + "weights_proj.weight").T) * self.index_heads ** -0.5
         index = torch.einsum("sh,sht->st", weights, scores)

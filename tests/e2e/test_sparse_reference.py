@@ -29,6 +29,7 @@ from tests.e2e.sparse_reference import (
     LayerRows,
     SparseCacheEmulation,
     SparseDeepseek,
+    fp8_ue8m0_roundtrip,
     isolation_reference,
     vllm_ropes,
 )
@@ -214,3 +215,33 @@ def test_indexer_key_controls_select_other_tokens(reference, model, emulation, r
     got = emulation.run(prompt, context_of, GENERATED, move=no_k_pe)
     assert _distance(got.logprobs, want.logprobs) > 10 * TOL
     assert mla_rope.is_neox_style is False
+
+
+def test_a_quantized_indexer_is_not_translation_invariant(reference, model):
+    """Why quantized indexer caches stay refused (docs/design/sparse.md): with vLLM's CUDA
+    fp8 indexer arithmetic (keys and queries quantized after the rope, one ue8m0 scale per
+    128 values) the isolation forward itself changes when every position moves by 5: the
+    rounding depends on the absolute angle, so top-k choices flip and the distance argument
+    (hence what a chunk computed at 0.. means at its real positions) fails; unquantized,
+    the same shift changes nothing but float rounding. Observed on this model: ~8% of the
+    selected (query, token) pairs differ, log-probabilities by 3 to 5."""
+    from vllm.v1.core.chunk_isolation_mask import build_isolated_sequence
+
+    prompt = reference.chunked_prompt(_layouts(random.Random(8), 1)[0])
+    seq = build_isolated_sequence(prompt, "sink", extra_token_ids=GENERATED,
+                                  sink_token_id=reference.tokenizer.bos_token_id)
+    rows = len(GENERATED) + 1
+
+    def shifted(quant):
+        model.index_quant = quant
+        try:
+            a, b = (model.forward(seq.token_ids, seq.position_ids + shift,
+                                  allowed=seq.allowed[0, 0]) for shift in (0, 5))
+        finally:
+            model.index_quant = None
+        logprobs = [torch.log_softmax(out.logits[-rows:].double(), -1) for out in (a, b)]
+        return _differing(a.selected, b.selected), _distance(*logprobs)
+
+    assert shifted(None)[0] == 0 and shifted(None)[1] < TOL / 10
+    flips, distance = shifted(fp8_ue8m0_roundtrip)
+    assert flips > 0 and distance > 10 * TOL, (flips, distance)

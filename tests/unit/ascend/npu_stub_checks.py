@@ -625,7 +625,8 @@ def check_sfa_reader_returns_what_the_writer_wrote() -> None:
 
 
 def check_sfa_li_c8_load_quantizes_as_ascend_at_the_new_position() -> None:
-    """enable_sparse_li_c8 (A2/A3: int8 key, fp16 per-token scale): the cache holds
+    """enable_sparse_li_c8 (A2/A3: int8 key, fp16 per-token scale; refused at start-up,
+    its built path run here with ACCEPT_QUANTIZED_INDEXER on): the cache holds
     the Hadamard-transformed, quantized key, so the capture takes the key before
     quantization from patch 0003's seam (turned on by the registered writer's layer
     check at start-up), and the load quantizes the moved key through the layer's own
@@ -650,8 +651,12 @@ def check_sfa_li_c8_load_quantizes_as_ascend_at_the_new_position() -> None:
 
     _device_op()  # first: vllm_ascend.ops before the attention modules
     from vllm_ascend.attention.sfa_v1 import AscendSFAImpl
+    from vllm_ascend.distributed import chunk_cache_npu
     from vllm_ascend.distributed.chunk_cache_npu import register_npu_chunk_cache
 
+    # Refused by default (not translation-invariant: docs/design/sparse.md); the built
+    # path is run here with the refusal turned off.
+    chunk_cache_npu.ACCEPT_QUANTIZED_INDEXER = True
     _ascend_config()
     register_npu_chunk_cache()
     with set_current_vllm_config(VllmConfig()):
@@ -772,6 +777,9 @@ def check_sfa_refusals() -> None:
             return
         raise AssertionError(f"not refused: {words}")
 
+    li_c8 = (*bf16[:2], bf16[2].to(torch.int8), torch.zeros(MLA_BLOCKS, MLA_BLOCK, 1, 1,
+                                                          dtype=torch.float16))
+    refused("not translation-invariant", cache=li_c8, enable_sparse_li_c8=True)
     refused("enable_sparse_sfa_c8", enable_sparse_sfa_c8=True)
     refused("the latent's dtype", cache=(*bf16[:2], bf16[2].to(torch.int8)))  # no scale part
     refused("enable_dsa_cp", enable_dsa_cp=True)

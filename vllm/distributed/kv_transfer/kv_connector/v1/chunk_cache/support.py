@@ -154,14 +154,14 @@ def _check_model_kind(model_config: Any) -> None:
         # NOTE: only vllm-ascend's SFA has indexer key writers (its overlay);
         # there each layer is checked when the worker builds it (LatentLayer.of,
         # chunk_cache_npu.check_sfa_layer). Elsewhere: vLLM's DSA keeps the
-        # indexer keys in a cache layer of their own, fp8 with per-token scales,
-        # whose pre-quantization key the connector never sees: not built.
+        # indexer keys in a cache layer of their own, always fp8, quantized after
+        # the rope: not translation-invariant, so not exact (docs/design/sparse.md).
         raise ValueError(
             "--enable-chunk-cache does not support sparse MLA attention yet "
-            "(DeepSeek-V3.2's DSA on CUDA: its fp8 indexer key cache is not "
-            "captured before quantization; the CPU has no sparse attention) "
-            "outside vllm-ascend's SFA (its other variants, sfa_c8, DSA-CP and "
-            "AscendDSAImpl, refused by name): docs/design/sparse.md"
+            "(DeepSeek-V3.2's DSA on CUDA: its fp8 indexer key cache, quantized after "
+            "the rope, is not translation-invariant; the CPU has no sparse attention) "
+            "outside vllm-ascend's SFA with a bf16 indexer cache (its other variants "
+            "and AscendDSAImpl refused by name): docs/design/sparse.md"
         )
     if getattr(model_config, "is_encoder_decoder", False):
         raise ValueError(
