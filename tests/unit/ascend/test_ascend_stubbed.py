@@ -49,6 +49,7 @@ def test_npu_code_path_against_stubs(ascend_tree: Path, check: str):
     "check_capture_check_avoids_assert_async_on_npu",
     "check_mlapo_is_read_per_layer_after_weights_load",
     "check_full_graph_refusal_names_the_npu_not_a_quantized_cache",
+    "check_sparse_mla_passes_the_config_on_the_npu_platform_only",
 ])
 def test_npu_start_up_against_vllm_ascend(ascend_tree: Path, check: str):
     """Issue 29, findings 5, 6, 7, 9, 11: tests/unit/ascend/npu_startup_checks.py."""
