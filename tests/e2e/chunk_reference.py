@@ -38,6 +38,19 @@ class Layout:
         return f" {SEP} ".join([self.system, *self.chunks, self.question])
 
 
+def private_context(reference: "Reference", mode: str):
+    """prompt -> the private context a chunk's child computes after (none, the
+    deployment's sink = the tokenizer's BOS, or the system segment)."""
+    sink = reference.tokenizer.bos_token_id
+
+    def context_of(prompt: ChunkedPrompt) -> list[int]:
+        system = prompt.spans[0]
+        return {"none": [], "sink": [sink],
+                "system": prompt.token_ids[system.start:system.end]}[mode]
+
+    return context_of
+
+
 class Reference:
     """HF model + tokenizer in float32, eager attention (additive 4D mask)."""
 

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from tests.conftest import models_dir
-from tests.e2e.chunk_reference import Layout, Reference, random_text
+from tests.e2e.chunk_reference import Layout, Reference, private_context, random_text
 from tests.e2e.mla_reference import LatentCacheEmulation, vllm_rope_for
 from vllm.v1.worker.position_remapper import RopeRotation
 
@@ -58,17 +58,6 @@ def _layouts(rng: random.Random, n: int) -> list[Layout]:
             for _ in range(n)]
 
 
-def _context(reference: Reference, mode: str):
-    sink = reference.tokenizer.bos_token_id
-
-    def context_of(prompt) -> list[int]:
-        system = prompt.spans[0]
-        return {"none": [], "sink": [sink],
-                "system": prompt.token_ids[system.start:system.end]}[mode]
-
-    return context_of
-
-
 def _distance(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max())
 
@@ -78,7 +67,7 @@ def test_latent_rows_moved_by_k_pe_rotation_equal_the_isolation_reference(
     reference, rotation, mode
 ):
     emulation = LatentCacheEmulation(reference.model, rotation)
-    context_of = _context(reference, mode)
+    context_of = private_context(reference, mode)
     rng = random.Random(22)
     worst = 0.0
     for layout in _layouts(rng, 2):
@@ -96,7 +85,7 @@ def test_latent_rows_moved_by_k_pe_rotation_equal_the_isolation_reference(
 
 def test_the_controls_are_far_from_the_reference(reference, rope, rotation):
     emulation = LatentCacheEmulation(reference.model, rotation)
-    context_of = _context(reference, "sink")
+    context_of = private_context(reference, "sink")
     prompt = reference.chunked_prompt(_layouts(random.Random(7), 1)[0])
     want = reference.next_token_logprobs(prompt, "sink", GENERATED)
 

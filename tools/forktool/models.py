@@ -12,6 +12,7 @@ from .progress import run, step
 SMOLLM2 = "SmolLM2-135M-Instruct"
 TINY = "tiny-llama"
 TINY_DEEPSEEK = "tiny-deepseek"
+TINY_DEEPSEEK_V32 = "tiny-deepseek-v32"
 _SCRIPTS = Path(__file__).resolve().parents[1] / "models"
 
 
@@ -21,6 +22,7 @@ def ensure_models(paths: Paths, python: Path, smollm2_wheel: Path) -> dict[str, 
         (SMOLLM2, "convert_smollm2.py", [str(smollm2_wheel)], "~45 s, ~1 GB of memory"),
         (TINY, "make_tiny_llama.py", [], "~10 s"),
         (TINY_DEEPSEEK, "make_tiny_deepseek.py", [], "~10 s"),
+        (TINY_DEEPSEEK_V32, "make_tiny_deepseek_v32.py", [], "~10 s"),
     ):
         dest = paths.models / name
         done = dest / ".complete"

@@ -32,12 +32,10 @@ ROPE_PARAMETERS = {
 }
 
 
-def build_model(out: Path) -> None:
-    import torch
-    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
-
-    torch.manual_seed(0)
-    config = DeepseekV3Config(
+def shared_config() -> dict:
+    """The config of the tiny DeepSeek, shared with the tiny DeepSeek-V3.2
+    (make_tiny_deepseek_v32.py adds the indexer)."""
+    return dict(
         vocab_size=VOCAB_SIZE, hidden_size=128, intermediate_size=256,
         moe_intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
         num_key_value_heads=4, n_shared_experts=1, n_routed_experts=4,
@@ -45,11 +43,21 @@ def build_model(out: Path) -> None:
         routed_scaling_factor=1.0, norm_topk_prob=True,
         q_lora_rank=48, kv_lora_rank=512, qk_nope_head_dim=16, qk_rope_head_dim=64,
         v_head_dim=16, max_position_embeddings=4096, rms_norm_eps=1e-5,
-        rope_parameters=dict(ROPE_PARAMETERS), rope_interleave=True,
+        rope_parameters=dict(ROPE_PARAMETERS),
         bos_token_id=1, eos_token_id=2, pad_token_id=2, tie_word_embeddings=False,
         # NOTE: as for the tiny Llama, a larger init spreads the logits so greedy choices
-        # are not near-ties that float rounding could flip.
-        initializer_range=0.1, num_nextn_predict_layers=0,
+        # (and the V3.2 indexer's top-k) are not near-ties that float rounding could flip.
+        initializer_range=0.1,
+    )
+
+
+def build_model(out: Path) -> None:
+    import torch
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    torch.manual_seed(0)
+    config = DeepseekV3Config(
+        **shared_config(), rope_interleave=True, num_nextn_predict_layers=0,
         # What vLLM reads to build V3's router (HF's V3 always routes this way).
         topk_method="noaux_tc", scoring_func="sigmoid",
     )

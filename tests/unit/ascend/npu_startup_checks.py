@@ -313,6 +313,24 @@ def check_full_graph_refusal_names_the_npu_not_a_quantized_cache() -> None:
         raise AssertionError("FULL_DECODE_ONLY accepted on the NPU platform")
 
 
+def check_sparse_mla_passes_the_config_on_the_npu_platform_only() -> None:
+    """Issue 32: a DeepSeek-V3.2-style model (an indexer: `index_topk`) is refused when
+    the config is built on vLLM's CPU platform, and passes it with vllm-ascend's
+    NPUPlatform current (its SFA layers are then checked one by one when the worker
+    builds them: npu_stub_checks.check_sfa_refusals)."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache import support
+
+    model = types.SimpleNamespace(use_mla=True, hf_config=types.SimpleNamespace(index_topk=2048))
+    try:
+        support._check_model_kind(model)
+    except ValueError as e:
+        assert "sparse MLA" in str(e) and "SFA" in str(e), str(e)
+    else:
+        raise AssertionError("sparse MLA accepted on the CPU platform")
+    _on_npu()
+    support._check_model_kind(model)
+
+
 if __name__ == "__main__":
     import vllm_ascend.ops  # noqa: F401 - vllm-ascend's own import order (device_op first)
 

@@ -25,13 +25,17 @@ def test_every_patched_or_new_file_compiles(ascend_tree: Path):
 
 
 @pytest.mark.parametrize("check", [
-    "check_registration_covers_standard_attention_and_mla_only",
+    "check_registration_covers_standard_attention_mla_and_sfa_only",
     "check_load_path_writes_rotated_rows_through_device_operator",
     "check_mla_load_writes_what_ascend_writes_at_the_new_position",
     "check_mla_reader_returns_what_the_writer_wrote",
     "check_mla_refusals",
     "check_ascend_ropes_registered_and_keys_move_as_at_the_new_position",
     "check_mla_load_with_ascend_deepseek_rope",
+    "check_sfa_load_writes_what_ascend_writes_at_the_new_position",
+    "check_sfa_reader_returns_what_the_writer_wrote",
+    "check_sfa_li_c8_load_quantizes_as_ascend_at_the_new_position",
+    "check_sfa_refusals",
 ])
 def test_npu_code_path_against_stubs(ascend_tree: Path, check: str):
     run_check("npu_stub_checks.py", check, ascend_tree)
@@ -45,6 +49,7 @@ def test_npu_code_path_against_stubs(ascend_tree: Path, check: str):
     "check_capture_check_avoids_assert_async_on_npu",
     "check_mlapo_is_read_per_layer_after_weights_load",
     "check_full_graph_refusal_names_the_npu_not_a_quantized_cache",
+    "check_sparse_mla_passes_the_config_on_the_npu_platform_only",
 ])
 def test_npu_start_up_against_vllm_ascend(ascend_tree: Path, check: str):
     """Issue 29, findings 5, 6, 7, 9, 11: tests/unit/ascend/npu_startup_checks.py."""

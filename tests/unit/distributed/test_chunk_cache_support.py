@@ -39,6 +39,18 @@ def test_a_plain_decoder_config_passes():
     check_config(_config())
 
 
+def test_sparse_mla_passes_on_the_npu_only(monkeypatch):
+    # Issue 32: vllm-ascend's SFA has indexer key writers (checked per layer when the
+    # worker builds it); vLLM's DSA (CUDA) has none and the CPU no sparse attention.
+    from vllm.platforms import current_platform
+
+    sparse = _config(model={"use_mla": True, "hf_config": SimpleNamespace(index_topk=2048)})
+    with pytest.raises(ValueError, match="sparse MLA.*DSA on CUDA.*SFA"):
+        check_config(sparse)
+    monkeypatch.setattr(type(current_platform), "device_name", "npu", raising=False)
+    check_config(sparse)
+
+
 def test_a_dense_mla_config_passes_its_backend_is_checked_by_the_worker():
     # DeepSeek-V2/V3 (issue 22): the latent data path exists for vLLM's CPU_MLA; other
     # MLA backends are refused by name when the worker registers the layers.
@@ -47,7 +59,7 @@ def test_a_dense_mla_config_passes_its_backend_is_checked_by_the_worker():
 
 @pytest.mark.parametrize("config, message", [
     (_config(model={"use_mla": True, "hf_config": SimpleNamespace(index_topk=2048)}),
-     "sparse MLA.*DeepSeek-V3.2's DSA.*SFA/DSA"),
+     "sparse MLA.*DeepSeek-V3.2's DSA.*vllm-ascend's SFA"),
     (_config(model={"is_encoder_decoder": True}), "encoder-decoder"),
     (_config(model={"is_multimodal_model": True}), "multimodal"),
     # Issue 30, finding 3. Before: accepted; an embedding request with "##" was

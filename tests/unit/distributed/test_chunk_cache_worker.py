@@ -263,7 +263,7 @@ def test_sparse_mla_is_refused_at_start_up():
         model_config=SimpleNamespace(use_mla=True, is_multimodal_model=False,
                                      hf_config=SimpleNamespace(index_topk=2048)),
     )
-    with pytest.raises(ValueError, match="sparse MLA.*SFA/DSA"):
+    with pytest.raises(ValueError, match="sparse MLA.*vllm-ascend's SFA"):
         configure_chunk_cache_connector(config)
 
 

@@ -40,9 +40,26 @@ It also registers the rule under which vllm-ascend's BalanceScheduler runs vLLM'
 On a vLLM without the chunk cache (vllm-ascend next to a stock vLLM) it
 registers nothing: no fork-only module is imported at import time.
 
-Not registered, hence refused at start-up with a message: SFA/DSA (the
-lightning indexer's key cache; also refused when the config is built),
-Ascend's int8 "C8" KV cache (`AscendC8AttentionBackendImpl`), and every other
+It registers vllm-ascend's SFA (`AscendSFAImpl`, `sfa_v1`: DeepSeek-V3.2's
+sparse attention): the cache is `(latent, rope,
+indexer key [num_blocks, 128, 1, index_head_dim])` in the model dtype (or the
+first two parts alone on a layer that reuses another's top-k), the latent
+written as MLA's above and the indexer key, rotated on its first
+qk_rope_head_dim values with MLA's cos/sin (neox pairing,
+`is_rope_neox_style`), by `npu_scatter_nd_update_` into the third part, as
+`AscendSFAImpl.forward` writes it (docs/design/sparse.md). With
+`enable_sparse_li_c8` the key is captured before quantization from the seam of
+patch 0003 and quantized on load by the layer's own `quantize_indexer_key`
+(Hadamard transform, per-token `npu_dynamic_quant`), key and scale scattered
+into parts 2 and 3: built, but refused (ACCEPT_QUANTIZED_INDEXER, below: a
+quantized indexer is not translation-invariant). Refused per layer, by name:
+`enable_sparse_li_c8`, `enable_sparse_sfa_c8` (a
+packed 656-byte latent), DSA context parallelism,
+the fused decode writes (MLAPO, SFA prolog v3), `c8_enable_reshape_optim`
+(`store_kv_block`), the NZ cache, and `glm_moe_dsa`'s interleaved indexer rope.
+
+Not registered, hence refused at start-up with a message: vllm-ascend's DSA
+(`AscendDSAImpl`), Ascend's int8 "C8" KV cache (`AscendC8AttentionBackendImpl`), and every other
 implementation; the Ascend MLA reader refuses the NZ cache (`enable_kv_nz`)
 and a quantized latent cache, and its layer check MLAPO's fused decode write
 where a layer keeps it after its weights loaded (`impl.enable_mlapo`).
@@ -64,6 +81,8 @@ logger = init_logger(__name__)
 ASCEND_BACKEND = "ASCEND"
 # vllm-ascend's MLA backend (AscendMLABackend.get_name()).
 ASCEND_MLA_BACKEND = "ASCEND_MLA"
+# vllm-ascend's sparse MLA backend for DeepSeek-V3.2 (AscendSFABackend.get_name()).
+ASCEND_SFA_BACKEND = "ASCEND_SFA"
 
 
 def write_rows_npu(
@@ -178,6 +197,153 @@ def read_latent_npu(kv_cache: Any, slots: torch.Tensor) -> torch.Tensor:
     return torch.cat((kv_c, interleave_rope(k_pe)), dim=-1)
 
 
+def sfa_cache_parts(kv_cache: Any) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...]]:
+    """(latent, rope, indexer parts) caches of an AscendSFAImpl layer: indexer parts ()
+    on a layer without an indexer (skip_topk), (key,) in the model dtype, or (key,
+    scale) with enable_sparse_li_c8; ValueError naming what the chunk cache cannot
+    write (enable_sparse_sfa_c8's packed latent)."""
+    if not isinstance(kv_cache, (tuple, list)) or len(kv_cache) not in (2, 3, 4):
+        parts = len(kv_cache) if isinstance(kv_cache, (tuple, list)) else "one tensor"
+        raise ValueError(
+            "chunk cache: an Ascend SFA cache is (latent, rope[, indexer key[, scale]]) "
+            f"caches, got {parts} (enable_sparse_sfa_c8's packed latent is not supported)")
+    latent, rope = mla_cache_parts(tuple(kv_cache[:2]))
+    index = tuple(kv_cache[2:])
+    for part in index:
+        if part.dim() != 4 or part.shape[:3] != latent.shape[:3]:
+            raise ValueError(
+                "chunk cache: Ascend SFA indexer caches must be [blocks, block_size, 1, dim], "
+                f"got {tuple(part.shape)}")
+    if len(index) == 1 and index[0].dtype != latent.dtype:
+        raise ValueError(
+            "chunk cache: an Ascend SFA indexer key cache without its scale part must be in "
+            f"the latent's dtype, got {index[0].dtype}")
+    return latent, rope, index
+
+
+def write_sfa_latent_npu(layer: Any, kv_c: torch.Tensor, k_pe: torch.Tensor,
+                         slots: torch.Tensor, kv_cache: Any) -> None:
+    """MLA's latent write (write_latent_npu) on an SFA cache's first two parts."""
+    latent, rope, _ = sfa_cache_parts(kv_cache)
+    write_latent_npu(layer, kv_c, k_pe, slots, (latent, rope))
+
+
+def read_sfa_latent_npu(kv_cache: Any, slots: torch.Tensor) -> torch.Tensor:
+    latent, rope, _ = sfa_cache_parts(kv_cache)
+    return read_latent_npu((latent, rope), slots)
+
+
+def _scatter_rows(cache: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> None:
+    import torch_npu
+
+    width = rows.shape[-1]
+    torch_npu.npu_scatter_nd_update_(cache.view(-1, width), slots.view(-1, 1),
+                                     rows.to(cache.dtype).view(-1, width))
+
+
+def write_indexer_key_npu(layer: Any, keys: torch.Tensor, slots: torch.Tensor,
+                          kv_cache: Any) -> None:
+    """Indexer keys [n, index_head_dim], already rotated at their real positions, at
+    paged `slots` [n], as `AscendSFAImpl.forward` writes `k_li` (sfa_v1.py, the
+    `npu_scatter_nd_update_` path): as is into part 2; with enable_sparse_li_c8
+    through the layer's own `quantize_indexer_key` (Hadamard transform, per-token
+    `npu_dynamic_quant`, patch 0003), the key into part 2 and its scale into part 3."""
+    _, _, index = sfa_cache_parts(kv_cache)
+    impl = layer.impl
+    check_sfa_layer(getattr(layer, "layer_name", "?"), layer)
+    slots = slots.to(torch.int64)
+    if getattr(impl, "enable_sparse_li_c8", False):
+        quantized, scale = impl.quantize_indexer_key(keys)
+        _scatter_rows(index[0], slots, quantized)
+        _scatter_rows(index[1], slots, scale)
+    else:
+        _scatter_rows(index[0], slots, keys)
+
+
+def read_indexer_key_npu(layer: Any, kv_cache: Any, slots: torch.Tensor) -> torch.Tensor | None:
+    """The indexer keys written at `slots` this step, before any quantization. In the
+    plain configuration from the cache (bf16, no Hadamard transform: that comes with C8
+    only); with enable_sparse_li_c8 from the seam of patch 0003 (the step's key before
+    quantization and its slots). None on a layer without an indexer part (skip_topk)."""
+    latent, _, index = sfa_cache_parts(kv_cache)
+    if not index:
+        return None
+    impl = layer.impl
+    if not getattr(impl, "enable_sparse_li_c8", False):
+        return index[0].view(-1, index[0].shape[-1]).index_select(0, slots)
+    keys = getattr(impl, "chunk_cache_k_li", None)
+    if slots.numel() == 0 or keys is None:
+        # At start-up (zero rows): the key's width, in the model dtype.
+        return torch.zeros((0, impl.head_dim), dtype=latent.dtype, device=slots.device)
+    step_slots = impl.chunk_cache_k_li_slots.to(torch.int64).view(-1)
+    # The rows of `slots` in this step's keys (each slot written once per step).
+    # NOTE: the capture asks only for slots its child wrote this step (capture
+    # path), so every slot is found; no device assertion (docs/ascend.md).
+    order = torch.argsort(step_slots)
+    found = order[torch.searchsorted(step_slots[order], slots.to(torch.int64))
+                  .clamp(max=order.numel() - 1)]
+    return keys.view(-1, keys.shape[-1]).index_select(0, found)
+
+
+# NOTE: enable_sparse_li_c8 is refused although its data path is built (patch
+# 0003's seam, the quantizing writer; stub-checked): a key quantized after the rope
+# is not translation-invariant (the rounding depends on the absolute angle), so the
+# isolation forward itself changes when every position moves, and a chunk computed
+# at 0.. selects, at its real positions, up to quantization flips what a fresh one
+# would: not exact (docs/design/sparse.md: on the tiny V3.2 with CUDA's fp8
+# indexer arithmetic, ~8% of the selections flip under a shift of 5). The stub
+# check turns this on to run the built path.
+ACCEPT_QUANTIZED_INDEXER = False
+
+
+def check_sfa_layer(name: str, layer: Any) -> None:
+    """Refuse an AscendSFAImpl layer whose cache the SFA writers do not write as it
+    does (read in vllm-ascend 0.23.0.post1's sfa_v1.py)."""
+    from vllm_ascend.ascend_config import get_ascend_config
+
+    impl = layer.impl
+    for flag, what in (
+        ("enable_sparse_sfa_c8", "enable_sparse_sfa_c8 (the packed 656-byte latent cache)"),
+        ("enable_dsa_cp", "DSA context parallelism (enable_dsa_cp)"),
+        ("enable_mlapo", "MLAPO's fused write (VLLM_ASCEND_ENABLE_MLAPO=1; set it to 0)"),
+        ("enable_sfa_prolog_v3", "SFA prolog v3's fused decode write"),
+        ("enable_kv_nz", "enable_kv_nz (FRACTAL_NZ writes)"),
+        ("use_torch_npu_lightning_indexer", "torch_npu's lightning indexer (glm_moe_dsa)"),
+    ):
+        if getattr(impl, flag, False):
+            raise ValueError(f"chunk cache does not support Ascend SFA layer {name} with {what}")
+    if getattr(impl, "has_indexer", False) and not getattr(impl, "is_rope_neox_style", True):
+        raise ValueError(
+            f"chunk cache does not support Ascend SFA layer {name} with an interleaved "
+            "indexer rope (glm_moe_dsa: its Triton and torch paths pair differently)")
+    if getattr(get_ascend_config(), "c8_enable_reshape_optim", False):
+        raise ValueError(
+            f"chunk cache does not support Ascend SFA layer {name} with "
+            "c8_enable_reshape_optim (store_kv_block writes the indexer cache)")
+    if getattr(impl, "enable_sparse_li_c8", False) and not ACCEPT_QUANTIZED_INDEXER:
+        raise ValueError(
+            f"chunk cache does not support Ascend SFA layer {name} with enable_sparse_li_c8: "
+            "an indexer key quantized after the rope is not translation-invariant, so a "
+            "loaded chunk's top-k is the isolation semantics' only up to quantization "
+            "flips (docs/design/sparse.md)")
+    if getattr(impl, "enable_sparse_li_c8", False) and not hasattr(impl, "quantize_indexer_key"):
+        raise ValueError(
+            f"chunk cache: Ascend SFA layer {name} has enable_sparse_li_c8 but vllm-ascend "
+            "lacks the fork's seam (patch 0003: quantize_indexer_key, chunk_cache_k_li)")
+
+
+def prepare_sfa_indexer_layer(name: str, layer: Any) -> None:
+    """check_sfa_layer, then (start-up, chunk cache on) turn on patch 0003's seam on a
+    C8 layer: its forward keeps the indexer key before quantization for the capture."""
+    check_sfa_layer(name, layer)
+    if getattr(layer.impl, "enable_sparse_li_c8", False):
+        layer.impl.chunk_cache_capture = True
+
+
+def _sfa_neox_style(layer: Any) -> bool:
+    return bool(layer.impl.is_rope_neox_style)
+
+
 def _always_halves(rope: Any) -> bool:
     return True
 
@@ -273,12 +439,25 @@ def register_npu_chunk_cache() -> None:
 
     register_delegating_scheduler(_BALANCE_SCHEDULER, _balance_scheduler_runs_vllm_schedule)
     register_cache_writer("AscendAttentionBackendImpl", ASCEND_BACKEND, write_rows_npu)
-    # NOTE: AscendMlaCPImpl (context parallel) and AscendSFAImpl/AscendDSAImpl
-    # are not registered: refused by name. k_pe: Ascend's MLA rotates it
+    # NOTE: AscendMlaCPImpl (context parallel) and AscendDSAImpl are not
+    # registered: refused by name. k_pe: Ascend's MLA rotates it
     # interleaved in every path (npu_interleave_rope, npu_kv_rmsnorm_rope_cache)
     # whatever the rope's style, and read_latent_npu returns it re-interleaved:
     # GPT-J pairs in the pool.
     register_latent_writer("AscendMLAImpl", ASCEND_MLA_BACKEND, write_latent_npu,
                            read_latent_npu, k_pe_neox_style=False,
                            check_layer=check_mla_layer)
+    # SFA: the same latent write on its first two parts (its k_pe is rotated
+    # interleaved by npu_kv_rmsnorm_rope_cache as MLA's), and the indexer key.
+    register_latent_writer("AscendSFAImpl", ASCEND_SFA_BACKEND, write_sfa_latent_npu,
+                           read_sfa_latent_npu, k_pe_neox_style=False,
+                           check_layer=check_sfa_layer)
+    from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.indexer_writers import (
+        IndexerWriter,
+        register_indexer_writer,
+    )
+
+    register_indexer_writer("AscendSFAImpl", IndexerWriter(
+        ASCEND_SFA_BACKEND, write_indexer_key_npu, read_indexer_key_npu, _sfa_neox_style,
+        check_layer=prepare_sfa_indexer_layer))
     register_ascend_ropes()

@@ -1,7 +1,8 @@
 """A stand-in for `torch_npu` on CPU: NOT Huawei's library.
 
-Five ops have CPU reference implementations written from their documented
-semantics: the two cache writes (the paged caches are [num_blocks,
+Eight ops have CPU reference implementations written from their documented
+semantics (SFA's indexer: `npu_scatter_nd_update_`, `npu_rotary_mul` "half" mode,
+`npu_dynamic_quant` per row): the two cache writes (the paged caches are [num_blocks,
 block_size, num_kv_heads, head_size]; token i goes to block slot //
 block_size, offset slot % block_size; key and value widths may differ, as
 for MLA's latent and rope caches), `_npu_rotary_embedding` (as vLLM's
@@ -122,6 +123,43 @@ def _npu_rotary_embedding(positions, query, key, head_size, cos_sin_cache, is_ne
         o1, o2 = x1 * c - x2 * s, x2 * c + x1 * s
         out = torch.cat((o1, o2), -1) if is_neox_style else torch.stack((o1, o2), -1).flatten(-2)
         rows[..., :rot] = out.to(x.dtype)
+
+
+def npu_scatter_nd_update_(self, indices, updates):
+    """In place: rows `updates` [n, d] into `self` [rows, d] at rows `indices` [n, 1]
+    (how vllm-ascend's SFA writes its indexer key cache, viewed as [slots, d])."""
+    self[indices.to(torch.int64).view(-1)] = updates.to(self.dtype)
+    return self
+
+
+def npu_rotary_mul(x, r1, r2, rotary_mode="half"):
+    """x * cos + rotate_half(x) * sin ("half" mode: pairs (i, i + half)), computed in
+    fp32 and cast to x's dtype; cos/sin `r1`/`r2` broadcast against x."""
+    if rotary_mode != "half":
+        raise NotImplementedError(f"rotary_mode={rotary_mode!r} has no CPU stub")
+    xf = x.float()
+    half = xf.shape[-1] // 2
+    rotated = torch.cat((-xf[..., half:], xf[..., :half]), -1)
+    return (xf * r1.float() + rotated * r2.float()).to(x.dtype)
+
+
+def npu_dynamic_quant(x, smooth_scales=None, *, dst_type=torch.int8):
+    """Per-row symmetric quantization (the last dim): scale = amax / 127 into int8
+    (round half to even), or amax / 448 into float8_e4m3fn; returns (values, fp32
+    scale [rows]). Computed in fp32."""
+    if smooth_scales is not None:
+        raise NotImplementedError("smooth_scales has no CPU stub")
+    xf = x.float()
+    amax = xf.abs().amax(-1)
+    if dst_type == torch.int8:
+        scale = amax / 127.0
+        q = torch.round(xf / scale[..., None]).clamp(-128, 127).to(torch.int8)
+    elif dst_type == torch.float8_e4m3fn:
+        scale = amax / 448.0
+        q = (xf / scale[..., None]).to(torch.float8_e4m3fn)
+    else:
+        raise NotImplementedError(f"dst_type={dst_type} has no CPU stub")
+    return q, scale
 
 
 def npu_format_cast(tensor, acl_format):

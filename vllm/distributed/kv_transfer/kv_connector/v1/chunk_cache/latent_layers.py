@@ -11,6 +11,11 @@ An MLA layer caches one row per token, `[kv_c | k_pe]`, for all heads
   buffers: nothing allocated per layer), rotate k_pe alone by the delta, and
   write both through the backend's own latent cache write, as for freshly
   computed tokens.
+* Sparse MLA (DeepSeek-V3.2's indexer; docs/design/sparse.md): the row goes on
+  with the layer's indexer key `[kv_c | k_pe | index_k]`, read back and written
+  through the implementation's registered indexer writer (before quantization:
+  the writer quantizes as for a fresh key), its rope slice rotated by the delta
+  in the pairing the implementation rotates it in.
 """
 
 from __future__ import annotations
@@ -23,6 +28,17 @@ import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.cache_writers import (
     LatentWriter,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.indexer_writers import (
+    IndexerWriter,
+    indexer_writer_for,
+    supported_indexer_backends,
+    uses_indexer,
+)
+from vllm.v1.worker.indexer_keys import (
+    IndexerKeyLayout,
+    check_indexer_rope,
+    reposition_indexer_keys,
+)
 from vllm.v1.worker.mla_latent import LatentRowLayout, check_latent_rope
 from vllm.v1.worker.position_remapper import (
     RemapRows,
@@ -30,6 +46,21 @@ from vllm.v1.worker.position_remapper import (
     RopeRotation,
     StretchCosSin,
 )
+
+
+# Load buffers of a sparse layer's indexer key ("i": index_head_dim values per
+# row), beside RemapScratch.LATENT's: gathered, rotated through fp32.
+INDEXER_SCRATCH = (("index_k", False, "i"), ("index_k32", True, "i"),
+                   ("index_k_rotated32", True, "i"), ("index_k_rotated", False, "i"))
+
+
+@dataclass(frozen=True)
+class IndexerPart:
+    """A sparse layer's indexer keys: their row, rope and writer."""
+
+    layout: IndexerKeyLayout
+    rotation: RopeRotation
+    writer: IndexerWriter
 
 
 @dataclass
@@ -44,11 +75,16 @@ class LatentLayer:
     layout: LatentRowLayout
     rotation: RopeRotation | None
     writer: LatentWriter
-    # [pool rows, kv_lora_rank + rope_dim] in the model dtype.
+    # [pool rows, kv_lora_rank + rope_dim (+ index_head_dim)] in the model dtype.
     pool: torch.Tensor
-    # The worker's load buffers (RemapScratch.LATENT roles), shared by every
-    # layer; buffers of its own if none is given (tests).
+    # The worker's load buffers (RemapScratch.LATENT roles, and INDEXER_SCRATCH
+    # for a sparse layer), shared by every layer; buffers of its own if none is
+    # given (tests).
     scratch: RemapScratch = field(default_factory=RemapScratch)
+    # Sparse MLA: the indexer key after the latent row; None for dense MLA and
+    # for a sparse layer whose cache has no indexer part (it reuses another
+    # layer's top-k).
+    indexer: IndexerPart | None = None
 
     @classmethod
     def of(cls, name: str, layer: Any, kv_cache: Any, rotation: RopeRotation | None,
@@ -73,17 +109,62 @@ class LatentLayer:
                 f"k_pe ({layout.rope_dim} values) could not be re-rotated")
         if rotation is not None:
             check_latent_rope(layout, rotation)
+        indexer = cls._indexer_part(name, layer, kv_cache, layout, rotation, no_slots)
         if rotation is not None and writer.k_pe_neox_style is not None:
             # The reader fixes k_pe's layout (Ascend: GPT-J rows whatever the
             # rope's forward stores): rotate pairs as they lie in the pool.
             rotation = rotation.with_pairing(writer.k_pe_neox_style)
-        pool = torch.zeros((num_rows, layout.width), dtype=dtype, device=device)
+        width = layout.width + (0 if indexer is None else indexer.layout.head_dim)
+        pool = torch.zeros((num_rows, width), dtype=dtype, device=device)
         return cls(name, layer, kv_cache, layout, rotation, writer, pool,
-                   scratch if scratch is not None else RemapScratch())
+                   scratch if scratch is not None else RemapScratch(), indexer)
+
+    @staticmethod
+    def _indexer_part(name: str, layer: Any, kv_cache: Any, layout: LatentRowLayout,
+                      rotation: RopeRotation | None,
+                      no_slots: torch.Tensor) -> IndexerPart | None:
+        if not uses_indexer(layer):
+            return None
+        writer = indexer_writer_for(layer.impl)
+        if writer is None:
+            supported = ", ".join(supported_indexer_backends()) or "none on this platform"
+            raise ValueError(
+                f"chunk cache does not support the sparse MLA backend of {name} "
+                f"({type(layer.impl).__name__}): its indexer key cache has no registered "
+                f"writer (supported: {supported}; docs/design/sparse.md)")
+        if writer.check_layer is not None:
+            writer.check_layer(name, layer)
+        keys = writer.read(layer, kv_cache, no_slots)
+        if keys is None:
+            return None
+        if rotation is None:
+            raise ValueError(
+                f"chunk cache: the rope of sparse MLA layer {name} was not found, so its "
+                "indexer keys could not be re-rotated")
+        index_layout = IndexerKeyLayout(keys.shape[-1], layout.rope_dim)
+        # NOTE: the indexer's rope has the latent rope's frequencies (vLLM builds
+        # both from the same rope_parameters; vllm-ascend rotates the indexer key
+        # with MLA's own cos/sin); only the pairing is the implementation's.
+        index_rotation = rotation.with_pairing(writer.neox_style(layer))
+        check_indexer_rope(index_layout, index_rotation)
+        return IndexerPart(index_layout, index_rotation, writer)
+
+    def scratch_plan(self) -> tuple[tuple, dict[str, tuple[int, ...]]]:
+        """(roles, per-row shapes) of the load buffers this layer takes (the
+        worker prepares them once; setup.load_scratch_bytes counts them)."""
+        shapes = {"c": (self.layout.kv_lora_rank,), "r": (self.layout.rope_dim,)}
+        if self.indexer is None:
+            return RemapScratch.LATENT, shapes
+        shapes["i"] = (self.indexer.layout.head_dim,)
+        return RemapScratch.LATENT + INDEXER_SCRATCH, shapes
 
     def capture(self, slots: torch.Tensor, pool_rows: torch.Tensor) -> None:
         """The rows just written at paged `slots` [n] into pool rows [n]."""
         rows = self.writer.read(self.kv_cache, slots)
+        if self.indexer is not None:
+            # NOTE: the key as the layer computed it, before any quantization.
+            keys = self.indexer.writer.read(self.layer, self.kv_cache, slots)
+            rows = torch.cat((rows.to(self.pool.dtype), keys.to(self.pool.dtype)), -1)
         self.pool.index_copy_(0, pool_rows, rows.to(self.pool.dtype))
 
     def load(self, rows: RemapRows, stretches: StretchCosSin | None = None) -> None:
@@ -91,8 +172,8 @@ class LatentLayer:
         row's delta (`stretches`: the step's cos/sin per stretch; without it,
         tests, the deltas are read on the host)."""
         n = rows.num_rows
-        rank = self.layout.kv_lora_rank
-        pool_c, pool_r = self.pool[:, :rank], self.pool[:, rank:]
+        rank, width = self.layout.kv_lora_rank, self.layout.width
+        pool_c, pool_r = self.pool[:, :rank], self.pool[:, rank:width]
         kv_c = self.scratch.take("kv_c", pool_c, n)
         k_pe = self.scratch.take("k_pe", pool_r, n)
         torch.index_select(pool_c, 0, rows.src_rows, out=kv_c)
@@ -114,3 +195,29 @@ class LatentLayer:
                 out.copy_(rotated32)
             k_pe = out
         self.writer.write(self.layer, kv_c, k_pe, rows.dst_slots, self.kv_cache)
+        if self.indexer is not None:
+            self._load_indexer_keys(rows, stretches)
+
+    def _load_indexer_keys(self, rows: RemapRows, stretches: StretchCosSin | None) -> None:
+        """The entry's indexer keys to their slots, the rope slice rotated by each
+        row's delta (the same cos/sin as k_pe's: same frequencies), the rest copied."""
+        part = self.indexer
+        n = rows.num_rows
+        pool_i = self.pool[:, self.layout.width:]
+        keys = self.scratch.take("index_k", pool_i, n)
+        torch.index_select(pool_i, 0, rows.src_rows, out=keys)
+        cos_sin = (None if stretches is None or rows.stretch_index is None
+                   else stretches.rows(rows.stretch_index))
+        out = self.scratch.take("index_k_rotated", pool_i, n)
+        if keys.dtype == torch.float32:
+            reposition_indexer_keys(part.layout, part.rotation, keys, rows.deltas, cos_sin,
+                                    out=out)
+        else:
+            # The rotation runs in fp32, one rounding to the pool's dtype.
+            keys32 = self.scratch.take("index_k32", keys, n, torch.float32)
+            keys32.copy_(keys)
+            rotated32 = self.scratch.take("index_k_rotated32", keys, n, torch.float32)
+            reposition_indexer_keys(part.layout, part.rotation, keys32, rows.deltas, cos_sin,
+                                    out=rotated32)
+            out.copy_(rotated32)
+        part.writer.write(self.layer, out, rows.dst_slots, self.kv_cache)

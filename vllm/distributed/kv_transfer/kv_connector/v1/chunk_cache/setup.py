@@ -199,6 +199,13 @@ def load_scratch_bytes(vllm_config: VllmConfig) -> int:
         # One latent row [kv_c | k_pe] per token, for all heads.
         rope = model_config.hf_text_config.qk_rope_head_dim
         roles, parts = RemapScratch.LATENT, {"c": head - rope, "r": rope}
+        index = _index_head_dim(model_config)
+        if index:
+            # Sparse MLA: the indexer key's buffers too (latent_layers.INDEXER_SCRATCH).
+            from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.latent_layers import (
+                INDEXER_SCRATCH,
+            )
+            roles, parts = roles + INDEXER_SCRATCH, {**parts, "i": index}
     else:
         key = model_config.get_num_kv_heads(vllm_config.parallel_config) * head
         roles, parts = RemapScratch.STANDARD, {"k": key, "v": key}
@@ -242,7 +249,18 @@ def _layer_kv_elements(vllm_config: VllmConfig) -> int:
     # NOTE: MLA caches one latent row per token and layer (head size
     # kv_lora_rank + rope_dim, one "head", the same on every TP rank), no V.
     rows = 1 if getattr(model_config, "use_mla", False) else 2
-    return num_layers * num_kv_heads * model_config.get_head_size() * rows
+    # Sparse MLA: each layer's entry also keeps its indexer key (docs/design/sparse.md;
+    # counted for every layer, an upper bound where some layers reuse another's top-k).
+    index = _index_head_dim(model_config) if rows == 1 else 0
+    return num_layers * (num_kv_heads * model_config.get_head_size() * rows + index)
+
+
+def _index_head_dim(model_config) -> int:
+    """Values of a sparse MLA layer's indexer key (DeepSeek-V3.2: 128), 0 if dense."""
+    text = getattr(model_config, "hf_text_config", None)
+    if getattr(text, "index_topk", None) is None:
+        return 0
+    return int(getattr(text, "index_head_dim", 0) or 0)
 
 
 def _max_stage_layers(model_config, parallel_config) -> int:

@@ -125,6 +125,14 @@ def _check_ascend_options(vllm_config: VllmConfig) -> None:
             "without the chunk cache")
 
 
+def _sparse_mla_platform() -> bool:
+    """Whether sparse MLA may start here: on vllm-ascend's NPU platform, whose SFA
+    has indexer key writers (docs/design/sparse.md; never executed on an NPU)."""
+    from vllm.platforms import current_platform
+
+    return getattr(current_platform, "device_name", None) == "npu"
+
+
 def _check_model_kind(model_config: Any) -> None:
     runner = getattr(model_config, "runner_type", "generate")
     if runner == "pooling":
@@ -142,12 +150,18 @@ def _check_model_kind(model_config: Any) -> None:
     hf_config = getattr(model_config, "hf_config", None)
     if getattr(model_config, "use_mla", False) and (
         getattr(hf_config, "index_topk", None) is not None
-    ):
+    ) and not _sparse_mla_platform():
+        # NOTE: only vllm-ascend's SFA has indexer key writers (its overlay);
+        # there each layer is checked when the worker builds it (LatentLayer.of,
+        # chunk_cache_npu.check_sfa_layer). Elsewhere: vLLM's DSA keeps the
+        # indexer keys in a cache layer of their own, always fp8, quantized after
+        # the rope: not translation-invariant, so not exact (docs/design/sparse.md).
         raise ValueError(
             "--enable-chunk-cache does not support sparse MLA attention yet "
-            "(DeepSeek-V3.2's DSA, vllm-ascend's SFA/DSA): the indexer's own "
-            "position-dependent key cache is not cached and re-rotated "
-            "(docs/design/mla.md)"
+            "(DeepSeek-V3.2's DSA on CUDA: its fp8 indexer key cache, quantized after "
+            "the rope, is not translation-invariant; the CPU has no sparse attention) "
+            "outside vllm-ascend's SFA with a bf16 indexer cache (its other variants "
+            "and AscendDSAImpl refused by name): docs/design/sparse.md"
         )
     if getattr(model_config, "is_encoder_decoder", False):
         raise ValueError(

@@ -304,10 +304,8 @@ class ChunkCacheWorker:
                                   {"k": tuple(key.shape[1:]), "v": tuple(value.shape[1:])},
                                   self.dtype, key.device)
         for latent in self.latent.values():
-            self._scratch.prepare(RemapScratch.LATENT,
-                                  {"c": (latent.layout.kv_lora_rank,),
-                                   "r": (latent.layout.rope_dim,)},
-                                  self.dtype, latent.pool.device)
+            # Sparse MLA layers add their indexer key's buffers (scratch_plan).
+            self._scratch.prepare(*latent.scratch_plan(), self.dtype, latent.pool.device)
         logger.info("Chunk cache: load buffers of %d rows, %.1f MiB on %s", self._scratch.max_rows
                     or 0, self._scratch.nbytes() / (1 << 20), self.device)
 
