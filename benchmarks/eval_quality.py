@@ -53,6 +53,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--fractions", default="0.1,0.25")
     p.add_argument("--scales", default="0.5,2",
                    help="APE context scaling factors (lever c; empty: none)")
+    p.add_argument("--question-fractions", default="0.1,0.2",
+                   help="question-aware recompute (issue 33): fractions of chunk tokens "
+                        "ranked by the question's attention (empty: none)")
+    p.add_argument("--question-first", default="0",
+                   help="for each question fraction, also these numbers of first tokens "
+                        "per chunk, forced into the same budget (0: attention alone)")
+    p.add_argument("--modes", default="none,sink,system",
+                   help="plain chunk-context modes scored in the reference (full always)")
+    p.add_argument("--lever-modes", default="sink,none",
+                   help="modes the reference's levers are built on")
     p.add_argument("--skip-engine", action="store_true")
     p.add_argument("--skip-reference", action="store_true")
     p.add_argument("--ttft-8docs", action="store_true",
@@ -66,7 +76,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         # smoke under ~3 min; the full run covers none and system.
         args.questions, args.lever_questions, args.timed = 6, 2, 2
         args.boundary_k, args.fractions, args.configs = "4", "0.25", "stock,sink"
-        args.scales = "2"
+        args.scales, args.question_fractions, args.question_first = "2", "0.1", "0"
     return args
 
 
@@ -77,6 +87,10 @@ def stratified(questions, n: int):
     two = [q for q in questions if q.kind == "two-hop"][: n // 2]
     out = [q for pair in zip(single, two) for q in pair]
     return out + single[len(two):] + two[len(single):]
+
+
+def _names(text: str) -> tuple[str, ...]:
+    return tuple(x for x in text.split(",") if x)
 
 
 def run_engine(args, items, out: Path) -> list[EngineRun]:
@@ -111,9 +125,12 @@ def run_reference(args, items, out: Path) -> list[dict]:
         for line in path.read_text().splitlines():
             row = json.loads(line)
             done[row["qid"]] = row
-    grid = LeverGrid(boundary_k=tuple(int(k) for k in args.boundary_k.split(",") if k),
-                     fractions=tuple(float(r) for r in args.fractions.split(",") if r),
-                     scales=tuple(float(s) for s in args.scales.split(",") if s))
+    grid = LeverGrid(modes=_names(args.lever_modes),
+                     boundary_k=tuple(int(k) for k in _names(args.boundary_k)),
+                     fractions=tuple(float(r) for r in _names(args.fractions)),
+                     scales=tuple(float(s) for s in _names(args.scales)),
+                     question_fractions=tuple(float(r) for r in _names(args.question_fractions)),
+                     question_first=tuple(int(f) for f in _names(args.question_first)))
     # The deployment's sink: the tokenizer's BOS (ChunkCacheConfig's default).
     sink = AutoTokenizer.from_pretrained(args.model).bos_token_id
     scorer = None
@@ -122,7 +139,7 @@ def run_reference(args, items, out: Path) -> list[dict]:
         for item in items:
             if item.question.qid not in done:
                 scorer = scorer or ReferenceScorer(args.model, sink)
-                scores = scorer.evaluate(item, ("none", "sink", "system"), grid)
+                scores = scorer.evaluate(item, _names(args.modes), grid)
                 done[item.question.qid] = {"qid": item.question.qid, "scores": {
                     k: dataclasses.asdict(v) for k, v in scores.items()}}
                 f.write(json.dumps(done[item.question.qid]) + "\n")
@@ -139,7 +156,8 @@ def cross_check(runs: list[EngineRun], rows: list[dict]) -> str:
              "|---|---|---|---|"]
     for run in runs:
         key = "full" if run.config == "stock" else run.config
-        both = [(r, ref[r.qid][key]) for r in run.results if r.qid in ref]
+        both = [(r, ref[r.qid][key]) for r in run.results
+                if r.qid in ref and key in ref[r.qid]]
         if not both:
             continue
         diff = max(abs(r.gold_logprob - s["gold_logprob"]) for r, s in both)
