@@ -67,6 +67,22 @@ def reference_table(rows: list[dict], kinds: dict[str, str]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _series(agg: dict, mode: str) -> list[tuple[list[str], str, str]]:
+    """The recompute curves of one base mode: (variant names, line style, label)."""
+    out = []
+    for prefix, style, label in (("first", "o-", "first K tokens"),
+                                 ("blend", "s--", "top-r% KV deviation (CacheBlend)")):
+        names = [n for n in agg if n.startswith(f"{mode}+{prefix}")]
+        if names:
+            out.append((names, style, label))
+    qa = [n for n in agg if n.startswith(f"{mode}+qa")]
+    for first in sorted({n.partition("+first")[2] for n in qa}, key=lambda f: int(f or 0)):
+        names = [n for n in qa if n.partition("+first")[2] == first]
+        out.append((names, "d-." if not first else "v-.",
+                    "top-r% question attention" + (f" + first {first}" if first else "")))
+    return out
+
+
 def plot_levers(rows: list[dict], path: Path) -> bool:
     try:
         import matplotlib
@@ -80,15 +96,12 @@ def plot_levers(rows: list[dict], path: Path) -> bool:
     for mode, colour in (("sink", "tab:blue"), ("none", "tab:orange")):
         if mode not in agg:
             continue
-        for lever, style in (("first", "o-"), ("blend", "s--")):
-            names = [n for n in agg if n.startswith(f"{mode}+{lever}")]
+        for names, style, label in _series(agg, mode):
             pts = sorted([(0.0, agg[mode]["gold_logprob"])]
                          + [(agg[n]["recomputed_fraction"], agg[n]["gold_logprob"])
                             for n in names])
-            label = f"{mode} + " + ("first K tokens" if lever == "first"
-                                    else "top-r% KV deviation (CacheBlend)")
             ax.plot([p[0] * 100 for p in pts], [p[1] for p in pts], style, color=colour,
-                    label=label)
+                    label=f"{mode} + {label}")
         for name in [n for n in agg if n.startswith(f"{mode}+scale")]:
             ax.plot([0.0], [agg[name]["gold_logprob"]], "^", color=colour, alpha=0.6,
                     label=f"{mode} + context scaling {name.rsplit('scale', 1)[1]} (APE)")
