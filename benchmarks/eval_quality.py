@@ -59,6 +59,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--question-first", default="0",
                    help="for each question fraction, also these numbers of first tokens "
                         "per chunk, forced into the same budget (0: attention alone)")
+    p.add_argument("--question-chunk-fractions", default="",
+                   help="question-aware boundary recompute: fractions spent on the first "
+                        "tokens of the chunks the question attends to most (empty: none)")
     p.add_argument("--modes", default="none,sink,system",
                    help="plain chunk-context modes scored in the reference (full always)")
     p.add_argument("--lever-modes", default="sink,none",
@@ -130,7 +133,9 @@ def run_reference(args, items, out: Path) -> list[dict]:
                      fractions=tuple(float(r) for r in _names(args.fractions)),
                      scales=tuple(float(s) for s in _names(args.scales)),
                      question_fractions=tuple(float(r) for r in _names(args.question_fractions)),
-                     question_first=tuple(int(f) for f in _names(args.question_first)))
+                     question_first=tuple(int(f) for f in _names(args.question_first)),
+                     question_chunk_fractions=tuple(
+                         float(r) for r in _names(args.question_chunk_fractions)))
     # The deployment's sink: the tokenizer's BOS (ChunkCacheConfig's default).
     sink = AutoTokenizer.from_pretrained(args.model).bos_token_id
     scorer = None

@@ -27,7 +27,7 @@ from vllm.v1.core.chunk_isolation_mask import (
 from vllm.v1.core.chunk_structures import ChunkedPrompt
 
 __all__ = ["LeverSequence", "Role", "build_lever_sequence", "context_scale_bias", "first_k",
-           "question_aware", "top_fraction"]
+           "question_aware", "question_chunks", "top_fraction"]
 
 
 def context_scale_bias(prompt: ChunkedPrompt, seq: IsolatedSequence,
@@ -71,6 +71,24 @@ def question_aware(prompt: ChunkedPrompt, attention: torch.Tensor, fraction: flo
         boosted[[span.start + j for j in local]] = math.inf
     count = max(round(fraction * prompt_chunk_tokens(prompt)), sum(map(len, forced)))
     return _top_count(prompt, boosted, count)
+
+
+def question_chunks(prompt: ChunkedPrompt, attention: torch.Tensor,
+                    fraction: float) -> list[list[int]]:
+    """Question-aware boundary recompute: the chunks ranked by the question's total
+    attention to their tokens, and the budget (`fraction` of all chunk tokens) spent on
+    their first tokens in that order - the most attended chunk's head first, all of it
+    before the next chunk gets any. The question picks the documents, position inside
+    a document follows the boundary lever (whose tokens carry the document's subject)."""
+    mass = [float(attention[s.start:s.end].sum()) for s in prompt.chunk_spans]
+    order = sorted(range(len(mass)), key=lambda i: -mass[i])  # stable: ties by position
+    left = round(fraction * prompt_chunk_tokens(prompt))
+    out: list[list[int]] = [[] for _ in prompt.chunk_spans]
+    for i in order:
+        take = min(left, prompt.chunk_spans[i].num_tokens)
+        out[i] = list(range(take))
+        left -= take
+    return out
 
 
 def prompt_chunk_tokens(prompt: ChunkedPrompt) -> int:

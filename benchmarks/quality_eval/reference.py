@@ -24,6 +24,7 @@ from .levers import (
     context_scale_bias,
     first_k,
     question_aware,
+    question_chunks,
     top_fraction,
 )
 from .prompts import EncodedQuestion, ends_word
@@ -55,6 +56,9 @@ class LeverGrid:
     # chunk forced into the budget; 0 = attention alone).
     question_fractions: tuple[float, ...] = ()
     question_first: tuple[int, ...] = (0,)
+    # Question-aware boundary recompute: fractions spent on the first tokens of the
+    # chunks the question attends to most (`question_chunks`).
+    question_chunk_fractions: tuple[float, ...] = ()
 
 
 class ReferenceScorer:
@@ -157,7 +161,8 @@ class ReferenceScorer:
     def evaluate(self, item: EncodedQuestion, modes: tuple[str, ...],
                  grid: LeverGrid | None) -> dict[str, Score]:
         """Scores keyed "full", "<mode>", "<mode>+first<K>", "<mode>+blend<r>",
-        "<mode>+qa<r>" / "<mode>+qa<r>+first<f>" (question-aware), "<mode>+scale<S>"."""
+        "<mode>+qa<r>" / "<mode>+qa<r>+first<f>" / "<mode>+qchunk<r>" (question-aware),
+        "<mode>+scale<S>"."""
         prompt: ChunkedPrompt = item.prompt
         gold = list(item.gold)
         n_tail = len(gold) + 1
@@ -184,11 +189,13 @@ class ReferenceScorer:
             variants = [(f"{mode}+first{k}", first_k(prompt, k)) for k in grid.boundary_k]
             variants += [(f"{mode}+blend{round(r * 100)}",
                           top_fraction(prompt, deviation[mode], r)) for r in grid.fractions]
-            if grid.question_fractions:
+            if grid.question_fractions or grid.question_chunk_fractions:
                 # The ranking pass: the question against the chunks' isolated KV.
                 attention = self.question_attention(prompt, mode)
                 variants += [(_qa_name(mode, r, f), question_aware(prompt, attention, r, f))
                              for f in grid.question_first for r in grid.question_fractions]
+                variants += [(f"{mode}+qchunk{r * 100:g}", question_chunks(prompt, attention, r))
+                             for r in grid.question_chunk_fractions]
             for name, recompute in variants:
                 levers[name] = build_lever_sequence(prompt, mode, recompute,
                                                     extra_token_ids=gold,

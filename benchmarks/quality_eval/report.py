@@ -75,6 +75,9 @@ def _series(agg: dict, mode: str) -> list[tuple[list[str], str, str]]:
         names = [n for n in agg if n.startswith(f"{mode}+{prefix}")]
         if names:
             out.append((names, style, label))
+    chunks = [n for n in agg if n.startswith(f"{mode}+qchunk")]
+    if chunks:
+        out.append((chunks, "P-.", "first tokens of the most question-attended chunks"))
     qa = [n for n in agg if n.startswith(f"{mode}+qa")]
     for first in sorted({n.partition("+first")[2] for n in qa}, key=lambda f: int(f or 0)):
         names = [n for n in qa if n.partition("+first")[2] == first]

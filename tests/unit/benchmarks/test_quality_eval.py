@@ -16,6 +16,7 @@ from quality_eval.levers import (  # noqa: E402
     context_scale_bias,
     first_k,
     question_aware,
+    question_chunks,
     top_fraction,
 )
 from quality_eval.prompts import EncodedQuestion, ends_word  # noqa: E402
@@ -167,6 +168,19 @@ def test_question_aware_first_tokens_count_inside_the_budget():
     assert question_aware(PROMPT, attention, 0.0, first=3) == first_k(PROMPT, 3)
 
 
+def test_question_chunks_spends_the_budget_on_the_most_attended_chunks_heads():
+    attention = torch.zeros(13)
+    attention[[0, 11]] = 99.0          # system / question: not a chunk
+    attention[[9, 10]] = 5.0           # chunk 2: mass 10
+    attention[5] = 3.0                 # chunk 1: mass 3; chunk 0: 0
+    assert question_chunks(PROMPT, attention, 0.0) == [[], [], []]
+    # 5 tokens: chunk 2 whole (2), then chunk 1's first 3.
+    assert question_chunks(PROMPT, attention, 5 / 9) == [[], [0, 1, 2], [0, 1]]
+    assert question_chunks(PROMPT, attention, 1.0) == first_k(PROMPT, 100)
+    for r in (0.1, 0.2, 0.5):
+        assert sum(map(len, question_chunks(PROMPT, attention, r))) == round(r * 9)
+
+
 # The reference on a tiny real model: the ranking pass's attention, and the lever's ends.
 
 
@@ -220,7 +234,8 @@ def test_question_aware_lever_ends_are_sink_and_full(tiny_scorer):
 
     scorer, _, item = tiny_scorer
     grid = LeverGrid(modes=("sink",), boundary_k=(), fractions=(),
-                     question_fractions=(0.0, 0.1, 1.0), question_first=(0, 2))
+                     question_fractions=(0.0, 0.1, 1.0), question_first=(0, 2),
+                     question_chunk_fractions=(0.0, 1.0))
     scores = scorer.evaluate(item, ("sink",), grid)
     chunk_tokens = item.num_chunk_tokens
     assert scores["sink+qa0"].recomputed == 0
@@ -230,5 +245,9 @@ def test_question_aware_lever_ends_are_sink_and_full(tiny_scorer):
     assert scores["sink+qa100"].gold_logprob == pytest.approx(scores["full"].gold_logprob,
                                                               abs=1e-4)
     assert scores["sink+qa10"].recomputed == round(0.1 * chunk_tokens)
+    assert scores["sink+qchunk0"].gold_logprob == pytest.approx(scores["sink"].gold_logprob,
+                                                                abs=1e-4)
+    assert scores["sink+qchunk100"].gold_logprob == pytest.approx(
+        scores["full"].gold_logprob, abs=1e-4)
     # first=2 with r=0: each chunk's first two tokens and nothing else.
     assert scores["sink+qa0+first2"].recomputed == 2 * item.prompt.num_chunks
