@@ -71,6 +71,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--ttft-8docs", action="store_true",
                    help="also time all-hit TTFT per mode on bench_targets' 8-document "
                         "workload (one vllm serve per mode; for the recommended default)")
+    p.add_argument("--merge-reference", default="",
+                   help="comma-separated results directories whose reference rows (other "
+                        "levers, same questions) are merged into this run's tables per "
+                        "question; the configurations both hold must agree")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="results directory")
     args = p.parse_args(argv)
@@ -154,6 +158,29 @@ def run_reference(args, items, out: Path) -> list[dict]:
     return rows
 
 
+def merge_reference(rows: list[dict], directories: tuple[str, ...]) -> list[dict]:
+    """This run's reference rows with the variants of other runs on the same questions
+    (a lever measured later, in another process). A question missing from a directory,
+    or a shared configuration whose score differs, is an error: the tables would mix
+    question sets or models."""
+    merged = [{"qid": r["qid"], "scores": dict(r["scores"])} for r in rows]
+    for directory in directories:
+        other = {}
+        for line in (Path(directory) / "reference.jsonl").read_text().splitlines():
+            row = json.loads(line)
+            other[row["qid"]] = row["scores"]
+        for row in merged:
+            if row["qid"] not in other:
+                raise SystemExit(f"--merge-reference {directory}: no row for {row['qid']}")
+            for name, score in other[row["qid"]].items():
+                mine = row["scores"].setdefault(name, score)
+                if (abs(mine["gold_logprob"] - score["gold_logprob"]) > 1e-6
+                        or mine["exact"] != score["exact"]):
+                    raise SystemExit(f"--merge-reference {directory}: {row['qid']} {name} "
+                                     f"differs ({mine} vs {score})")
+    return merged
+
+
 def cross_check(runs: list[EngineRun], rows: list[dict]) -> str:
     """Engine vs reference on the questions both scored (the invariant, in numbers)."""
     ref = {r["qid"]: r["scores"] for r in rows}
@@ -189,6 +216,8 @@ def main(argv=None) -> int:
                                                   out)
     rows = [] if args.skip_reference else run_reference(
         args, [encode(tokenizer, q) for q in lever_qs], out)
+    if rows and args.merge_reference:
+        rows = merge_reference(rows, _names(args.merge_reference))
     medians = {}
     if args.ttft_8docs:
         from quality_eval.mode_ttft import measure

@@ -251,3 +251,28 @@ def test_question_aware_lever_ends_are_sink_and_full(tiny_scorer):
         scores["full"].gold_logprob, abs=1e-4)
     # first=2 with r=0: each chunk's first two tokens and nothing else.
     assert scores["sink+qa0+first2"].recomputed == 2 * item.prompt.num_chunks
+
+
+def test_merge_reference_joins_levers_per_question_and_refuses_mismatches(tmp_path):
+    import json
+
+    from eval_quality import merge_reference
+
+    def score(lp, recomputed=0):
+        return {"gold_logprob": lp, "exact": False, "recomputed": recomputed,
+                "chunk_tokens": 10}
+
+    mine = [{"qid": "s000", "scores": {"full": score(-1.0, 10), "sink": score(-2.0)}}]
+    other = tmp_path / "other"
+    other.mkdir()
+    row = {"qid": "s000", "scores": {"sink": score(-2.0), "sink+qchunk10": score(-1.5, 1)}}
+    (other / "reference.jsonl").write_text(json.dumps(row) + "\n")
+    merged = merge_reference(mine, (str(other),))
+    assert list(merged[0]["scores"]) == ["full", "sink", "sink+qchunk10"]
+    assert "sink+qchunk10" not in mine[0]["scores"]  # the input rows are not modified
+    row["scores"]["sink"] = score(-2.1)  # another model or question set
+    (other / "reference.jsonl").write_text(json.dumps(row) + "\n")
+    with pytest.raises(SystemExit, match="s000 sink differs"):
+        merge_reference(mine, (str(other),))
+    with pytest.raises(SystemExit, match="no row for t001"):
+        merge_reference([{"qid": "t001", "scores": {}}], (str(other),))
