@@ -32,7 +32,7 @@ from quality_eval.dataset import DatasetConfig, build_dataset
 from quality_eval.engine_runs import CONFIGS, EngineRun, QuestionResult, run_config
 from quality_eval.prompts import encode
 from quality_eval.reference import LeverGrid
-from quality_eval.report import engine_table, plot_levers, reference_table
+from quality_eval.report import engine_table, paired_table, plot_levers, reference_table
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -236,7 +236,7 @@ def main(argv=None) -> int:
                engine_table(runs)]
     if rows:
         md += [f"## HF reference with the isolation mask, {len(lever_qs)} questions\n",
-               reference_table(rows, kinds)]
+               reference_table(rows, kinds), "\n", paired_table(rows)]
         if plot_levers(rows, out / "levers.png"):
             md.append("\n![levers](levers.png)\n")
     if runs and rows:

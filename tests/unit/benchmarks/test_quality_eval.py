@@ -276,3 +276,17 @@ def test_merge_reference_joins_levers_per_question_and_refuses_mismatches(tmp_pa
         merge_reference(mine, (str(other),))
     with pytest.raises(SystemExit, match="no row for t001"):
         merge_reference([{"qid": "t001", "scores": {}}], (str(other),))
+
+
+def test_paired_table_differences_and_gap_interval():
+    from quality_eval.report import paired_table
+
+    def score(lp):
+        return {"gold_logprob": lp, "exact": False, "recomputed": 0, "chunk_tokens": 10}
+
+    # `half` closes exactly half of every question's gap: its interval is 50% to 50%.
+    rows = [{"qid": q, "scores": {"full": score(-1.0 - d), "sink": score(-3.0 - d),
+                                  "half": score(-2.0 - d)}} for q, d in (("a", 0), ("b", 1))]
+    lines = paired_table(rows, boot=50).splitlines()
+    assert lines[2] == "| full | +2.000 +- 0.000 | - |"
+    assert lines[3] == "| half | +1.000 +- 0.000 | 50% to 50% |"
