@@ -27,9 +27,11 @@ def engine_table(runs: list[EngineRun]) -> str:
 
 
 def aggregate(rows: list[dict]) -> dict[str, dict]:
-    """rows: one {variant: {gold_logprob, exact, recomputed, chunk_tokens}} per question."""
+    """rows: one {variant: {gold_logprob, exact, recomputed, chunk_tokens}} per question.
+    Only the variants every row has (a resumed run may have measured a variant on its
+    first questions only; a table mixing question sets would not compare)."""
     out = {}
-    for name in rows[0]:
+    for name in [n for n in rows[0] if all(n in r for r in rows)]:
         scores = [r[name] for r in rows]
         out[name] = {
             "gold_logprob": statistics.fmean(s["gold_logprob"] for s in scores),
@@ -102,7 +104,7 @@ def paired_table(rows: list[dict], boot: int = 2000, seed: int = 0) -> str:
     draws = [[rng.randrange(len(scores)) for _ in scores] for _ in range(boot)]
     lines = ["| configuration | gold log-lik. - sink (paired, +- s.e.) "
              "| sink-to-full gap closed, 90% bootstrap interval |", "|---|---|---|"]
-    for name in scores[0]:
+    for name in [n for n in scores[0] if all(n in s for s in scores)]:
         if name == "sink":
             continue
         diff = [s[name]["gold_logprob"] - s["sink"]["gold_logprob"] for s in scores]
