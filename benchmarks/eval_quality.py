@@ -32,7 +32,7 @@ from quality_eval.dataset import DatasetConfig, build_dataset
 from quality_eval.engine_runs import CONFIGS, EngineRun, QuestionResult, run_config
 from quality_eval.prompts import encode
 from quality_eval.reference import LeverGrid
-from quality_eval.report import engine_table, plot_levers, reference_table
+from quality_eval.report import engine_table, paired_table, plot_levers, reference_table
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -53,11 +53,28 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--fractions", default="0.1,0.25")
     p.add_argument("--scales", default="0.5,2",
                    help="APE context scaling factors (lever c; empty: none)")
+    p.add_argument("--question-fractions", default="0.1,0.2",
+                   help="question-aware recompute (issue 33): fractions of chunk tokens "
+                        "ranked by the question's attention (empty: none)")
+    p.add_argument("--question-first", default="0",
+                   help="for each question fraction, also these numbers of first tokens "
+                        "per chunk, forced into the same budget (0: attention alone)")
+    p.add_argument("--question-chunk-fractions", default="",
+                   help="question-aware boundary recompute: fractions spent on the first "
+                        "tokens of the chunks the question attends to most (empty: none)")
+    p.add_argument("--modes", default="none,sink,system",
+                   help="plain chunk-context modes scored in the reference (full always)")
+    p.add_argument("--lever-modes", default="sink,none",
+                   help="modes the reference's levers are built on")
     p.add_argument("--skip-engine", action="store_true")
     p.add_argument("--skip-reference", action="store_true")
     p.add_argument("--ttft-8docs", action="store_true",
                    help="also time all-hit TTFT per mode on bench_targets' 8-document "
                         "workload (one vllm serve per mode; for the recommended default)")
+    p.add_argument("--merge-reference", default="",
+                   help="comma-separated results directories whose reference rows (other "
+                        "levers, same questions) are merged into this run's tables per "
+                        "question; the configurations both hold must agree")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="results directory")
     args = p.parse_args(argv)
@@ -66,7 +83,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         # smoke under ~3 min; the full run covers none and system.
         args.questions, args.lever_questions, args.timed = 6, 2, 2
         args.boundary_k, args.fractions, args.configs = "4", "0.25", "stock,sink"
-        args.scales = "2"
+        args.scales, args.question_fractions, args.question_first = "2", "0.1", "0"
     return args
 
 
@@ -77,6 +94,10 @@ def stratified(questions, n: int):
     two = [q for q in questions if q.kind == "two-hop"][: n // 2]
     out = [q for pair in zip(single, two) for q in pair]
     return out + single[len(two):] + two[len(single):]
+
+
+def _names(text: str) -> tuple[str, ...]:
+    return tuple(x for x in text.split(",") if x)
 
 
 def run_engine(args, items, out: Path) -> list[EngineRun]:
@@ -111,9 +132,14 @@ def run_reference(args, items, out: Path) -> list[dict]:
         for line in path.read_text().splitlines():
             row = json.loads(line)
             done[row["qid"]] = row
-    grid = LeverGrid(boundary_k=tuple(int(k) for k in args.boundary_k.split(",") if k),
-                     fractions=tuple(float(r) for r in args.fractions.split(",") if r),
-                     scales=tuple(float(s) for s in args.scales.split(",") if s))
+    grid = LeverGrid(modes=_names(args.lever_modes),
+                     boundary_k=tuple(int(k) for k in _names(args.boundary_k)),
+                     fractions=tuple(float(r) for r in _names(args.fractions)),
+                     scales=tuple(float(s) for s in _names(args.scales)),
+                     question_fractions=tuple(float(r) for r in _names(args.question_fractions)),
+                     question_first=tuple(int(f) for f in _names(args.question_first)),
+                     question_chunk_fractions=tuple(
+                         float(r) for r in _names(args.question_chunk_fractions)))
     # The deployment's sink: the tokenizer's BOS (ChunkCacheConfig's default).
     sink = AutoTokenizer.from_pretrained(args.model).bos_token_id
     scorer = None
@@ -122,7 +148,7 @@ def run_reference(args, items, out: Path) -> list[dict]:
         for item in items:
             if item.question.qid not in done:
                 scorer = scorer or ReferenceScorer(args.model, sink)
-                scores = scorer.evaluate(item, ("none", "sink", "system"), grid)
+                scores = scorer.evaluate(item, _names(args.modes), grid)
                 done[item.question.qid] = {"qid": item.question.qid, "scores": {
                     k: dataclasses.asdict(v) for k, v in scores.items()}}
                 f.write(json.dumps(done[item.question.qid]) + "\n")
@@ -132,6 +158,29 @@ def run_reference(args, items, out: Path) -> list[dict]:
     return rows
 
 
+def merge_reference(rows: list[dict], directories: tuple[str, ...]) -> list[dict]:
+    """This run's reference rows with the variants of other runs on the same questions
+    (a lever measured later, in another process). A question missing from a directory,
+    or a shared configuration whose score differs, is an error: the tables would mix
+    question sets or models."""
+    merged = [{"qid": r["qid"], "scores": dict(r["scores"])} for r in rows]
+    for directory in directories:
+        other = {}
+        for line in (Path(directory) / "reference.jsonl").read_text().splitlines():
+            row = json.loads(line)
+            other[row["qid"]] = row["scores"]
+        for row in merged:
+            if row["qid"] not in other:
+                raise SystemExit(f"--merge-reference {directory}: no row for {row['qid']}")
+            for name, score in other[row["qid"]].items():
+                mine = row["scores"].setdefault(name, score)
+                if (abs(mine["gold_logprob"] - score["gold_logprob"]) > 1e-6
+                        or mine["exact"] != score["exact"]):
+                    raise SystemExit(f"--merge-reference {directory}: {row['qid']} {name} "
+                                     f"differs ({mine} vs {score})")
+    return merged
+
+
 def cross_check(runs: list[EngineRun], rows: list[dict]) -> str:
     """Engine vs reference on the questions both scored (the invariant, in numbers)."""
     ref = {r["qid"]: r["scores"] for r in rows}
@@ -139,7 +188,8 @@ def cross_check(runs: list[EngineRun], rows: list[dict]) -> str:
              "|---|---|---|---|"]
     for run in runs:
         key = "full" if run.config == "stock" else run.config
-        both = [(r, ref[r.qid][key]) for r in run.results if r.qid in ref]
+        both = [(r, ref[r.qid][key]) for r in run.results
+                if r.qid in ref and key in ref[r.qid]]
         if not both:
             continue
         diff = max(abs(r.gold_logprob - s["gold_logprob"]) for r, s in both)
@@ -166,6 +216,8 @@ def main(argv=None) -> int:
                                                   out)
     rows = [] if args.skip_reference else run_reference(
         args, [encode(tokenizer, q) for q in lever_qs], out)
+    if rows and args.merge_reference:
+        rows = merge_reference(rows, _names(args.merge_reference))
     medians = {}
     if args.ttft_8docs:
         from quality_eval.mode_ttft import measure
@@ -184,7 +236,7 @@ def main(argv=None) -> int:
                engine_table(runs)]
     if rows:
         md += [f"## HF reference with the isolation mask, {len(lever_qs)} questions\n",
-               reference_table(rows, kinds)]
+               reference_table(rows, kinds), "\n", paired_table(rows)]
         if plot_levers(rows, out / "levers.png"):
             md.append("\n![levers](levers.png)\n")
     if runs and rows:

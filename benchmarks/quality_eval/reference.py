@@ -19,7 +19,14 @@ import torch
 from vllm.v1.core.chunk_isolation_mask import IsolatedSequence, build_isolated_sequence
 from vllm.v1.core.chunk_structures import ChunkedPrompt
 
-from .levers import build_lever_sequence, context_scale_bias, first_k, top_fraction
+from .levers import (
+    build_lever_sequence,
+    context_scale_bias,
+    first_k,
+    question_aware,
+    question_chunks,
+    top_fraction,
+)
 from .prompts import EncodedQuestion, ends_word
 
 # The layer whose KV deviation selects CacheBlend's tokens. Layer 0's K/V depend
@@ -44,6 +51,14 @@ class LeverGrid:
     fractions: tuple[float, ...] = (0.1, 0.25)
     # APE's context scaling factors (nothing recomputed).
     scales: tuple[float, ...] = ()
+    # Question-aware recompute (issue 33): fractions r of chunk tokens ranked by the
+    # question's attention, each with every `question_first` (first tokens of each
+    # chunk forced into the budget; 0 = attention alone).
+    question_fractions: tuple[float, ...] = ()
+    question_first: tuple[int, ...] = (0,)
+    # Question-aware boundary recompute: fractions spent on the first tokens of the
+    # chunks the question attends to most (`question_chunks`).
+    question_chunk_fractions: tuple[float, ...] = ()
 
 
 class ReferenceScorer:
@@ -100,6 +115,41 @@ class ReferenceScorer:
             out.append((torch.log_softmax(logits, dim=-1), kv))
         return out
 
+    @torch.inference_mode()
+    def question_attention(self, prompt: ChunkedPrompt, mode: str) -> torch.Tensor:
+        """The ranking pass of the question-aware lever: one forward of `prompt` under
+        `mode`'s isolation (every chunk with its isolated KV at its real position, as a
+        deployment has them cached; no answer tokens), and per final-sequence token the
+        attention probability the question's tokens give it, summed over the question's
+        tokens, every head and every layer. Private copies get none (the question never
+        sees them). Eager attention: SDPA does not return the probabilities."""
+        seq = build_isolated_sequence(prompt, mode, sink_token_id=self.sink_token_id)
+        source = seq.source_index
+        question = prompt.question_span
+        rows = torch.nonzero((source >= question.start) & (source < question.end)).flatten()
+        per_layer: list[torch.Tensor] = []
+
+        def capture(module, args, output) -> None:
+            # output[1]: probabilities [batch, heads, queries, keys].
+            per_layer.append(output[1][0][:, rows].sum(dim=(0, 1)))
+
+        hooks = [layer.self_attn.register_forward_hook(capture)
+                 for layer in self.model.model.layers]
+        self.model.set_attn_implementation("eager")
+        try:
+            self.model.model(input_ids=torch.tensor([seq.token_ids]),
+                             position_ids=seq.position_ids[None],
+                             attention_mask=seq.additive_mask())
+        finally:
+            self.model.set_attn_implementation("sdpa")
+            for hook in hooks:
+                hook.remove()
+        total = torch.stack(per_layer).sum(0)
+        real = seq.real_rows
+        scores = torch.zeros(len(prompt.token_ids), dtype=total.dtype)
+        scores[source[real]] = total[real]
+        return scores
+
     def _score(self, item: EncodedQuestion, logprobs: torch.Tensor, recomputed: int) -> Score:
         gold = item.gold
         lp = sum(float(logprobs[t, g]) for t, g in enumerate(gold))
@@ -111,6 +161,7 @@ class ReferenceScorer:
     def evaluate(self, item: EncodedQuestion, modes: tuple[str, ...],
                  grid: LeverGrid | None) -> dict[str, Score]:
         """Scores keyed "full", "<mode>", "<mode>+first<K>", "<mode>+blend<r>",
+        "<mode>+qa<r>" / "<mode>+qa<r>+first<f>" / "<mode>+qchunk<r>" (question-aware),
         "<mode>+scale<S>"."""
         prompt: ChunkedPrompt = item.prompt
         gold = list(item.gold)
@@ -138,6 +189,13 @@ class ReferenceScorer:
             variants = [(f"{mode}+first{k}", first_k(prompt, k)) for k in grid.boundary_k]
             variants += [(f"{mode}+blend{round(r * 100)}",
                           top_fraction(prompt, deviation[mode], r)) for r in grid.fractions]
+            if grid.question_fractions or grid.question_chunk_fractions:
+                # The ranking pass: the question against the chunks' isolated KV.
+                attention = self.question_attention(prompt, mode)
+                variants += [(_qa_name(mode, r, f), question_aware(prompt, attention, r, f))
+                             for f in grid.question_first for r in grid.question_fractions]
+                variants += [(f"{mode}+qchunk{r * 100:g}", question_chunks(prompt, attention, r))
+                             for r in grid.question_chunk_fractions]
             for name, recompute in variants:
                 levers[name] = build_lever_sequence(prompt, mode, recompute,
                                                     extra_token_ids=gold,
@@ -155,6 +213,10 @@ class ReferenceScorer:
             for s, (logprobs, _) in zip(grid.scales, self._forward(seqs, n_tail, biases)):
                 out[f"{mode}+scale{s:g}"] = self._score(item, logprobs, 0)
         return out
+
+
+def _qa_name(mode: str, fraction: float, first: int) -> str:
+    return f"{mode}+qa{fraction * 100:g}" + (f"+first{first}" if first else "")
 
 
 def _causal(ids: list[int]) -> IsolatedSequence:

@@ -1,7 +1,7 @@
 """Smoke test of the answer-quality evaluation: `eval_quality.py --quick`, as
 `./fork eval --quick` runs it, with the real engine (stock and the chunk cache in
 `sink`; the full run adds `none` and `system`) and the HF isolation-mask reference
-with one lever of each kind.
+with one lever of each kind (boundary, CacheBlend, context scaling, question-aware).
 
 Quality itself is not asserted (12 questions prove nothing about a mode): asserted is
 that it finishes and that its numbers are well formed and consistent with what the
@@ -71,10 +71,12 @@ def test_reference_levers_table_plot_and_cross_check(quick_run):
     for row in res["reference"]:
         scores = row["scores"]
         assert {"full", "none", "sink", "system", "sink+first4", "sink+blend25",
-                "sink+scale2"} <= set(scores)
+                "sink+scale2", "sink+qa10"} <= set(scores)
         assert scores["sink+scale2"]["recomputed"] == 0
         assert scores["sink"]["recomputed"] == 0
         assert 0 < scores["sink+blend25"]["recomputed"] < scores["full"]["recomputed"]
+        # The question-aware lever recomputes round(10%) of the chunk tokens.
+        assert scores["sink+qa10"]["recomputed"] == round(0.1 * scores["full"]["recomputed"])
     assert (out / "levers.png").stat().st_size > 1000
     text = (out / "results.md").read_text()
     assert "Engine vs reference" in text
