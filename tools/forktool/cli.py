@@ -9,7 +9,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 
-from . import bases, check, env, fetch, models, tree, wheel
+from . import bases, check, env, fetch, models, sysdeps, tree, wheel
 from .paths import Paths
 from .progress import ToolError, say
 from .releases import DEFAULT, RELEASES
@@ -42,6 +42,7 @@ def setup(paths: Paths, *, sdists: bool) -> Setup:
     """Everything `serve` and `test` need, idempotently: downloads, wheel, venv, models."""
     files = fetch.fetch(paths, wheel_pins(paths))
     built = wheel.build_wheel(paths)
+    sysdeps.ensure_store_libraries()
     py = env.ensure_env(paths, files[paths.base.torch_pin], built)
     if sdists:
         fetch.fetch(paths, sdist_pins(paths), python=py)

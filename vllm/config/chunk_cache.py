@@ -77,6 +77,15 @@ class ChunkCacheConfig:
     the cost of computing N tokens per chunk and one engine step per chunk
     (docs/quality.md, docs/design/boundary-recompute.md)."""
 
+    chunk_store: str | None = None
+    """The fleet tier: a Mooncake Store shared by every replica, as a URL
+    (mooncake://HOST:PORT?segment=0&buffer=16MB&timeout=5) or JSON
+    ({"master": "HOST:PORT", ...}). Entries missing from the pool are read
+    from it before they are computed, and computed ones are written to it.
+    None (default): no store, each instance keeps its own pool. Mooncake's TCP
+    transport has no authentication: keep the store on a private network
+    (docs/design/chunk-store.md)."""
+
     def __post_init__(self) -> None:
         if not self.chunk_separator or not self.chunk_separator.strip():
             raise ValueError(
@@ -118,6 +127,22 @@ class ChunkCacheConfig:
             raise ValueError(
                 f"chunk_pool_size_gib must be > 0, got {self.chunk_pool_size_gib}"
             )
+        if self.chunk_store is not None:
+            self._check_chunk_store()
+
+    def _check_chunk_store(self) -> None:
+        # NOTE: imported here, not at module level: vllm.config must not import
+        # vllm.distributed while it loads; spec.py itself is stdlib only.
+        from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store.spec import (
+            parse_store_spec,
+        )
+
+        if not self.enable_chunk_cache:
+            raise ValueError("--chunk-store needs --enable-chunk-cache")
+        try:
+            parse_store_spec(self.chunk_store)
+        except ValueError as e:
+            raise ValueError(f"--chunk-store {self.chunk_store!r}: {e}") from None
 
     def resolve_sink_token_id(self, bos_token_id: int | None) -> None:
         """Fix the sink token at start-up (flag, else the tokenizer's BOS)."""
@@ -143,6 +168,7 @@ class ChunkCacheConfig:
             f"hash={self.chunk_hash_algo}, chunk_context={self.chunk_context}, "
             f"recompute_tokens={self.chunk_recompute_tokens}, "
             f"max_load_tokens={self.max_chunk_load_tokens}"
+            + (f", store={self.chunk_store}" if self.chunk_store is not None else "")
             + (
                 f", sink_token_id={self.chunk_sink_token_id}"
                 if self.chunk_context == "sink"

@@ -74,6 +74,30 @@ def test_serve_help_lists_the_flags_with_their_help():
                          text=True, timeout=300, check=True).stdout
     for flag in ("--enable-chunk-cache", "--chunk-separator", "--max-chunks",
                  "--max-chunk-tokens", "--chunk-pool-fraction", "--chunk-pool-size-gib",
-                 "--chunk-hash-algo", "--chunk-context", "--chunk-recompute-tokens"):
+                 "--chunk-hash-algo", "--chunk-context", "--chunk-recompute-tokens",
+                 "--chunk-store"):
         assert flag in out
     assert "Markdown headings" in out  # the separator's help text, from its docstring
+
+
+def test_chunk_store_is_off_by_default_and_validated_at_config_time():
+    assert ChunkCacheConfig().chunk_store is None
+    ok = ChunkCacheConfig(enable_chunk_cache=True, chunk_store="mooncake://127.0.0.1:5")
+    assert "store=mooncake://127.0.0.1:5" in ok.describe()
+    with pytest.raises(ValueError, match=r"--chunk-store 'mooncake://127.0.0.1': master "
+                                         r"address must be 'host:port'"):
+        ChunkCacheConfig(enable_chunk_cache=True, chunk_store="mooncake://127.0.0.1")
+    with pytest.raises(ValueError, match="--chunk-store needs --enable-chunk-cache"):
+        ChunkCacheConfig(chunk_store="mooncake://127.0.0.1:5")
+
+
+def test_chunk_store_flag_reaches_the_config():
+    parser = EngineArgs.add_cli_args(FlexibleArgumentParser())
+    spec = '{"master": "127.0.0.1:50051", "segment": "64MB"}'
+    args = EngineArgs.from_cli_args(parser.parse_args(
+        ["--model", TINY, "--enable-chunk-cache", "--chunk-store", spec]))
+    assert args.create_engine_config().chunk_cache_config.chunk_store == spec
+    bad = EngineArgs.from_cli_args(parser.parse_args(
+        ["--model", TINY, "--enable-chunk-cache", "--chunk-store", "mooncake://x:1?a=b"]))
+    with pytest.raises(Exception, match="--chunk-store .*unknown store spec key"):
+        bad.create_engine_config()

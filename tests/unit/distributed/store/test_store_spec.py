@@ -1,0 +1,64 @@
+"""StoreSpec / parse_store_spec: the two spellings of --chunk-store and their errors."""
+
+import pytest
+
+from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store.spec import (
+    StoreSpec,
+    parse_store_spec,
+)
+
+
+def test_url_form_with_every_key():
+    spec = parse_store_spec(
+        "mooncake://10.0.0.7:50051?segment=64MB&buffer=32MiB&timeout=2.5&protocol=rdma"
+        "&metadata_server=etcd://10.0.0.1:2379&local_hostname=10.0.0.8")
+    assert spec == StoreSpec(master_address="10.0.0.7:50051", segment_bytes=64 << 20,
+                             buffer_bytes=32 << 20, timeout_s=2.5, protocol="rdma",
+                             metadata_server="etcd://10.0.0.1:2379",
+                             local_hostname="10.0.0.8")
+    assert (spec.master_host, spec.master_port) == ("10.0.0.7", 50051)
+
+
+def test_defaults_lend_no_memory_over_tcp_on_loopback():
+    spec = parse_store_spec("mooncake://127.0.0.1:50051")
+    assert (spec.segment_bytes, spec.buffer_bytes, spec.protocol, spec.metadata_server,
+            spec.local_hostname, spec.timeout_s) == (0, 16 << 20, "tcp", "P2PHANDSHAKE",
+                                                     "127.0.0.1", 5.0)
+
+
+def test_json_form_equals_the_url_form():
+    url = parse_store_spec("mooncake://127.0.0.1:7000?segment=1GB&buffer=4096&timeout=3")
+    js = parse_store_spec('{"master": "127.0.0.1:7000", "segment": "1GB", '
+                          '"buffer": 4096, "timeout": 3}')
+    assert url == js
+    assert parse_store_spec(url.to_url()) == url
+
+
+@pytest.mark.parametrize("text, message", [
+    ("", "empty store spec"),
+    ("local", "shorthand of `./fork serve --chunk-store local`"),
+    ("redis://127.0.0.1:6379", "must start with 'mooncake://'"),
+    ("127.0.0.1:50051", "must start with 'mooncake://'"),
+    ("mooncake://127.0.0.1", "master address must be 'host:port'"),
+    ("mooncake://:50051", "master address must be 'host:port'"),
+    ("mooncake://127.0.0.1:0", "master address must be 'host:port'"),
+    ("mooncake://127.0.0.1:70000", "master address must be 'host:port'"),
+    ("mooncake://127.0.0.1:50051/path", "parts it cannot use"),
+    ("mooncake://127.0.0.1:50051?segmnt=1MB", "unknown store spec key(s) 'segmnt'"),
+    ("mooncake://127.0.0.1:50051?segment=lots", "segment must be a size"),
+    ("mooncake://127.0.0.1:50051?buffer=0", "buffer must be > 0"),
+    ("mooncake://127.0.0.1:50051?timeout=0", "timeout must be in"),
+    ("mooncake://127.0.0.1:50051?timeout=nan", "timeout must be in"),
+    ("mooncake://127.0.0.1:50051?timeout=soon", "timeout must be a number"),
+    ("mooncake://127.0.0.1:50051?protocol=udp", "protocol must be one of"),
+    ("mooncake://127.0.0.1:50051?timeout=1&timeout=2", "gives 'timeout' twice"),
+    ("{", "not valid JSON"),
+    ("[1]", "must start with 'mooncake://'"),
+    ('{"segment": 1}', 'needs "master"'),
+    ('{"master": 5}', '"master" must be a string'),
+    ('{"master": "h:1", "buffer": true}', "buffer must be a size"),
+    ('{"master": "h:1", "protocol": 3}', "protocol must be a string"),
+])
+def test_bad_specs_say_what_is_wrong(text, message):
+    with pytest.raises(ValueError, match=__import__("re").escape(message)):
+        parse_store_spec(text)

@@ -1,0 +1,205 @@
+# SPDX-License-Identifier: Apache-2.0
+"""StoreSpec: where the chunk store is and how to connect (`--chunk-store`).
+
+Two spellings of the same thing:
+
+    mooncake://127.0.0.1:50051?segment=0&buffer=64MB&timeout=5
+    {"master": "127.0.0.1:50051", "segment": 0, "buffer": "64MB", "timeout": 5}
+
+Keys (URL query or JSON object): `segment` (bytes this process lends to the
+store; default 0), `buffer` (the client's local transfer buffer; default
+16 MB), `timeout` (seconds per store call; default 5), `protocol` (tcp,
+rdma or ascend; default tcp), `metadata_server` (default P2PHANDSHAKE),
+`local_hostname` (the address this process's transfer engine announces;
+default 127.0.0.1). Sizes are bytes or a number with KB/MB/GB (binary, as
+Mooncake reads them: 1 MB = 2**20 bytes).
+
+NOTE: stdlib only: vllm/config/chunk_cache.py validates the flag through this
+module at config time, before anything of the store is imported.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from urllib.parse import parse_qsl, urlsplit
+
+SCHEME = "mooncake"
+PROTOCOLS = ("tcp", "rdma", "ascend")
+_UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10,
+          "M": 1 << 20, "MB": 1 << 20, "MIB": 1 << 20,
+          "G": 1 << 30, "GB": 1 << 30, "GIB": 1 << 30}
+_SIZE = re.compile(r"^\s*(\d+)\s*([A-Za-z]*)\s*$")
+_KEYS = ("segment", "buffer", "timeout", "protocol", "metadata_server", "local_hostname")
+
+
+@dataclass(frozen=True)
+class StoreSpec:
+    master_address: str
+    """The Mooncake master's RPC address, "host:port"."""
+
+    segment_bytes: int = 0
+    """Bytes of this process's memory lent to the store's pool. 0 (default):
+    none; the node's standalone `mooncake_client` holds the entries, so they
+    outlive this process (Mooncake #607: entries in a segment go with the
+    process that lent it)."""
+
+    buffer_bytes: int = 16 << 20
+    """Size of the client's local transfer buffer (Mooncake's
+    local_buffer_size)."""
+
+    protocol: str = "tcp"
+    """Transfer protocol: "tcp" (executed here), "rdma" or "ascend" (not
+    executed here)."""
+
+    metadata_server: str = "P2PHANDSHAKE"
+    """Mooncake's metadata service; P2PHANDSHAKE needs none."""
+
+    local_hostname: str = "127.0.0.1"
+    """The address this process's transfer engine listens on and announces."""
+
+    timeout_s: float = 5.0
+    """Deadline of one store call, in seconds: a call that has not answered by
+    then counts as an error (a miss), never as a wait."""
+
+    def __post_init__(self) -> None:
+        _check_address(self.master_address)
+        if self.segment_bytes < 0:
+            raise ValueError(f"segment must be >= 0 bytes, got {self.segment_bytes}")
+        if self.buffer_bytes <= 0:
+            raise ValueError(f"buffer must be > 0 bytes, got {self.buffer_bytes}")
+        if self.protocol not in PROTOCOLS:
+            raise ValueError(
+                f"protocol must be one of {', '.join(PROTOCOLS)}, got {self.protocol!r}"
+            )
+        if not self.metadata_server:
+            raise ValueError("metadata_server must not be empty")
+        if not self.local_hostname or any(c in self.local_hostname for c in " /?#"):
+            raise ValueError(f"bad local_hostname {self.local_hostname!r}")
+        if not 0 < self.timeout_s <= 3600:
+            raise ValueError(f"timeout must be in (0, 3600] seconds, got {self.timeout_s}")
+
+    @property
+    def master_host(self) -> str:
+        return self.master_address.rsplit(":", 1)[0]
+
+    @property
+    def master_port(self) -> int:
+        return int(self.master_address.rsplit(":", 1)[1])
+
+    def to_url(self) -> str:
+        """The URL form (parse_store_spec(spec.to_url()) == spec)."""
+        return (
+            f"{SCHEME}://{self.master_address}?segment={self.segment_bytes}"
+            f"&buffer={self.buffer_bytes}&timeout={self.timeout_s:g}"
+            f"&protocol={self.protocol}&metadata_server={self.metadata_server}"
+            f"&local_hostname={self.local_hostname}"
+        )
+
+
+def parse_store_spec(text: str) -> StoreSpec:
+    """A StoreSpec from the URL or JSON form; ValueError saying what is wrong."""
+    if not isinstance(text, str) or not text.strip():
+        raise ValueError(
+            "empty store spec: expected e.g. "
+            f"'{SCHEME}://127.0.0.1:50051?segment=0&buffer=16MB&timeout=5' "
+            'or \'{"master": "127.0.0.1:50051"}\''
+        )
+    text = text.strip()
+    if text == "local":
+        raise ValueError(
+            "'local' is a shorthand of `./fork serve --chunk-store local` (which starts "
+            "a local master and client); vLLM itself needs the master's address, e.g. "
+            f"'{SCHEME}://127.0.0.1:50051'"
+        )
+    if text.startswith("{"):
+        return _from_json(text)
+    return _from_url(text)
+
+
+def _from_url(text: str) -> StoreSpec:
+    url = urlsplit(text)
+    if url.scheme != SCHEME:
+        raise ValueError(
+            f"store spec must start with '{SCHEME}://' (or be a JSON object), got {text!r}"
+        )
+    if url.path not in ("", "/") or url.fragment or url.username or url.password:
+        raise ValueError(f"store spec URL has parts it cannot use: {text!r}")
+    try:
+        pairs = parse_qsl(url.query, keep_blank_values=True, strict_parsing=bool(url.query))
+    except ValueError as e:
+        raise ValueError(f"bad query in store spec {text!r}: {e}") from None
+    fields: dict[str, str] = {}
+    for key, value in pairs:
+        if key in fields:
+            raise ValueError(f"store spec gives {key!r} twice")
+        fields[key] = value
+    return _build(url.netloc, fields)
+
+
+def _from_json(text: str) -> StoreSpec:
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"store spec is not valid JSON: {e}") from None
+    if not isinstance(obj, dict):
+        raise ValueError("store spec JSON must be an object")
+    if "master" not in obj:
+        raise ValueError('store spec JSON needs "master": "host:port"')
+    master = obj.pop("master")
+    if not isinstance(master, str):
+        raise ValueError(f'"master" must be a string "host:port", got {master!r}')
+    return _build(master, obj)
+
+
+def _build(master: str, fields: dict) -> StoreSpec:
+    unknown = sorted(set(fields) - set(_KEYS))
+    if unknown:
+        raise ValueError(
+            f"unknown store spec key(s) {', '.join(map(repr, unknown))}; "
+            f"known: master, {', '.join(_KEYS)}"
+        )
+    kwargs: dict = {"master_address": master}
+    if "segment" in fields:
+        kwargs["segment_bytes"] = _size("segment", fields["segment"])
+    if "buffer" in fields:
+        kwargs["buffer_bytes"] = _size("buffer", fields["buffer"])
+    if "timeout" in fields:
+        kwargs["timeout_s"] = _seconds(fields["timeout"])
+    for key in ("protocol", "metadata_server", "local_hostname"):
+        if key in fields:
+            if not isinstance(fields[key], str):
+                raise ValueError(f"{key} must be a string, got {fields[key]!r}")
+            kwargs[key] = fields[key]
+    return StoreSpec(**kwargs)
+
+
+def _size(name: str, value) -> int:
+    if isinstance(value, bool):
+        raise ValueError(f"{name} must be a size, got {value!r}")
+    if isinstance(value, int):
+        return value
+    m = _SIZE.match(str(value))
+    if m is None or m.group(2).upper() not in _UNITS:
+        raise ValueError(
+            f"{name} must be a size in bytes or with KB/MB/GB, e.g. 64MB, got {value!r}"
+        )
+    return int(m.group(1)) * _UNITS[m.group(2).upper()]
+
+
+def _seconds(value) -> float:
+    if isinstance(value, bool):
+        raise ValueError(f"timeout must be a number of seconds, got {value!r}")
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"timeout must be a number of seconds, got {value!r}") from None
+
+
+def _check_address(address: str) -> None:
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"master address must be 'host:port', got {address!r}")
+    if any(c in host for c in " /?#@"):
+        raise ValueError(f"bad host in master address {address!r}")
