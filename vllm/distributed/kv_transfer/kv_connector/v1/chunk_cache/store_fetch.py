@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
+import xxhash
 from torch import nn
 
 from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.host_arena import HostArena
@@ -65,6 +66,22 @@ logger = init_logger(__name__)
 ARENA_BYTES = 256 << 20
 # Mooncake's "object not found" (ErrorCode::OBJECT_NOT_FOUND).
 _NOT_FOUND = -704
+# The payload ends with xxh3-128 of the entry's own key: the header's
+# checksum covers it, so a value copied under another key (another model,
+# weights version, rank or tenant: a forged key) fails verification.
+KEY_TAG_BYTES = 16
+
+
+def key_tag(key: str) -> bytes:
+    return xxhash.xxh3_128(key.encode()).digest()
+
+
+def entry_header(token_ids: list[int], virtual_start: int, payload) -> bytes:
+    """The header of an entry whose payload is `payload` (entry_format)."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store import entry_format
+
+    return entry_format.encode_header(entry_format.EntryHeader.for_payload(
+        virtual_start=virtual_start, token_ids=token_ids, payload=payload))
 
 
 @dataclass
@@ -203,7 +220,7 @@ class StoreTransfers:
         entry = put.entry
         num_rows = len(entry.token_ids) - entry.virtual_start
         head = header_nbytes(len(entry.token_ids))
-        payload = num_rows * self.row_bytes
+        payload = num_rows * self.row_bytes + KEY_TAG_BYTES
         start = self.arena.allocate(head + payload, tail_align_at=head)
         if start is None:
             self._count("store_puts_skipped")
@@ -221,13 +238,10 @@ class StoreTransfers:
         from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store.base import (
             HostBuffer,
         )
-        from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store.entry_format import (
-            build_header,
-        )
-
-        header = build_header(list(entry.token_ids), entry.virtual_start,
-                              self.arena.view(start + head, payload))
-        self.arena.view(start, head).numpy()[:] = memoryview(header).cast("B")
+        body = self.arena.view(start + head, payload).numpy()
+        body[payload - KEY_TAG_BYTES:] = memoryview(key_tag(key))
+        header = entry_header(list(entry.token_ids), entry.virtual_start, body)
+        self.arena.view(start, head).numpy()[:] = memoryview(header)
         store = self._store()
         if store is None:
             return -1
@@ -265,7 +279,7 @@ class StoreTransfers:
         entry = fetch.entry
         num_rows = len(entry.token_ids) - entry.virtual_start
         head = header_nbytes(len(entry.token_ids))
-        nbytes = head + num_rows * self.row_bytes
+        nbytes = head + num_rows * self.row_bytes + KEY_TAG_BYTES
         if fetch.entry.virtual_start > len(entry.token_ids) or self.epoch < 0:
             self._outcomes[fetch.fetch_id] = CAUSE_ERROR
             return
@@ -297,9 +311,12 @@ class StoreTransfers:
             return CAUSE_ABSENT if got == _NOT_FOUND else CAUSE_ERROR
         if got != nbytes:
             return CAUSE_VERIFY_FAILED
-        result = decode_and_verify(self.arena.view(start, nbytes).numpy(),
-                                   list(entry.token_ids), entry.virtual_start, nbytes - head)
-        return FETCH_OK if result.ok else CAUSE_VERIFY_FAILED
+        value = self.arena.view(start, nbytes).numpy()
+        result = decode_and_verify(value, list(entry.token_ids), entry.virtual_start,
+                                   nbytes - head)
+        if not result.ok or bytes(value[nbytes - KEY_TAG_BYTES:]) != key_tag(key):
+            return CAUSE_VERIFY_FAILED
+        return FETCH_OK
 
     def _finish_reads(self) -> None:
         from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store.entry_format import (
