@@ -64,8 +64,6 @@ logger = init_logger(__name__)
 
 # Host memory for entries in flight (reads and writes), per worker.
 ARENA_BYTES = 256 << 20
-# Mooncake's "object not found" (ErrorCode::OBJECT_NOT_FOUND).
-_NOT_FOUND = -704
 # The payload ends with xxh3-128 of the entry's own key: the header's
 # checksum covers it, so a value copied under another key (another model,
 # weights version, rank or tenant: a forged key) fails verification.
@@ -295,6 +293,7 @@ class StoreTransfers:
     def _read(self, key: str, entry: EntryRef, start: int, head: int, nbytes: int) -> str:
         from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store.base import (
             HostBuffer,
+            StoreCode,
         )
         from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store.entry_format import (
             decode_and_verify,
@@ -306,9 +305,11 @@ class StoreTransfers:
             return CAUSE_ERROR
         got = store.batch_get_into([key], [HostBuffer(self.arena.ptr + start, nbytes)])[0]
         if got < 0:
-            if time.monotonic() - t0 >= self.timeout_s:
+            if got == StoreCode.ABSENT:
+                return CAUSE_ABSENT
+            if got == StoreCode.TIMEOUT or time.monotonic() - t0 >= self.timeout_s:
                 return CAUSE_TIMEOUT
-            return CAUSE_ABSENT if got == _NOT_FOUND else CAUSE_ERROR
+            return CAUSE_ERROR
         if got != nbytes:
             return CAUSE_VERIFY_FAILED
         value = self.arena.view(start, nbytes).numpy()
