@@ -15,7 +15,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
-from enum import Enum
+from enum import Enum, IntEnum
 
 
 @dataclass(frozen=True)
@@ -31,6 +31,25 @@ class Presence(Enum):
     PRESENT = "present"
     ABSENT = "absent"
     ERROR = "error"
+
+
+class StoreCode(IntEnum):
+    """The negative per-key results of batch_get_into / batch_put_from: every
+    backend maps its own codes to these, so the connector can count misses by
+    cause without knowing the backend."""
+
+    ABSENT = -1
+    """No such key (never written, evicted, or forgotten by a restarted store)."""
+    TOO_LARGE = -2
+    """The value does not fit the buffer given for it."""
+    TIMEOUT = -3
+    """The call did not answer within the store's deadline (or an earlier call
+    that did not answer is still running: the store refuses new calls until it
+    returns)."""
+    ERROR = -4
+    """Any other failure: master unreachable, transfer failed, store full."""
+    CLOSED = -5
+    """The store was closed."""
 
 
 class ChunkStore(ABC):
@@ -49,14 +68,15 @@ class ChunkStore(ABC):
         self, keys: Sequence[str], buffers: Sequence[HostBuffer]
     ) -> list[int]:
         """Read each key's value into its buffer; per key the number of bytes
-        read (>= 0) or a negative error code (absent, too large, transport)."""
+        read (>= 0) or a negative StoreCode (absent, too large, timeout, error).
+        Bytes read are not yet trusted: verify them (entry_format.py)."""
 
     @abstractmethod
     def batch_put_from(
         self, keys: Sequence[str], buffers: Sequence[HostBuffer]
     ) -> list[int]:
         """Store each buffer's bytes under its key; per key 0 or a negative
-        error code. A key already present keeps its value (entries are
+        StoreCode. A key already present keeps its value (entries are
         immutable: the same key always names the same content)."""
 
     @abstractmethod
