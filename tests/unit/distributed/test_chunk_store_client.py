@@ -50,6 +50,7 @@ def test_a_fetch_counts_only_when_every_rank_reported():
     assert done == ["f-ok"] and failed == [("f-bad", "verify_failed")]
     counters = c.counters.take()
     assert counters["store_hits"] == 1 and counters["store_misses_verify_failed"] == 1
+    assert "store_hits" not in c.counters.take()  # increments: nothing new
     step = c.take_step(epoch=0)
     assert [f.fetch_id for f in step.fetches] == ["f-ok", "f-bad"]
     c.close()

@@ -134,7 +134,8 @@ class _Fetch:
 
 @dataclass
 class StoreCounters:
-    """The scheduler's store counters (increments, stats.py)."""
+    """The scheduler's store counters, cumulative; `take` gives the
+    increments since its last call (stats.py)."""
 
     store_hits: int = 0
     store_misses_absent: int = 0
@@ -145,10 +146,10 @@ class StoreCounters:
     store_puts_queued: int = 0
 
     def take(self) -> dict[str, float]:
-        out = {k: v for k, v in dataclasses.asdict(self).items() if v}
-        for f in dataclasses.fields(self):
-            setattr(self, f.name, f.default)
-        return out
+        now = dataclasses.asdict(self)
+        last = getattr(self, "_reported", {})
+        self._reported = now
+        return {k: v - last.get(k, 0) for k, v in now.items() if v != last.get(k, 0)}
 
 
 class StoreClient:
