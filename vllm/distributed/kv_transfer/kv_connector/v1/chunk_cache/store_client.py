@@ -19,6 +19,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.host_arena import HostArena
 from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store_messages import (
     CAUSE_ABSENT,
     CAUSE_ERROR,
@@ -82,6 +83,17 @@ class SharedStore:
         self._store: ChunkStore | None = None
         self._last_try = 0.0
         self._lock = threading.Lock()
+        # The host memory reads and writes use, registered with the
+        # connection once (the seam has no unregister: a second engine in
+        # this process reuses it rather than registering memory again).
+        self._arena: HostArena | None = None
+        self._registered = False
+
+    def arena(self, nbytes: int) -> HostArena:
+        with self._lock:
+            if self._arena is None:
+                self._arena = HostArena(nbytes)
+            return self._arena
 
     @classmethod
     def of(cls, spec_text: str) -> SharedStore:
@@ -96,6 +108,7 @@ class SharedStore:
         from a store thread only: connecting blocks)."""
         with self._lock:
             if self._store is not None:
+                self._register()
                 return self._store
             now = time.monotonic()
             if now - self._last_try < RECONNECT_S:
@@ -114,7 +127,18 @@ class SharedStore:
             except Exception as e:  # noqa: BLE001 - any failure is a miss
                 logger.warning("chunk store: cannot connect to %s (%s); entries are "
                                "computed locally until it can be reached", self.spec_text, e)
+                return None
+            self._register()
             return self._store
+
+    def _register(self) -> None:
+        from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store.base import (
+            HostBuffer,
+        )
+
+        if self._arena is not None and not self._registered and self._store is not None:
+            self._store.register_buffer(HostBuffer(self._arena.ptr, self._arena.nbytes))
+            self._registered = True
 
 
 @dataclass

@@ -33,7 +33,6 @@ import torch
 import xxhash
 from torch import nn
 
-from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.host_arena import HostArena
 from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.setup import POOL_BLOCK_SIZE
 from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store_client import (
     SharedStore,
@@ -78,8 +77,8 @@ def entry_header(token_ids: list[int], virtual_start: int, payload) -> bytes:
     """The header of an entry whose payload is `payload` (entry_format)."""
     from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store import entry_format
 
-    return entry_format.encode_header(entry_format.EntryHeader.for_payload(
-        virtual_start=virtual_start, token_ids=token_ids, payload=payload))
+    return entry_format.encode_header(
+        entry_format.make_header(virtual_start, token_ids, payload))
 
 
 @dataclass
@@ -124,8 +123,7 @@ class StoreTransfers:
             for k in ("rope_theta", "rope_scaling", "rope_parameters", "partial_rotary_factor",
                       "max_position_embeddings")
         }, sort_keys=True, default=str)
-        self.arena = HostArena(ARENA_BYTES)
-        self._registered: Any = None
+        self.arena = self._shared.arena(ARENA_BYTES)
         self._get_thread = ThreadPoolExecutor(1, thread_name_prefix="chunk-store-get")
         self._put_thread = ThreadPoolExecutor(1, thread_name_prefix="chunk-store-put")
         self.epoch = -1
@@ -137,6 +135,7 @@ class StoreTransfers:
         self._outcomes: dict[str, str] = {}
         self._puts: list[tuple[Future, int, int]] = []
         self.counters: dict[str, float] = {}
+        self._reported: dict[str, float] = {}
 
     # --------------------------------------------------------------- step
 
@@ -159,8 +158,10 @@ class StoreTransfers:
         return None if report.is_empty() else report
 
     def take_counters(self) -> dict[str, float]:
-        counters, self.counters = self.counters, {}
-        return counters
+        """Increments of the (cumulative) counters since the last call."""
+        last, self._reported = self._reported, dict(self.counters)
+        return {k: v - last.get(k, 0) for k, v in self.counters.items()
+                if v != last.get(k, 0)}
 
     def _count(self, name: str, value: float = 1) -> None:
         self.counters[name] = self.counters.get(name, 0) + value
@@ -198,15 +199,7 @@ class StoreTransfers:
 
     def _store(self):
         """The connection, with the arena registered (store threads only)."""
-        from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store.base import (
-            HostBuffer,
-        )
-
-        store = self._shared.get()
-        if store is not None and self._registered is not store:
-            store.register_buffer(HostBuffer(self.arena.ptr, self.arena.nbytes))
-            self._registered = store
-        return store
+        return self._shared.get()
 
     # --------------------------------------------------------------- puts
 
@@ -315,7 +308,13 @@ class StoreTransfers:
         value = self.arena.view(start, nbytes).numpy()
         result = decode_and_verify(value, list(entry.token_ids), entry.virtual_start,
                                    nbytes - head)
-        if not result.ok or bytes(value[nbytes - KEY_TAG_BYTES:]) != key_tag(key):
+        if not result.ok:
+            logger.warning("chunk store: entry %s failed verification (%s: %s)", key,
+                           result.cause, result.detail)
+            return CAUSE_VERIFY_FAILED
+        if bytes(value[nbytes - KEY_TAG_BYTES:]) != key_tag(key):
+            logger.warning("chunk store: entry %s carries another key's tag (a value "
+                           "written under another key)", key)
             return CAUSE_VERIFY_FAILED
         return FETCH_OK
 
