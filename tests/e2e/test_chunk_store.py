@@ -144,11 +144,18 @@ def replace_value(llm, key: str, value: bytes) -> None:
     """Through a store client: drop the key's value and write `value` there."""
     from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store.base import (
         HostBuffer,
+        StoreCode,
     )
 
     store = worker_store(llm)
     client = store._store()
-    client.remove(key)
+    # NOTE: Mooncake refuses to remove a key read in the last few seconds (the
+    # reader's lease): retry until the lease ran out.
+    deadline = time.monotonic() + 30
+    while (code := client.remove(key)) not in (0, StoreCode.ABSENT) \
+            and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert code in (0, StoreCode.ABSENT), code
     start = store.arena.allocate(len(value))
     try:
         store.arena.view(start, len(value)).numpy()[:] = memoryview(value)
@@ -156,6 +163,7 @@ def replace_value(llm, key: str, value: bytes) -> None:
                                                         len(value))]) == [0]
     finally:
         store.arena.free(start)
+    assert read_value(llm, key) == value
 
 
 def scale_input_norms(llm, reference, factor: float) -> None:
@@ -220,8 +228,9 @@ def test_corrupted_entry_is_a_miss_recomputed_exactly(replica_b, reference, docs
     layout = Layout("sys", [docs[4]], "second time")
     check(reference, layout, generate(b, [layout])[0])
     after = counters(b)
-    assert after["store_misses_verify_failed"] - before["store_misses_verify_failed"] == 1
-    assert after["store_hits"] - before["store_hits"] == 1  # the system segment
+    diff = {k: v - before[k] for k, v in after.items() if v != before[k]}
+    assert diff.get("store_misses_verify_failed") == 1, diff
+    assert diff.get("store_hits") == 1, diff  # the system segment
     assert after["child_computes"] - before["child_computes"] == 1
 
 
