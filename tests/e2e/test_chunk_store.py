@@ -284,6 +284,7 @@ def test_master_killed_and_restarted_mid_stream_every_request_is_served(
                        for c in ("error", "timeout", "absent"))
         assert failures >= 1
         assert after["store_hits"] == before["store_hits"]
+        assert "is not answering" in caplog.text
     finally:
         fleet.restart_master()
     # The restarted master forgot every key (Mooncake #1336): misses, computed,
@@ -299,3 +300,4 @@ def test_master_killed_and_restarted_mid_stream_every_request_is_served(
     after = counters(b)
     assert after["store_hits"] - before["store_hits"] == 2
     assert counters(b)["pinned_entries"] == 0
+    assert "answers again" in caplog.text

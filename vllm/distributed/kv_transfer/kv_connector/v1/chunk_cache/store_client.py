@@ -250,6 +250,7 @@ class StoreClient:
             Presence,
         )
 
+        self._note_health(presence is not None and Presence.ERROR not in presence)
         offset = 0
         for lookup_id, (keys, salt, lora) in asked.items():
             found = None if presence is None else presence[offset:offset + len(keys)]
@@ -263,6 +264,16 @@ class StoreClient:
                     self.counters.store_misses_absent += 1
                 result = StoreLookup(StoreAnswer.MISS)
             self._answers[lookup_id] = _Answer(result, now, salt, lora)
+
+    def _note_health(self, ok: bool) -> None:
+        """One log line when the store stops answering, one when it is back."""
+        if not ok and not self._store_down:
+            logger.warning("chunk store %s is not answering: documents missing from the "
+                           "pool are computed here (served exactly, as misses) until it "
+                           "answers again", self._shared.spec_text)
+        elif ok and self._store_down:
+            logger.info("chunk store %s answers again", self._shared.spec_text)
+        self._store_down = not ok
 
     def flush(self) -> None:
         """Send the keys asked in this step as one query (end of a step)."""
