@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """A fleet of two replicas on one Mooncake Store, side by side in one run (issue 31).
 
-    ./fork bench --store [--requests 5] [--doc-words 395]
+    ./fork bench --fleet [--requests 5] [--doc-words 395]
 
 One master and one standalone client on loopback (tests/store_fleet.py), then
 three servers, one after another (one fits in memory at a time):
