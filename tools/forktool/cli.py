@@ -9,7 +9,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 
-from . import bases, check, env, fetch, models, sysdeps, tree, wheel
+from . import bases, check, env, fetch, local_store, models, sysdeps, tree, wheel
 from .paths import Paths
 from .progress import ToolError, say
 from .releases import DEFAULT, RELEASES
@@ -139,14 +139,19 @@ def cmd_test(paths: Paths, args) -> int:
 def cmd_serve(paths: Paths, args) -> int:
     s = setup(paths, sdists=False)
     vllm = os.path.join(os.path.dirname(s.python), "vllm")
-    return _exec(paths, [vllm, "serve", s.models[models.SMOLLM2], "--enable-chunk-cache",
-                         *SERVE_DEFAULTS, *args.vllm_args])
+    argv = [vllm, "serve", s.models[models.SMOLLM2], "--enable-chunk-cache",
+            *SERVE_DEFAULTS, *args.vllm_args]
+    if local_store.wants_local_store(args.vllm_args):
+        return local_store.serve_with_local_store(paths, s.python, argv)
+    return _exec(paths, argv)
 
 
 def cmd_bench(paths: Paths, args) -> int:
     s = setup(paths, sdists=False)
-    return _exec(paths, [s.python, str(paths.repo / "benchmarks" / "bench_rag.py"),
-                         *args.bench_args])
+    bench, rest = "bench_rag.py", args.bench_args
+    if rest[:1] == ["store"]:
+        bench, rest = "bench_store.py", rest[1:]
+    return _exec(paths, [s.python, str(paths.repo / "benchmarks" / bench), *rest])
 
 
 def cmd_eval(paths: Paths, args) -> int:
@@ -203,10 +208,13 @@ def parser() -> argparse.ArgumentParser:
     add("test", "set up, then run pytest (extra args go to pytest)"
         ).add_argument("pytest_args", nargs=argparse.REMAINDER)
     add("serve", "set up, then `vllm serve` SmolLM2 with the chunk cache on 127.0.0.1:8000 "
-                 "(extra args go to vllm serve)").add_argument("vllm_args",
+                 "(extra args go to vllm serve; `--chunk-store local` also starts a local "
+                 "Mooncake master and client for the fleet tier and stops them on exit)").add_argument("vllm_args",
                                                                nargs=argparse.REMAINDER)
     add("bench", "set up, then run the RAG benchmark (stock vLLM vs prefix caching vs the "
-                 "chunk cache; extra args go to benchmarks/bench_rag.py, e.g. --quick)"
+                 "chunk cache; extra args go to benchmarks/bench_rag.py, e.g. --quick); "
+                 "`./fork bench store` runs benchmarks/bench_store.py instead (chunk store "
+                 "reads vs a host memcpy)"
         ).add_argument("bench_args", nargs=argparse.REMAINDER)
     add("eval", "set up, then run the answer-quality evaluation (full attention vs the "
                 "chunk-context modes, recompute levers; extra args go to "

@@ -120,15 +120,22 @@ class _DeadlineWorker:
     def call(self, fn: Callable[[], Any], deadline_s: float) -> tuple[str, Any]:
         """("ok", result) | ("timeout", None) | ("busy", None): a call that
         timed out before is still running) | ("raised", exception)."""
-        with self._lock:
+        # NOTE: the deadline covers the wait for another thread's call too: calls
+        # from several threads run one at a time, and none waits longer than its own.
+        t_end = time.monotonic() + deadline_s
+        if not self._lock.acquire(timeout=deadline_s):
+            return "busy", None
+        try:
             if self.busy():
                 return "busy", None
             job = _Job(fn)
             self._running = job
             self._jobs.put(job)
-            if not job.done.wait(deadline_s):
+            if not job.done.wait(max(0.0, t_end - time.monotonic())):
                 return "timeout", None
             self._running = None
+        finally:
+            self._lock.release()
         if job.error is not None:
             return "raised", job.error
         return "ok", job.result

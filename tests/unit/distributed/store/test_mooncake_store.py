@@ -1,0 +1,268 @@
+"""MooncakeChunkStore against a real Mooncake Store (master + client on loopback,
+tests/store_fleet.py): exact bytes between connections, presence, immutability,
+an entry that outlives its writer, and bounded calls when the master dies,
+hangs or restarts. No mocks."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from tests.store_fleet import MooncakeFleet, free_port
+from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store import entry_format as ef
+from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store.base import (
+    HostBuffer,
+    Presence,
+    StoreCode,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store.keys import (
+    StoreNamespace,
+    store_key,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store.mooncake import (
+    MooncakeChunkStore,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store.spec import (
+    parse_store_spec,
+)
+
+TIMEOUT_S = 2.0  # the fleet's per-call deadline
+# A call may finish a little after its deadline (thread wake-up, a loaded CI machine).
+SLACK_S = 1.5
+NS = StoreNamespace(model="tiny-llama", weights_version="0", kv_dtype="float32",
+                    kv_layout="L4xH2x32:kv", rope="neox", tp_rank=0, tp_size=1,
+                    pp_rank=0, pp_size=1, cache_salt=None, lora=None)
+
+
+class Pinned:
+    """A registered host buffer of one connection (numpy owns the memory)."""
+
+    def __init__(self, store: MooncakeChunkStore, nbytes: int):
+        self.array = np.zeros(nbytes, dtype=np.uint8)
+        self.whole = HostBuffer(self.array.ctypes.data, nbytes)
+        store.register_buffer(self.whole)
+
+    def span(self, offset: int, nbytes: int) -> HostBuffer:
+        assert offset + nbytes <= self.whole.nbytes
+        return HostBuffer(self.whole.ptr + offset, nbytes)
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory):
+    with MooncakeFleet(tmp_path_factory.mktemp("fleet"), timeout_s=TIMEOUT_S) as f:
+        yield f
+
+
+@pytest.fixture(scope="module")
+def pair(fleet):
+    """Two connections, as two replicas have."""
+    a = MooncakeChunkStore.connect(fleet.spec())
+    b = MooncakeChunkStore.connect(fleet.spec())
+    yield (a, Pinned(a, 4 << 20)), (b, Pinned(b, 4 << 20))
+    a.close()
+    b.close()
+
+
+def _key(i: int) -> str:
+    return store_key(NS, (time.time_ns() << 16) + i)
+
+
+def test_put_on_one_connection_get_exact_bytes_on_another(pair):
+    (a, abuf), (b, bbuf) = pair
+    sizes = [1, 4096, 1 << 20, 3 << 20 - 7]
+    keys = [_key(i) for i in range(2)]
+    rng = np.random.default_rng(1)
+    offsets = [0, 4096]
+    values = [rng.integers(0, 256, n, dtype=np.uint8) for n in (4096, (1 << 20) + 3)]
+    for off, v in zip(offsets, values):
+        abuf.array[off:off + v.size] = v
+    assert a.batch_put_from(keys, [abuf.span(o, v.size) for o, v in zip(offsets, values)]) \
+        == [0, 0]
+    got = b.batch_get_into(keys, [bbuf.span(0, 8192), bbuf.span(8192, 2 << 20)])
+    assert got == [values[0].size, values[1].size]
+    assert np.array_equal(bbuf.array[:values[0].size], values[0])
+    assert np.array_equal(bbuf.array[8192:8192 + values[1].size], values[1])
+    del sizes
+
+
+def test_exists_present_and_absent(pair):
+    (a, abuf), (b, _) = pair
+    k = _key(0)
+    assert b.batch_exists([k]) == [Presence.ABSENT]
+    assert a.batch_put_from([k], [abuf.span(0, 64)]) == [0]
+    assert b.batch_exists([k, _key(1)]) == [Presence.PRESENT, Presence.ABSENT]
+    assert b.batch_exists([]) == []
+
+
+def test_absent_key_and_too_small_buffer_have_their_codes(pair):
+    (a, abuf), (b, bbuf) = pair
+    k = _key(0)
+    assert a.batch_put_from([k], [abuf.span(0, 1000)]) == [0]
+    assert b.batch_get_into([_key(1), k], [bbuf.span(0, 100), bbuf.span(100, 10)]) == [
+        StoreCode.ABSENT, StoreCode.TOO_LARGE]
+
+
+def test_a_put_of_an_existing_key_keeps_the_first_value(pair):
+    (a, abuf), (b, bbuf) = pair
+    k = _key(0)
+    abuf.array[:256] = 1
+    assert a.batch_put_from([k], [abuf.span(0, 256)]) == [0]
+    abuf.array[:256] = 2
+    b_first = b.batch_put_from([k], [abuf.span(0, 128)])
+    assert b_first[0] <= 0  # accepted or refused, never an overwrite:
+    assert b.batch_get_into([k], [bbuf.span(0, 512)]) == [256]
+    assert (bbuf.array[:256] == 1).all()
+
+
+def test_a_verified_entry_round_trips_and_a_corrupted_one_is_caught(pair):
+    (a, abuf), (b, bbuf) = pair
+    tokens = list(range(100, 164))
+    payload = np.random.default_rng(2).integers(0, 256, 64 * 1024, dtype=np.uint8)
+    header = ef.encode_header(ef.make_header(7, tokens, payload))
+    entry = np.frombuffer(header + payload.tobytes(), dtype=np.uint8)
+    good, bad = _key(0), _key(1)
+    abuf.array[:entry.size] = entry
+    assert a.batch_put_from([good], [abuf.span(0, entry.size)]) == [0]
+    abuf.array[len(header) + 5] ^= 0xFF  # one payload byte flipped, header kept
+    assert a.batch_put_from([bad], [abuf.span(0, entry.size)]) == [0]
+    n = b.batch_get_into([good, bad], [bbuf.span(0, 1 << 20), bbuf.span(1 << 20, 1 << 20)])
+    assert n == [entry.size, entry.size]
+    views = [memoryview(bbuf.array[0:n[0]]), memoryview(bbuf.array[1 << 20:(1 << 20) + n[1]])]
+    assert ef.decode_and_verify(views[0], tokens, 7, payload.size).ok
+    assert ef.decode_and_verify(views[1], tokens, 7, payload.size).cause == ef.CHECKSUM
+
+
+def test_an_entry_outlives_its_writer(fleet, pair):
+    (_, _), (b, bbuf) = pair
+    writer = MooncakeChunkStore.connect(fleet.spec())
+    wbuf = Pinned(writer, 1 << 20)
+    wbuf.array[:4096] = np.arange(4096) % 251
+    k = _key(0)
+    assert writer.batch_put_from([k], [wbuf.span(0, 4096)]) == [0]
+    writer.close()
+    assert writer.batch_exists([k]) == [Presence.ERROR]  # closed: no call is made
+    assert writer.batch_get_into([k], [wbuf.span(0, 16)]) == [StoreCode.CLOSED]
+    del wbuf
+    assert b.batch_get_into([k], [bbuf.span(0, 8192)]) == [4096]
+    assert np.array_equal(bbuf.array[:4096], np.arange(4096) % 251)
+
+
+def test_connect_to_no_master_fails_in_bounded_time_naming_it():
+    spec = parse_store_spec(f"mooncake://127.0.0.1:{free_port()}?timeout={TIMEOUT_S}")
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match=f"Mooncake master at {spec.master_address}"):
+        MooncakeChunkStore.connect(spec)
+    assert time.monotonic() - t0 < 15
+
+
+def test_fleet_without_the_package_says_what_to_install(monkeypatch, tmp_path):
+    monkeypatch.setattr(sys, "executable", str(tmp_path / "python"))
+    with pytest.raises(RuntimeError, match="pip install mooncake-transfer-engine-non-cuda"
+                                           r"==0\.3\.13\.post1.*libibverbs1 libnuma1"):
+        MooncakeFleet(tmp_path)
+
+
+# -- failures: each test has a fleet of its own ---------------------------------------
+
+
+@pytest.fixture
+def own_fleet(tmp_path):
+    with MooncakeFleet(tmp_path, timeout_s=TIMEOUT_S) as f:
+        store = MooncakeChunkStore.connect(f.spec())
+        yield f, store, Pinned(store, 1 << 20)
+        if store.wait_idle(10):
+            store.close()
+
+
+def _timed(fn):
+    t0 = time.monotonic()
+    out = fn()
+    return out, time.monotonic() - t0
+
+
+def _all_failed(codes) -> bool:
+    return all(c in (Presence.ERROR,) or (isinstance(c, int) and c < 0) for c in codes)
+
+
+def test_master_killed_calls_fail_within_the_deadline(own_fleet):
+    fleet, store, buf = own_fleet
+    k = _key(0)
+    assert store.batch_put_from([k], [buf.span(0, 128)]) == [0]
+    fleet.kill_master()
+    for call in (lambda: store.batch_exists([k]),
+                 lambda: store.batch_get_into([k], [buf.span(4096, 128)]),
+                 lambda: store.batch_put_from([_key(1)], [buf.span(0, 128)]),
+                 lambda: store.batch_get_into([k], [buf.span(4096, 128)])):
+        codes, took = _timed(call)
+        assert _all_failed(codes) and took < TIMEOUT_S + SLACK_S, (codes, took)
+
+
+def test_master_hung_calls_time_out_then_recover(own_fleet):
+    fleet, store, buf = own_fleet
+    k = _key(0)
+    assert store.batch_put_from([k], [buf.span(0, 128)]) == [0]
+    fleet.stop_master()
+    try:
+        for call in (lambda: store.batch_exists([k]),
+                     lambda: store.batch_get_into([k], [buf.span(4096, 128)])):
+            codes, took = _timed(call)
+            assert _all_failed(codes) and took < TIMEOUT_S + SLACK_S, (codes, took)
+    finally:
+        fleet.continue_master()
+    assert store.wait_idle(TIMEOUT_S + 10)
+    assert store.batch_get_into([k], [buf.span(4096, 256)]) == [128]
+    assert store.stats.timeouts + store.stats.errors >= 1
+
+
+def test_master_restarted_old_keys_absent_new_puts_work(own_fleet):
+    fleet, store, buf = own_fleet
+    old = _key(0)
+    assert store.batch_put_from([old], [buf.span(0, 128)]) == [0]
+    fleet.restart_master()
+    assert store.wait_idle(TIMEOUT_S + 10)
+    # NOTE: this connection finds the new master on its own (Mooncake reconnects);
+    # give it a few seconds, never an unbounded wait.
+    deadline = time.monotonic() + 15
+    new = _key(1)
+    while store.batch_put_from([new], [buf.span(0, 64)]) != [0]:
+        assert time.monotonic() < deadline, fleet.logs()
+        store.wait_idle(TIMEOUT_S + 10)
+        time.sleep(0.2)
+    assert store.batch_exists([old, new]) == [Presence.ABSENT, Presence.PRESENT]
+    assert store.batch_get_into([old], [buf.span(4096, 128)]) == [StoreCode.ABSENT]
+
+
+def test_segment_holder_killed_gets_fail_within_the_deadline(own_fleet):
+    fleet, store, buf = own_fleet
+    k = _key(0)
+    assert store.batch_put_from([k], [buf.span(0, 4096)]) == [0]
+    fleet.kill_client()
+    codes, took = _timed(lambda: store.batch_get_into([k], [buf.span(8192, 4096)]))
+    assert _all_failed(codes) and took < TIMEOUT_S + SLACK_S, (codes, took)
+
+
+def test_calls_from_two_threads_each_keep_their_own_deadline(own_fleet):
+    fleet, store, buf = own_fleet
+    k = _key(0)
+    assert store.batch_put_from([k], [buf.span(0, 128)]) == [0]
+    fleet.stop_master()
+    took = {}
+
+    def call(name):
+        t0 = time.monotonic()
+        took[name] = (store.batch_exists([k]), time.monotonic() - t0)
+
+    import threading
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(2)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+    finally:
+        fleet.continue_master()
+    for codes, seconds in took.values():
+        assert codes == [Presence.ERROR] and seconds < TIMEOUT_S + SLACK_S, took
