@@ -73,6 +73,16 @@ def test_lookups_wait_for_every_ranks_identity_of_the_epoch():
     c.close()
 
 
+def test_an_entry_computed_before_a_reset_is_not_written():
+    c = client(tp=1)
+    c.queue_put([1, 5, 6], 1, None, "", [3], epoch=0)
+    c.queue_put([1, 7, 8], 1, None, "", [4], epoch=0)
+    assert [p.pool_block_ids for p in c.take_step(epoch=0).puts] == [(3,), (4,)]
+    c.queue_put([1, 9], 1, None, "", [5], epoch=0)
+    assert c.take_step(epoch=1).puts == []
+    c.close()
+
+
 def test_content_hash_ignores_local_paths_but_not_the_tenant():
     a = store_content_hash([5, 6], [1], None, "")
     assert a == store_content_hash([5, 6], [1], None, "")

@@ -400,7 +400,7 @@ class ChunkCacheSchedulerAdapter:
         if self.manager.pool.is_retired(plan.chunk_hash):
             return
         self.store.queue_put(list(request.prompt_token_ids or []), plan.src_start, salt, lora,
-                             plan.pool_block_ids)
+                             plan.pool_block_ids, self.manager.epoch)
 
     def on_store_report(self, report: Any) -> None:
         """The workers' store outcomes of a step (combined over ranks)."""

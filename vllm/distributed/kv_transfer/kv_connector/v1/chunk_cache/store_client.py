@@ -196,6 +196,7 @@ class StoreClient:
         self._query: tuple[dict, Future] | None = None
         self._fetches: dict[str, _Fetch] = {}
         self._step = StoreStep(epoch=0)
+        self._puts: list[tuple[int, EntryPut]] = []
         self.counters = StoreCounters()
         self._store_down = False
 
@@ -304,17 +305,21 @@ class StoreClient:
             EntryFetch(spec.request_id, entry, tuple(int(b) for b in pool_block_ids)))
 
     def queue_put(self, token_ids: list[int], store_start: int, cache_salt: str | None,
-                  lora: str, pool_block_ids: list[int]) -> None:
+                  lora: str, pool_block_ids: list[int], epoch: int) -> None:
         content = store_content_hash(token_ids[store_start:], token_ids[:store_start],
                                      cache_salt, lora)
         entry = EntryRef(content, tuple(token_ids), store_start, cache_salt, lora)
-        self._step.puts.append(EntryPut(entry, tuple(int(b) for b in pool_block_ids)))
+        self._puts.append((epoch, EntryPut(entry, tuple(int(b) for b in pool_block_ids))))
         self.counters.store_puts_queued += 1
 
     def take_step(self, epoch: int) -> StoreStep:
         self.flush()
         step, self._step = self._step, StoreStep(epoch=epoch)
         step.epoch = epoch
+        # NOTE: an entry computed before a reset is never written: the workers
+        # would key it with the new epoch's weights version.
+        step.puts = [put for put_epoch, put in self._puts if put_epoch == epoch]
+        self._puts = []
         return step
 
     def on_report(self, report: StoreReport) -> tuple[list[str], list[tuple[str, str]]]:
