@@ -23,15 +23,15 @@ import time
 import pytest
 
 from tests.conftest import models_dir
-from tests.e2e.chunk_reference import Layout, Reference, compare, random_text
+from tests.e2e.chunk_reference import Layout, Reference, random_text
 from tests.e2e.engine import close_llm, make_llm
+# NOTE: the same exactness check (HF isolation-mask reference, `sink`, 1e-3).
+from tests.e2e.test_chunk_cache_engine import check, params, update_weights
 from tests.store_fleet import MooncakeFleet
 
 pytestmark = pytest.mark.e2e
 
 MODEL = str(models_dir() / "tiny-llama")
-MODE = "sink"
-TOL = 1e-3
 # Every request must end well within this (a store call is bounded by the
 # fleet's 3 s timeout; a fetch that does not end is reported a timeout).
 REQUEST_DEADLINE_S = 60.0
@@ -49,7 +49,7 @@ def fleet(tmp_path_factory):
 
 
 def make_replica(fleet):
-    return make_llm(MODEL, enable_chunk_cache=True, chunk_context=MODE,
+    return make_llm(MODEL, enable_chunk_cache=True, chunk_context="sink",
                     chunk_store=fleet.spec_text, max_model_len=1024)
 
 
@@ -71,25 +71,11 @@ def counters(llm) -> dict:
     return stats
 
 
-def params(n=3):
-    from vllm import SamplingParams
-
-    return SamplingParams(max_tokens=n, temperature=0.0, logprobs=5, ignore_eos=True)
-
-
 def generate(llm, layouts):
     t0 = time.monotonic()
     outs = llm.generate([layout.prompt for layout in layouts], params(), use_tqdm=False)
     assert time.monotonic() - t0 < REQUEST_DEADLINE_S
     return outs
-
-
-def check(reference, layout, out):
-    prompt = reference.chunked_prompt(layout)
-    assert list(out.prompt_token_ids) == prompt.token_ids
-    completion = out.outputs[0]
-    ref = reference.next_token_logprobs(prompt, MODE, list(completion.token_ids))
-    compare(ref, list(completion.token_ids), completion.logprobs, TOL)
 
 
 def drain_puts(llm, timeout_s=20.0):
@@ -166,20 +152,6 @@ def replace_value(llm, key: str, value: bytes) -> None:
     assert read_value(llm, key) == value
 
 
-def scale_input_norms(llm, reference, factor: float) -> None:
-    """A weight update in place (as RL trainers do it), on both sides."""
-    import torch
-
-    def scale(model) -> None:
-        with torch.no_grad():
-            for name, weight in model.named_parameters():
-                if name.endswith("input_layernorm.weight"):
-                    weight.mul_(factor)
-
-    llm.collective_rpc(lambda worker: scale(worker.model_runner.model))
-    scale(reference.model)
-
-
 @pytest.fixture(scope="module")
 def docs():
     rng = random.Random("fleet")
@@ -242,7 +214,7 @@ def test_weight_update_reads_no_old_entry_and_rejects_a_forged_key(
     check(reference, layout, generate(b, [layout])[0])
     drain_puts(b)
     old_value = read_value(b, old_key)
-    scale_input_norms(b, reference, 2.0)
+    update_weights(b, reference, 2.0)
     try:
         assert b.reset_prefix_cache(reset_connector=True)
         # Every document A and B computed under the old weights is in the store:
@@ -265,7 +237,7 @@ def test_weight_update_reads_no_old_entry_and_rejects_a_forged_key(
         assert after["store_misses_verify_failed"] - before["store_misses_verify_failed"] == 1
         assert after["child_computes"] - before["child_computes"] == 1
     finally:
-        scale_input_norms(b, reference, 0.5)
+        update_weights(b, reference, 0.5)
         b.reset_prefix_cache(reset_connector=True)
 
 

@@ -492,9 +492,7 @@ class ChunkCacheManager:
         return None if pending else hits
 
     def _start_fetch(self, key: "_SegmentKey", content_hash: int) -> None:
-        allocation = self.pool.allocate(key.chunk_hash, len(key.segment_ids))
-        for victim in allocation.evicted:
-            self.index.remove(victim)
+        self._allocate(key)
         h = key.chunk_hash
         fetch_id = f"{FETCH_ID_PREFIX}{self._num_children_created}-{h.hex()[:16]}"
         self._num_children_created += 1
@@ -662,10 +660,14 @@ class ChunkCacheManager:
                 self.pool.unpin(h)
 
     def _start_child(self, key: _SegmentKey) -> ChildSpec:
+        self._allocate(key)
+        return self._new_child(key, attempt=1)
+
+    def _allocate(self, key: _SegmentKey) -> None:
+        """Pool blocks for `key`'s entry, pinned once for its writer."""
         allocation = self.pool.allocate(key.chunk_hash, len(key.segment_ids))
         for victim in allocation.evicted:
             self.index.remove(victim)
-        return self._new_child(key, attempt=1)
 
     def _new_child(self, key: _SegmentKey, attempt: int) -> ChildSpec:
         h = key.chunk_hash
