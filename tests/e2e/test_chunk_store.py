@@ -273,3 +273,52 @@ def test_master_killed_and_restarted_mid_stream_every_request_is_served(
     assert after["store_hits"] - before["store_hits"] == 2
     assert counters(b)["pinned_entries"] == 0
     assert "answers again" in caplog.text
+
+
+# NOTE: two `vllm serve` with two ranks each, one after another: minutes on the
+# 2-core CI machine, so in the `slow` tier (`./fork test -m slow`).
+@pytest.mark.slow
+def test_tp2_replicas_each_rank_reads_and_writes_its_own_key(
+        fleet, reference, docs, tmp_path_factory):
+    """TP=2: every rank writes its own half of the heads under its own key; the
+    second replica reads both halves (an entry counts only when both ranks
+    verified theirs) and computes nothing."""
+    from tests.e2e.server import start_server
+    from tests.e2e.test_chunk_cache_parallel import (
+        KV_SPACE_GIB,
+        _bind_one_core_per_rank,
+        _environ,
+    )
+    from tests.e2e.test_chunk_cache_parallel import check as check_served
+    from tests.e2e.test_chunk_cache_parallel import complete, metrics
+
+    env = {"VLLM_CPU_OMP_THREADS_BIND": _bind_one_core_per_rank(),
+           "VLLM_CPU_KVCACHE_SPACE": KV_SPACE_GIB}
+    flags = ["--enable-chunk-cache", "--served-model-name", "tiny", "--chunk-context", "sink",
+             "--seed", "0", "--distributed-executor-backend", "mp",
+             "--enable-prompt-tokens-details", "--tensor-parallel-size", "2",
+             "--chunk-store", fleet.spec_text]
+    first = Layout("sys", docs[:3], "two ranks first")
+    with _environ(**env):
+        a = start_server(MODEL, flags, tmp_path_factory.mktemp("tp2-a") / "serve.log")
+    try:
+        check_served(reference, first, *complete(a, first.prompt))
+        deadline = time.monotonic() + 60
+        # 4 entries (system + 3 documents), one put per rank each.
+        while metrics(a).get("store_puts", 0) < 8:
+            assert time.monotonic() < deadline, metrics(a)
+            complete(a, "x ## y ## drain", n=1)
+            time.sleep(0.5)
+    finally:
+        a.stop()
+    with _environ(**env):
+        b = start_server(MODEL, flags, tmp_path_factory.mktemp("tp2-b") / "serve.log")
+    try:
+        second = Layout("sys", list(reversed(docs[:3])), "two ranks second")
+        check_served(reference, second, *complete(b, second.prompt))
+        m = metrics(b)
+        assert m.get("child_computes", 0) == 0, m
+        assert m.get("store_hits", 0) == 4, m
+        assert m.get("store_gets", 0) == 8, m
+    finally:
+        b.stop()
