@@ -24,6 +24,7 @@ host span is freed when the call returns); nothing is ever waited for here.
 from __future__ import annotations
 
 import json
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -86,7 +87,9 @@ class _Read:
     fetch: EntryFetch
     start: int
     nbytes: int
+    # One call reads every entry of a step: its outcomes, this one's index.
     future: Future
+    index: int
     started: float
 
 
@@ -136,6 +139,7 @@ class StoreTransfers:
         self._puts: list[tuple[Future, int, int]] = []
         self.counters: dict[str, float] = {}
         self._reported: dict[str, float] = {}
+        self._counter_lock = threading.Lock()
 
     # --------------------------------------------------------------- step
 
@@ -145,8 +149,7 @@ class StoreTransfers:
         for put in step.puts:
             self._start_put(put)
         self._finish_reads()
-        for fetch in step.fetches:
-            self._start_read(fetch)
+        self._start_reads(step.fetches)
         self._reap()
 
     def take_report(self) -> StoreReport | None:
@@ -159,12 +162,15 @@ class StoreTransfers:
 
     def take_counters(self) -> dict[str, float]:
         """Increments of the (cumulative) counters since the last call."""
-        last, self._reported = self._reported, dict(self.counters)
-        return {k: v - last.get(k, 0) for k, v in self.counters.items()
-                if v != last.get(k, 0)}
+        with self._counter_lock:
+            now = dict(self.counters)
+        last, self._reported = self._reported, now
+        return {k: v - last.get(k, 0) for k, v in now.items() if v != last.get(k, 0)}
 
     def _count(self, name: str, value: float = 1) -> None:
-        self.counters[name] = self.counters.get(name, 0) + value
+        # NOTE: the fetch thread counts too.
+        with self._counter_lock:
+            self.counters[name] = self.counters.get(name, 0) + value
 
     def _new_epoch(self, epoch: int) -> None:
         t0 = time.monotonic()
@@ -262,49 +268,72 @@ class StoreTransfers:
 
     # -------------------------------------------------------------- reads
 
-    def _start_read(self, fetch: EntryFetch) -> None:
+    def _start_reads(self, fetches: list[EntryFetch]) -> None:
+        """Every entry of a step in one batch_get_into (Mooncake transfers them
+        in parallel), on the fetch thread."""
         from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store.entry_format import (
             header_nbytes,
         )
 
-        entry = fetch.entry
-        num_rows = len(entry.token_ids) - entry.virtual_start
-        head = header_nbytes(len(entry.token_ids))
-        nbytes = head + num_rows * self.row_bytes + KEY_TAG_BYTES
-        if fetch.entry.virtual_start > len(entry.token_ids) or self.epoch < 0:
-            self._outcomes[fetch.fetch_id] = CAUSE_ERROR
+        items = []
+        for fetch in fetches:
+            entry = fetch.entry
+            num_rows = len(entry.token_ids) - entry.virtual_start
+            head = header_nbytes(len(entry.token_ids))
+            nbytes = head + num_rows * self.row_bytes + KEY_TAG_BYTES
+            start = self.arena.allocate(nbytes, tail_align_at=head)
+            if num_rows < 0 or self.epoch < 0 or start is None:
+                logger.warning("chunk store: no host room for a %d-byte read; computing it",
+                               nbytes)
+                self._outcomes[fetch.fetch_id] = CAUSE_ERROR
+                continue
+            items.append((fetch, self._key(entry), start, head, nbytes))
+        if not items:
             return
-        start = self.arena.allocate(nbytes, tail_align_at=head)
-        if start is None:
-            logger.warning("chunk store: no host room for a %d-byte read; computing it", nbytes)
-            self._outcomes[fetch.fetch_id] = CAUSE_ERROR
-            return
-        future = self._get_thread.submit(self._read, self._key(entry), entry, start, head,
-                                         nbytes)
-        self._reads[fetch.fetch_id] = _Read(fetch, start, nbytes, future, time.monotonic())
+        future = self._get_thread.submit(
+            self._read, [(key, fetch.entry, start, head, nbytes)
+                         for fetch, key, start, head, nbytes in items])
+        now = time.monotonic()
+        for index, (fetch, _, start, _, nbytes) in enumerate(items):
+            self._reads[fetch.fetch_id] = _Read(fetch, start, nbytes, future, index, now)
 
-    def _read(self, key: str, entry: EntryRef, start: int, head: int, nbytes: int) -> str:
+    def _read(self, items: list[tuple[str, EntryRef, int, int, int]]) -> list[str]:
         from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store.base import (
             HostBuffer,
             StoreCode,
-        )
-        from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store.entry_format import (
-            decode_and_verify,
         )
 
         t0 = time.monotonic()
         store = self._store()
         if store is None:
-            return CAUSE_ERROR
-        got = store.batch_get_into([key], [HostBuffer(self.arena.ptr + start, nbytes)])[0]
-        if got < 0:
-            if got == StoreCode.ABSENT:
-                return CAUSE_ABSENT
-            if got == StoreCode.TIMEOUT or time.monotonic() - t0 >= self.timeout_s:
-                return CAUSE_TIMEOUT
-            return CAUSE_ERROR
-        if got != nbytes:
-            return CAUSE_VERIFY_FAILED
+            return [CAUSE_ERROR] * len(items)
+        codes = store.batch_get_into(
+            [key for key, *_ in items],
+            [HostBuffer(self.arena.ptr + start, nbytes) for _, _, start, _, nbytes in items])
+        # NOTE: the transfer alone (one call for the step's entries), for the
+        # bytes/s figure; verification follows.
+        self._count("store_get_seconds", time.monotonic() - t0)
+        self._count("store_get_bytes", sum(max(0, int(c)) for c in codes))
+        out = []
+        for got, (key, entry, start, head, nbytes) in zip(codes, items):
+            if got < 0:
+                if got == StoreCode.ABSENT:
+                    out.append(CAUSE_ABSENT)
+                elif got == StoreCode.TIMEOUT or time.monotonic() - t0 >= self.timeout_s:
+                    out.append(CAUSE_TIMEOUT)
+                else:
+                    out.append(CAUSE_ERROR)
+            elif got != nbytes:
+                out.append(CAUSE_VERIFY_FAILED)
+            else:
+                out.append(self._verify(key, entry, start, head, nbytes))
+        return out
+
+    def _verify(self, key: str, entry: EntryRef, start: int, head: int, nbytes: int) -> str:
+        from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store.entry_format import (
+            decode_and_verify,
+        )
+
         value = self.arena.view(start, nbytes).numpy()
         result = decode_and_verify(value, list(entry.token_ids), entry.virtual_start,
                                    nbytes - head)
@@ -334,7 +363,7 @@ class StoreTransfers:
                 continue
             del self._reads[fetch_id]
             try:
-                outcome = read.future.result()
+                outcome = read.future.result()[read.index]
             except Exception as e:  # noqa: BLE001 - any failure is a miss
                 logger.warning("chunk store: read of %s failed: %s", fetch_id, e)
                 outcome = CAUSE_ERROR
@@ -345,9 +374,7 @@ class StoreTransfers:
                 rows = self._rows(read.fetch.pool_block_ids, num_rows, self.tensors[0].device)
                 for t, src in zip(self.tensors, self._payload_views(read.start + head, num_rows)):
                     t.index_copy_(0, rows, src.to(t.device))
-                self._count("store_get_bytes", read.nbytes)
                 self._count("store_gets")
-                self._count("store_get_seconds", now - read.started)
             else:
                 logger.info("chunk store: %s not served from the store (%s); computing it",
                             fetch_id, outcome)
