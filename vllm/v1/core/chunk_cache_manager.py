@@ -15,6 +15,10 @@ counter (docs/design/ownership.md). Life of a chunked request (the parent):
    blocks and exactly one child request (`take_new_children`). A request
    whose segments can never fit the pool is refused (OVERSIZED), as is one
    whose key matched other tokens (COLLISION): never served otherwise.
+   With a fleet-wide store (`store_probe`, issue 31) a MISSING key the
+   store holds is fetched instead (`take_new_fetches`: pinned like a child,
+   `fetch_finished` / `fetch_failed`, the latter becoming a child); a query
+   not answered yet makes the parent wait a step (docs/design/store-path.md).
 3. `child_finished` / `child_failed`: a child stored its rows (the entry
    becomes RESIDENT) or ended without them; a failed child is retried once,
    then its waiters are refused (`take_refusals`).
