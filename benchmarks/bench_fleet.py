@@ -128,8 +128,8 @@ def run(args, out: Path) -> str:
               f"Store-hit requests: {hits:.0f} segments read from the store, {children:.0f} "
               "child computes.",
               f"Store reads: {got / 1e6:.1f} MB in {gets:.0f} entries, "
-              f"{read_bps / 1e9:.2f} GB/s per read (from the worker's counters: get call, "
-              "verification included) vs a host memcpy of one entry's size "
+              f"{read_bps / 1e9:.2f} GB/s (the workers' batch_get_into calls, "
+              "verification excluded) vs a host memcpy of one entry's size "
               f"{copy_bps / 1e9:.2f} GB/s ({100 * read_bps / copy_bps:.0f}%).",
               "",
               "Targets: store hit <= 2x pool hit: "
