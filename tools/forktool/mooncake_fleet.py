@@ -28,6 +28,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Sequence
 from pathlib import Path
 
 PACKAGE = "mooncake-transfer-engine-non-cuda==0.3.13.post1"
@@ -76,7 +77,8 @@ class MooncakeFleet:
 
     def __init__(self, workdir: Path | None = None, *, segment_bytes: int = 64 << 20,
                  timeout_s: float = 3.0, buffer_bytes: int = 16 << 20,
-                 ready_timeout_s: float = 30.0, python: Path | None = None):
+                 ready_timeout_s: float = 30.0, python: Path | None = None,
+                 master_args: Sequence[str] = (), client_args: Sequence[str] = ()):
         # The venv whose Mooncake runs: its binaries sit next to its python.
         self.python = Path(python or sys.executable)
         check_installed(self.python)
@@ -86,6 +88,9 @@ class MooncakeFleet:
         self.timeout_s = timeout_s
         self.buffer_bytes = buffer_bytes
         self.ready_timeout_s = ready_timeout_s
+        # Extra flags, e.g. ["--client_ttl=3"] (`mooncake_master --help`).
+        self.master_args = list(master_args)
+        self.client_args = list(client_args)
         self.master_port = free_port()
         self.metrics_port = free_port({self.master_port})
         self.client_port = free_port({self.master_port, self.metrics_port})
@@ -109,8 +114,12 @@ class MooncakeFleet:
         _kill(self.master)
 
     def stop_master(self) -> None:
-        """SIGSTOP: the master keeps its sockets but answers nothing (a partition)."""
+        """SIGSTOP: the master keeps its sockets but answers nothing (a partition).
+        Returns once every thread of it is stopped."""
         os.kill(self.master.pid, signal.SIGSTOP)
+        # NOTE: kill() returns before the threads stop; a call made at once was seen
+        # answered by a master thread still running on the other core.
+        self._wait(lambda: _all_threads_stopped(self.master.pid), "the master stopped")
 
     def continue_master(self) -> None:
         os.kill(self.master.pid, signal.SIGCONT)
@@ -174,7 +183,8 @@ class MooncakeFleet:
         self.master = self._spawn("master", [
             _binary(self.python, "mooncake_master"), "--rpc_address=127.0.0.1",
             f"--rpc_port={self.master_port}", "--rpc_thread_num=2",
-            "--metrics_host=127.0.0.1", f"--metrics_port={self.metrics_port}"])
+            "--metrics_host=127.0.0.1", f"--metrics_port={self.metrics_port}",
+            *self.master_args])
         self._wait(lambda: _listening(self.master_port) and _listening(self.metrics_port),
                    f"mooncake_master listening on 127.0.0.1:{self.master_port}",
                    proc=self.master)
@@ -185,7 +195,7 @@ class MooncakeFleet:
             f"--master_server_address={self.master_address}",
             "--metadata_server=P2PHANDSHAKE", "--host=127.0.0.1",
             f"--port={self.client_port}", f"--global_segment_size={self.segment_bytes}",
-            "--protocol=tcp"])
+            "--protocol=tcp", *self.client_args])
         self._wait(lambda: _listening(self.client_port) and self._segment_mounted(),
                    f"mooncake_client's {self.segment_bytes}-byte segment mounted",
                    proc=self.client)
@@ -208,6 +218,17 @@ class MooncakeFleet:
             time.sleep(0.1)
         raise RuntimeError(f"{what}: not ready within {self.ready_timeout_s:.0f} s\n"
                            f"{self.logs()}")
+
+
+def _all_threads_stopped(pid: int) -> bool:
+    states = []
+    for stat in Path(f"/proc/{pid}/task").glob("*/stat"):
+        try:
+            # The state follows the parenthesised command name.
+            states.append(stat.read_text().rsplit(")", 1)[1].split()[0])
+        except (OSError, IndexError):
+            continue
+    return bool(states) and all(st in ("T", "t") for st in states)
 
 
 def _listening(port: int) -> bool:

@@ -173,7 +173,8 @@ class MooncakeChunkStore(ChunkStore):
                 "`./fork setup` installs both"
             ) from e
         for name, value in mooncake_timeout_env(spec.timeout_s).items():
-            # NOTE: the user's own setting wins; Mooncake reads these at setup.
+            # NOTE: the user's own setting wins; Mooncake reads these at setup, so the
+            # first connection's timeout holds for the whole process (one spec per vLLM).
             os.environ.setdefault(name, value)
         client = MooncakeDistributedStore()
         worker = _DeadlineWorker(f"chunk-store-{spec.master_address}")
@@ -241,26 +242,12 @@ class MooncakeChunkStore(ChunkStore):
     def batch_get_into(
         self, keys: Sequence[str], buffers: Sequence[HostBuffer]
     ) -> list[int]:
-        _check_lengths(keys, buffers)
-        if not keys:
-            return []
-        status, result = self._call(lambda: self._client.batch_get_into(
-            list(keys), [b.ptr for b in buffers], [b.nbytes for b in buffers]))
-        if status != "ok":
-            return [self._failure_code(status)] * len(keys)
-        return self._map_codes(result, len(keys), get=True)
+        return self._transfer(self._client.batch_get_into, keys, buffers, get=True)
 
     def batch_put_from(
         self, keys: Sequence[str], buffers: Sequence[HostBuffer]
     ) -> list[int]:
-        _check_lengths(keys, buffers)
-        if not keys:
-            return []
-        status, result = self._call(lambda: self._client.batch_put_from(
-            list(keys), [b.ptr for b in buffers], [b.nbytes for b in buffers]))
-        if status != "ok":
-            return [self._failure_code(status)] * len(keys)
-        return self._map_codes(result, len(keys), get=False)
+        return self._transfer(self._client.batch_put_from, keys, buffers, get=False)
 
     def close(self) -> None:
         if self._closed:
@@ -320,6 +307,18 @@ class MooncakeChunkStore(ChunkStore):
             self._stuck_since = None
         return status, result
 
+    def _transfer(self, method, keys: Sequence[str], buffers: Sequence[HostBuffer], *,
+                  get: bool) -> list[int]:
+        if len(keys) != len(buffers):
+            raise ValueError(f"{len(keys)} keys but {len(buffers)} buffers")
+        if not keys:
+            return []
+        status, result = self._call(lambda: method(
+            list(keys), [b.ptr for b in buffers], [b.nbytes for b in buffers]))
+        if status != "ok":
+            return [self._failure_code(status)] * len(keys)
+        return self._map_codes(result, len(keys), get=get)
+
     def _failure_code(self, status: str) -> int:
         if status in ("timeout", "busy"):
             return StoreCode.TIMEOUT
@@ -344,7 +343,3 @@ class MooncakeChunkStore(ChunkStore):
                 out.append(StoreCode.ERROR)
         return out
 
-
-def _check_lengths(keys: Sequence[str], buffers: Sequence[HostBuffer]) -> None:
-    if len(keys) != len(buffers):
-        raise ValueError(f"{len(keys)} keys but {len(buffers)} buffers")
