@@ -9,8 +9,8 @@ they loaded them from; a replica whose weights changed gets another one, so
 it neither serves nor reads entries of the old weights
 (docs/design/store-path.md).
 
-NOTE: it reads every weight once (on a GPU through host copies, one tensor
-at a time): seconds for a large model, once per reset, not per request.
+NOTE: it reads every weight once (on a GPU, not executed here, through host copies of
+64 MiB pieces): seconds for a large model, once per reset, not per request.
 """
 
 from __future__ import annotations
