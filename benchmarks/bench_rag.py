@@ -358,6 +358,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--system", default="Answer the question from the documents.")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="results directory")
+    p.add_argument("--fleet", action="store_true",
+                   help="a fleet of two replicas on one Mooncake Store (bench_fleet.py): "
+                        "store hit vs pool hit vs miss vs stock at k = 8")
     p.add_argument("--targets", action="store_true",
                    help="measure the performance targets instead of the sweeps "
                         "(~400-token documents; see benchmarks/bench_targets.py)")
@@ -393,6 +396,8 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     if args.targets:
         return run_targets(args, out)
+    if args.fleet:
+        return run_fleet(args, out)
     prompts = {p: make_prompts(work, p, f"k{p.k}-r{p.reuse}-c{p.concurrency}") for p in pts}
     results: list[Result] = []
     floor: dict[Point, float] = {}
@@ -440,6 +445,23 @@ def run_targets(args, out: Path) -> int:
     (out / "params.json").write_text(json.dumps(params, indent=1))
     (out / "results.md").write_text(
         f"# RAG benchmark targets ({time.strftime('%Y-%m-%d %H:%M')})\n\n"
+        f"Machine: {params['machine']}\n\n" + table)
+    print(table)
+    print(f"[bench] wrote {out}/results.md, params.json")
+    return 0
+
+
+def run_fleet(args, out: Path) -> int:
+    import bench_fleet
+
+    if args.requests == 16:  # the sweeps' default: 5 per row keeps the run ~10 min
+        args.requests = 5
+    table = bench_fleet.run(args, out)
+    params = {"fleet": True, "requests": args.requests, "model": args.model,
+              "machine": machine()}
+    (out / "params.json").write_text(json.dumps(params, indent=1))
+    (out / "results.md").write_text(
+        f"# Chunk store benchmark ({time.strftime('%Y-%m-%d %H:%M')})\n\n"
         f"Machine: {params['machine']}\n\n" + table)
     print(table)
     print(f"[bench] wrote {out}/results.md, params.json")

@@ -29,7 +29,7 @@ def make_config(num_kv_blocks=64, fraction=0.5, groups=1, recompute=0, scheduler
     chunk = SimpleNamespace(chunk_context="sink", chunk_sink_token_id=SINK,
                             chunk_pool_fraction=fraction, chunk_pool_size_gib=None,
                             chunk_recompute_tokens=recompute,
-                            max_chunk_load_tokens=max_load)
+                            max_chunk_load_tokens=max_load, chunk_store=None)
     vllm_config = SimpleNamespace(
         chunk_cache_config=chunk,
         cache_config=SimpleNamespace(cache_dtype="auto", block_size=BLOCK),

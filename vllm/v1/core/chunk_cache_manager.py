@@ -15,6 +15,10 @@ counter (docs/design/ownership.md). Life of a chunked request (the parent):
    blocks and exactly one child request (`take_new_children`). A request
    whose segments can never fit the pool is refused (OVERSIZED), as is one
    whose key matched other tokens (COLLISION): never served otherwise.
+   With a fleet-wide store (`store_probe`, issue 31) a MISSING key the
+   store holds is fetched instead (`take_new_fetches`: pinned like a child,
+   `fetch_finished` / `fetch_failed`, the latter becoming a child); a query
+   not answered yet makes the parent wait a step (docs/design/store-path.md).
 3. `child_finished` / `child_failed`: a child stored its rows (the entry
    becomes RESIDENT) or ended without them; a failed child is retried once,
    then its waiters are refused (`take_refusals`).
@@ -48,6 +52,12 @@ from vllm.v1.core.chunk_hash_index import (
     ChunkHashIndex,
     ChunkNamespace,
     compute_chunk_hash,
+)
+from vllm.v1.core.chunk_store_probe import (
+    FETCH_ID_PREFIX,
+    FetchSpec,
+    StoreAnswer,
+    StoreProbe,
 )
 from vllm.v1.core.chunk_structures import (
     AdmitReason,
@@ -143,6 +153,8 @@ class _Child:
     attempt: int = 1
     # Parents waiting for this child.
     waiters: set[str] = field(default_factory=set)
+    # Set when this is a store fetch, not a computing child (issue 31).
+    fetch: FetchSpec | None = None
 
 
 @dataclass(frozen=True)
@@ -179,6 +191,10 @@ class ChunkCacheManager:
         self._num_parents_seen = 0
         # Bumped by `reset`; mixed into every key.
         self._epoch = 0
+        # The fleet-wide store (issue 31), None without --chunk-store: then
+        # nothing below about fetches ever runs.
+        self.store_probe: StoreProbe | None = None
+        self._new_fetches: list[FetchSpec] = []
         self._stats = ChunkCacheStats()
 
     # ------------------------------------------------------------ parents
@@ -250,6 +266,12 @@ class ChunkCacheManager:
                 self.pool.pin(h)
 
         missing = [distinct[h] for h, s in status_of.items() if s == SegmentStatus.MISSING]
+        store_hits = self._probe_store(missing, namespace)
+        if store_hits is None:
+            # NOTE: an existence query is still in flight: wait a step (not
+            # counted as deferred; the scheduler never waits on the network).
+            self._unpin_classified(status_of)
+            return ChunkAdmission(request_id, AdmitReason.DEFERRED)
         blocks = sum(self.pool.blocks_needed(len(k.segment_ids)) for k in missing)
         if not self.pool.can_allocate(blocks):
             self._unpin_classified(status_of)
@@ -257,7 +279,10 @@ class ChunkCacheManager:
 
         new_children = []
         for key in missing:
-            new_children.append(self._start_child(key))
+            if key.chunk_hash in store_hits:
+                self._start_fetch(key, store_hits[key.chunk_hash])
+            else:
+                new_children.append(self._start_child(key))
             self.pool.pin(key.chunk_hash)  # the parent's own pin, besides the writer's
 
         parent.segments = tuple(
@@ -425,6 +450,75 @@ class ChunkCacheManager:
             self.pool.free(h)
         return None
 
+    # ------------------------------------------------ store fetches (#31)
+
+    @property
+    def epoch(self) -> int:
+        return self._epoch
+
+    def take_new_fetches(self) -> list[FetchSpec]:
+        """Store fetches started since the last call (admissions)."""
+        fetches, self._new_fetches = self._new_fetches, []
+        return fetches
+
+    def fetch_finished(self, fetch_id: str) -> list[str]:
+        """Every worker read and verified the entry into its rows: as a
+        child that stored them. Returns parents now ready."""
+        assert self._require_child(fetch_id).fetch is not None
+        return self.child_finished(fetch_id)
+
+    def fetch_failed(self, fetch_id: str) -> ChildSpec:
+        """A worker's read failed (absent, corrupt, timeout, error): the
+        entry is computed by a normal child instead, with the same pool blocks
+        and pins; never served from the store."""
+        fetch = self._pop_child(fetch_id)
+        assert fetch.fetch is not None
+        key = _SegmentKey(fetch.spec.chunk_hash, fetch.segment_ids, fetch.context_ids)
+        child = self._new_child(key, attempt=1)
+        self._children[child.request_id].waiters = fetch.waiters
+        return child
+
+    def _probe_store(
+        self, missing: list["_SegmentKey"], namespace: ChunkNamespace
+    ) -> dict[ChunkHash, int] | None:
+        """Store hits among `missing` (key -> content hash); None while a
+        query has not answered."""
+        if self.store_probe is None or not missing:
+            return {}
+        hits: dict[ChunkHash, int] = {}
+        pending = False
+        for key in missing:
+            found = self.store_probe.lookup(key.segment_ids, key.context_ids, namespace)
+            if found.answer == StoreAnswer.PENDING:
+                pending = True
+            elif found.answer == StoreAnswer.HIT:
+                hits[key.chunk_hash] = found.content_hash
+        return None if pending else hits
+
+    def _start_fetch(self, key: "_SegmentKey", content_hash: int) -> None:
+        self._allocate(key)
+        h = key.chunk_hash
+        fetch_id = f"{FETCH_ID_PREFIX}{self._num_children_created}-{h.hex()[:16]}"
+        self._num_children_created += 1
+        spec = FetchSpec(
+            request_id=fetch_id,
+            chunk_hash=h,
+            token_ids=key.context_ids + key.segment_ids,
+            store_start=len(key.context_ids),
+            content_hash=content_hash,
+            epoch=self._epoch,
+        )
+        # NOTE: registered as an in-flight child (same pins, waiters and
+        # joins), but handed out as a fetch, never as a vLLM request.
+        self._children[fetch_id] = _Child(
+            spec=ChildSpec(fetch_id, h, spec.token_ids, spec.store_start),
+            segment_ids=key.segment_ids,
+            context_ids=key.context_ids,
+            fetch=spec,
+        )
+        self._child_by_hash[h] = fetch_id
+        self._new_fetches.append(spec)
+
     # -------------------------------------------------------------- stats
 
     def stats(self) -> ChunkCacheStats:
@@ -570,10 +664,14 @@ class ChunkCacheManager:
                 self.pool.unpin(h)
 
     def _start_child(self, key: _SegmentKey) -> ChildSpec:
+        self._allocate(key)
+        return self._new_child(key, attempt=1)
+
+    def _allocate(self, key: _SegmentKey) -> None:
+        """Pool blocks for `key`'s entry, pinned once for its writer."""
         allocation = self.pool.allocate(key.chunk_hash, len(key.segment_ids))
         for victim in allocation.evicted:
             self.index.remove(victim)
-        return self._new_child(key, attempt=1)
 
     def _new_child(self, key: _SegmentKey, attempt: int) -> ChildSpec:
         h = key.chunk_hash

@@ -119,8 +119,19 @@ class ChunkCacheConnector(KVConnectorBase_V1):
             return self._scheduler.take_stats()
         # Worker: an empty report every step, so that the scheduler adds its
         # own counters (vLLM only asks the scheduler side when a worker
-        # reported something).
-        return ChunkCacheConnectorStats()
+        # reported something); with the store, its bytes and reads.
+        store = self._worker.store if self._worker is not None else None
+        return ChunkCacheConnectorStats(data=store.take_counters() if store else {})
+
+    def build_connector_worker_meta(self) -> Any:
+        # The store's fetch outcomes and this rank's identity (store_fetch.py).
+        store = self._worker.store if self._worker is not None else None
+        return store.take_report() if store is not None else None
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        meta = getattr(connector_output, "kv_connector_worker_meta", None)
+        if meta is not None and self._scheduler is not None:
+            self._scheduler.on_store_report(meta)
 
     @classmethod
     def build_kv_connector_stats(

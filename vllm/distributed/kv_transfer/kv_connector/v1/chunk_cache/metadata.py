@@ -10,6 +10,7 @@ instead of three lists of 32,000 (docs/benchmarks.md).
 """
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -198,3 +199,6 @@ class ChunkCacheMetadata(KVConnectorMetadata):
     loads: list[RequestLoad] = field(default_factory=list)
     # Capture: per child, the stretch it computes in this step (block ids).
     stores: list[ChildStore] = field(default_factory=list)
+    # The fleet-wide store's reads and writes (store_messages.StoreStep),
+    # None without --chunk-store.
+    store: Any = None

@@ -30,7 +30,7 @@ allocation and the next metadata build.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import PrefillGap
 from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.metadata import (
@@ -64,6 +64,9 @@ from vllm.v1.core.chunk_structures import (
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store_client import (
+        StoreClient,
+    )
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
@@ -135,6 +138,7 @@ class ChunkCacheSchedulerAdapter:
         self._rows_this_step = 0
         self._new_children: list[Request] = []
         self._reported = ChunkCacheStats()
+        self.store = self._start_store(vllm_config)
         logger.info(
             "Chunk cache: pool of %d blocks x %d rows, chunk_context=%s",
             num_pool_blocks,
@@ -167,6 +171,8 @@ class ChunkCacheSchedulerAdapter:
             return 0, False
         admission = self.manager.admit(rid)
         self._spawn_children(request)
+        if self.store is not None:
+            self._start_fetches(request)
         if admission.reason != AdmitReason.ADMITTED:
             # NOTE: a refused request is never computed: it waits here until
             # the scheduler finishes it with an error (take_failed_requests).
@@ -268,6 +274,8 @@ class ChunkCacheSchedulerAdapter:
                 RequestStatus.FINISHED_STOPPED,
                 RequestStatus.FINISHED_LENGTH_CAPPED,
             ) and request.num_computed_tokens >= request.num_prompt_tokens:
+                if self.store is not None:
+                    self._put_child(rid, request)
                 self.manager.child_finished(rid)
             else:
                 retry = self.manager.child_failed(rid, ended=request.status.name)
@@ -289,6 +297,8 @@ class ChunkCacheSchedulerAdapter:
         self._add_loads(meta, scheduler_output)
         self._add_stores(meta, scheduler_output)
         self._rows_this_step = 0
+        if self.store is not None:
+            meta.store = self.store.take_step(self.manager.epoch)
         return meta
 
     def _add_loads(self, meta: ChunkCacheMetadata, out: SchedulerOutput) -> None:
@@ -352,7 +362,60 @@ class ChunkCacheSchedulerAdapter:
         """Counter increments since the last call, plus the gauges."""
         now, last = self.manager.stats(), self._reported
         self._reported = now
-        return ChunkCacheConnectorStats.increments(now, last)
+        stats = ChunkCacheConnectorStats.increments(now, last)
+        if self.store is not None:
+            stats.data.update(self.store.counters.take())
+        return stats
+
+    # ------------------------------------------------ the store (issue 31)
+
+    def _start_store(self, vllm_config: VllmConfig) -> StoreClient | None:
+        if vllm_config.chunk_cache_config.chunk_store is None:
+            return None
+        from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store_client import (
+            StoreClient,
+        )
+
+        client = StoreClient(vllm_config)
+        self.manager.store_probe = client
+        # The tenant of each child, for the key its entry is written under.
+        self._child_tenants: dict[str, tuple[str | None, str]] = {}
+        # A waiting parent of each fetch (a failed fetch's child is its).
+        self._fetch_origins: dict[str, Request] = {}
+        return client
+
+    def _start_fetches(self, origin: Request) -> None:
+        assert self.store is not None
+        for spec in self.manager.take_new_fetches():
+            plan = self.manager.store_plan(spec.request_id)
+            self.store.start_fetch(spec, plan.pool_block_ids)
+            self._fetch_origins[spec.request_id] = origin
+
+    def _put_child(self, rid: str, request: Request) -> None:
+        """Queue the finished child's entry for the workers to write, unless
+        a reset retired it (computed with weights that may be gone)."""
+        assert self.store is not None
+        salt, lora = self._child_tenants.pop(rid, (None, ""))
+        plan = self.manager.store_plan(rid)
+        if self.manager.pool.is_retired(plan.chunk_hash):
+            return
+        self.store.queue_put(list(request.prompt_token_ids or []), plan.src_start, salt, lora,
+                             plan.pool_block_ids, self.manager.epoch)
+
+    def on_store_report(self, report: Any) -> None:
+        """The workers' store outcomes of a step (combined over ranks)."""
+        if self.store is None:
+            return
+        done, failed = self.store.on_report(report)
+        for fetch_id in done:
+            self._fetch_origins.pop(fetch_id, None)
+            self.manager.fetch_finished(fetch_id)
+        for fetch_id, cause in failed:
+            origin = self._fetch_origins.pop(fetch_id)
+            spec = self.manager.fetch_failed(fetch_id)
+            logger.info("chunk store: %s missed (%s); computing it as %s",
+                        fetch_id, cause, spec.request_id)
+            self._spawn_children(origin)
 
     # ----------------------------------------------------------- internal
 
@@ -384,6 +447,10 @@ class ChunkCacheSchedulerAdapter:
             block_hasher=origin._block_hasher,
         )
         plan = self.manager.store_plan(spec.request_id)
+        if self.store is not None:
+            lora = origin.lora_request
+            self._child_tenants[spec.request_id] = (
+                origin.cache_salt, lora.lora_name if lora is not None else "")
         self._children[spec.request_id] = _ChildSlots(
             num_tokens=len(spec.token_ids),
             store_start=spec.store_start,

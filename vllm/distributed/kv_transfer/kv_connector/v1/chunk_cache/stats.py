@@ -37,6 +37,26 @@ COUNTERS: dict[str, str] = {
     "hash_collisions": "Key matches whose stored tokens differed",
     "failed_children": "Child requests that ended without storing their rows",
 }
+# The fleet-wide store's counters (issue 31; only with --chunk-store): the
+# scheduler's (store_client.StoreCounters) and each worker's (store_fetch.py),
+# summed over workers. Exported as vllm:chunk_cache_store_*.
+STORE_COUNTERS: dict[str, str] = {
+    "store_hits": "Missing segments read from the chunk store (every rank verified)",
+    "store_misses_absent": "Store lookups or reads that found no entry (computed instead)",
+    "store_misses_verify_failed":
+        "Store reads whose header, tokens or checksum did not verify (computed instead)",
+    "store_misses_error": "Store lookups or reads that failed (computed instead)",
+    "store_misses_timeout": "Store reads past their deadline (computed instead)",
+    "store_fetch_seconds": "Seconds from a store hit to every rank's entry in the pool (sum)",
+    "store_gets": "Entries read, verified and written into the pool by a worker rank",
+    "store_get_bytes": "Bytes read from the store by worker ranks",
+    "store_get_seconds": "Seconds worker ranks spent in store reads (one call per step, summed)",
+    "store_puts_queued": "Children's entries queued for writing to the store",
+    "store_puts": "Entries written to the store by a worker rank",
+    "store_put_bytes": "Bytes written to the store by worker ranks",
+    "store_put_failures": "Entry writes the store refused or failed",
+    "store_puts_skipped": "Entry writes skipped for lack of host buffer room",
+}
 # Gauges (last value wins).
 GAUGES: dict[str, str] = {
     "pool_blocks_used": "Chunk pool blocks in use",
@@ -85,7 +105,7 @@ class ChunkCacheConnectorStats(KVConnectorStats):
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
         for key, value in other.data.items():
-            if key in COUNTERS:
+            if key in COUNTERS or key in STORE_COUNTERS:
                 self.data[key] = self.data.get(key, 0) + value
             else:
                 self.data[key] = value
@@ -100,12 +120,16 @@ class ChunkCacheConnectorStats(KVConnectorStats):
         for k in GAUGES:
             if k in self.data:
                 out[k] = int(self.data[k])
+        for k in STORE_COUNTERS:
+            if k in self.data:
+                out[k] = round(float(self.data[k]), 4) if k.endswith("seconds") else int(
+                    self.data[k])
         return out
 
     def is_empty(self) -> bool:
         return not any(self.data.get(k) for k in COUNTERS) and not any(
             k in self.data for k in GAUGES
-        )
+        ) and not any(self.data.get(k) for k in STORE_COUNTERS)
 
 
 class ChunkCachePromMetrics(KVConnectorPromMetrics):
@@ -121,7 +145,7 @@ class ChunkCachePromMetrics(KVConnectorPromMetrics):
             name: self._counter_cls(
                 name=f"vllm:chunk_cache_{name}", documentation=doc, labelnames=labelnames
             )
-            for name, doc in COUNTERS.items()
+            for name, doc in (COUNTERS | STORE_COUNTERS).items()
         }
         self._gauges = {
             name: self._gauge_cls(

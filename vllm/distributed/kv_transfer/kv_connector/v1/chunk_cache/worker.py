@@ -161,6 +161,10 @@ class ChunkCacheWorker:
         # step without synchronous loads, which would forget the hook's captures.
         self._hook_step: Any = None
         self._hook_captured: set[str] = set()
+        # The fleet-wide store's reads and writes (store_fetch.py), None
+        # without --chunk-store.
+        self.store: Any = None
+        self._model: nn.Module | None = None
 
     # ----------------------------------------------------------- start-up
 
@@ -178,6 +182,7 @@ class ChunkCacheWorker:
                 rotations[id(rope)] = RopeRotation(rope)
         self._ropes = ropes
         self._rotations = rotations
+        self._model = model
         logger.info(
             "Chunk cache: %d attention layers, %d distinct RoPE(s) (%s), %d without RoPE",
             len(ropes),
@@ -265,6 +270,7 @@ class ChunkCacheWorker:
             if not launch.fp8 and all(n in self._capture.after_forward
                                       for n in launch.names)]
         self._allocate_scratch()
+        self._start_store()
         logger.info("Chunk cache: loads use %s%s", self._fused.summary(),
                     f", in {len(self._fused_groups)} launch(es) per step"
                     if self._fused_groups else "")
@@ -289,6 +295,21 @@ class ChunkCacheWorker:
         for rotation in self._rotations.values():
             logger.info("Chunk cache: keys re-rotated with %s",
                         rotation.describe_path(self.device))
+
+    def _start_store(self) -> None:
+        if self.vllm_config.chunk_cache_config.chunk_store is None:
+            return
+        from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store_fetch import (
+            StoreTransfers,
+        )
+
+        tensors = {f"{n}.k": t for n, t in self.pool_key.items()}
+        tensors.update({f"{n}.v": t for n, t in self.pool_value.items()})
+        tensors.update({f"{n}.latent": lat.pool for n, lat in self.latent.items()})
+        assert self._model is not None
+        self.store = StoreTransfers(
+            self.vllm_config, self._model, tensors,
+            f"{self.dtype}/{self.vllm_config.cache_config.cache_dtype}")
 
     def _allocate_scratch(self) -> None:
         """The load buffers of the layers that take them, now (inside the KV
@@ -315,6 +336,10 @@ class ChunkCacheWorker:
         self._step_rows = None
         self._step_dst = None
         self._step_key = None
+        if meta.store is not None and self.store is not None:
+            # NOTE: before the loads: an entry fetched in an earlier step is
+            # written into its pool rows here, before a parent reads them.
+            self.store.on_step(meta.store)
         if not meta.loads:
             return
         assert self.device is not None

@@ -1,0 +1,142 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The manager's store policy (issue 31) with a scripted probe (no store, no
+engine): a pending query waits without pins, a hit becomes a fetch pinned like
+a child, a failed fetch becomes a child, a finished one serves its parents."""
+
+from vllm.v1.core.chunk_cache_manager import ChunkCacheManager
+from vllm.v1.core.chunk_hash_index import ChunkNamespace
+from vllm.v1.core.chunk_store_probe import FETCH_ID_PREFIX, StoreAnswer, StoreLookup
+from vllm.v1.core.chunk_structures import (
+    AdmitReason,
+    ChunkContextMode,
+    ChunkedPrompt,
+    SegmentSpan,
+)
+
+NS = ChunkNamespace(model="m", kv_dtype="float32", tokenizer="t")
+SYS = [1, 2, 3]
+DOC_A = [10, 11, 12, 13, 14]
+DOC_B = [20, 21]
+Q = [30, 31]
+
+
+def prompt(*segments: list[int]) -> ChunkedPrompt:
+    spans, start = [], 0
+    for seg in segments:
+        spans.append(SegmentSpan(start, start + len(seg)))
+        start += len(seg)
+    return ChunkedPrompt([t for seg in segments for t in seg], tuple(spans))
+
+
+class ScriptedProbe:
+    """Answers by segment tokens; records what was asked."""
+
+    def __init__(self):
+        self.answers: dict[tuple[int, ...], StoreAnswer] = {}
+        self.asked: list[tuple[tuple[int, ...], int]] = []
+
+    def lookup(self, segment_ids, context_ids, namespace):
+        self.asked.append((tuple(segment_ids), namespace.weights_epoch))
+        answer = self.answers.get(tuple(segment_ids), StoreAnswer.MISS)
+        return StoreLookup(answer, content_hash=sum(segment_ids))
+
+
+def manager(probe) -> ChunkCacheManager:
+    m = ChunkCacheManager(64, 4, ChunkContextMode.SINK, sink_token_id=1)
+    m.store_probe = probe
+    return m
+
+
+def test_pending_query_waits_a_step_holding_nothing():
+    probe = ScriptedProbe()
+    probe.answers[tuple(DOC_A)] = StoreAnswer.PENDING
+    m = manager(probe)
+    m.add_request("p", prompt(SYS, DOC_A, Q), NS)
+    adm = m.admit("p")
+    assert adm.reason == AdmitReason.DEFERRED
+    assert m.take_new_children() == [] and m.take_new_fetches() == []
+    assert m.pool.usage().blocks_used == 0
+    assert m.stats().deferred_requests == 0  # waiting for the network is not "deferred"
+    probe.answers[tuple(DOC_A)] = StoreAnswer.HIT
+    assert m.admit("p").reason == AdmitReason.ADMITTED
+
+
+def test_hit_is_fetched_not_computed_and_serves_every_waiter():
+    probe = ScriptedProbe()
+    probe.answers[tuple(DOC_A)] = StoreAnswer.HIT
+    m = manager(probe)
+    m.add_request("p", prompt(SYS, DOC_A, Q), NS)
+    m.add_request("q", prompt(SYS, DOC_A, DOC_B, Q), NS)
+    assert m.admit("p").reason == AdmitReason.ADMITTED
+    children = m.take_new_children()
+    fetches = m.take_new_fetches()
+    assert [c.token_ids for c in children] == [SYS]  # the system misses: computed
+    assert len(fetches) == 1 and fetches[0].request_id.startswith(FETCH_ID_PREFIX)
+    fetch = fetches[0]
+    assert fetch.token_ids == [1] + DOC_A and fetch.store_start == 1
+    assert fetch.content_hash == sum(DOC_A) and fetch.epoch == 0
+    assert m.stats().child_computes == 1
+    # The fetch's entry is allocated and pinned like a child's (writer + parent).
+    plan = m.store_plan(fetch.request_id)
+    assert plan.num_tokens == len(DOC_A)
+    assert m.pool.get(fetch.chunk_hash).pin_count == 2
+    # A second parent joins the fetch in flight (no second lookup of DOC_A).
+    asked = len(probe.asked)
+    assert m.admit("q").reason == AdmitReason.ADMITTED
+    assert m.take_new_fetches() == []
+    assert all(seg != tuple(DOC_A) for seg, _ in probe.asked[asked:])
+    assert m.stats().in_flight_joins >= 1
+    m.child_finished(children[0].request_id)
+    assert not m.is_ready("p")
+    ready = m.fetch_finished(fetch.request_id)
+    assert ready == ["p"] and m.is_ready("p")
+    # Resident now: a later parent hits the pool without asking the store.
+    m.add_request("r", prompt(SYS, DOC_A, Q), NS)
+    asked = len(probe.asked)
+    assert m.admit("r").ready
+    assert len(probe.asked) == asked
+
+
+def test_failed_fetch_becomes_a_child_with_the_same_entry():
+    probe = ScriptedProbe()
+    probe.answers[tuple(DOC_A)] = StoreAnswer.HIT
+    m = manager(probe)
+    m.add_request("p", prompt(SYS, DOC_A, Q), NS)
+    m.admit("p")
+    sys_child = m.take_new_children()[0]
+    fetch = m.take_new_fetches()[0]
+    blocks = list(m.store_plan(fetch.request_id).pool_block_ids)
+    child = m.fetch_failed(fetch.request_id)
+    assert child.token_ids == [1] + DOC_A and child.chunk_hash == fetch.chunk_hash
+    assert m.take_new_children() == [child]
+    assert list(m.store_plan(child.request_id).pool_block_ids) == blocks
+    assert m.stats().child_computes == 2
+    m.child_finished(sys_child.request_id)
+    assert m.child_finished(child.request_id) == ["p"]
+    m.release("p")
+    assert m.stats().pinned_entries == 0
+
+
+def test_lookups_carry_the_epoch_and_a_reset_forgets_fetched_entries():
+    probe = ScriptedProbe()
+    probe.answers[tuple(DOC_A)] = StoreAnswer.HIT
+    m = manager(probe)
+    m.add_request("p", prompt(SYS, DOC_A, Q), NS)
+    m.admit("p")
+    fetch = m.take_new_fetches()[0]
+    m.reset()
+    # Finished after the reset: never filed under a key (computed with weights
+    # that may be gone).
+    m.fetch_finished(fetch.request_id)
+    m.release("p")
+    m.add_request("q", prompt(SYS, DOC_A, Q), NS)
+    m.admit("q")
+    assert (tuple(DOC_A), 1) in probe.asked
+    assert m.take_new_fetches()[0].epoch == 1
+
+
+def test_without_a_probe_nothing_is_asked():
+    m = ChunkCacheManager(64, 4, ChunkContextMode.SINK, sink_token_id=1)
+    m.add_request("p", prompt(SYS, DOC_A, Q), NS)
+    assert m.admit("p").reason == AdmitReason.ADMITTED
+    assert len(m.take_new_children()) == 2 and m.take_new_fetches() == []

@@ -1,0 +1,68 @@
+# SPDX-License-Identifier: Apache-2.0
+"""HostArena: the worker's host memory for store reads and writes.
+
+One block of host memory registered with the store once (the ChunkStore seam
+has no unregister), carved first-fit into spans for each entry in flight and
+given back when its read or write ended. A span that does not fit now is
+refused (the caller counts it), never waited for.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+ALIGN = 64
+
+
+class HostArena:
+    def __init__(self, nbytes: int):
+        self.nbytes = nbytes
+        self.tensor = torch.empty(nbytes, dtype=torch.uint8)
+        self.ptr = self.tensor.data_ptr()
+        # Free spans (offset, size), sorted by offset.
+        self._free: list[tuple[int, int]] = [(0, nbytes)]
+        # Span start -> (its free-list offset, bytes it took).
+        self._spans: dict[int, tuple[int, int]] = {}
+        self._lock = threading.Lock()
+
+    def allocate(self, nbytes: int, tail_align_at: int = 0) -> int | None:
+        """Offset of a span of `nbytes` whose byte `tail_align_at` is
+        ALIGN-aligned (an entry's payload after its header), or None."""
+        need = nbytes + ALIGN
+        with self._lock:
+            for i, (off, size) in enumerate(self._free):
+                if size < need:
+                    continue
+                start = off + (-(off + tail_align_at)) % ALIGN
+                used = start - off + nbytes
+                rest = size - used
+                if rest:
+                    self._free[i] = (off + used, rest)
+                else:
+                    del self._free[i]
+                # NOTE: the alignment gap before `start` stays with the span.
+                self._spans[start] = (off, used)
+                return start
+        return None
+
+    def free(self, start: int) -> None:
+        with self._lock:
+            off, used = self._spans.pop(start)
+            self._free.append((off, used))
+            self._free.sort()
+            merged: list[tuple[int, int]] = []
+            for o, s in self._free:
+                if merged and merged[-1][0] + merged[-1][1] == o:
+                    merged[-1] = (merged[-1][0], merged[-1][1] + s)
+                else:
+                    merged.append((o, s))
+            self._free = merged
+
+    def view(self, start: int, nbytes: int) -> torch.Tensor:
+        return self.tensor[start:start + nbytes]
+
+    def in_use(self) -> int:
+        with self._lock:
+            return self.nbytes - sum(s for _, s in self._free)

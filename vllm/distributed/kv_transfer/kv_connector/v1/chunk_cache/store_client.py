@@ -1,0 +1,356 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The scheduler's side of the fleet-wide chunk store (issue 31).
+
+`StoreClient` answers the manager's `StoreProbe.lookup` from existence
+queries run on its own thread (one `batch_exists` per step for every key
+asked in it), tracks the fetches it hands to the workers until every rank
+reported, and queues children's entries for the workers to write. Nothing
+here blocks the scheduler: a query not answered yet is PENDING, a store that
+cannot be reached answers MISS (counted as `error`). See
+docs/design/store-path.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.host_arena import HostArena
+from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store_messages import (
+    CAUSE_ABSENT,
+    CAUSE_ERROR,
+    FETCH_OK,
+    MISS_CAUSES,
+    EntryFetch,
+    EntryPut,
+    EntryRef,
+    RankIdentity,
+    StoreReport,
+    StoreStep,
+    store_key_for,
+)
+from vllm.logger import init_logger
+from vllm.v1.core.chunk_hash_index import ChunkNamespace, compute_chunk_hash
+from vllm.v1.core.chunk_store_probe import FetchSpec, StoreAnswer, StoreLookup
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store.base import (
+        ChunkStore,
+    )
+
+logger = init_logger(__name__)
+
+# How long an existence answer is reused (a parent whose other keys were
+# still being asked must not ask again forever).
+ANSWER_TTL_S = 5.0
+# A new epoch's identities come with the workers' next step; if they do not
+# (a broken worker), lookups stop waiting for them after this long.
+IDENTITY_WAIT_S = 30.0
+# Between two tries to connect to a store that could not be reached.
+RECONNECT_S = 5.0
+
+
+def store_content_hash(
+    segment_ids: list[int], context_ids: list[int], cache_salt: str | None, lora: str
+) -> int:
+    """The content part of a store key: the tokens and the tenant only.
+
+    NOTE: not the pool's key: that one names the model by its local path and
+    carries this process's epoch; in the store, the rank's identity (weights
+    fingerprint, layout, rope) says which weights computed the entry.
+    """
+    namespace = ChunkNamespace(model="", kv_dtype="", tokenizer="", lora_name=lora,
+                               cache_salt=cache_salt)
+    digest = compute_chunk_hash(segment_ids, context_ids, namespace.digest())
+    return int.from_bytes(digest, "little")
+
+
+class SharedStore:
+    """One connection to the store per process (the scheduler and a worker
+    share it when they run in one process), made on first use on a caller's
+    thread and retried after RECONNECT_S when the store cannot be reached."""
+
+    _lock = threading.Lock()
+    _by_spec: dict[str, SharedStore] = {}
+
+    def __init__(self, spec_text: str):
+        self.spec_text = spec_text
+        self._store: ChunkStore | None = None
+        self._last_try = 0.0
+        self._lock = threading.Lock()
+        # The host memory reads and writes use, registered with the
+        # connection once (the seam has no unregister: a second engine in
+        # this process reuses it rather than registering memory again).
+        self._arena: HostArena | None = None
+        self._registered = False
+
+    def arena(self, nbytes: int) -> HostArena:
+        with self._lock:
+            if self._arena is None:
+                self._arena = HostArena(nbytes)
+            return self._arena
+
+    @classmethod
+    def of(cls, spec_text: str) -> SharedStore:
+        with cls._lock:
+            shared = cls._by_spec.get(spec_text)
+            if shared is None:
+                shared = cls._by_spec[spec_text] = SharedStore(spec_text)
+            return shared
+
+    def get(self) -> ChunkStore | None:
+        """The connection, or None if the store cannot be reached now (call
+        from a store thread only: connecting blocks)."""
+        with self._lock:
+            if self._store is not None:
+                self._register()
+                return self._store
+            now = time.monotonic()
+            if now - self._last_try < RECONNECT_S:
+                return None
+            self._last_try = now
+            from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store.mooncake import (
+                MooncakeChunkStore,
+            )
+            from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store.spec import (
+                parse_store_spec,
+            )
+
+            try:
+                self._store = MooncakeChunkStore.connect(parse_store_spec(self.spec_text))
+                logger.info("chunk store: connected to %s", self.spec_text)
+            except Exception as e:  # noqa: BLE001 - any failure is a miss
+                logger.warning("chunk store: cannot connect to %s (%s); entries are "
+                               "computed locally until it can be reached", self.spec_text, e)
+                return None
+            self._register()
+            return self._store
+
+    def _register(self) -> None:
+        from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store.base import (
+            HostBuffer,
+        )
+
+        if self._arena is not None and not self._registered and self._store is not None:
+            self._store.register_buffer(HostBuffer(self._arena.ptr, self._arena.nbytes))
+            self._registered = True
+
+
+@dataclass
+class _Answer:
+    lookup: StoreLookup
+    at: float
+    cache_salt: str | None
+    lora: str
+
+
+@dataclass
+class _Fetch:
+    entry: EntryRef
+    started: float
+    outcomes: list[str] = dataclasses.field(default_factory=list)
+
+
+@dataclass
+class StoreCounters:
+    """The scheduler's store counters, cumulative; `take` gives the
+    increments since its last call (stats.py)."""
+
+    store_hits: int = 0
+    store_misses_absent: int = 0
+    store_misses_verify_failed: int = 0
+    store_misses_error: int = 0
+    store_misses_timeout: int = 0
+    store_fetch_seconds: float = 0.0
+    store_puts_queued: int = 0
+
+    def take(self) -> dict[str, float]:
+        now = dataclasses.asdict(self)
+        last = getattr(self, "_reported", {})
+        self._reported = now
+        return {k: v - last.get(k, 0) for k, v in now.items() if v != last.get(k, 0)}
+
+
+class StoreClient:
+    """Implements `StoreProbe` for the manager (chunk_store_probe.py)."""
+
+    def __init__(self, vllm_config: VllmConfig):
+        spec_text = vllm_config.chunk_cache_config.chunk_store
+        assert spec_text is not None
+        parallel = vllm_config.parallel_config
+        self.tp_size = parallel.tensor_parallel_size
+        self.pp_size = parallel.pipeline_parallel_size
+        self.world_size = self.tp_size * self.pp_size
+        self._shared = SharedStore.of(spec_text)
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="chunk-store-query")
+        self._identities: dict[int, dict[tuple[int, int], RankIdentity]] = {}
+        self._epoch_seen: dict[int, float] = {}
+        # lookup id -> answer; lookups asked this step; the query in flight.
+        self._answers: dict[tuple, _Answer] = {}
+        self._asked: dict[tuple, tuple[list[str], str | None, str]] = {}
+        self._query: tuple[dict, Future] | None = None
+        self._fetches: dict[str, _Fetch] = {}
+        self._step = StoreStep(epoch=0)
+        self._puts: list[tuple[int, EntryPut]] = []
+        self.counters = StoreCounters()
+        self._store_down = False
+
+    # ------------------------------------------------------------ lookups
+
+    def lookup(
+        self, segment_ids: list[int], context_ids: list[int], namespace: ChunkNamespace
+    ) -> StoreLookup:
+        self._collect()
+        epoch = namespace.weights_epoch
+        identities = self._ranks(epoch)
+        if identities is None:
+            return StoreLookup(StoreAnswer.PENDING)
+        if not identities:
+            return StoreLookup(StoreAnswer.MISS)
+        lora = namespace.lora_name
+        content = store_content_hash(segment_ids, context_ids, namespace.cache_salt, lora)
+        lookup_id = (epoch, content)
+        answer = self._answers.get(lookup_id)
+        if answer is not None and time.monotonic() - answer.at < ANSWER_TTL_S:
+            return answer.lookup
+        if lookup_id not in self._asked:
+            entry = EntryRef(content, (), 0, namespace.cache_salt, lora)
+            keys = [store_key_for(i, self.tp_size, self.pp_size, entry) for i in identities]
+            self._asked[lookup_id] = (keys, namespace.cache_salt, lora)
+        return StoreLookup(StoreAnswer.PENDING)
+
+    def _ranks(self, epoch: int) -> list[RankIdentity] | None:
+        """Every rank's identity in `epoch`; None while the workers have not
+        reported it yet, [] if they never did (the store is then skipped)."""
+        ranks = self._identities.get(epoch, {})
+        if len(ranks) == self.world_size:
+            return [ranks[k] for k in sorted(ranks)]
+        first = self._epoch_seen.setdefault(epoch, time.monotonic())
+        if time.monotonic() - first > IDENTITY_WAIT_S:
+            return []
+        return None
+
+    def _collect(self) -> None:
+        """Take the answers of a finished query (scheduler thread)."""
+        if self._query is None or not self._query[1].done():
+            return
+        asked, future = self._query
+        self._query = None
+        now = time.monotonic()
+        try:
+            presence = future.result()
+        except Exception as e:  # noqa: BLE001 - a failed query is a miss
+            logger.warning("chunk store: existence query failed: %s", e)
+            presence = None
+        from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store.base import (
+            Presence,
+        )
+
+        self._note_health(presence is not None and Presence.ERROR not in presence)
+        offset = 0
+        for lookup_id, (keys, salt, lora) in asked.items():
+            found = None if presence is None else presence[offset:offset + len(keys)]
+            offset += len(keys)
+            if found is not None and all(p == Presence.PRESENT for p in found):
+                result = StoreLookup(StoreAnswer.HIT, lookup_id[1])
+            else:
+                if found is None or any(p == Presence.ERROR for p in found):
+                    self.counters.store_misses_error += 1
+                else:
+                    self.counters.store_misses_absent += 1
+                result = StoreLookup(StoreAnswer.MISS)
+            self._answers[lookup_id] = _Answer(result, now, salt, lora)
+
+    def _note_health(self, ok: bool) -> None:
+        """One log line when the store stops answering, one when it is back."""
+        if not ok and not self._store_down:
+            logger.warning("chunk store %s is not answering: documents missing from the "
+                           "pool are computed here (served exactly, as misses) until it "
+                           "answers again", self._shared.spec_text)
+        elif ok and self._store_down:
+            logger.info("chunk store %s answers again", self._shared.spec_text)
+        self._store_down = not ok
+
+    def flush(self) -> None:
+        """Send the keys asked in this step as one query (end of a step)."""
+        self._collect()
+        now = time.monotonic()
+        for lookup_id in [k for k, a in self._answers.items() if now - a.at >= ANSWER_TTL_S]:
+            del self._answers[lookup_id]
+        if self._query is not None or not self._asked:
+            return
+        asked, self._asked = self._asked, {}
+        keys = [k for ks, _, _ in asked.values() for k in ks]
+        self._query = (asked, self._thread.submit(self._exists, keys))
+
+    def _exists(self, keys: list[str]):
+        store = self._shared.get()
+        if store is None:
+            return None
+        return store.batch_exists(keys)
+
+    # ------------------------------------------------------------ fetches
+
+    def start_fetch(self, spec: FetchSpec, pool_block_ids: list[int]) -> None:
+        answer = self._answers.get((spec.epoch, spec.content_hash))
+        salt, lora = (answer.cache_salt, answer.lora) if answer else (None, "")
+        entry = EntryRef(spec.content_hash, tuple(spec.token_ids), spec.store_start, salt, lora)
+        self._fetches[spec.request_id] = _Fetch(entry, time.monotonic())
+        self._step.fetches.append(
+            EntryFetch(spec.request_id, entry, tuple(int(b) for b in pool_block_ids)))
+
+    def queue_put(self, token_ids: list[int], store_start: int, cache_salt: str | None,
+                  lora: str, pool_block_ids: list[int], epoch: int) -> None:
+        content = store_content_hash(token_ids[store_start:], token_ids[:store_start],
+                                     cache_salt, lora)
+        entry = EntryRef(content, tuple(token_ids), store_start, cache_salt, lora)
+        self._puts.append((epoch, EntryPut(entry, tuple(int(b) for b in pool_block_ids))))
+        self.counters.store_puts_queued += 1
+
+    def take_step(self, epoch: int) -> StoreStep:
+        self.flush()
+        step, self._step = self._step, StoreStep(epoch=epoch)
+        step.epoch = epoch
+        # NOTE: an entry computed before a reset is never written: the workers
+        # would key it with the new epoch's weights version.
+        step.puts = [put for put_epoch, put in self._puts if put_epoch == epoch]
+        self._puts = []
+        return step
+
+    def on_report(self, report: StoreReport) -> tuple[list[str], list[tuple[str, str]]]:
+        """Fold in the workers' report: (fetches every rank completed,
+        fetches some rank failed with the first failure's cause)."""
+        for identity in report.identities:
+            self._identities.setdefault(identity.epoch, {})[
+                (identity.pp_rank, identity.tp_rank)] = identity
+        done, failed = [], []
+        for fetch_id, results in report.outcomes.items():
+            fetch = self._fetches.get(fetch_id)
+            if fetch is None:
+                continue
+            fetch.outcomes.extend(results)
+            if len(fetch.outcomes) < self.world_size:
+                continue
+            del self._fetches[fetch_id]
+            self.counters.store_fetch_seconds += time.monotonic() - fetch.started
+            causes = [c for c in fetch.outcomes if c != FETCH_OK]
+            if not causes:
+                self.counters.store_hits += 1
+                done.append(fetch_id)
+                continue
+            cause = causes[0] if causes[0] in MISS_CAUSES else CAUSE_ERROR
+            if cause == CAUSE_ABSENT:
+                self.counters.store_misses_absent += 1
+            else:
+                setattr(self.counters, f"store_misses_{cause}",
+                        getattr(self.counters, f"store_misses_{cause}") + 1)
+            failed.append((fetch_id, cause))
+        return done, failed
+
+    def close(self) -> None:
+        self._thread.shutdown(wait=False, cancel_futures=True)

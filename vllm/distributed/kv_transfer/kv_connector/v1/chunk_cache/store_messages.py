@@ -1,0 +1,119 @@
+# SPDX-License-Identifier: Apache-2.0
+"""What the store path sends between the scheduler and the workers (issue 31).
+
+Down (in `ChunkCacheMetadata.store`): the entries to read from the store into
+pool rows (`EntryFetch`) and the children's entries to write to it
+(`EntryPut`), with the scheduler's epoch. Up (vLLM's worker metadata, combined
+over every worker by `KVOutputAggregator` through `StoreReport.aggregate`):
+each rank's outcome per fetch, and each rank's identity (the part of the
+store key only the worker knows: its weights' fingerprint, KV layout).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorWorkerMetadata
+
+# A fetch outcome: "" (read, verified, written into the pool rows) or a miss
+# cause (docs/design/store-path.md).
+FETCH_OK = ""
+CAUSE_ABSENT = "absent"
+CAUSE_VERIFY_FAILED = "verify_failed"
+CAUSE_ERROR = "error"
+CAUSE_TIMEOUT = "timeout"
+MISS_CAUSES = (CAUSE_ABSENT, CAUSE_VERIFY_FAILED, CAUSE_ERROR, CAUSE_TIMEOUT)
+
+
+@dataclass(frozen=True)
+class EntryRef:
+    """One entry as the store knows it (each rank keys it with its identity)."""
+
+    content_hash: int
+    # Tokens of the entry's header (context + segment) and its first stored
+    # row's position (= len(context)).
+    token_ids: tuple[int, ...]
+    virtual_start: int
+    # The tenant part of the key.
+    cache_salt: str | None
+    lora: str
+
+
+@dataclass(frozen=True)
+class EntryFetch:
+    fetch_id: str
+    entry: EntryRef
+    pool_block_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class EntryPut:
+    entry: EntryRef
+    pool_block_ids: tuple[int, ...]
+
+
+@dataclass
+class StoreStep:
+    """One step's store work for the workers."""
+
+    # The scheduler's epoch (cache resets so far): a worker that sees a new
+    # one fingerprints its weights again before any read or write.
+    epoch: int
+    fetches: list[EntryFetch] = field(default_factory=list)
+    puts: list[EntryPut] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class RankIdentity:
+    """The store-key fields one worker rank owns (keys.StoreNamespace)."""
+
+    epoch: int
+    tp_rank: int
+    pp_rank: int
+    model: str
+    weights_version: str
+    kv_dtype: str
+    kv_layout: str
+    rope: str
+
+
+@dataclass
+class StoreReport(KVConnectorWorkerMetadata):
+    """Workers -> scheduler, once per step (combined over workers)."""
+
+    # fetch id -> one outcome per rank that finished it this step.
+    outcomes: dict[str, list[str]] = field(default_factory=dict)
+    identities: list[RankIdentity] = field(default_factory=list)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> StoreReport:
+        assert isinstance(other, StoreReport)
+        for fetch_id, results in other.outcomes.items():
+            self.outcomes.setdefault(fetch_id, []).extend(results)
+        self.identities.extend(other.identities)
+        return self
+
+    def is_empty(self) -> bool:
+        return not self.outcomes and not self.identities
+
+
+def store_key_for(identity: RankIdentity, tp_size: int, pp_size: int, entry: EntryRef) -> str:
+    """The key of `entry` for one rank (keys.py's one spelling of a key)."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store.keys import (
+        StoreNamespace,
+        store_key,
+    )
+
+    namespace = StoreNamespace(
+        model=identity.model,
+        weights_version=identity.weights_version,
+        kv_dtype=identity.kv_dtype,
+        kv_layout=identity.kv_layout,
+        rope=identity.rope,
+        tp_rank=identity.tp_rank,
+        tp_size=tp_size,
+        pp_rank=identity.pp_rank,
+        pp_size=pp_size,
+        cache_salt=entry.cache_salt,
+        lora=entry.lora,
+    )
+    return store_key(namespace, entry.content_hash)

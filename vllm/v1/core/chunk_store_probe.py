@@ -1,0 +1,62 @@
+# SPDX-License-Identifier: Apache-2.0
+"""What the manager asks the fleet-wide chunk store at admission (issue 31).
+
+Engine-free: the manager sees only this protocol. The connector's
+`StoreClient` (chunk_cache/store_client.py) answers it from existence queries
+run on its own thread; it never blocks: a query still in flight answers
+PENDING, and the parent waits a step (docs/design/store-path.md).
+"""
+
+from dataclasses import dataclass
+from enum import Enum
+from typing import Protocol
+
+from vllm.v1.core.chunk_hash_index import ChunkNamespace
+from vllm.v1.core.chunk_structures import ChunkHash
+
+# Request ids of store fetches (never vLLM requests; unique among children).
+FETCH_ID_PREFIX = "chunkstore-fetch-"
+
+
+class StoreAnswer(str, Enum):
+    # Every rank's entry exists in the store: fetch instead of computing.
+    HIT = "hit"
+    # Absent, or the store could not be asked (counted by cause): compute.
+    MISS = "miss"
+    # The query has not answered yet: ask again next step.
+    PENDING = "pending"
+
+
+@dataclass(frozen=True)
+class StoreLookup:
+    answer: StoreAnswer
+    # The entry's content hash in the store's key (keys.store_key), for HIT.
+    content_hash: int = 0
+
+
+@dataclass(frozen=True)
+class FetchSpec:
+    """A store hit the manager allocated a pool entry for: the workers read
+    it into the entry's rows (pinned like a child's until it ends)."""
+
+    request_id: str
+    chunk_hash: ChunkHash
+    # Context + segment ids (the entry's header carries them).
+    token_ids: list[int]
+    # Rows [store_start, len(token_ids)) are the entry's (= len(context)).
+    store_start: int
+    content_hash: int
+    # The manager's epoch when the fetch started.
+    epoch: int
+
+
+class StoreProbe(Protocol):
+    def lookup(
+        self,
+        segment_ids: list[int],
+        context_ids: list[int],
+        namespace: ChunkNamespace,
+    ) -> StoreLookup:
+        """Whether a segment missing from the pool is in the store (its
+        namespace carries the manager's epoch)."""
+        ...
