@@ -44,8 +44,9 @@ class RecomputeSteps:
         if cfg is None or cfg.chunk_recompute_tokens == 0:
             return cls(False, "no boundary recompute")
         extra = {}
-        if vllm_config.kv_transfer_config is not None:
-            extra = vllm_config.kv_transfer_config.kv_connector_extra_config or {}
+        transfer = getattr(vllm_config, "kv_transfer_config", None)
+        if transfer is not None:
+            extra = transfer.kv_connector_extra_config or {}
         wanted = extra.get(RECOMPUTE_IN_ONE_STEP)
         if wanted is not None and not isinstance(wanted, bool):
             raise ValueError(
@@ -99,7 +100,7 @@ def _unsupported(vllm_config: Any) -> str | None:
             f"query runs are built and tested for the CPU attention backend "
             f"(CPU_ATTN) only, not on {current_platform.device_name or 'this platform'}"
         )
-    if vllm_config.speculative_config is not None:
+    if getattr(vllm_config, "speculative_config", None) is not None:
         return "speculative decoding schedules draft tokens per request"
     if getattr(vllm_config, "use_v2_model_runner", False):
         return "the V2 model runner does not read SchedulerOutput.query_runs"

@@ -264,6 +264,8 @@ class ChunkCacheSchedulerAdapter:
         rid = request.request_id
         first = self._load_starts.pop(rid, None)
         if num_external_tokens == 0 or first is None:
+            # NOTE: an earlier allocation in this step was preempted since.
+            self._pending_loads.pop(rid, None)
             return
         self._pending_loads[rid] = self._pending_load(
             rid, first, num_external_tokens, list(blocks.get_block_ids()[0])
@@ -346,11 +348,14 @@ class ChunkCacheSchedulerAdapter:
     def _add_loads(self, meta: ChunkCacheMetadata, out: SchedulerOutput) -> None:
         # NOTE: a request allocated (and given a load) earlier in this step
         # can be preempted later in the same step (priority policy): its
-        # blocks are free again, so its load must not run. It is asked again
-        # when it resumes.
-        preempted = out.preempted_req_ids or set()
+        # blocks are free again, so its load must not run; the scheduler
+        # takes it out of this step's tokens. It is asked again when it
+        # resumes (a later allocation in the same step replaces or drops the
+        # pending load). Not `preempted_req_ids`: vLLM 0.32 also lists there a
+        # request preempted between steps (a cache reset with running
+        # requests) and resumed in this one, whose load must run.
         for rid, pending in self._pending_loads.items():
-            if rid in preempted or rid not in out.num_scheduled_tokens:
+            if rid not in out.num_scheduled_tokens:
                 continue
             plan = self._load_plan(rid, pending)
             self.manager.record_load(plan)
