@@ -7,32 +7,36 @@ from types import SimpleNamespace
 import pytest
 
 from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.recompute_step import (
+    RECOMPUTE_IN_ONE_STEP,
     RecomputeSteps,
 )
 from vllm.platforms import current_platform
 
 
-def config(k=5, extra=None, speculative=None):
-    return SimpleNamespace(
-        chunk_cache_config=SimpleNamespace(chunk_recompute_tokens=k),
-        kv_transfer_config=SimpleNamespace(kv_connector_extra_config=extra or {}),
-        speculative_config=speculative, use_v2_model_runner=False)
+def config(k=5, speculative=None):
+    return SimpleNamespace(chunk_cache_config=SimpleNamespace(chunk_recompute_tokens=k),
+                           speculative_config=speculative, use_v2_model_runner=False)
 
 
 @pytest.mark.skipif(not current_platform.is_cpu(), reason="the CPU platform's rule")
-def test_the_cpu_backend_takes_every_head_in_one_step():
+def test_the_cpu_backend_takes_every_head_in_one_step(monkeypatch):
+    monkeypatch.delenv(RECOMPUTE_IN_ONE_STEP, raising=False)
     assert RecomputeSteps.for_config(config()).one_step
-    assert RecomputeSteps.for_config(config(extra={"recompute_in_one_step": True})).one_step
+    monkeypatch.setenv(RECOMPUTE_IN_ONE_STEP, "1")
+    assert RecomputeSteps.for_config(config()).one_step
 
 
-def test_what_keeps_or_refuses_the_one_step_path_is_named():
+def test_what_keeps_or_refuses_the_one_step_path_is_named(monkeypatch):
+    monkeypatch.delenv(RECOMPUTE_IN_ONE_STEP, raising=False)
     assert not RecomputeSteps.for_config(config(k=0)).one_step
-    off = RecomputeSteps.for_config(config(extra={"recompute_in_one_step": False}))
-    assert (off.one_step, off.reason) == (False, "recompute_in_one_step=false")
     spec = RecomputeSteps.for_config(config(speculative=object()))
     assert not spec.one_step and "speculative decoding" in spec.reason
+    monkeypatch.setenv(RECOMPUTE_IN_ONE_STEP, "0")
+    off = RecomputeSteps.for_config(config())
+    assert not off.one_step and "VLLM_CHUNK_RECOMPUTE_ONE_STEP=0" in off.reason
+    monkeypatch.setenv(RECOMPUTE_IN_ONE_STEP, "1")
     with pytest.raises(ValueError, match="speculative decoding"):
-        RecomputeSteps.for_config(config(extra={"recompute_in_one_step": True},
-                                         speculative=object()))
-    with pytest.raises(ValueError, match="must be true or false"):
-        RecomputeSteps.for_config(config(extra={"recompute_in_one_step": "yes"}))
+        RecomputeSteps.for_config(config(speculative=object()))
+    monkeypatch.setenv(RECOMPUTE_IN_ONE_STEP, "yes")
+    with pytest.raises(ValueError, match="must be 0 or 1"):
+        RecomputeSteps.for_config(config())

@@ -23,7 +23,7 @@ SINK = 1
 
 
 def make_config(num_kv_blocks=64, fraction=0.5, groups=1, recompute=0, scheduler=None,
-                max_load=16384, one_step=None):
+                max_load=16384):
     from vllm.v1.core.sched.scheduler import Scheduler
 
     chunk = SimpleNamespace(chunk_context="sink", chunk_sink_token_id=SINK,
@@ -35,8 +35,6 @@ def make_config(num_kv_blocks=64, fraction=0.5, groups=1, recompute=0, scheduler
         cache_config=SimpleNamespace(cache_dtype="auto", block_size=BLOCK),
         model_config=SimpleNamespace(model="m", tokenizer="t", dtype="float32"),
         scheduler_config=SimpleNamespace(get_scheduler_cls=lambda: scheduler or Scheduler),
-        kv_transfer_config=SimpleNamespace(kv_connector_extra_config=(
-            {} if one_step is None else {"recompute_in_one_step": one_step})),
     )
     from vllm.v1.kv_cache_interface import FullAttentionSpec
 
@@ -171,12 +169,13 @@ def test_connector_reset_forgets_every_segment_and_reports_pinned_ones():
     finish(adapter, again, RequestStatus.FINISHED_ABORTED)
 
 
-def test_boundary_recompute_loads_each_rest_in_the_step_before_its_next_head():
+def test_boundary_recompute_loads_each_rest_in_the_step_before_its_next_head(monkeypatch):
     """K=2: [sys 3][doc 5][doc 4][question 2] -> load sys, compute doc1[:2],
     load doc1[2:], compute doc2[:2], load doc2[2:], compute the question; each
     stretch's rows land in the request's slots at their real positions. (The
-    multi-step path: other platforms, or recompute_in_one_step=false.)"""
-    adapter = ChunkCacheSchedulerAdapter(*make_config(recompute=2, one_step=False))
+    multi-step path: other platforms, or VLLM_CHUNK_RECOMPUTE_ONE_STEP=0.)"""
+    monkeypatch.setenv("VLLM_CHUNK_RECOMPUTE_ONE_STEP", "0")
+    adapter = ChunkCacheSchedulerAdapter(*make_config(recompute=2))
     assert not adapter._steps.one_step
     r = parent("p", [3, 5, 4, 2])
     adapter.on_new_request(r)

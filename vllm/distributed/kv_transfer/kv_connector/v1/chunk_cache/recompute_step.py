@@ -14,11 +14,12 @@ CPU_ATTN, takes any number of rows over one block table and builds its
 metadata from the runner's rows with no CUDA graph), vLLM's V1 model runner
 (the V2 runner does not read `query_runs`) and no speculative decoding. On
 every other set-up the multi-step path runs and the start-up line says why.
-`kv_connector_extra_config={"recompute_in_one_step": false}` keeps the
-multi-step path anywhere; `true` refuses to start where one step is not
+`VLLM_CHUNK_RECOMPUTE_ONE_STEP=0` keeps the multi-step path anywhere (e.g. to
+measure it side by side); `=1` refuses to start where one step is not
 supported.
 """
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,8 +27,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import PrefillGap
 from vllm.v1.core.chunk_prefill_plan import PrefillPlan
 from vllm.v1.core.chunk_structures import SegmentSpan
 
-# kv_connector_extra_config key: True (require), False (never), absent (auto).
-RECOMPUTE_IN_ONE_STEP = "recompute_in_one_step"
+# Environment variable: "1" (require), "0" (never), unset or "" (where supported).
+RECOMPUTE_IN_ONE_STEP = "VLLM_CHUNK_RECOMPUTE_ONE_STEP"
 
 
 @dataclass(frozen=True)
@@ -43,24 +44,18 @@ class RecomputeSteps:
         cfg = vllm_config.chunk_cache_config
         if cfg is None or cfg.chunk_recompute_tokens == 0:
             return cls(False, "no boundary recompute")
-        extra = {}
-        transfer = getattr(vllm_config, "kv_transfer_config", None)
-        if transfer is not None:
-            extra = transfer.kv_connector_extra_config or {}
-        wanted = extra.get(RECOMPUTE_IN_ONE_STEP)
-        if wanted is not None and not isinstance(wanted, bool):
-            raise ValueError(
-                f"kv_connector_extra_config[{RECOMPUTE_IN_ONE_STEP!r}] must be "
-                f"true or false, got {wanted!r}"
-            )
+        value = os.environ.get(RECOMPUTE_IN_ONE_STEP, "")
+        if value not in ("", "0", "1"):
+            raise ValueError(f"{RECOMPUTE_IN_ONE_STEP} must be 0 or 1, got {value!r}")
+        wanted = None if value == "" else value == "1"
         if wanted is False:
-            return cls(False, f"{RECOMPUTE_IN_ONE_STEP}=false")
+            return cls(False, f"one step per chunk head ({RECOMPUTE_IN_ONE_STEP}=0)")
         missing = _unsupported(vllm_config)
         if missing is None:
             return cls(True, "every head and the question in one step (query runs)")
         if wanted:
             raise ValueError(
-                f"--chunk-recompute-tokens in one step ({RECOMPUTE_IN_ONE_STEP}=true) "
+                f"--chunk-recompute-tokens in one step ({RECOMPUTE_IN_ONE_STEP}=1) "
                 f"is not supported here: {missing}"
             )
         return cls(False, f"one step per chunk head: {missing}")

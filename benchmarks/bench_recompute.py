@@ -1,0 +1,81 @@
+# SPDX-License-Identifier: Apache-2.0
+"""All-hit TTFT of the boundary recompute, side by side in one run (issue 33).
+
+    ./fork bench --recompute [--requests 5]
+
+bench_targets' all-hit workload (k = 4 and 8 documents of ~400 tokens, the same
+documents in a new order and with a new question on every request, one warm-up
+request first), sent to one server after another:
+
+* `stock`: vLLM without prefix caching;
+* `sink`: the chunk cache, no recompute;
+* `sink+K12 steps`: `--chunk-recompute-tokens 12` with one engine step per chunk
+  head (the path before issue 33; VLLM_CHUNK_RECOMPUTE_ONE_STEP=0);
+* `sink+K12`: `--chunk-recompute-tokens 12` with every head and the question in one
+  step (query runs, where supported: the CPU backend).
+
+Median TTFT per configuration and k, and each against `sink`.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+from bench_rag import Point, Result, Server, Workload
+from bench_targets import TARGET_DOC_WORDS, hit_runs, run_target
+
+K = 12
+CONFIGS: dict[str, tuple[list[str], dict[str, str]]] = {
+    "stock": (["--no-enable-prefix-caching"], {}),
+    "sink": (["--enable-chunk-cache"], {}),
+    f"sink+K{K} steps": (["--enable-chunk-cache", "--chunk-recompute-tokens", str(K)],
+                         {"VLLM_CHUNK_RECOMPUTE_ONE_STEP": "0"}),
+    f"sink+K{K}": (["--enable-chunk-cache", "--chunk-recompute-tokens", str(K)], {}),
+}
+DOCS = (4, 8)
+
+
+def run(args, out) -> str:
+    from tqdm import tqdm
+
+    work = Workload(TARGET_DOC_WORDS, args.requests, args.max_tokens, args.system, args.seed)
+    runs = [hit_runs(work, k, args.requests) for k in DOCS]
+    results: dict[tuple[str, int], Result] = {}
+    for config, (flags, env) in CONFIGS.items():
+        print(f"[bench] starting the {config} server ({' '.join(flags)} {env or ''}) ...",
+              flush=True)
+        server = Server(args.model, flags, out / f"server-{config.replace(' ', '-')}.log",
+                        env=env)
+        try:
+            server.complete(work.system + " ## warm-up document ## hello", 2)
+            with tqdm(total=sum(len(r.timed) for r in runs), desc=config, unit="req") as bar:
+                for k, r in zip(DOCS, runs):
+                    results[(config, k)] = run_target(server, "chunk" if "sink" in config
+                                                      else config, work, r, bar)
+        finally:
+            server.stop()
+    return table(results)
+
+
+def table(results: dict[tuple[str, int], Result]) -> str:
+    lines = ["| configuration | " + " | ".join(
+        f"all-hit TTFT {k} docs, median ms | vs `sink`" for k in DOCS) + " |",
+        "|---|" + "---|---|" * len(DOCS)]
+    for config in CONFIGS:
+        cells = []
+        for k in DOCS:
+            ttft = results[(config, k)].ttft_median
+            sink = results[("sink", k)].ttft_median
+            cells += [f"{ttft * 1000:.1f}", f"{ttft / sink:.2f}x"]
+        lines.append(f"| `{config}` | " + " | ".join(cells) + " |")
+    spread = {k: statistics.quantiles(results[("sink", k)].ttft, n=4)
+              if len(results[("sink", k)].ttft) > 1 else [] for k in DOCS}
+    lines.append("")
+    lines.append("Timed requests per cell: "
+                 f"{len(next(iter(results.values())).ttft)}; `sink` quartiles (ms): "
+                 + "; ".join(f"{k} docs {[round(q * 1000, 1) for q in v]}"
+                             for k, v in spread.items()))
+    return "\n".join(lines) + "\n"
+
+
+__all__ = ["run", "table", "Point"]
