@@ -442,14 +442,8 @@ def run_recompute(args, out: Path) -> int:
         args.requests = 5
     table = bench_recompute.run(args, out)
     params = {"recompute": True, "requests": args.requests, "max_tokens": args.max_tokens,
-              "configs": bench_recompute.CONFIGS, "model": args.model, "machine": machine()}
-    (out / "params.json").write_text(json.dumps(params, indent=1))
-    (out / "results.md").write_text(
-        f"# Boundary recompute all-hit TTFT ({time.strftime('%Y-%m-%d %H:%M')})\n\n"
-        f"Machine: {params['machine']}\n\n" + table)
-    print(table)
-    print(f"[bench] wrote {out}/results.md, params.json")
-    return 0
+              "configs": bench_recompute.CONFIGS, "model": args.model}
+    return _write_results(out, "Boundary recompute all-hit TTFT", params, table)
 
 
 def run_targets(args, out: Path) -> int:
@@ -460,10 +454,15 @@ def run_targets(args, out: Path) -> int:
     table = bench_targets.run(args, out)
     params = {"targets": True, "requests": args.requests, "load_requests": args.load_requests,
               "doc_words": bench_targets.TARGET_DOC_WORDS, "max_tokens": args.max_tokens,
-              "configs": CONFIGS, "model": args.model, "machine": machine()}
+              "configs": CONFIGS, "model": args.model}
+    return _write_results(out, "RAG benchmark targets", params, table)
+
+
+def _write_results(out: Path, title: str, params: dict, table: str) -> int:
+    params["machine"] = machine()
     (out / "params.json").write_text(json.dumps(params, indent=1))
     (out / "results.md").write_text(
-        f"# RAG benchmark targets ({time.strftime('%Y-%m-%d %H:%M')})\n\n"
+        f"# {title} ({time.strftime('%Y-%m-%d %H:%M')})\n\n"
         f"Machine: {params['machine']}\n\n" + table)
     print(table)
     print(f"[bench] wrote {out}/results.md, params.json")

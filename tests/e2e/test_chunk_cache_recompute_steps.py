@@ -44,11 +44,12 @@ def reference():
 
 @pytest.fixture(scope="module")
 def llm():
-    llm = make_llm(MODEL, enable_chunk_cache=True, chunk_context=MODE,
-                   chunk_recompute_tokens=K, enable_prefix_caching=False,
-                   max_model_len=2048, max_num_batched_tokens=BUDGET, max_num_seqs=8)
-    yield llm
-    close_llm(llm)
+    # Prefix caching off: exact cached-token counts; a small step budget.
+    engine = make_llm(MODEL, enable_chunk_cache=True, chunk_context=MODE,
+                      chunk_recompute_tokens=K, enable_prefix_caching=False,
+                      max_num_batched_tokens=BUDGET, max_model_len=2048)
+    yield engine
+    close_llm(engine)
 
 
 def _adapter(llm):

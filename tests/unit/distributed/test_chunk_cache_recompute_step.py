@@ -13,8 +13,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.recompute_step imp
 from vllm.platforms import current_platform
 
 
-def config(k=5, speculative=None):
+def config(k=5, speculative=None, mla=False):
     return SimpleNamespace(chunk_cache_config=SimpleNamespace(chunk_recompute_tokens=k),
+                           model_config=SimpleNamespace(use_mla=mla),
                            speculative_config=speculative, use_v2_model_runner=False)
 
 
@@ -29,6 +30,8 @@ def test_the_cpu_backend_takes_every_head_in_one_step(monkeypatch):
 def test_what_keeps_or_refuses_the_one_step_path_is_named(monkeypatch):
     monkeypatch.delenv(RECOMPUTE_IN_ONE_STEP, raising=False)
     assert not RecomputeSteps.for_config(config(k=0)).one_step
+    mla = RecomputeSteps.for_config(config(mla=True))
+    assert not mla.one_step and "MLA" in mla.reason
     spec = RecomputeSteps.for_config(config(speculative=object()))
     assert not spec.one_step and "speculative decoding" in spec.reason
     monkeypatch.setenv(RECOMPUTE_IN_ONE_STEP, "0")
