@@ -366,6 +366,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--recompute", action="store_true",
                    help="all-hit TTFT of --chunk-recompute-tokens 12 (one step and one "
                         "step per head) against sink and stock (benchmarks/bench_recompute.py)")
+    p.add_argument("--paired", action="store_true",
+                   help="--recompute: one in-process engine, configurations interleaved "
+                        "request by request (robust to a shared machine's load; no stock)")
     p.add_argument("--load-requests", type=int, default=16,
                    help="--targets: requests of the concurrency-8 load workload")
     args = p.parse_args(argv)
@@ -440,8 +443,11 @@ def run_recompute(args, out: Path) -> int:
 
     if args.requests == 16:  # the sweeps' default: 5 timed requests per cell
         args.requests = 5
-    table = bench_recompute.run(args, out)
-    params = {"recompute": True, "requests": args.requests, "max_tokens": args.max_tokens,
+    if args.paired:
+        table = bench_recompute.paired_table(bench_recompute.run_paired(args, args.requests))
+    else:
+        table = bench_recompute.run(args, out)
+    params = {"recompute": True, "paired": args.paired, "requests": args.requests, "max_tokens": args.max_tokens,
               "configs": bench_recompute.CONFIGS, "model": args.model}
     return _write_results(out, "Boundary recompute all-hit TTFT", params, table)
 

@@ -79,3 +79,68 @@ def table(results: dict[tuple[str, int], Result]) -> str:
 
 
 __all__ = ["run", "table", "Point"]
+
+
+def run_paired(args, rounds: int) -> dict[int, dict[str, list[float]]]:
+    """The same comparison in one in-process engine (SmolLM2, K = 12), the
+    configurations interleaved request by request, so that a shared machine's
+    load drifts over all of them alike: `sink` (the manager's recompute set to
+    0 for that request: cached entries do not depend on K), `sink+K12 steps`
+    (the connector switched to one head per step) and `sink+K12`. TTFT is the
+    wall time of `LLMEngine.step()` calls up to the request's first token.
+    No stock column: stock needs its own engine (the server run has it)."""
+    import random
+    import time
+
+    from vllm import LLM, SamplingParams
+    from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.recompute_step import (
+        RecomputeSteps,
+    )
+
+    from bench_rag import make_corpus
+
+    llm = LLM(model=args.model, dtype="float32", enforce_eager=True, max_model_len=8192,
+              seed=0, enable_chunk_cache=True, chunk_recompute_tokens=K)
+    engine = llm.llm_engine
+    adapter = engine.engine_core.engine_core.scheduler.connector.chunk_scheduler
+    one_step = adapter._steps
+    modes = {"sink": (0, one_step), f"sink+K{K} steps": (K, RecomputeSteps(False, "bench")),
+             f"sink+K{K}": (K, one_step)}
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    by_k: dict[int, dict[str, list[float]]] = {}
+    n = 0
+    for k in DOCS:
+        docs = make_corpus(k, TARGET_DOC_WORDS, args.seed, f"target-hit-{k}")
+        llm.generate([" ## ".join([args.system, *docs, "Warm-up."])], params, use_tqdm=False)
+        rng = random.Random(f"{args.seed}-paired-{k}")
+        times: dict[str, list[float]] = {m: [] for m in modes}
+        for i in range(rounds * len(modes)):
+            mode = list(modes)[i % len(modes)]
+            adapter.manager.recompute_tokens, adapter._steps = modes[mode]
+            n += 1
+            prompt = " ## ".join([args.system, *rng.sample(docs, k), f"Question {n}: which?"])
+            engine.add_request(str(n), llm._preprocess_cmpl([prompt])[0], params)
+            start = time.perf_counter()
+            while not any(o.request_id == str(n) and o.outputs[0].token_ids
+                          for o in engine.step()):
+                pass
+            times[mode].append(time.perf_counter() - start)
+            while engine.has_unfinished_requests():
+                engine.step()
+        by_k[k] = times
+    adapter.manager.recompute_tokens, adapter._steps = K, one_step
+    return by_k
+
+
+def paired_table(by_k: dict[int, dict[str, list[float]]]) -> str:
+    lines = ["| configuration | " + " | ".join(
+        f"all-hit TTFT {k} docs, median ms | vs `sink` (median of paired ratios)"
+        for k in by_k) + " |", "|---|" + "---|---|" * len(by_k)]
+    for mode in next(iter(by_k.values())):
+        cells = []
+        for times in by_k.values():
+            ratios = [a / b for a, b in zip(times[mode], times["sink"])]
+            cells += [f"{statistics.median(times[mode]) * 1000:.1f}",
+                      f"{statistics.median(ratios):.2f}x"]
+        lines.append(f"| `{mode}` | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
