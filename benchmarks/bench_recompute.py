@@ -10,7 +10,7 @@ request first), sent to one server after another:
 * `stock`: vLLM without prefix caching;
 * `sink`: the chunk cache, no recompute;
 * `sink+K12 steps`: `--chunk-recompute-tokens 12` with one engine step per chunk
-  head (the path before issue 33; VLLM_CHUNK_RECOMPUTE_ONE_STEP=0);
+  head (the path before issue 33; CHUNK_CACHE_RECOMPUTE_ONE_STEP=0);
 * `sink+K12`: `--chunk-recompute-tokens 12` with every head and the question in one
   step (query runs, where supported: the CPU backend).
 
@@ -29,7 +29,7 @@ CONFIGS: dict[str, tuple[list[str], dict[str, str]]] = {
     "stock": (["--no-enable-prefix-caching"], {}),
     "sink": (["--enable-chunk-cache"], {}),
     f"sink+K{K} steps": (["--enable-chunk-cache", "--chunk-recompute-tokens", str(K)],
-                         {"VLLM_CHUNK_RECOMPUTE_ONE_STEP": "0"}),
+                         {"CHUNK_CACHE_RECOMPUTE_ONE_STEP": "0"}),
     f"sink+K{K}": (["--enable-chunk-cache", "--chunk-recompute-tokens", str(K)], {}),
 }
 DOCS = (4, 8)

@@ -36,7 +36,7 @@ def test_what_keeps_or_refuses_the_one_step_path_is_named(monkeypatch):
     assert not spec.one_step and "speculative decoding" in spec.reason
     monkeypatch.setenv(RECOMPUTE_IN_ONE_STEP, "0")
     off = RecomputeSteps.for_config(config())
-    assert not off.one_step and "VLLM_CHUNK_RECOMPUTE_ONE_STEP=0" in off.reason
+    assert not off.one_step and "CHUNK_CACHE_RECOMPUTE_ONE_STEP=0" in off.reason
     monkeypatch.setenv(RECOMPUTE_IN_ONE_STEP, "1")
     with pytest.raises(ValueError, match="speculative decoding"):
         RecomputeSteps.for_config(config(speculative=object()))

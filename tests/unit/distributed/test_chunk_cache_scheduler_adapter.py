@@ -173,8 +173,8 @@ def test_boundary_recompute_loads_each_rest_in_the_step_before_its_next_head(mon
     """K=2: [sys 3][doc 5][doc 4][question 2] -> load sys, compute doc1[:2],
     load doc1[2:], compute doc2[:2], load doc2[2:], compute the question; each
     stretch's rows land in the request's slots at their real positions. (The
-    multi-step path: other platforms, or VLLM_CHUNK_RECOMPUTE_ONE_STEP=0.)"""
-    monkeypatch.setenv("VLLM_CHUNK_RECOMPUTE_ONE_STEP", "0")
+    multi-step path: other platforms, or CHUNK_CACHE_RECOMPUTE_ONE_STEP=0.)"""
+    monkeypatch.setenv("CHUNK_CACHE_RECOMPUTE_ONE_STEP", "0")
     adapter = ChunkCacheSchedulerAdapter(*make_config(recompute=2))
     assert not adapter._steps.one_step
     r = parent("p", [3, 5, 4, 2])

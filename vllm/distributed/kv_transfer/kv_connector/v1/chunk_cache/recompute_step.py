@@ -14,7 +14,7 @@ number of rows over one block table and builds its metadata from the
 runner's rows, with no CUDA graph; not CPU_MLA), vLLM's V1 model runner (the
 V2 runner does not read `query_runs`) and no speculative decoding. On
 every other set-up the multi-step path runs and the start-up line says why.
-`VLLM_CHUNK_RECOMPUTE_ONE_STEP=0` keeps the multi-step path anywhere (e.g. to
+`CHUNK_CACHE_RECOMPUTE_ONE_STEP=0` keeps the multi-step path anywhere (e.g. to
 measure it side by side); `=1` refuses to start where one step is not
 supported.
 """
@@ -28,7 +28,7 @@ from vllm.v1.core.chunk_prefill_plan import PrefillPlan
 from vllm.v1.core.chunk_structures import SegmentSpan
 
 # Environment variable: "1" (require), "0" (never), unset or "" (where supported).
-RECOMPUTE_IN_ONE_STEP = "VLLM_CHUNK_RECOMPUTE_ONE_STEP"
+RECOMPUTE_IN_ONE_STEP = "CHUNK_CACHE_RECOMPUTE_ONE_STEP"
 
 
 @dataclass(frozen=True)
