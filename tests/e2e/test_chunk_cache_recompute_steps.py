@@ -4,7 +4,8 @@ as query runs over the request's block table (docs/design/boundary-recompute.md)
 
 One engine (tiny Llama, float32, `sink`, K = 5, vLLM prefix caching off so the
 cached-token counts are exact, a 64-token step budget). Every answer is checked
-against the extended-sequence reference (`boundary_reference`, the oracle of
+against the extended-sequence reference (an HF forward over
+`build_isolated_sequence(..., recompute_tokens=K)`, the oracle of
 test_chunk_cache_exactness.py) with the same tolerance, and the engine steps to
 the first token are counted with `LLMEngine.step()`:
 
