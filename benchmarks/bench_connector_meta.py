@@ -42,7 +42,8 @@ def _adapter(num_pool_tokens: int):
 
     chunk = SimpleNamespace(chunk_context="sink", chunk_sink_token_id=SINK,
                             chunk_pool_fraction=0.5, chunk_pool_size_gib=None,
-                            chunk_recompute_tokens=0, max_chunk_load_tokens=1 << 20)
+                            chunk_recompute_tokens=0, max_chunk_load_tokens=1 << 20,
+                            chunk_store=None)
     config = SimpleNamespace(
         chunk_cache_config=chunk,
         cache_config=SimpleNamespace(cache_dtype="auto", block_size=BLOCK),

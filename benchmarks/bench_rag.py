@@ -148,13 +148,15 @@ def free_port() -> int:
 
 
 class Server:
-    def __init__(self, model: str, flags: list[str], log: Path):
+    def __init__(self, model: str, flags: list[str], log: Path,
+                 env: dict[str, str] | None = None):
         self.port = free_port()
         vllm = str(Path(sys.executable).with_name("vllm"))
         self.log = open(log, "w")
         self.proc = subprocess.Popen([vllm, "serve", model, *SERVE_ARGS, "--port",
                                       str(self.port), *flags],
-                                     stdout=self.log, stderr=subprocess.STDOUT)
+                                     stdout=self.log, stderr=subprocess.STDOUT,
+                                     env={**os.environ, **(env or {})})
         self.url = f"http://127.0.0.1:{self.port}"
         started = time.monotonic()
         next_note = started + 15
@@ -364,6 +366,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--targets", action="store_true",
                    help="measure the performance targets instead of the sweeps "
                         "(~400-token documents; see benchmarks/bench_targets.py)")
+    p.add_argument("--recompute", action="store_true",
+                   help="all-hit TTFT of --chunk-recompute-tokens 12 (one step and one "
+                        "step per head) against sink and stock (benchmarks/bench_recompute.py)")
+    p.add_argument("--paired", action="store_true",
+                   help="--recompute: one in-process engine, configurations interleaved "
+                        "request by request (robust to a shared machine's load; no stock)")
     p.add_argument("--load-requests", type=int, default=16,
                    help="--targets: requests of the concurrency-8 load workload")
     args = p.parse_args(argv)
@@ -398,6 +406,8 @@ def main(argv=None) -> int:
         return run_targets(args, out)
     if args.fleet:
         return run_fleet(args, out)
+    if args.recompute:
+        return run_recompute(args, out)
     prompts = {p: make_prompts(work, p, f"k{p.k}-r{p.reuse}-c{p.concurrency}") for p in pts}
     results: list[Result] = []
     floor: dict[Point, float] = {}
@@ -433,6 +443,20 @@ def main(argv=None) -> int:
     return 0
 
 
+def run_recompute(args, out: Path) -> int:
+    import bench_recompute
+
+    if args.requests == 16:  # the sweeps' default: 5 timed requests per cell
+        args.requests = 5
+    if args.paired:
+        table = bench_recompute.paired_table(bench_recompute.run_paired(args, args.requests))
+    else:
+        table = bench_recompute.run(args, out)
+    params = {"recompute": True, "paired": args.paired, "requests": args.requests, "max_tokens": args.max_tokens,
+              "configs": bench_recompute.CONFIGS, "model": args.model}
+    return _write_results(out, "Boundary recompute all-hit TTFT", params, table)
+
+
 def run_targets(args, out: Path) -> int:
     import bench_targets
 
@@ -441,10 +465,15 @@ def run_targets(args, out: Path) -> int:
     table = bench_targets.run(args, out)
     params = {"targets": True, "requests": args.requests, "load_requests": args.load_requests,
               "doc_words": bench_targets.TARGET_DOC_WORDS, "max_tokens": args.max_tokens,
-              "configs": CONFIGS, "model": args.model, "machine": machine()}
+              "configs": CONFIGS, "model": args.model}
+    return _write_results(out, "RAG benchmark targets", params, table)
+
+
+def _write_results(out: Path, title: str, params: dict, table: str) -> int:
+    params["machine"] = machine()
     (out / "params.json").write_text(json.dumps(params, indent=1))
     (out / "results.md").write_text(
-        f"# RAG benchmark targets ({time.strftime('%Y-%m-%d %H:%M')})\n\n"
+        f"# {title} ({time.strftime('%Y-%m-%d %H:%M')})\n\n"
         f"Machine: {params['machine']}\n\n" + table)
     print(table)
     print(f"[bench] wrote {out}/results.md, params.json")

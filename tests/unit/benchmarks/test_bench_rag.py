@@ -115,3 +115,20 @@ def test_verdicts_compare_each_target_with_its_threshold():
     assert found["all-miss first request, 8 docs: TTFT <= stock"].met
     assert found["load (concurrency 8, 80% reuse, 8 docs): req/s >= 5x stock"].met  # 6x
     assert found["remap >= 50% of plain-copy throughput"].met
+
+
+def test_recompute_table_puts_every_configuration_against_sink(monkeypatch):
+    monkeypatch.syspath_prepend(str(_PATH.parent))  # bench_recompute imports its siblings
+    import bench_recompute
+
+    Point, Result = bench.Point, bench.Result
+    results = {}
+    for i, config in enumerate(bench_recompute.CONFIGS):
+        for k in bench_recompute.DOCS:
+            r = Result(config, Point(k, 0.0, 1))
+            r.ttft = [0.1 * (i + 1) * k / 4] * 3
+            results[(config, k)] = r
+    text = bench_recompute.table(results)
+    assert "| `sink` | 200.0 | 1.00x | 400.0 | 1.00x |" in text
+    assert "| `sink+K12` | 400.0 | 2.00x | 800.0 | 2.00x |" in text
+    assert "| `stock` | 100.0 | 0.50x |" in text

@@ -128,6 +128,21 @@ def test_a_load_of_a_request_preempted_in_the_same_step_is_dropped():
     assert adapter.stats().pinned_entries == 0
 
 
+def test_a_request_preempted_between_steps_and_resumed_loads_in_its_new_step():
+    """vLLM 0.32 names a request preempted between steps (a cache reset with
+    running requests) in the next step's preempted ids even when that step
+    resumes it: its load belongs to the resumed step and must run (found by the
+    e2e preemption row of test_chunk_cache_recompute_steps.py: dropped, the
+    request read whatever its new blocks held)."""
+    adapter = ChunkCacheSchedulerAdapter(*make_config())
+    (r,) = _ready_parents(adapter, [[3, 5, 2]])
+    assert adapter.get_num_new_matched_tokens(r, 0) == (8, False)
+    adapter.update_state_after_alloc(r, FakeBlocks([3]), 8)
+    meta = adapter.build_connector_meta(step_output({"p0": 2}, preempted={"p0"}))
+    assert loaded(meta).dst == [48 + p for p in range(8)]
+    finish(adapter, r, RequestStatus.FINISHED_STOPPED)
+
+
 def test_connector_reset_forgets_every_segment_and_reports_pinned_ones():
     """`reset_cache` (vLLM's cache reset after a weight update, sleep or
     pause(clear_cache)) answers a bool, never None (which vLLM reads as
@@ -154,11 +169,14 @@ def test_connector_reset_forgets_every_segment_and_reports_pinned_ones():
     finish(adapter, again, RequestStatus.FINISHED_ABORTED)
 
 
-def test_boundary_recompute_loads_each_rest_in_the_step_before_its_next_head():
+def test_boundary_recompute_loads_each_rest_in_the_step_before_its_next_head(monkeypatch):
     """K=2: [sys 3][doc 5][doc 4][question 2] -> load sys, compute doc1[:2],
     load doc1[2:], compute doc2[:2], load doc2[2:], compute the question; each
-    stretch's rows land in the request's slots at their real positions."""
+    stretch's rows land in the request's slots at their real positions. (The
+    multi-step path: other platforms, or CHUNK_CACHE_RECOMPUTE_ONE_STEP=0.)"""
+    monkeypatch.setenv("CHUNK_CACHE_RECOMPUTE_ONE_STEP", "0")
     adapter = ChunkCacheSchedulerAdapter(*make_config(recompute=2))
+    assert not adapter._steps.one_step
     r = parent("p", [3, 5, 4, 2])
     adapter.on_new_request(r)
     assert adapter.get_num_new_matched_tokens(r, 0) == (None, False)
@@ -195,6 +213,53 @@ def test_boundary_recompute_loads_each_rest_in_the_step_before_its_next_head():
     assert adapter.get_prefill_gap(r, 14) is None
     assert adapter.get_num_new_matched_tokens(r, 15) == (0, False)
     finish(adapter, r, RequestStatus.FINISHED_STOPPED)
+
+
+def test_boundary_recompute_in_one_step_loads_every_rest_before_the_forward():
+    """K=2 in one step (the CPU backend): [sys 3][doc 5][doc 4][question 2] ->
+    load sys, doc1[2:] and doc2[2:] and compute both heads and the question in
+    the same step; the heads' slots are not loaded (the forward writes them).
+    A step budget that stops inside doc2's head leaves doc2's rest for later."""
+    adapter = ChunkCacheSchedulerAdapter(*make_config(recompute=2))
+    assert adapter._steps.one_step, adapter._steps.reason
+    r = parent("p", [3, 5, 4, 2])
+    adapter.on_new_request(r)
+    assert adapter.get_num_new_matched_tokens(r, 0) == (None, False)
+    for c in adapter.take_internal_requests():
+        finish(adapter, c, RequestStatus.FINISHED_LENGTH_CAPPED)
+    blocks = FakeBlocks([7])  # slot = 7 * 16 + pos
+
+    assert adapter.get_num_new_matched_tokens(r, 0) == (3, False)
+    gap = adapter.get_prefill_gap(r, 3)
+    assert (gap.num_external_tokens, gap.max_new_tokens) == (0, 2)
+    assert [(g.num_external_tokens, g.max_new_tokens) for g in gap.next_stretches] == [
+        (3, 2), (2, 2)]
+    # The scheduler took everything: sys (3) plus the two rests (3 + 2) as external.
+    adapter.update_state_after_alloc(r, blocks, 3 + 3 + 2)
+    meta = adapter.build_connector_meta(step_output({"p": 6}))
+    assert loaded(meta).dst == [112 + p for p in (0, 1, 2, 5, 6, 7, 10, 11)]
+    assert adapter.stats().tokens_loaded == 8
+    finish(adapter, r, RequestStatus.FINISHED_STOPPED)
+
+    # A budget of 3 computed tokens: doc1's head and one token of doc2's head,
+    # so doc1's rest is loaded and doc2's is not (yet).
+    r = parent("q", [3, 5, 4, 2])
+    adapter.on_new_request(r)
+    assert adapter.get_num_new_matched_tokens(r, 0) == (3, False)
+    adapter.get_prefill_gap(r, 3)
+    adapter.update_state_after_alloc(r, blocks, 3 + 3)
+    meta = adapter.build_connector_meta(step_output({"q": 3}))
+    assert loaded(meta).dst == [112 + p for p in (0, 1, 2, 5, 6, 7)]
+    # Next step, inside doc2's head: finish it, load doc2's rest, the question.
+    gap = adapter.get_prefill_gap(r, 9)
+    assert (gap.num_external_tokens, gap.max_new_tokens) == (0, 1)
+    assert [(g.num_external_tokens, g.max_new_tokens) for g in gap.next_stretches] == [
+        (2, 2)]
+    adapter.update_state_after_alloc(r, blocks, 2)
+    meta = adapter.build_connector_meta(step_output({"q": 3}))
+    assert loaded(meta).dst == [112 + 10, 112 + 11]
+    finish(adapter, r, RequestStatus.FINISHED_STOPPED)
+    assert adapter.stats().pinned_entries == 0
 
 
 def test_boundary_recompute_refuses_a_scheduler_that_replaces_schedule_at_start_up():

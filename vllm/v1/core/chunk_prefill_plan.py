@@ -8,9 +8,11 @@ the first K tokens of every chunk are computed inside the request too
 
     [system: loaded][c1[:K] computed][c1[K:] loaded][c2[:K] computed]...[question]
 
-vLLM computes one contiguous stretch per step, so the request takes one
-step per computed stretch; the loaded stretch before each is copied in by
-the connector in the same step (docs/design/boundary-recompute.md).
+vLLM computes one contiguous stretch per request and step; where the model
+runner computes several query runs per request (the CPU backend), every
+stretch is taken in one step (`steps_from`), else one per step. The loaded
+stretch before each computed one is copied in by the connector in the same
+step (docs/design/boundary-recompute.md).
 Everything here is a pure function of the prompt's layout and K, so it is
 the same on every call (after a preemption too) and needs no state.
 """
@@ -86,3 +88,35 @@ class PrefillPlan:
             elif stretch.start > loaded_end:
                 return PrefillStep(loaded_end - position, stretch.start - loaded_end)
         return PrefillStep(loaded_end - position, self.num_tokens - loaded_end)
+
+    def steps_from(self, position: int) -> tuple[PrefillStep, ...]:
+        """Every step from `position` to the end of the prompt, in order:
+        what one engine step takes when all computed stretches run in it."""
+        steps = []
+        while position < self.num_tokens:
+            step = self.step_at(position)
+            steps.append(step)
+            position += step.num_loaded + step.max_computed
+        return tuple(steps)
+
+    def loaded_from(self, position: int, num_tokens: int) -> tuple[SegmentSpan, ...]:
+        """The first `num_tokens` loaded tokens from `position` on, as spans
+        in prompt order (what a step that starts there and loads that many
+        tokens copies in; the computed tokens between them are skipped)."""
+        spans = []
+        left = num_tokens
+        for stretch in self.loaded:
+            if left == 0:
+                break
+            start = max(stretch.start, position)
+            if start >= stretch.end:
+                continue
+            end = min(stretch.end, start + left)
+            spans.append(SegmentSpan(start, end))
+            left -= end - start
+        if left:
+            raise ValueError(
+                f"{num_tokens} tokens to load from position {position}, but only "
+                f"{num_tokens - left} are loaded after it"
+            )
+        return tuple(spans)

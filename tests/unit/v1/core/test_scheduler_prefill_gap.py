@@ -24,8 +24,12 @@ K = 2  # --chunk-recompute-tokens
 LAYOUT = (16, 40, 40, 8)
 
 
-@pytest.fixture
-def scheduler():
+@pytest.fixture(params=["steps"])
+def scheduler(request, monkeypatch):
+    """vLLM's Scheduler with the chunk cache; `request.param` "steps": one
+    computed stretch per step (the path on every platform but the CPU backend),
+    "one": every stretch in one step (query runs, docs/design/boundary-recompute.md)."""
+    monkeypatch.setenv("CHUNK_CACHE_RECOMPUTE_ONE_STEP", "0" if request.param == "steps" else "1")
     from vllm.engine.arg_utils import EngineArgs
     from vllm.utils.hashing import sha256
     from vllm.v1.core.kv_cache_utils import init_none_hash
@@ -122,3 +126,22 @@ def test_a_gap_dropped_by_a_preemption_leaves_no_hashed_block_unwritten(schedule
     num_hit = scheduler.kv_cache_manager.get_computed_blocks(again)[1]  # tokens hit
     assert num_hit == written // BLOCK * BLOCK, (
         f"prefix-cache hit of {num_hit} tokens; only {written} were ever written")
+
+
+@pytest.mark.parametrize("scheduler", ["one"], indirect=True)
+def test_every_head_and_the_question_are_one_step_of_query_runs(scheduler):
+    """The one-step path on the real scheduler: the waiting request's first step
+    allocates every rest as external tokens, schedules both heads and the question
+    (2 + 2 + 8 tokens) and lists their query runs; the connector loads the system
+    segment and both rests (16 + 38 + 38 rows) in that step."""
+    prompt = list(range(100, 100 + sum(LAYOUT)))
+    a = request("a", prompt, priority=0, layout=LAYOUT)
+    scheduler.add_request(a)
+    step(scheduler)  # a waits; its children spawn
+    step(scheduler)  # the children prefill
+    out = step(scheduler)
+    assert out.num_scheduled_tokens == {"a": K + K + 8}
+    assert out.query_runs == {"a": ((16, K), (56, K), (96, 8))}
+    rows = [s.num_rows for load in out.kv_connector_metadata.loads for s in load.stretches]
+    assert rows == [16, 38, 38]
+    assert a.num_computed_tokens == sum(LAYOUT)

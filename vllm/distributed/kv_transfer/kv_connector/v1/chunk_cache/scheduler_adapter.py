@@ -13,7 +13,8 @@ request's state and every counter. This module only translates:
   token before the question, unless boundary recompute splits it) is
   reported as computed externally;
 * `get_prefill_gap`: with boundary recompute, the next loaded stretch and
-  the chunk head to compute after it, one per step;
+  the chunk head to compute after it: one per step, or every later stretch
+  too where the model runner computes query runs (recompute_step.py);
 * `build_connector_meta`: manager plans -> paged slots and pool rows;
 * `request_finished`: children stored their rows (or failed and are
   retried); parents are released;
@@ -39,6 +40,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.metadata import (
     RequestLoad,
     SegmentStretch,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.recompute_step import (
+    RecomputeSteps,
+    loaded_spans,
+    num_loaded,
+)
 from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.setup import (
     POOL_BLOCK_SIZE,
     pool_num_blocks,
@@ -57,6 +63,7 @@ from vllm.v1.core.chunk_prefill_plan import PrefillStep
 from vllm.v1.core.chunk_structures import (
     AdmitReason,
     ChildSpec,
+    ChunkLoadPlan,
     ChunkCacheStats,
     ChunkContextMode,
     ChunkedPrompt,
@@ -95,6 +102,9 @@ class _PendingLoad:
     end_position: int
     # The parent's paged block ids.
     block_ids: list[int]
+    # The loaded stretches in [first_position, end_position) (one, or one
+    # per loaded stretch when a step takes several computed ones).
+    spans: tuple[tuple[int, int], ...] = ()
 
 
 class ChunkCacheSchedulerAdapter:
@@ -139,6 +149,10 @@ class ChunkCacheSchedulerAdapter:
         self._new_children: list[Request] = []
         self._reported = ChunkCacheStats()
         self.store = self._start_store(vllm_config)
+        self._steps = RecomputeSteps.for_config(vllm_config)
+        if cfg.chunk_recompute_tokens:
+            logger.info("Chunk cache: --chunk-recompute-tokens %d: %s",
+                        cfg.chunk_recompute_tokens, self._steps.reason)
         logger.info(
             "Chunk cache: pool of %d blocks x %d rows, chunk_context=%s",
             num_pool_blocks,
@@ -193,11 +207,34 @@ class ChunkCacheSchedulerAdapter:
         step = self._report(rid, num_computed_tokens)
         if step is None:
             return None
-        if not self._fits_this_step(rid, step.num_loaded):
+        gap = self._gap_with_runs(rid, num_computed_tokens)
+        if gap.next_stretches and not self._fits_more(num_loaded(gap)):
+            # NOTE: the later stretches would pass this step's load cap: this
+            # step takes the first computed stretch only.
+            gap = PrefillGap(gap.num_external_tokens, gap.max_new_tokens)
+        if not self._fits_this_step(rid, gap.num_external_tokens):
             # NOTE: computing nothing, not computing without the load: the
             # running request skips this step and is asked again next step.
             return PrefillGap(num_external_tokens=0, max_new_tokens=0)
-        return PrefillGap(num_external_tokens=step.num_loaded, max_new_tokens=step.max_computed)
+        return gap
+
+    def _gap_with_runs(self, rid: str, position: int) -> PrefillGap:
+        """The gap at `position`, with every later stretch in one-step mode.
+
+        NOTE: with later stretches, the loads start here even when nothing
+        is loaded at `position` (a waiting request whose matched tokens end
+        there keeps the start of that report, which ends at `position`)."""
+        plan = self.manager.prefill_plan(rid)
+        gap = self._steps.prefill_gap(plan, position)
+        if gap.next_stretches and gap.num_external_tokens == 0:
+            start = self._load_starts.get(rid)
+            if start is None or start + plan.step_at(start).num_loaded != position:
+                self._load_starts[rid] = position
+        return gap
+
+    def _fits_more(self, num_rows: int) -> bool:
+        return self._rows_this_step == 0 or (
+            self._rows_this_step + num_rows <= self._max_load_rows)
 
     def _fits_this_step(self, rid: str, num_rows: int) -> bool:
         """Whether a load of `num_rows` stays within this step's cap. The
@@ -233,11 +270,28 @@ class ChunkCacheSchedulerAdapter:
         rid = request.request_id
         first = self._load_starts.pop(rid, None)
         if num_external_tokens == 0 or first is None:
+            # NOTE: an earlier allocation in this step was preempted since.
+            self._pending_loads.pop(rid, None)
             return
-        self._pending_loads[rid] = _PendingLoad(
-            first, first + num_external_tokens, list(blocks.get_block_ids()[0])
+        self._pending_loads[rid] = self._pending_load(
+            rid, first, num_external_tokens, list(blocks.get_block_ids()[0])
         )
         self._rows_this_step += num_external_tokens
+
+    def _pending_load(self, rid: str, first: int, num_tokens: int,
+                      block_ids: list[int]) -> _PendingLoad:
+        """The loaded stretches the scheduler allocated: from `first` on, the
+        first `num_tokens` loaded tokens of the plan (computed heads skipped)."""
+        spans = loaded_spans(self.manager.prefill_plan(rid), first, num_tokens)
+        return _PendingLoad(first, spans[-1].end, block_ids,
+                            tuple((s.start, s.end) for s in spans))
+
+    def _load_plan(self, rid: str, pending: _PendingLoad) -> ChunkLoadPlan:
+        """The manager's rows for every loaded stretch of a pending load."""
+        spans = pending.spans or ((pending.first_position, pending.end_position),)
+        plans = [self.manager.load_plan(rid, start, end) for start, end in spans]
+        return ChunkLoadPlan(request_id=rid,
+                             segments=tuple(seg for p in plans for seg in p.segments))
 
     def reset(self) -> bool:
         """vLLM's cache reset (`reset_prefix_cache(reset_connector=True)`,
@@ -304,13 +358,16 @@ class ChunkCacheSchedulerAdapter:
     def _add_loads(self, meta: ChunkCacheMetadata, out: SchedulerOutput) -> None:
         # NOTE: a request allocated (and given a load) earlier in this step
         # can be preempted later in the same step (priority policy): its
-        # blocks are free again, so its load must not run. It is asked again
-        # when it resumes.
-        preempted = out.preempted_req_ids or set()
+        # blocks are free again, so its load must not run; the scheduler
+        # takes it out of this step's tokens. It is asked again when it
+        # resumes (a later allocation in the same step replaces or drops the
+        # pending load). Not `preempted_req_ids`: vLLM 0.32 also lists there a
+        # request preempted between steps (a cache reset with running
+        # requests) and resumed in this one, whose load must run.
         for rid, pending in self._pending_loads.items():
-            if rid in preempted or rid not in out.num_scheduled_tokens:
+            if rid not in out.num_scheduled_tokens:
                 continue
-            plan = self.manager.load_plan(rid, pending.first_position, pending.end_position)
+            plan = self._load_plan(rid, pending)
             self.manager.record_load(plan)
             meta.loads.append(RequestLoad(
                 block_ids=tuple(pending.block_ids),

@@ -1,0 +1,108 @@
+# SPDX-License-Identifier: Apache-2.0
+"""How many engine steps the boundary recompute takes: one, or one per head.
+
+With `--chunk-recompute-tokens K` a prompt alternates loaded and computed
+stretches (`PrefillPlan`). Where the model runner computes several query runs
+per request (`SchedulerOutput.query_runs`, `vllm/v1/worker/query_runs.py`),
+the connector offers every stretch at once (`PrefillGap.next_stretches`) and
+a request whose documents are all cached reaches its first token in one step
+(budget permitting); elsewhere it offers one computed stretch per step, as
+before. Decided once at start-up and logged, never per request.
+
+The one-step path needs: the CPU platform's CPU_ATTN backend (it takes any
+number of rows over one block table and builds its metadata from the
+runner's rows, with no CUDA graph; not CPU_MLA), vLLM's V1 model runner (the
+V2 runner does not read `query_runs`) and no speculative decoding. On
+every other set-up the multi-step path runs and the start-up line says why.
+`CHUNK_CACHE_RECOMPUTE_ONE_STEP=0` keeps the multi-step path anywhere (e.g. to
+measure it side by side); `=1` refuses to start where one step is not
+supported.
+"""
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import PrefillGap
+from vllm.v1.core.chunk_prefill_plan import PrefillPlan
+from vllm.v1.core.chunk_structures import SegmentSpan
+
+# Environment variable: "1" (require), "0" (never), unset or "" (where supported).
+RECOMPUTE_IN_ONE_STEP = "CHUNK_CACHE_RECOMPUTE_ONE_STEP"
+
+
+@dataclass(frozen=True)
+class RecomputeSteps:
+    """The decision: all computed stretches in one step, or one per step."""
+
+    one_step: bool
+    # What the start-up line says (why not, where not).
+    reason: str
+
+    @classmethod
+    def for_config(cls, vllm_config: Any) -> "RecomputeSteps":
+        cfg = vllm_config.chunk_cache_config
+        if cfg is None or cfg.chunk_recompute_tokens == 0:
+            return cls(False, "no boundary recompute")
+        value = os.environ.get(RECOMPUTE_IN_ONE_STEP, "")
+        if value not in ("", "0", "1"):
+            raise ValueError(f"{RECOMPUTE_IN_ONE_STEP} must be 0 or 1, got {value!r}")
+        wanted = None if value == "" else value == "1"
+        if wanted is False:
+            return cls(False, f"one step per chunk head ({RECOMPUTE_IN_ONE_STEP}=0)")
+        missing = _unsupported(vllm_config)
+        if missing is None:
+            return cls(True, "every head and the question in one step (query runs)")
+        if wanted:
+            raise ValueError(
+                f"--chunk-recompute-tokens in one step ({RECOMPUTE_IN_ONE_STEP}=1) "
+                f"is not supported here: {missing}"
+            )
+        return cls(False, f"one step per chunk head: {missing}")
+
+    def prefill_gap(self, plan: PrefillPlan, position: int) -> PrefillGap:
+        """What to load at `position` and compute after it (and, in one-step
+        mode, every later stretch of the prompt)."""
+        steps = plan.steps_from(position) if self.one_step else (plan.step_at(position),)
+        first = steps[0]
+        return PrefillGap(
+            num_external_tokens=first.num_loaded,
+            max_new_tokens=first.max_computed,
+            next_stretches=tuple(
+                PrefillGap(num_external_tokens=s.num_loaded, max_new_tokens=s.max_computed)
+                for s in steps[1:]
+            ),
+        )
+
+
+def num_loaded(gap: PrefillGap) -> int:
+    """Tokens a gap (with its next stretches) loads at most."""
+    return gap.num_external_tokens + sum(g.num_external_tokens for g in gap.next_stretches)
+
+
+def loaded_spans(plan: PrefillPlan, first_position: int,
+                 num_tokens: int) -> tuple[SegmentSpan, ...]:
+    """The spans a step allocated as `num_tokens` external tokens from
+    `first_position` on (one span, or one per loaded stretch it spans)."""
+    return plan.loaded_from(first_position, num_tokens)
+
+
+def _unsupported(vllm_config: Any) -> str | None:
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return (
+            f"query runs are built and tested for the CPU attention backend "
+            f"(CPU_ATTN) only, not on {current_platform.device_name or 'this platform'}"
+        )
+    model_config = getattr(vllm_config, "model_config", None)
+    if getattr(model_config, "use_mla", False):
+        # NOTE: vLLM's MLA builders split a batch's rows into decodes and
+        # prefills by query length, assuming decodes come first; a 1-token
+        # run after a longer one is not covered by a test yet.
+        return "MLA attention (CPU_MLA) splits rows by query length"
+    if getattr(vllm_config, "speculative_config", None) is not None:
+        return "speculative decoding schedules draft tokens per request"
+    if getattr(vllm_config, "use_v2_model_runner", False):
+        return "the V2 model runner does not read SchedulerOutput.query_runs"
+    return None

@@ -1,0 +1,83 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Several computed stretches of one prompt in one step (query runs).
+
+A KV connector that loads stretches in the middle of a prompt
+(`KVConnectorBase_V1.get_prefill_gap`) alternates loaded and computed
+stretches. With `PrefillGap.next_stretches` it lets the scheduler take
+several of them in one step: every loaded stretch is allocated like an
+external hit and counted as computed, every computed stretch is scheduled,
+and the step's query tokens of the request are the concatenated computed
+stretches. The model runner computes each computed stretch as its own query
+run over the request's block table, with its own sequence length
+(`SchedulerOutput.query_runs`, `vllm/v1/worker/query_runs.py`): attention
+backends assume a run's query tokens are the last tokens of its keys.
+
+Pure arithmetic, no engine: the scheduler's caps (token budget, long-prefill
+threshold, ...) apply to the computed tokens only, and `truncated` drops
+what they cut, loads after the last computed token included.
+"""
+
+from dataclasses import dataclass
+
+# (first position, number of tokens) of one query run.
+QueryRun = tuple[int, int]
+
+
+@dataclass(frozen=True)
+class PrefillRuns:
+    """The stretches one request takes in one step, from `first_position`
+    (its num_computed_tokens before the step) on."""
+
+    first_position: int
+    # (tokens loaded, tokens computed right after them), in prompt order.
+    stretches: tuple[tuple[int, int], ...]
+
+    @classmethod
+    def of_gap(cls, position: int, gap, num_left: int) -> "PrefillRuns":
+        """Every stretch a connector's `PrefillGap` offers at `position`, for a
+        request with `num_left` tokens to compute there (loads included)."""
+        first = (gap.num_external_tokens,
+                 min(num_left - gap.num_external_tokens, gap.max_new_tokens))
+        rest = tuple((g.num_external_tokens, g.max_new_tokens)
+                     for g in getattr(gap, "next_stretches", ()))
+        return cls(position, (first,) + rest)
+
+    @property
+    def num_external_tokens(self) -> int:
+        return sum(loaded for loaded, _ in self.stretches)
+
+    @property
+    def num_new_tokens(self) -> int:
+        return sum(computed for _, computed in self.stretches)
+
+    def truncated(self, num_new_tokens: int) -> "PrefillRuns":
+        """The first `num_new_tokens` computed tokens and the loads before
+        them (a stretch cut by the budget is finished in a later step)."""
+        if num_new_tokens < 0:
+            raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
+        kept: list[tuple[int, int]] = []
+        left = num_new_tokens
+        for loaded, computed in self.stretches:
+            if kept and left == 0:
+                break
+            take = min(computed, left)
+            kept.append((loaded, take))
+            left -= take
+        return PrefillRuns(self.first_position, tuple(kept))
+
+    def query_runs(self) -> tuple[QueryRun, ...]:
+        """(first position, length) of each computed stretch, in order."""
+        runs = []
+        position = self.first_position
+        for loaded, computed in self.stretches:
+            position += loaded
+            if computed:
+                runs.append((position, computed))
+            position += computed
+        return tuple(runs)
+
+    @property
+    def is_split(self) -> bool:
+        """Whether the model runner must be told (more than one run: with one,
+        its positions already follow from num_computed_tokens)."""
+        return len(self.query_runs()) > 1
