@@ -486,15 +486,8 @@ def run_fleet(args, out: Path) -> int:
     if args.requests == 16:  # the sweeps' default: 5 per row keeps the run ~10 min
         args.requests = 5
     table = bench_fleet.run(args, out)
-    params = {"fleet": True, "requests": args.requests, "model": args.model,
-              "machine": machine()}
-    (out / "params.json").write_text(json.dumps(params, indent=1))
-    (out / "results.md").write_text(
-        f"# Chunk store benchmark ({time.strftime('%Y-%m-%d %H:%M')})\n\n"
-        f"Machine: {params['machine']}\n\n" + table)
-    print(table)
-    print(f"[bench] wrote {out}/results.md, params.json")
-    return 0
+    params = {"fleet": True, "requests": args.requests, "model": args.model}
+    return _write_results(out, "Chunk store benchmark", params, table)
 
 
 if __name__ == "__main__":

@@ -498,8 +498,7 @@ class ChunkCacheManager:
     def _start_fetch(self, key: "_SegmentKey", content_hash: int) -> None:
         self._allocate(key)
         h = key.chunk_hash
-        fetch_id = f"{FETCH_ID_PREFIX}{self._num_children_created}-{h.hex()[:16]}"
-        self._num_children_created += 1
+        fetch_id = self._internal_id(FETCH_ID_PREFIX, h)
         spec = FetchSpec(
             request_id=fetch_id,
             chunk_hash=h,
@@ -673,10 +672,16 @@ class ChunkCacheManager:
         for victim in allocation.evicted:
             self.index.remove(victim)
 
+    def _internal_id(self, prefix: str, h: ChunkHash) -> str:
+        # NOTE: one counter for children and store fetches, so no two internal
+        # requests of this engine ever share an id.
+        rid = f"{prefix}{self._num_children_created}-{h.hex()[:16]}"
+        self._num_children_created += 1
+        return rid
+
     def _new_child(self, key: _SegmentKey, attempt: int) -> ChildSpec:
         h = key.chunk_hash
-        child_id = f"{CHILD_REQUEST_PREFIX}{self._num_children_created}-{h.hex()[:16]}"
-        self._num_children_created += 1
+        child_id = self._internal_id(CHILD_REQUEST_PREFIX, h)
         spec = ChildSpec(
             request_id=child_id,
             chunk_hash=h,
