@@ -260,17 +260,21 @@ def test_master_killed_and_restarted_mid_stream_every_request_is_served(
     finally:
         fleet.restart_master()
     # The restarted master forgot every key (Mooncake #1336): misses, computed,
-    # written again; then read again after a reset.
-    assert b.reset_prefix_cache(reset_connector=True)
+    # written again; then read again after a reset. NOTE: the first calls after a
+    # restart may still fail (the client reconnects: "Client not available", seen
+    # on a loaded CI machine), so their puts are lost: the same request is asked
+    # again, exact every time, until both entries are read from the store.
     layout = Layout("sys", [docs[6]], "after the restart")
-    check(reference, layout, generate(b, [layout])[0])
-    drain_puts(b)
-    assert b.reset_prefix_cache(reset_connector=True)
-    before = counters(b)
-    layout = Layout("sys", [docs[6]], "served from the store again")
-    check(reference, layout, generate(b, [layout])[0])
-    after = counters(b)
-    assert after["store_hits"] - before["store_hits"] == 2
+    deadline = time.monotonic() + 60
+    while True:
+        assert b.reset_prefix_cache(reset_connector=True)
+        before = counters(b)
+        check(reference, layout, generate(b, [layout])[0])
+        hits = counters(b)["store_hits"] - before["store_hits"]
+        if hits == 2:
+            break
+        drain_puts(b)  # its own request may read entries too: counted apart
+        assert time.monotonic() < deadline, f"{hits} store hits after the master restart"
     assert counters(b)["pinned_entries"] == 0
     assert "answers again" in caplog.text
 
