@@ -95,7 +95,7 @@ def cmd_export(paths: Paths, args) -> int:
 def cmd_check(paths: Paths, args) -> int:
     """Every release: its series applies to each base, and the overlay imports in its venv."""
     report = check.CheckReport()
-    for name in RELEASES:
+    for name in (args.only or RELEASES):
         rel_paths = paths.for_base(RELEASES[name])
         for tree_name, kinds in rel_paths.base.trees.items():
             found = []
@@ -199,9 +199,13 @@ def parser() -> argparse.ArgumentParser:
         if name == "apply":
             sp.add_argument("--force", action="store_true",
                             help="replace an existing tree (unexported edits are lost)")
-    add("check", "for every release: series/files/headers agree, every series applies "
-                 "cleanly to every base, and every overlay module imports in that release's "
-                 "venv")
+    sp = add("check", "for every release: series/files/headers agree, every series applies "
+                      "cleanly to every base, and every overlay module imports in that "
+                      "release's venv")
+    # NOTE: CI checks each release while its venv exists: it drops the first venv before
+    # building the second, as a CI machine's disk may not hold both (.ci/run).
+    sp.add_argument("--only", action="append", choices=sorted(RELEASES), default=None,
+                    help="check only this release (repeatable; default: every release)")
     add("build", "build the patched CPU wheel into .cache/dist")
     add("env", "create/update the release's venv with its torch + the patched wheel")
     add("setup", "everything: downloads, wheel, venv, models")
