@@ -10,10 +10,12 @@ the typed spec. No mock: a missing package raises with the install command.
 from __future__ import annotations
 
 import sys
+import warnings
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 
+from forktool.loopback import interfaces  # noqa: E402
 from forktool.mooncake_fleet import (  # noqa: E402
     INSTALL,
     MooncakeFleet as _Fleet,
@@ -25,6 +27,17 @@ __all__ = ["INSTALL", "MooncakeFleet", "check_installed", "free_port"]
 
 
 class MooncakeFleet(_Fleet):
+    def __enter__(self):
+        # NOTE: Mooncake's transfer engine listens on every interface (forktool/loopback.py);
+        # `./fork test` gives the tests a network namespace with only loopback, so those
+        # ports are private to the run. Say so where a run has more than loopback.
+        if interfaces() != ["lo"]:
+            warnings.warn(f"the store tests run with interfaces {interfaces()}: Mooncake's "
+                          "transfer-engine ports listen on every one of them (run the tests "
+                          "through ./fork test for a loopback-only network namespace)",
+                          stacklevel=2)
+        return super().__enter__()
+
     def spec(self):
         """The StoreSpec of spec_text (what --chunk-store gives vLLM)."""
         from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store.spec import (

@@ -9,7 +9,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 
-from . import bases, check, env, fetch, local_store, models, sysdeps, tree, wheel
+from . import bases, check, env, fetch, local_store, loopback, models, sysdeps, tree, wheel
 from .paths import Paths
 from .progress import ToolError, say
 from .releases import DEFAULT, RELEASES
@@ -133,7 +133,10 @@ def cmd_setup(paths: Paths, args) -> int:
 
 def cmd_test(paths: Paths, args) -> int:
     s = setup(paths, sdists=True)
-    return _exec(paths, [s.python, "-m", "pytest", *args.pytest_args])
+    # The set-up above needs the package index; the tests need nothing beyond loopback.
+    argv, network = loopback.wrap(s.python, [s.python, "-m", "pytest", *args.pytest_args])
+    say(network)
+    return _exec(paths, argv)
 
 
 def cmd_serve(paths: Paths, args) -> int:

@@ -13,7 +13,8 @@ NOTE: the master and the client bind their own ports on 127.0.0.1, but Mooncake
 0.3.13.post1's transfer engine (inside the client, and inside every process that
 connects) also listens on two ports of its own choice on every interface (its
 P2P handshake and TCP data ports; MC_TCP_BIND_ADDRESS did not change that here):
-docs/design/chunk-store.md, "Security".
+docs/design/chunk-store.md, "Security". `./fork test` therefore runs the tests in a
+loopback-only network namespace (loopback.py).
 """
 
 from __future__ import annotations
