@@ -188,6 +188,21 @@ def test_a_load_after_a_sleep_discarded_the_kv_cache_pool_is_exact(engine):
     _serve(engine, seed=2)
 
 
+def test_a_load_after_a_sleep_is_exact_on_the_layer_by_layer_path(vllm_config_context,
+                                                                  monkeypatch):
+    """The same sleep on the path the layers the fused kernel turns away take (every GPU
+    layer whose self-check fails, and MLA's latent rows): the load buffers allocated in
+    register_kv_caches are zeroed with the rest, and the next load, which rewrites them
+    before it reads them, is exact."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # no fused kernel: every layer per layer
+    engine = _engine()
+    assert not engine.worker._fused.layers and engine.worker._scratch.nbytes() > 0
+    _serve(engine, seed=4)
+    engine.pool.discard()
+    assert not any(buffer.any() for buffer in engine.worker._scratch._buffers.values())
+    _serve(engine, seed=5)
+
+
 def test_the_load_buffers_are_allocated_at_start_up_for_the_layers_that_take_them(
         vllm_config_context, monkeypatch):
     """Issue 30 finding 5, issue 29 finding 10: the buffers are allocated in
