@@ -30,8 +30,13 @@ sleep discards (issue 30). `FusedLayers.group` builds it at the first load or
 capture, outside that pool; the addresses in it stay valid across a sleep
 (vLLM's CuMem allocator maps the same virtual addresses on wake-up).
 
-NOTE: written and tested on the CPU (the self-check's logic, with Triton's
-interpreter); not executed on a GPU here (docs/gpu.md).
+NOTE: tested in CI on the CPU (the self-check's logic, with Triton's
+interpreter). Executed on an H100 on 2026-11-25 (docs/gpu.md, the recheck
+of a412b8e): this per-launch self-check passed on every layer of the FLASH_ATTN
+bf16 exactness row (one launch per step, answers exact) and its fp8 NHD unit case
+against the CUDA `reshape_and_cache_flash` passed. The TRITON_ATTN and fp8 rows
+ran with the earlier one-layer check; FlashInfer and HND caches on a GPU: not
+executed.
 """
 
 from __future__ import annotations
