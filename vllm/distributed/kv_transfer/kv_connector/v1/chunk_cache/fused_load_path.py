@@ -21,8 +21,10 @@ the generic rotation with the same table and the backend's own cache write.
 Every byte of every layer's touched blocks must agree; the caches and the
 pools are restored after. Not covered: more rows than the sample, slots in
 other blocks than the first ones, a step's other launches' order (each
-launch writes its own layers only). Where it passes, a fused load is the
-same answer as today's path, only faster.
+launch writes its own layers only): those rest on the kernel's tests
+(tests/unit/v1/worker/test_fused_chunk_load.py: other rows and slots, bit for bit
+against vLLM's own cache write, in Triton's interpreter) and on the GPU runs of
+docs/gpu.md, not on this check.
 
 The table of addresses is not kept from start-up: built in
 `register_kv_caches`, it would live in the KV-cache memory pool, which a
