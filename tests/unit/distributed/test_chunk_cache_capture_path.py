@@ -155,10 +155,18 @@ def test_self_check_keeps_the_hook_and_says_why():
 def test_capture_after_forward_copies_the_childs_rows_into_its_pool_rows():
     """A child in blocks (3, 1) of 16 slots computed positions 4..19 in this step and
     stores from position 1 (after a one-token sink): rows 3..18 of its entry, pool
-    blocks (7, 2). Exactly those pool rows change, to exactly the child's K/V."""
+    blocks (7, 2). Exactly those pool rows change, to exactly the child's K/V, which
+    vLLM's own Triton cache write put at the child's slots (not the reader's index
+    expression)."""
     dtype = torch.bfloat16
     layer, kv_cache = _flash_layer("HND", dtype)
     kv_cache.normal_()
+    gen = torch.Generator().manual_seed(5)
+    child_key = torch.randn(16, HEADS, HEAD, generator=gen).to(dtype)
+    child_value = torch.randn(16, HEADS, HEAD, generator=gen).to(dtype)
+    positions = torch.arange(4, 20)
+    child_slots = torch.tensor([3, 1])[positions // 16] * 16 + positions % 16
+    write_kv(kv_cache, child_key, child_value, child_slots)
     choice = choose_capture({"l0": layer}, {"l0": kv_cache}, {"l0": _flash_writer()}, dtype)
     rows = 12 * POOL_BLOCK_SIZE
     worker = SimpleNamespace(
@@ -170,13 +178,11 @@ def test_capture_after_forward_copies_the_childs_rows_into_its_pool_rows():
     store = ChildStore(block_ids=(3, 1), pool_block_ids=(7, 2), first_position=4,
                        end_position=20, store_start=1)
     ChunkCacheWorker.capture_after_forward(worker, ChunkCacheMetadata(stores=[store]))
-    positions = torch.arange(4, 20)
-    blocks = torch.tensor([3, 1])[positions // 16]
     entry_rows = positions - 1
     pool_rows = (torch.tensor([7, 2])[entry_rows // POOL_BLOCK_SIZE] * POOL_BLOCK_SIZE
                  + entry_rows % POOL_BLOCK_SIZE)
-    assert torch.equal(worker.pool_key["l0"][pool_rows], kv_cache[blocks, 0, positions % 16])
-    assert torch.equal(worker.pool_value["l0"][pool_rows], kv_cache[blocks, 1, positions % 16])
+    assert torch.equal(worker.pool_key["l0"][pool_rows], child_key)
+    assert torch.equal(worker.pool_value["l0"][pool_rows], child_value)
     untouched = torch.ones(rows, dtype=torch.bool)
     untouched[pool_rows] = False
     assert not worker.pool_key["l0"][untouched].any()

@@ -144,15 +144,23 @@ def test_a_step_reads_nothing_back_and_forms_cos_sin_once_per_frequencies(
     assert formed == ["cos_sin"], formed
 
 
-def test_the_config_time_capture_decision_is_the_per_layer_rule():
-    """Issue 30 "Also": one owner (capture_path) decides where captures run; the config
-    (CUDA-graph mode) applies the per-layer rule's own `quantized_reason`."""
+def test_the_config_time_capture_decision_is_the_per_layer_decision():
+    """Issue 30 "Also": one owner (capture_path) decides where captures run. The config
+    (the CUDA-graph mode, before any layer exists) says some layer captures in the hook
+    exactly where the per-layer decision (`choose_capture`, its self-check with vLLM's own
+    Triton cache write into a FlashAttention cache) sends the layer there; an unquantized
+    cache, which that write and read give back bit for bit, is never predicted as a hook."""
+    from tests.unit.distributed.test_chunk_cache_capture_path import _flash_layer, _flash_writer
     from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache import capture_path
 
-    for dtype in ("auto", "bfloat16", "float32", "fp8", "fp8_e4m3", "fp8_e5m2"):
-        cfg = SimpleNamespace(cache_config=SimpleNamespace(cache_dtype=dtype))
-        assert (capture_path.capture_hook_reason(cfg) is not None) is (
-            capture_path.quantized_reason(dtype) is not None), dtype
+    for cache_dtype in ("auto", "bfloat16", "float32", "fp8", "fp8_e4m3", "fp8_e5m2"):
+        cfg = SimpleNamespace(cache_config=SimpleNamespace(cache_dtype=cache_dtype))
+        layer, kv_cache = _flash_layer("NHD", torch.bfloat16)
+        layer.impl.kv_cache_dtype = cache_dtype
+        choice = capture_path.choose_capture({"l0": layer}, {"l0": kv_cache},
+                                             {"l0": _flash_writer()}, torch.bfloat16)
+        config_says_hook = capture_path.capture_hook_reason(cfg) is not None
+        assert config_says_hook is ("l0" in choice.in_attention), (cache_dtype, choice)
 
 
 def test_prepared_buffers_are_the_ones_taken():

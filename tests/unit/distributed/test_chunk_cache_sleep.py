@@ -188,6 +188,62 @@ def test_a_load_after_a_sleep_discarded_the_kv_cache_pool_is_exact(engine):
     _serve(engine, seed=2)
 
 
+def _reachable_tensors(root) -> list[torch.Tensor]:
+    """Every tensor reachable from `root` through attributes, dicts, lists, tuples and sets
+    (modules' parameters and buffers included)."""
+    seen, found, todo = set(), [], [root]
+    while todo:
+        obj = todo.pop()
+        if id(obj) in seen or isinstance(obj, (str, bytes, int, float, bool, type(None))):
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, torch.Tensor):
+            found.append(obj)
+        elif isinstance(obj, dict):
+            todo += list(obj.values())
+        elif isinstance(obj, (list, tuple, set, frozenset)):
+            todo += list(obj)
+        elif hasattr(obj, "__dict__") and not isinstance(obj, type):
+            todo += list(vars(obj).values())
+        elif hasattr(obj, "__slots__"):
+            todo += [getattr(obj, n) for n in obj.__slots__ if hasattr(obj, n)]
+    return found
+
+
+def test_the_worker_keeps_nothing_made_in_the_pool_but_pools_buffers_and_caches(engine):
+    """What the worker holds after register_kv_caches, whatever a load reads: of the
+    memory made inside the emulated pool, only its pools, its load buffers and the paged
+    caches' (their contents are rewritten or forgotten after a wake-up). Before the fix
+    the fused kernel's address table was among them."""
+    worker = engine.worker
+    # NOTE: by storage (views share it); the pool keeps its tensors alive, so no other
+    # storage can have their address. Empty storages hold nothing a sleep could discard.
+    made = {t.untyped_storage().data_ptr() for t in engine.pool.tensors
+            if t.untyped_storage().nbytes()}
+    allowed = {t.untyped_storage().data_ptr() for t in (
+        *worker.pool_key.values(), *worker.pool_value.values(), *engine.caches.values(),
+        *worker._scratch._buffers.values(),
+        *(latent.pool for latent in worker.latent.values()))}
+    kept = [tuple(t.shape) for t in _reachable_tensors(worker)
+            if t.untyped_storage().data_ptr() in made - allowed]
+    assert not kept, kept
+
+
+def test_a_load_after_a_sleep_is_exact_on_the_layer_by_layer_path(vllm_config_context,
+                                                                  monkeypatch):
+    """The same sleep on the path the layers the fused kernel turns away take (every GPU
+    layer whose self-check fails, and MLA's latent rows): the load buffers allocated in
+    register_kv_caches are zeroed with the rest, and the next load, which rewrites them
+    before it reads them, is exact."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # no fused kernel: every layer per layer
+    engine = _engine()
+    assert not engine.worker._fused.layers and engine.worker._scratch.nbytes() > 0
+    _serve(engine, seed=4)
+    engine.pool.discard()
+    assert not any(buffer.any() for buffer in engine.worker._scratch._buffers.values())
+    _serve(engine, seed=5)
+
+
 def test_the_load_buffers_are_allocated_at_start_up_for_the_layers_that_take_them(
         vllm_config_context, monkeypatch):
     """Issue 30 finding 5, issue 29 finding 10: the buffers are allocated in

@@ -25,8 +25,12 @@ The capture after the forward is the inverse copy (`fused_capture`): paged
 slots to pool rows, K and V of every layer of a group in one launch, no
 arithmetic (caches in the model dtype only).
 
-Not executed on a GPU here: tested on the CPU with Triton's interpreter
-(`TRITON_INTERPRET=1`) against the reference path, bit for bit.
+Tested in CI on the CPU with Triton's interpreter (`TRITON_INTERPRET=1`)
+against the reference path, bit for bit. Executed on an H100 on 2026-11-25
+(docs/gpu.md: the loads of the FLASH_ATTN and TRITON_ATTN exactness rows, the
+sleep check, the bandwidth benchmark); its fp8 unit cases
+(tests/unit/v1/worker/test_fused_chunk_load.py) were not rerun there after
+their fix.
 """
 
 from __future__ import annotations

@@ -21,8 +21,10 @@ the generic rotation with the same table and the backend's own cache write.
 Every byte of every layer's touched blocks must agree; the caches and the
 pools are restored after. Not covered: more rows than the sample, slots in
 other blocks than the first ones, a step's other launches' order (each
-launch writes its own layers only). Where it passes, a fused load is the
-same answer as today's path, only faster.
+launch writes its own layers only): those rest on the kernel's tests
+(tests/unit/v1/worker/test_fused_chunk_load.py: other rows and slots, bit for bit
+against vLLM's own cache write, in Triton's interpreter) and on the GPU runs of
+docs/gpu.md, not on this check.
 
 The table of addresses is not kept from start-up: built in
 `register_kv_caches`, it would live in the KV-cache memory pool, which a
@@ -30,8 +32,13 @@ sleep discards (issue 30). `FusedLayers.group` builds it at the first load or
 capture, outside that pool; the addresses in it stay valid across a sleep
 (vLLM's CuMem allocator maps the same virtual addresses on wake-up).
 
-NOTE: written and tested on the CPU (the self-check's logic, with Triton's
-interpreter); not executed on a GPU here (docs/gpu.md).
+NOTE: tested in CI on the CPU (the self-check's logic, with Triton's
+interpreter). Executed on an H100 on 2026-11-25 (docs/gpu.md, the recheck
+of a412b8e): this per-launch self-check passed on every layer of the FLASH_ATTN
+bf16 exactness row (one launch per step, answers exact) and its fp8 NHD unit case
+against the CUDA `reshape_and_cache_flash` passed. The TRITON_ATTN and fp8 rows
+ran with the earlier one-layer check; FlashInfer and HND caches on a GPU: not
+executed.
 """
 
 from __future__ import annotations
