@@ -132,7 +132,8 @@ def _scheduler_adapter(cfg):
 def check_scheduler_rules(model: str) -> None:
     """With vllm-ascend's platform patches (vLLM's Scheduler rebound to its
     BalanceScheduler): boundary recompute is refused by name where the
-    scheduler's own schedule() runs (balance scheduling on, ProfilingChunkScheduler),
+    scheduler's own schedule() runs (balance scheduling on, ProfilingChunkScheduler,
+    SchedulerDynamicBatch),
     accepted where BalanceScheduler calls vLLM's; without recompute every one of
     them is accepted (EngineCore admits the children, patch 0006)."""
     import vllm_ascend
@@ -154,16 +155,22 @@ def check_scheduler_rules(model: str) -> None:
                   async_scheduling=True)
     assert BalanceScheduler in cfg.scheduler_config.get_scheduler_cls().__mro__
     _expect_refused(lambda: _scheduler_adapter(cfg), "BalanceScheduler")
-    # vllm-ascend's profiling-chunk scheduler, set as its platform sets it.
-    # (SchedulerDynamicBatch imports pandas, not installed here: not checked.)
-    for recompute in (4, 0):
-        cfg = _config(model, chunk_recompute_tokens=recompute)
-        cfg.scheduler_config.scheduler_cls = (
-            "vllm_ascend.core.scheduler_profiling_chunk.ProfilingChunkScheduler")
-        if recompute:
-            _expect_refused(lambda: _scheduler_adapter(cfg), "ProfilingChunkScheduler")
-        else:
-            _scheduler_adapter(cfg)
+    # vllm-ascend's profiling-chunk and dynamic-batch schedulers, set as its platform
+    # sets them. NOTE: SchedulerDynamicBatch's module imports pandas (not installed
+    # here) for its SLO table alone (BudgetRefiner's pd.read_csv of a file its config
+    # names, never read by these checks): an empty stand-in module.
+    import types
+
+    sys.modules.setdefault("pandas", types.ModuleType("pandas"))
+    for qualname in ("vllm_ascend.core.scheduler_profiling_chunk.ProfilingChunkScheduler",
+                     "vllm_ascend.core.scheduler_dynamic_batch.SchedulerDynamicBatch"):
+        for recompute in (4, 0):
+            cfg = _config(model, chunk_recompute_tokens=recompute)
+            cfg.scheduler_config.scheduler_cls = qualname
+            if recompute:
+                _expect_refused(lambda: _scheduler_adapter(cfg), qualname)
+            else:
+                _scheduler_adapter(cfg)
 
 
 def check_xlite_refused() -> None:
