@@ -54,6 +54,58 @@ def check_plugin_on_stock_vllm() -> None:
     assert "ChunkCacheConnector" not in registry
 
 
+def check_npu_runner_serves_a_stock_connector_on_stock_vllm() -> None:
+    """vllm-ascend's patched `NPUModelRunner.initialize_kv_cache` (patch 0001) with a KV
+    connector of a stock vLLM (whose KVConnectorBase_V1 has no register_model: the
+    fork's patch 0007 adds it), e.g. a PD start with Mooncake: the connector still
+    gets its caches. Before: AttributeError 'register_model' at every such start.
+    The runner's steps before the connector calls (attention backends, input batch,
+    cache tensors) are stood in for: no NPU, no model."""
+    import types
+
+    import torch
+    from vllm.distributed.kv_transfer import kv_transfer_state
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+        KVConnectorBase_V1,
+        KVConnectorRole,
+    )
+
+    assert importlib.util.find_spec(CHUNK_CACHE) is None, "not a stock vLLM"
+    assert not hasattr(KVConnectorBase_V1, "register_model")
+    import vllm_ascend
+
+    vllm_ascend.register_connector()
+    import vllm_ascend.ops  # noqa: F401 - vllm-ascend's own import order (device_op first)
+    from vllm_ascend.worker.model_runner_v1 import NPUModelRunner
+
+    registered = []
+
+    class StockConnector(KVConnectorBase_V1):  # what every stock connector inherits
+        def register_kv_caches(self, kv_caches):
+            registered.append(kv_caches)
+
+    for method in KVConnectorBase_V1.__abstractmethods__:
+        setattr(StockConnector, method, lambda self, *a, **k: None)
+    StockConnector.__abstractmethods__ = frozenset()
+    connector = StockConnector.__new__(StockConnector)
+    connector._role = KVConnectorRole.WORKER
+    kv_transfer_state._KV_CONNECTOR_AGENT = connector
+
+    caches = {"model.layers.0.self_attn.attn": (torch.zeros(1), torch.zeros(1))}
+    runner = NPUModelRunner.__new__(NPUModelRunner)
+    runner.attn_groups, runner.speculative_config, runner.drafter = [], None, None
+    runner.model_config = types.SimpleNamespace(enable_return_routed_experts=False)
+    runner.model = torch.nn.Linear(1, 1)
+    for name, result in (("may_add_encoder_only_layers_to_kv_cache_config", None),
+                         ("maybe_add_kv_sharing_layers_to_kv_cache_groups", None),
+                         ("initialize_attn_backend", None),
+                         ("may_reinitialize_input_batch", None),
+                         ("initialize_kv_cache_tensors", caches)):
+        setattr(runner, name, lambda *a, _result=result, **k: _result)
+    runner.initialize_kv_cache(types.SimpleNamespace(kv_cache_groups=[]))
+    assert registered == [caches]
+
+
 def _config(model: str, **kwargs):
     from vllm.engine.arg_utils import EngineArgs
 
@@ -80,7 +132,8 @@ def _scheduler_adapter(cfg):
 def check_scheduler_rules(model: str) -> None:
     """With vllm-ascend's platform patches (vLLM's Scheduler rebound to its
     BalanceScheduler): boundary recompute is refused by name where the
-    scheduler's own schedule() runs (balance scheduling on, ProfilingChunkScheduler),
+    scheduler's own schedule() runs (balance scheduling on, ProfilingChunkScheduler,
+    SchedulerDynamicBatch),
     accepted where BalanceScheduler calls vLLM's; without recompute every one of
     them is accepted (EngineCore admits the children, patch 0006)."""
     import vllm_ascend
@@ -102,16 +155,22 @@ def check_scheduler_rules(model: str) -> None:
                   async_scheduling=True)
     assert BalanceScheduler in cfg.scheduler_config.get_scheduler_cls().__mro__
     _expect_refused(lambda: _scheduler_adapter(cfg), "BalanceScheduler")
-    # vllm-ascend's profiling-chunk scheduler, set as its platform sets it.
-    # (SchedulerDynamicBatch imports pandas, not installed here: not checked.)
-    for recompute in (4, 0):
-        cfg = _config(model, chunk_recompute_tokens=recompute)
-        cfg.scheduler_config.scheduler_cls = (
-            "vllm_ascend.core.scheduler_profiling_chunk.ProfilingChunkScheduler")
-        if recompute:
-            _expect_refused(lambda: _scheduler_adapter(cfg), "ProfilingChunkScheduler")
-        else:
-            _scheduler_adapter(cfg)
+    # vllm-ascend's profiling-chunk and dynamic-batch schedulers, set as its platform
+    # sets them. NOTE: SchedulerDynamicBatch's module imports pandas (not installed
+    # here) for its SLO table alone (BudgetRefiner's pd.read_csv of a file its config
+    # names, never read by these checks): an empty stand-in module.
+    import types
+
+    sys.modules.setdefault("pandas", types.ModuleType("pandas"))
+    for qualname in ("vllm_ascend.core.scheduler_profiling_chunk.ProfilingChunkScheduler",
+                     "vllm_ascend.core.scheduler_dynamic_batch.SchedulerDynamicBatch"):
+        for recompute in (4, 0):
+            cfg = _config(model, chunk_recompute_tokens=recompute)
+            cfg.scheduler_config.scheduler_cls = qualname
+            if recompute:
+                _expect_refused(lambda: _scheduler_adapter(cfg), qualname)
+            else:
+                _scheduler_adapter(cfg)
 
 
 def check_xlite_refused() -> None:

@@ -138,12 +138,12 @@ def check_fa_quant_and_pd_mix_refused() -> None:
     check_config(config)
 
 
-def check_carve_counts_the_npu_kv_alignment() -> None:
-    """Finding 6: with a KV connector, vllm-ascend's runner allocates every K and V
-    tensor 2 MiB larger (to align it). A budget B carved by the chunk cache, sized
-    into a paged cache by vLLM's own `get_kv_cache_configs` and allocated by
-    vllm-ascend's real `_allocate_kv_cache_tensors`: what that allocates, plus the
-    pool and its load buffers, stays within B."""
+def _carve_and_allocate(model_name: str, spec_of, late_model: bool = False) -> None:
+    """A budget B carved by the chunk cache for `model_name`, sized into a paged cache
+    by vLLM's own `get_kv_cache_configs` (`spec_of(model, parallel)` per layer) and
+    allocated by vllm-ascend's real `_allocate_kv_cache_tensors` (CPU tensors): what
+    that allocates (2 MiB of alignment per cache tensor included), plus the pool and its
+    load buffers, stays within B."""
     from vllm.config import ChunkCacheConfig, ModelConfig, VllmConfig
     from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.setup import (
         carve_chunk_pool,
@@ -153,35 +153,71 @@ def check_carve_counts_the_npu_kv_alignment() -> None:
         POOL_BLOCK_SIZE,
     )
     from vllm.v1.core.kv_cache_utils import get_kv_cache_configs
-    from vllm.v1.kv_cache_interface import FullAttentionSpec
     from vllm_ascend.worker.model_runner_v1 import NPUModelRunner
 
-    model = ModelConfig(model=str(MODELS / "tiny-llama"), dtype="float32", max_model_len=512)
-    config = VllmConfig(model_config=model, chunk_cache_config=ChunkCacheConfig(
-        enable_chunk_cache=True, max_chunk_load_tokens=256))
+    model = ModelConfig(model=str(MODELS / model_name), dtype="float32", max_model_len=512)
+    chunk_cache = ChunkCacheConfig(enable_chunk_cache=True, max_chunk_load_tokens=256,
+                                   chunk_context="none")
+    if late_model:
+        # NOTE: vLLM's CPU platform refuses sparse MLA when the config is checked
+        # (support._check_model_kind); the NPU platform's config is not built here.
+        config = VllmConfig(chunk_cache_config=chunk_cache)
+        config.model_config = model
+    else:
+        config = VllmConfig(model_config=model, chunk_cache_config=chunk_cache)
     config.cache_config.block_size = 128  # the NPU block size
     _on_npu()
     budget = 64 << 20
     left = carve_chunk_pool(config, budget)
     layers = model.get_num_layers(config.parallel_config)
-    spec = FullAttentionSpec(block_size=128, num_kv_heads=model.get_num_kv_heads(config.parallel_config),
-                             head_size=model.get_head_size(), dtype=torch.float32)
+    spec = spec_of(model, config.parallel_config)
     names = [f"model.layers.{i}.self_attn.attn" for i in range(layers)]
     kv_cache_config = get_kv_cache_configs(config, [{n: spec for n in names}], [left])[0]
 
     runner = NPUModelRunner.__new__(NPUModelRunner)
     runner.vllm_config, runner.device = config, torch.device("cpu")
-    runner.use_sparse = runner.use_compress = False
+    runner.use_sparse = getattr(spec, "sparse_head_dim", None) is not None
+    runner.use_compress = False
     runner.runner_only_attn_layers = set()
     raw = runner._allocate_kv_cache_tensors(kv_cache_config)
     storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
                 for parts in raw.values() for t in parts}
+    parts = len(next(iter(raw.values())))
     allocated = sum(storages.values())
     paged = sum(t.size for t in kv_cache_config.kv_cache_tensors)
-    assert allocated >= paged + 2 * layers * (2 << 20), (allocated, paged)  # the padding
+    assert len(storages) == parts * layers, (len(storages), parts, layers)
+    assert allocated >= paged + parts * layers * (2 << 20), (allocated, paged)  # the padding
     pool = pool_num_blocks(config, kv_cache_config) * POOL_BLOCK_SIZE * pool_bytes_per_token(config)
     total = allocated + pool + load_scratch_bytes(config)
     assert total <= budget, f"{total} bytes allocated for a budget of {budget}"
+    print(model_name, "cache tensors per layer:", parts, "allocated + pool + buffers:", total)
+
+
+def check_carve_counts_the_npu_kv_alignment() -> None:
+    """Finding 6: with a KV connector, vllm-ascend's runner allocates every K and V
+    tensor 2 MiB larger (to align it); the carve counts it (`_carve_and_allocate`)."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    _carve_and_allocate("tiny-llama", lambda model, parallel: FullAttentionSpec(
+        block_size=128, num_kv_heads=model.get_num_kv_heads(parallel),
+        head_size=model.get_head_size(), dtype=torch.float32))
+
+
+def check_carve_counts_the_npu_kv_alignment_for_sfa() -> None:
+    """Finding 6, SFA (DeepSeek-V3.2, registered on the NPU: issue 32): vllm-ascend's
+    runner allocates three aligned tensors per layer (latent, rope, indexer key), from
+    the spec its own `get_kv_cache_spec` builds (`AscendMLAAttentionSpec` with
+    `sparse_head_dim`). Before: the carve counted two per layer, and the third's 2 MiB
+    per layer went past the budget."""
+    from vllm_ascend.core.kv_cache_interface import AscendMLAAttentionSpec
+
+    def sfa_spec(model, parallel):
+        text = model.hf_text_config
+        dims = (text.kv_lora_rank, text.qk_rope_head_dim, text.index_head_dim)
+        return AscendMLAAttentionSpec(block_size=128, num_kv_heads=1, head_size=sum(dims),
+                                      sparse_head_dim=dims, dtype=torch.float32)
+
+    _carve_and_allocate("tiny-deepseek-v32", sfa_spec, late_model=True)
 
 
 def check_capture_check_avoids_assert_async_on_npu() -> None:

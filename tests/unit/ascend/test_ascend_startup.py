@@ -22,6 +22,15 @@ def test_vllm_ascend_plugin_is_harmless_on_a_stock_vllm(ascend_tree: Path, stock
     run_check(SCRIPT, "check_plugin_on_stock_vllm", ascend_tree, first=stock_vllm)
 
 
+def test_vllm_ascends_runner_serves_a_stock_connector_on_a_stock_vllm(
+        ascend_tree: Path, stock_vllm: Path):
+    """Finding 3, the runner half: before, vllm-ascend's patched initialize_kv_cache
+    called the fork's register_model on any KV connector: on a stock vLLM every start
+    with one (e.g. PD disaggregation) failed with an AttributeError."""
+    run_check(SCRIPT, "check_npu_runner_serves_a_stock_connector_on_stock_vllm",
+              ascend_tree, first=stock_vllm)
+
+
 def test_schedulers_that_replace_schedule_are_refused_with_boundary_recompute(
         ascend_tree: Path):
     """Finding 1 (the refusal half; the admission half runs an engine:

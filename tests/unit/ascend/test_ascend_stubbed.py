@@ -46,6 +46,7 @@ def test_npu_code_path_against_stubs(ascend_tree: Path, check: str):
     "check_pp_refused_on_npu",
     "check_fa_quant_and_pd_mix_refused",
     "check_carve_counts_the_npu_kv_alignment",
+    "check_carve_counts_the_npu_kv_alignment_for_sfa",
     "check_capture_check_avoids_assert_async_on_npu",
     "check_mlapo_is_read_per_layer_after_weights_load",
     "check_full_graph_refusal_names_the_npu_not_a_quantized_cache",

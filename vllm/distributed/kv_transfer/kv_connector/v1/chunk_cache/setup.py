@@ -146,7 +146,7 @@ def carve_chunk_pool(vllm_config: VllmConfig, available_bytes: int) -> int:
 
 
 # vllm-ascend's NPU runner allocates every K and V tensor of a layer (MLA: its
-# latent and rope tensors) this much larger, to align its address, whenever a
+# latent and rope tensors; SFA: and its indexer key tensor) this much larger, to align its address, whenever a
 # KV connector is configured (`_allocate_int8_cache_tensor`, read in
 # vllm-ascend 0.23.0.post1): the chunk cache's connector always is.
 NPU_KV_TENSOR_ALIGNMENT = 2 << 20
@@ -154,16 +154,23 @@ NPU_KV_TENSOR_ALIGNMENT = 2 << 20
 
 def kv_allocation_padding_bytes(vllm_config: VllmConfig) -> int:
     """Memory the platform's KV cache allocation takes beyond the bytes vLLM
-    sized the paged cache for: on vllm-ascend's NPU runner, 2 MiB per K and V
-    tensor (two per attention layer), which vLLM's sizing does not see. Carved
-    out with the pool, so that the paged cache, the pool and the padding stay
-    within the budget."""
+    sized the paged cache for: on vllm-ascend's NPU runner, 2 MiB per cache
+    tensor of a layer (two for standard attention and MLA, three for SFA with
+    its indexer key cache), which vLLM's sizing does not see. Carved out with
+    the pool, so that the paged cache, the pool and the padding stay within
+    the budget."""
     from vllm.platforms import current_platform
 
     if getattr(current_platform, "device_type", None) != "npu":
         return 0
-    layers = _max_stage_layers(vllm_config.model_config, vllm_config.parallel_config)
-    return 2 * layers * NPU_KV_TENSOR_ALIGNMENT
+    model_config = vllm_config.model_config
+    layers = _max_stage_layers(model_config, vllm_config.parallel_config)
+    # NOTE: SFA (sparse MLA with an indexer) keeps (latent, rope, indexer key)
+    # per layer, each its own aligned tensor (`_allocate_kv_cache_tensors`'s
+    # dsa_k_tensor); counted on every layer, an upper bound where a layer
+    # reuses another's top-k and has none. C8 variants (a 4th tensor) are refused.
+    parts = 3 if getattr(model_config, "use_mla", False) and _index_head_dim(model_config) else 2
+    return parts * layers * NPU_KV_TENSOR_ALIGNMENT
 
 
 # Rows of the load buffers where every standard layer is expected to load
