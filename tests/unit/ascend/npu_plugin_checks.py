@@ -8,7 +8,8 @@ vllm-ascend's platform patches, e.g. patch_balance_schedule, then its connector
 registrations, the fork's among them) and `adapt_patch(is_global_patch=False)` (its
 worker patches, e.g. patch_qwen3vl). Models are built by vLLM with vllm-ascend's
 custom ops (`register_ascend_customop`) and the attention backends NPUPlatform
-chooses; no weights are loaded and nothing runs a forward or an NPU op.
+chooses; no weights are loaded and nothing runs a forward or an NPU op (the tiny
+DeepSeek's load step writes through the stub `torch_npu`'s CPU cache-write references).
 
     python npu_plugin_checks.py CHECK_NAME [ARGS...]
 """
@@ -109,9 +110,9 @@ def check_npu_runner_serves_a_stock_connector_on_stock_vllm() -> None:
 def _config(model: str, **kwargs):
     from vllm.engine.arg_utils import EngineArgs
 
-    return EngineArgs(model=model, dtype="float32", enforce_eager=True, max_model_len=1024,
-                      skip_tokenizer_init=True, enable_chunk_cache=True,
-                      **kwargs).create_engine_config()
+    return EngineArgs(**{"model": model, "dtype": "float32", "enforce_eager": True,
+                         "max_model_len": 1024, "skip_tokenizer_init": True,
+                         "enable_chunk_cache": True, **kwargs}).create_engine_config()
 
 
 def _scheduler_adapter(cfg):
@@ -214,28 +215,36 @@ QWEN_CONFIGS = {
 }
 
 
+def _build(model: str, **kwargs):
+    """(config, model) as an NPU worker builds them: vllm-ascend's config and
+    custom ops (its rope classes in place of vLLM's), then vLLM's model."""
+    import torch
+
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.model_loader.utils import initialize_model
+    from vllm_ascend.ascend_config import init_ascend_config
+    from vllm_ascend.utils import register_ascend_customop
+
+    cfg = _config(model, **kwargs)
+    with set_current_vllm_config(cfg), torch.device("cpu"):
+        init_ascend_config(cfg)
+        register_ascend_customop(cfg)
+        built = initialize_model(vllm_config=cfg)
+    return cfg, built
+
+
 def _start_up(model: str) -> dict:
     """The chunk cache's start-up checks on `model` as built on an NPU: the config
     (front end), the model's ropes (the worker's register_model) and every
     attention layer (check_attention_layer). Returns what was found."""
-    import torch
-
-    from vllm.config import set_current_vllm_config
     from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.support import (
         check_attention_layer,
     )
     from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.worker import (
         ChunkCacheWorker,
     )
-    from vllm.model_executor.model_loader.utils import initialize_model
-    from vllm_ascend.ascend_config import init_ascend_config
-    from vllm_ascend.utils import register_ascend_customop
 
-    cfg = _config(model)
-    with set_current_vllm_config(cfg), torch.device("cpu"):
-        init_ascend_config(cfg)
-        register_ascend_customop(cfg)
-        model = initialize_model(vllm_config=cfg)
+    cfg, model = _build(model)
     worker = ChunkCacheWorker.__new__(ChunkCacheWorker)  # its start-up half only
     worker.register_model(model)
     layers = {name: layer for name, layer in
@@ -249,12 +258,10 @@ def _start_up(model: str) -> dict:
                                 for c in owners})}
 
 
-def check_dry_run(models_dir: str) -> None:
-    """Llama, Qwen2.5, Qwen3, Qwen3-MoE and the tiny DeepSeek start with the chunk
-    cache on vllm-ascend's code path; Qwen3 with an M-RoPE is refused naming its
-    rope class (docs/ascend.md)."""
-    import torch  # noqa: F401
-
+def _ascend_process() -> None:
+    """What every NPU process does before it builds a model, on CPU: vllm-ascend's
+    platform patches and connector registrations, its worker patches, and
+    NPUPlatform's choice of attention backend."""
     import vllm_ascend
     from vllm.config import VllmConfig, set_current_vllm_config
     from vllm.distributed import init_distributed_environment, initialize_model_parallel
@@ -275,6 +282,12 @@ def check_dry_run(models_dir: str) -> None:
     CpuPlatform.get_attn_backend_cls = NPUPlatform.get_attn_backend_cls
     NPUPlatform.device_type = "cpu"
 
+
+def check_dry_run(models_dir: str) -> None:
+    """Llama, Qwen2.5, Qwen3, Qwen3-MoE and the tiny DeepSeek start with the chunk
+    cache on vllm-ascend's code path; Qwen3 with an M-RoPE is refused naming its
+    rope class (docs/ascend.md)."""
+    _ascend_process()
     found = {}
     with tempfile.TemporaryDirectory() as tmp:
         for name, config in QWEN_CONFIGS.items():
@@ -298,6 +311,177 @@ def check_dry_run(models_dir: str) -> None:
             f"{cls}.forward in vllm_ascend.patch.worker.patch_qwen3vl"], found[name]
     assert found["tiny-deepseek"]["ropes"] == ["AscendDeepseekScalingRotaryEmbedding"]
     assert found["tiny-deepseek"]["impls"] == ["AscendMLAImpl"]
+
+
+# The tiny DeepSeek's paged cache on vllm-ascend's MLA path: blocks of the NPU's
+# 128 tokens; the load's rows (a request's blocks 2 and 3, from two cached segments
+# at other positions) cross a block.
+NPU_BLOCK, NUM_BLOCKS = 128, 6
+
+
+def _deepseek_worker(models_dir: str):
+    """The tiny DeepSeek (3 MLA layers) built as an NPU worker builds it (vllm-ascend's
+    platform and worker patches, its AscendDeepseekScalingRotaryEmbedding and
+    AscendMLAImpl), with a ChunkCacheWorker made as the connector makes it and
+    `register_model` called as vllm-ascend's patched runner calls it. Returns (worker,
+    config, caches): `register_kv_caches(caches)` is left to the check. NOTE: the
+    caches are made here in vllm-ascend's MLA layout (a latent and a rope cache per
+    layer, [blocks, 128, 1, width], the spec's dtype), not by its runner's
+    `initialize_kv_cache_tensors` (its attention groups need NPU backends); bf16, so
+    the load's fp32 rotation buffers are taken too."""
+    import torch
+
+    import npu_stub_checks
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.worker import (
+        ChunkCacheWorker,
+    )
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
+
+    _ascend_process()
+    npu_stub_checks._device_op()  # A2's cache-write ops (the stub's CPU references)
+    cfg, model = _build(os.path.join(models_dir, "tiny-deepseek"), dtype="bfloat16",
+                        block_size=NPU_BLOCK)
+    layers = {name: layer for name, layer in
+              cfg.compilation_config.static_forward_context.items() if hasattr(layer, "impl")}
+    assert {type(layer.impl).__name__ for layer in layers.values()} == {"AscendMLAImpl"}
+    spec = next(iter(layers.values())).get_kv_cache_spec(cfg)
+    kv_cache_config = KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[],
+                                    kv_cache_groups=[KVCacheGroupSpec(list(layers), spec)])
+    text = cfg.model_config.hf_text_config
+    caches = {name: tuple(torch.zeros(NUM_BLOCKS, NPU_BLOCK, 1, width, dtype=spec.dtype)
+                          for width in (text.kv_lora_rank, text.qk_rope_head_dim))
+              for name in layers}
+    with set_current_vllm_config(cfg):
+        worker = ChunkCacheWorker(cfg, kv_cache_config)
+        worker.register_model(model)
+    return worker, cfg, caches
+
+
+def _deepseek_load():
+    """A load of one request from two cached segments (their own deltas)."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.metadata import (
+        ChunkCacheMetadata,
+        RequestLoad,
+        SegmentStretch,
+    )
+
+    return ChunkCacheMetadata(loads=[RequestLoad(block_ids=(2, 3), stretches=(
+        SegmentStretch((0, 1), first_row=0, num_rows=20, dst_position=100, delta=500),
+        SegmentStretch((2, 3, 4), first_row=2, num_rows=40, dst_position=120, delta=-3)))])
+
+
+def check_deepseek_load_buffers_allocated_in_register_kv_caches(models_dir: str) -> None:
+    """Issue 29, finding 10, on the tiny DeepSeek started on vllm-ascend's MLA path:
+    the load buffers exist right after `register_kv_caches` (before any load: inside
+    the KV-cache memory, vllm-ascend's sleep pool on an NPU), are latent rows of the
+    model's kv_lora_rank and qk_rope_head_dim (not K/V of its 576-wide head), are what
+    the carve-out counted, and a load of every MLA layer hands AscendMLAImpl's
+    registered cache write its kv_c and k_pe in them, allocating none. Before: none
+    existed until a load, and MLA loads took new tensors per layer."""
+    import dataclasses
+    import types
+
+    import torch
+
+    from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.setup import (
+        load_scratch_bytes,
+    )
+
+    worker, cfg, caches = _deepseek_worker(models_dir)
+    scratch = worker._scratch
+    assert scratch.nbytes() == 0
+    worker.register_kv_caches(caches)
+    assert len(worker.latent) == 3 and not worker.remappers
+    text = cfg.model_config.hf_text_config
+    rows = cfg.chunk_cache_config.max_chunk_load_tokens
+    got = {role: (tuple(b.shape), b.dtype) for (role, *_), b in scratch._buffers.items()}
+    rope, bf16, fp32 = (rows, text.qk_rope_head_dim), torch.bfloat16, torch.float32
+    assert got == {"kv_c": ((rows, text.kv_lora_rank), bf16), "k_pe": (rope, bf16),
+                   "k_pe32": (rope, fp32), "k_pe_rotated32": (rope, fp32),
+                   "k_pe_rotated": (rope, bf16)}, got
+    assert scratch.nbytes() == load_scratch_bytes(cfg), (scratch.nbytes(),
+                                                         load_scratch_bytes(cfg))
+    print("load buffers after register_kv_caches:", got, scratch.nbytes(), "bytes")
+
+    buffers = {key: b.data_ptr() for key, b in scratch._buffers.items()}
+    writes = []
+    for latent in worker.latent.values():
+        latent.pool.normal_()
+
+        def write(layer, kv_c, k_pe, slots, cache, _write=latent.writer.write):
+            writes.append((kv_c.data_ptr(), k_pe.data_ptr()))
+            _write(layer, kv_c, k_pe, slots, cache)
+
+        latent.writer = dataclasses.replace(latent.writer, write=write)
+    worker.start_load_kv(_deepseek_load(), types.SimpleNamespace())
+    assert len(writes) == 3, writes
+    assert {key: b.data_ptr() for key, b in scratch._buffers.items()} == buffers
+    for kv_c, k_pe in writes:
+        assert {kv_c, k_pe} <= set(buffers.values()), "a load took tensors of its own"
+    # What the load wrote, read back by the registered reader: the pool's kv_c.
+    rank = text.kv_lora_rank
+    slots = torch.cat((2 * NPU_BLOCK + 100 + torch.arange(20),
+                       2 * NPU_BLOCK + 120 + torch.arange(40)))
+    src = torch.cat((torch.arange(20), 2 * 16 + 2 + torch.arange(40)))
+    for latent in worker.latent.values():
+        read = latent.writer.read(latent.kv_cache, slots)
+        assert torch.equal(read[:, :rank], latent.pool[src, :rank]), latent.name
+
+
+def check_deepseek_load_step_forms_cos_sin_once_per_frequencies(models_dir: str) -> None:
+    """Issue 29, finding 8, on the tiny DeepSeek started on vllm-ascend's MLA path:
+    each MLA layer holds its own rotation (the `with_pairing` copy of the one
+    AscendDeepseekScalingRotaryEmbedding's, to the GPT-J rows vllm-ascend's MLA cache
+    holds), and a load step over all of them forms the per-stretch cos/sin once (one
+    set of frequencies), with every read-back of a tensor to the host raising.
+    Before: keyed by the rope object, every layer's copy missed the step's cos/sin and
+    formed its own from the rows' deltas (on an NPU through `deltas.cpu()`, a host
+    synchronisation per layer). NOTE: the caches here are CPU tensors, so a read-back
+    is caught by patching the host conversions themselves; the pre-fix code read back
+    only on a device other than CPU and CUDA, which needs a real torch_npu device."""
+    import types
+
+    import torch
+
+    from vllm.v1.worker.position_remapper import RopeRotation
+
+    worker, cfg, caches = _deepseek_worker(models_dir)
+    worker.register_kv_caches(caches)
+    assert sorted({type(rope).__name__ for rope in worker._ropes.values()}) == [
+        "AscendDeepseekScalingRotaryEmbedding"]
+    rotations = [latent.rotation for latent in worker.latent.values()]
+    assert len({id(r) for r in rotations}) == 3, "not one rotation per layer"
+    assert all(r is not shared for r in rotations for shared in worker._rotations.values())
+    assert len({r.frequency_key for r in rotations}) == 1
+    for latent in worker.latent.values():
+        latent.pool.normal_()
+
+    formed = []
+    for name in ("cos_sin", "cos_sin_rows"):
+        def counted(self, deltas, _original=getattr(RopeRotation, name), _name=name):
+            formed.append(_name)
+            return _original(self, deltas)
+
+        setattr(RopeRotation, name, counted)
+
+    def host_read(*args, **kwargs):
+        raise AssertionError("a device value was read back on the host")
+
+    saved = {name: getattr(torch.Tensor, name) for name in
+             ("__bool__", "item", "tolist", "__int__", "__float__", "cpu", "numpy")}
+    assert_async = torch._assert_async
+    for name in saved:
+        setattr(torch.Tensor, name, host_read)
+    torch._assert_async = host_read
+    try:
+        worker.start_load_kv(_deepseek_load(), types.SimpleNamespace())
+    finally:
+        for name, method in saved.items():
+            setattr(torch.Tensor, name, method)
+        torch._assert_async = assert_async
+    assert formed == ["cos_sin"], formed
+    print("cos/sin formed:", formed, "for", len(rotations), "MLA layers")
 
 
 if __name__ == "__main__":

@@ -49,3 +49,27 @@ def test_dry_run_of_the_start_up_on_vllm_ascend(ascend_tree: Path):
     an M-RoPE is refused naming AscendMRotaryEmbedding."""
     out = run_check(SCRIPT, "check_dry_run", ascend_tree, str(models_dir()))
     assert "qwen3-mrope refused" in out
+
+
+def test_deepseek_on_ascend_mla_allocates_its_latent_load_buffers_in_register_kv_caches(
+        ascend_tree: Path):
+    """Finding 10, on vllm-ascend's AscendMLAImpl and rope (npu_plugin_checks.py).
+    Against the code before 98e9514 (reinstated one part at a time): the lazy allocation
+    fails with `AssertionError: {}` (no buffer after register_kv_caches); the K/V sizing
+    of load_scratch_bytes with `AssertionError: (29360128, 132120576)` (allocated vs
+    counted); the per-layer MLA load with `a load took tensors of its own`."""
+    run_check(SCRIPT, "check_deepseek_load_buffers_allocated_in_register_kv_caches",
+              ascend_tree, str(models_dir()))
+
+
+def test_deepseek_on_ascend_mla_forms_a_steps_cos_sin_once_per_frequencies(
+        ascend_tree: Path):
+    """Finding 8, on the with_pairing copies vllm-ascend's MLA reader makes of its
+    AscendDeepseekScalingRotaryEmbedding (npu_plugin_checks.py). Against the code
+    before 98e9514 (the step's cos/sin keyed by id(rotation), its cos_sin_rows):
+    `AssertionError: ['cos_sin_rows', 'cos_sin_rows', 'cos_sin_rows']` (one per layer);
+    with today's cos_sin_rows (host deltas), `a device value was read back on the host`.
+    NOTE: the old code read back only on a device other than CPU and CUDA; on these CPU
+    tensors the old code fails by its per-layer formation (docs/ascend.md)."""
+    run_check(SCRIPT, "check_deepseek_load_step_forms_cos_sin_once_per_frequencies",
+              ascend_tree, str(models_dir()))
