@@ -279,6 +279,67 @@ def test_master_killed_and_restarted_mid_stream_every_request_is_served(
     assert "answers again" in caplog.text
 
 
+def _tp2_server(fleet, tmp_path_factory, name):
+    """A `vllm serve` with two ranks on the fleet's store (one core per rank)."""
+    from tests.e2e.server import start_server
+    from tests.e2e.test_chunk_cache_parallel import (
+        KV_SPACE_GIB,
+        _bind_one_core_per_rank,
+        _environ,
+    )
+
+    env = {"VLLM_CPU_OMP_THREADS_BIND": _bind_one_core_per_rank(),
+           "VLLM_CPU_KVCACHE_SPACE": KV_SPACE_GIB, "VLLM_SERVER_DEV_MODE": "1"}
+    flags = ["--enable-chunk-cache", "--served-model-name", "tiny", "--chunk-context", "sink",
+             "--seed", "0", "--distributed-executor-backend", "mp",
+             "--enable-prompt-tokens-details", "--tensor-parallel-size", "2",
+             "--chunk-store", fleet.spec_text]
+    with _environ(**env):
+        return start_server(MODEL, flags, tmp_path_factory.mktemp(name) / "serve.log")
+
+
+def _wait_for_puts(server, puts: int) -> None:
+    from tests.e2e.test_chunk_cache_parallel import complete, metrics
+
+    deadline = time.monotonic() + 60
+    while metrics(server).get("store_puts", 0) < puts:
+        assert time.monotonic() < deadline, metrics(server)
+        complete(server, "x ## y ## drain", n=1)
+        time.sleep(0.5)
+
+
+def test_tp2_each_rank_writes_and_reads_its_own_key(fleet, reference, docs, tmp_path_factory):
+    """TP=2, one server (the two-replica form is in the slow tier below): every rank
+    writes its own half of the heads under its own key (two puts per entry); with the
+    pool emptied by a reset (same weights, so the same keys), the same documents in
+    another order are read back by both ranks (two gets per entry, and an entry counts
+    as a hit only when both ranks verified theirs) and nothing is computed again."""
+    import urllib.request
+
+    from tests.e2e.test_chunk_cache_parallel import check as check_served
+    from tests.e2e.test_chunk_cache_parallel import complete, metrics
+
+    server = _tp2_server(fleet, tmp_path_factory, "tp2-one")
+    try:
+        first = Layout("sys", docs[5:8], "one server two ranks first")
+        check_served(reference, first, *complete(server, first.prompt))
+        _wait_for_puts(server, 8)  # 4 entries (system + 3 documents), one per rank each
+        req = urllib.request.Request(server.url + "/reset_prefix_cache?reset_external=true",
+                                     method="POST")
+        with urllib.request.urlopen(req, timeout=60) as r:
+            assert r.status == 200
+        before = metrics(server)
+        second = Layout("sys", list(reversed(docs[5:8])), "one server two ranks second")
+        check_served(reference, second, *complete(server, second.prompt))
+        after = metrics(server)
+        diff = {k: after.get(k, 0) - before.get(k, 0)
+                for k in ("hits", "child_computes", "store_hits", "store_gets")}
+        # Pool hits 0: the reset emptied the pool; every entry came from the store.
+        assert diff == {"hits": 0, "child_computes": 0, "store_hits": 4, "store_gets": 8}, diff
+    finally:
+        server.stop()
+
+
 # NOTE: two `vllm serve` with two ranks each, one after another: minutes on the
 # 2-core CI machine, so in the `slow` tier (`./fork test -m slow`).
 @pytest.mark.slow
@@ -287,36 +348,17 @@ def test_tp2_replicas_each_rank_reads_and_writes_its_own_key(
     """TP=2: every rank writes its own half of the heads under its own key; the
     second replica reads both halves (an entry counts only when both ranks
     verified theirs) and computes nothing."""
-    from tests.e2e.server import start_server
-    from tests.e2e.test_chunk_cache_parallel import (
-        KV_SPACE_GIB,
-        _bind_one_core_per_rank,
-        _environ,
-    )
     from tests.e2e.test_chunk_cache_parallel import check as check_served
     from tests.e2e.test_chunk_cache_parallel import complete, metrics
 
-    env = {"VLLM_CPU_OMP_THREADS_BIND": _bind_one_core_per_rank(),
-           "VLLM_CPU_KVCACHE_SPACE": KV_SPACE_GIB}
-    flags = ["--enable-chunk-cache", "--served-model-name", "tiny", "--chunk-context", "sink",
-             "--seed", "0", "--distributed-executor-backend", "mp",
-             "--enable-prompt-tokens-details", "--tensor-parallel-size", "2",
-             "--chunk-store", fleet.spec_text]
     first = Layout("sys", docs[:3], "two ranks first")
-    with _environ(**env):
-        a = start_server(MODEL, flags, tmp_path_factory.mktemp("tp2-a") / "serve.log")
+    a = _tp2_server(fleet, tmp_path_factory, "tp2-a")
     try:
         check_served(reference, first, *complete(a, first.prompt))
-        deadline = time.monotonic() + 60
-        # 4 entries (system + 3 documents), one put per rank each.
-        while metrics(a).get("store_puts", 0) < 8:
-            assert time.monotonic() < deadline, metrics(a)
-            complete(a, "x ## y ## drain", n=1)
-            time.sleep(0.5)
+        _wait_for_puts(a, 8)  # 4 entries (system + 3 documents), one put per rank each
     finally:
         a.stop()
-    with _environ(**env):
-        b = start_server(MODEL, flags, tmp_path_factory.mktemp("tp2-b") / "serve.log")
+    b = _tp2_server(fleet, tmp_path_factory, "tp2-b")
     try:
         second = Layout("sys", list(reversed(docs[:3])), "two ranks second")
         check_served(reference, second, *complete(b, second.prompt))
