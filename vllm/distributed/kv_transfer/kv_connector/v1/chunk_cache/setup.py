@@ -146,9 +146,10 @@ def carve_chunk_pool(vllm_config: VllmConfig, available_bytes: int) -> int:
 
 
 # vllm-ascend's NPU runner allocates every K and V tensor of a layer (MLA: its
-# latent and rope tensors; SFA: and its indexer key tensor) this much larger, to align its address, whenever a
-# KV connector is configured (`_allocate_int8_cache_tensor`, read in
-# vllm-ascend 0.23.0.post1): the chunk cache's connector always is.
+# latent and rope tensors; SFA: and its indexer key tensor) this much larger, to
+# align its address, whenever a KV connector is configured
+# (`_allocate_int8_cache_tensor`, read in vllm-ascend 0.23.0.post1): the chunk
+# cache's connector always is.
 NPU_KV_TENSOR_ALIGNMENT = 2 << 20
 
 
