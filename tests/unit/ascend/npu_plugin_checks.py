@@ -444,7 +444,7 @@ def check_deepseek_load_step_forms_cos_sin_once_per_frequencies(models_dir: str)
 
     import torch
 
-    from vllm.v1.worker.position_remapper import RopeRotation
+    from step_probes import cos_sin_formed_without_host_reads, host_read
 
     worker, cfg, caches = _deepseek_worker(models_dir)
     worker.register_kv_caches(caches)
@@ -457,28 +457,12 @@ def check_deepseek_load_step_forms_cos_sin_once_per_frequencies(models_dir: str)
     for latent in worker.latent.values():
         latent.pool.normal_()
 
-    formed = []
-    for name in ("cos_sin", "cos_sin_rows"):
-        def counted(self, deltas, _original=getattr(RopeRotation, name), _name=name):
-            formed.append(_name)
-            return _original(self, deltas)
-
-        setattr(RopeRotation, name, counted)
-
-    def host_read(*args, **kwargs):
-        raise AssertionError("a device value was read back on the host")
-
-    saved = {name: getattr(torch.Tensor, name) for name in
-             ("__bool__", "item", "tolist", "__int__", "__float__", "cpu", "numpy")}
     assert_async = torch._assert_async
-    for name in saved:
-        setattr(torch.Tensor, name, host_read)
-    torch._assert_async = host_read
+    torch._assert_async = host_read  # the device-side check has no NPU kernel (finding 7)
     try:
-        worker.start_load_kv(_deepseek_load(), types.SimpleNamespace())
+        with cos_sin_formed_without_host_reads() as formed:
+            worker.start_load_kv(_deepseek_load(), types.SimpleNamespace())
     finally:
-        for name, method in saved.items():
-            setattr(torch.Tensor, name, method)
         torch._assert_async = assert_async
     assert formed == ["cos_sin"], formed
     print("cos/sin formed:", formed, "for", len(rotations), "MLA layers")

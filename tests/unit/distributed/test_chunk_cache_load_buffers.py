@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from tests.unit.distributed.test_chunk_cache_worker import _sizing_config, _worker
+from tests.unit.ascend.step_probes import cos_sin_formed_without_host_reads
 from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache import fused_load_path, setup
 from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.cache_writers import (
     LatentWriter,
@@ -116,29 +117,14 @@ def test_mla_loads_take_the_shared_load_buffers(vllm_config_context):
 
 
 def test_a_step_reads_nothing_back_and_forms_cos_sin_once_per_frequencies(
-        vllm_config_context, monkeypatch):
+        vllm_config_context):
     """Issue 29 finding 8. Before: every MLA layer's rotation (its own `with_pairing`
     copy) missed the step's cos/sin, keyed by the rope object, and formed its own (on an
     NPU through `deltas.cpu()`, a host synchronisation per layer). Now the step forms the
     cos/sin of each stretch once per set of frequencies, on the host from the metadata's
     integers, and reads no device value back."""
     worker, writes = _latent_worker(vllm_config_context, num_layers=3)
-    formed = []
-    for name in ("cos_sin", "cos_sin_rows"):
-        original = getattr(RopeRotation, name)
-
-        def counted(self, deltas, _original=original, _name=name):
-            formed.append(_name)
-            return _original(self, deltas)
-
-        monkeypatch.setattr(RopeRotation, name, counted)
-
-    def host_read(*args, **kwargs):
-        raise AssertionError("a device value was read back on the host")
-
-    with monkeypatch.context() as m:
-        for name in ("__bool__", "item", "tolist", "__int__", "__float__", "cpu", "numpy"):
-            m.setattr(torch.Tensor, name, host_read)
+    with cos_sin_formed_without_host_reads() as formed:
         worker.start_load_kv(_meta(), SimpleNamespace())
     assert len(writes) == 3
     assert formed == ["cos_sin"], formed
