@@ -32,6 +32,29 @@ def test_another_kv_connector_is_refused():
             kv_connector="ExampleConnector", kv_role="kv_both"))
 
 
+@pytest.mark.parametrize("given, named", [
+    (dict(kv_load_failure_policy="recompute"), "kv_load_failure_policy"),
+    (dict(kv_connector="ChunkCacheConnector", kv_role="kv_producer"), "kv_role"),
+    (dict(kv_connector="ChunkCacheConnector", kv_role="kv_both",
+          kv_connector_extra_config={"pool": 1}), "kv_connector_extra_config"),
+])
+def test_a_kv_transfer_setting_the_chunk_cache_would_drop_is_refused(given, named):
+    # The chunk cache writes vLLM's whole KV transfer config itself: a setting given with
+    # it would be lost without a word, so it is refused by name.
+    from vllm.config import KVTransferConfig
+
+    with pytest.raises(ValueError, match=f"--kv-transfer-config's {named} would be ignored"):
+        _config(enable_chunk_cache=True, kv_transfer_config=KVTransferConfig(**given))
+
+
+def test_naming_the_chunk_cache_connector_alone_is_accepted():
+    from vllm.config import KVTransferConfig
+
+    config = _config(enable_chunk_cache=True, kv_transfer_config=KVTransferConfig(
+        kv_connector="ChunkCacheConnector", kv_role="kv_both"))
+    assert config.kv_transfer_config.kv_connector == "ChunkCacheConnector"
+
+
 def test_kv_offloading_is_refused():
     with pytest.raises(ValueError, match="cannot be combined with --kv-offloading-size"):
         _config(enable_chunk_cache=True, kv_offloading_size=1.0)

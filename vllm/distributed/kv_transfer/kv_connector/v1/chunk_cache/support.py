@@ -44,13 +44,7 @@ def check_config(vllm_config: VllmConfig) -> None:
             "--enable-chunk-cache cannot be combined with --kv-offloading-size: "
             "both need vLLM's single KV connector slot"
         )
-    current = vllm_config.kv_transfer_config
-    if current is not None and current.kv_connector not in (None, CONNECTOR_NAME):
-        raise ValueError(
-            "--enable-chunk-cache cannot be combined with --kv-transfer-config "
-            f"(connector {current.kv_connector!r}): the chunk cache uses vLLM's "
-            "single KV connector slot"
-        )
+    _check_kv_transfer_config(vllm_config.kv_transfer_config)
     model_config = vllm_config.model_config
     if model_config is not None:
         _check_model_kind(model_config)
@@ -131,6 +125,39 @@ def _sparse_mla_platform() -> bool:
     from vllm.platforms import current_platform
 
     return getattr(current_platform, "device_name", None) == "npu"
+
+
+def _check_kv_transfer_config(current: Any) -> None:
+    """Another connector is refused (vLLM has one connector slot); so is any
+    setting of a --kv-transfer-config without one, or with ours: the chunk
+    cache writes the whole config itself (setup.configure_chunk_cache_connector),
+    so such a setting would be dropped without a word."""
+    if current is None:
+        return
+    if current.kv_connector not in (None, CONNECTOR_NAME):
+        raise ValueError(
+            "--enable-chunk-cache cannot be combined with --kv-transfer-config "
+            f"(connector {current.kv_connector!r}): the chunk cache uses vLLM's "
+            "single KV connector slot"
+        )
+    import dataclasses
+
+    # NOTE: what the chunk cache sets itself is not a user's setting: the
+    # config passes this check again once it is ours (engine core, workers).
+    ours = {"kv_connector", "kv_role", "kv_connector_extra_config", "engine_id"}
+    default = type(current)()
+    given = [f.name for f in dataclasses.fields(current)
+             if f.name not in ours and getattr(current, f.name) != getattr(default, f.name)]
+    if current.kv_role not in (None, "kv_both"):
+        given.append("kv_role")
+    if set(current.kv_connector_extra_config) - {CAPTURE_IN_ATTENTION}:
+        given.append("kv_connector_extra_config")
+    if given:
+        raise ValueError(
+            "--enable-chunk-cache configures vLLM's KV connector itself, so "
+            f"--kv-transfer-config's {', '.join(given)} would be ignored: leave "
+            "--kv-transfer-config out"
+        )
 
 
 def _check_model_kind(model_config: Any) -> None:
