@@ -8,7 +8,9 @@ offline generate/chat and the OpenAI server's completions/chat all pass
 through:
 
 * a text prompt containing the separator is split and every segment is
-  tokenized on its own (the async path through vLLM's async tokenizer);
+  tokenized on its own (the async path through vLLM's async tokenizer), or
+  its ids are taken from the segment token cache (segment_token_cache.py:
+  documents repeat, the question is never kept);
   special tokens go to the first segment only, and only if the request asked
   for them (chat templates render BOS themselves and ask for none);
 * a token-id prompt is split where the separator's own token ids occur;
@@ -29,11 +31,13 @@ namespace and nothing else).
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from vllm.exceptions import VLLMValidationError
 from vllm.renderers.chunk_prompt_parser import ChunkedPromptParser
+from vllm.renderers.segment_token_cache import SegmentText, SegmentTokenCache
 from vllm.v1.core.chunk_structures import ChunkedPrompt
 
 if TYPE_CHECKING:
@@ -60,22 +64,6 @@ def make_splitter(vllm_config: VllmConfig) -> ChunkPromptSplitter | None:
     return ChunkPromptSplitter(vllm_config)
 
 
-class _SegmentEncoder:
-    """Tokenizer adapter: special tokens on the first segment only, and only
-    if the request asked for them."""
-
-    def __init__(self, tokenizer: Any, add_special_tokens: bool):
-        self.tokenizer = tokenizer
-        self.add_special_tokens = add_special_tokens
-
-    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        return list(
-            self.tokenizer.encode(
-                text, add_special_tokens=add_special_tokens and self.add_special_tokens
-            )
-        )
-
-
 class ChunkPromptSplitter:
     """Per-renderer state: the parser and the separator's token ids."""
 
@@ -85,26 +73,26 @@ class ChunkPromptSplitter:
             cfg.chunk_separator, cfg.max_chunks, cfg.max_chunk_tokens
         )
         self._separator_ids: list[int] | None = None
+        # Ids of recently seen segments (documents repeat across requests).
+        self.token_cache = SegmentTokenCache()
 
     # ------------------------------------------------------------ hooks
 
     def split(self, prompt: dict, params: Any, tokenizer: Any) -> dict:
         """The prompt, tokenized per segment and marked if it is chunked."""
-        if SEGMENTS_KEY in prompt:
-            segments = self._given_segments(prompt, params, tokenizer)
-            special = bool(params.add_special_tokens)
-            return self._mark(prompt, self._parse(lambda: self.parser.build([
-                seg if isinstance(seg, list)
-                else list(tokenizer.encode(seg, add_special_tokens=special and i == 0))
-                for i, seg in enumerate(segments)
-            ])))
-        if not self._wants_split(prompt, params):
+        if SEGMENTS_KEY not in prompt and not self._wants_split(prompt, params):
             return prompt
-        text = self._text_to_split(prompt, params, tokenizer)
-        if text is not None:
-            encoder = _SegmentEncoder(tokenizer, bool(params.add_special_tokens))
-            return self._mark(prompt, self._parse(lambda: self.parser.parse_text(text, encoder)))
-        return self._split_token_ids(prompt, tokenizer)
+        segments = self._segments(prompt, params, tokenizer)
+        if segments is None:
+            return self._split_token_ids(prompt, tokenizer)
+        token_lists = []
+        for seg in self._plan(segments, prompt, params):
+            ids = self._known_ids(seg, tokenizer)
+            if ids is None:
+                ids = self._tokenized(seg, tokenizer, tokenizer.encode(
+                    seg.text.text, add_special_tokens=seg.text.add_special_tokens))
+            token_lists.append(ids)
+        return self._mark(prompt, self._parse(lambda: self.parser.build(token_lists)))
 
     async def split_async(
         self,
@@ -117,30 +105,22 @@ class ChunkPromptSplitter:
         (`await encode_async(text, add_special_tokens=...)`: vLLM 0.23's async
         micro-batching tokenizer's `encode`, or 0.32's tokenizer `encode` run on the
         renderer's executor)."""
-        if SEGMENTS_KEY in prompt:
-            segments = self._given_segments(prompt, params, tokenizer)
-            special = bool(params.add_special_tokens)
-            token_lists = await asyncio.gather(*(
-                _as_awaitable(seg) if isinstance(seg, list)
-                else encode_async(seg, add_special_tokens=special and i == 0)
-                for i, seg in enumerate(segments)
-            ))
-            return self._mark(prompt, self._parse(lambda: self.parser.build(
-                [list(ids) for ids in token_lists])))
-        if not self._wants_split(prompt, params):
+        if SEGMENTS_KEY not in prompt and not self._wants_split(prompt, params):
             return prompt
-        text = self._text_to_split(prompt, params, tokenizer)
-        if text is None:
+        segments = self._segments(prompt, params, tokenizer)
+        if segments is None:
             return self._split_token_ids(prompt, tokenizer)
-        segments = self._parse(lambda: self.parser.split_text(text))
-        assert segments is not None
-        special = bool(params.add_special_tokens)
-        token_lists = await asyncio.gather(*(
-            encode_async(seg, add_special_tokens=special and index == 0)
-            for index, seg in enumerate(segments)
-        ))
-        return self._mark(prompt, self._parse(lambda: self.parser.build(
-            [list(ids) for ids in token_lists])))
+
+        async def encode(seg: _Segment) -> list[int]:
+            ids = self._known_ids(seg, tokenizer)
+            if ids is None:
+                ids = self._tokenized(seg, tokenizer, await encode_async(
+                    seg.text.text, add_special_tokens=seg.text.add_special_tokens))
+            return ids
+
+        token_lists = await asyncio.gather(
+            *(encode(seg) for seg in self._plan(segments, prompt, params)))
+        return self._mark(prompt, self._parse(lambda: self.parser.build(list(token_lists))))
 
     def check_layout(self, prompt: dict) -> None:
         """The engine-facing prompt must still match its layout."""
@@ -152,6 +132,46 @@ class ChunkPromptSplitter:
             )
 
     # ---------------------------------------------------------- helpers
+
+    def _segments(self, prompt: dict, params: Any, tokenizer: Any) -> list | None:
+        """The prompt's segments (texts, or token-id lists when given so), or
+        None when it is no text to split (no separator, or token ids)."""
+        if SEGMENTS_KEY in prompt:
+            return self._given_segments(prompt, params, tokenizer)
+        text = self._text_to_split(prompt, params, tokenizer)
+        if text is None:
+            return None
+        segments = self._parse(lambda: self.parser.split_text(text))
+        assert segments is not None
+        return segments
+
+    def _known_ids(self, seg: "_Segment", tokenizer: Any) -> list[int] | None:
+        """The segment's ids without tokenizing: given, or remembered."""
+        if seg.ids is not None:
+            return seg.ids
+        return self.token_cache.lookup(tokenizer, seg.text) if seg.keep else None
+
+    def _tokenized(self, seg: "_Segment", tokenizer: Any, ids: Any) -> list[int]:
+        ids = list(ids)
+        if seg.keep:
+            self.token_cache.remember(tokenizer, seg.text, ids)
+        return ids
+
+    @staticmethod
+    def _plan(segments: list, prompt: dict, params: Any) -> list["_Segment"]:
+        """Each segment as it is tokenized: special tokens on the first one
+        only, and only if the request asked for them (chat templates render
+        BOS themselves and ask for none); kept in the token cache unless it
+        is the question."""
+        special = bool(params.add_special_tokens)
+        salt = prompt.get("cache_salt")
+        last = len(segments) - 1
+        return [
+            _Segment(ids=seg, text=None, keep=False) if isinstance(seg, list)
+            else _Segment(ids=None, text=SegmentText(seg, special and i == 0, salt),
+                          keep=i < last)
+            for i, seg in enumerate(segments)
+        ]
 
     def _given_segments(self, prompt: dict, params: Any, tokenizer: Any) -> list:
         """The segments of a prompt given as such, checked (a 400 naming the
@@ -249,8 +269,13 @@ class ChunkPromptSplitter:
         return prompt
 
 
-async def _as_awaitable(value: list[int]) -> list[int]:
-    return value
+@dataclass(frozen=True)
+class _Segment:
+    """One segment to tokenize: its ids when given as such, else its text."""
+
+    ids: list[int] | None
+    text: SegmentText | None
+    keep: bool
 
 
 def validate_chunked_request(
