@@ -28,13 +28,9 @@ import sys
 import time
 from pathlib import Path
 
+from gpu_ttft import DOC_TOKENS, document, words
+
 ROOT = Path(__file__).resolve().parent.parent
-DOC_TOKENS = 500
-
-
-def words(rng: random.Random, n: int) -> str:
-    return " ".join("".join(rng.choice("abcdefghijklmnopqrstuvwxyz")
-                            for _ in range(rng.randint(2, 7))) for _ in range(n))
 
 
 def main() -> int:
@@ -59,17 +55,11 @@ def main() -> int:
     rng = random.Random(0)
     one = SamplingParams(max_tokens=1, temperature=0.0)
 
-    def doc() -> str:
-        text = words(rng, 20)
-        while len(tok.encode(text, add_special_tokens=False)) < DOC_TOKENS:
-            text += " " + words(rng, 5)
-        return text
-
     print(f"{'documents':>9} {'prompt tokens':>13} | {'cache off ms':>12} {'cache on ms':>11} "
           f"{'off / on':>8} | {'cpu off ms':>10} {'cpu on ms':>9} | {'floor ms':>8} "
           f"{'off / floor':>11} {'on / floor':>10}")
     for num_docs in args.docs:
-        docs = [doc() for _ in range(num_docs)]
+        docs = [document(rng, tok) for _ in range(num_docs)]
 
         def prompt() -> str:
             order = rng.sample(range(num_docs), num_docs)

@@ -60,6 +60,15 @@ def words(rng: random.Random, n: int) -> str:
                             for _ in range(rng.randint(2, 7))) for _ in range(n))
 
 
+def document(rng: random.Random, tokenizer, num_tokens: int = DOC_TOKENS) -> str:
+    """Random words until the text is `num_tokens` tokens long (benchmarks/bench_host.py
+    uses it too)."""
+    text = words(rng, 20)
+    while len(tokenizer.encode(text, add_special_tokens=False)) < num_tokens:
+        text += " " + words(rng, 5)
+    return text
+
+
 def emit(**fields) -> None:
     print(json.dumps(fields), flush=True)
 
@@ -91,10 +100,7 @@ def main() -> None:
     one = SamplingParams(max_tokens=1, temperature=0.0)
 
     def doc() -> str:
-        text = words(rng, 20)
-        while len(tok.encode(text, add_special_tokens=False)) < DOC_TOKENS:
-            text += " " + words(rng, 5)
-        return text
+        return document(rng, tok)
 
     def timed(prompt: str):
         t = time.perf_counter()
