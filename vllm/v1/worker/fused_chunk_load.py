@@ -5,11 +5,12 @@ Today's GPU load is about a dozen small kernels per layer: two gathers of pool
 rows, the fp32 rotation (elementwise passes over strided halves), a cast back,
 then the backend's `reshape_and_cache_flash`. This kernel does the same work in
 one pass: each program reads a tile of pool rows (`LaunchGeometry`: by default
-one row of one KV head) once, rotates K by each row's delta with the step's cos/sin table (one row per stretch of a cached
-segment, `RopeRotation.stretch_cos_sin`: float64 angles, fp32 values; each row
-reads its stretch's entry), and writes K and
-V once into the paged cache through its strides, so the NHD layout of
-FlashAttention / Triton and the HND layout of FlashInfer are the same code.
+one row of one KV head) once, rotates K by each row's delta with the step's
+cos/sin table (one row per stretch of a cached segment,
+`RopeRotation.stretch_cos_sin`: float64 angles, fp32 values; each row reads its
+stretch's entry), and writes K and V once into the paged cache through its
+strides, so the NHD layout of FlashAttention / Triton and the HND layout of
+FlashInfer are the same code.
 
 Arithmetic, chosen to give today's path's bits (docs/design/fused-load.md):
 * the rotation is `RopeRotation.rotate` with `Rounding.PRODUCTS`: each product
