@@ -11,15 +11,26 @@
   launch (vllm/v1/worker/fused_chunk_load.py), which must write the same bytes as the
   load above (compared at every written slot of every layer), same sync check;
 * capture: index_copy_ of a batch's K/V rows into the pool, same checks;
-* bytes/s of all three against the device's measured copy bandwidth.
+* bytes/s of all three against the device's measured copy bandwidth;
+* --sweep quick|full: the fused load and the fused capture (`fused_capture`,
+  all layers in one launch) at 4k and 16k rows under several launch
+  geometries (`LaunchGeometry`: rows and heads per program, num_warps), each
+  checked to write the bytes of the default geometry (poisoned destinations,
+  every written slot / pool row of every layer), in one table with % of the
+  copy bandwidth and the best geometry per kernel. quick: 10 geometries and
+  the default (meant for under 90 s with --sweep-only; not executed yet);
+  full: 40 and the default.
 
 Run (device with vLLM importable): python benchmarks/gpu_remap.py
+[--sweep quick|full] [--sweep-only]
 """
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import sys
+import time
 
 import torch
 
@@ -50,7 +61,135 @@ def copy_bandwidth() -> float:
     return 2 * src.nbytes / t
 
 
-def main() -> int:
+def step_rows(n_rows: int):
+    """A step's rows: 4 segments at shuffled pool places, to a contiguous run
+    of slots, deltas up to ~8k positions in both directions; one cos/sin row
+    per stretch (host deltas), each row's stretch index."""
+    seg = n_rows // 4
+    places = torch.randperm(POOL_ROWS // seg, generator=torch.Generator().manual_seed(n_rows))
+    starts = places[:4] * seg
+    src = torch.cat([torch.arange(s, s + seg) for s in starts.tolist()])
+    deltas = torch.cat([torch.full((seg,), d) for d in (8000, -123, 4097, 0)])
+    first_slot = 1000 * BLOCK + 3
+    dst = torch.arange(first_slot, first_slot + n_rows)
+    host_deltas = torch.tensor([8000, -123, 4097, 0])
+    stretch_index = torch.arange(4).repeat_interleave(seg)
+    return src, dst, deltas, stretch_index, host_deltas
+
+
+def sweep_geometries(kind: str) -> list:
+    from vllm.v1.worker.fused_chunk_load import LaunchGeometry
+
+    if kind == "quick":
+        tiles = [(1, 1), (8, 1), (32, 1), (1, KV_HEADS), (4, KV_HEADS)]
+        warps = (4, 8)
+    else:
+        # NOTE: tiles of at most 64 (row, head) entries: larger ones hold
+        # 64 x 128 fp32 values per tensor of the rotation, past the registers.
+        tiles = [(r, h) for h in (1, KV_HEADS) for r in (1, 2, 4, 8, 16, 32) if r * h <= 64]
+        warps = (1, 2, 4, 8)
+    return [LaunchGeometry(r, h, w) for r, h in tiles for w in warps]
+
+
+def sweep(kind: str, group, caches, pool_k, pool_v, rotation, bw: float,
+          dev: torch.device = torch.device("cuda"), row_counts=(4096, 16384),
+          time_fn=timed) -> bool:
+    """Times the fused load and capture under each geometry; True if every
+    geometry wrote the default geometry's bytes."""
+    from vllm.v1.worker.fused_chunk_load import DEFAULT_GEOMETRY, fused_capture, fused_load
+
+    geometries = [DEFAULT_GEOMETRY] + sweep_geometries(kind)
+    rows = []  # (kernel, n_rows, geometry, seconds, same bytes)
+    started = time.monotonic()
+    useful = {n: LAYERS * 4 * n * KV_HEADS * HEAD * DTYPE.itemsize for n in row_counts}
+    print(f"\nlaunch geometry sweep ({kind}, {len(geometries)} geometries, first = the default)")
+    print(f"{'kernel':8} {'rows':>6} {'rows/prog':>9} {'heads/prog':>10} {'warps':>5} "
+          f"{'ms/step':>8} {'useful TB/s':>11} {'% of copy':>9} {'same bytes':>10}", flush=True)
+
+    def record(kernel, n, g, t, same):
+        rows.append((kernel, n, g, t, same))
+        print(f"{kernel:8} {n:6d} {g.rows_per_program:9d} {g.heads_per_program:10d} "
+              f"{str(g.num_warps or 'dflt'):>5} {t * 1e3:8.3f} {useful[n] / t / 1e12:11.3f} "
+              f"{100 * useful[n] / t / bw:9.1f} {str(same):>10}", flush=True)
+
+    for n_rows in row_counts:
+        src, dst, _, stretch_index, host_deltas = step_rows(n_rows)
+        src, slots, stretch_index = (t.to(dev) for t in (src, dst, stretch_index))
+        stretches = rotation.stretch_cos_sin(host_deltas, dev)
+        blocks, offsets = slots // BLOCK, slots % BLOCK
+
+        def load(geometry):
+            fused_load(group, src, slots, stretch_index, (stretches.cos, stretches.sin), True,
+                       HEAD, geometry=geometry)
+
+        def loaded():
+            return [c[blocks, :, offsets] for c in caches]
+
+        load(DEFAULT_GEOMETRY)
+        want = loaded()
+        for geometry in geometries:
+            for cache in caches:
+                cache.fill_(float("nan"))  # poison: every slot must be written again
+            load(geometry)
+            same = all(torch.equal(g.view(torch.int16), w.view(torch.int16))
+                       for g, w in zip(loaded(), want))
+            record("load", n_rows, geometry, time_fn(lambda: load(geometry), reps=10), same)
+        del want
+
+        # Capture: the slots just loaded into pool rows elsewhere (as the
+        # benchmark's index_copy_ capture above).
+        dst_rows = (torch.arange(n_rows, device=dev) + 5 * (n_rows // 4)) % POOL_ROWS
+
+        def capture(geometry):
+            fused_capture(group, slots, dst_rows, geometry=geometry)
+
+        def captured():
+            return [p[dst_rows] for p in pool_k + pool_v]
+
+        capture(DEFAULT_GEOMETRY)
+        want = captured()
+        # The default against the cache itself (vLLM's layout, indexed by torch).
+        exact = all(
+            torch.equal(want[i].view(torch.int16), c[blocks, 0, offsets].view(torch.int16))
+            and torch.equal(want[len(caches) + i].view(torch.int16),
+                            c[blocks, 1, offsets].view(torch.int16))
+            for i, c in enumerate(caches))
+        for geometry in geometries:
+            for p in pool_k + pool_v:
+                p.index_fill_(0, dst_rows, float("nan"))
+            capture(geometry)
+            same = exact and all(torch.equal(g.view(torch.int16), w.view(torch.int16))
+                                 for g, w in zip(captured(), want))
+            record("capture", n_rows, geometry, time_fn(lambda: capture(geometry), reps=10), same)
+        del want
+
+    print(f"sweep: {time.monotonic() - started:.0f} s")
+    for kernel in ("load", "capture"):
+        # Best: the highest mean % over the row counts, among the geometries
+        # that wrote the default's bytes at every one.
+        scores = {}
+        for k, n, g, t, same in rows:
+            if k == kernel:
+                scores.setdefault(g, []).append(100 * useful[n] / t / bw if same else None)
+        passing = {g: sum(v) / len(v) for g, v in scores.items() if None not in v}
+        best = max(passing, key=passing.get) if passing else None
+        default = passing.get(DEFAULT_GEOMETRY)
+        print(f"best {kernel} geometry: {best} at {passing.get(best, 0):.1f}% of copy "
+              f"(mean over {', '.join(map(str, row_counts))} rows; default: "
+              f"{'%.1f%%' % default if default is not None else 'failed'})")
+    return all(r[4] for r in rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--sweep", choices=("off", "quick", "full"), default="off",
+                        help="time the fused kernels under several launch geometries")
+    parser.add_argument("--sweep-only", action="store_true",
+                        help="skip the per-layer / fused / capture rows above the sweep")
+    args = parser.parse_args(argv)
+    if args.sweep_only and args.sweep == "off":
+        parser.error("--sweep-only needs --sweep quick or full")
+
     from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
     from vllm.v1.worker.position_remapper import PositionRemapper, RemapRows, RopeRotation
 
@@ -81,19 +220,11 @@ def main() -> int:
 
     # As the worker: every layer in one launch per step.
     group = FusedGroup.of(pool_k, pool_v, [PagedLayer(c[:, 0], c[:, 1]) for c in caches])
-    for n_rows in (1024, 4096, 16384, 65536):
-        # 4 segments at shuffled pool places, to a contiguous run of slots,
-        # deltas up to ~8k positions in both directions.
-        seg = n_rows // 4
-        starts = torch.randperm(POOL_ROWS // seg, generator=torch.Generator().manual_seed(n_rows))[:4] * seg
-        src = torch.cat([torch.arange(s, s + seg) for s in starts.tolist()])
-        deltas = torch.cat([torch.full((seg,), d) for d in (8000, -123, 4097, 0)])
-        first_slot = 1000 * BLOCK + 3
-        dst = torch.arange(first_slot, first_slot + n_rows)
+    for n_rows in () if args.sweep_only else (1024, 4096, 16384, 65536):
         # As the worker: one cos/sin row per stretch (formed on the host from
         # the stretches' deltas, sent once per step), each row's stretch index.
-        host_deltas = torch.tensor([8000, -123, 4097, 0])
-        stretch_index = torch.arange(4).repeat_interleave(seg)
+        src, dst, deltas, stretch_index, host_deltas = step_rows(n_rows)
+        seg = n_rows // 4
         packed = torch.stack([src, dst, deltas, stretch_index]).pin_memory().to(
             dev, non_blocking=True)
         rows = RemapRows(src_rows=packed[0], dst_slots=packed[1], deltas=packed[2],
@@ -176,6 +307,8 @@ def main() -> int:
 
     bw = copy_bandwidth()
     print(f"device-to-device copy: {bw / 1e12:.2f} TB/s (bytes read + written)")
+    if args.sweep_only:
+        return 0 if sweep(args.sweep, group, caches, pool_k, pool_v, rotation, bw) else 1
     print(f"{'path':8} {'rows':>6} {'ms/step(32 layers)':>19} {'useful TB/s':>12} "
           f"{'% of copy':>9} {'K rel.err':>10} {'V/rows exact':>12}")
     for kind, n, t, rate, err, exact in results:
@@ -183,6 +316,9 @@ def main() -> int:
               f"{err:10.2e} {str(exact):>12}")
     bad = [r for r in results if not r[5] or r[4] > 1e-2]
     print("no host sync in the per-layer loops (set_sync_debug_mode=error): OK")
+    if args.sweep != "off" and not sweep(args.sweep, group, caches, pool_k, pool_v, rotation,
+                                         bw):
+        bad.append("sweep")
     return 1 if bad else 0
 
 

@@ -18,7 +18,7 @@ case $1 in
   exact)
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
     python3 -c "import torch, vllm; print('torch', torch.__version__, 'vllm', vllm.__version__)"
-    if [ -n "${REMAP:-}" ]; then python3 benchmarks/gpu_remap.py >"$OUT/remap.log" 2>&1; echo "remap rc=$?"; tail -25 "$OUT/remap.log"; fi
+    if [ -n "${REMAP:-}" ]; then python3 benchmarks/gpu_remap.py ${REMAP_ARGS:-} >"$OUT/remap.log" 2>&1; echo "remap rc=$?"; tail -25 "$OUT/remap.log"; fi
     half fa CHUNK_HALF_DTYPES=bfloat16 CHUNK_HALF_EAGER=0
     for l in 1 2; do python3 tools/gpu/sleep_check.py $M/gpu-llama $l >"$OUT/sleep$l.log" 2>&1
       echo "sleep $l rc=$?"; grep -E "^level|Error|error" "$OUT/sleep$l.log" | head -8; done

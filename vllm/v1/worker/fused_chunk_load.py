@@ -4,12 +4,13 @@
 Today's GPU load is about a dozen small kernels per layer: two gathers of pool
 rows, the fp32 rotation (elementwise passes over strided halves), a cast back,
 then the backend's `reshape_and_cache_flash`. This kernel does the same work in
-one pass: each program reads one pool row of one KV head once, rotates K by its
-row's delta with the step's cos/sin table (one row per stretch of a cached
-segment, `RopeRotation.stretch_cos_sin`: float64 angles, fp32 values; each row
-reads its stretch's entry), and writes K and
-V once into the paged cache through its strides, so the NHD layout of
-FlashAttention / Triton and the HND layout of FlashInfer are the same code.
+one pass: each program reads a tile of pool rows (`LaunchGeometry`: by default
+one row of one KV head) once, rotates K by each row's delta with the step's
+cos/sin table (one row per stretch of a cached segment,
+`RopeRotation.stretch_cos_sin`: float64 angles, fp32 values; each row reads its
+stretch's entry), and writes K and V once into the paged cache through its
+strides, so the NHD layout of FlashAttention / Triton and the HND layout of
+FlashInfer are the same code.
 
 Arithmetic, chosen to give today's path's bits (docs/design/fused-load.md):
 * the rotation is `RopeRotation.rotate` with `Rounding.PRODUCTS`: each product
@@ -61,6 +62,47 @@ class PagedLayer:
     v_scale: torch.Tensor | None = None
 
 
+@dataclass(frozen=True)
+class LaunchGeometry:
+    """How the kernels tile their work: each program moves `rows_per_program`
+    consecutive entries of the row lists times `heads_per_program` KV heads
+    of one layer (powers of two: they are Triton block sizes), with
+    `num_warps` warps (None: Triton's default). Rows and heads past the ends
+    are masked. Results do not depend on it (per-element arithmetic)."""
+
+    rows_per_program: int = 1
+    heads_per_program: int = 1
+    num_warps: int | None = None
+
+    def __post_init__(self):
+        for name in ("rows_per_program", "heads_per_program"):
+            value = getattr(self, name)
+            if value < 1 or value & (value - 1):
+                raise ValueError(f"{name} must be a power of two, got {value}")
+        if self.num_warps is not None and (self.num_warps < 1
+                                           or self.num_warps & (self.num_warps - 1)):
+            raise ValueError(f"num_warps must be a power of two, got {self.num_warps}")
+
+    def grid(self, num_rows: int, num_heads: int, num_layers: int) -> tuple[int, int, int]:
+        return (-(-num_rows // self.rows_per_program),
+                -(-num_heads // self.heads_per_program), num_layers)
+
+    def options(self) -> dict:
+        """The launch's keyword arguments for this geometry."""
+        options = {"ROWS": self.rows_per_program, "HEADS": self.heads_per_program}
+        if self.num_warps is not None:
+            options["num_warps"] = self.num_warps
+        return options
+
+
+# NOTE: today's geometry, one row of one head per program with Triton's
+# default warps, is the one measured on a GPU (docs/gpu.md: load 35-40% of
+# the copy bandwidth at >= 4k rows on an H100). Larger tiles are expected to
+# do better but are unmeasured: the default changes only after
+# benchmarks/gpu_remap.py --sweep picks one on a GPU (docs/design/fused-load.md).
+DEFAULT_GEOMETRY = LaunchGeometry()
+
+
 if triton is not None:
 
     @triton.jit
@@ -106,18 +148,29 @@ if triton is not None:
             tl.store(cache_ptr + offsets, x, mask=mask)
 
     @triton.jit
+    def _tile(num_rows, num_heads, ROWS: tl.constexpr, HEADS: tl.constexpr):
+        # A program's entries, flattened: ROWS consecutive entries of the row
+        # lists times HEADS consecutive KV heads, row-major (a row's heads are
+        # adjacent, as in the pool and in an NHD page); and which are real.
+        e = tl.arange(0, ROWS * HEADS)
+        entry = tl.program_id(0) * ROWS + e // HEADS
+        head = tl.program_id(1) * HEADS + e % HEADS
+        return entry, head, (entry < num_rows) & (head < num_heads)
+
+    @triton.jit
     def _fused_load_kernel(
-        tables_ptr, num_layers, src_rows_ptr, dst_slots_ptr, delta_index_ptr,
-        cos_ptr, sin_ptr,
+        tables_ptr, num_layers, num_rows, num_heads, src_rows_ptr, dst_slots_ptr,
+        delta_index_ptr, cos_ptr, sin_ptr,
         scale_stride, pool_row_stride, pool_head_stride, block_stride, page_stride,
         head_stride, block_size,
         HEAD_SIZE: tl.constexpr, ROT_HALF: tl.constexpr, BLOCK_D: tl.constexpr,
         BLOCK_HALF: tl.constexpr, IS_NEOX: tl.constexpr, ROTATE: tl.constexpr,
         MODEL: tl.constexpr, FP8: tl.constexpr, POOL_DTYPE: tl.constexpr,
-        CACHE_DTYPE: tl.constexpr,
+        CACHE_DTYPE: tl.constexpr, ROWS: tl.constexpr, HEADS: tl.constexpr,
     ):
-        row = tl.program_id(0)
-        head = tl.program_id(1)
+        # A [ROWS * HEADS, BLOCK_D] tile of one layer (LaunchGeometry); the
+        # arithmetic is per element, so the tile's shape does not change a bit.
+        entry, head, live = _tile(num_rows, num_heads, ROWS, HEADS)
         layer = tl.program_id(2)
         # The layer's tensors: addresses in a [6, num_layers] table (pool K,
         # pool V, key cache, value cache, k scale, v scale).
@@ -128,11 +181,11 @@ if triton is not None:
             tl.pointer_type(CACHE_DTYPE))
         value_cache_ptr = tl.load(tables_ptr + 3 * num_layers + layer).to(
             tl.pointer_type(CACHE_DTYPE))
-        src = tl.load(src_rows_ptr + row)
-        slot = tl.load(dst_slots_ptr + row)
-        src_base = src * pool_row_stride + head * pool_head_stride
-        dst_base = (slot // block_size) * block_stride + (slot % block_size) * page_stride \
-            + head * head_stride
+        src = tl.load(src_rows_ptr + entry, mask=live, other=0)
+        slot = tl.load(dst_slots_ptr + entry, mask=live, other=0)
+        src_base = (src * pool_row_stride + head * pool_head_stride)[:, None]
+        dst_base = ((slot // block_size) * block_stride + (slot % block_size) * page_stride
+                    + head * head_stride)[:, None]
         k_scale = 1.0
         v_scale = 1.0
         if FP8:
@@ -140,28 +193,31 @@ if triton is not None:
                 tl.pointer_type(tl.float32))
             v_scale_ptr = tl.load(tables_ptr + 5 * num_layers + layer).to(
                 tl.pointer_type(tl.float32))
-            k_scale = tl.load(k_scale_ptr + head * scale_stride)
-            v_scale = tl.load(v_scale_ptr + head * scale_stride)
+            k_scale = tl.load(k_scale_ptr + head * scale_stride, mask=live,
+                              other=1.0)[:, None]
+            v_scale = tl.load(v_scale_ptr + head * scale_stride, mask=live,
+                              other=1.0)[:, None]
 
-        d = tl.arange(0, BLOCK_D)
-        in_head = d < HEAD_SIZE
+        d = tl.arange(0, BLOCK_D)[None, :]
+        in_head = live[:, None] & (d < HEAD_SIZE)
         value = tl.load(pool_value_ptr + src_base + d, mask=in_head)
         _store(value_cache_ptr, dst_base + d, value, in_head, v_scale, MODEL, FP8)
 
         if ROTATE:
-            # Values past the rotary part pass through (partial rotary).
-            key = tl.load(pool_key_ptr + src_base + d, mask=in_head)
+            # Values past the rotary part pass through (partial rotary); only
+            # they are read here, the pairs below: K's bytes are read once.
             tail = in_head & (d >= 2 * ROT_HALF)
+            key = tl.load(pool_key_ptr + src_base + d, mask=tail)
             _store(key_cache_ptr, dst_base + d, key, tail, k_scale, MODEL, FP8)
-            i = tl.arange(0, BLOCK_HALF)
-            pair = i < ROT_HALF
+            i = tl.arange(0, BLOCK_HALF)[None, :]
+            pair = live[:, None] & (i < ROT_HALF)
             if IS_NEOX:
                 first = i
                 second = i + ROT_HALF
             else:
                 first = 2 * i
                 second = 2 * i + 1
-            delta = tl.load(delta_index_ptr + row)
+            delta = tl.load(delta_index_ptr + entry, mask=live, other=0)[:, None]
             cos = tl.load(cos_ptr + delta * ROT_HALF + i, mask=pair)
             sin = tl.load(sin_ptr + delta * ROT_HALF + i, mask=pair)
             x1 = tl.load(pool_key_ptr + src_base + first, mask=pair).to(tl.float32)
@@ -178,27 +234,28 @@ if triton is not None:
 
     @triton.jit
     def _fused_capture_kernel(
-        tables_ptr, num_layers, src_slots_ptr, dst_rows_ptr,
+        tables_ptr, num_layers, num_rows, num_heads, src_slots_ptr, dst_rows_ptr,
         pool_row_stride, pool_head_stride, block_stride, page_stride, head_stride,
         block_size, HEAD_SIZE: tl.constexpr, BLOCK_D: tl.constexpr, DTYPE: tl.constexpr,
+        ROWS: tl.constexpr, HEADS: tl.constexpr,
     ):
-        # The load's inverse, a plain copy: paged slot -> pool row, K and V of
-        # one head of one layer per program (same tables).
-        row = tl.program_id(0)
-        head = tl.program_id(1)
+        # The load's inverse, a plain copy: paged slots -> pool rows, K and V
+        # of a [ROWS * HEADS, BLOCK_D] tile of one layer per program (same
+        # tables, same tiles).
+        entry, head, live = _tile(num_rows, num_heads, ROWS, HEADS)
         layer = tl.program_id(2)
         pool_key_ptr = tl.load(tables_ptr + layer).to(tl.pointer_type(DTYPE))
         pool_value_ptr = tl.load(tables_ptr + num_layers + layer).to(tl.pointer_type(DTYPE))
         key_cache_ptr = tl.load(tables_ptr + 2 * num_layers + layer).to(tl.pointer_type(DTYPE))
         value_cache_ptr = tl.load(tables_ptr + 3 * num_layers + layer).to(
             tl.pointer_type(DTYPE))
-        slot = tl.load(src_slots_ptr + row)
-        dst = tl.load(dst_rows_ptr + row)
-        src_base = (slot // block_size) * block_stride + (slot % block_size) * page_stride \
-            + head * head_stride
-        dst_base = dst * pool_row_stride + head * pool_head_stride
-        d = tl.arange(0, BLOCK_D)
-        in_head = d < HEAD_SIZE
+        slot = tl.load(src_slots_ptr + entry, mask=live, other=0)
+        dst = tl.load(dst_rows_ptr + entry, mask=live, other=0)
+        src_base = ((slot // block_size) * block_stride + (slot % block_size) * page_stride
+                    + head * head_stride)[:, None]
+        dst_base = (dst * pool_row_stride + head * pool_head_stride)[:, None]
+        d = tl.arange(0, BLOCK_D)[None, :]
+        in_head = live[:, None] & (d < HEAD_SIZE)
         tl.store(pool_key_ptr + dst_base + d, tl.load(key_cache_ptr + src_base + d,
                                                       mask=in_head), mask=in_head)
         tl.store(pool_value_ptr + dst_base + d, tl.load(value_cache_ptr + src_base + d,
@@ -306,11 +363,14 @@ def fused_load(
     cos_sin_table: tuple[torch.Tensor, torch.Tensor] | None,
     is_neox_style: bool,
     rotary_dim: int,
+    *,
+    geometry: LaunchGeometry = DEFAULT_GEOMETRY,
 ) -> None:
     """One launch: pool rows `src_rows` [n] of every layer of `group` to
     paged slots `dst_slots` [n], K rotated by row: `delta_index` [n] indexes
     `cos_sin_table` ([entries, rotary_dim // 2] fp32 each, any leading
-    shape). `delta_index` None: no rotation (no RoPE on these layers)."""
+    shape). `delta_index` None: no rotation (no RoPE on these layers).
+    `geometry`: the launch's tiling (same bytes written for any)."""
     if triton is None:
         raise RuntimeError("the fused chunk load needs Triton")
     num_rows = src_rows.shape[0]
@@ -325,8 +385,9 @@ def fused_load(
         delta_index = src_rows
         rot_half = 1
     tl_pool = _TL_DTYPES[group.pool_dtype]
-    _fused_load_kernel[(num_rows, group.num_heads, group.num_layers)](
-        group.tables, group.num_layers, src_rows, dst_slots, delta_index, cos, sin,
+    _fused_load_kernel[geometry.grid(num_rows, group.num_heads, group.num_layers)](
+        group.tables, group.num_layers, num_rows, group.num_heads, src_rows, dst_slots,
+        delta_index, cos, sin,
         group.scale_stride, *group.pool_strides, *group.cache_strides, group.block_size,
         HEAD_SIZE=group.head_size, ROT_HALF=rot_half,
         BLOCK_D=triton.next_power_of_2(group.head_size),
@@ -334,11 +395,12 @@ def fused_load(
         MODEL=_MODEL_CODES[group.pool_dtype], FP8=group.fp8, POOL_DTYPE=tl_pool,
         CACHE_DTYPE=tl.float8e4nv if group.fp8 else tl_pool,
         # NOTE: no FMA contraction: today's rotation rounds each product.
-        enable_fp_fusion=False,
+        enable_fp_fusion=False, **geometry.options(),
     )
 
 
-def fused_capture(group: FusedGroup, src_slots: torch.Tensor, dst_rows: torch.Tensor) -> None:
+def fused_capture(group: FusedGroup, src_slots: torch.Tensor, dst_rows: torch.Tensor, *,
+                  geometry: LaunchGeometry = DEFAULT_GEOMETRY) -> None:
     """One launch: the rows at paged slots `src_slots` [n] of every layer of
     `group` into pool rows `dst_rows` [n], K and V as they are (the capture
     after the forward; caches in the pool's dtype only)."""
@@ -349,8 +411,9 @@ def fused_capture(group: FusedGroup, src_slots: torch.Tensor, dst_rows: torch.Te
     num_rows = src_slots.shape[0]
     if num_rows == 0:
         return
-    _fused_capture_kernel[(num_rows, group.num_heads, group.num_layers)](
-        group.tables, group.num_layers, src_slots, dst_rows, *group.pool_strides,
-        *group.cache_strides, group.block_size, HEAD_SIZE=group.head_size,
+    _fused_capture_kernel[geometry.grid(num_rows, group.num_heads, group.num_layers)](
+        group.tables, group.num_layers, num_rows, group.num_heads, src_slots, dst_rows,
+        *group.pool_strides, *group.cache_strides, group.block_size, HEAD_SIZE=group.head_size,
         BLOCK_D=triton.next_power_of_2(group.head_size), DTYPE=_TL_DTYPES[group.pool_dtype],
+        **geometry.options(),
     )

@@ -33,13 +33,28 @@ GPU_ONLY = pytest.mark.skipif(
            "interpreter does not round to fp8 as the GPU does)")
 
 
-def paged(layout: str, dtype: torch.dtype, device="cpu") -> torch.Tensor:
-    """A zeroed cache viewed as [blocks, block_size, heads, head] in `layout`."""
-    if layout == "NHD":
-        return torch.zeros(NUM_BLOCKS, BLOCK_SIZE, NUM_HEADS, HEAD_SIZE, dtype=dtype,
-                           device=device)
-    return torch.zeros(NUM_BLOCKS, NUM_HEADS, BLOCK_SIZE, HEAD_SIZE, dtype=dtype,
-                       device=device).transpose(1, 2)
+# Launch geometries the kernels are checked under: today's default (one row
+# of one head per program), then tiles of 4 and 16 entries, the last over 4
+# heads of a 2-head layer. The row counts below (37) are no multiple of the
+# tiles: the last tile's rows and the heads past the layer's are masked.
+GEOMETRIES = [fused.DEFAULT_GEOMETRY, fused.LaunchGeometry(4, num_warps=2),
+              fused.LaunchGeometry(16, heads_per_program=4, num_warps=8)]
+GEOMETRY_IDS = ["default", "rows4-warps2", "rows16-heads4-warps8"]
+
+
+def paged(layout: str, dtype: torch.dtype, device="cpu", seed: int | None = None
+          ) -> torch.Tensor:
+    """A cache viewed as [blocks, block_size, heads, head] in `layout`: zeroed, or
+    with `seed`, random bytes (so that a stray write of anything shows)."""
+    shape = ((NUM_BLOCKS, BLOCK_SIZE, NUM_HEADS, HEAD_SIZE) if layout == "NHD"
+             else (NUM_BLOCKS, NUM_HEADS, BLOCK_SIZE, HEAD_SIZE))
+    cache = torch.zeros(shape, dtype=dtype)
+    if seed is not None:
+        raw = cache.view(torch.uint8)
+        raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8,
+                                generator=torch.Generator().manual_seed(seed)))
+    cache = cache.to(device)
+    return cache if layout == "NHD" else cache.transpose(1, 2)
 
 
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024}
@@ -74,20 +89,21 @@ def _backend_write(key_cache, value_cache, key, value, slots, k_scale, v_scale, 
                                 k_scale, v_scale)
 
 
+@pytest.mark.parametrize("geometry", GEOMETRIES, ids=GEOMETRY_IDS)
 @pytest.mark.parametrize("layout, dtype, cache, params, neox, per_head", CASES,
                          ids=[_case_id(c) for c in CASES])
 def test_fused_load_writes_what_todays_path_writes_bit_for_bit(
-    vllm_config_context, layout, dtype, cache, params, neox, per_head
+    vllm_config_context, layout, dtype, cache, params, neox, per_head, geometry
 ):
     fp8 = cache == "fp8"
     device = torch.device("cuda" if fp8 else "cpu")
     gen = torch.Generator().manual_seed(3)
     pool_key = (3 * torch.randn(POOL_ROWS, NUM_HEADS, HEAD_SIZE, generator=gen)).to(dtype)
     pool_value = (3 * torch.randn(POOL_ROWS, NUM_HEADS, HEAD_SIZE, generator=gen)).to(dtype)
-    n = 40
+    n = 37  # no multiple of a geometry's tile
     src_rows = torch.randperm(POOL_ROWS, generator=gen)[:n]
     dst_slots = torch.randperm(NUM_BLOCKS * BLOCK_SIZE, generator=gen)[:n]
-    deltas = torch.tensor([0, 5, -300, 2900]).repeat_interleave(10)
+    deltas = torch.tensor([0, 5, -300, 2900]).repeat_interleave(torch.tensor([10, 10, 10, 7]))
     cache_dtype = torch.float8_e4m3fn if fp8 else dtype
     k_scale = (torch.tensor([0.02, 0.05]) if per_head else torch.tensor([0.03]))
     v_scale = k_scale * 0.5
@@ -102,12 +118,13 @@ def test_fused_load_writes_what_todays_path_writes_bit_for_bit(
         rope = get_rope(HEAD_SIZE, 4096, neox, dict(params), torch.float32).to(device)
         rotation = RopeRotation(rope, use_cpu_kernel=False)
         key = rotation.rotate(key.float(), deltas).to(dtype)
-    want_k, want_v = paged(layout, cache_dtype, device), paged(layout, cache_dtype, device)
+    # Both start from the same random bytes: the slots not given must keep them.
+    want_k, want_v = (paged(layout, cache_dtype, device, seed) for seed in (11, 12))
     _backend_write(want_k, want_v, key, pool_value[src_rows], dst_slots, k_scale, v_scale,
                    fp8)
 
     # The fused kernel, with the step's per-distinct-delta table.
-    got_k, got_v = paged(layout, cache_dtype, device), paged(layout, cache_dtype, device)
+    got_k, got_v = (paged(layout, cache_dtype, device, seed) for seed in (11, 12))
     delta_index = table = None
     if rotation is not None:
         distinct, delta_index = torch.unique(deltas, return_inverse=True)
@@ -116,18 +133,20 @@ def test_fused_load_writes_what_todays_path_writes_bit_for_bit(
     layer = fused.PagedLayer(got_k, got_v, k_scale if fp8 else None, v_scale if fp8 else None)
     fused.fused_load(fused.FusedGroup.of([pool_key], [pool_value], [layer]), src_rows,
                      dst_slots, delta_index, table, neox,
-                     rotation.rotary_dim if rotation else HEAD_SIZE)
+                     rotation.rotary_dim if rotation else HEAD_SIZE, geometry=geometry)
 
-    def bits(t):
-        return t.contiguous().view(torch.uint8).cpu()
+    def slots_bits(t):  # [slot, heads * head bytes], whatever the layout
+        return t.contiguous().cpu().view(torch.uint8).reshape(NUM_BLOCKS * BLOCK_SIZE, -1)
 
-    assert torch.equal(bits(got_v), bits(want_v))
-    assert torch.equal(bits(got_k), bits(want_k))
     written = torch.zeros(NUM_BLOCKS * BLOCK_SIZE, dtype=torch.bool)
     written[dst_slots.cpu()] = True
-    # Something was written, and only at the slots given.
-    assert bits(got_k).reshape(NUM_BLOCKS * BLOCK_SIZE, -1)[written].any()
-    assert not bits(got_k).reshape(NUM_BLOCKS * BLOCK_SIZE, -1)[~written].any()
+    for got, want, seed in ((got_v, want_v, 12), (got_k, want_k, 11)):
+        assert torch.equal(slots_bits(got), slots_bits(want))
+        # Every slot given was written (all heads), no other slot changed.
+        initial = slots_bits(paged(layout, cache_dtype, "cpu", seed))
+        changed = slots_bits(got)[written] != initial[written]
+        assert changed.reshape(n, NUM_HEADS, -1).any(dim=2).all()
+        assert torch.equal(slots_bits(got)[~written], initial[~written])
 
 
 def _conversion_inputs() -> torch.Tensor:
@@ -169,7 +188,8 @@ def test_kernel_roundings_equal_torchs_round_to_nearest_even():
 def test_one_launch_loads_every_layer_of_a_group_as_one_launch_per_layer(
     vllm_config_context, fp8
 ):
-    """All layers of a step in one launch (pointer tables): the bytes of a launch per layer."""
+    """All layers of a step in one launch (pointer tables, a tiled geometry): the bytes of
+    a launch per layer (default geometry)."""
     gen = torch.Generator().manual_seed(6)
     rope = get_rope(HEAD_SIZE, 4096, True, {"rope_type": "default"}, torch.float32)
     rotation = RopeRotation(rope, use_cpu_kernel=False)
@@ -196,7 +216,10 @@ def test_one_launch_loads_every_layer_of_a_group_as_one_launch_per_layer(
                          stretch_index, table, True, HEAD_SIZE)
     group = fused.FusedGroup.of(pools_k, pools_v, together)
     assert group.num_layers == 3
-    fused.fused_load(group, src_rows, dst_slots, stretch_index, table, True, HEAD_SIZE)
+    # NOTE: tiled (8 rows x 2 heads, 30 rows: a partial tile), so that the per-head
+    # scales are also read as a tile's vector; the oracle stays the default launches.
+    fused.fused_load(group, src_rows, dst_slots, stretch_index, table, True, HEAD_SIZE,
+                     geometry=fused.LaunchGeometry(8, heads_per_program=2))
     for a, b in zip(one_by_one, together):
         for x, y in ((a.key_cache, b.key_cache), (a.value_cache, b.value_cache)):
             assert x.view(torch.uint8).any()
@@ -219,9 +242,12 @@ def test_a_group_refuses_layers_that_differ():
                                                         paged("NHD", torch.float8_e4m3fn))])
 
 
+@pytest.mark.parametrize("geometry", GEOMETRIES, ids=GEOMETRY_IDS)
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_fused_capture_copies_paged_slots_into_pool_rows_for_every_layer(layout, dtype):
+def test_fused_capture_copies_paged_slots_into_pool_rows_for_every_layer(
+    layout, dtype, geometry
+):
     """The capture after the forward (issue 21, deliverable 2): one launch copies each
     layer's rows at the child's slots into its pool rows, what the reader
     (`cache_writers._read_flash`: `cache[slot // bs, slot % bs]`) gives, bit for bit;
@@ -233,20 +259,27 @@ def test_fused_capture_copies_paged_slots_into_pool_rows_for_every_layer(layout,
     for layer in caches:
         layer.key_cache.copy_(3 * torch.randn(layer.key_cache.shape, generator=gen))
         layer.value_cache.copy_(3 * torch.randn(layer.value_cache.shape, generator=gen))
-    pools_k = [torch.zeros(POOL_ROWS, NUM_HEADS, HEAD_SIZE, dtype=dtype) for _ in range(layers)]
-    pools_v = [torch.zeros(POOL_ROWS, NUM_HEADS, HEAD_SIZE, dtype=dtype) for _ in range(layers)]
+    # Pools start from random values: the rows not given must keep them.
+    pools_k = [torch.randn(POOL_ROWS, NUM_HEADS, HEAD_SIZE, generator=gen).to(dtype)
+               for _ in range(layers)]
+    pools_v = [torch.randn(POOL_ROWS, NUM_HEADS, HEAD_SIZE, generator=gen).to(dtype)
+               for _ in range(layers)]
+    initial = [t.clone() for t in pools_k + pools_v]
     src_slots = torch.randperm(NUM_BLOCKS * BLOCK_SIZE, generator=gen)[:37]
-    dst_rows = torch.randperm(POOL_ROWS, generator=gen)[:37]
-    fused.fused_capture(fused.FusedGroup.of(pools_k, pools_v, caches), src_slots, dst_rows)
+    dst_rows = torch.randperm(POOL_ROWS, generator=gen)[:37]  # no multiple of a tile
+    fused.fused_capture(fused.FusedGroup.of(pools_k, pools_v, caches), src_slots, dst_rows,
+                        geometry=geometry)
     others = torch.ones(POOL_ROWS, dtype=torch.bool)
     others[dst_rows] = False
     blocks, offsets = src_slots // BLOCK_SIZE, src_slots % BLOCK_SIZE
-    for k, v, layer in zip(pools_k, pools_v, caches):
+    for k, v, k0, v0, layer in zip(pools_k, pools_v, initial[:layers], initial[layers:],
+                                   caches):
         assert torch.equal(k[dst_rows].view(torch.uint8),
                            layer.key_cache[blocks, offsets].contiguous().view(torch.uint8))
         assert torch.equal(v[dst_rows].view(torch.uint8),
                            layer.value_cache[blocks, offsets].contiguous().view(torch.uint8))
-        assert not k[others].any() and not v[others].any()
+        assert torch.equal(k[others].view(torch.uint8), k0[others].view(torch.uint8))
+        assert torch.equal(v[others].view(torch.uint8), v0[others].view(torch.uint8))
 
 
 def test_fused_capture_refuses_an_fp8_group():
@@ -257,3 +290,11 @@ def test_fused_capture_refuses_an_fp8_group():
     with pytest.raises(ValueError, match="captured in the hook"):
         fused.fused_capture(fused.FusedGroup.of([k], [k], [fp8]), torch.arange(2),
                             torch.arange(2))
+
+
+@pytest.mark.parametrize("bad", [dict(rows_per_program=3), dict(heads_per_program=0),
+                                 dict(num_warps=6)])
+def test_a_launch_geometry_takes_powers_of_two_only(bad):
+    with pytest.raises(ValueError, match="power of two"):
+        fused.LaunchGeometry(**bad)
+    assert fused.LaunchGeometry(32, 8, 4).grid(37, 2, 3) == (2, 1, 3)
