@@ -15,7 +15,7 @@
 set -uo pipefail
 
 ITEMS=(  # name  box(s)  min(s)  what (issue 34 item)
-  "unit 120 30 GPU-only unit oracles, TRITON_INTERPRET=0 (fused fp8, self-check fp8, MLA writers)"
+  "unit 120 30 GPU-only unit tests, TRITON_INTERPRET=0 (fused load fp8, self-check fp8, MLA writers vs CUDA)"
   "half-fa-fp16 170 100 fp16 exactness, FLASH_ATTN, default compilation (full CUDA graphs)"
   "half-triton-fp16 150 90 fp16 exactness, TRITON_ATTN, default compilation"
   "remap 90 30 fused load vs copy bandwidth (gpu_remap.py --sweep quick)"
@@ -64,12 +64,9 @@ half() {  # half ENV...: the half-precision exactness test (tests/e2e) under the
 
 run_item() {  # the command of one item; its output goes to the item's log
   case $1 in
-    unit)
-      TRITON_INTERPRET=0 python3 -m pytest -q -p no:cacheprovider -rs \
-        "tests/unit/v1/worker/test_fused_chunk_load.py::test_fused_load_writes_what_todays_path_writes_bit_for_bit[NHD-bfloat16-fp8-rope-neox]" \
-        "tests/unit/v1/worker/test_fused_chunk_load.py::test_fused_load_writes_what_todays_path_writes_bit_for_bit[HND-float16-fp8-rope-gptj-perhead]" \
-        "tests/unit/distributed/test_chunk_cache_fused_load_path.py::test_self_check_passes_where_the_kernel_writes_the_backends_bytes[fp8-NHD]" \
-        "tests/unit/distributed/test_chunk_cache_latent_writers.py::test_the_writer_puts_rows_at_their_slots_and_the_reader_gets_them_back" ;;
+    unit)  # every test marked GPU-only (tools/gpu/gpu_only.py), in the files that have one
+      PYTHONPATH=$PYTHONPATH:$PWD/tools/gpu TRITON_INTERPRET=0 python3 -m pytest -q -p no:cacheprovider \
+        -rs -p gpu_only $(grep -rl 'reason="GPU-only' tests/unit) ;;
     half-fa-fp16) half CHUNK_HALF_MODEL=$M/gpu-llama CHUNK_HALF_DTYPES=float16 CHUNK_HALF_BACKEND=FLASH_ATTN ;;
     half-triton-fp16) half CHUNK_HALF_MODEL=$M/gpu-llama CHUNK_HALF_DTYPES=float16 CHUNK_HALF_BACKEND=TRITON_ATTN ;;
     remap)
@@ -90,14 +87,14 @@ figures() {  # figures ITEM LOG: the lines of the summary that carry the item's 
   local log=$2
   case $1 in
     unit) grep -E "^(FAILED|ERROR)" "$log" | cut -c1-150 | head -4
-          grep -E "[0-9]+ (passed|failed|error)" "$log" | tail -1 ;;
+          grep -E "[0-9]+ (passed|failed|error|skipped)" "$log" | tail -1 ;;
     half-*|mla-*)
-      grep -o "dtype=.*" "$log" | head -2
-      grep -o "Chunk cache: \(loads use\|captures run\).*" "$log" | sort -u | cut -c1-150 | head -2
+      grep -oE "dtype=[a-z0-9]+ eager=.*" "$log" | head -2
+      grep -oE "Chunk cache: (loads use|captures run|[0-9]+ MLA layer).*" "$log" | sort -u | cut -c1-150 | head -3
       grep -o "'cudagraph_mode': <CUDAGraphMode\.[A-Z_]*" "$log" | sort | uniq -c | head -2
       grep -o "Using [A-Z_0-9]* \(attention \)\{0,1\}backend\|Using [A-Za-z_0-9]* MLA prefill backend" "$log" | sort -u | head -2
       grep -E "^E .*(Error|assert)" "$log" | cut -c1-150 | head -2
-      grep -E "[0-9]+ (passed|failed|error)" "$log" | tail -1 ;;
+      grep -E "[0-9]+ (passed|failed|error|skipped)" "$log" | tail -1 ;;
     remap) grep -E "^device|copy:|^(fused|per-|capture)|geometr|best" "$log" | head -14 ;;
     ttft) grep -E '^\{' "$log" | cut -c1-200 | head -3
           grep -E "Error" "$log" | tail -1 ;;
