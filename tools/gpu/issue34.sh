@@ -112,9 +112,11 @@ else
     bash tools/gpu/install.sh
     [ -e /tmp/models/.done ] || { python3 tools/gpu/make_models.py /tmp/models && touch /tmp/models/.done; }
     python3 -c "import torch, transformers, triton, vllm; print(\"torch\", torch.__version__, \"triton\", triton.__version__, \"transformers\", transformers.__version__, \"vllm\", vllm.__version__)"
+    # NOTE: the extensions load here or not at all: one failure instead of one per item.
+    python3 -c "import vllm._C, vllm._C_stable_libtorch; from vllm.vllm_flash_attn.flash_attn_interface import is_fa_version_supported as s; print(\"FA3\", s(3))"
   ' > "$LOGS/install.log" 2>&1
   rc=$?; install_ok=$(( rc == 0 ))
-  say "install: rc=$rc ($(elapsed)s) | $(head -1 "$LOGS/install.log") | $(grep -E '^torch ' "$LOGS/install.log" | tail -1)"
+  say "install: rc=$rc ($(elapsed)s) | $(head -1 "$LOGS/install.log") | $(grep -E '^torch ' "$LOGS/install.log" | tail -1) | $(grep -E '^FA3 ' "$LOGS/install.log" | tail -1)"
   ((install_ok)) || { tail -5 "$LOGS/install.log" | cut -c1-200 >> "$summary"; }
 fi
 pack_logs
