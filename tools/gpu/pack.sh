@@ -32,6 +32,8 @@ if [ "${1:-}" = py ]; then python_sources; exit 0; fi
 # FLASH_ATTN_MLA, and the prefill of every MLA backend on SM90), FlashMLA (FLASHMLA),
 # cumem_allocator (sleep mode), spinloop. Left out: FA2 (52 MiB, used on Hopper only with
 # ALiBi or sinks), _moe_C (37 MiB: no MoE model can run), deep_gemm, vllm-rs.
+# So the pack cannot run: FLASHINFER / FLASHINFER_MLA (not carried at all), MoE models,
+# ALiBi or attention sinks on Hopper, CUTLASS_MLA and the fp8 DeepGEMM paths.
 rm -rf "$work/so" && mkdir -p "$work/so"
 (cd "$work/so" && unzip -q "$OLDPWD/$wheel" 'vllm/_C.abi3.so' 'vllm/_C_stable_libtorch.abi3.so' \
   'vllm/vllm_flash_attn/_vllm_fa3_C.abi3.so' 'vllm/_flashmla_C.abi3.so' \
