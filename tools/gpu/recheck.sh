@@ -1,4 +1,6 @@
 #!/usr/bin/env bash
+# NOTE: as run on 2026-11-25; it needs that day's pack layout (.gpu/extra, so2, py2), which
+# tools/gpu/pack.sh no longer writes: kept as the record of that run, superseded by issue34.sh.
 # On the GPU machine, after the parts are in /tmp/gpu: install, lay this checkout's patched
 # sources (.gpu/py2.tar.xz, `./fork apply vllm` then tar of the tree's vllm/) over the
 # wheel's, then the sleep check, the GPU-only unit oracles and the bf16 FA exactness row.
