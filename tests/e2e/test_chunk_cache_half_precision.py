@@ -61,9 +61,6 @@ def _layouts(reference: Reference) -> list[Layout]:
     return out
 
 
-BLOCK_SIZE_CPU = 128  # vLLM's CPU KV block size
-
-
 def _on_gpu() -> bool:
     import torch
 
@@ -71,12 +68,14 @@ def _on_gpu() -> bool:
 
 
 def _pool_bytes() -> int:
-    """Bytes of the pool tensors the (in-process) worker allocated."""
+    """Bytes of the pool tensors the (in-process) worker allocated: K and V of
+    standard attention layers, the latent rows of MLA layers."""
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
     worker = get_kv_transfer_group()._worker
-    return sum(t.nbytes for t in worker.pool_key.values()) + sum(
-        t.nbytes for t in worker.pool_value.values())
+    return (sum(t.nbytes for t in worker.pool_key.values())
+            + sum(t.nbytes for t in worker.pool_value.values())
+            + sum(latent.pool.nbytes for latent in worker.latent.values()))
 
 
 def _load_buffer_bytes(llm) -> tuple[int, int]:
@@ -139,6 +138,8 @@ def test_half_precision_chunk_cache_within_3x_of_stock_vllm(reference, dtype):
                                                     list(completion.token_ids))
                 chunk_worst = max(chunk_worst, _worst(ref, completion))
         chunk_kv_blocks = llm.llm_engine.vllm_config.cache_config.num_gpu_blocks
+        # NOTE: 128 tokens on the CPU, 16 for MLA there (CPU_MLA): as the engine chose.
+        block = llm.llm_engine.vllm_config.cache_config.block_size
         pool_bytes = _pool_bytes()
         scratch_bytes, scratch_allocated = _load_buffer_bytes(llm)
     finally:
@@ -164,14 +165,13 @@ def test_half_precision_chunk_cache_within_3x_of_stock_vllm(reference, dtype):
     finally:
         close_llm(llm)
 
-    block = llm_block_size = BLOCK_SIZE_CPU
     if os.environ.get("VLLM_CPU_KVCACHE_SPACE") and not _on_gpu():
         # The pool and its load buffers are carved out of VLLM_CPU_KVCACHE_SPACE:
         # the paged KV cache shrinks by their size and the total stays within
         # the budget.
         budget = int(float(os.environ["VLLM_CPU_KVCACHE_SPACE"]) * (1 << 30))
-        chunk_kv = chunk_kv_blocks * llm_block_size * kv_token_bytes
-        stock_kv = stock_kv_blocks * llm_block_size * kv_token_bytes
+        chunk_kv = chunk_kv_blocks * block * kv_token_bytes
+        stock_kv = stock_kv_blocks * block * kv_token_bytes
         print(f"KV budget {budget >> 20} MiB: stock paged KV {stock_kv >> 20} MiB; with "
               f"the chunk cache paged KV {chunk_kv >> 20} MiB + pool {pool_bytes >> 20} MiB "
               f"+ load buffers {scratch_bytes >> 20} MiB ({scratch_allocated >> 20} MiB used)")
