@@ -21,12 +21,14 @@ import torch
 
 from tests.unit.vllm_triton_cache_write import write_kv
 from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.fused_load_path import (
+    FusedLayers,
     FusedLoadChoice,
     choose_fused_layers,
     group_fused_layers,
     paged_layer,
-    self_check,
+    self_check_launch,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.sample_check import SAMPLE_ROWS
 from vllm.model_executor.layers.rotary_embedding import get_rope
 from vllm.v1.worker.position_remapper import RopeRotation
 
@@ -79,6 +81,15 @@ GPU_ONLY = pytest.mark.skipif(
     not torch.cuda.is_available(),
     reason="GPU-only: the fp8 oracle is vLLM's CUDA reshape_and_cache_flash (Triton's "
            "interpreter does not round to fp8 as the GPU does)")
+
+
+def self_check(the_layer, kv_cache, paged, rotation, pool_dtype, reference_write):
+    """The start-up self-check of a launch of one layer, over pools of its own."""
+    key = torch.zeros((SAMPLE_ROWS, the_layer.num_kv_heads, the_layer.head_size),
+                      dtype=pool_dtype, device=kv_cache.device)
+    launch = FusedLayers(("layer",), rotation, (key,), (torch.zeros_like(key),), (paged,))
+    return self_check_launch(launch, {"layer": the_layer}, {"layer": kv_cache}, pool_dtype,
+                             reference_write)
 
 
 @pytest.mark.parametrize("dtype, fp8, hnd", [(torch.float32, False, False),

@@ -272,22 +272,6 @@ def self_check_launch(
     return None
 
 
-def self_check(
-    layer: Any,
-    kv_cache: torch.Tensor,
-    paged: Any,
-    rotation: RopeRotation | None,
-    pool_dtype: torch.dtype,
-    reference_write: ReferenceWrite,
-) -> str | None:
-    """`self_check_launch` for one layer, over pools of its own."""
-    shape = (SAMPLE_ROWS, layer.num_kv_heads, layer.head_size)
-    key = torch.zeros(shape, dtype=pool_dtype, device=kv_cache.device)
-    launch = FusedLayers(("layer",), rotation, (key,), (torch.zeros_like(key),), (paged,))
-    return self_check_launch(launch, {"layer": layer}, {"layer": kv_cache}, pool_dtype,
-                             reference_write)
-
-
 def choose_fused_layers(
     layers: dict[str, Any],
     kv_caches: dict[str, torch.Tensor],
