@@ -140,18 +140,20 @@ def _check_kv_transfer_config(current: Any) -> None:
             f"(connector {current.kv_connector!r}): the chunk cache uses vLLM's "
             "single KV connector slot"
         )
+    if (current.kv_connector == CONNECTOR_NAME
+            and CAPTURE_IN_ATTENTION in current.kv_connector_extra_config):
+        # NOTE: the config the chunk cache wrote (it always sets this key),
+        # checked again where the config is built anew. Its defaults may not
+        # be today's: kv_buffer_device's follows the platform.
+        return
     import dataclasses
 
-    # NOTE: what the chunk cache sets itself is not a user's setting: the
-    # config passes this check again once it is ours (engine core, workers).
-    ours = {"kv_connector", "kv_role", "kv_connector_extra_config", "engine_id"}
     default = type(current)()
     given = [f.name for f in dataclasses.fields(current)
-             if f.name not in ours and getattr(current, f.name) != getattr(default, f.name)]
+             if f.name not in ("kv_connector", "kv_role", "engine_id")
+             and getattr(current, f.name) != getattr(default, f.name)]
     if current.kv_role not in (None, "kv_both"):
         given.append("kv_role")
-    if set(current.kv_connector_extra_config) - {CAPTURE_IN_ATTENTION}:
-        given.append("kv_connector_extra_config")
     if given:
         raise ValueError(
             "--enable-chunk-cache configures vLLM's KV connector itself, so "
