@@ -19,6 +19,7 @@ push documents out.
 
 from __future__ import annotations
 
+import threading
 from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -47,33 +48,40 @@ class _Entry:
 
 
 class SegmentTokenCache:
-    """Least recently used segments' ids, at most `max_tokens` ids in all."""
+    """Least recently used segments' ids, at most `max_tokens` ids in all.
+
+    NOTE: one per renderer, whose sync path may run on other threads than
+    the event loop's: a lock keeps the order and the count consistent."""
 
     def __init__(self, max_tokens: int = DEFAULT_MAX_TOKENS):
         self.max_tokens = max_tokens
         self.num_tokens = 0
         self._entries: OrderedDict[tuple[int, SegmentText], _Entry] = OrderedDict()
+        self._lock = threading.Lock()
 
     def __len__(self) -> int:
         return len(self._entries)
 
     def lookup(self, tokenizer: Any, segment: SegmentText) -> list[int] | None:
         key = (id(tokenizer), segment)
-        entry = self._entries.get(key)
-        if entry is None or entry.tokenizer is not tokenizer:
-            return None
-        self._entries.move_to_end(key)
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None or entry.tokenizer is not tokenizer:
+                return None
+            self._entries.move_to_end(key)
         return entry.token_ids.tolist()
 
     def remember(self, tokenizer: Any, segment: SegmentText, token_ids: list[int]) -> None:
         if len(token_ids) > self.max_tokens:
             return
         key = (id(tokenizer), segment)
-        old = self._entries.pop(key, None)
-        if old is not None:
-            self.num_tokens -= len(old.token_ids)
-        self._entries[key] = _Entry(tokenizer, array("I", token_ids))
-        self.num_tokens += len(token_ids)
-        while self.num_tokens > self.max_tokens:
-            _, evicted = self._entries.popitem(last=False)
-            self.num_tokens -= len(evicted.token_ids)
+        entry = _Entry(tokenizer, array("I", token_ids))
+        with self._lock:
+            old = self._entries.pop(key, None)
+            if old is not None:
+                self.num_tokens -= len(old.token_ids)
+            self._entries[key] = entry
+            self.num_tokens += len(token_ids)
+            while self.num_tokens > self.max_tokens:
+                _, evicted = self._entries.popitem(last=False)
+                self.num_tokens -= len(evicted.token_ids)

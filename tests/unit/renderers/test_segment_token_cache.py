@@ -121,3 +121,24 @@ def test_least_recently_used_segments_go_first_within_the_bound():
     assert (len(cache), cache.num_tokens) == (2, 7)
     cache.remember(tok, SegmentText("big", False, None), list(range(11)))  # over the bound
     assert (len(cache), cache.num_tokens) == (2, 7)
+
+
+def test_threads_sharing_the_cache_keep_its_count_and_bound():
+    import threading
+
+    cache, tok = SegmentTokenCache(max_tokens=64), object()
+
+    def work(worker):
+        for i in range(2000):
+            text = SegmentText(f"doc {(worker * 7 + i) % 40}", False, None)
+            ids = cache.lookup(tok, text)
+            if ids is None:
+                cache.remember(tok, text, [i % 50] * (1 + i % 5))
+
+    threads = [threading.Thread(target=work, args=(w,)) for w in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert cache.num_tokens == sum(len(e.token_ids) for e in cache._entries.values())
+    assert cache.num_tokens <= 64
