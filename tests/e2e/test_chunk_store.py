@@ -44,7 +44,7 @@ def reference():
 
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory):
-    with MooncakeFleet(tmp_path_factory.mktemp("mooncake")) as fleet:
+    with MooncakeFleet(tmp_path_factory.mktemp("mooncake"), lookup_timeout_s=5.0) as fleet:
         yield fleet
 
 
@@ -93,10 +93,10 @@ def drain_puts(llm, timeout_s=20.0):
 
 def entry_key(llm, reference, text: str) -> str:
     """The store key replica `llm` reads document `text` under (rank 0)."""
-    from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store_client import (
+    from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store.lookups import (
         store_content_hash,
     )
-    from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store_messages import (
+    from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store.messages import (
         EntryRef,
         store_key_for,
     )

@@ -78,6 +78,7 @@ class MooncakeFleet:
 
     def __init__(self, workdir: Path | None = None, *, segment_bytes: int = 64 << 20,
                  timeout_s: float = 3.0, buffer_bytes: int = 16 << 20,
+                 lookup_timeout_s: float | None = None,
                  ready_timeout_s: float = 30.0, python: Path | None = None,
                  master_args: Sequence[str] = (), client_args: Sequence[str] = ()):
         # The venv whose Mooncake runs: its binaries sit next to its python.
@@ -87,6 +88,9 @@ class MooncakeFleet:
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.segment_bytes = segment_bytes
         self.timeout_s = timeout_s
+        # None: --chunk-store's default (tens of ms); tests that count store
+        # hits on a loaded machine give lookups longer.
+        self.lookup_timeout_s = lookup_timeout_s
         self.buffer_bytes = buffer_bytes
         self.ready_timeout_s = ready_timeout_s
         # Extra flags, e.g. ["--client_ttl=3"] (`mooncake_master --help`).
@@ -108,8 +112,11 @@ class MooncakeFleet:
     @property
     def spec_text(self) -> str:
         """The --chunk-store value for this fleet (this process lends no memory)."""
-        return (f"mooncake://{self.master_address}?segment=0&buffer={self.buffer_bytes}"
+        text = (f"mooncake://{self.master_address}?segment=0&buffer={self.buffer_bytes}"
                 f"&timeout={self.timeout_s:g}")
+        if self.lookup_timeout_s is not None:
+            text += f"&lookup_timeout={self.lookup_timeout_s:g}"
+        return text
 
     def kill_master(self) -> None:
         _kill(self.master)
@@ -136,6 +143,15 @@ class MooncakeFleet:
 
     def kill_client(self) -> None:
         _kill(self.client)
+
+    def stop_client(self) -> None:
+        """SIGSTOP the segment holder (reads of its entries hang); returns once
+        every thread of it is stopped."""
+        os.kill(self.client.pid, signal.SIGSTOP)
+        self._wait(lambda: _all_threads_stopped(self.client.pid), "the client stopped")
+
+    def continue_client(self) -> None:
+        os.kill(self.client.pid, signal.SIGCONT)
 
     def start_client(self) -> None:
         self._start_client()

@@ -6,15 +6,17 @@ and merges spans. The real store is exercised in tests/e2e/test_chunk_store.py."
 
 from types import SimpleNamespace
 
-from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.host_arena import (
+from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store.arena import (
     ALIGN,
     HostArena,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store_client import (
+from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store.lookups import (
     StoreClient,
     store_content_hash,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store_messages import (
+from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store.messages import (
+    CAUSE_VERIFY_FAILED,
+    FETCH_OK,
     RankIdentity,
     StoreReport,
 )
@@ -22,16 +24,17 @@ from vllm.v1.core.chunk_hash_index import ChunkNamespace
 from vllm.v1.core.chunk_store_probe import FetchSpec, StoreAnswer
 
 
-def client(tp: int) -> StoreClient:
+def client(tp: int, lookup_timeout: float = 600) -> StoreClient:
     config = SimpleNamespace(
-        chunk_cache_config=SimpleNamespace(chunk_store="mooncake://127.0.0.1:1"),
+        chunk_cache_config=SimpleNamespace(chunk_store=f"mooncake://127.0.0.1:1?lookup_timeout={lookup_timeout}"),
         parallel_config=SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=1))
     return StoreClient(config)
 
 
 def identity(rank: int, epoch: int = 0) -> RankIdentity:
     return RankIdentity(epoch=epoch, tp_rank=rank, pp_rank=0, model="m",
-                        weights_version="w", kv_dtype="f32", kv_layout="l", rope="r")
+                        weights_version="w", kv_dtype="f32", kv_layout="l", rope="r",
+                        compute="c")
 
 
 def fetch(c: StoreClient, fid: str) -> None:
@@ -43,10 +46,10 @@ def test_a_fetch_counts_only_when_every_rank_reported():
     fetch(c, "f-ok")
     fetch(c, "f-bad")
     # Rank 0 finishes both in one step, rank 1 in a later one.
-    assert c.on_report(StoreReport(outcomes={"f-ok": [""], "f-bad": [""]})) == ([], [])
+    assert c.on_report(StoreReport(outcomes={"f-ok": [FETCH_OK], "f-bad": [FETCH_OK]})) == ([], [])
     done, failed = c.on_report(
-        StoreReport(outcomes={"f-ok": [""]}).aggregate(
-            StoreReport(outcomes={"f-bad": ["verify_failed"]})))
+        StoreReport(outcomes={"f-ok": [FETCH_OK]}).aggregate(
+            StoreReport(outcomes={"f-bad": [CAUSE_VERIFY_FAILED]})))
     assert done == ["f-ok"] and failed == [("f-bad", "verify_failed")]
     counters = c.counters.take()
     assert counters["store_hits"] == 1 and counters["store_misses_verify_failed"] == 1

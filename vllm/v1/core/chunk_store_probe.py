@@ -2,7 +2,7 @@
 """What the manager asks the fleet-wide chunk store at admission (issue 31).
 
 Engine-free: the manager sees only this protocol. The connector's
-`StoreClient` (chunk_cache/store_client.py) answers it from existence queries
+`StoreClient` (chunk_cache/store/lookups.py) answers it from existence queries
 run on its own thread; it never blocks: a query still in flight answers
 PENDING, and the parent waits a step (docs/design/store-path.md).
 """

@@ -33,7 +33,7 @@ TIMEOUT_S = 2.0  # the fleet's per-call deadline
 # A call may finish a little after its deadline (thread wake-up, a loaded CI machine).
 SLACK_S = 1.5
 NS = StoreNamespace(model="tiny-llama", weights_version="0", kv_dtype="float32",
-                    kv_layout="L4xH2x32:kv", rope="neox", tp_rank=0, tp_size=1,
+                    kv_layout="L4xH2x32:kv", rope="neox", compute="cpu", tp_rank=0, tp_size=1,
                     pp_rank=0, pp_size=1, cache_salt=None, lora=None)
 
 

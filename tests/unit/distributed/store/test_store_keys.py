@@ -12,13 +12,15 @@ from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store.keys import 
 
 NS = StoreNamespace(model="/models/SmolLM2-135M-Instruct", weights_version="epoch-0",
                     kv_dtype="float32", kv_layout="L30xH3x64:kv", rope="neox:theta=100000",
+                    compute='{"backends": ["CPU_ATTN"], "device": "cpu"}',
                     tp_rank=0, tp_size=2, pp_rank=0, pp_size=2, cache_salt=None, lora=None)
 H = 0x0123456789ABCDEF0011223344556677
 
 # One changed value per field (the test below checks every field is listed).
 CHANGED = {
     "model": "/models/other", "weights_version": "epoch-1", "kv_dtype": "bfloat16",
-    "kv_layout": "L30xH3x64:k", "rope": "neox:theta=10000", "tp_rank": 1, "tp_size": 4,
+    "kv_layout": "L30xH3x64:k", "rope": "neox:theta=10000",
+    "compute": '{"backends": ["FLASH_ATTN"], "device": "cuda:NVIDIA H100"}', "tp_rank": 1, "tp_size": 4,
     "pp_rank": 1, "pp_size": 4, "cache_salt": "tenant-a", "lora": "adapter-1",
 }
 

@@ -124,7 +124,7 @@ class ChunkCacheConnector(KVConnectorBase_V1):
         return ChunkCacheConnectorStats(data=store.take_counters() if store else {})
 
     def build_connector_worker_meta(self) -> Any:
-        # The store's fetch outcomes and this rank's identity (store_fetch.py).
+        # The store's fetch outcomes and this rank's identity (store/transfers.py).
         store = self._worker.store if self._worker is not None else None
         return store.take_report() if store is not None else None
 

@@ -199,6 +199,6 @@ class ChunkCacheMetadata(KVConnectorMetadata):
     loads: list[RequestLoad] = field(default_factory=list)
     # Capture: per child, the stretch it computes in this step (block ids).
     stores: list[ChildStore] = field(default_factory=list)
-    # The fleet-wide store's reads and writes (store_messages.StoreStep),
+    # The fleet-wide store's reads and writes (store/messages.StoreStep),
     # None without --chunk-store.
     store: Any = None

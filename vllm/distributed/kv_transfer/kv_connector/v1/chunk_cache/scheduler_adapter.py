@@ -59,6 +59,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.stats import (
 from vllm.logger import init_logger
 from vllm.v1.core.chunk_cache_manager import ChunkCacheManager
 from vllm.v1.core.chunk_hash_index import ChunkNamespace
+from vllm.v1.core.chunk_lora_identity import lora_identity
 from vllm.v1.core.chunk_prefill_plan import PrefillStep
 from vllm.v1.core.chunk_structures import (
     AdmitReason,
@@ -71,7 +72,7 @@ from vllm.v1.core.chunk_structures import (
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
-    from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store_client import (
+    from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store.lookups import (
         StoreClient,
     )
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -167,12 +168,12 @@ class ChunkCacheSchedulerAdapter:
         if layout is None or request.prompt_token_ids is None:
             return
         prompt = ChunkedPrompt.from_lengths(request.prompt_token_ids, layout)
-        lora = request.lora_request
         namespace = ChunkNamespace(
             model=self._model,
             kv_dtype=self._kv_dtype,
             tokenizer=self._tokenizer,
-            lora_name=lora.lora_name if lora is not None else "",
+            # NOTE: by content, not name (chunk_lora_identity.py).
+            lora_name=lora_identity(request.lora_request),
             cache_salt=request.cache_salt,
         )
         self.manager.add_request(request.request_id, prompt, namespace)
@@ -429,7 +430,7 @@ class ChunkCacheSchedulerAdapter:
     def _start_store(self, vllm_config: VllmConfig) -> StoreClient | None:
         if vllm_config.chunk_cache_config.chunk_store is None:
             return None
-        from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store_client import (
+        from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store.lookups import (
             StoreClient,
         )
 
@@ -505,9 +506,8 @@ class ChunkCacheSchedulerAdapter:
         )
         plan = self.manager.store_plan(spec.request_id)
         if self.store is not None:
-            lora = origin.lora_request
             self._child_tenants[spec.request_id] = (
-                origin.cache_salt, lora.lora_name if lora is not None else "")
+                origin.cache_salt, lora_identity(origin.lora_request))
         self._children[spec.request_id] = _ChildSlots(
             num_tokens=len(spec.token_ids),
             store_start=spec.store_start,

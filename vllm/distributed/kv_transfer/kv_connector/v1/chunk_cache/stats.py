@@ -38,7 +38,7 @@ COUNTERS: dict[str, str] = {
     "failed_children": "Child requests that ended without storing their rows",
 }
 # The fleet-wide store's counters (issue 31; only with --chunk-store): the
-# scheduler's (store_client.StoreCounters) and each worker's (store_fetch.py),
+# scheduler's (store/lookups.StoreCounters) and each worker's (store/transfers.py),
 # summed over workers. Exported as vllm:chunk_cache_store_*.
 STORE_COUNTERS: dict[str, str] = {
     "store_hits": "Missing segments read from the chunk store (every rank verified)",

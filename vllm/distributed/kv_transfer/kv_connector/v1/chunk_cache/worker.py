@@ -161,7 +161,7 @@ class ChunkCacheWorker:
         # step without synchronous loads, which would forget the hook's captures.
         self._hook_step: Any = None
         self._hook_captured: set[str] = set()
-        # The fleet-wide store's reads and writes (store_fetch.py), None
+        # The fleet-wide store's reads and writes (store/transfers.py), None
         # without --chunk-store.
         self.store: Any = None
         self._model: nn.Module | None = None
@@ -299,7 +299,7 @@ class ChunkCacheWorker:
     def _start_store(self) -> None:
         if self.vllm_config.chunk_cache_config.chunk_store is None:
             return
-        from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store_fetch import (
+        from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store.transfers import (
             StoreTransfers,
         )
 
@@ -307,7 +307,7 @@ class ChunkCacheWorker:
         tensors.update({f"{n}.v": t for n, t in self.pool_value.items()})
         tensors.update({f"{n}.latent": lat.pool for n, lat in self.latent.items()})
         assert self._model is not None
-        self.store = StoreTransfers(
+        self.store = StoreTransfers.for_engine(
             self.vllm_config, self._model, tensors,
             f"{self.dtype}/{self.vllm_config.cache_config.cache_dtype}")
 

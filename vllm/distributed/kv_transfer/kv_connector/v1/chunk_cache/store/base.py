@@ -13,7 +13,7 @@ has not answered yet is "not yet" to the engine, never a wait.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import Enum, IntEnum
 
@@ -25,6 +25,14 @@ class HostBuffer:
 
     ptr: int
     nbytes: int
+
+
+# Called once when the store no longer touches a call's buffers.
+Release = Callable[[], None]
+
+
+def no_release() -> None:
+    return None
 
 
 class Presence(Enum):
@@ -64,20 +72,25 @@ class ChunkStore(ABC):
         """One answer per key, in order."""
 
     @abstractmethod
-    def batch_get_into(
-        self, keys: Sequence[str], buffers: Sequence[HostBuffer]
-    ) -> list[int]:
+    def batch_get_into(self, keys: Sequence[str], buffers: Sequence[HostBuffer],
+                       on_release: Release = no_release) -> list[int]:
         """Read each key's value into its buffer; per key the number of bytes
         read (>= 0) or a negative StoreCode (absent, too large, timeout, error).
-        Bytes read are not yet trusted: verify them (entry_format.py)."""
+        Bytes read are not yet trusted: verify them (entry_format.py).
+
+        NOTE: `on_release` runs once when the store no longer writes into
+        `buffers`: before this returns, or, after a TIMEOUT, later (from the
+        store's thread) when the abandoned call returned. Until then the
+        buffers are the store's: reusing them lets a late read overwrite
+        whatever was put there."""
 
     @abstractmethod
-    def batch_put_from(
-        self, keys: Sequence[str], buffers: Sequence[HostBuffer]
-    ) -> list[int]:
+    def batch_put_from(self, keys: Sequence[str], buffers: Sequence[HostBuffer],
+                       on_release: Release = no_release) -> list[int]:
         """Store each buffer's bytes under its key; per key 0 or a negative
         StoreCode. A key already present keeps its value (entries are
-        immutable: the same key always names the same content)."""
+        immutable: the same key always names the same content). `on_release`
+        as for batch_get_into (the store reads the buffers until it runs)."""
 
     @abstractmethod
     def close(self) -> None:

@@ -5,7 +5,8 @@
 
 The namespace digest (BLAKE2b-128 of every StoreNamespace field, None kept
 apart from "") makes an entry of another model, weights version, KV dtype or
-layout, RoPE configuration, TP/PP rank, cache salt or LoRA adapter unreachable:
+layout, RoPE configuration, attention backend, device kind, vLLM or KV format
+version, TP/PP rank, cache salt or LoRA adapter (by content) unreachable:
 its key differs. The readable part is only for people reading the store; the
 digest alone decides. NOTE: a key names content, it does not prove it: every
 value read is verified against its header (entry_format.py).
@@ -37,6 +38,10 @@ class StoreNamespace:
     """Shape and order of the stored rows (layers, heads, head size, K/V or latent)."""
     rope: str
     """The RoPE configuration the stored K were rotated with (type, theta, scaling)."""
+    compute: str
+    """What computed the rows: the KV format version, vLLM's version, the
+    attention backend(s) and the device kind. Two replicas that would compute
+    the same tokens to different bytes never share entries."""
     tp_rank: int
     tp_size: int
     pp_rank: int
@@ -45,7 +50,7 @@ class StoreNamespace:
     lora: str | None
 
     def __post_init__(self) -> None:
-        for name in ("model", "weights_version", "kv_dtype", "kv_layout", "rope"):
+        for name in ("model", "weights_version", "kv_dtype", "kv_layout", "rope", "compute"):
             if not isinstance(getattr(self, name), str) or not getattr(self, name):
                 raise ValueError(f"StoreNamespace.{name} must be a non-empty string")
         for rank, size in (("tp_rank", "tp_size"), ("pp_rank", "pp_size")):

@@ -11,23 +11,21 @@ master returned after 90 s. So:
 1. Mooncake's own timeouts are set from the spec's `timeout_s` (environment
    variables it reads at setup; a value the user exported wins), which made
    those calls return an error in ~timeout_s;
-2. each call runs on this store's own worker thread and the caller waits at
-   most `timeout_s`: a call still running then is a StoreCode.TIMEOUT, and the
-   store refuses new calls (TIMEOUT, at once) until it returns, so calls never
-   pile up behind a stuck one.
+2. each call runs on one of this store's lanes (deadline.py: existence
+   queries, reads, writes) and the caller waits at most `timeout_s`: a call
+   still running then is a StoreCode.TIMEOUT, and its lane refuses new calls
+   (TIMEOUT, at once) until it returns, so calls never pile up behind a stuck
+   one.
 
-NOTE: a get that timed out may still write into its buffers when it finally
-returns. `idle()` says whether no call is running; a caller must not give the
-memory of a timed-out get's buffers to anything else before `idle()` (or
-`wait_idle`) is true. Whatever lands in a buffer is verified before use
-(entry_format.py), so a late write can never be served, only wasted.
+NOTE: a get or put that timed out may still write into (or read from) its
+buffers when it finally returns: the buffers stay the call's until its
+`on_release` runs (base.py), which the lane does only when Mooncake returned.
 """
 
 from __future__ import annotations
 
 import math
 import os
-import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -36,7 +34,8 @@ from typing import Any
 
 from vllm.logger import init_logger
 
-from .base import ChunkStore, HostBuffer, Presence, StoreCode
+from .base import ChunkStore, HostBuffer, Presence, Release, StoreCode, no_release
+from .deadline import CallResult, CallStatus, DeadlineLane
 from .spec import StoreSpec
 
 logger = init_logger(__name__)
@@ -77,92 +76,49 @@ class StoreCallStats:
     errors: int = 0
 
 
-class _Job:
-    __slots__ = ("fn", "done", "result", "error")
-
-    def __init__(self, fn: Callable[[], Any]):
-        self.fn = fn
-        self.done = threading.Event()
-        self.result: Any = None
-        self.error: BaseException | None = None
+# NOTE: Mooncake reads its timeouts from the environment at setup only: they are
+# set for the setup call and put back after it (under this lock, as two
+# connections may set up at once), so no other Mooncake user of the process
+# (e.g. vLLM's PD connector) sees values it did not ask for.
+_ENV_LOCK = threading.Lock()
 
 
-class _DeadlineWorker:
-    """One daemon thread that runs the store's calls; the caller waits for each
-    at most its deadline.
-
-    NOTE: daemon, and not a ThreadPoolExecutor: the executor's threads are
-    joined at interpreter exit, so one call stuck in Mooncake would hang the
-    process's exit."""
-
-    def __init__(self, name: str):
-        self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
-        self._running: _Job | None = None
-        self._lock = threading.Lock()
-        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
-        self._thread.start()
-
-    def _loop(self) -> None:
-        while True:
-            job = self._jobs.get()
-            if job is None:
-                return
-            try:
-                job.result = job.fn()
-            except BaseException as e:  # noqa: BLE001 - handed to the caller
-                job.error = e
-            job.done.set()
-
-    def busy(self) -> bool:
-        job = self._running
-        return job is not None and not job.done.is_set()
-
-    def call(self, fn: Callable[[], Any], deadline_s: float) -> tuple[str, Any]:
-        """("ok", result) | ("timeout", None) | ("busy", None): a call that
-        timed out before is still running) | ("raised", exception)."""
-        # NOTE: the deadline covers the wait for another thread's call too: calls
-        # from several threads run one at a time, and none waits longer than its own.
-        t_end = time.monotonic() + deadline_s
-        if not self._lock.acquire(timeout=deadline_s):
-            return "busy", None
+def _setup_with_env(env: dict[str, str], setup: Callable[[], Any]) -> Any:
+    with _ENV_LOCK:
+        before = {name: os.environ.get(name) for name in env}
+        for name, value in env.items():
+            if before[name] is None:  # the user's own setting wins
+                os.environ[name] = value
         try:
-            if self.busy():
-                return "busy", None
-            job = _Job(fn)
-            self._running = job
-            self._jobs.put(job)
-            if not job.done.wait(max(0.0, t_end - time.monotonic())):
-                return "timeout", None
-            self._running = None
+            return setup()
         finally:
-            self._lock.release()
-        if job.error is not None:
-            return "raised", job.error
-        return "ok", job.result
-
-    def wait_idle(self, timeout_s: float) -> bool:
-        job = self._running
-        return job is None or job.done.wait(timeout_s)
-
-    def stop(self) -> None:
-        self._jobs.put(None)
+            for name, value in before.items():
+                if value is None:
+                    os.environ.pop(name, None)
 
 
 class MooncakeChunkStore(ChunkStore):
     """A connection to a Mooncake Store (one per process and TP rank)."""
 
-    def __init__(self, spec: StoreSpec, client: Any, worker: _DeadlineWorker):
+    def __init__(self, spec: StoreSpec, client: Any):
         self.spec = spec
         self.stats = StoreCallStats()
         self._client = client
-        self._worker = worker
+        # NOTE: one lane per kind of call (deadline.py): reads never wait
+        # behind writes, nor existence queries behind either.
+        name = f"chunk-store-{spec.master_address}"
+        self._lanes = {kind: DeadlineLane(f"{name}-{kind}")
+                       for kind in ("query", "get", "put")}
         self._closed = False
         self._stuck_since: float | None = None
+        self._stats_lock = threading.Lock()
 
     @classmethod
     def connect(cls, spec: StoreSpec) -> "MooncakeChunkStore":
         """Set up a Mooncake client against `spec`'s master; RuntimeError naming
-        the master when that fails or does not answer in time."""
+        the master when that fails or does not answer in time. Blocks up to
+        the setup deadline: never call it where a request waits (connection.py
+        connects on a thread of its own)."""
         try:
             from mooncake.store import MooncakeDistributedStore
         except ImportError as e:
@@ -172,16 +128,13 @@ class MooncakeChunkStore(ChunkStore):
                 "apt-get install -y --no-install-recommends libibverbs1 libnuma1); "
                 "`./fork setup` installs both"
             ) from e
-        for name, value in mooncake_timeout_env(spec.timeout_s).items():
-            # NOTE: the user's own setting wins; Mooncake reads these at setup, so the
-            # first connection's timeout holds for the whole process (one spec per vLLM).
-            os.environ.setdefault(name, value)
         client = MooncakeDistributedStore()
-        worker = _DeadlineWorker(f"chunk-store-{spec.master_address}")
+        lane = DeadlineLane(f"chunk-store-{spec.master_address}-setup")
         deadline = max(_MIN_SETUP_DEADLINE_S, _SETUP_DEADLINE_FACTOR * spec.timeout_s)
         t0 = time.monotonic()
-        status, result = worker.call(
-            lambda: client.setup(
+        env = mooncake_timeout_env(spec.timeout_s)
+        result = lane.call(
+            lambda: _setup_with_env(env, lambda: client.setup(
                 spec.local_hostname,
                 spec.metadata_server,
                 spec.segment_bytes,
@@ -189,15 +142,23 @@ class MooncakeChunkStore(ChunkStore):
                 spec.protocol,
                 "",
                 spec.master_address,
-            ),
+            )),
             deadline,
         )
-        if status != "ok" or result != 0:
+        lane.stop()
+        if result.status is not CallStatus.OK or result.value != 0:
             why = {
-                "timeout": f"no answer within {deadline:.0f} s",
-                "raised": f"raised {result!r}",
-            }.get(status, f"setup returned {result}")
-            worker.stop()
+                CallStatus.TIMEOUT: f"no answer within {deadline:.0f} s",
+                CallStatus.RAISED: f"raised {result.value!r}",
+            }.get(result.status, f"setup returned {result.value}")
+            if result.status is not CallStatus.TIMEOUT:
+                # NOTE: a client whose setup failed is closed here, so a store that
+                # stays down does not leak one client per try; one still inside
+                # setup cannot be closed safely and is left to finish.
+                try:
+                    client.close()
+                except Exception:  # noqa: BLE001 - best effort on a failed client
+                    pass
             raise RuntimeError(
                 f"--chunk-store: cannot connect to the Mooncake master at "
                 f"{spec.master_address} over {spec.protocol} ({why}); is "
@@ -209,126 +170,139 @@ class MooncakeChunkStore(ChunkStore):
             spec.master_address, spec.protocol, time.monotonic() - t0, spec.timeout_s,
             spec.segment_bytes,
         )
-        return cls(spec, client, worker)
+        return cls(spec, client)
 
     # -- the seam ---------------------------------------------------------------
 
     def register_buffer(self, buffer: HostBuffer) -> None:
-        status, result = self._call(lambda: self._client.register_buffer(
+        result = self._call("query", lambda: self._client.register_buffer(
             buffer.ptr, buffer.nbytes))
-        if status != "ok" or result != 0:
+        if result.status is not CallStatus.OK or result.value != 0:
             raise RuntimeError(
                 f"chunk store: registering a {buffer.nbytes}-byte host buffer with the "
-                f"Mooncake client failed ({status}, {result})"
+                f"Mooncake client failed ({result.status.value}, {result.value})"
             )
 
     def batch_exists(self, keys: Sequence[str]) -> list[Presence]:
         if not keys:
             return []
-        status, result = self._call(lambda: self._client.batch_is_exist(list(keys)))
-        if status != "ok" or len(result) != len(keys):
+        result = self._call("query", lambda: self._client.batch_is_exist(list(keys)))
+        if result.status is not CallStatus.OK or len(result.value) != len(keys):
             return [Presence.ERROR] * len(keys)
         out = []
-        for code in result:
+        for code in result.value:
             if code == 1:
                 out.append(Presence.PRESENT)
             elif code == 0:
                 out.append(Presence.ABSENT)
             else:
                 out.append(Presence.ERROR)
-        self.stats.errors += sum(p is Presence.ERROR for p in out)
+        self._count("errors", sum(p is Presence.ERROR for p in out))
         return out
 
-    def batch_get_into(
-        self, keys: Sequence[str], buffers: Sequence[HostBuffer]
-    ) -> list[int]:
-        return self._transfer(self._client.batch_get_into, keys, buffers, get=True)
+    def batch_get_into(self, keys: Sequence[str], buffers: Sequence[HostBuffer],
+                       on_release: Release = no_release) -> list[int]:
+        return self._transfer("get", self._client.batch_get_into, keys, buffers,
+                              on_release)
 
-    def batch_put_from(
-        self, keys: Sequence[str], buffers: Sequence[HostBuffer]
-    ) -> list[int]:
-        return self._transfer(self._client.batch_put_from, keys, buffers, get=False)
+    def batch_put_from(self, keys: Sequence[str], buffers: Sequence[HostBuffer],
+                       on_release: Release = no_release) -> list[int]:
+        return self._transfer("put", self._client.batch_put_from, keys, buffers,
+                              on_release)
 
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
-        if self._worker.busy():
+        if any(lane.busy() for lane in self._lanes.values()):
             # NOTE: closing the client under a call that is still running could
             # crash the process; leak the connection instead (the process is
             # usually exiting).
             logger.warning("chunk store: closing while a call to %s is still running; "
                            "the connection is left open", self.spec.master_address)
             return
-        self._worker.call(self._client.close, self.spec.timeout_s)
-        self._worker.stop()
+        self._lanes["query"].call(self._client.close, self.spec.timeout_s)
+        for lane in self._lanes.values():
+            lane.stop()
 
     # -- beyond the seam -----------------------------------------------------
 
     def remove(self, key: str) -> int:
         """Remove one key (tests, tools); 0 or a negative StoreCode."""
-        status, result = self._call(lambda: self._client.remove(key))
-        if status != "ok":
-            return self._failure_code(status)
-        if result == 0:
+        result = self._call("query", lambda: self._client.remove(key))
+        if result.status is not CallStatus.OK:
+            return self._failure_code(result.status)
+        if result.value == 0:
             return 0
-        return StoreCode.ABSENT if result == _MC_OBJECT_NOT_FOUND else StoreCode.ERROR
+        return StoreCode.ABSENT if result.value == _MC_OBJECT_NOT_FOUND else StoreCode.ERROR
 
     def idle(self) -> bool:
         """No call is running (a timed-out one may still be)."""
-        return not self._worker.busy()
+        return not any(lane.busy() for lane in self._lanes.values())
 
     def wait_idle(self, timeout_s: float) -> bool:
-        return self._worker.wait_idle(timeout_s)
+        t_end = time.monotonic() + timeout_s
+        return all(lane.wait_idle(max(0.0, t_end - time.monotonic()))
+                   for lane in self._lanes.values())
 
     # -- internals ------------------------------------------------------------
 
-    def _call(self, fn: Callable[[], Any]) -> tuple[str, Any]:
+    def _count(self, name: str, n: int = 1) -> None:
+        # NOTE: the lanes' callers are three threads.
+        with self._stats_lock:
+            setattr(self.stats, name, getattr(self.stats, name) + n)
+
+    def _call(self, kind: str, fn: Callable[[], Any],
+              on_release: Release = no_release) -> CallResult:
         if self._closed:
-            return "closed", None
-        self.stats.calls += 1
-        status, result = self._worker.call(fn, self.spec.timeout_s)
-        if status == "timeout":
-            self.stats.timeouts += 1
-            self._stuck_since = time.monotonic()
-            logger.warning(
-                "chunk store: a call to the Mooncake master at %s did not answer within "
-                "%.1f s; store reads and writes are misses until it returns",
-                self.spec.master_address, self.spec.timeout_s)
-        elif status == "busy":
-            self.stats.refused_while_stuck += 1
-        elif status == "raised":
-            self.stats.errors += 1
-            logger.warning("chunk store: a Mooncake call raised %r", result)
-        elif self._stuck_since is not None:
+            on_release()
+            return CallResult(CallStatus.CLOSED)
+        self._count("calls")
+        result = self._lanes[kind].call(fn, self.spec.timeout_s, on_release)
+        if result.status is CallStatus.TIMEOUT:
+            self._count("timeouts")
+            if self._stuck_since is None:
+                self._stuck_since = time.monotonic()
+                logger.warning(
+                    "chunk store: a %s call to the Mooncake store at %s did not answer "
+                    "within %.1f s; such calls are misses until it returns",
+                    kind, self.spec.master_address, self.spec.timeout_s)
+        elif result.status is CallStatus.BUSY:
+            self._count("refused_while_stuck")
+        elif result.status is CallStatus.RAISED:
+            self._count("errors")
+            logger.warning("chunk store: a Mooncake call raised %r", result.value)
+        elif self._stuck_since is not None and self.idle():
             logger.info("chunk store: the Mooncake store at %s answers again (a call was "
                         "stuck for %.1f s)", self.spec.master_address,
                         time.monotonic() - self._stuck_since)
             self._stuck_since = None
-        return status, result
+        return result
 
-    def _transfer(self, method, keys: Sequence[str], buffers: Sequence[HostBuffer], *,
-                  get: bool) -> list[int]:
+    def _transfer(self, kind: str, method, keys: Sequence[str],
+                  buffers: Sequence[HostBuffer], on_release: Release) -> list[int]:
         if len(keys) != len(buffers):
+            on_release()
             raise ValueError(f"{len(keys)} keys but {len(buffers)} buffers")
         if not keys:
+            on_release()
             return []
-        status, result = self._call(lambda: method(
-            list(keys), [b.ptr for b in buffers], [b.nbytes for b in buffers]))
-        if status != "ok":
-            return [self._failure_code(status)] * len(keys)
-        return self._map_codes(result, len(keys), get=get)
+        result = self._call(kind, lambda: method(
+            list(keys), [b.ptr for b in buffers], [b.nbytes for b in buffers]), on_release)
+        if result.status is not CallStatus.OK:
+            return [self._failure_code(result.status)] * len(keys)
+        return self._map_codes(result.value, len(keys), get=kind == "get")
 
-    def _failure_code(self, status: str) -> int:
-        if status in ("timeout", "busy"):
+    def _failure_code(self, status: CallStatus) -> int:
+        if status in (CallStatus.TIMEOUT, CallStatus.BUSY):
             return StoreCode.TIMEOUT
-        if status == "closed":
+        if status is CallStatus.CLOSED:
             return StoreCode.CLOSED
         return StoreCode.ERROR
 
     def _map_codes(self, result: Any, n: int, *, get: bool) -> list[int]:
         if not isinstance(result, list) or len(result) != n:
-            self.stats.errors += n
+            self._count("errors", n)
             return [StoreCode.ERROR] * n
         out = []
         for code in result:
@@ -339,7 +313,6 @@ class MooncakeChunkStore(ChunkStore):
             elif code == _MC_BUFFER_OVERFLOW:
                 out.append(StoreCode.TOO_LARGE)
             else:
-                self.stats.errors += 1
+                self._count("errors")
                 out.append(StoreCode.ERROR)
         return out
-

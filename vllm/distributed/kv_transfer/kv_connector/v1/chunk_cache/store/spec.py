@@ -8,8 +8,15 @@ Two spellings of the same thing:
 
 Keys (URL query or JSON object): `segment` (bytes this process lends to the
 store; default 0), `buffer` (the client's local transfer buffer; default
-16 MB), `timeout` (seconds per store call; default 5), `protocol` (tcp,
-rdma or ascend; default tcp), `metadata_server` (default P2PHANDSHAKE),
+16 MB), `timeout` (seconds per store call; default 5), `lookup_timeout`
+(seconds a request waits for the store's answer to "is it there?" before the
+document is computed; default 0.05), `read_timeout` (the least time a read is
+given before the document is computed instead; default 0.5, more for large
+entries at the bandwidth measured), `arena` (host memory for reads, and as
+much again for writes; default: two entries of --max-chunk-tokens, at least
+256 MB), `key_file` (a file holding the fleet's secret: every entry is then
+authenticated with a keyed BLAKE3 MAC; default none), `protocol` (tcp, rdma
+or ascend; default tcp), `metadata_server` (default P2PHANDSHAKE),
 `local_hostname` (the address this process's transfer engine announces;
 default 127.0.0.1). Sizes are bytes or a number with KB/MB/GB (binary, as
 Mooncake reads them: 1 MB = 2**20 bytes).
@@ -23,7 +30,7 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
-from urllib.parse import parse_qsl, urlsplit
+from urllib.parse import parse_qsl, quote, urlsplit
 
 SCHEME = "mooncake"
 PROTOCOLS = ("tcp", "rdma", "ascend")
@@ -31,7 +38,8 @@ _UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10,
           "M": 1 << 20, "MB": 1 << 20, "MIB": 1 << 20,
           "G": 1 << 30, "GB": 1 << 30, "GIB": 1 << 30}
 _SIZE = re.compile(r"^\s*(\d+)\s*([A-Za-z]*)\s*$")
-_KEYS = ("segment", "buffer", "timeout", "protocol", "metadata_server", "local_hostname")
+_KEYS = ("segment", "buffer", "timeout", "lookup_timeout", "read_timeout", "arena",
+         "key_file", "protocol", "metadata_server", "local_hostname")
 
 
 @dataclass(frozen=True)
@@ -63,6 +71,23 @@ class StoreSpec:
     """Deadline of one store call, in seconds: a call that has not answered by
     then counts as an error (a miss), never as a wait."""
 
+    lookup_timeout_s: float = 0.05
+    """How long a request waits for the store's existence answer before its
+    missing documents are computed: a stopped store costs at most this."""
+
+    read_timeout_s: float = 0.5
+    """The least time a store read is given before the document is computed
+    instead (a large entry gets more, from its size and the bandwidth this
+    replica measured)."""
+
+    arena_bytes: int | None = None
+    """Host memory for reads (and as much for writes); None: sized from the
+    model's largest entry (store/transfers.py)."""
+
+    key_file: str | None = None
+    """A file whose bytes are the fleet's secret: entries then carry a keyed
+    BLAKE3 MAC over key and payload, and one without a valid MAC is a miss."""
+
     def __post_init__(self) -> None:
         _check_address(self.master_address)
         if self.segment_bytes < 0:
@@ -77,8 +102,14 @@ class StoreSpec:
             raise ValueError("metadata_server must not be empty")
         if not self.local_hostname or any(c in self.local_hostname for c in " /?#"):
             raise ValueError(f"bad local_hostname {self.local_hostname!r}")
-        if not 0 < self.timeout_s <= 3600:
-            raise ValueError(f"timeout must be in (0, 3600] seconds, got {self.timeout_s}")
+        for name in ("timeout_s", "lookup_timeout_s", "read_timeout_s"):
+            value = getattr(self, name)
+            if not 0 < value <= 3600:
+                raise ValueError(f"{name[:-2]} must be in (0, 3600] seconds, got {value}")
+        if self.arena_bytes is not None and self.arena_bytes < (1 << 20):
+            raise ValueError(f"arena must be at least 1MB, got {self.arena_bytes} bytes")
+        if self.key_file is not None and not self.key_file:
+            raise ValueError("key_file must name a file")
 
     @property
     def master_host(self) -> str:
@@ -90,12 +121,18 @@ class StoreSpec:
 
     def to_url(self) -> str:
         """The URL form (parse_store_spec(spec.to_url()) == spec)."""
-        return (
+        url = (
             f"{SCHEME}://{self.master_address}?segment={self.segment_bytes}"
             f"&buffer={self.buffer_bytes}&timeout={self.timeout_s:g}"
+            f"&lookup_timeout={self.lookup_timeout_s:g}&read_timeout={self.read_timeout_s:g}"
             f"&protocol={self.protocol}&metadata_server={self.metadata_server}"
             f"&local_hostname={self.local_hostname}"
         )
+        if self.arena_bytes is not None:
+            url += f"&arena={self.arena_bytes}"
+        if self.key_file is not None:
+            url += f"&key_file={quote(self.key_file, safe='/')}"
+        return url
 
 
 def parse_store_spec(text: str) -> StoreSpec:
@@ -165,9 +202,12 @@ def _build(master: str, fields: dict) -> StoreSpec:
         kwargs["segment_bytes"] = _size("segment", fields["segment"])
     if "buffer" in fields:
         kwargs["buffer_bytes"] = _size("buffer", fields["buffer"])
-    if "timeout" in fields:
-        kwargs["timeout_s"] = _seconds(fields["timeout"])
-    for key in ("protocol", "metadata_server", "local_hostname"):
+    for key in ("timeout", "lookup_timeout", "read_timeout"):
+        if key in fields:
+            kwargs[f"{key}_s"] = _seconds(key, fields[key])
+    if "arena" in fields:
+        kwargs["arena_bytes"] = _size("arena", fields["arena"])
+    for key in ("protocol", "metadata_server", "local_hostname", "key_file"):
         if key in fields:
             if not isinstance(fields[key], str):
                 raise ValueError(f"{key} must be a string, got {fields[key]!r}")
@@ -188,13 +228,13 @@ def _size(name: str, value) -> int:
     return int(m.group(1)) * _UNITS[m.group(2).upper()]
 
 
-def _seconds(value) -> float:
+def _seconds(name: str, value) -> float:
     if isinstance(value, bool):
-        raise ValueError(f"timeout must be a number of seconds, got {value!r}")
+        raise ValueError(f"{name} must be a number of seconds, got {value!r}")
     try:
         return float(value)
     except (TypeError, ValueError):
-        raise ValueError(f"timeout must be a number of seconds, got {value!r}") from None
+        raise ValueError(f"{name} must be a number of seconds, got {value!r}") from None
 
 
 def _check_address(address: str) -> None:

@@ -12,16 +12,27 @@ store key only the worker knows: its weights' fingerprint, KV layout).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import Enum
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorWorkerMetadata
 
-# A fetch outcome: "" (read, verified, written into the pool rows) or a miss
-# cause (docs/design/store-path.md).
-FETCH_OK = ""
-CAUSE_ABSENT = "absent"
-CAUSE_VERIFY_FAILED = "verify_failed"
-CAUSE_ERROR = "error"
-CAUSE_TIMEOUT = "timeout"
+class FetchOutcome(str, Enum):
+    """A fetch outcome: OK (read, verified, written into the pool rows) or a
+    miss cause (docs/design/store-path.md). A str, so it crosses processes
+    in the worker metadata as itself."""
+
+    OK = "ok"
+    ABSENT = "absent"
+    VERIFY_FAILED = "verify_failed"
+    ERROR = "error"
+    TIMEOUT = "timeout"
+
+
+FETCH_OK = FetchOutcome.OK
+CAUSE_ABSENT = FetchOutcome.ABSENT
+CAUSE_VERIFY_FAILED = FetchOutcome.VERIFY_FAILED
+CAUSE_ERROR = FetchOutcome.ERROR
+CAUSE_TIMEOUT = FetchOutcome.TIMEOUT
 MISS_CAUSES = (CAUSE_ABSENT, CAUSE_VERIFY_FAILED, CAUSE_ERROR, CAUSE_TIMEOUT)
 
 
@@ -75,6 +86,9 @@ class RankIdentity:
     kv_dtype: str
     kv_layout: str
     rope: str
+    # How the rows were computed: replicas that compute the same tokens
+    # differently never share entries (keys.StoreNamespace.compute).
+    compute: str
 
 
 @dataclass
@@ -82,7 +96,7 @@ class StoreReport(KVConnectorWorkerMetadata):
     """Workers -> scheduler, once per step (combined over workers)."""
 
     # fetch id -> one outcome per rank that finished it this step.
-    outcomes: dict[str, list[str]] = field(default_factory=dict)
+    outcomes: dict[str, list[FetchOutcome]] = field(default_factory=dict)
     identities: list[RankIdentity] = field(default_factory=list)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> StoreReport:
@@ -109,6 +123,7 @@ def store_key_for(identity: RankIdentity, tp_size: int, pp_size: int, entry: Ent
         kv_dtype=identity.kv_dtype,
         kv_layout=identity.kv_layout,
         rope=identity.rope,
+        compute=identity.compute,
         tp_rank=identity.tp_rank,
         tp_size=tp_size,
         pp_rank=identity.pp_rank,

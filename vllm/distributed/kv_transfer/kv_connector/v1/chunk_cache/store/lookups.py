@@ -13,21 +13,22 @@ docs/design/store-path.md.
 from __future__ import annotations
 
 import dataclasses
-import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.host_arena import HostArena
-from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store_messages import (
-    CAUSE_ABSENT,
+from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store.connection import (
+    SharedStore,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store.messages import (
     CAUSE_ERROR,
     FETCH_OK,
     MISS_CAUSES,
     EntryFetch,
     EntryPut,
     EntryRef,
+    FetchOutcome,
     RankIdentity,
     StoreReport,
     StoreStep,
@@ -51,8 +52,6 @@ ANSWER_TTL_S = 5.0
 # A new epoch's identities come with the workers' next step; if they do not
 # (a broken worker), lookups stop waiting for them after this long.
 IDENTITY_WAIT_S = 30.0
-# Between two tries to connect to a store that could not be reached.
-RECONNECT_S = 5.0
 
 
 def store_content_hash(
@@ -68,77 +67,6 @@ def store_content_hash(
                                cache_salt=cache_salt)
     digest = compute_chunk_hash(segment_ids, context_ids, namespace.digest())
     return int.from_bytes(digest, "little")
-
-
-class SharedStore:
-    """One connection to the store per process (the scheduler and a worker
-    share it when they run in one process), made on first use on a caller's
-    thread and retried after RECONNECT_S when the store cannot be reached."""
-
-    _lock = threading.Lock()
-    _by_spec: dict[str, SharedStore] = {}
-
-    def __init__(self, spec_text: str):
-        self.spec_text = spec_text
-        self._store: ChunkStore | None = None
-        self._last_try = 0.0
-        self._lock = threading.Lock()
-        # The host memory reads and writes use, registered with the
-        # connection once (the seam has no unregister: a second engine in
-        # this process reuses it rather than registering memory again).
-        self._arena: HostArena | None = None
-        self._registered = False
-
-    def arena(self, nbytes: int) -> HostArena:
-        with self._lock:
-            if self._arena is None:
-                self._arena = HostArena(nbytes)
-            return self._arena
-
-    @classmethod
-    def of(cls, spec_text: str) -> SharedStore:
-        with cls._lock:
-            shared = cls._by_spec.get(spec_text)
-            if shared is None:
-                shared = cls._by_spec[spec_text] = SharedStore(spec_text)
-            return shared
-
-    def get(self) -> ChunkStore | None:
-        """The connection, or None if the store cannot be reached now (call
-        from a store thread only: connecting blocks)."""
-        with self._lock:
-            if self._store is not None:
-                self._register()
-                return self._store
-            now = time.monotonic()
-            if now - self._last_try < RECONNECT_S:
-                return None
-            self._last_try = now
-            from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store.mooncake import (
-                MooncakeChunkStore,
-            )
-            from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store.spec import (
-                parse_store_spec,
-            )
-
-            try:
-                self._store = MooncakeChunkStore.connect(parse_store_spec(self.spec_text))
-                logger.info("chunk store: connected to %s", self.spec_text)
-            except Exception as e:  # noqa: BLE001 - any failure is a miss
-                logger.warning("chunk store: cannot connect to %s (%s); entries are "
-                               "computed locally until it can be reached", self.spec_text, e)
-                return None
-            self._register()
-            return self._store
-
-    def _register(self) -> None:
-        from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store.base import (
-            HostBuffer,
-        )
-
-        if self._arena is not None and not self._registered and self._store is not None:
-            self._store.register_buffer(HostBuffer(self._arena.ptr, self._arena.nbytes))
-            self._registered = True
 
 
 @dataclass
@@ -166,6 +94,9 @@ class StoreCounters:
     store_misses_verify_failed: int = 0
     store_misses_error: int = 0
     store_misses_timeout: int = 0
+    # Lookups the store did not answer within --chunk-store's lookup_timeout
+    # (also counted in store_misses_timeout).
+    store_lookup_timeouts: int = 0
     store_fetch_seconds: float = 0.0
     store_puts_queued: int = 0
 
@@ -187,11 +118,17 @@ class StoreClient:
         self.pp_size = parallel.pipeline_parallel_size
         self.world_size = self.tp_size * self.pp_size
         self._shared = SharedStore.of(spec_text)
+        self.lookup_timeout_s = self._shared.spec.lookup_timeout_s
+        # NOTE: connecting starts now, on the connection's own thread: the
+        # first request finds it made (or counts a miss), never waits for it.
+        self._shared.start_connecting()
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="chunk-store-query")
         self._identities: dict[int, dict[tuple[int, int], RankIdentity]] = {}
         self._epoch_seen: dict[int, float] = {}
-        # lookup id -> answer; lookups asked this step; the query in flight.
+        # lookup id -> answer; when each unanswered lookup was first asked;
+        # lookups asked this step; the query in flight.
         self._answers: dict[tuple, _Answer] = {}
+        self._first_asked: dict[tuple, float] = {}
         self._asked: dict[tuple, tuple[list[str], str | None, str]] = {}
         self._query: tuple[dict, Future] | None = None
         self._fetches: dict[str, _Fetch] = {}
@@ -215,9 +152,20 @@ class StoreClient:
         lora = namespace.lora_name
         content = store_content_hash(segment_ids, context_ids, namespace.cache_salt, lora)
         lookup_id = (epoch, content)
+        now = time.monotonic()
         answer = self._answers.get(lookup_id)
-        if answer is not None and time.monotonic() - answer.at < ANSWER_TTL_S:
+        if answer is not None and now - answer.at < ANSWER_TTL_S:
             return answer.lookup
+        first = self._first_asked.setdefault(lookup_id, now)
+        if now - first >= self.lookup_timeout_s:
+            # NOTE: the store did not say in time: compute it. A stopped or slow
+            # store costs a request at most this deadline, never a call's timeout.
+            del self._first_asked[lookup_id]
+            self.counters.store_misses_timeout += 1
+            self.counters.store_lookup_timeouts += 1
+            miss = StoreLookup(StoreAnswer.MISS)
+            self._answers[lookup_id] = _Answer(miss, now, namespace.cache_salt, lora)
+            return miss
         if lookup_id not in self._asked:
             entry = EntryRef(content, (), 0, namespace.cache_salt, lora)
             keys = [store_key_for(i, self.tp_size, self.pp_size, entry) for i in identities]
@@ -229,6 +177,11 @@ class StoreClient:
         reported it yet, [] if they never did (the store is then skipped)."""
         ranks = self._identities.get(epoch, {})
         if len(ranks) == self.world_size:
+            # NOTE: a complete newer epoch retires the older ones' records.
+            for old in [e for e in self._identities if e < epoch]:
+                del self._identities[old]
+            for old in [e for e in self._epoch_seen if e < epoch]:
+                del self._epoch_seen[old]
             return [ranks[k] for k in sorted(ranks)]
         first = self._epoch_seen.setdefault(epoch, time.monotonic())
         if time.monotonic() - first > IDENTITY_WAIT_S:
@@ -264,6 +217,9 @@ class StoreClient:
                 else:
                     self.counters.store_misses_absent += 1
                 result = StoreLookup(StoreAnswer.MISS)
+            self._first_asked.pop(lookup_id, None)
+            if lookup_id in self._answers:
+                continue  # answered MISS at its deadline: that answer stands
             self._answers[lookup_id] = _Answer(result, now, salt, lora)
 
     def _note_health(self, ok: bool) -> None:
@@ -282,6 +238,8 @@ class StoreClient:
         now = time.monotonic()
         for lookup_id in [k for k, a in self._answers.items() if now - a.at >= ANSWER_TTL_S]:
             del self._answers[lookup_id]
+        for lookup_id in [k for k, t in self._first_asked.items() if now - t >= ANSWER_TTL_S]:
+            del self._first_asked[lookup_id]
         if self._query is not None or not self._asked:
             return
         asked, self._asked = self._asked, {}
@@ -344,11 +302,8 @@ class StoreClient:
                 done.append(fetch_id)
                 continue
             cause = causes[0] if causes[0] in MISS_CAUSES else CAUSE_ERROR
-            if cause == CAUSE_ABSENT:
-                self.counters.store_misses_absent += 1
-            else:
-                setattr(self.counters, f"store_misses_{cause}",
-                        getattr(self.counters, f"store_misses_{cause}") + 1)
+            name = f"store_misses_{FetchOutcome(cause).value}"
+            setattr(self.counters, name, getattr(self.counters, name) + 1)
             failed.append((fetch_id, cause))
         return done, failed
 

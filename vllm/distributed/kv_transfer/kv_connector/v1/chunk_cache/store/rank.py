@@ -1,0 +1,84 @@
+# SPDX-License-Identifier: Apache-2.0
+"""StoreRank: what a worker rank knows of itself that goes into its store keys
+(besides the weights fingerprint, taken per epoch): its place in TP/PP, the
+model, the RoPE configuration, and how it computes KV (`compute`).
+
+Built from the engine once (`from_engine`); tests build it directly.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from torch import nn
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+# NOTE: bump when what a stored row means changes (its layout in the payload,
+# what a K row holds): entries of another format are then never read.
+KV_FORMAT_VERSION = "chunk-kv-2"
+
+
+@dataclass(frozen=True)
+class StoreRank:
+    tp_rank: int
+    tp_size: int
+    pp_rank: int
+    pp_size: int
+    model: str
+    rope: str
+    compute: str
+    """KV format version, vLLM version, attention backend(s), device kind."""
+    max_chunk_tokens: int
+
+    @classmethod
+    def from_engine(cls, vllm_config: VllmConfig, model: nn.Module) -> StoreRank:
+        import vllm
+        from vllm.distributed.parallel_state import get_pp_group, get_tp_group
+        from vllm.platforms import current_platform
+
+        parallel = vllm_config.parallel_config
+        hf = vllm_config.model_config.hf_text_config
+        rope = json.dumps({
+            k: getattr(hf, k, None)
+            for k in ("rope_theta", "rope_scaling", "rope_parameters", "partial_rotary_factor",
+                      "max_position_embeddings")
+        }, sort_keys=True, default=str)
+        backends = sorted({backend_name(m.attn_backend) for m in model.modules()
+                           if getattr(m, "attn_backend", None) is not None})
+        compute = json.dumps({
+            "kv_format": KV_FORMAT_VERSION,
+            "vllm": getattr(vllm, "__version__", "?"),
+            "backends": backends,
+            "device": device_kind(current_platform),
+        }, sort_keys=True)
+        return cls(
+            tp_rank=get_tp_group().rank_in_group,
+            tp_size=parallel.tensor_parallel_size,
+            pp_rank=get_pp_group().rank_in_group,
+            pp_size=parallel.pipeline_parallel_size,
+            model=str(vllm_config.model_config.served_model_name),
+            rope=rope,
+            compute=compute,
+            max_chunk_tokens=vllm_config.chunk_cache_config.max_chunk_tokens,
+        )
+
+
+def backend_name(backend) -> str:
+    get_name = getattr(backend, "get_name", None)
+    return str(get_name()) if callable(get_name) else getattr(backend, "__name__", "?")
+
+
+def device_kind(platform) -> str:
+    """The platform and, for an accelerator, its device's name (kernels may
+    round differently on another generation)."""
+    kind = str(getattr(platform, "device_type", "?"))
+    if kind in ("cpu", "?"):
+        return kind
+    try:
+        return f"{kind}:{platform.get_device_name(0)}"
+    except Exception:  # noqa: BLE001 - a platform without names: its kind alone
+        return kind

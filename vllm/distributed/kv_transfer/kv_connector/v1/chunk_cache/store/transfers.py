@@ -1,0 +1,463 @@
+# SPDX-License-Identifier: Apache-2.0
+"""A worker's side of the fleet-wide chunk store (issue 31, 39).
+
+Per step (`on_step`, at the start of `start_load_kv`, before any load):
+
+1. a new epoch: the weights are fingerprinted again on a thread of their own
+   (store/weights.py), never on the step; this rank's identity (the part of
+   every key only it knows) is reported once that is done;
+2. puts: the rows of each finished child's entry are copied from the pool
+   into the put arena now, before anything can reuse them; the key, tag and
+   header are made and the value written on the put thread;
+3. fetches that finished: verified on the get thread (header, tokens,
+   checksum, tag: entry_format.decode_and_verify, integrity.py), written here
+   into the pool rows the scheduler allocated; each outcome goes to the
+   scheduler in this step's worker metadata (`take_report`), combined over
+   all ranks: the scheduler serves an entry only when every rank read and
+   verified its own key;
+4. new fetches are read on the get thread, into the get arena.
+
+NOTE (issue 39, finding 1): an arena span given to a store call is freed only
+when that call has returned (its `on_release`), never at a deadline: a read
+the step gave up on may still be written into by Mooncake, and its span reused
+by a put would be stored, checksummed, with the late read's bytes in it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.setup import POOL_BLOCK_SIZE
+from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store import entry_format
+from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store.base import (
+    HostBuffer,
+    StoreCode,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store.connection import (
+    SharedStore,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store.integrity import (
+    TAG_BYTES,
+    EntrySeal,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store.messages import (
+    EntryFetch,
+    EntryPut,
+    EntryRef,
+    FetchOutcome,
+    RankIdentity,
+    StoreReport,
+    StoreStep,
+    store_key_for,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store.rank import StoreRank
+from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store.weights import (
+    weights_fingerprint,
+)
+from vllm.logger import init_logger
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+logger = init_logger(__name__)
+
+# The least host memory per kind of call (reads, writes).
+MIN_ARENA_BYTES = 256 << 20
+# A read is given this many times its expected transfer time (at the
+# bandwidth measured) before the document is computed instead.
+READ_SLACK = 4.0
+# The bandwidth assumed before any read was measured.
+INITIAL_READ_BYTES_PER_S = 1 << 30
+
+
+def entry_nbytes(num_tokens: int, num_rows: int, row_bytes: int) -> int:
+    """Header + rows + tag of an entry of `num_tokens` header tokens."""
+    return entry_format.header_nbytes(num_tokens) + num_rows * row_bytes + TAG_BYTES
+
+
+def default_arena_bytes(max_chunk_tokens: int, row_bytes: int) -> int:
+    """Two of the largest entries (a segment of --max-chunk-tokens after a
+    context as long), at least MIN_ARENA_BYTES, per kind of call."""
+    largest = entry_nbytes(2 * max_chunk_tokens, max_chunk_tokens, row_bytes)
+    return max(MIN_ARENA_BYTES, 2 * largest + 2 * 64)
+
+
+@dataclass
+class _Span:
+    """A span of an arena lent to a store call: freed once the call returned
+    (`released`) and the step is done with it (`finished`)."""
+
+    start: int
+    nbytes: int
+    released: threading.Event = field(default_factory=threading.Event)
+
+
+@dataclass
+class _Read:
+    fetch: EntryFetch
+    span: _Span
+    head: int
+    # One call reads every entry of a step: its outcomes, this one's index.
+    future: Future
+    index: int
+    deadline: float
+
+
+@dataclass
+class _Put:
+    future: Future
+    span: _Span
+
+
+class StoreTransfers:
+    def __init__(self, rank: StoreRank, shared: SharedStore, model: nn.Module,
+                 tensors: dict[str, torch.Tensor], kv_dtype: str,
+                 fingerprint: Callable[[nn.Module], str] = weights_fingerprint):
+        self.rank = rank
+        self._shared = shared
+        self.spec = shared.spec
+        self.seal = EntrySeal.from_key_file(self.spec.key_file)
+        self.model = model
+        self.kv_dtype = kv_dtype
+        self._fingerprint_fn = fingerprint
+        # The payload: each tensor's rows of the entry, tensor after tensor
+        # in name order, then the seal's tag.
+        self.names = sorted(tensors)
+        self.tensors = [tensors[n] for n in self.names]
+        self.row_bytes = sum(t[0].numel() * t.element_size() for t in self.tensors)
+        self.kv_layout = ";".join(
+            f"{n}:{tuple(t.shape[1:])}:{t.dtype}" for n, t in zip(self.names, self.tensors))
+        self.max_entry_bytes = entry_nbytes(2 * rank.max_chunk_tokens, rank.max_chunk_tokens,
+                                            self.row_bytes)
+        arena_bytes = self.spec.arena_bytes or default_arena_bytes(rank.max_chunk_tokens,
+                                                                   self.row_bytes)
+        if arena_bytes < self.max_entry_bytes + 64:
+            raise ValueError(
+                f"--chunk-store arena={arena_bytes} bytes cannot hold one entry of "
+                f"--max-chunk-tokens {rank.max_chunk_tokens} tokens ({self.max_entry_bytes} "
+                f"bytes for this model on this rank): give at least that, or leave arena "
+                f"out to size it from the model")
+        # NOTE: reads and writes have arenas of their own: a burst of writes
+        # never leaves a read without room (reads come first).
+        self.get_arena = shared.arena("get", arena_bytes)
+        self.put_arena = shared.arena("put", arena_bytes)
+        self._get_thread = ThreadPoolExecutor(1, thread_name_prefix="chunk-store-get")
+        self._put_thread = ThreadPoolExecutor(1, thread_name_prefix="chunk-store-put")
+        self._fp_thread = ThreadPoolExecutor(1, thread_name_prefix="chunk-store-weights")
+        self.epoch = -1
+        # The identity of `epoch`: made on the fingerprint thread.
+        self._identity: Future[RankIdentity] | None = None
+        self._identity_reported = False
+        self._reads: dict[str, _Read] = {}
+        # Spans whose step is done but whose call has not returned yet.
+        self._lent: list[tuple[object, _Span]] = []
+        self._outcomes: dict[str, FetchOutcome] = {}
+        self._puts: list[_Put] = []
+        self._read_bytes_per_s = float(INITIAL_READ_BYTES_PER_S)
+        self.counters: dict[str, float] = {}
+        self._reported: dict[str, float] = {}
+        self._counter_lock = threading.Lock()
+        shared.start_connecting()
+        self._new_epoch(0)
+
+    @classmethod
+    def for_engine(cls, vllm_config: VllmConfig, model: nn.Module,
+                   tensors: dict[str, torch.Tensor], kv_dtype: str) -> StoreTransfers:
+        spec_text = vllm_config.chunk_cache_config.chunk_store
+        assert spec_text is not None
+        return cls(StoreRank.from_engine(vllm_config, model), SharedStore.of(spec_text),
+                   model, tensors, kv_dtype)
+
+    @property
+    def identity(self) -> RankIdentity | None:
+        """This epoch's identity once fingerprinted (None before)."""
+        f = self._identity
+        return f.result() if f is not None and f.done() and f.exception() is None else None
+
+    # --------------------------------------------------------------- step
+
+    def on_step(self, step: StoreStep) -> None:
+        if step.epoch != self.epoch:
+            self._new_epoch(step.epoch)
+        for put in step.puts:
+            self._start_put(put)
+        self._finish_reads()
+        self._start_reads(step.fetches)
+        self._reap()
+
+    def take_report(self) -> StoreReport | None:
+        report = StoreReport(outcomes={k: [v] for k, v in self._outcomes.items()})
+        self._outcomes = {}
+        identity = self.identity
+        if identity is not None and not self._identity_reported:
+            report.identities.append(identity)
+            self._identity_reported = True
+        return None if report.is_empty() else report
+
+    def take_counters(self) -> dict[str, float]:
+        """Increments of the (cumulative) counters since the last call."""
+        with self._counter_lock:
+            now = dict(self.counters)
+        last, self._reported = self._reported, now
+        return {k: v - last.get(k, 0) for k, v in now.items() if v != last.get(k, 0)}
+
+    def _count(self, name: str, value: float = 1) -> None:
+        # NOTE: the store threads count too.
+        with self._counter_lock:
+            self.counters[name] = self.counters.get(name, 0) + value
+
+    def _new_epoch(self, epoch: int) -> None:
+        """Fingerprint the weights of `epoch` off the step (vLLM resets the
+        cache after a weight update: the next epoch's weights are in place)."""
+        self.epoch = epoch
+        self._identity_reported = False
+        self._identity = self._fp_thread.submit(self._make_identity, epoch)
+
+    def _make_identity(self, epoch: int) -> RankIdentity:
+        t0 = time.monotonic()
+        version = self._fingerprint_fn(self.model)
+        logger.info("chunk store: epoch %d, weights version %s (rank tp%d/pp%d, %.2f s, "
+                    "off the step)", epoch, version[:16], self.rank.tp_rank,
+                    self.rank.pp_rank, time.monotonic() - t0)
+        return RankIdentity(
+            epoch=epoch, tp_rank=self.rank.tp_rank, pp_rank=self.rank.pp_rank,
+            model=self.rank.model, weights_version=version, kv_dtype=self.kv_dtype,
+            kv_layout=self.kv_layout, rope=self.rank.rope, compute=self.rank.compute)
+
+    def _key(self, identity: RankIdentity, entry: EntryRef) -> str:
+        return store_key_for(identity, self.rank.tp_size, self.rank.pp_size, entry)
+
+    def _rows(self, pool_block_ids: tuple[int, ...], num_rows: int, device) -> torch.Tensor:
+        blocks = torch.tensor(pool_block_ids, dtype=torch.int64)
+        rows = (blocks[:, None] * POOL_BLOCK_SIZE
+                + torch.arange(POOL_BLOCK_SIZE)[None, :]).reshape(-1)[:num_rows]
+        return rows.to(device)
+
+    def _payload_views(self, arena, start: int, num_rows: int) -> list[torch.Tensor]:
+        views, off = [], start
+        for t in self.tensors:
+            n = num_rows * t[0].numel() * t.element_size()
+            views.append(arena.view(off, n).view(t.dtype).view(num_rows, *t.shape[1:]))
+            off += n
+        return views
+
+    def _store(self):
+        """The connection with both arenas registered, or None (not yet)."""
+        return self._shared.get()
+
+    # --------------------------------------------------------------- puts
+
+    def _start_put(self, put: EntryPut) -> None:
+        entry = put.entry
+        num_rows = len(entry.token_ids) - entry.virtual_start
+        head = entry_format.header_nbytes(len(entry.token_ids))
+        nbytes = entry_nbytes(len(entry.token_ids), num_rows, self.row_bytes)
+        start = self.put_arena.allocate(nbytes, tail_align_at=head)
+        if start is None:
+            self._count("store_puts_skipped")
+            return
+        rows = self._rows(put.pool_block_ids, num_rows, self.tensors[0].device)
+        for t, dst in zip(self.tensors, self._payload_views(self.put_arena, start + head,
+                                                            num_rows)):
+            # NOTE: copied now, inside the step: the pool rows may be given to
+            # another entry from the next step on.
+            dst.copy_(t.index_select(0, rows))
+        span = _Span(start, nbytes)
+        identity = self._identity
+        assert identity is not None
+        self._puts.append(_Put(self._put_thread.submit(
+            self._put, identity, entry, span, head), span))
+
+    def _put(self, identity: Future, entry: EntryRef, span: _Span, head: int) -> int:
+        # NOTE: the entry was computed in this epoch: its key waits for the
+        # epoch's fingerprint (on this thread, never on the step).
+        key = self._key(identity.result(), entry)
+        payload = span.nbytes - head
+        body = self.put_arena.view(span.start + head, payload).numpy()
+        body[payload - TAG_BYTES:] = memoryview(self.seal.tag(key, body[:payload - TAG_BYTES]))
+        header = entry_format.encode_header(
+            entry_format.make_header(entry.virtual_start, entry.token_ids, body))
+        self.put_arena.view(span.start, head).numpy()[:] = memoryview(header)
+        store = self._store()
+        if store is None:
+            span.released.set()
+            return StoreCode.ERROR
+        return store.batch_put_from([key], [HostBuffer(self.put_arena.ptr + span.start,
+                                                       span.nbytes)],
+                                    on_release=span.released.set)[0]
+
+    def _reap(self) -> None:
+        still = []
+        for put in self._puts:
+            if not put.future.done():
+                still.append(put)
+                continue
+            try:
+                code = put.future.result()
+            except Exception as e:  # noqa: BLE001
+                logger.warning("chunk store: put failed: %s", e)
+                put.span.released.set()  # raised before the store was given it
+                code = StoreCode.ERROR
+            if code == 0:
+                self._count("store_puts")
+                self._count("store_put_bytes", put.span.nbytes)
+            else:
+                self._count("store_put_failures")
+            self._finish_span(self.put_arena, put.span)
+        self._puts = still
+        lent, self._lent = self._lent, []
+        for arena, span in lent:
+            self._finish_span(arena, span)
+
+    def _finish_span(self, arena, span: _Span) -> None:
+        """The step is done with `span`: free it now if its call returned,
+        else once it has (`_reap`, every step)."""
+        if span.released.is_set():
+            arena.free(span.start)
+        else:
+            self._lent.append((arena, span))
+
+    def lent_bytes(self) -> int:
+        """Bytes of spans given to calls that have not returned (tests, metrics)."""
+        return sum(span.nbytes for _, span in self._lent)
+
+    # -------------------------------------------------------------- reads
+
+    def _read_deadline(self, nbytes: int) -> float:
+        expected = nbytes / self._read_bytes_per_s
+        return min(self.spec.timeout_s + 1.0,
+                   max(self.spec.read_timeout_s, READ_SLACK * expected))
+
+    def _start_reads(self, fetches: list[EntryFetch]) -> None:
+        """Every entry of a step in one batch_get_into (Mooncake transfers them
+        in parallel), on the get thread."""
+        identity = self.identity
+        items = []
+        for fetch in fetches:
+            entry = fetch.entry
+            num_rows = len(entry.token_ids) - entry.virtual_start
+            head = entry_format.header_nbytes(len(entry.token_ids))
+            nbytes = entry_nbytes(len(entry.token_ids), num_rows, self.row_bytes)
+            if num_rows < 0 or identity is None or identity.epoch != self.epoch:
+                self._outcomes[fetch.fetch_id] = FetchOutcome.ERROR
+                continue
+            start = self.get_arena.allocate(nbytes, tail_align_at=head)
+            if start is None:
+                logger.warning("chunk store: no host room for a %d-byte read; computing it",
+                               nbytes)
+                self._count("store_reads_no_room")
+                self._outcomes[fetch.fetch_id] = FetchOutcome.ERROR
+                continue
+            items.append((fetch, self._key(identity, entry), _Span(start, nbytes), head))
+        if not items:
+            return
+        released = threading.Event()
+        for _, _, span, _ in items:
+            # One call for the step's entries: they are released together.
+            span.released = released
+        future = self._get_thread.submit(
+            self._read, [(key, fetch.entry, span, head) for fetch, key, span, head in items],
+            released)
+        now = time.monotonic()
+        total = sum(span.nbytes for _, _, span, _ in items)
+        deadline = now + self._read_deadline(total)
+        for index, (fetch, _, span, head) in enumerate(items):
+            self._reads[fetch.fetch_id] = _Read(fetch, span, head, future, index, deadline)
+
+    def _read(self, items: list[tuple[str, EntryRef, _Span, int]],
+              released: threading.Event) -> list[FetchOutcome]:
+        t0 = time.monotonic()
+        store = self._store()
+        if store is None:
+            released.set()
+            return [FetchOutcome.ERROR] * len(items)
+        codes = store.batch_get_into(
+            [key for key, *_ in items],
+            [HostBuffer(self.get_arena.ptr + span.start, span.nbytes)
+             for _, _, span, _ in items],
+            on_release=released.set)
+        # NOTE: the transfer alone (one call for the step's entries), for the
+        # bytes/s figure; verification follows.
+        seconds = time.monotonic() - t0
+        got = sum(max(0, int(c)) for c in codes)
+        self._count("store_get_seconds", seconds)
+        self._count("store_get_bytes", got)
+        if got and all(c >= 0 for c in codes) and seconds > 0:
+            # NOTE: read by the step thread for deadlines; a float store is atomic.
+            self._read_bytes_per_s = 0.7 * self._read_bytes_per_s + 0.3 * (got / seconds)
+        out = []
+        for code, (key, entry, span, head) in zip(codes, items):
+            if code < 0:
+                out.append({StoreCode.ABSENT: FetchOutcome.ABSENT,
+                            StoreCode.TIMEOUT: FetchOutcome.TIMEOUT}.get(
+                                code, FetchOutcome.ERROR))
+            elif code != span.nbytes:
+                out.append(FetchOutcome.VERIFY_FAILED)
+            else:
+                out.append(self._verify(key, entry, span, head))
+        return out
+
+    def _verify(self, key: str, entry: EntryRef, span: _Span, head: int) -> FetchOutcome:
+        value = self.get_arena.view(span.start, span.nbytes).numpy()
+        payload = span.nbytes - head
+        result = entry_format.decode_and_verify(value, list(entry.token_ids),
+                                                entry.virtual_start, payload)
+        if not result.ok:
+            logger.warning("chunk store: entry %s failed verification (%s: %s)", key,
+                           result.cause, result.detail)
+            return FetchOutcome.VERIFY_FAILED
+        body = value[head:]
+        if bytes(body[payload - TAG_BYTES:]) != self.seal.tag(key, body[:payload - TAG_BYTES]):
+            logger.warning("chunk store: entry %s carries a tag that is not its key's (a "
+                           "value written under another key%s)", key,
+                           ", or without the fleet's secret" if self.seal.authenticated
+                           else "")
+            return FetchOutcome.VERIFY_FAILED
+        return FetchOutcome.OK
+
+    def _finish_reads(self) -> None:
+        now = time.monotonic()
+        for fetch_id, read in list(self._reads.items()):
+            if not read.future.done():
+                if now > read.deadline:
+                    # NOTE: the document is computed instead; the span stays the
+                    # call's until it returns, and its bytes are never used.
+                    del self._reads[fetch_id]
+                    self._outcomes[fetch_id] = FetchOutcome.TIMEOUT
+                    self._count("store_reads_given_up")
+                    self._finish_span(self.get_arena, read.span)
+                    logger.warning("chunk store: read of %s did not land within %.2f s; "
+                                   "computing it", fetch_id,
+                                   self._read_deadline(read.span.nbytes))
+                continue
+            del self._reads[fetch_id]
+            try:
+                outcome = read.future.result()[read.index]
+            except Exception as e:  # noqa: BLE001 - any failure is a miss
+                logger.warning("chunk store: read of %s failed: %s", fetch_id, e)
+                outcome = FetchOutcome.ERROR
+            if outcome is FetchOutcome.OK and not read.span.released.is_set():
+                # A call that returned OK has released; this cannot happen, but
+                # a span still lent is never read from.
+                outcome = FetchOutcome.ERROR
+            if outcome is FetchOutcome.OK:
+                entry = read.fetch.entry
+                num_rows = len(entry.token_ids) - entry.virtual_start
+                rows = self._rows(read.fetch.pool_block_ids, num_rows, self.tensors[0].device)
+                for t, src in zip(self.tensors, self._payload_views(
+                        self.get_arena, read.span.start + read.head, num_rows)):
+                    t.index_copy_(0, rows, src.to(t.device))
+                self._count("store_gets")
+            else:
+                logger.info("chunk store: %s not served from the store (%s); computing it",
+                            fetch_id, outcome.value)
+            self._finish_span(self.get_arena, read.span)
+            self._outcomes[fetch_id] = outcome
