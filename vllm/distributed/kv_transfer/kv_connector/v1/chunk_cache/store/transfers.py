@@ -325,6 +325,10 @@ class StoreTransfers:
         else:
             self._lent.append((arena, span))
 
+    def shared_ready(self, timeout_s: float) -> bool:
+        """Tests and tools: wait until the connection is made."""
+        return self._shared.wait_connected(timeout_s)
+
     def lent_bytes(self) -> int:
         """Bytes of spans given to calls that have not returned (tests, metrics)."""
         return sum(span.nbytes for _, span in self._lent)

@@ -1,0 +1,325 @@
+"""StoreTransfers, a worker's store path, without an engine (issue 39).
+
+- A read the step gave up on keeps its host span until the store call returns
+  (finding 1): a store double that answers TIMEOUT and writes into the span
+  later, as a stuck Mooncake get does; the real store's side of that contract
+  is in test_mooncake_store.py.
+- An entry of --max-chunk-tokens tokens for Llama-3-8B shapes (32 layers,
+  8 KV heads of 128, bf16: 128 KiB per token) is written to a real Mooncake
+  Store and read back into other pool rows byte for byte (finding 3).
+- The authenticated mode (finding 8): an entry sealed with the fleet's secret
+  reads back; with another secret, or none, it is a miss.
+- The weights fingerprint runs off the step (finding 5).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+from torch import nn
+
+from tests.store_fleet import MooncakeFleet
+from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.setup import POOL_BLOCK_SIZE
+from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store import entry_format
+from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store.base import (
+    ChunkStore,
+    HostBuffer,
+    Presence,
+    StoreCode,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store.connection import (
+    SharedStore,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store.messages import (
+    EntryFetch,
+    EntryPut,
+    EntryRef,
+    FetchOutcome,
+    StoreStep,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store.rank import StoreRank
+from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store.transfers import (
+    StoreTransfers,
+)
+
+
+def rank(max_chunk_tokens: int = 64) -> StoreRank:
+    return StoreRank(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, model="m", rope="r",
+                     compute="c", max_chunk_tokens=max_chunk_tokens)
+
+
+def small_pool(blocks: int = 8, seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {f"layers.{i}.{kv}": torch.randn(blocks * POOL_BLOCK_SIZE, 2, 8, generator=g)
+            for i in range(2) for kv in "kv"}
+
+
+def transfers(spec_text: str, tensors, *, store: ChunkStore | None = None,
+              max_chunk_tokens: int = 64, fingerprint=lambda model: "w") -> StoreTransfers:
+    # NOTE: a SharedStore of its own per test (not SharedStore.of): arenas and
+    # connection are per test.
+    shared = SharedStore(spec_text)
+    if store is not None:
+        shared.use(store)
+    return StoreTransfers(rank(max_chunk_tokens), shared, nn.Linear(1, 1), tensors, "f32",
+                          fingerprint=fingerprint)
+
+
+def wait_identity(t: StoreTransfers) -> None:
+    deadline = time.monotonic() + 10
+    while t.identity is None:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+
+
+def entry(tokens: list[int], start: int = 1) -> EntryRef:
+    return EntryRef(content_hash=hash(tuple(tokens)) & ((1 << 128) - 1),
+                    token_ids=tuple(tokens), virtual_start=start, cache_salt=None, lora="")
+
+
+def rows_of(tensors, blocks, n):
+    idx = torch.tensor([b * POOL_BLOCK_SIZE + r for b in blocks
+                        for r in range(POOL_BLOCK_SIZE)])[:n]
+    return {name: t.index_select(0, idx).clone() for name, t in tensors.items()}
+
+
+def step_until(t: StoreTransfers, fetch_id: str, timeout_s: float = 30.0) -> FetchOutcome:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        t.on_step(StoreStep(epoch=0))
+        report = t.take_report()
+        if report is not None and fetch_id in report.outcomes:
+            return report.outcomes[fetch_id][0]
+        assert time.monotonic() < deadline, f"no outcome for {fetch_id}"
+        time.sleep(0.01)
+
+
+def drain_puts(t: StoreTransfers, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while t._puts:
+        t.on_step(StoreStep(epoch=0))
+        assert time.monotonic() < deadline, "puts did not finish"
+        time.sleep(0.01)
+
+
+# -- finding 1: a span is the call's until the call returned ----------------------
+
+
+class LateStore(ChunkStore):
+    """A store whose first get does what a stuck Mooncake get does: the
+    caller is told TIMEOUT, and the transfer lands later (`land_late`),
+    after which the call returns (on_release). Other calls work at once,
+    in memory."""
+
+    def __init__(self):
+        self.values: dict[str, bytes] = {}
+        self.late: list[tuple[list[HostBuffer], object]] = []
+        self.stuck_first_get = True
+
+    def register_buffer(self, buffer):
+        pass
+
+    def batch_exists(self, keys):
+        return [Presence.PRESENT if k in self.values else Presence.ABSENT for k in keys]
+
+    def batch_get_into(self, keys, buffers, on_release=lambda: None):
+        if self.stuck_first_get:
+            self.stuck_first_get = False
+            self.late.append((list(buffers), on_release))
+            return [StoreCode.TIMEOUT] * len(keys)
+        out = []
+        for k, b in zip(keys, buffers):
+            v = self.values.get(k)
+            if v is None:
+                out.append(StoreCode.ABSENT)
+                continue
+            _write(b, v)
+            out.append(len(v))
+        on_release()
+        return out
+
+    def batch_put_from(self, keys, buffers, on_release=lambda: None):
+        for k, b in zip(keys, buffers):
+            self.values.setdefault(k, _read(b))
+        on_release()
+        return [0] * len(keys)
+
+    def close(self):
+        pass
+
+    def land_late(self, fill: int) -> None:
+        """The stuck get's transfer lands (garbage), then the call returns."""
+        for buffers, on_release in self.late:
+            for b in buffers:
+                _write(b, bytes([fill]) * b.nbytes)
+            on_release()
+        self.late = []
+
+
+def _write(buf: HostBuffer, value: bytes) -> None:
+    import ctypes
+
+    ctypes.memmove(buf.ptr, value, min(len(value), buf.nbytes))
+
+
+def _read(buf: HostBuffer) -> bytes:
+    import ctypes
+
+    return ctypes.string_at(buf.ptr, buf.nbytes)
+
+
+def test_a_read_given_up_keeps_its_span_until_the_call_returns():
+    store = LateStore()
+    src = small_pool(seed=1)
+    writer = transfers("mooncake://127.0.0.1:1?read_timeout=0.05&arena=1MB", src, store=store)
+    wait_identity(writer)
+    a, b = entry([1] + list(range(10, 40))), entry([1] + list(range(50, 90)))
+    writer.on_step(StoreStep(epoch=0, puts=[EntryPut(a, (0, 1)), EntryPut(b, (2, 3, 4))]))
+    drain_puts(writer)
+    assert len(store.values) == 2
+
+    dst = small_pool(seed=2)
+    reader = transfers("mooncake://127.0.0.1:1?read_timeout=0.05&arena=1MB", dst, store=store)
+    wait_identity(reader)
+    # The first read is stuck: the step gives up on it (the document is computed).
+    reader.on_step(StoreStep(epoch=0, fetches=[EntryFetch("f1", a, (5, 6))]))
+    assert step_until(reader, "f1") is FetchOutcome.TIMEOUT
+    lent = reader.lent_bytes()
+    assert lent > 0  # the span is still the store's
+    # A second read takes other memory, and the stuck one landing late does
+    # not touch what it read.
+    reader.on_step(StoreStep(epoch=0, fetches=[EntryFetch("f2", b, (1, 2, 3))]))
+    store.land_late(fill=0x7F)
+    assert step_until(reader, "f2") is FetchOutcome.OK
+    got, want = rows_of(dst, (1, 2, 3), 40), rows_of(src, (2, 3, 4), 40)
+    for name in got:
+        assert torch.equal(got[name], want[name]), name
+    reader.on_step(StoreStep(epoch=0))
+    assert reader.lent_bytes() == 0 and reader.get_arena.in_use() == 0
+
+
+def test_a_put_span_is_not_reused_while_its_call_runs():
+    """Puts too: the store reads a put's span until the call returns."""
+    release = []
+
+    class SlowPutStore(LateStore):
+        def batch_put_from(self, keys, buffers, on_release=lambda: None):
+            for k, b in zip(keys, buffers):
+                self.values.setdefault(k, _read(b))
+            release.append(on_release)
+            return [StoreCode.TIMEOUT] * len(keys)
+
+    store = SlowPutStore()
+    t = transfers("mooncake://127.0.0.1:1?arena=1MB", small_pool(), store=store)
+    wait_identity(t)
+    t.on_step(StoreStep(epoch=0, puts=[EntryPut(entry([1, 2, 3]), (0,))]))
+    drain_puts(t)
+    assert t.put_arena.in_use() > 0 and t.lent_bytes() > 0
+    release.pop()()
+    t.on_step(StoreStep(epoch=0))
+    assert t.put_arena.in_use() == 0
+
+
+# -- finding 5: the fingerprint is off the step -----------------------------------
+
+
+def test_the_weights_fingerprint_never_runs_on_the_step():
+    go = threading.Event()
+
+    def slow_fingerprint(model):
+        go.wait(30)
+        return "w"
+
+    store = LateStore()
+    t = transfers("mooncake://127.0.0.1:1?arena=1MB", small_pool(), store=store,
+                  fingerprint=slow_fingerprint)
+    t0 = time.monotonic()
+    t.on_step(StoreStep(epoch=0, puts=[EntryPut(entry([1, 2, 3]), (0,))]))
+    t.on_step(StoreStep(epoch=1))
+    assert time.monotonic() - t0 < 5
+    assert t.take_report() is None  # no identity before the fingerprint is done
+    go.set()
+    wait_identity(t)
+    report = t.take_report()
+    assert [i.epoch for i in report.identities] == [1]
+
+
+# -- the real store ---------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def big_fleet(tmp_path_factory):
+    # One 8B entry of 4096 tokens is 512 MiB; the client lends room for it.
+    with MooncakeFleet(tmp_path_factory.mktemp("fleet"), segment_bytes=1200 << 20,
+                       timeout_s=30.0) as fleet:
+        yield fleet
+
+
+def test_an_entry_of_max_chunk_tokens_of_an_8b_model_round_trips(big_fleet):
+    max_tokens = 4096  # ChunkCacheConfig.max_chunk_tokens' default
+    blocks = -(-max_tokens // POOL_BLOCK_SIZE)
+    g = torch.Generator().manual_seed(8)
+    # Llama-3-8B per rank: 32 layers, K and V of 8 heads x 128, bf16.
+    pool = {f"model.layers.{i}.self_attn.attn.{kv}":
+            torch.randn(blocks * POOL_BLOCK_SIZE, 8, 128, generator=g).to(torch.bfloat16)
+            for i in range(32) for kv in "kv"}
+    # NOTE: the read is given all the time it needs: this test is about size
+    # (how long a read may take is test_a_read_given_up_keeps_its_span...).
+    t = transfers(f"{big_fleet.spec_text}&read_timeout=120", pool,
+                  max_chunk_tokens=max_tokens)
+    assert t.row_bytes == 128 << 10
+    assert t.shared_ready(60)
+    wait_identity(t)
+    tokens = [1] + [(7 * i) % 50000 + 2 for i in range(max_tokens)]
+    e = entry(tokens)
+    block_ids = tuple(range(blocks))
+    want = {n: p[:max_tokens].clone() for n, p in pool.items()}
+    t.on_step(StoreStep(epoch=0, puts=[EntryPut(e, block_ids)]))
+    drain_puts(t, timeout_s=120)
+    assert t.counters.get("store_puts") == 1, t.counters
+    for p in pool.values():
+        p.zero_()
+    t.on_step(StoreStep(epoch=0, fetches=[EntryFetch("big", e, block_ids)]))
+    assert step_until(t, "big", timeout_s=120) is FetchOutcome.OK
+    for name, p in pool.items():
+        assert torch.equal(p[:max_tokens], want[name]), name
+    print(f"8B entry of {max_tokens} tokens: read at "
+          f"{t.counters['store_get_bytes'] / t.counters['store_get_seconds'] / 2**30:.2f} GiB/s")
+    assert t.counters["store_get_bytes"] == entry_format.header_nbytes(len(tokens)) \
+        + max_tokens * (128 << 10) + 16
+
+
+def test_an_authenticated_entry_reads_back_only_with_the_fleets_secret(big_fleet, tmp_path):
+    secret, other = tmp_path / "fleet.key", tmp_path / "other.key"
+    secret.write_bytes(b"s" * 32)
+    other.write_bytes(b"o" * 32)
+    base = big_fleet.spec_text
+    src = small_pool(seed=3)
+    writer = transfers(f"{base}&key_file={secret}", src)
+    assert writer.shared_ready(60)
+    wait_identity(writer)
+    e = entry([1] + list(range(300, 340)))
+    writer.on_step(StoreStep(epoch=0, puts=[EntryPut(e, (0, 1, 2))]))
+    drain_puts(writer)
+    assert writer.counters.get("store_puts") == 1
+    outcomes = {}
+    for name, spec in (("secret", f"{base}&key_file={secret}"),
+                       ("other", f"{base}&key_file={other}"), ("none", base)):
+        dst = small_pool(seed=4)
+        reader = transfers(spec, dst)
+        assert reader.shared_ready(60)
+        wait_identity(reader)
+        reader.on_step(StoreStep(epoch=0, fetches=[EntryFetch(name, e, (4, 5, 6))]))
+        outcomes[name] = step_until(reader, name)
+        if name == "secret":
+            got, want = rows_of(dst, (4, 5, 6), 40), rows_of(src, (0, 1, 2), 40)
+            assert all(torch.equal(got[n], want[n]) for n in got)
+        else:
+            assert all(torch.equal(a, b) for a, b in zip(
+                rows_of(dst, (4, 5, 6), 40).values(),
+                rows_of(small_pool(seed=4), (4, 5, 6), 40).values()))  # untouched
+    assert outcomes == {"secret": FetchOutcome.OK, "other": FetchOutcome.VERIFY_FAILED,
+                        "none": FetchOutcome.VERIFY_FAILED}
