@@ -26,6 +26,10 @@ def wheel_pins(paths: Paths) -> list[str]:
 def sdist_pins(paths: Paths) -> list[str]:
     return [kinds["sdist"] for kinds in paths.base.trees.values() if "sdist" in kinds]
 
+# `./fork bench --FLAG`: the script that runs instead of the sweeps (bench_rag.py).
+BENCH_SCRIPTS = {"--targets": "bench_targets.py", "--fleet": "bench_fleet.py",
+                 "--recompute": "bench_recompute.py"}
+
 SERVE_DEFAULTS = ["--host", "127.0.0.1", "--port", "8000", "--dtype", "float32",
                   "--enforce-eager", "--max-model-len", "8192",
                   "--served-model-name", models.SMOLLM2]
@@ -167,6 +171,11 @@ def cmd_bench(paths: Paths, args) -> int:
     bench, rest = "bench_rag.py", args.bench_args
     if rest[:1] == ["store"]:
         bench, rest = "bench_store.py", rest[1:]
+    # Each of these is a script of its own (none imports another benchmark; the shared
+    # pieces are benchmarks/common.py); they take the sweeps' options too.
+    for flag, script in BENCH_SCRIPTS.items():
+        if flag in rest:
+            bench = script
     return _exec(paths, [s.python, str(paths.repo / "benchmarks" / bench), *rest])
 
 
@@ -237,7 +246,9 @@ def parser() -> argparse.ArgumentParser:
                  "Mooncake master and client for the fleet tier and stops them on exit)").add_argument("vllm_args",
                                                                nargs=argparse.REMAINDER)
     add("bench", "set up, then run the RAG benchmark (stock vLLM vs prefix caching vs the "
-                 "chunk cache; extra args go to benchmarks/bench_rag.py, e.g. --quick); "
+                 "chunk cache; extra args go to benchmarks/bench_rag.py, e.g. --quick; "
+                 "--targets, --fleet, --recompute run bench_targets.py, bench_fleet.py, "
+                 "bench_recompute.py instead); "
                  "`./fork bench store` runs benchmarks/bench_store.py instead (chunk store "
                  "reads vs a host memcpy)"
         ).add_argument("bench_args", nargs=argparse.REMAINDER)
