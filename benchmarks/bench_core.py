@@ -11,31 +11,16 @@ write) throughput as a ratio to a plain tensor copy of the same bytes.
 
 import argparse
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
+from common import bench_remap, best_of
 from vllm.config import VllmConfig, set_current_vllm_config
-from vllm.model_executor.layers.rotary_embedding import get_rope
 from vllm.renderers.chunk_prompt_parser import ChunkedPromptParser
 from vllm.v1.core.chunk_hash_index import ChunkNamespace, compute_chunk_hash
-from vllm.v1.worker.position_remapper import PositionRemapper, RemapRows, RopeRotation
 
 PROMPT_TOKENS = 128 * 1024
 SEGMENT_TOKENS = 2048
-
-
-def best_of(fn: Callable[[], object], repeat: int = 5, sync=lambda: None) -> float:
-    fn()
-    sync()
-    times = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - start)
-    return min(times)
 
 
 class ByteTokenizer:
@@ -85,77 +70,6 @@ def bench_hash() -> None:
     seconds = best_of(run)
     print(f"hashing (xxh3-128, list[int] input, {SEGMENT_TOKENS}-token segments):"
           f" {PROMPT_TOKENS / seconds / 1e6:.1f} M tokens/s")
-
-
-@dataclass(frozen=True)
-class RemapTiming:
-    """Best-of seconds for one layer's rows, and the bytes moved (K+V)."""
-
-    plain_copy: float
-    gather_write: float
-    remap: float
-    nbytes: int
-    # The same remap with the CPU fast path turned off (the generic,
-    # device-independent rotation; the same path as `remap` off the CPU).
-    remap_generic: float = 0.0
-
-    def line(self, seconds: float) -> str:
-        return (f"{seconds * 1e3:8.2f} ms ({self.nbytes / seconds / 1e9:5.1f} GB/s) "
-                f"= {seconds / self.plain_copy:.2f}x copy "
-                f"({self.plain_copy / seconds:.0%} of copy throughput)")
-
-
-def bench_remap(device: str, dtype: torch.dtype, heads: int = 8, head_size: int = 128,
-                rows: int = 16384, repeat: int = 5) -> RemapTiming:
-    rope = get_rope(head_size, 32768, True, {"rope_type": "default"}, torch.float32)
-    pool_k = torch.randn(rows, heads, head_size, device=device).to(dtype)
-    pool_v = torch.randn_like(pool_k)
-    paged_k = torch.zeros_like(pool_k)
-    paged_v = torch.zeros_like(pool_v)
-
-    def write_rows(layer_name, key, value, slot_mapping):
-        paged_k.index_copy_(0, slot_mapping, key)
-        paged_v.index_copy_(0, slot_mapping, value)
-
-    perm = torch.randperm(rows, device=device)
-    # 8 segments of rows // 8 rows, one delta each (as a load plan has).
-    segment = max(rows // 8, 1)
-    deltas = (torch.arange(rows) // segment * segment + 5).to(device)
-    remap_rows = RemapRows(src_rows=perm, dst_slots=torch.arange(rows, device=device),
-                           deltas=deltas)
-    remapper = PositionRemapper(RopeRotation(rope), write_rows)
-    generic = PositionRemapper(RopeRotation(rope, use_cpu_kernel=False), write_rows)
-    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-
-    remap = best_of(lambda: remapper.remap_layer("l", pool_k, pool_v, remap_rows),
-                    repeat, sync=sync)
-    remap_generic = best_of(
-        lambda: generic.remap_layer("l", pool_k, pool_v, remap_rows), repeat, sync=sync)
-    # NOTE: the plain copy reads and writes the same bytes as the remap: K and V
-    # rows from one tensor into another (the remap also writes them once).
-    plain = best_of(lambda: (paged_k.copy_(pool_k), paged_v.copy_(pool_v)), repeat,
-                    sync=sync)
-    copy_only = PositionRemapper(None, write_rows)
-    gather = best_of(lambda: copy_only.remap_layer("l", pool_k, pool_v, remap_rows),
-                     repeat, sync=sync)
-    # Our part alone: gather + rotation, the write left out (in the engine it
-    # is the backend's own op, outside the remapper).
-    no_write = PositionRemapper(remapper.rotation, lambda *args: None)
-    gather_rope = best_of(lambda: no_write.remap_layer("l", pool_k, pool_v, remap_rows),
-                          repeat, sync=sync)
-    timing = RemapTiming(plain, gather, remap, 2 * pool_k.numel() * pool_k.element_size(),
-                         remap_generic)
-    print(f"remap ({device}, {dtype}, {rows} rows x {heads} heads x {head_size}, "
-          f"{timing.nbytes / 2**20:.0f} MiB K+V per layer):")
-    print(f"  plain copy          {timing.line(plain)}")
-    print(f"  gather+write        {timing.line(gather)}")
-    print(f"  gather+rope         {timing.line(gather_rope)}  (no write)")
-    if remapper.rotation.rotates_in_place(pool_k.device):
-        print(f"  gather+rope+write   {timing.line(remap_generic)}  (generic rotation)")
-    print(f"  gather+rope+write   {timing.line(remap)}"
-          + ("  (CPU in-place kernel)" if remapper.rotation.rotates_in_place(pool_k.device)
-             else ""))
-    return timing
 
 
 def main() -> None:

@@ -28,10 +28,9 @@ import sys
 import time
 from pathlib import Path
 
-from bench_rag import CONFIGS, Server, make_corpus
+from common import CONFIGS, TARGET_DOC_WORDS, Server, make_corpus, parse_args, write_results
 
 K = 8
-TARGET_DOC_WORDS = 395
 
 
 def _prompts(system: str, docs: list[list[str]], tag: str) -> list[str]:
@@ -138,3 +137,18 @@ def run(args, out: Path) -> str:
               f"{'met' if rows['stock'] >= 10 * rows['store hit'] else 'NOT met'} "
               f"({rows['stock'] / rows['store hit']:.1f}x)."]
     return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv, __doc__.split("\n\n")[0])
+    if args.requests == 16:  # the sweeps' default: 5 per row keeps the run ~10 min
+        args.requests = 5
+    out = Path(args.out or f"benchmarks/results/{time.strftime('%Y%m%d-%H%M%S')}")
+    out.mkdir(parents=True, exist_ok=True)
+    table = run(args, out)
+    params = {"fleet": True, "requests": args.requests, "model": args.model}
+    return write_results(out, "Chunk store benchmark", params, table)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -28,7 +28,7 @@ import sys
 import time
 from pathlib import Path
 
-from gpu_ttft import DOC_TOKENS, document, words
+from common import DOC_TOKENS, document, words
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -17,238 +17,18 @@ Writes results.md, params.json and PNG plots into the results directory.
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
-import platform
-import random
-import re
-import socket
 import statistics
-import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 
-CONFIGS: dict[str, list[str]] = {
-    "stock": ["--no-enable-prefix-caching"],
-    "prefix": ["--enable-prefix-caching"],
-    "chunk": ["--enable-chunk-cache"],
-}
-SERVE_ARGS = ["--host", "127.0.0.1", "--dtype", "float32", "--enforce-eager",
-              "--max-model-len", "8192", "--served-model-name", "model", "--seed", "0"]
-_WORDS = ("river stone market valley engine harbor garden signal copper orbit lantern "
-          "meadow canyon archive beacon forest island summit glacier circuit compass "
-          "quarry delta prairie ridge tunnel vessel mirror anchor thunder").split()
-
-
-@dataclass(frozen=True)
-class Point:
-    """One measured setting of the workload."""
-
-    # Documents per request.
-    k: int
-    # Share of documents drawn from the hot set (reused across requests).
-    reuse: float
-    # Requests in flight at once.
-    concurrency: int
-
-
-@dataclass(frozen=True)
-class Workload:
-    # Words per generated document.
-    doc_words: int
-    # Requests per point and configuration.
-    requests: int
-    # Generated tokens per request.
-    max_tokens: int
-    # The system prompt (segment 0).
-    system: str
-    # Seed of the corpus and of the draws.
-    seed: int
-
-
-@dataclass
-class Result:
-    """Per configuration and point: one row of the table."""
-
-    config: str
-    point: Point
-    ttft: list[float] = field(default_factory=list)
-    output_tokens: int = 0
-    wall: float = 0.0
-    hit_rate: float | None = None
-
-    @property
-    def ttft_median(self) -> float:
-        return statistics.median(self.ttft)
-
-    @property
-    def ttft_p90(self) -> float:
-        return percentile(self.ttft, 0.9)
-
-    @property
-    def requests_per_s(self) -> float:
-        return len(self.ttft) / self.wall
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.output_tokens / self.wall
-
-
-def percentile(values: list[float], q: float) -> float:
-    """Linear-interpolation percentile (numpy's default)."""
-    s = sorted(values)
-    pos = (len(s) - 1) * q
-    lo, hi = int(pos), min(int(pos) + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
-
-
-def make_corpus(n: int, words: int, seed: int, tag: str) -> list[str]:
-    """Deterministic documents; `tag` keeps corpora of different points apart."""
-    rng = random.Random(f"{seed}-{tag}")
-    docs = []
-    for i in range(n):
-        body = " ".join(rng.choice(_WORDS) for _ in range(words))
-        docs.append(f"Document {tag}-{i}: {body}.")
-    return docs
-
-
-def make_prompts(work: Workload, point: Point, tag: str) -> list[tuple[str, str]]:
-    """(chunked prompt, question) per request, deterministic."""
-    rng = random.Random(f"{work.seed}-{tag}-draw")
-    hot = make_corpus(2 * point.k, work.doc_words, work.seed, f"{tag}-hot")
-    cold = make_corpus(point.k * work.requests, work.doc_words, work.seed, f"{tag}-cold")
-    out = []
-    for i in range(work.requests):
-        docs = []
-        for _ in range(point.k):
-            pool = hot if rng.random() < point.reuse else cold
-            choice = rng.choice(pool)
-            while choice in docs:
-                choice = rng.choice(pool)
-            docs.append(choice)
-        rng.shuffle(docs)
-        question = f"Question {i}: which document mentions {rng.choice(_WORDS)} first?"
-        out.append((" ## ".join([work.system, *docs, question]), question))
-    return out
-
-
-# --------------------------------------------------------------------- server
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    def __init__(self, model: str, flags: list[str], log: Path,
-                 env: dict[str, str] | None = None):
-        self.port = free_port()
-        vllm = str(Path(sys.executable).with_name("vllm"))
-        self.log = open(log, "w")
-        self.proc = subprocess.Popen([vllm, "serve", model, *SERVE_ARGS, "--port",
-                                      str(self.port), *flags],
-                                     stdout=self.log, stderr=subprocess.STDOUT,
-                                     env={**os.environ, **(env or {})})
-        self.url = f"http://127.0.0.1:{self.port}"
-        started = time.monotonic()
-        next_note = started + 15
-        while time.monotonic() < started + 900:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"vllm serve exited; see {log}")
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=5):
-                    print(f"[bench] server up after {time.monotonic() - started:.0f} s",
-                          flush=True)
-                    return
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                time.sleep(2)
-            # Start-up takes about a minute on 2 cores: say that it is still going.
-            if time.monotonic() >= next_note:
-                print(f"[bench]   still starting ({time.monotonic() - started:.0f} s; "
-                      f"log: {log})", flush=True)
-                next_note += 15
-        self.stop()
-        raise TimeoutError(f"vllm serve did not start; see {log}")
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-        self.log.close()
-
-    def complete(self, prompt: str, max_tokens: int) -> tuple[float, int]:
-        """(TTFT in s, output tokens) of one streamed completion."""
-        body = json.dumps({"model": "model", "prompt": prompt, "max_tokens": max_tokens,
-                           "temperature": 0, "ignore_eos": True, "stream": True,
-                           "stream_options": {"include_usage": True}}).encode()
-        req = urllib.request.Request(self.url + "/v1/completions", data=body,
-                                     headers={"Content-Type": "application/json"})
-        start = time.perf_counter()
-        ttft, tokens = None, 0
-        with urllib.request.urlopen(req, timeout=600) as resp:
-            for raw in resp:
-                line = raw.decode().strip()
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                event = json.loads(line[6:])
-                if ttft is None and event.get("choices"):
-                    ttft = time.perf_counter() - start
-                if event.get("usage"):
-                    tokens = event["usage"]["completion_tokens"]
-        assert ttft is not None, "no token streamed"
-        return ttft, tokens
-
-    def metrics(self) -> dict[str, float]:
-        with urllib.request.urlopen(self.url + "/metrics", timeout=30) as r:
-            text = r.read().decode()
-        out: dict[str, float] = {}
-        for m in re.finditer(r"^(vllm:[a-z_]+?)(?:_total)?\{[^}]*\} ([0-9.e+-]+)$", text, re.M):
-            out[m.group(1)] = out.get(m.group(1), 0.0) + float(m.group(2))
-        return out
-
-
-def hit_rate(config: str, before: dict, after: dict) -> float | None:
-    def delta(name):
-        return after.get(name, 0.0) - before.get(name, 0.0)
-
-    if config == "chunk":
-        hits = delta("vllm:chunk_cache_hits") + delta("vllm:chunk_cache_in_flight_joins")
-        lookups = hits + delta("vllm:chunk_cache_misses")
-    else:
-        hits, lookups = delta("vllm:prefix_cache_hits"), delta("vllm:prefix_cache_queries")
-    return hits / lookups if lookups else None
-
-
-def run_point(server: Server, config: str, work: Workload, point: Point,
-              prompts: list[tuple[str, str]], progress) -> Result:
-    before = server.metrics()
-    result = Result(config, point)
-    start = time.perf_counter()
-    with ThreadPoolExecutor(point.concurrency) as pool:
-        for ttft, tokens in pool.map(lambda p: server.complete(p[0], work.max_tokens), prompts):
-            result.ttft.append(ttft)
-            result.output_tokens += tokens
-            progress.update(1)
-    result.wall = time.perf_counter() - start
-    result.hit_rate = hit_rate(config, before, server.metrics())
-    return result
+from common import (CONFIGS, Point, Result, Server, Workload, machine, make_prompts,
+                    parse_args, ratio, run_point)
 
 
 # -------------------------------------------------------------------- report
-
-
-def ratio(a: float, b: float) -> str:
-    return f"{a / b:.2f}x" if b else "-"
 
 
 def write_table(results: list[Result], floor: dict[Point, float]) -> str:
@@ -329,56 +109,7 @@ def plot(results: list[Result], out: Path, base: Point) -> list[str]:
     return written
 
 
-def machine() -> dict:
-    import torch
-    import vllm
-
-    cpu = platform.processor()
-    try:
-        cpu = next(ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo")
-                   if ln.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return {"cpu": cpu, "cores": len(os.sched_getaffinity(0)), "python": platform.python_version(),
-            "torch": torch.__version__, "vllm": vllm.__version__}
-
-
 # ---------------------------------------------------------------------- main
-
-
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default=os.path.join(os.environ.get("FORK_MODELS", ".cache/models"),
-                                                    "SmolLM2-135M-Instruct"))
-    p.add_argument("--quick", action="store_true", help="tiny sizes: a few minutes")
-    p.add_argument("--docs", default="2,4,8", help="k values (documents per request)")
-    p.add_argument("--reuse", default="0,0.5,0.9", help="reuse rates")
-    p.add_argument("--concurrency", default="1,4", help="concurrency values")
-    p.add_argument("--requests", type=int, default=16, help="requests per point and config")
-    p.add_argument("--doc-words", type=int, default=80, help="words per document")
-    p.add_argument("--max-tokens", type=int, default=8)
-    p.add_argument("--system", default="Answer the question from the documents.")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default=None, help="results directory")
-    p.add_argument("--fleet", action="store_true",
-                   help="a fleet of two replicas on one Mooncake Store (bench_fleet.py): "
-                        "store hit vs pool hit vs miss vs stock at k = 8")
-    p.add_argument("--targets", action="store_true",
-                   help="measure the performance targets instead of the sweeps "
-                        "(~400-token documents; see benchmarks/bench_targets.py)")
-    p.add_argument("--recompute", action="store_true",
-                   help="all-hit TTFT of --chunk-recompute-tokens 12 (one step and one "
-                        "step per head) against sink and stock (benchmarks/bench_recompute.py)")
-    p.add_argument("--paired", action="store_true",
-                   help="--recompute: one in-process engine, configurations interleaved "
-                        "request by request (robust to a shared machine's load; no stock)")
-    p.add_argument("--load-requests", type=int, default=16,
-                   help="--targets: requests of the concurrency-8 load workload")
-    args = p.parse_args(argv)
-    if args.quick:
-        args.docs, args.reuse, args.concurrency = "2,4", "0,0.9", "1,4"
-        args.requests, args.doc_words = 6, 50
-    return args
 
 
 def points(args) -> tuple[list[Point], Point]:
@@ -395,19 +126,18 @@ def points(args) -> tuple[list[Point], Point]:
 
 
 def main(argv=None) -> int:
+    args = parse_args(argv, __doc__.split("\n\n")[0])
+    for flag, script in (("targets", "bench_targets.py"), ("fleet", "bench_fleet.py"),
+                         ("recompute", "bench_recompute.py")):
+        if getattr(args, flag):
+            # `./fork bench --{flag}` runs that script; this one only runs the sweeps.
+            sys.exit(f"--{flag}: run benchmarks/{script} (`./fork bench --{flag}` does)")
     from tqdm import tqdm
 
-    args = parse_args(argv)
     work = Workload(args.doc_words, args.requests, args.max_tokens, args.system, args.seed)
     pts, base = points(args)
     out = Path(args.out or f"benchmarks/results/{time.strftime('%Y%m%d-%H%M%S')}")
     out.mkdir(parents=True, exist_ok=True)
-    if args.targets:
-        return run_targets(args, out)
-    if args.fleet:
-        return run_fleet(args, out)
-    if args.recompute:
-        return run_recompute(args, out)
     prompts = {p: make_prompts(work, p, f"k{p.k}-r{p.reuse}-c{p.concurrency}") for p in pts}
     results: list[Result] = []
     floor: dict[Point, float] = {}
@@ -441,53 +171,6 @@ def main(argv=None) -> int:
     print(table)
     print(f"[bench] wrote {out}/results.md, params.json" + (", " + ", ".join(pngs) if pngs else ""))
     return 0
-
-
-def run_recompute(args, out: Path) -> int:
-    import bench_recompute
-
-    if args.requests == 16:  # the sweeps' default: 5 timed requests per cell
-        args.requests = 5
-    if args.paired:
-        table = bench_recompute.paired_table(bench_recompute.run_paired(args, args.requests))
-    else:
-        table = bench_recompute.run(args, out)
-    params = {"recompute": True, "paired": args.paired, "requests": args.requests, "max_tokens": args.max_tokens,
-              "configs": bench_recompute.CONFIGS, "model": args.model}
-    return _write_results(out, "Boundary recompute all-hit TTFT", params, table)
-
-
-def run_targets(args, out: Path) -> int:
-    import bench_targets
-
-    if args.requests == 16:  # the sweeps' default: 5 per target keeps the run ~15 min
-        args.requests = 5
-    table = bench_targets.run(args, out)
-    params = {"targets": True, "requests": args.requests, "load_requests": args.load_requests,
-              "doc_words": bench_targets.TARGET_DOC_WORDS, "max_tokens": args.max_tokens,
-              "configs": CONFIGS, "model": args.model}
-    return _write_results(out, "RAG benchmark targets", params, table)
-
-
-def _write_results(out: Path, title: str, params: dict, table: str) -> int:
-    params["machine"] = machine()
-    (out / "params.json").write_text(json.dumps(params, indent=1))
-    (out / "results.md").write_text(
-        f"# {title} ({time.strftime('%Y-%m-%d %H:%M')})\n\n"
-        f"Machine: {params['machine']}\n\n" + table)
-    print(table)
-    print(f"[bench] wrote {out}/results.md, params.json")
-    return 0
-
-
-def run_fleet(args, out: Path) -> int:
-    import bench_fleet
-
-    if args.requests == 16:  # the sweeps' default: 5 per row keeps the run ~10 min
-        args.requests = 5
-    table = bench_fleet.run(args, out)
-    params = {"fleet": True, "requests": args.requests, "model": args.model}
-    return _write_results(out, "Chunk store benchmark", params, table)
 
 
 if __name__ == "__main__":

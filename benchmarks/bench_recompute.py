@@ -3,7 +3,7 @@
 
     ./fork bench --recompute [--requests 5]
 
-bench_targets' all-hit workload (k = 4 and 8 documents of ~400 tokens, the same
+The targets' all-hit workload (common.hit_runs: k = 4 and 8 documents of ~400 tokens, the same
 documents in a new order and with a new question on every request, one warm-up
 request first), sent to one server after another:
 
@@ -20,9 +20,12 @@ Median TTFT per configuration and k, and each against `sink`.
 from __future__ import annotations
 
 import statistics
+import sys
+import time
+from pathlib import Path
 
-from bench_rag import Point, Result, Server, Workload
-from bench_targets import TARGET_DOC_WORDS, hit_runs, run_target
+from common import (TARGET_DOC_WORDS, Point, Result, Server, Workload, hit_runs, make_corpus,
+                    parse_args, run_target, write_results)
 
 K = 12
 CONFIGS: dict[str, tuple[list[str], dict[str, str]]] = {
@@ -97,8 +100,6 @@ def run_paired(args, rounds: int) -> dict[int, dict[str, list[float]]]:
         RecomputeSteps,
     )
 
-    from bench_rag import make_corpus
-
     llm = LLM(model=args.model, dtype="float32", enforce_eager=True, max_model_len=8192,
               seed=0, enable_chunk_cache=True, chunk_recompute_tokens=K)
     engine = llm.llm_engine
@@ -144,3 +145,22 @@ def paired_table(by_k: dict[int, dict[str, list[float]]]) -> str:
                       f"{statistics.median(ratios):.2f}x"]
         lines.append(f"| `{mode}` | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv, __doc__.split("\n\n")[0])
+    if args.requests == 16:  # the sweeps' default: 5 timed requests per cell
+        args.requests = 5
+    out = Path(args.out or f"benchmarks/results/{time.strftime('%Y%m%d-%H%M%S')}")
+    out.mkdir(parents=True, exist_ok=True)
+    if args.paired:
+        text = paired_table(run_paired(args, args.requests))
+    else:
+        text = run(args, out)
+    params = {"recompute": True, "paired": args.paired, "requests": args.requests,
+              "max_tokens": args.max_tokens, "configs": CONFIGS, "model": args.model}
+    return write_results(out, "Boundary recompute all-hit TTFT", params, text)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -12,9 +12,9 @@ are stated), sent to the same three servers as the sweeps (`stock`, `prefix`,
   prefix caching gets its chance too);
 * all-miss: k = 8 documents never seen before on every request (for the chunk
   cache: children, capture, load and the question, all in the first request);
-* load: concurrency 8, 80% of the documents from a hot set (bench_rag's draw);
+* load: concurrency 8, 80% of the documents from a hot set (the sweeps' draw);
 * the floor: the question alone as a prompt, on the chunk-cache server;
-* the remap: bench_core's micro-benchmark at SmolLM2-135M's shapes, bytes/s
+* the remap: the remap micro-benchmark (common.bench_remap, also bench_core's) at SmolLM2-135M's shapes, bytes/s
   against a plain copy of the same bytes.
 """
 
@@ -22,39 +22,14 @@ from __future__ import annotations
 
 import random
 import statistics
+import sys
+import time
 from dataclasses import dataclass
+from pathlib import Path
 
-from bench_rag import CONFIGS, Point, Result, Server, Workload, make_corpus, make_prompts
-
-# ~400 SmolLM2 tokens per document (bench_rag's words are ~1 token each).
-TARGET_DOC_WORDS = 395
-
-
-@dataclass(frozen=True)
-class TargetRuns:
-    """Requests of one target workload: warm-up first (not timed), then timed."""
-
-    # Target key, e.g. "hit-8".
-    name: str
-    # Untimed prompts sent first, one at a time.
-    warmup: list[str]
-    # Timed prompts and their questions (the floor times the question alone).
-    timed: list[tuple[str, str]]
-    # Requests in flight at once.
-    concurrency: int
-
-
-def hit_runs(work: Workload, k: int, requests: int) -> TargetRuns:
-    docs = make_corpus(k, work.doc_words, work.seed, f"target-hit-{k}")
-    rng = random.Random(f"{work.seed}-target-hit-{k}")
-    timed = []
-    for i in range(requests):
-        order = rng.sample(docs, k)
-        question = f"Question {i}: which document is about a harbor?"
-        timed.append((" ## ".join([work.system, *order, question]), question))
-    warmup = [" ## ".join([work.system, *docs, "Warm-up: list the documents."])]
-    return TargetRuns(f"hit-{k}", warmup, timed, 1)
-
+from common import (CONFIGS, TARGET_DOC_WORDS, Point, Result, Server, TargetRuns, Workload,
+                    bench_remap, hit_runs, make_corpus, make_prompts, parse_args, run_target,
+                    write_results)
 
 def miss_runs(work: Workload, k: int, requests: int) -> TargetRuns:
     timed = []
@@ -76,16 +51,6 @@ def load_runs(work: Workload, k: int, requests: int) -> TargetRuns:
 def all_runs(work: Workload, requests: int, load_requests: int) -> list[TargetRuns]:
     return [hit_runs(work, 4, requests), hit_runs(work, 8, requests),
             miss_runs(work, 8, requests), load_runs(work, 8, load_requests)]
-
-
-def run_target(server: Server, config: str, work: Workload, runs: TargetRuns,
-               progress) -> Result:
-    from bench_rag import run_point
-
-    for prompt in runs.warmup:
-        server.complete(prompt, work.max_tokens)
-    point = Point(int(runs.name.split("-")[1]), 0.0, runs.concurrency)
-    return run_point(server, config, work, point, runs.timed, progress)
 
 
 @dataclass(frozen=True)
@@ -147,7 +112,6 @@ def remap_share() -> float:
     3,200 rows: 8 documents of 400 tokens): share of plain-copy throughput."""
     import torch
 
-    from bench_core import bench_remap
     from vllm.config import VllmConfig, set_current_vllm_config
 
     with set_current_vllm_config(VllmConfig()):
@@ -180,3 +144,20 @@ def run(args, out) -> str:
             server.stop()
     found = verdicts(results, floor, remap_share())
     return table(results, floor, found)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv, __doc__.split("\n\n")[0])
+    if args.requests == 16:  # the sweeps' default: 5 per target keeps the run ~15 min
+        args.requests = 5
+    out = Path(args.out or f"benchmarks/results/{time.strftime('%Y%m%d-%H%M%S')}")
+    out.mkdir(parents=True, exist_ok=True)
+    table = run(args, out)
+    params = {"targets": True, "requests": args.requests, "load_requests": args.load_requests,
+              "doc_words": TARGET_DOC_WORDS, "max_tokens": args.max_tokens,
+              "configs": CONFIGS, "model": args.model}
+    return write_results(out, "RAG benchmark targets", params, table)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

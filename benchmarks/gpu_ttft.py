@@ -31,7 +31,8 @@ import sys
 import time
 from pathlib import Path
 
-DOC_TOKENS = int(os.environ.get("DOC_TOKENS", "500"))
+from common import DOC_TOKENS, document, words
+
 SIZES = [int(s) for s in os.environ.get("TTFT_SIZES", "2048,8192,32768").split(",")]
 REPS = int(os.environ.get("TTFT_REPS", "10"))
 
@@ -53,20 +54,6 @@ def make_model_dir(out: Path, tokenizer_from: Path) -> None:
     for f in tokenizer_from.iterdir():
         if f.name.startswith(("tokenizer", "special_tokens")):
             (out / f.name).write_bytes(f.read_bytes())
-
-
-def words(rng: random.Random, n: int) -> str:
-    return " ".join("".join(rng.choice("abcdefghijklmnopqrstuvwxyz")
-                            for _ in range(rng.randint(2, 7))) for _ in range(n))
-
-
-def document(rng: random.Random, tokenizer, num_tokens: int = DOC_TOKENS) -> str:
-    """Random words until the text is `num_tokens` tokens long (benchmarks/bench_host.py
-    uses it too)."""
-    text = words(rng, 20)
-    while len(tokenizer.encode(text, add_special_tokens=False)) < num_tokens:
-        text += " " + words(rng, 5)
-    return text
 
 
 def emit(**fields) -> None:

@@ -2,7 +2,7 @@
 """All-hit TTFT per `--chunk-context` mode on the benchmark's 8-document workload
 (issue 11, the recommended default: best quality within 2x of `sink`'s TTFT).
 
-Reuses bench_targets' all-hit workload unchanged (8 documents of ~400 tokens, a new
+Reuses the targets' all-hit workload (common.hit_runs) unchanged (8 documents of ~400 tokens, a new
 order and question per request, one warm-up first) so the numbers are comparable with
 docs/benchmarks.md; one `vllm serve` per mode, one after another in the same run.
 """
@@ -30,13 +30,12 @@ def server_flags(config: str) -> list[str]:
 
 def measure(model: str, out: Path, requests: int = 5, max_tokens: int = 8) -> dict[str, float]:
     """Median all-hit TTFT (s) per mode."""
-    # bench_rag / bench_targets live next to this package, as scripts.
+    # The benchmarks' shared pieces (benchmarks/common.py) live next to this package.
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from bench_rag import Server, Workload
-    from bench_targets import TARGET_DOC_WORDS, hit_runs
+    from common import TARGET_DOC_WORDS, Server, Workload, hit_runs
 
     work = Workload(TARGET_DOC_WORDS, requests, max_tokens,
-                    "Answer the question from the documents.", 0)  # bench_rag's default
+                    "Answer the question from the documents.", 0)  # the benchmarks' default
     runs = hit_runs(work, 8, requests)
     medians = {}
     for mode in MODES:

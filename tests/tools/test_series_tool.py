@@ -22,6 +22,10 @@ def fork_repo(tmp_path: Path) -> Paths:
     repo.mkdir()
     shutil.copy(REAL.pins_file, repo / "pins.toml")
     shutil.copytree(REAL.repo / "patches", repo / "patches")
+    # `./fork check` also checks the reviewer's page against the series.
+    (repo / "docs").mkdir()
+    shutil.copy(REAL.repo / "docs" / "upstream.md", repo / "docs" / "upstream.md")
+    (repo / "tests").symlink_to(REAL.repo / "tests")  # the tests the page names
     for name in ("vllm", "vllm-ascend"):
         if (REAL.repo / name).exists():
             shutil.copytree(REAL.repo / name, repo / name,

@@ -9,7 +9,8 @@ import subprocess
 import sys
 from dataclasses import dataclass
 
-from . import bases, check, env, fetch, local_store, loopback, models, sysdeps, tree, wheel
+from . import (bases, check, env, fetch, local_store, loopback, models, sysdeps, tree,
+               upstream_page, wheel)
 from .paths import Paths
 from .progress import ToolError, say
 from .releases import DEFAULT, RELEASES
@@ -24,6 +25,10 @@ def wheel_pins(paths: Paths) -> list[str]:
 
 def sdist_pins(paths: Paths) -> list[str]:
     return [kinds["sdist"] for kinds in paths.base.trees.values() if "sdist" in kinds]
+
+# `./fork bench --FLAG`: the script that runs instead of the sweeps (bench_rag.py).
+BENCH_SCRIPTS = {"--targets": "bench_targets.py", "--fleet": "bench_fleet.py",
+                 "--recompute": "bench_recompute.py"}
 
 SERVE_DEFAULTS = ["--host", "127.0.0.1", "--port", "8000", "--dtype", "float32",
                   "--enforce-eager", "--max-model-len", "8192",
@@ -93,8 +98,11 @@ def cmd_export(paths: Paths, args) -> int:
 
 
 def cmd_check(paths: Paths, args) -> int:
-    """Every release: its series applies to each base, and the overlay imports in its venv."""
+    """Every release: its series applies to each base, and the overlay imports in its venv;
+    the reviewer's page (docs/upstream.md) agrees with every release's series."""
     report = check.CheckReport()
+    # The reviewer's page reads every release's series, whichever release is checked.
+    upstream_page.check_page(paths, report)
     for name in (args.only or RELEASES):
         rel_paths = paths.for_base(RELEASES[name])
         for tree_name, kinds in rel_paths.base.trees.items():
@@ -111,6 +119,15 @@ def cmd_check(paths: Paths, args) -> int:
     for line in report.problems:
         print(f"FAIL: {line}", file=sys.stderr)
     return 0 if report.ok else 1
+
+
+def cmd_upstream_page(paths: Paths, args) -> int:
+    """Print docs/upstream.md's generated patch tables, or write them into the page."""
+    if args.write:
+        print(upstream_page.write_page(paths))
+    else:
+        print(upstream_page.generate(paths))
+    return 0
 
 
 def cmd_build(paths: Paths, args) -> int:
@@ -154,6 +171,11 @@ def cmd_bench(paths: Paths, args) -> int:
     bench, rest = "bench_rag.py", args.bench_args
     if rest[:1] == ["store"]:
         bench, rest = "bench_store.py", rest[1:]
+    # Each of these is a script of its own (none imports another benchmark; the shared
+    # pieces are benchmarks/common.py); they take the sweeps' options too.
+    for flag, script in BENCH_SCRIPTS.items():
+        if flag in rest:
+            bench = script
     return _exec(paths, [s.python, str(paths.repo / "benchmarks" / bench), *rest])
 
 
@@ -182,7 +204,7 @@ def parser() -> argparse.ArgumentParser:
 
     def add(name: str, helptext: str) -> argparse.ArgumentParser:
         sp = sub.add_parser(name, help=helptext)
-        if name != "check":
+        if name not in ("check", "upstream-page"):
             sp.add_argument("--base", default=None, choices=sorted(RELEASES),
                             help=f"the upstream vLLM release to work on (default: "
                                  f"$FORK_BASE, else {DEFAULT}); each has its own series "
@@ -204,11 +226,16 @@ def parser() -> argparse.ArgumentParser:
                             help="replace an existing tree (unexported edits are lost)")
     sp = add("check", "for every release: series/files/headers agree, every series applies "
                       "cleanly to every base, and every overlay module imports in that "
-                      "release's venv")
+                      "release's venv; and docs/upstream.md lists every patch with its "
+                      "line counts (see `upstream-page`)")
     # NOTE: CI checks each release while its venv exists: it drops the first venv before
     # building the second, as a CI machine's disk may not hold both (.ci/run).
     sp.add_argument("--only", action="append", choices=sorted(RELEASES), default=None,
                     help="check only this release (repeatable; default: every release)")
+    sp = add("upstream-page", "docs/upstream.md's patch tables (subjects, files, lines "
+                              "added/removed per release), generated from patches/")
+    sp.add_argument("--write", action="store_true",
+                    help="rewrite the page's generated block instead of printing it")
     add("build", "build the patched CPU wheel into .cache/dist")
     add("env", "create/update the release's venv with its torch + the patched wheel")
     add("setup", "everything: downloads, wheel, venv, models")
@@ -219,7 +246,9 @@ def parser() -> argparse.ArgumentParser:
                  "Mooncake master and client for the fleet tier and stops them on exit)").add_argument("vllm_args",
                                                                nargs=argparse.REMAINDER)
     add("bench", "set up, then run the RAG benchmark (stock vLLM vs prefix caching vs the "
-                 "chunk cache; extra args go to benchmarks/bench_rag.py, e.g. --quick); "
+                 "chunk cache; extra args go to benchmarks/bench_rag.py, e.g. --quick; "
+                 "--targets, --fleet, --recompute run bench_targets.py, bench_fleet.py, "
+                 "bench_recompute.py instead); "
                  "`./fork bench store` runs benchmarks/bench_store.py instead (chunk store "
                  "reads vs a host memcpy)"
         ).add_argument("bench_args", nargs=argparse.REMAINDER)
@@ -232,6 +261,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 COMMANDS = {"fetch": cmd_fetch, "apply": cmd_apply, "export": cmd_export, "check": cmd_check,
+            "upstream-page": cmd_upstream_page,
             "build": cmd_build, "env": cmd_env, "setup": cmd_setup, "test": cmd_test,
             "serve": cmd_serve, "bench": cmd_bench, "eval": cmd_eval, "sync": cmd_sync}
 

@@ -8,6 +8,9 @@ from pathlib import Path
 import pytest
 
 _PATH = Path(__file__).resolve().parents[3] / "benchmarks" / "bench_rag.py"
+# The benchmarks import their shared pieces (benchmarks/common.py) as scripts do.
+sys.path.insert(0, str(_PATH.parent))
+import common  # noqa: E402
 _spec = importlib.util.spec_from_file_location("bench_rag", _PATH)
 bench = importlib.util.module_from_spec(_spec)
 sys.modules["bench_rag"] = bench  # dataclasses look their module up by name
@@ -21,7 +24,7 @@ def test_request_stream_is_deterministic_and_reuses_the_hot_set():
     a = bench.make_prompts(WORK, point, "t")
     assert a == bench.make_prompts(WORK, point, "t")
     assert a != bench.make_prompts(WORK, point, "other")
-    hot = set(bench.make_corpus(8, 20, 3, "t-hot"))
+    hot = set(common.make_corpus(8, 20, 3, "t-hot"))
     docs = [d for prompt, _ in a for d in prompt.split(" ## ")[1:-1]]
     assert len(docs) == 4 * 50
     share = sum(d in hot for d in docs) / len(docs)
@@ -34,9 +37,9 @@ def test_request_stream_is_deterministic_and_reuses_the_hot_set():
 
 
 def test_percentile_matches_linear_interpolation():
-    assert bench.percentile([1, 2, 3, 4], 0.5) == 2.5
-    assert bench.percentile([10.0], 0.9) == 10.0
-    assert bench.percentile([0, 10], 0.9) == pytest.approx(9.0)
+    assert common.percentile([1, 2, 3, 4], 0.5) == 2.5
+    assert common.percentile([10.0], 0.9) == 10.0
+    assert common.percentile([0, 10], 0.9) == pytest.approx(9.0)
 
 
 def test_table_has_ratios_from_the_same_run_and_the_floor():
@@ -117,8 +120,7 @@ def test_verdicts_compare_each_target_with_its_threshold():
     assert found["remap >= 50% of plain-copy throughput"].met
 
 
-def test_recompute_table_puts_every_configuration_against_sink(monkeypatch):
-    monkeypatch.syspath_prepend(str(_PATH.parent))  # bench_recompute imports its siblings
+def test_recompute_table_puts_every_configuration_against_sink():
     import bench_recompute
 
     Point, Result = bench.Point, bench.Result
