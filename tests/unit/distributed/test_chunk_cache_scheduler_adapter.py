@@ -400,6 +400,61 @@ def test_lora_adapters_are_keyed_by_name_as_the_prefix_cache_does():
     assert len(children) == 2
 
 
+def _adapter_dir(path, seed: int):
+    """An adapter's files as vLLM loads them (config + safetensors weights)."""
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    path.mkdir(parents=True)
+    (path / "adapter_config.json").write_text(json.dumps(
+        {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj"], "peft_type": "LORA"}))
+    g = torch.Generator().manual_seed(seed)
+    save_file({"base_model.model.layers.0.self_attn.q_proj.lora_A.weight":
+               torch.randn(4, 64, generator=g)}, str(path / "adapter_model.safetensors"))
+    return path
+
+
+def test_two_adapters_under_one_name_never_share_entries(tmp_path):
+    """Issue 39, finding 2. Before: keyed by the adapter's name only, so an
+    adapter loaded under a name used before (a rolling update,
+    /v1/load_lora_adapter) was served the first one's KV, in the pool and,
+    through the store, on every replica. Now: by name and a digest of its
+    files; the same files at another path still share."""
+    from vllm.lora.request import LoRARequest
+
+    adapter = ChunkCacheSchedulerAdapter(*make_config())
+    v1 = _adapter_dir(tmp_path / "v1", seed=1)
+    v2 = _adapter_dir(tmp_path / "v2", seed=2)
+    copy = tmp_path / "copy-of-v1"
+    import shutil
+    shutil.copytree(v1, copy)
+
+    def with_lora(rid, path, int_id):
+        r = parent(rid, [3, 5, 2])
+        r.lora_request = LoRARequest("sql", int_id, str(path))
+        adapter.on_new_request(r)
+        adapter.get_num_new_matched_tokens(r, 0)
+        return adapter.take_internal_requests()
+
+    children = with_lora("a", v1, 1)
+    assert len(children) == 2
+    for c in children:
+        finish(adapter, c, RequestStatus.FINISHED_LENGTH_CAPPED)
+    # Other weights under the same name (and slot): computed, never served v1's KV.
+    children = with_lora("b", v2, 1)
+    assert len(children) == 2
+    for c in children:
+        finish(adapter, c, RequestStatus.FINISHED_LENGTH_CAPPED)
+    # v1's files at another path (another replica's layout): every segment hits.
+    assert with_lora("c", copy, 3) == []
+    # v1 rewritten in place (same path, other bytes): computed afresh.
+    _adapter_dir(tmp_path / "v3", seed=3)
+    shutil.copy(tmp_path / "v3" / "adapter_model.safetensors", v1)
+    assert len(with_lora("d", v1, 1)) == 2
+
+
 def test_tokens_loaded_counts_the_rows_sent_not_the_plans_asked_for():
     """Issue 20, finding 9: load_plan is a query. Before: every call counted
     its rows, so a plan asked twice (or dropped) counted as loaded."""

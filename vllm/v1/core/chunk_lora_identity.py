@@ -38,7 +38,7 @@ def lora_identity(lora_request: Any | None) -> str:
     path = getattr(lora_request, "lora_path", None) or ""
     digest = adapter_digest(path)
     if digest is None:
-        return f"{name}@local:{_PROCESS}:{lora_request.lora_int_id}:{path}"
+        return f"{name}@local:{_PROCESS}:{path}"
     return f"{name}@{digest}"
 
 

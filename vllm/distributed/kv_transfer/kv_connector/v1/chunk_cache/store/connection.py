@@ -2,11 +2,17 @@
 """SharedStore: a process's one connection to the store, and the host memory
 registered with it.
 
-NOTE: connecting blocks (measured 4.4 s against a live master over loopback,
-up to the setup deadline against a dead one), so it runs on a thread of its
-own, never on a path a request waits on: until it succeeded `get()` answers
-None at once, and the callers count a miss. A failed try is retried after
-RECONNECT_S on that thread.
+NOTE: connecting blocks, so it runs on a thread of its own, never on a path a
+request waits on: until it succeeded `get()` answers None at once, and the
+callers count a miss. A failed try is retried after RECONNECT_S on that
+thread. But Mooncake's `setup` holds the GIL while it runs (measured: another
+Python thread made no progress for the 4.4 s a setup against no master took),
+so a try would stall the whole process, scheduler included: each try first
+opens a plain TCP connection to the master's port (the GIL released) and calls
+`setup` only when that succeeds. A master whose port accepts but which does
+not answer (stopped, SIGSTOP) still costs the process one setup deadline per
+try: only a client outside the process avoids that (not done, see
+docs/design/chunk-store.md).
 
 The scheduler and a worker share the connection when they run in one process;
 so does a second engine of the process (the seam has no unregister, and
@@ -15,6 +21,7 @@ Mooncake refuses to register an overlapping range again: -600).
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 from typing import TYPE_CHECKING
@@ -105,6 +112,7 @@ class SharedStore:
 
         while True:
             try:
+                self._probe_master()
                 store = MooncakeChunkStore.connect(self.spec)
                 with self._lock:
                     # NOTE: published only once its memory is registered: a call is
@@ -120,6 +128,13 @@ class SharedStore:
                 continue
             logger.info("chunk store: connected to %s", self.spec_text)
             return
+
+    def _probe_master(self) -> None:
+        """OSError unless the master's port accepts a TCP connection."""
+        timeout = min(1.0, self.spec.timeout_s)
+        with socket.create_connection((self.spec.master_host, self.spec.master_port),
+                                      timeout=timeout):
+            pass
 
     def _register_locked(self, store: ChunkStore) -> None:
         for kind, arena in self._arenas.items():
