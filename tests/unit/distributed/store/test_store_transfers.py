@@ -247,6 +247,51 @@ def test_the_weights_fingerprint_never_runs_on_the_step():
     assert [i.epoch for i in report.identities] == [1]
 
 
+# -- finding 10: weights loaded without a reset ----------------------------------
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.zeros(4))
+
+    def load_weights(self, weights):
+        for name, t in weights:
+            getattr(self, name).data.copy_(t)
+        return {name for name, _ in weights}
+
+
+def test_weights_loaded_without_a_reset_stop_puts_and_reads_until_the_next_epoch():
+    """Before: a weight sync (load_weights) without a reset kept the old
+    fingerprint in the keys, so entries computed with the new weights went to
+    the store under the old version, for every replica of the old weights."""
+    store = LateStore()
+    store.stuck_first_get = False
+    model = Model()
+    shared = SharedStore("mooncake://127.0.0.1:1?arena=1MB")
+    shared.use(store)
+    t = StoreTransfers(rank(), shared, model, small_pool(), "f32",
+                       fingerprint=lambda m: str(float(m.w.sum())))
+    wait_identity(t)
+    a, b = entry([1, 2, 3]), entry([1, 4, 5])
+    t.on_step(StoreStep(epoch=0, puts=[EntryPut(a, (0,))]))
+    drain_puts(t)
+    assert len(store.values) == 1
+    assert model.load_weights([("w", torch.ones(4))]) == {"w"}
+    t.on_step(StoreStep(epoch=0, puts=[EntryPut(b, (1,))],
+                        fetches=[EntryFetch("f", a, (2,))]))
+    drain_puts(t)
+    assert len(store.values) == 1 and t.counters["store_puts_skipped"] == 1
+    assert t.take_report().outcomes == {"f": [FetchOutcome.ERROR]}
+    # The reset: a new epoch, fingerprinted again with the new weights.
+    t.on_step(StoreStep(epoch=1))
+    wait_identity(t)
+    assert t.identity.weights_version == "4.0"
+    t.on_step(StoreStep(epoch=1, puts=[EntryPut(b, (1,))]))
+    drain_puts(t)
+    assert len(store.values) == 2
+
+
 # -- the real store ---------------------------------------------------------------
 
 

@@ -472,7 +472,7 @@ class ChunkCacheSchedulerAdapter:
             origin = self._fetch_origins.pop(fetch_id)
             spec = self.manager.fetch_failed(fetch_id)
             logger.info("chunk store: %s missed (%s); computing it as %s",
-                        fetch_id, cause, spec.request_id)
+                        fetch_id, getattr(cause, "value", cause), spec.request_id)
             self._spawn_children(origin)
 
     # ----------------------------------------------------------- internal

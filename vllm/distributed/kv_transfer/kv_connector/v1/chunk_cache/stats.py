@@ -46,7 +46,11 @@ STORE_COUNTERS: dict[str, str] = {
     "store_misses_verify_failed":
         "Store reads whose header, tokens or checksum did not verify (computed instead)",
     "store_misses_error": "Store lookups or reads that failed (computed instead)",
-    "store_misses_timeout": "Store reads past their deadline (computed instead)",
+    "store_misses_timeout": "Store lookups or reads past their deadline (computed instead)",
+    "store_lookup_timeouts":
+        "Store lookups not answered within the lookup deadline (computed instead)",
+    "store_reads_given_up": "Store reads that missed their read deadline (computed instead)",
+    "store_reads_no_room": "Store reads refused for lack of read-arena room (computed instead)",
     "store_fetch_seconds": "Seconds from a store hit to every rank's entry in the pool (sum)",
     "store_gets": "Entries read, verified and written into the pool by a worker rank",
     "store_get_bytes": "Bytes read from the store by worker ranks",
@@ -55,7 +59,8 @@ STORE_COUNTERS: dict[str, str] = {
     "store_puts": "Entries written to the store by a worker rank",
     "store_put_bytes": "Bytes written to the store by worker ranks",
     "store_put_failures": "Entry writes the store refused or failed",
-    "store_puts_skipped": "Entry writes skipped for lack of host buffer room",
+    "store_puts_skipped":
+        "Entry writes skipped (no write-arena room, or weights loaded since the last reset)",
 }
 # Gauges (last value wins).
 GAUGES: dict[str, str] = {

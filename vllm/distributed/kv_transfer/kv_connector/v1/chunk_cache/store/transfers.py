@@ -165,9 +165,31 @@ class StoreTransfers:
         self.counters: dict[str, float] = {}
         self._reported: dict[str, float] = {}
         self._counter_lock = threading.Lock()
+        # Set when the model's load_weights runs (weight sync, reload) and
+        # cleared at the next epoch (the reset that must follow a weight update).
+        self.weights_changed = False
+        self._watch_weight_loads(model)
         shared.start_connecting()
         self._new_epoch(0)
 
+    def _watch_weight_loads(self, model: nn.Module) -> None:
+        """NOTE (issue 39, finding 10): vLLM's weight-update paths (reload_weights,
+        the RL trainers' weight syncs through collective_rpc) load through the
+        model's `load_weights`. Until the reset that must follow, this rank's
+        keys still carry the old weights' fingerprint: a put would spread KV of
+        the new weights under the old version to every replica, a read would
+        bring the old weights' KV. So both stop until the next epoch. Weights
+        written by other means are not seen: reset after any change (vLLM's
+        prefix cache asks the same)."""
+        original = getattr(model, "load_weights", None)
+        if not callable(original):
+            return
+
+        def load_weights(*args, **kwargs):
+            self.weights_changed = True
+            return original(*args, **kwargs)
+
+        model.load_weights = load_weights
     @classmethod
     def for_engine(cls, vllm_config: VllmConfig, model: nn.Module,
                    tensors: dict[str, torch.Tensor], kv_dtype: str) -> StoreTransfers:
@@ -218,6 +240,7 @@ class StoreTransfers:
         """Fingerprint the weights of `epoch` off the step (vLLM resets the
         cache after a weight update: the next epoch's weights are in place)."""
         self.epoch = epoch
+        self.weights_changed = False
         self._identity_reported = False
         self._identity = self._fp_thread.submit(self._make_identity, epoch)
 
@@ -256,6 +279,9 @@ class StoreTransfers:
     # --------------------------------------------------------------- puts
 
     def _start_put(self, put: EntryPut) -> None:
+        if self.weights_changed:
+            self._count("store_puts_skipped")
+            return
         entry = put.entry
         num_rows = len(entry.token_ids) - entry.virtual_start
         head = entry_format.header_nbytes(len(entry.token_ids))
@@ -350,7 +376,8 @@ class StoreTransfers:
             num_rows = len(entry.token_ids) - entry.virtual_start
             head = entry_format.header_nbytes(len(entry.token_ids))
             nbytes = entry_nbytes(len(entry.token_ids), num_rows, self.row_bytes)
-            if num_rows < 0 or identity is None or identity.epoch != self.epoch:
+            if (num_rows < 0 or identity is None or identity.epoch != self.epoch
+                    or self.weights_changed):
                 self._outcomes[fetch.fetch_id] = FetchOutcome.ERROR
                 continue
             start = self.get_arena.allocate(nbytes, tail_align_at=head)
