@@ -1,0 +1,213 @@
+"""A fault soak of the fleet tier (issue 39): two `vllm serve` replicas of the
+tiny Llama on one real Mooncake Store (master + client on loopback), hundreds
+of chunked requests over a corpus larger than either pool (evictions, so the
+store is read), with faults injected at random while they run: the node's
+client or the master stopped (SIGSTOP) and resumed, killed (SIGKILL, SIGSEGV
+of the client) and restarted.
+
+Every answer is compared with the HF isolation-mask reference (the test
+oracle); after the soak both replicas must be alive with nothing pinned.
+
+    ./fork test -m slow tests/e2e/test_chunk_store_soak.py     # slow tier, 500 requests
+    .cache/venv/bin/python -m tests.e2e.test_chunk_store_soak 500   # benchmark mode: the report
+
+Reported: requests served, store hits, misses by cause, wrong answers (must
+be 0), request latency p50/p99 (2 tokens; the store's share of TTFT).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import models_dir
+from tests.e2e.chunk_reference import Layout, Reference, compare, random_text
+from tests.e2e.server import start_server
+from tests.e2e.test_chunk_cache_server import _ids, _Lp
+from tests.e2e.test_chunk_cache_server import metrics as chunk_metrics
+from tests.store_fleet import MooncakeFleet
+
+MODEL = str(models_dir() / "tiny-llama")
+MODE = "sink"
+TOL = 1e-3  # as test_chunk_cache_exactness.py for the tiny Llama (float32)
+# 4 KiB per token (4 layers x K+V x 2 heads x 64 x fp32): ~800 pool rows, the
+# corpus is ~3x that, so documents are evicted and read back from the store.
+POOL_GIB = 0.003
+CAUSES = ("absent", "verify_failed", "error", "timeout")
+
+
+@dataclass
+class SoakReport:
+    requests: int = 0
+    served: int = 0
+    wrong: list[str] = field(default_factory=list)
+    refused: list[str] = field(default_factory=list)
+    latencies: list[float] = field(default_factory=list)
+    faults: list[str] = field(default_factory=list)
+    counters: dict[str, float] = field(default_factory=dict)
+
+    def text(self) -> str:
+        lat = sorted(self.latencies)
+        p99 = lat[min(len(lat) - 1, int(0.99 * len(lat)))] if lat else float("nan")
+        misses = ", ".join(f"{c} {self.counters.get(f'store_misses_{c}', 0):.0f}"
+                           for c in CAUSES)
+        return "\n".join([
+            f"requests {self.requests}, served {self.served}, refused {len(self.refused)}, "
+            f"wrong answers {len(self.wrong)}",
+            f"store hits {self.counters.get('store_hits', 0):.0f}; misses by cause: {misses}; "
+            f"lookups past their deadline {self.counters.get('store_lookup_timeouts', 0):.0f}, "
+            f"reads given up {self.counters.get('store_reads_given_up', 0):.0f}; "
+            f"puts {self.counters.get('store_puts', 0):.0f}, "
+            f"put failures {self.counters.get('store_put_failures', 0):.0f}",
+            f"child computes {self.counters.get('child_computes', 0):.0f}, "
+            f"pool evictions {self.counters.get('evictions', 0):.0f}",
+            f"latency (2 tokens) p50 {statistics.median(lat):.3f} s, p99 {p99:.3f} s"
+            if lat else "no latencies",
+            f"faults ({len(self.faults)}): {', '.join(self.faults)}",
+        ])
+
+
+def _replica(fleet: MooncakeFleet, log: Path):
+    return start_server(MODEL, ["--enable-chunk-cache", "--served-model-name", "tiny",
+                                "--chunk-context", MODE, "--chunk-pool-size-gib",
+                                str(POOL_GIB), "--max-chunks", "8", "--seed", "0",
+                                "--chunk-store", fleet.spec_text], log)
+
+
+def _complete(server, prompt: str):
+    t0 = time.monotonic()
+    status, body = server.post("/v1/completions", {
+        "model": "tiny", "prompt": prompt, "max_tokens": 2, "temperature": 0, "logprobs": 5,
+        "return_tokens_as_token_ids": True, "ignore_eos": True}, timeout=120)
+    return status, body, time.monotonic() - t0
+
+
+def _wrong(reference: Reference, layout: Layout, body: dict) -> str | None:
+    choice = body["choices"][0]
+    tokens = _ids(choice["logprobs"]["tokens"])
+    top = [{int(k.split(":", 1)[1]): _Lp(v, 1) for k, v in d.items()}
+           for d in choice["logprobs"]["top_logprobs"]]
+    ref = reference.next_token_logprobs(reference.chunked_prompt(layout), MODE, tokens)
+    try:
+        compare(ref, tokens, top, TOL)
+    except AssertionError as e:
+        return str(e)[:200]
+    return None
+
+
+class _Faults(threading.Thread):
+    """One fault at a time, at random, until stopped; every fault is undone
+    before the next (a stopped process continued, a killed one restarted)."""
+
+    def __init__(self, fleet: MooncakeFleet, seed: int, report: SoakReport):
+        super().__init__(daemon=True)
+        self.fleet, self.rng, self.report = fleet, random.Random(seed), report
+        self.done = threading.Event()
+
+    def run(self) -> None:
+        f = self.fleet
+        while not self.done.wait(self.rng.uniform(1.0, 3.0)):
+            kind = self.rng.choice(["stop-client", "stop-master", "kill-master",
+                                    "kill-client", "segv-client"])
+            self.report.faults.append(kind)
+            if kind == "stop-client":
+                f.stop_client()
+                self.done.wait(self.rng.uniform(0.5, 3.0))
+                f.continue_client()
+            elif kind == "stop-master":
+                f.stop_master()
+                self.done.wait(self.rng.uniform(0.5, 3.0))
+                f.continue_master()
+            elif kind == "kill-master":
+                f.restart_master()
+            else:
+                if kind == "segv-client":
+                    os.kill(f.client.pid, signal.SIGSEGV)
+                    f.client.wait(30)
+                else:
+                    f.kill_client()
+                self.done.wait(self.rng.uniform(0.5, 2.0))
+                f.start_client()
+
+
+def run_soak(workdir: Path, requests: int, concurrency: int = 8, seed: int = 39) -> SoakReport:
+    reference = Reference(MODEL)
+    rng = random.Random(seed)
+    corpus = [random_text(rng, rng.randint(20, 45)) for _ in range(60)]
+    systems = ["Answer from the documents.", "Be brief."]
+    layouts = [Layout(rng.choice(systems), rng.sample(corpus, rng.randint(1, 3)),
+                      f"question {i}?") for i in range(requests)]
+    report = SoakReport(requests=requests)
+    with MooncakeFleet(workdir / "mooncake", segment_bytes=512 << 20, timeout_s=2.0) as fleet:
+        replicas = [_replica(fleet, workdir / f"replica-{i}.log") for i in range(2)]
+        try:
+            faults = _Faults(fleet, seed, report)
+            lock = threading.Lock()
+
+            def one(i: int) -> None:
+                status, body, took = _complete(replicas[i % 2], layouts[i].prompt)
+                with lock:
+                    if status != 200:
+                        report.refused.append(f"{status}: {str(body)[:200]}")
+                        return
+                    report.served += 1
+                    report.latencies.append(took)
+                why = _wrong(reference, layouts[i], body)
+                if why is not None:
+                    with lock:
+                        report.wrong.append(why)
+
+            faults.start()
+            try:
+                with ThreadPoolExecutor(concurrency) as pool:
+                    list(pool.map(one, range(requests)))
+            finally:
+                faults.done.set()
+                faults.join(60)
+            # Idle after: nothing pinned on either replica, both alive.
+            deadline = time.monotonic() + 60
+            while True:
+                ms = [chunk_metrics(r) for r in replicas]
+                if all(m.get("pool_entries_pinned", 0) == 0 and m.get("live_requests", 0) == 0
+                       for m in ms) or time.monotonic() > deadline:
+                    break
+                time.sleep(1)
+            for m in ms:
+                for k, v in m.items():
+                    report.counters[k] = report.counters.get(k, 0) + v
+            report.counters["replicas_alive"] = sum(r.proc.poll() is None for r in replicas)
+            report.counters["pinned_after"] = sum(m.get("pool_entries_pinned", 0) for m in ms)
+        finally:
+            for r in replicas:
+                r.stop()
+    return report
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_fault_soak_two_replicas_no_wrong_answer(tmp_path):
+    report = run_soak(tmp_path, requests=500)
+    print(report.text())
+    assert report.wrong == [], report.wrong[:3]
+    assert report.refused == [], report.refused[:3]
+    assert report.served == report.requests
+    assert report.counters["replicas_alive"] == 2
+    assert report.counters["pinned_after"] == 0
+    assert report.counters.get("store_hits", 0) > 0
+    assert len(report.faults) >= 5
+
+
+if __name__ == "__main__":
+    n = int(sys.argv[1]) if len(sys.argv) > 1 else 500
+    print(run_soak(Path(tempfile.mkdtemp(prefix="store-soak-")), requests=n).text())
