@@ -30,6 +30,7 @@ allocation and the next metadata build.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -92,6 +93,8 @@ class _ChildSlots:
     pool_block_ids: tuple[int, ...]
     # Paged block ids of the child (grows with chunked prefill).
     block_ids: list[int] = field(default_factory=list)
+    # When it was first scheduled (its compute time, for the store's ReadCost).
+    first_scheduled: float | None = None
 
 
 @dataclass(frozen=True)
@@ -324,12 +327,15 @@ class ChunkCacheSchedulerAdapter:
 
         rid = request.request_id
         if self.manager.is_child(rid):
-            del self._children[rid]
+            slots = self._children.pop(rid)
             if request.status in (
                 RequestStatus.FINISHED_STOPPED,
                 RequestStatus.FINISHED_LENGTH_CAPPED,
             ) and request.num_computed_tokens >= request.num_prompt_tokens:
                 if self.store is not None:
+                    if slots.first_scheduled is not None:
+                        self.store.note_child_computed(
+                            slots.num_tokens, time.monotonic() - slots.first_scheduled)
                     self._put_child(rid, request)
                 self.manager.child_finished(rid)
             else:
@@ -396,8 +402,11 @@ class ChunkCacheSchedulerAdapter:
             elif new_ids is not None:
                 child.block_ids.extend(new_ids[0])
             scheduled.append((rid, cached.num_computed_tokens[i]))
+        now = time.monotonic()
         for rid, start in scheduled:
             child = self._children[rid]
+            if child.first_scheduled is None:
+                child.first_scheduled = now
             n = out.num_scheduled_tokens.get(rid, 0)
             lo = max(start, child.store_start)
             hi = min(start + n, child.num_tokens)

@@ -51,6 +51,12 @@ STORE_COUNTERS: dict[str, str] = {
         "Store lookups not answered within the lookup deadline (computed instead)",
     "store_reads_given_up": "Store reads that missed their read deadline (computed instead)",
     "store_reads_no_room": "Store reads refused for lack of read-arena room (computed instead)",
+    "store_reads_skipped_slower":
+        "Store hits computed instead: the read was expected to take longer than the compute",
+    "store_expected_read_seconds":
+        "Expected store read time of the hits decided with both estimates (sum)",
+    "store_expected_compute_seconds":
+        "Expected compute time of the same hits (sum): compare with the read time",
     "store_fetch_seconds": "Seconds from a store hit to every rank's entry in the pool (sum)",
     "store_gets": "Entries read, verified and written into the pool by a worker rank",
     "store_get_bytes": "Bytes read from the store by worker ranks",

@@ -34,6 +34,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store.messages imp
     StoreStep,
     store_key_for,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store.read_cost import ReadCost
 from vllm.logger import init_logger
 from vllm.v1.core.chunk_hash_index import ChunkNamespace, compute_chunk_hash
 from vllm.v1.core.chunk_store_probe import FetchSpec, StoreAnswer, StoreLookup
@@ -97,6 +98,12 @@ class StoreCounters:
     # Lookups the store did not answer within --chunk-store's lookup_timeout
     # (also counted in store_misses_timeout).
     store_lookup_timeouts: int = 0
+    # Store hits computed instead because the read was expected to be slower
+    # (read_cost.py), and the expected times of every hit decided with both
+    # estimates (summed), for the comparison in metrics and benchmarks.
+    store_reads_skipped_slower: int = 0
+    store_expected_read_seconds: float = 0.0
+    store_expected_compute_seconds: float = 0.0
     store_fetch_seconds: float = 0.0
     store_puts_queued: int = 0
 
@@ -119,6 +126,7 @@ class StoreClient:
         self.world_size = self.tp_size * self.pp_size
         self._shared = SharedStore.of(spec_text)
         self.lookup_timeout_s = self._shared.spec.lookup_timeout_s
+        self.read_cost = ReadCost()
         # NOTE: connecting starts now, on the connection's own thread: the
         # first request finds it made (or counts a miss), never waits for it.
         self._shared.start_connecting()
@@ -155,6 +163,9 @@ class StoreClient:
         now = time.monotonic()
         answer = self._answers.get(lookup_id)
         if answer is not None and now - answer.at < ANSWER_TTL_S:
+            if answer.lookup.answer is StoreAnswer.HIT:
+                return self._worth_reading(answer.lookup, len(segment_ids),
+                                           len(segment_ids) + len(context_ids))
             return answer.lookup
         first = self._first_asked.setdefault(lookup_id, now)
         if now - first >= self.lookup_timeout_s:
@@ -171,6 +182,20 @@ class StoreClient:
             keys = [store_key_for(i, self.tp_size, self.pp_size, entry) for i in identities]
             self._asked[lookup_id] = (keys, namespace.cache_salt, lora)
         return StoreLookup(StoreAnswer.PENDING)
+
+    def _worth_reading(self, hit: StoreLookup, num_rows: int, num_tokens: int) -> StoreLookup:
+        decision = self.read_cost.decide(num_rows, num_tokens)
+        if decision.expected_read_s is not None:
+            self.counters.store_expected_read_seconds += decision.expected_read_s
+            self.counters.store_expected_compute_seconds += decision.expected_compute_s
+        if decision.read:
+            return hit
+        self.counters.store_reads_skipped_slower += 1
+        return StoreLookup(StoreAnswer.MISS)
+
+    def note_child_computed(self, num_tokens: int, seconds: float) -> None:
+        """A child's prefill, first step to finish (the compute side of ReadCost)."""
+        self.read_cost.note_compute(num_tokens, seconds)
 
     def _ranks(self, epoch: int) -> list[RankIdentity] | None:
         """Every rank's identity in `epoch`; None while the workers have not
@@ -286,6 +311,9 @@ class StoreClient:
         for identity in report.identities:
             self._identities.setdefault(identity.epoch, {})[
                 (identity.pp_rank, identity.tp_rank)] = identity
+            self.read_cost.note_row_bytes(identity.row_bytes)
+        if report.read_bytes_per_s:
+            self.read_cost.note_read_bandwidth(report.read_bytes_per_s)
         done, failed = [], []
         for fetch_id, results in report.outcomes.items():
             fetch = self._fetches.get(fetch_id)

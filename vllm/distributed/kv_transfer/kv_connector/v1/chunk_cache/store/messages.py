@@ -89,6 +89,8 @@ class RankIdentity:
     # How the rows were computed: replicas that compute the same tokens
     # differently never share entries (keys.StoreNamespace.compute).
     compute: str
+    # Bytes of one stored row on this rank (not in the key: the read cost).
+    row_bytes: int = 0
 
 
 @dataclass
@@ -98,16 +100,21 @@ class StoreReport(KVConnectorWorkerMetadata):
     # fetch id -> one outcome per rank that finished it this step.
     outcomes: dict[str, list[FetchOutcome]] = field(default_factory=dict)
     identities: list[RankIdentity] = field(default_factory=list)
+    # The read bandwidth a rank measured (bytes/s; 0: none yet); combined,
+    # the slowest rank's (a fetch ends when every rank read its part).
+    read_bytes_per_s: float = 0.0
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> StoreReport:
         assert isinstance(other, StoreReport)
         for fetch_id, results in other.outcomes.items():
             self.outcomes.setdefault(fetch_id, []).extend(results)
         self.identities.extend(other.identities)
+        rates = [r for r in (self.read_bytes_per_s, other.read_bytes_per_s) if r > 0]
+        self.read_bytes_per_s = min(rates) if rates else 0.0
         return self
 
     def is_empty(self) -> bool:
-        return not self.outcomes and not self.identities
+        return not self.outcomes and not self.identities and not self.read_bytes_per_s
 
 
 def store_key_for(identity: RankIdentity, tp_size: int, pp_size: int, entry: EntryRef) -> str:

@@ -162,6 +162,8 @@ class StoreTransfers:
         self._outcomes: dict[str, FetchOutcome] = {}
         self._puts: list[_Put] = []
         self._read_bytes_per_s = float(INITIAL_READ_BYTES_PER_S)
+        # A new measurement since the last report (sent up for ReadCost).
+        self._bandwidth_news = False
         self.counters: dict[str, float] = {}
         self._reported: dict[str, float] = {}
         self._counter_lock = threading.Lock()
@@ -218,6 +220,9 @@ class StoreTransfers:
     def take_report(self) -> StoreReport | None:
         report = StoreReport(outcomes={k: [v] for k, v in self._outcomes.items()})
         self._outcomes = {}
+        if self._bandwidth_news:
+            report.read_bytes_per_s = self._read_bytes_per_s
+            self._bandwidth_news = False
         identity = self.identity
         if identity is not None and not self._identity_reported:
             report.identities.append(identity)
@@ -253,7 +258,8 @@ class StoreTransfers:
         return RankIdentity(
             epoch=epoch, tp_rank=self.rank.tp_rank, pp_rank=self.rank.pp_rank,
             model=self.rank.model, weights_version=version, kv_dtype=self.kv_dtype,
-            kv_layout=self.kv_layout, rope=self.rank.rope, compute=self.rank.compute)
+            kv_layout=self.kv_layout, rope=self.rank.rope, compute=self.rank.compute,
+            row_bytes=self.row_bytes)
 
     def _key(self, identity: RankIdentity, entry: EntryRef) -> str:
         return store_key_for(identity, self.rank.tp_size, self.rank.pp_size, entry)
@@ -424,6 +430,7 @@ class StoreTransfers:
         if got and all(c >= 0 for c in codes) and seconds > 0:
             # NOTE: read by the step thread for deadlines; a float store is atomic.
             self._read_bytes_per_s = 0.7 * self._read_bytes_per_s + 0.3 * (got / seconds)
+            self._bandwidth_news = True
         out = []
         for code, (key, entry, span, head) in zip(codes, items):
             if code < 0:
