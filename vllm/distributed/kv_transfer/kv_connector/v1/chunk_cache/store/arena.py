@@ -19,7 +19,11 @@ ALIGN = 64
 class HostArena:
     def __init__(self, nbytes: int):
         self.nbytes = nbytes
-        self.tensor = torch.empty(nbytes, dtype=torch.uint8)
+        # NOTE: pinned where a GPU is present, so copies between the pool and
+        # the arena run as DMA without a staging copy and can be asynchronous
+        # (transfers.py orders them with an event; not executed here).
+        self.tensor = torch.empty(nbytes, dtype=torch.uint8,
+                                  pin_memory=torch.cuda.is_available())
         self.ptr = self.tensor.data_ptr()
         # Free spans (offset, size), sorted by offset.
         self._free: list[tuple[int, int]] = [(0, nbytes)]

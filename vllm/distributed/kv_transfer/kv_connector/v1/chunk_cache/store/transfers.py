@@ -90,14 +90,32 @@ def default_arena_bytes(max_chunk_tokens: int, row_bytes: int) -> int:
     return max(MIN_ARENA_BYTES, 2 * largest + 2 * 64)
 
 
+def copy_fence(device: torch.device):
+    """An event recorded after the copies just issued on `device`'s current
+    stream, or None where copies are synchronous (CPU). NOTE: on a GPU the
+    copies between the pool and the pinned arena are issued non-blocking, so
+    the step does not stall on them; the put thread waits on the event before
+    it reads the bytes, and a read's span is freed only once its copy into the
+    pool is done (not executed here)."""
+    if device.type != "cuda":
+        return None
+    event = torch.cuda.Event()
+    event.record()
+    return event
+
+
 @dataclass
 class _Span:
     """A span of an arena lent to a store call: freed once the call returned
-    (`released`) and the step is done with it (`finished`)."""
+    (`released`) and any copy from it is done (`fence`)."""
 
     start: int
     nbytes: int
     released: threading.Event = field(default_factory=threading.Event)
+    fence: object = None
+
+    def free_now(self) -> bool:
+        return self.released.is_set() and (self.fence is None or self.fence.query())
 
 
 @dataclass
@@ -301,8 +319,8 @@ class StoreTransfers:
                                                             num_rows)):
             # NOTE: copied now, inside the step: the pool rows may be given to
             # another entry from the next step on.
-            dst.copy_(t.index_select(0, rows))
-        span = _Span(start, nbytes)
+            dst.copy_(t.index_select(0, rows), non_blocking=True)
+        span = _Span(start, nbytes, fence=copy_fence(self.tensors[0].device))
         identity = self._identity
         assert identity is not None
         self._puts.append(_Put(self._put_thread.submit(
@@ -312,6 +330,8 @@ class StoreTransfers:
         # NOTE: the entry was computed in this epoch: its key waits for the
         # epoch's fingerprint (on this thread, never on the step).
         key = self._key(identity.result(), entry)
+        if span.fence is not None:
+            span.fence.synchronize()  # the rows' copy into the arena
         payload = span.nbytes - head
         body = self.put_arena.view(span.start + head, payload).numpy()
         body[payload - TAG_BYTES:] = memoryview(self.seal.tag(key, body[:payload - TAG_BYTES]))
@@ -352,7 +372,7 @@ class StoreTransfers:
     def _finish_span(self, arena, span: _Span) -> None:
         """The step is done with `span`: free it now if its call returned,
         else once it has (`_reap`, every step)."""
-        if span.released.is_set():
+        if span.free_now():
             arena.free(span.start)
         else:
             self._lent.append((arena, span))
@@ -492,7 +512,8 @@ class StoreTransfers:
                 rows = self._rows(read.fetch.pool_block_ids, num_rows, self.tensors[0].device)
                 for t, src in zip(self.tensors, self._payload_views(
                         self.get_arena, read.span.start + read.head, num_rows)):
-                    t.index_copy_(0, rows, src.to(t.device))
+                    t.index_copy_(0, rows, src.to(t.device, non_blocking=True))
+                read.span.fence = copy_fence(self.tensors[0].device)
                 self._count("store_gets")
             else:
                 logger.info("chunk store: %s not served from the store (%s); computing it",
