@@ -149,7 +149,10 @@ def run_soak(workdir: Path, requests: int, concurrency: int = 8, seed: int = 39)
     layouts = [Layout(rng.choice(systems), rng.sample(corpus, rng.randint(1, 3)),
                       f"question {i}?") for i in range(requests)]
     report = SoakReport(requests=requests)
-    with MooncakeFleet(workdir / "mooncake", segment_bytes=512 << 20, timeout_s=2.0) as fleet:
+    # NOTE: through the node's client (the recommended set-up): a client killed
+    # or crashed (SIGSEGV) is a miss in the replicas, never a dead replica.
+    with MooncakeFleet(workdir / "mooncake", segment_bytes=512 << 20, timeout_s=2.0,
+                       local_client=True) as fleet:
         replicas = [_replica(fleet, workdir / f"replica-{i}.log") for i in range(2)]
         try:
             faults = _Faults(fleet, seed, report)

@@ -46,8 +46,11 @@ def with_spec(argv: list[str], spec_text: str) -> list[str]:
 def serve_with_local_store(paths: Paths, python: str, argv: list[str]) -> int:
     segment_mb = int(os.environ.get("FORK_STORE_SEGMENT_MB", DEFAULT_SEGMENT_MB))
     try:
+        # NOTE: through the node's client (Mooncake's dummy client): the
+        # transfers run in mooncake_client's process, so a crash there is a
+        # miss in vLLM, not a dead server (docs/design/chunk-store.md).
         fleet = MooncakeFleet(paths.cache / "store-local", segment_bytes=segment_mb << 20,
-                              timeout_s=5.0, python=Path(python))
+                              timeout_s=5.0, python=Path(python), local_client=True)
     except RuntimeError as e:
         raise ToolError(str(e)) from None
     with fleet:

@@ -78,7 +78,7 @@ class MooncakeFleet:
 
     def __init__(self, workdir: Path | None = None, *, segment_bytes: int = 64 << 20,
                  timeout_s: float = 3.0, buffer_bytes: int = 16 << 20,
-                 lookup_timeout_s: float | None = None,
+                 lookup_timeout_s: float | None = None, local_client: bool = False,
                  ready_timeout_s: float = 30.0, python: Path | None = None,
                  master_args: Sequence[str] = (), client_args: Sequence[str] = ()):
         # The venv whose Mooncake runs: its binaries sit next to its python.
@@ -91,6 +91,9 @@ class MooncakeFleet:
         # None: --chunk-store's default (tens of ms); tests that count store
         # hits on a loaded machine give lookups longer.
         self.lookup_timeout_s = lookup_timeout_s
+        # True: vLLM connects through the node's client (Mooncake's dummy
+        # client; the transfers run in the client's process).
+        self.local_client = local_client
         self.buffer_bytes = buffer_bytes
         self.ready_timeout_s = ready_timeout_s
         # Extra flags, e.g. ["--client_ttl=3"] (`mooncake_master --help`).
@@ -116,6 +119,8 @@ class MooncakeFleet:
                 f"&timeout={self.timeout_s:g}")
         if self.lookup_timeout_s is not None:
             text += f"&lookup_timeout={self.lookup_timeout_s:g}"
+        if self.local_client:
+            text += f"&local_client=127.0.0.1:{self.client_port}"
         return text
 
     def kill_master(self) -> None:

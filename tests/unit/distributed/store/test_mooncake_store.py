@@ -313,3 +313,52 @@ def test_mooncake_keeps_its_own_timeouts_after_setup_restored_the_environment(ow
         assert time.monotonic() - t0 < TIMEOUT_S * 3 + SLACK_S
     finally:
         fleet.continue_master()
+
+
+# -- through the node's client (Mooncake's dummy client; issue 39, findings 7 and 9) --
+
+
+@pytest.fixture
+def dummy_fleet(tmp_path):
+    with MooncakeFleet(tmp_path, timeout_s=TIMEOUT_S, local_client=True) as f:
+        yield f
+
+
+def _dummy_buffers(store, nbytes):
+    import ctypes
+
+    ptrs = [store.alloc_host(nbytes) for _ in range(2)]
+    for p in ptrs:
+        store.register_buffer(HostBuffer(p, nbytes))
+    return [(p, np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(p)))
+            for p in ptrs]
+
+
+def test_through_the_nodes_client_exact_bytes_and_a_client_crash_is_a_miss(dummy_fleet):
+    """The transfers run in the node's mooncake_client: bytes written by one
+    connection read back exactly by another (the in-process kind), and a
+    SIGSEGV of that client is an error code here, never a dead process."""
+    import os
+    import signal
+
+    spec = dummy_fleet.spec()
+    assert spec.local_client is not None
+    store = MooncakeChunkStore.connect(spec, shared_pool_bytes=8 << 20)
+    (src_ptr, src), (dst_ptr, dst) = _dummy_buffers(store, 2 << 20)
+    src[:] = np.random.default_rng(7).integers(0, 256, src.size, dtype=np.uint8)
+    k = _key(0)
+    assert store.batch_put_from([k], [HostBuffer(src_ptr, src.size)]) == [0]
+    assert store.batch_get_into([k], [HostBuffer(dst_ptr, dst.size)]) == [src.size]
+    assert np.array_equal(src, dst)
+    # Another process's kind of connection (the client in process) reads it too.
+    inproc = MooncakeChunkStore.connect(parse_store_spec(
+        spec.to_url().split("&local_client=")[0]))
+    buf = Pinned(inproc, 4 << 20)
+    assert inproc.batch_get_into([k], [buf.span(0, 2 << 20)]) == [src.size]
+    assert np.array_equal(buf.array[:src.size], src)
+    inproc.close()
+    os.kill(dummy_fleet.client.pid, signal.SIGSEGV)
+    dummy_fleet.client.wait(30)
+    codes, took = _timed(lambda: store.batch_get_into([k], [HostBuffer(dst_ptr, dst.size)]))
+    assert _all_failed(codes) and took < TIMEOUT_S + SLACK_S, (codes, took)
+    assert store.batch_exists([k]) in ([Presence.ERROR], [Presence.ABSENT])

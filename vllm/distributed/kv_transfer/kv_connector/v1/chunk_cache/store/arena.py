@@ -9,6 +9,7 @@ refused (the caller counts it), never waited for.
 
 from __future__ import annotations
 
+import ctypes
 import threading
 
 import torch
@@ -17,13 +18,19 @@ ALIGN = 64
 
 
 class HostArena:
-    def __init__(self, nbytes: int):
+    def __init__(self, nbytes: int, ptr: int | None = None):
+        """`nbytes` of new memory, or the `nbytes` at address `ptr` (memory
+        someone else owns: the dummy client's shared memory, connection.py)."""
         self.nbytes = nbytes
-        # NOTE: pinned where a GPU is present, so copies between the pool and
-        # the arena run as DMA without a staging copy and can be asynchronous
-        # (transfers.py orders them with an event; not executed here).
-        self.tensor = torch.empty(nbytes, dtype=torch.uint8,
-                                  pin_memory=torch.cuda.is_available())
+        if ptr is None:
+            # NOTE: pinned where a GPU is present, so copies between the pool and
+            # the arena run as DMA without a staging copy and can be asynchronous
+            # (transfers.py orders them with an event; not executed here).
+            self.tensor = torch.empty(nbytes, dtype=torch.uint8,
+                                      pin_memory=torch.cuda.is_available())
+        else:
+            self._memory = (ctypes.c_uint8 * nbytes).from_address(ptr)
+            self.tensor = torch.frombuffer(self._memory, dtype=torch.uint8)
         self.ptr = self.tensor.data_ptr()
         # Free spans (offset, size), sorted by offset.
         self._free: list[tuple[int, int]] = [(0, nbytes)]

@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 """SharedStore: a process's one connection to the store, and the host memory
-registered with it.
+registered with it (one arena for reads, one for writes).
 
 NOTE: connecting blocks, so it runs on a thread of its own, never on a path a
 request waits on: until it succeeded `get()` answers None at once, and the
@@ -8,11 +8,19 @@ callers count a miss. A failed try is retried after RECONNECT_S on that
 thread. But Mooncake's `setup` holds the GIL while it runs (measured: another
 Python thread made no progress for the 4.4 s a setup against no master took),
 so a try would stall the whole process, scheduler included: each try first
-opens a plain TCP connection to the master's port (the GIL released) and calls
-`setup` only when that succeeds. A master whose port accepts but which does
-not answer (stopped, SIGSTOP) still costs the process one setup deadline per
-try: only a client outside the process avoids that (not done, see
-docs/design/chunk-store.md).
+opens a plain TCP connection to the address it sets up against (the GIL
+released) and calls `setup` only when that succeeds.
+
+Two ways to connect (StoreSpec.local_client):
+- in process (default): Mooncake's client runs here; the arenas are plain
+  (pinned on a GPU host) memory, registered once connected;
+- through the node's mooncake_client (`local_client=host:port`): this process
+  runs Mooncake's dummy client only, and the node's client makes every
+  transfer. Its transfers can use only the shared memory the dummy client
+  maps, so the arenas are carved from it once connected (until then there are
+  none: reads and writes are misses). A crash in Mooncake's transfer code is
+  then a miss here, not a dead engine, and on one node a read is a copy
+  through shared memory.
 
 The scheduler and a worker share the connection when they run in one process;
 so does a second engine of the process (the seam has no unregister, and
@@ -28,7 +36,7 @@ from typing import TYPE_CHECKING
 
 from vllm.logger import init_logger
 
-from .arena import HostArena
+from .arena import ALIGN, HostArena
 from .base import HostBuffer
 from .spec import StoreSpec, parse_store_spec
 
@@ -39,6 +47,7 @@ logger = init_logger(__name__)
 
 # Between two tries to connect to a store that could not be reached.
 RECONNECT_S = 5.0
+KINDS = ("get", "put")
 
 
 class SharedStore:
@@ -50,8 +59,8 @@ class SharedStore:
         self.spec: StoreSpec = parse_store_spec(spec_text)
         self._store: ChunkStore | None = None
         self._lock = threading.Lock()
-        # kind ("get", "put") -> the arena of that kind of call; registered
-        # with the connection once, by whoever holds the lock when both exist.
+        # The size each arena should have (0: no worker asked for arenas).
+        self._arena_bytes = 0
         self._arenas: dict[str, HostArena] = {}
         self._registered: set[str] = set()
         self._thread: threading.Thread | None = None
@@ -65,6 +74,31 @@ class SharedStore:
                 shared = cls._by_spec[spec_text] = SharedStore(spec_text)
             return shared
 
+    @property
+    def shared_memory(self) -> bool:
+        """Transfers through the node's client (arenas in its shared memory)."""
+        return self.spec.local_client is not None
+
+    def want_arenas(self, nbytes: int) -> None:
+        """A worker needs a read and a write arena of `nbytes` each: made now
+        in process, or from the shared memory once connected. A later engine
+        of this process gets the first one's."""
+        with self._lock:
+            if self._arena_bytes:
+                return
+            self._arena_bytes = nbytes
+            if not self.shared_memory:
+                for kind in KINDS:
+                    self._arenas[kind] = HostArena(nbytes)
+                if self._store is not None:
+                    self._register_locked(self._store)
+            elif self._store is not None:
+                self._carve_locked(self._store)
+
+    def arena(self, kind: str) -> HostArena | None:
+        """The arena of `kind` calls, None while there is none yet."""
+        return self._arenas.get(kind)
+
     def use(self, store: ChunkStore) -> None:
         """Adopt a connection made elsewhere (tools, tests): registers the
         arenas made so far with it and stops nothing else from connecting."""
@@ -73,17 +107,6 @@ class SharedStore:
             self._store = store
             if self._thread is None:
                 self._thread = threading.current_thread()  # no connect thread
-
-    def arena(self, kind: str, nbytes: int) -> HostArena:
-        """The arena for `kind` calls; created with `nbytes` on first use (a
-        later engine of this process gets the first one's size)."""
-        with self._lock:
-            arena = self._arenas.get(kind)
-            if arena is None:
-                arena = self._arenas[kind] = HostArena(nbytes)
-            if self._store is not None:
-                self._register_locked(self._store)
-            return arena
 
     def get(self) -> ChunkStore | None:
         """The connection, or None (at once) while it is not made yet."""
@@ -112,11 +135,15 @@ class SharedStore:
 
         while True:
             try:
-                self._probe_master()
-                store = MooncakeChunkStore.connect(self.spec)
+                self._probe()
+                with self._lock:
+                    pool = len(KINDS) * (self._arena_bytes + 2 * ALIGN)
+                store = MooncakeChunkStore.connect(self.spec, shared_pool_bytes=pool)
                 with self._lock:
                     # NOTE: published only once its memory is registered: a call is
                     # never given memory the client does not know.
+                    if self.shared_memory:
+                        self._carve_locked(store)
                     self._register_locked(store)
                     self._store = store
             except Exception as e:  # noqa: BLE001 - any failure: try again later
@@ -129,12 +156,26 @@ class SharedStore:
             logger.info("chunk store: connected to %s", self.spec_text)
             return
 
-    def _probe_master(self) -> None:
-        """OSError unless the master's port accepts a TCP connection."""
-        timeout = min(1.0, self.spec.timeout_s)
-        with socket.create_connection((self.spec.master_host, self.spec.master_port),
-                                      timeout=timeout):
+    def _probe(self) -> None:
+        """OSError unless the address setup goes to accepts a TCP connection."""
+        address = self.spec.local_client or self.spec.master_address
+        host, _, port = address.rpartition(":")
+        with socket.create_connection((host, int(port)), timeout=min(1.0, self.spec.timeout_s)):
             pass
+
+    def _carve_locked(self, store: ChunkStore) -> None:
+        """The arenas, from the dummy client's shared memory."""
+        if not self._arena_bytes or self._arenas:
+            return
+        try:
+            for kind in KINDS:
+                ptr = store.alloc_host(self._arena_bytes)
+                self._arenas[kind] = HostArena(self._arena_bytes, ptr=ptr)
+        except RuntimeError as e:
+            # NOTE: a connection made before any worker asked (its pool too small):
+            # the store stays without arenas, every read and write a miss.
+            self._arenas.clear()
+            logger.error("chunk store: %s; store reads and writes are off in this process", e)
 
     def _register_locked(self, store: ChunkStore) -> None:
         for kind, arena in self._arenas.items():

@@ -114,11 +114,15 @@ class MooncakeChunkStore(ChunkStore):
         self._stats_lock = threading.Lock()
 
     @classmethod
-    def connect(cls, spec: StoreSpec) -> "MooncakeChunkStore":
+    def connect(cls, spec: StoreSpec, shared_pool_bytes: int = 0) -> "MooncakeChunkStore":
         """Set up a Mooncake client against `spec`'s master; RuntimeError naming
         the master when that fails or does not answer in time. Blocks up to
         the setup deadline: never call it where a request waits (connection.py
-        connects on a thread of its own)."""
+        connects on a thread of its own).
+
+        With `spec.local_client`, Mooncake's dummy client instead, against
+        the node's standalone client, with `shared_pool_bytes` of shared
+        memory: the only memory its transfers can use (`alloc_host`)."""
         try:
             from mooncake.store import MooncakeDistributedStore
         except ImportError as e:
@@ -133,8 +137,14 @@ class MooncakeChunkStore(ChunkStore):
         deadline = max(_MIN_SETUP_DEADLINE_S, _SETUP_DEADLINE_FACTOR * spec.timeout_s)
         t0 = time.monotonic()
         env = mooncake_timeout_env(spec.timeout_s)
-        result = lane.call(
-            lambda: _setup_with_env(env, lambda: client.setup(
+        if spec.local_client is not None:
+            # NOTE: the pool must hold every buffer a transfer is given (they are
+            # carved from it), and at least the local buffer.
+            pool = max(shared_pool_bytes, spec.buffer_bytes) + (1 << 20)
+            setup = lambda: client.setup_dummy(pool, spec.buffer_bytes,  # noqa: E731
+                                               spec.local_client)
+        else:
+            setup = lambda: client.setup(  # noqa: E731
                 spec.local_hostname,
                 spec.metadata_server,
                 spec.segment_bytes,
@@ -142,9 +152,8 @@ class MooncakeChunkStore(ChunkStore):
                 spec.protocol,
                 "",
                 spec.master_address,
-            )),
-            deadline,
-        )
+            )
+        result = lane.call(lambda: _setup_with_env(env, setup), deadline)
         lane.stop()
         if result.status is not CallStatus.OK or result.value != 0:
             why = {
@@ -159,18 +168,38 @@ class MooncakeChunkStore(ChunkStore):
                     client.close()
                 except Exception:  # noqa: BLE001 - best effort on a failed client
                     pass
+            if spec.local_client is not None:
+                raise RuntimeError(
+                    f"--chunk-store: cannot reach the node's mooncake_client at "
+                    f"{spec.local_client} ({why}); is it running there (its --port)?")
             raise RuntimeError(
                 f"--chunk-store: cannot connect to the Mooncake master at "
                 f"{spec.master_address} over {spec.protocol} ({why}); is "
                 f"mooncake_master running there, and a mooncake_client lending memory?"
             )
-        logger.info(
-            "chunk store: connected to the Mooncake master at %s over %s in %.2f s "
-            "(call deadline %.1f s, this process lends %d bytes)",
-            spec.master_address, spec.protocol, time.monotonic() - t0, spec.timeout_s,
-            spec.segment_bytes,
-        )
+        if spec.local_client is not None:
+            logger.info("chunk store: connected to the node's mooncake_client at %s in "
+                        "%.2f s (dummy client: transfers are made by that process; %d "
+                        "bytes of shared memory)", spec.local_client,
+                        time.monotonic() - t0, shared_pool_bytes)
+        else:
+            logger.info(
+                "chunk store: connected to the Mooncake master at %s over %s in %.2f s "
+                "(call deadline %.1f s, this process lends %d bytes)",
+                spec.master_address, spec.protocol, time.monotonic() - t0, spec.timeout_s,
+                spec.segment_bytes,
+            )
         return cls(spec, client)
+
+    def alloc_host(self, nbytes: int) -> int:
+        """With a local client: the address of `nbytes` of the shared memory its
+        transfers use (registered); RuntimeError when the pool is too small."""
+        assert self.spec.local_client is not None
+        result = self._call("query", lambda: self._client.alloc_from_mem_pool(nbytes))
+        if result.status is not CallStatus.OK or not result.value:
+            raise RuntimeError(f"chunk store: no {nbytes} bytes left in the shared memory "
+                               f"of the node's mooncake_client ({result.status.value})")
+        return int(result.value)
 
     # -- the seam ---------------------------------------------------------------
 

@@ -15,7 +15,11 @@ given before the document is computed instead; default 0.5, more for large
 entries at the bandwidth measured), `arena` (host memory for reads, and as
 much again for writes; default: two entries of --max-chunk-tokens, at least
 256 MB), `key_file` (a file holding the fleet's secret: every entry is then
-authenticated with a keyed BLAKE3 MAC; default none), `protocol` (tcp, rdma
+authenticated with a keyed BLAKE3 MAC; default none), `local_client`
+(host:port of the node's standalone `mooncake_client` service: the transfers
+are then made by that process, and this one holds only Mooncake's dummy
+client and shared memory; default none: the client runs in this process),
+`protocol` (tcp, rdma
 or ascend; default tcp), `metadata_server` (default P2PHANDSHAKE),
 `local_hostname` (the address this process's transfer engine announces;
 default 127.0.0.1). Sizes are bytes or a number with KB/MB/GB (binary, as
@@ -39,7 +43,7 @@ _UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10,
           "G": 1 << 30, "GB": 1 << 30, "GIB": 1 << 30}
 _SIZE = re.compile(r"^\s*(\d+)\s*([A-Za-z]*)\s*$")
 _KEYS = ("segment", "buffer", "timeout", "lookup_timeout", "read_timeout", "arena",
-         "key_file", "protocol", "metadata_server", "local_hostname")
+         "key_file", "local_client", "protocol", "metadata_server", "local_hostname")
 
 
 @dataclass(frozen=True)
@@ -88,6 +92,13 @@ class StoreSpec:
     """A file whose bytes are the fleet's secret: entries then carry a keyed
     BLAKE3 MAC over key and payload, and one without a valid MAC is a miss."""
 
+    local_client: str | None = None
+    """"host:port" of the node's standalone mooncake_client service. Given, this
+    process runs Mooncake's dummy client only: the node's client makes every
+    transfer (same node: a copy through shared memory), so a crash in
+    Mooncake's transfer code is a miss here, not a dead engine. None: the
+    client runs inside this process."""
+
     def __post_init__(self) -> None:
         _check_address(self.master_address)
         if self.segment_bytes < 0:
@@ -110,6 +121,11 @@ class StoreSpec:
             raise ValueError(f"arena must be at least 1MB, got {self.arena_bytes} bytes")
         if self.key_file is not None and not self.key_file:
             raise ValueError("key_file must name a file")
+        if self.local_client is not None:
+            _check_address(self.local_client, "local_client")
+            if self.segment_bytes:
+                raise ValueError("segment must be 0 with local_client: the node's "
+                                 "mooncake_client lends the memory")
 
     @property
     def master_host(self) -> str:
@@ -132,6 +148,8 @@ class StoreSpec:
             url += f"&arena={self.arena_bytes}"
         if self.key_file is not None:
             url += f"&key_file={quote(self.key_file, safe='/')}"
+        if self.local_client is not None:
+            url += f"&local_client={self.local_client}"
         return url
 
 
@@ -207,7 +225,7 @@ def _build(master: str, fields: dict) -> StoreSpec:
             kwargs[f"{key}_s"] = _seconds(key, fields[key])
     if "arena" in fields:
         kwargs["arena_bytes"] = _size("arena", fields["arena"])
-    for key in ("protocol", "metadata_server", "local_hostname", "key_file"):
+    for key in ("protocol", "metadata_server", "local_hostname", "key_file", "local_client"):
         if key in fields:
             if not isinstance(fields[key], str):
                 raise ValueError(f"{key} must be a string, got {fields[key]!r}")
@@ -237,9 +255,9 @@ def _seconds(name: str, value) -> float:
         raise ValueError(f"{name} must be a number of seconds, got {value!r}") from None
 
 
-def _check_address(address: str) -> None:
+def _check_address(address: str, what: str = "master address") -> None:
     host, sep, port = address.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"master address must be 'host:port', got {address!r}")
+        raise ValueError(f"{what} must be 'host:port', got {address!r}")
     if any(c in host for c in " /?#@"):
-        raise ValueError(f"bad host in master address {address!r}")
+        raise ValueError(f"bad host in {what} {address!r}")

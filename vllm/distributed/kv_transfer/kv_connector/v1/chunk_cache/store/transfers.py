@@ -165,8 +165,7 @@ class StoreTransfers:
                 f"out to size it from the model")
         # NOTE: reads and writes have arenas of their own: a burst of writes
         # never leaves a read without room (reads come first).
-        self.get_arena = shared.arena("get", arena_bytes)
-        self.put_arena = shared.arena("put", arena_bytes)
+        shared.want_arenas(arena_bytes)
         self._get_thread = ThreadPoolExecutor(1, thread_name_prefix="chunk-store-get")
         self._put_thread = ThreadPoolExecutor(1, thread_name_prefix="chunk-store-put")
         self._fp_thread = ThreadPoolExecutor(1, thread_name_prefix="chunk-store-weights")
@@ -217,6 +216,14 @@ class StoreTransfers:
         assert spec_text is not None
         return cls(StoreRank.from_engine(vllm_config, model), SharedStore.of(spec_text),
                    model, tensors, kv_dtype)
+
+    @property
+    def get_arena(self):
+        return self._shared.arena("get")
+
+    @property
+    def put_arena(self):
+        return self._shared.arena("put")
 
     @property
     def identity(self) -> RankIdentity | None:
@@ -310,7 +317,8 @@ class StoreTransfers:
         num_rows = len(entry.token_ids) - entry.virtual_start
         head = entry_format.header_nbytes(len(entry.token_ids))
         nbytes = entry_nbytes(len(entry.token_ids), num_rows, self.row_bytes)
-        start = self.put_arena.allocate(nbytes, tail_align_at=head)
+        arena = self.put_arena
+        start = None if arena is None else arena.allocate(nbytes, tail_align_at=head)
         if start is None:
             self._count("store_puts_skipped")
             return
@@ -406,7 +414,8 @@ class StoreTransfers:
                     or self.weights_changed):
                 self._outcomes[fetch.fetch_id] = FetchOutcome.ERROR
                 continue
-            start = self.get_arena.allocate(nbytes, tail_align_at=head)
+            arena = self.get_arena
+            start = None if arena is None else arena.allocate(nbytes, tail_align_at=head)
             if start is None:
                 logger.warning("chunk store: no host room for a %d-byte read; computing it",
                                nbytes)
