@@ -295,15 +295,31 @@ def test_weights_loaded_without_a_reset_stop_puts_and_reads_until_the_next_epoch
 # -- the real store ---------------------------------------------------------------
 
 
-@pytest.fixture(scope="module", params=["in-process", "local-client"])
-def big_fleet(request, tmp_path_factory):
+def _big_fleet(tmp_path, local_client: bool):
     # One 8B entry of 4096 tokens is 512 MiB; the client lends room for it.
-    with MooncakeFleet(tmp_path_factory.mktemp("fleet"), segment_bytes=1200 << 20,
-                       timeout_s=30.0, local_client=request.param == "local-client") as fleet:
+    return MooncakeFleet(tmp_path, segment_bytes=1200 << 20, timeout_s=30.0,
+                         local_client=local_client)
+
+
+@pytest.fixture(scope="module")
+def big_fleet(tmp_path_factory):
+    with _big_fleet(tmp_path_factory.mktemp("fleet"), local_client=False) as fleet:
         yield fleet
 
 
 def test_an_entry_of_max_chunk_tokens_of_an_8b_model_round_trips(big_fleet):
+    _round_trip_8b(big_fleet)
+
+
+@pytest.mark.slow
+def test_an_8b_entry_round_trips_through_the_nodes_client(tmp_path):
+    """The same through the node's client (local_client; the read-bandwidth
+    comparison of docs/design/chunk-store.md)."""
+    with _big_fleet(tmp_path, local_client=True) as fleet:
+        _round_trip_8b(fleet)
+
+
+def _round_trip_8b(big_fleet) -> None:
     max_tokens = 4096  # ChunkCacheConfig.max_chunk_tokens' default
     blocks = -(-max_tokens // POOL_BLOCK_SIZE)
     g = torch.Generator().manual_seed(8)
