@@ -51,8 +51,32 @@ def private_context(reference: "Reference", mode: str):
     return context_of
 
 
+def layer_windows(config) -> list[int | None]:
+    """Each decoder layer's sliding window (None: full attention), read from the
+    HF config as transformers' own mask functions read it: `layer_types`
+    ("sliding_attention" layers get `sliding_window`), else `sliding_window`
+    on every layer unless `use_sliding_window` is False (Mistral, Phi-3)."""
+    n = config.num_hidden_layers
+    window = getattr(config, "sliding_window", None)
+    types = getattr(config, "layer_types", None)
+    if types is not None:
+        unknown = set(types) - {"full_attention", "sliding_attention"}
+        if unknown:
+            raise ValueError(f"reference: layer types {sorted(unknown)} are not modelled")
+        return [window if t == "sliding_attention" else None for t in types]
+    if window is not None and getattr(config, "use_sliding_window", True) is not False:
+        return [window] * n
+    return [None] * n
+
+
 class Reference:
-    """HF model + tokenizer in float32, eager attention (additive 4D mask)."""
+    """HF model + tokenizer in float32, eager attention (additive 4D mask).
+
+    Sliding-window layers (issue 42): transformers uses a custom 4D mask as
+    given, on every layer, and its eager attention does not apply the window
+    itself, so each windowed layer's attention gets the isolation mask with
+    its window applied (IsolatedSequence.windowed), swapped in by a pre-hook
+    on that layer's attention module."""
 
     def __init__(self, model_dir: str):
         from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -61,6 +85,34 @@ class Reference:
         self.model = AutoModelForCausalLM.from_pretrained(
             model_dir, dtype=torch.float32, attn_implementation="eager"
         ).eval()
+        self.windows = layer_windows(self.model.config)
+        self._layer_masks: list[torch.Tensor | None] = [None] * len(self.windows)
+        if any(w is not None for w in self.windows):
+            layers = self.model.model.layers
+            assert len(layers) == len(self.windows)
+            for i, layer in enumerate(layers):
+                layer.self_attn.register_forward_pre_hook(self._swap_mask(i), with_kwargs=True)
+
+    def _swap_mask(self, index: int):
+        def hook(module, args, kwargs):
+            mask = self._layer_masks[index]
+            if mask is not None:
+                assert "attention_mask" in kwargs, "reference: the layer's mask is not a kwarg"
+                kwargs["attention_mask"] = mask
+            return args, kwargs
+        return hook
+
+    def _forward(self, seq) -> torch.Tensor:
+        """Logits [T, vocab] of the extended sequence, each layer under its mask."""
+        mask = seq.additive_mask(torch.float32)
+        self._layer_masks = [None if w is None else seq.additive_mask(torch.float32, w)
+                             for w in self.windows]
+        try:
+            out = self.model(input_ids=torch.tensor([seq.token_ids]),
+                             position_ids=seq.position_ids[None], attention_mask=mask)
+        finally:
+            self._layer_masks = [None] * len(self.windows)
+        return out.logits[0]
 
     def chunked_prompt(self, layout: Layout) -> ChunkedPrompt:
         """Per-segment tokenization: special tokens on the first segment only."""
@@ -87,12 +139,7 @@ class Reference:
         seq = build_isolated_sequence(prompt, mode, extra_token_ids=generated,
                                       sink_token_id=self.tokenizer.bos_token_id,
                                       recompute_tokens=recompute_tokens)
-        out = self.model(
-            input_ids=torch.tensor([seq.token_ids]),
-            position_ids=seq.position_ids[None],
-            attention_mask=seq.additive_mask(torch.float32),
-        )
-        logits = out.logits[0].double()
+        logits = self._forward(seq).double()
         # Rows of the last prompt token and of every generated token: the
         # last len(generated) + 1 rows (the question and generated tokens
         # are the tail of the extended sequence).

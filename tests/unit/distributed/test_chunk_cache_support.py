@@ -110,18 +110,27 @@ def test_one_group_of_full_attention_gives_its_block_size():
     assert kv_cache_block_size(_kv_cache_config(_spec())) == 16
 
 
+def test_windows_kept_as_full_attention_or_covering_the_model_are_served():
+    """Issue 42: sliding layers kept as full attention (hybrid allocator off: every
+    block kept, each kernel applies its window by position) are served (Gemma 2 / 3
+    in the family matrix); so is a window of at least max_model_len on every layer."""
+    assert kv_cache_block_size(_kv_cache_config(_spec(sliding_window=32))) == 16
+    assert kv_cache_block_size(_kv_cache_config(_spec("sliding")), max_model_len=32) == 16
+
+
 @pytest.mark.parametrize("specs, message", [
     # Before: a single group of sliding-window layers was served, its loaded
-    # rows not what the model computes.
-    ((_spec("sliding"),), "full attention only.*SlidingWindowSpec"),
-    ((_spec("chunked"),), "full attention only.*ChunkedLocalAttentionSpec"),
-    # Sliding layers kept as full attention (hybrid allocator off).
-    ((_spec(sliding_window=32),), "full attention only.*window 32"),
+    # rows not what the model computes. Still refused below max_model_len: the
+    # sliding-window manager frees the blocks that leave the window.
+    ((_spec("sliding"),), "kept as full attention.*SlidingWindowSpec, window 32 "
+     r"\(a window shorter than --max-model-len on every layer"),
+    ((_spec("chunked"),), "ChunkedLocalAttentionSpec, chunk size 32 "
+     r"\(chunked-local attention restarts at absolute positions"),
     ((_spec(), _spec("sliding")), "one KV cache group; this model has 2"),
-], ids=["sliding", "chunked-local", "full-with-window", "two-groups"])
+], ids=["sliding", "chunked-local", "two-groups"])
 def test_other_kv_cache_layouts_are_refused(specs, message):
     with pytest.raises(ValueError, match=message):
-        kv_cache_block_size(_kv_cache_config(*specs))
+        kv_cache_block_size(_kv_cache_config(*specs), max_model_len=4096)
 
 
 # ------------------------------------------------------ attention layers
@@ -146,9 +155,22 @@ def test_kv_sharing_layers_are_refused():
         check_attention_layer("model.layers.3.self_attn.attn", layer)
 
 
-def test_sliding_window_layers_are_refused():
-    with pytest.raises(ValueError, match="sliding-window attention.*window 4096"):
-        check_attention_layer("l0", _attention(sliding_window=4096))
+# Stand-ins named as the backends' implementations (the checks go by class name).
+CPUAttentionBackendImpl = type("CPUAttentionBackendImpl", (), {"kv_cache_dtype": "auto"})
+FlashAttentionImpl = type("FlashAttentionImpl", (), {"kv_cache_dtype": "auto"})
+
+
+def test_sliding_window_layers_are_served_where_shown_exact():
+    """Issue 42. Before: every windowed layer was refused, even Gemma 2's 4096
+    on a 4096-token model. A window of at least max_model_len is full attention
+    on any backend; a shorter one is served on CPU_ATTN (shown exact by the
+    family matrix) and refused elsewhere, naming the layer and the backend."""
+    check_attention_layer("l0", _attention(sliding_window=8, impl=CPUAttentionBackendImpl()), 4096)
+    check_attention_layer("l0", _attention(sliding_window=4096, impl=FlashAttentionImpl()), 4096)
+    with pytest.raises(ValueError, match=r"sliding-window attention \(l0, window 4095\) on "
+                       "the attention backend FlashAttentionImpl"):
+        check_attention_layer("l0", _attention(sliding_window=4095, impl=FlashAttentionImpl()),
+                              4096)
 
 
 def test_non_attention_layers_and_unknown_backends_are_refused():

@@ -82,7 +82,9 @@ class ConditionalRope(nn.Module):
 def test_rope_use_is_read_from_the_forward():
     assert rope_use(UsesRope("a")) == "always"
     assert rope_use(KeepsUnusedRope("a")) == "never"
-    assert rope_use(ConditionalRope("a", True)) == "conditional"
+    # Issue 42: a flag the module holds decides the branch (before: "conditional").
+    assert rope_use(ConditionalRope("a", True)) == "always"
+    assert rope_use(ConditionalRope("a", False)) == "never"
 
 
 def test_a_layer_that_keeps_an_unused_rotary_emb_is_not_rotated():
@@ -94,10 +96,69 @@ def test_a_layer_that_keeps_an_unused_rotary_emb_is_not_rotated():
     assert orphans == ["l1"]  # the worker refuses a model mixing both
 
 
-def test_a_conditionally_applied_rope_is_refused():
+def test_a_rope_applied_under_a_flag_is_decided_per_layer():
+    """Issue 42, deliverable 3: the test reads the module's own state, so each
+    layer's branch is known; a layer that skips its rope is still an orphan in
+    a model with RoPE elsewhere (refused by the worker, as before)."""
     model = nn.ModuleList([ConditionalRope("l0", True), ConditionalRope("l1", False)])
-    with pytest.raises(ValueError, match="cannot tell whether ConditionalRope"):
-        find_layer_ropes(model)
+    ropes, orphans = find_layer_ropes(model)
+    assert ropes == {"l0": model[0].rotary_emb, "l1": None} and orphans == ["l1"]
+    ropes, orphans = find_layer_ropes(nn.ModuleList([ConditionalRope("l0", True)]))
+    assert ropes == {"l0": ropes["l0"]} and ropes["l0"] is not None and not orphans
+
+
+class OlmoHybridStyle(nn.Module):
+    """vLLM's OLMo hybrid attention: `_use_rope` from the config, the rope
+    applied under it; also through a conditional expression."""
+
+    def __init__(self, name, use, expression=False):
+        super().__init__()
+        self._use_rope = use
+        self.expression = expression
+        self.rotary_emb = _Rope() if use else None
+        self.attn = _attention(name)
+
+    def forward(self, positions, q, k):
+        if self._use_rope and not self.expression:
+            q, k = self.rotary_emb(positions, q, k)
+        q, k = self.rotary_emb(positions, q, k) if self.expression else (q, k)
+        return self.attn(q, k)
+
+
+class FlagSetInForward(ConditionalRope):
+    def forward(self, positions, q, k):
+        self.use_rope = positions.numel() > 1
+        if self.use_rope:
+            q, k = self.rotary_emb(positions, q, k)
+        return self.attn(q, k)
+
+
+class TensorFlag(ConditionalRope):
+    def __init__(self, name):
+        super().__init__(name, True)
+        self.use_rope = torch.tensor(True)
+
+
+class InputTest(ConditionalRope):
+    def forward(self, positions, q, k):
+        if positions.numel() > 0 and self.use_rope:
+            q, k = self.rotary_emb(positions, q, k)
+        return self.attn(q, k)
+
+
+def test_module_state_decides_only_unambiguous_tests():
+    assert rope_use(OlmoHybridStyle("a", True)) == "always"
+    assert rope_use(OlmoHybridStyle("a", True, expression=True)) == "always"
+    model = nn.ModuleList([OlmoHybridStyle("l0", True), OlmoHybridStyle("l1", True, True)])
+    ropes, orphans = find_layer_ropes(model)
+    assert all(ropes[n] is model[i].rotary_emb for i, n in enumerate(("l0", "l1")))
+    assert not orphans
+    # Undecided (refused as before): a flag the forward assigns, a tensor's
+    # truth, a test on the input.
+    for module in (FlagSetInForward("a", True), TensorFlag("a"), InputTest("a", True)):
+        assert rope_use(module) == "conditional", type(module).__name__
+        with pytest.raises(ValueError, match=f"cannot tell whether {type(module).__name__}"):
+            find_layer_ropes(nn.ModuleList([module]))
 
 
 def test_nope_layer_configs_are_refused():

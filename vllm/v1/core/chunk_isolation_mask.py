@@ -77,10 +77,25 @@ class IsolatedSequence:
     # Index of each extended token in the final sequence, -1 for copies [T].
     source_index: torch.Tensor
 
-    def additive_mask(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """[1, 1, T, T]: 0 where allowed, the dtype's min elsewhere (HF)."""
-        mask = torch.zeros(self.allowed.shape, dtype=dtype)
-        return mask.masked_fill(~self.allowed, torch.finfo(dtype).min)
+    def additive_mask(self, dtype: torch.dtype = torch.float32,
+                      window: int | None = None) -> torch.Tensor:
+        """[1, 1, T, T]: 0 where allowed, the dtype's min elsewhere (HF);
+        `window`: the mask of a sliding-window layer (`windowed`)."""
+        allowed = self.allowed if window is None else self.windowed(window)
+        mask = torch.zeros(allowed.shape, dtype=dtype)
+        return mask.masked_fill(~allowed, torch.finfo(dtype).min)
+
+    def windowed(self, window: int) -> torch.Tensor:
+        """The mask of a layer with a sliding window of `window` keys (issue 42,
+        docs/design/sliding-window.md): `allowed` and, by position, the last
+        `window` keys up to the query's own (pos_q - pos_k < window). Copies sit
+        at the positions just before their chunk, so a chunk token sees the last
+        `window` keys of its private context and chunk (what its child computes
+        alone); a question token sees the last `window` real keys of the
+        assembled sequence."""
+        pos = self.position_ids
+        near = (pos[:, None] - pos[None, :]) < window
+        return self.allowed & near[None, None]
 
     @property
     def real_rows(self) -> torch.Tensor:

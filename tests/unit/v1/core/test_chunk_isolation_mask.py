@@ -51,6 +51,26 @@ def test_sink_mode_hand_worked():
     assert seq.real_rows.tolist() == [0, 1, 3, 4, 6, 7]
 
 
+def test_sliding_window_hand_worked():
+    """Issue 42 (docs/design/sliding-window.md): a layer with a window of W keys
+    sees, of what the isolation mask allows, the keys with pos_q - pos_k < W."""
+    seq = build_isolated_sequence(PROMPT, ChunkContextMode.SINK, sink_token_id=9)
+    # a b | s c d | s e | f   at positions 0 1 | 1 2 3 | 3 4 | 5
+    assert as_rows(seq.windowed(2)) == [
+        "1.......",
+        "11......",
+        "..1.....",
+        "..11....",
+        "...11...",  # d (3): its sink (1) left the window, c (2) did not
+        ".....1..",
+        ".....11.",
+        "......11",  # the question (5): e (4) and itself, the last 2 real keys
+    ]
+    assert torch.equal(seq.windowed(6), seq.allowed)  # a window over the prompt: no change
+    additive = seq.additive_mask(torch.float32, window=2)
+    assert torch.equal(additive == 0, seq.windowed(2))
+
+
 def test_none_mode_hand_worked():
     seq = build_isolated_sequence(PROMPT, ChunkContextMode.NONE)
     assert seq.token_ids == [1, 2, 3, 4, 5, 6]

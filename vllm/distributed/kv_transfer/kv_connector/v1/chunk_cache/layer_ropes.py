@@ -19,32 +19,37 @@ def rope_use(owner: nn.Module) -> str:
     "always" (called unconditionally in forward), "never" (forward does not
     mention it) or "conditional"/"unknown" (cannot be told: refuse).
 
-    Two tests of the rope object itself are decided for this owner's rope,
-    the branch taken is read as unconditional and the other one as dead:
+    A test (`if` statement or `x if test else y`) that reads only the
+    module's own state is decided for this owner, the branch taken is read
+    as unconditional and the other one as dead (issue 42, deliverable 3):
     `if self.rotary_emb is not None:` (vLLM's MLA wrapper: with a rope, its
-    body runs), and `if isinstance(self.rotary_emb, X):` with X a class (or
+    body runs), `if isinstance(self.rotary_emb, X):` with X a class (or
     tuple of classes) named in the forward's module (vllm-ascend's
     patch_qwen3vl forward of Qwen3 and Qwen3-MoE attention: a fused M-RoPE
-    path for AscendMRotaryEmbedding, the plain rope call otherwise).
+    path for AscendMRotaryEmbedding, the plain rope call otherwise), and
+    tests of plain attributes set at construction (`if self._use_rope:`,
+    OLMo's hybrid attention; `self.x is None`, `==`, `not`, `and`, `or`).
+    Only when unambiguous: an attribute the forward itself assigns, or whose
+    value is not a plain constant (None, bool, int, float, str) outside an
+    `is None` / `isinstance` test (a tensor, a module's truthiness), or any
+    name other than `self` leaves the test undecided ("conditional").
     """
-    forward = type(owner).forward
-    try:
-        source = textwrap.dedent(inspect.getsource(forward))
-        tree = ast.parse(source)
-    except (OSError, TypeError, SyntaxError):
+    parsed = _forward_tree(type(owner))
+    if parsed is None:
         return "unknown"
-    func = tree.body[0]
-    if not isinstance(func, (ast.FunctionDef, ast.AsyncFunctionDef)):
-        return "unknown"
+    func, names, assigned = parsed
     uses: list[bool] = []  # one per mention of self.rotary_emb: conditional?
-    rope = getattr(owner, "rotary_emb", None)
-    names = getattr(forward, "__globals__", {})
+
+    def decide(test: ast.AST) -> bool | None:
+        value = _state_value(test, owner, names, assigned)
+        return None if value is _UNDECIDED else bool(value)
 
     def visit(node: ast.AST, conditional: bool) -> None:
-        if isinstance(node, ast.If):
-            taken = _rope_test_outcome(node.test, rope, names)
+        if isinstance(node, (ast.If, ast.IfExp)):
+            taken = decide(node.test)
             if taken is not None:
-                for child in node.body if taken else node.orelse:
+                branch = node.body if taken else node.orelse
+                for child in branch if isinstance(branch, list) else [branch]:
                     visit(child, conditional)
                 return
         if _is_self_rope(node):
@@ -82,26 +87,124 @@ def _is_self_rope(node: ast.AST) -> bool:
             and isinstance(node.value, ast.Name) and node.value.id == "self")
 
 
-def _rope_test_outcome(test: ast.AST, rope: object, names: dict) -> bool | None:
-    """The value of an `if` test on the rope object alone, for this `rope`:
-    `self.rotary_emb is not None`, `isinstance(self.rotary_emb, X)` (X a
-    class or tuple of classes resolved in the forward's globals `names`),
-    either under `not`; None for any other test (or an X not resolved)."""
-    if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
-        inner = _rope_test_outcome(test.operand, rope, names)
-        return None if inner is None else not inner
-    if (isinstance(test, ast.Compare) and _is_self_rope(test.left)
-            and len(test.ops) == 1 and isinstance(test.ops[0], ast.IsNot)
-            and isinstance(test.comparators[0], ast.Constant)
-            and test.comparators[0].value is None):
-        return rope is not None
-    if (isinstance(test, ast.Call) and isinstance(test.func, ast.Name)
-            and test.func.id == "isinstance" and names.get("isinstance", isinstance) is isinstance
-            and len(test.args) == 2 and not test.keywords and _is_self_rope(test.args[0])):
-        classes = _resolve_classes(test.args[1], names)
-        if classes is not None:
-            return isinstance(rope, classes)
-    return None
+_UNDECIDED = object()
+# Values a test may read from the module's state: what a constructor sets
+# from the config (a tensor or a module has no unambiguous truth value).
+_PLAIN = (type(None), bool, int, float, str)
+
+
+def _forward_tree(cls: type):
+    """(the forward's FunctionDef, its module globals, the `self` attributes
+    the forward assigns) for `cls`, or None when its source cannot be read."""
+    cached = _TREES.get(cls)
+    if cached is not None or cls in _TREES:
+        return cached
+    forward = cls.forward
+    result = None
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(forward)))
+        func = tree.body[0]
+        if isinstance(func, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            assigned = {
+                target.attr for node in ast.walk(func)
+                for target in _assign_targets(node)
+                if isinstance(target, ast.Attribute) and isinstance(target.value, ast.Name)
+                and target.value.id == "self"}
+            result = (func, getattr(forward, "__globals__", {}), assigned)
+    except (OSError, TypeError, SyntaxError):
+        result = None
+    _TREES[cls] = result
+    return result
+
+
+_TREES: dict[type, object] = {}
+
+
+def _assign_targets(node: ast.AST) -> list[ast.AST]:
+    if isinstance(node, ast.Assign):
+        targets = []
+        for target in node.targets:
+            targets.extend(target.elts if isinstance(target, ast.Tuple) else [target])
+        return targets
+    if isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+        return [node.target]
+    return []
+
+
+def _state_value(test: ast.AST, owner: object, names: dict, assigned: set[str]):
+    """The value of `test` read from `owner`'s state alone, or _UNDECIDED.
+    `self.a.b` must name attributes the forward does not assign; a value
+    used for its truth or compared must be a plain constant; `is None` /
+    `is not None` and `isinstance` may test any object."""
+
+    def attribute(node: ast.AST):
+        path = []
+        while isinstance(node, ast.Attribute):
+            path.append(node.attr)
+            node = node.value
+        if not (isinstance(node, ast.Name) and node.id == "self" and path):
+            return _UNDECIDED
+        if path[-1] in assigned:
+            return _UNDECIDED
+        value = owner
+        for attr in reversed(path):
+            # NOTE: inspect.getattr_static would miss nn.Module's submodules.
+            if not hasattr(value, attr):
+                return _UNDECIDED
+            value = getattr(value, attr)
+        return value
+
+    def plain(node: ast.AST):
+        if isinstance(node, ast.Constant):
+            return node.value if isinstance(node.value, _PLAIN) else _UNDECIDED
+        value = evaluate(node)
+        return value if value is _UNDECIDED or isinstance(value, _PLAIN) else _UNDECIDED
+
+    def evaluate(node: ast.AST):
+        if isinstance(node, ast.Attribute):
+            return attribute(node)
+        if isinstance(node, ast.Constant):
+            return node.value
+        if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.Not):
+            value = plain(node.operand)
+            return _UNDECIDED if value is _UNDECIDED else not value
+        if isinstance(node, ast.BoolOp):
+            values = [plain(v) for v in node.values]
+            if any(v is _UNDECIDED for v in values):
+                return _UNDECIDED
+            return all(values) if isinstance(node.op, ast.And) else any(values)
+        if isinstance(node, ast.Compare) and len(node.ops) == 1:
+            op, right = node.ops[0], node.comparators[0]
+            if isinstance(op, (ast.Is, ast.IsNot)):
+                if not (isinstance(right, ast.Constant) and right.value is None):
+                    return _UNDECIDED
+                left = evaluate(node.left)
+                if left is _UNDECIDED:
+                    return _UNDECIDED
+                return (left is None) == isinstance(op, ast.Is)
+            left, value = plain(node.left), plain(right)
+            if left is _UNDECIDED or value is _UNDECIDED:
+                return _UNDECIDED
+            compare = {ast.Eq: lambda a, b: a == b, ast.NotEq: lambda a, b: a != b}
+            fn = compare.get(type(op))
+            return _UNDECIDED if fn is None else fn(left, value)
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                and node.func.id == "isinstance"
+                and names.get("isinstance", isinstance) is isinstance
+                and len(node.args) == 2 and not node.keywords):
+            subject = attribute(node.args[0])
+            classes = _resolve_classes(node.args[1], names)
+            if subject is _UNDECIDED or classes is None:
+                return _UNDECIDED
+            return isinstance(subject, classes)
+        return _UNDECIDED
+
+    value = evaluate(test)
+    if value is _UNDECIDED or isinstance(test, ast.Compare) or isinstance(
+            test, ast.Call):
+        return value
+    # A bare value decides the branch by its truth: a plain constant only.
+    return value if isinstance(value, _PLAIN) else _UNDECIDED
 
 
 def _resolve_classes(node: ast.AST, names: dict) -> tuple[type, ...] | None:
@@ -147,9 +250,10 @@ def find_layer_ropes(
 
     The rope is the `rotary_emb` of the module that owns the attention
     layer (the convention of vLLM's decoder models), and it must be applied
-    unconditionally by that module's forward. A module that applies it
-    conditionally (NoPE layers chosen by config) is refused: we cannot tell
-    which layers' keys carry RoPE.
+    unconditionally by that module's forward, or under a test its own state
+    decides (rope_use). A module that applies it under a test that cannot be
+    decided (on the input, on an attribute the forward changes) is refused:
+    we cannot tell which layers' keys carry RoPE.
     """
     from vllm.model_executor.layers.attention.attention import Attention
     from vllm.model_executor.layers.attention.mla_attention import MLAAttention
@@ -157,7 +261,6 @@ def find_layer_ropes(
     ropes: dict[str, nn.Module | None] = {}
     orphans: list[str] = []
     any_rope = False
-    use_by_class: dict[tuple[type, type], str] = {}
     for _, module in model.named_modules():
         rope = getattr(module, "rotary_emb", None)
         if not isinstance(rope, nn.Module):
@@ -166,11 +269,9 @@ def find_layer_ropes(
                       if isinstance(c, (Attention, MLAAttention))]
         if rope is not None and attentions:
             cls = type(module)
-            # NOTE: per rope class too: a forward may test the rope's type.
-            key = (cls, type(rope))
-            if key not in use_by_class:
-                use_by_class[key] = rope_use(module)
-            use = use_by_class[key]
+            # NOTE: per module, not per class: a forward's test may read the
+            # module's state (the rope's type, a flag set from the config).
+            use = rope_use(module)
             if use in ("conditional", "unknown"):
                 raise ValueError(
                     f"chunk cache cannot tell whether {cls.__name__} applies its "

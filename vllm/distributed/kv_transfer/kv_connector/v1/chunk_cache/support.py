@@ -10,10 +10,10 @@ they need:
 * `check_config`: the engine config (front end and engine core, before
   anything is built): features that change what a step computes;
 * `kv_cache_block_size`: the KV cache layout (scheduler, once vLLM grouped
-  the layers): one group of plain full attention;
+  the layers): one group of full attention (windowed layers kept as full);
 * `check_attention_layer`: each attention layer (worker, once the model is
-  built): standard attention, its own KV cache, no window, a backend whose
-  cache write the load can use.
+  built): standard attention, its own KV cache, a window only on a backend
+  shown to apply it by position, a backend whose cache write the load can use.
 """
 
 from __future__ import annotations
@@ -244,10 +244,18 @@ def check_model_config(hf_config: Any) -> None:
                 )
 
 
-def kv_cache_block_size(kv_cache_config: KVCacheConfig) -> int:
-    """The paged block size of the single KV cache group of plain full
-    attention; refuses every other layout."""
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
+def kv_cache_block_size(kv_cache_config: KVCacheConfig,
+                        max_model_len: int | None = None) -> int:
+    """The paged block size of the single KV cache group of full attention
+    (every block of a request kept: sliding-window layers too, once vLLM's
+    hybrid allocator, off under a KV connector, kept them as full attention;
+    docs/design/sliding-window.md); refuses every other layout. A window of
+    at least `max_model_len` keys is full attention whatever keeps it."""
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        MLAAttentionSpec,
+        SlidingWindowSpec,
+    )
 
     groups = kv_cache_config.kv_cache_groups
     if len(groups) != 1:
@@ -257,26 +265,47 @@ def kv_cache_block_size(kv_cache_config: KVCacheConfig) -> int:
             "layers), which the chunk cache cannot re-position yet"
         )
     spec = groups[0].kv_cache_spec
-    # NOTE: a window (sliding or chunked-local) makes a token see only its
-    # recent neighbours: neither a chunk computed alone nor the parent's
-    # question would see what the chunk-isolation mask says; vLLM keeps such
-    # layers in a FullAttentionSpec when the hybrid allocator is off, hence
-    # the fields as well as the type.
-    window = getattr(spec, "sliding_window", None) or getattr(spec, "attention_chunk_size", None)
+    # NOTE: a sliding window kept in a FullAttentionSpec (vLLM's hybrid
+    # allocator off, which a KV connector implies: the layers of a model
+    # mixing windowed and full layers) keeps every block; each windowed layer's
+    # kernel applies its window by position, which is what the windowed
+    # isolation semantics say (docs/design/sliding-window.md). A
+    # SlidingWindowSpec (every layer windowed) frees the blocks that fell out
+    # of the window and reads prefix-cache hits by windows: not served unless
+    # the window covers max_model_len. Chunked-local attention restarts its
+    # window at absolute multiples of the chunk size: not translation-invariant.
+    chunked = getattr(spec, "attention_chunk_size", None)
+    window = getattr(spec, "sliding_window", None)
+    full_window = window is not None and max_model_len is not None and window >= max_model_len
     # MLA's latent cache is full attention too (one latent row per token);
     # its layers are checked by the worker (cache_writers' latent writers).
-    if type(spec) not in (FullAttentionSpec, MLAAttentionSpec) or window is not None:
-        detail = f", window {window}" if window is not None else ""
+    if chunked is not None or not (
+            type(spec) in (FullAttentionSpec, MLAAttentionSpec)
+            or (type(spec) is SlidingWindowSpec and full_window)):
+        detail = (f", chunk size {chunked}" if chunked is not None
+                  else f", window {window}" if window is not None else "")
+        reason = ("a window shorter than --max-model-len on every layer: vLLM's "
+                  "sliding-window KV manager frees the blocks that leave the window"
+                  if type(spec) is SlidingWindowSpec else
+                  "chunked-local attention restarts at absolute positions"
+                  if chunked is not None else
+                  "attention-sink, state-space or other layers")
         raise ValueError(
-            "--enable-chunk-cache supports full attention only; this model's KV "
-            f"cache is {type(spec).__name__}{detail} (sliding-window, chunked-local, "
-            "attention-sink, MLA or state-space layers)"
+            "--enable-chunk-cache supports full and sliding-window attention kept as "
+            f"full attention; this model's KV cache is {type(spec).__name__}{detail} "
+            f"({reason})"
         )
     return spec.block_size
 
 
-def check_attention_layer(name: str, layer: Any) -> None:
-    """Refuse an attention layer whose keys the chunk cache cannot load."""
+# Backends whose kernels were shown to apply a sliding window by position with
+# the chunk cache's loads (the family matrix, tests/e2e/test_model_families*.py).
+WINDOWED_BACKENDS = ("CPUAttentionBackendImpl",)
+
+
+def check_attention_layer(name: str, layer: Any, max_model_len: int | None = None) -> None:
+    """Refuse an attention layer whose keys the chunk cache cannot load. A
+    sliding window of at least `max_model_len` keys is full attention."""
     from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.cache_writers import (
         supported_backends,
         writer_for,
@@ -298,12 +327,19 @@ def check_attention_layer(name: str, layer: Any) -> None:
             f"chunk cache does not support KV-sharing layers: {name} reuses the KV "
             f"cache of {target} and computes no keys of its own to capture"
         )
-    if getattr(layer, "sliding_window", None) is not None:
-        raise ValueError(
-            f"chunk cache does not support sliding-window attention ({name}, window "
-            f"{layer.sliding_window}): the chunk-isolation semantics the cache "
-            "serves are defined for full attention"
-        )
+    window = getattr(layer, "sliding_window", None)
+    if window is not None and (max_model_len is None or window < max_model_len):
+        # NOTE: the windowed isolation semantics (docs/design/sliding-window.md)
+        # hold where the kernel applies the window by position over a cache
+        # that keeps every block: shown on CPU_ATTN; other backends unverified.
+        backend = type(getattr(layer, "impl", None)).__name__
+        if backend not in WINDOWED_BACKENDS:
+            raise ValueError(
+                f"chunk cache does not support sliding-window attention ({name}, window "
+                f"{window}) on the attention backend {backend}: windowed layers are "
+                f"shown exact on {', '.join(WINDOWED_BACKENDS)} only (a window of at "
+                "least --max-model-len keys is full attention and is served anywhere)"
+            )
     if writer_for(layer.impl) is None:
         raise ValueError(
             f"chunk cache does not support the attention backend of {name} "

@@ -170,6 +170,18 @@ class ChunkCacheWorker:
 
     def register_model(self, model: nn.Module) -> None:
         ropes, orphans = find_layer_ropes(model)
+        if ropes and all(rope is None for rope in ropes.values()):
+            # NOTE: with no RoPE a token's place enters elsewhere: learned or
+            # sinusoidal absolute position embeddings added to the input
+            # (GPT-2, OPT: every hidden state depends on the absolute
+            # position), or an attention bias (ALiBi). Copying a segment's keys
+            # to another place is exact for neither without proof (issue 42).
+            raise ValueError(
+                "chunk cache re-positions a cached segment by rotating its keys with "
+                f"RoPE, but attention layer(s) {sorted(ropes)[:4]} have no rotary "
+                "embedding: this model places tokens another way (absolute position "
+                "embeddings or attention biases such as ALiBi), under which a segment "
+                "computed elsewhere cannot be moved: unsupported model")
         if orphans:
             raise ValueError(
                 "chunk cache cannot find the rotary embedding of attention "
@@ -210,13 +222,14 @@ class ChunkCacheWorker:
         # NOTE: every attention layer of the forward, not only those with a
         # cache of their own (a KV-sharing layer may have none); the context
         # also holds non-attention layers (fused MoE), which have no keys.
+        max_model_len = getattr(self.vllm_config.model_config, "max_model_len", None)
         for name, layer in layers.items():
             if isinstance(layer, (Attention, MLAAttention)):
-                check_attention_layer(name, layer)
+                check_attention_layer(name, layer, max_model_len)
         total = 0
         for name, kv_cache in kv_caches.items():
             layer = layers.get(name)
-            check_attention_layer(name, layer)
+            check_attention_layer(name, layer, max_model_len)
             if name not in self._ropes:
                 raise ValueError(f"chunk cache: attention layer {name} not found in the model")
             # On the paged cache's device (the GPU on CUDA), inside the budget.
