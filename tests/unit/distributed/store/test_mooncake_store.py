@@ -362,3 +362,4 @@ def test_through_the_nodes_client_exact_bytes_and_a_client_crash_is_a_miss(dummy
     codes, took = _timed(lambda: store.batch_get_into([k], [HostBuffer(dst_ptr, dst.size)]))
     assert _all_failed(codes) and took < TIMEOUT_S + SLACK_S, (codes, took)
     assert store.batch_exists([k]) in ([Presence.ERROR], [Presence.ABSENT])
+    store.close()  # NOTE: else its dummy client keeps trying to reconnect (and logs it)
