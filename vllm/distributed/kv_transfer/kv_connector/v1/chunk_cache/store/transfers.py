@@ -209,6 +209,7 @@ class StoreTransfers:
             return original(*args, **kwargs)
 
         model.load_weights = load_weights
+
     @classmethod
     def for_engine(cls, vllm_config: VllmConfig, model: nn.Module,
                    tensors: dict[str, torch.Tensor], kv_dtype: str) -> StoreTransfers:
