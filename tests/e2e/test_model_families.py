@@ -173,7 +173,12 @@ def test_user_guide_matrix_matches_the_families():
                       text, re.M)
     assert rows, "the user guide has no model-family matrix"
     claimed = dict(rows)
+    # NOTE: the matrix documents the default base (vLLM 0.23); on another base
+    # a family the default base cannot run may be served (qwen3-moe on 0.32).
+    default_base = "0.23"
     expected = {name: "refused" if f.refused is not None else
-                "not runnable" if _base_failure(f) is not None else "served"
+                "not runnable" if any(default_base.startswith(prefix) or
+                                      prefix.startswith(default_base)
+                                      for prefix, _ in f.base_fails) else "served"
                 for name, f in FAMILIES.items()}
     assert claimed == expected
