@@ -367,8 +367,12 @@ def check_sparse_mla_passes_the_config_on_the_npu_platform_only() -> None:
     support._check_model_kind(model)
 
 
-if __name__ == "__main__":
+def _preamble() -> None:
     import vllm_ascend.ops  # noqa: F401 - vllm-ascend's own import order (device_op first)
 
-    globals()[sys.argv[1]]()
-    print("OK", sys.argv[1])
+
+if __name__ == "__main__":
+    from check_batch import main
+
+    main(globals(), preamble=_preamble,
+         preload=("vllm.config", "vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache"))

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from forktool.git import git
-from tests.unit.ascend.ascend_checks import run_check
+from tests.unit.ascend.ascend_checks import CheckOutcome, run_checks
 
 
 def test_every_patched_or_new_file_compiles(ascend_tree: Path):
@@ -24,7 +24,7 @@ def test_every_patched_or_new_file_compiles(ascend_tree: Path):
         py_compile.compile(str(ascend_tree / rel), doraise=True)
 
 
-@pytest.mark.parametrize("check", [
+STUB_CHECKS = [
     "check_registration_covers_standard_attention_mla_and_sfa_only",
     "check_load_path_writes_rotated_rows_through_device_operator",
     "check_mla_load_writes_what_ascend_writes_at_the_new_position",
@@ -36,12 +36,8 @@ def test_every_patched_or_new_file_compiles(ascend_tree: Path):
     "check_sfa_reader_returns_what_the_writer_wrote",
     "check_sfa_li_c8_load_quantizes_as_ascend_at_the_new_position",
     "check_sfa_refusals",
-])
-def test_npu_code_path_against_stubs(ascend_tree: Path, check: str):
-    run_check("npu_stub_checks.py", check, ascend_tree)
-
-
-@pytest.mark.parametrize("check", [
+]
+STARTUP_CHECKS = [
     "check_hamming_sparse_refused",
     "check_pp_refused_on_npu",
     "check_fa_quant_and_pd_mix_refused",
@@ -51,7 +47,29 @@ def test_npu_code_path_against_stubs(ascend_tree: Path, check: str):
     "check_mlapo_is_read_per_layer_after_weights_load",
     "check_full_graph_refusal_names_the_npu_not_a_quantized_cache",
     "check_sparse_mla_passes_the_config_on_the_npu_platform_only",
-])
-def test_npu_start_up_against_vllm_ascend(ascend_tree: Path, check: str):
+]
+
+
+# NOTE: each script's checks run as one batch, each check in a process forked after
+# the imports (check_batch.py): one import of vLLM and vllm-ascend per script, not per
+# check (~20 s of CPU each).
+@pytest.fixture(scope="module")
+def stub_outcomes(ascend_tree: Path) -> dict[str, CheckOutcome]:
+    return run_checks("npu_stub_checks.py", STUB_CHECKS, ascend_tree)
+
+
+@pytest.fixture(scope="module")
+def startup_outcomes(ascend_tree: Path) -> dict[str, CheckOutcome]:
+    return run_checks("npu_startup_checks.py", STARTUP_CHECKS, ascend_tree)
+
+
+@pytest.mark.parametrize("check", STUB_CHECKS)
+def test_npu_code_path_against_stubs(stub_outcomes: dict[str, CheckOutcome], check: str):
+    stub_outcomes[check].assert_ok(check)
+
+
+@pytest.mark.parametrize("check", STARTUP_CHECKS)
+def test_npu_start_up_against_vllm_ascend(startup_outcomes: dict[str, CheckOutcome],
+                                          check: str):
     """Issue 29, findings 5, 6, 7, 9, 11: tests/unit/ascend/npu_startup_checks.py."""
-    run_check("npu_startup_checks.py", check, ascend_tree)
+    startup_outcomes[check].assert_ok(check)
