@@ -147,36 +147,55 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-class Server:
-    def __init__(self, model: str, flags: list[str], log: Path,
-                 env: dict[str, str] | None = None):
-        self.port = free_port()
+@dataclass
+class ServeProcess:
+    """One `vllm serve` on 127.0.0.1, from start to healthy to stopped: the one owner of the
+    process for the benchmarks and the end-to-end tests (tests/e2e/server.py), which before
+    each had a copy of this loop."""
+
+    proc: subprocess.Popen
+    port: int
+    log_path: Path
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    @classmethod
+    def start(cls, model: str, args: list[str], log_path: Path, timeout: float,
+              env: dict[str, str] | None = None,
+              waiting: Callable[[float], None] | None = None) -> "ServeProcess":
+        """Start `vllm serve MODEL ARGS --port P` and return once /health answers 200;
+        `waiting(seconds)` is called every ~15 s of the wait (start-up takes about a minute
+        on 2 cores). An exit or the timeout raises with the log's tail."""
+        port = free_port()
         vllm = str(Path(sys.executable).with_name("vllm"))
-        self.log = open(log, "w")
-        self.proc = subprocess.Popen([vllm, "serve", model, *SERVE_ARGS, "--port",
-                                      str(self.port), *flags],
-                                     stdout=self.log, stderr=subprocess.STDOUT,
-                                     env={**os.environ, **(env or {})})
-        self.url = f"http://127.0.0.1:{self.port}"
+        with open(log_path, "w") as log:
+            proc = subprocess.Popen([vllm, "serve", model, *args, "--port", str(port)],
+                                    stdout=log, stderr=subprocess.STDOUT,
+                                    env={**os.environ, **(env or {})})
+        server = cls(proc, port, log_path)
         started = time.monotonic()
         next_note = started + 15
-        while time.monotonic() < started + 900:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"vllm serve exited; see {log}")
+        while time.monotonic() < started + timeout:
+            if proc.poll() is not None:
+                raise RuntimeError(f"vllm serve exited {proc.returncode}:\n{server.log()[-4000:]}")
             try:
-                with urllib.request.urlopen(self.url + "/health", timeout=5):
-                    print(f"[bench] server up after {time.monotonic() - started:.0f} s",
-                          flush=True)
-                    return
+                with urllib.request.urlopen(server.url + "/health", timeout=5) as r:
+                    if r.status == 200:
+                        return server
             except (urllib.error.URLError, ConnectionError, TimeoutError):
-                time.sleep(2)
-            # Start-up takes about a minute on 2 cores: say that it is still going.
-            if time.monotonic() >= next_note:
-                print(f"[bench]   still starting ({time.monotonic() - started:.0f} s; "
-                      f"log: {log})", flush=True)
+                pass
+            time.sleep(2)
+            if waiting is not None and time.monotonic() >= next_note:
+                waiting(time.monotonic() - started)
                 next_note += 15
-        self.stop()
-        raise TimeoutError(f"vllm serve did not start; see {log}")
+        server.stop()
+        raise TimeoutError(f"vllm serve did not become healthy in {timeout} s:\n"
+                           f"{server.log()[-4000:]}")
 
     def stop(self) -> None:
         self.proc.terminate()
@@ -184,7 +203,25 @@ class Server:
             self.proc.wait(60)
         except subprocess.TimeoutExpired:
             self.proc.kill()
-        self.log.close()
+
+
+class Server:
+    """A benchmark's server: the process and its streamed completions."""
+
+    def __init__(self, model: str, flags: list[str], log: Path,
+                 env: dict[str, str] | None = None):
+        started = time.monotonic()
+
+        def waiting(seconds: float) -> None:
+            print(f"[bench]   still starting ({seconds:.0f} s; log: {log})", flush=True)
+
+        self.process = ServeProcess.start(model, [*SERVE_ARGS, *flags], log, timeout=900,
+                                          env=env, waiting=waiting)
+        self.url = self.process.url
+        print(f"[bench] server up after {time.monotonic() - started:.0f} s", flush=True)
+
+    def stop(self) -> None:
+        self.process.stop()
 
     def complete(self, prompt: str, max_tokens: int) -> tuple[float, int]:
         """(TTFT in s, output tokens) of one streamed completion."""

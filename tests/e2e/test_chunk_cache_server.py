@@ -2,12 +2,16 @@
 exactness of concurrent completions and of chat against the HF isolation-mask
 reference, one child per distinct missing segment, Prometheus metrics, the pool
 back to idle, and HTTP 400 for bad chunked prompts (issue 4, acceptance 1, 3, 4, 5).
+At the end, the README's smoke test: the server's start-up lines, plain completions
+and chat that answer, and a bad flag value that fails start-up with a message (it
+shared no server of its own: one fewer start-up, ~45 s on a 2-core AVX2 machine).
 """
 
 from __future__ import annotations
 
 import random
 import re
+import subprocess
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
@@ -16,7 +20,7 @@ import torch
 
 from tests.conftest import models_dir
 from tests.e2e.chunk_reference import Layout, Reference, compare, random_text
-from tests.e2e.server import start_server
+from tests.e2e.server import SERVE_ARGS, VLLM, start_server
 
 pytestmark = pytest.mark.e2e
 
@@ -461,3 +465,46 @@ def test_the_openai_client_example_runs_against_the_server(server):
     assert len(lines) == 3 and all(line.startswith("'") for line in lines[:2]), out.stdout
     hits = float(lines[2].removeprefix("chunk cache hits: "))
     assert hits >= 2  # the second request's two documents at least
+
+
+# ------------------------------------------------------------ serve smoke
+
+
+def test_logs_the_chunk_cache_settings(server):
+    assert "Chunk cache enabled: separator='##'" in server.log()
+
+
+def test_logs_where_captures_run(server):
+    """Issue 21: after the forward from the children's paged blocks wherever the CPU
+    backend's cache reads back what it wrote (its vec/vec16 layouts), in the attention
+    hook where a start-up self-check finds it packed (AMX): one or the other on every
+    layer, whichever this machine's ISA gives, and never a failed check."""
+    line = re.search(r"Chunk cache: captures run (.*)", server.log())
+    assert line, "start-up line missing"
+    assert re.match(r"after the forward from the child's paged blocks on all 30 layer\(s\)$"
+                    r"|in the attention hook on 30 layer\(s\): self-check: \d+ of \d+ bytes "
+                    r"read back differ \(CPU_ATTN packs this cache\)$", line.group(1).strip()), line
+
+
+def test_completions_answer(server):
+    status, body = server.post("/v1/completions", {
+        "model": "smollm2", "prompt": "The capital of France is", "max_tokens": 8,
+        "temperature": 0})
+    assert status == 200, body
+    assert "Paris" in body["choices"][0]["text"]
+
+
+def test_chat_completions_answer(server):
+    status, body = server.post("/v1/chat/completions", {
+        "model": "smollm2", "max_tokens": 20, "temperature": 0,
+        "messages": [{"role": "user", "content": "What is the capital of France?"}]})
+    assert status == 200, body
+    assert "Paris" in body["choices"][0]["message"]["content"]
+
+
+def test_bad_chunk_cache_value_fails_start_up_with_a_message(server, tmp_path):
+    # `server` is requested only so the two engines never start at the same time.
+    proc = subprocess.run([VLLM, "serve", MODEL, *SERVE_ARGS, "--enable-chunk-cache",
+                           "--max-chunks", "0"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    assert "max_chunks must be >= 1" in proc.stdout + proc.stderr
