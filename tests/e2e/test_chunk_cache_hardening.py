@@ -177,7 +177,10 @@ def test_documents_hit_after_a_system_prompt_with_another_first_token(server, re
 
 # ------------------------------------------------------------------------ soak
 
-SOAK_REQUESTS = 160
+# NOTE: 96 requests (160 before: 58 s on a 2-core AVX2 machine) still put a reset, a weights
+# reload, bad and aborted requests and evictions of the 0.03 GiB pool under 16 in flight;
+# the 500-request fleet soak is in the slow tier (test_chunk_store_soak.py).
+SOAK_REQUESTS = 96
 SOAK_CONCURRENCY = 16
 
 
