@@ -176,9 +176,7 @@ FAMILIES = {f.name: f for f in (
     Family("mistral-window-4096", "sliding window 4096 = max_model_len (full attention)",
            _mistral(4096)),
     Family("mistral-window", f"sliding window {MID_WINDOW} on every layer (shorter "
-           "than the prompt)", _mistral(MID_WINDOW),
-           refused=r"KV cache is SlidingWindowSpec, window 24 \(a window shorter than "
-           "--max-model-len on every layer: vLLM's sliding-window KV manager frees"),
+           "than the prompt)", _mistral(MID_WINDOW)),
     Family("gemma2", f"sliding window {SHORT_WINDOW} (shorter than a chunk) on alternate "
            "layers, attention and final logit soft-capping", _gemma2),
     Family("gemma2-window-1024", "Gemma 2 with a window of 1024 (longer than every "
