@@ -190,3 +190,6 @@ def test_user_guide_matrix_matches_the_families():
                                       for prefix, _ in f.base_fails) else "served"
                 for name, f in FAMILIES.items()}
     assert claimed == expected
+    # The rows marked (CI) are the default tier's families, no more, no fewer.
+    marked = set(re.findall(r"^\| `([\w.-]+)` \|[^\n]*\(CI\)", text, re.M))
+    assert marked == set(_DEFAULT_MODE) | _DEFAULT_REFUSALS, marked
