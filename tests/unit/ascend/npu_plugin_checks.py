@@ -283,10 +283,11 @@ def _ascend_process() -> None:
     NPUPlatform.device_type = "cpu"
 
 
-def check_dry_run(models_dir: str) -> None:
+def check_dry_run(models_dir: str, families_py: str = "") -> None:
     """Llama, Qwen2.5, Qwen3, Qwen3-MoE and the tiny DeepSeek start with the chunk
     cache on vllm-ascend's code path; Qwen3 with an M-RoPE is refused naming its
-    rope class (docs/ascend.md)."""
+    rope class (docs/ascend.md). With `families_py`, then every family of the
+    model-family matrix in the same process (`_family_dry_run`)."""
     _ascend_process()
     found = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -311,6 +312,8 @@ def check_dry_run(models_dir: str) -> None:
             f"{cls}.forward in vllm_ascend.patch.worker.patch_qwen3vl"], found[name]
     assert found["tiny-deepseek"]["ropes"] == ["AscendDeepseekScalingRotaryEmbedding"]
     assert found["tiny-deepseek"]["impls"] == ["AscendMLAImpl"]
+    if families_py:
+        _family_dry_run(families_py)
 
 
 
@@ -353,24 +356,34 @@ def _family_start_up(path: str, engine_args: dict) -> dict:
                                for layer in layers.values()})}
 
 
-def check_family_dry_run(families_dir: str) -> None:
-    """The model-family matrix (tests/e2e/families.py) on vllm-ascend's code path:
-    each family's config (a directory under `families_dir` with its config.json and
-    the engine arguments of its e2e engine, engine_args.json) started as
-    `_family_start_up` starts it; one JSON line per family (`FAMILY {...}`):
+def _family_dry_run(families_py: str) -> None:
+    """The model-family matrix (`families_py`: tests/e2e/families.py) on
+    vllm-ascend's code path, after `_ascend_process`: each family's config (no
+    weights) written as vLLM reads it and started as `_family_start_up` starts it,
+    with the arguments of its e2e engine (tests/e2e/engine.make_llm: max_model_len
+    4096, then the family's own). One JSON line per family (`FAMILY {...}`):
     accepted with what was found, or refused with the exception's type and message.
     The expectations are the test's (test_ascend_startup.py)."""
-    _ascend_process()
-    for name in sorted(os.listdir(families_dir)):
-        path = os.path.join(families_dir, name)
-        with open(os.path.join(path, "engine_args.json")) as f:
-            engine_args = json.load(f)
-        try:
-            result = {"accepted": True, **_family_start_up(path, engine_args)}
-        except Exception as e:  # noqa: BLE001 - the test asserts which and why
-            result = {"accepted": False, "type": type(e).__name__, "message": str(e)}
-        print("FAMILY", json.dumps({"name": name, **result}), flush=True)
+    import time
 
+    spec = importlib.util.spec_from_file_location("families", families_py)
+    families = importlib.util.module_from_spec(spec)
+    sys.modules["families"] = families  # its dataclasses look their module up
+    spec.loader.exec_module(families)
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, family in families.FAMILIES.items():
+            start = time.monotonic()
+            config, cls = family.make()
+            config.architectures = [cls.__name__]
+            path = os.path.join(tmp, name)
+            config.save_pretrained(path)
+            engine_args = {"max_model_len": 4096, **dict(family.engine_args)}
+            try:
+                result = {"accepted": True, **_family_start_up(path, engine_args)}
+            except Exception as e:  # noqa: BLE001 - the test asserts which and why
+                result = {"accepted": False, "type": type(e).__name__, "message": str(e)}
+            result["seconds"] = round(time.monotonic() - start, 2)
+            print("FAMILY", json.dumps({"name": name, **result}), flush=True)
 
 # The tiny DeepSeek's paged cache on vllm-ascend's MLA path: blocks of the NPU's
 # 128 tokens; the load's rows (a request's blocks 2 and 3, from two cached segments

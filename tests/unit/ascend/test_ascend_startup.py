@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import models_dir
+from tests.conftest import REPO, models_dir
 from tests.unit.ascend.ascend_checks import run_check
 
 SCRIPT = "npu_plugin_checks.py"
@@ -47,12 +47,19 @@ def test_xlite_graph_mode_is_refused_at_start_up(ascend_tree: Path):
     run_check(SCRIPT, "check_xlite_refused", ascend_tree)
 
 
-def test_dry_run_of_the_start_up_on_vllm_ascend(ascend_tree: Path):
+@pytest.fixture(scope="module")
+def dry_run(ascend_tree: Path) -> str:
+    """One subprocess for the dry run of the start-up: the models below, then every
+    family of the model-family matrix (its imports dominate: one process for both)."""
+    return run_check(SCRIPT, "check_dry_run", ascend_tree, str(models_dir()),
+                     str(REPO / "tests" / "e2e" / "families.py"))
+
+
+def test_dry_run_of_the_start_up_on_vllm_ascend(dry_run: str):
     """Acceptance: Llama, Qwen2.5, Qwen3, Qwen3-MoE (vllm-ascend's patched attention
     forward, finding 2) and the tiny DeepSeek (Ascend MLA) are accepted; Qwen3 with
     an M-RoPE is refused naming AscendMRotaryEmbedding."""
-    out = run_check(SCRIPT, "check_dry_run", ascend_tree, str(models_dir()))
-    assert "qwen3-mrope refused" in out
+    assert "qwen3-mrope refused" in dry_run
 
 
 def test_deepseek_on_ascend_mla_allocates_its_latent_load_buffers_in_register_kv_caches(
@@ -115,22 +122,11 @@ _REFUSED = {"mistral-window", "gemma2", "gemma2-window-1024", "gemma3", "gpt2"}
 
 
 @pytest.fixture(scope="module")
-def ascend_families(ascend_tree: Path, tmp_path_factory) -> dict[str, dict]:
-    """Every family's config (no weights) started once on vllm-ascend's code path,
-    in one subprocess (npu_plugin_checks.check_family_dry_run)."""
-    from tests.e2e.families import FAMILIES
-
-    root = tmp_path_factory.mktemp("ascend-families")
-    for name, family in FAMILIES.items():
-        config, cls = family.make()
-        config.architectures = [cls.__name__]
-        config.save_pretrained(root / name)
-        # The e2e engine's arguments (tests/e2e/engine.make_llm: max_model_len 4096).
-        (root / name / "engine_args.json").write_text(json.dumps(
-            {"max_model_len": 4096, **dict(family.engine_args)}))
-    out = run_check(SCRIPT, "check_family_dry_run", ascend_tree, str(root))
+def ascend_families(dry_run: str) -> dict[str, dict]:
+    """What each family got at start-up on vllm-ascend's code path
+    (npu_plugin_checks._family_dry_run, in the dry run's process)."""
     found = {}
-    for line in out.splitlines():
+    for line in dry_run.splitlines():
         if line.startswith("FAMILY "):
             result = json.loads(line[len("FAMILY "):])
             found[result.pop("name")] = result
