@@ -51,9 +51,15 @@ def _base_failure(family):
                  if _BASE.startswith(prefix)), None)
 
 
+def _refusal(family, base=_BASE):
+    """The regex of the family's start-up refusal on `base`, None if served."""
+    return next((regex for prefix, regex in family.base_refused
+                 if base.startswith(prefix)), family.refused)
+
+
 def _cases():
     for name, family in FAMILIES.items():
-        if family.refused is not None:
+        if _refusal(family) is not None:
             yield pytest.param((name, None), id=f"{name}-refused",
                                marks=[] if name in _DEFAULT_REFUSALS else [pytest.mark.slow])
             continue
@@ -118,9 +124,9 @@ def test_family_is_exact_or_refused(family_engine, family_dir):
 
     name, mode, llm, reference = family_engine
     family = FAMILIES[name]
-    if llm is None and family.refused is not None:
+    if llm is None and _refusal(family) is not None:
         # The refusal at start-up, with its message (the layer and the reason).
-        with pytest.raises(Exception, match=family.refused):
+        with pytest.raises(Exception, match=_refusal(family)):
             make_llm(str(family_dir(name)), enable_chunk_cache=True)
         return
     if llm is None:
@@ -175,20 +181,22 @@ def test_family_is_exact_or_refused(family_engine, family_dir):
 
 def test_user_guide_matrix_matches_the_families():
     """Every family of the matrix has its row in docs/user-guide.md, served or
-    refused as the engine test above asserts, and no other family is claimed."""
+    refused on each base as the engine test above asserts there, and no other
+    family is claimed."""
     text = (REPO / "docs" / "user-guide.md").read_text()
-    rows = re.findall(r"^\| `([\w.-]+)` \|[^|]*\| (served|refused|not runnable) \|",
-                      text, re.M)
+    rows = re.findall(r"^\| `([\w.-]+)` \|[^|]*\| (served|refused|not runnable) \| "
+                      r"(served|refused|not runnable) \|", text, re.M)
     assert rows, "the user guide has no model-family matrix"
-    claimed = dict(rows)
-    # NOTE: the matrix documents the default base (vLLM 0.23); on another base
-    # a family the default base cannot run may be served (qwen3-moe on 0.32).
-    default_base = "0.23"
-    expected = {name: "refused" if f.refused is not None else
-                "not runnable" if any(default_base.startswith(prefix) or
-                                      prefix.startswith(default_base)
-                                      for prefix, _ in f.base_fails) else "served"
-                for name, f in FAMILIES.items()}
+    claimed = {name: (on_023, on_032) for name, on_023, on_032 in rows}
+
+    def status(f, base):
+        if _refusal(f, base) is not None:
+            return "refused"
+        if any(base.startswith(prefix) for prefix, _ in f.base_fails):
+            return "not runnable"
+        return "served"
+
+    expected = {name: (status(f, "0.23"), status(f, "0.32")) for name, f in FAMILIES.items()}
     assert claimed == expected
     # The rows marked (CI) are the default tier's families, no more, no fewer.
     marked = set(re.findall(r"^\| `([\w.-]+)` \|[^\n]*\(CI\)", text, re.M))

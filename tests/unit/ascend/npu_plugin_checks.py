@@ -373,8 +373,8 @@ def _family_dry_run(families_py: str) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for name, family in families.FAMILIES.items():
             start = time.monotonic()
-            config, cls = family.make()
-            config.architectures = [cls.__name__]
+            config, cls_name = family.make()
+            config.architectures = [cls_name]
             path = os.path.join(tmp, name)
             config.save_pretrained(path)
             engine_args = {"max_model_len": 4096, **dict(family.engine_args)}
