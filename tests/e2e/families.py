@@ -34,50 +34,55 @@ MID_WINDOW = 24
 class Family:
     name: str
     special: str
-    make: Callable[[], Any]  # -> (config, model class)
+    # -> (config, the model class's name in transformers: its modeling module is
+    # imported only by build(), the dry runs need the config alone)
+    make: Callable[[], Any]
     # None: served exactly (the engine runs and matches the reference);
     # else a regex of the start-up refusal's message.
     refused: str | None = None
     # vLLM release prefix -> a regex of the error stock vLLM (chunk cache off)
     # itself fails with on the CPU: the family cannot be run on that base.
     base_fails: tuple[tuple[str, str], ...] = ()
+    # vLLM release prefix -> a regex of the start-up refusal on that base (served
+    # on the others).
+    base_refused: tuple[tuple[str, str], ...] = ()
     # Extra LLM(...) arguments of the family's engine.
     engine_args: tuple[tuple[str, Any], ...] = ()
 
 
 def _llama():
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig
 
-    return LlamaConfig(**_COMMON, num_hidden_layers=2, head_dim=32), LlamaForCausalLM
+    return LlamaConfig(**_COMMON, num_hidden_layers=2, head_dim=32), "LlamaForCausalLM"
 
 
 def _qwen2():
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers import Qwen2Config
 
-    return Qwen2Config(**_COMMON, num_hidden_layers=2), Qwen2ForCausalLM
+    return Qwen2Config(**_COMMON, num_hidden_layers=2), "Qwen2ForCausalLM"
 
 
 def _qwen3():
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from transformers import Qwen3Config
 
-    return Qwen3Config(**_COMMON, num_hidden_layers=2, head_dim=32), Qwen3ForCausalLM
+    return Qwen3Config(**_COMMON, num_hidden_layers=2, head_dim=32), "Qwen3ForCausalLM"
 
 
 def _qwen3_moe():
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+    from transformers import Qwen3MoeConfig
 
     return (Qwen3MoeConfig(**_COMMON, num_hidden_layers=2, head_dim=32, num_experts=4,
                            num_experts_per_tok=2, moe_intermediate_size=32,
                            decoder_sparse_step=1, norm_topk_prob=True),
-            Qwen3MoeForCausalLM)
+            "Qwen3MoeForCausalLM")
 
 
 def _mistral(window):
     def make():
-        from transformers import MistralConfig, MistralForCausalLM
+        from transformers import MistralConfig
 
         return (MistralConfig(**_COMMON, num_hidden_layers=2, head_dim=32,
-                              sliding_window=window), MistralForCausalLM)
+                              sliding_window=window), "MistralForCausalLM")
     return make
 
 
@@ -86,13 +91,13 @@ _TIED = {**_COMMON, "tie_word_embeddings": True}
 
 
 def _gemma2():
-    from transformers import Gemma2Config, Gemma2ForCausalLM
+    from transformers import Gemma2Config
 
     return (Gemma2Config(**_TIED, num_hidden_layers=2, head_dim=32,
                          query_pre_attn_scalar=32, sliding_window=SHORT_WINDOW,
                          layer_types=["sliding_attention", "full_attention"],
                          attn_logit_softcapping=5.0, final_logit_softcapping=30.0),
-            Gemma2ForCausalLM)
+            "Gemma2ForCausalLM")
 
 
 def _gemma2_long():
@@ -102,7 +107,7 @@ def _gemma2_long():
 
 
 def _gemma3():
-    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+    from transformers import Gemma3TextConfig
 
     return (Gemma3TextConfig(
         **_TIED, num_hidden_layers=3, head_dim=32, query_pre_attn_scalar=32,
@@ -111,11 +116,11 @@ def _gemma3():
         rope_parameters={
             "full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0},
             "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}}),
-        Gemma3ForCausalLM)
+        "Gemma3ForCausalLM")
 
 
 def _phi3():
-    from transformers import Phi3Config, Phi3ForCausalLM
+    from transformers import Phi3Config
 
     half = 32 * 0.5 // 2  # rotary_dim / 2 factors (head_dim 32, partial 0.5)
     return (Phi3Config(
@@ -125,43 +130,43 @@ def _phi3():
                          "short_factor": [1.0 + 0.1 * i for i in range(int(half))],
                          "long_factor": [2.0 + 0.3 * i for i in range(int(half))],
                          "original_max_position_embeddings": 1024}),
-        Phi3ForCausalLM)
+        "Phi3ForCausalLM")
 
 
 def _stablelm():
-    from transformers import StableLmConfig, StableLmForCausalLM
+    from transformers import StableLmConfig
 
     return (StableLmConfig(**_COMMON, num_hidden_layers=2, partial_rotary_factor=0.25),
-            StableLmForCausalLM)
+            "StableLmForCausalLM")
 
 
 def _glm4():
-    from transformers import Glm4Config, Glm4ForCausalLM
+    from transformers import Glm4Config
 
     return (Glm4Config(**_COMMON, num_hidden_layers=2, head_dim=32,
-                       partial_rotary_factor=0.5), Glm4ForCausalLM)
+                       partial_rotary_factor=0.5), "Glm4ForCausalLM")
 
 
 def _olmo2():
-    from transformers import Olmo2Config, Olmo2ForCausalLM
+    from transformers import Olmo2Config
 
-    return Olmo2Config(**_COMMON, num_hidden_layers=2), Olmo2ForCausalLM
+    return Olmo2Config(**_COMMON, num_hidden_layers=2), "Olmo2ForCausalLM"
 
 
 def _granite():
-    from transformers import GraniteConfig, GraniteForCausalLM
+    from transformers import GraniteConfig
 
     return (GraniteConfig(**_COMMON, num_hidden_layers=2, embedding_multiplier=2.0,
                           attention_multiplier=0.2, residual_multiplier=0.5,
-                          logits_scaling=4.0), GraniteForCausalLM)
+                          logits_scaling=4.0), "GraniteForCausalLM")
 
 
 def _gpt2():
-    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers import GPT2Config
 
     return (GPT2Config(vocab_size=VOCAB, n_embd=128, n_layer=2, n_head=4, n_positions=4096,
                        bos_token_id=1, eos_token_id=2, initializer_range=0.1),
-            GPT2LMHeadModel)
+            "GPT2LMHeadModel")
 
 
 FAMILIES = {f.name: f for f in (
@@ -176,9 +181,7 @@ FAMILIES = {f.name: f for f in (
     Family("mistral-window-4096", "sliding window 4096 = max_model_len (full attention)",
            _mistral(4096)),
     Family("mistral-window", f"sliding window {MID_WINDOW} on every layer (shorter "
-           "than the prompt)", _mistral(MID_WINDOW),
-           refused=r"KV cache is SlidingWindowSpec, window 24 \(a window shorter than "
-           "--max-model-len on every layer: vLLM's sliding-window KV manager frees"),
+           "than the prompt)", _mistral(MID_WINDOW)),
     Family("gemma2", f"sliding window {SHORT_WINDOW} (shorter than a chunk) on alternate "
            "layers, attention and final logit soft-capping", _gemma2),
     Family("gemma2-window-1024", "Gemma 2 with a window of 1024 (longer than every "
@@ -194,7 +197,12 @@ FAMILIES = {f.name: f for f in (
            engine_args=(("max_model_len", 1024),)),
     Family("stablelm", "partial rotary 0.25, LayerNorm", _stablelm),
     Family("glm4", "partial rotary 0.5 (GPT-J interleaved pairs)", _glm4),
-    Family("olmo2", "QK-norm over all heads, post-norms", _olmo2),
+    Family("olmo2", "QK-norm over all heads, post-norms", _olmo2,
+           # NOTE: vLLM 0.32 maps Olmo2ForCausalLM to its Transformers modeling
+           # backend (transformers' attention applies the rope).
+           base_refused=(("0.32", r"the model runs on vLLM's Transformers modeling "
+                          r"backend \(TransformersForCausalLM\), which applies RoPE "
+                          "inside transformers' attention code"),)),
     Family("granite", "embedding/attention/residual/logit multipliers", _granite),
     Family("gpt2", "learned absolute position embeddings, no RoPE", _gpt2,
            refused=r"attention layer\(s\) \['transformer\.h\.0\.attn\.attn'.*have no "
@@ -206,6 +214,7 @@ def build(name: str, out: Path, tokenizer_dir: Path) -> Path:
     """Write family `name`'s tiny random model (seed 0) and the tiny Llama's
     tokenizer into `out`; returns `out`."""
     import torch
+    import transformers
 
     family = FAMILIES[name]
     out.mkdir(parents=True, exist_ok=True)
@@ -213,8 +222,8 @@ def build(name: str, out: Path, tokenizer_dir: Path) -> Path:
         if item.name.startswith(("tokenizer", "special_tokens")) or item.name == "chat_template.jinja":
             shutil.copy(item, out / item.name)
     torch.manual_seed(0)
-    config, cls = family.make()
-    model = cls(config).to(torch.float32).eval()
+    config, cls_name = family.make()
+    model = getattr(transformers, cls_name)(config).to(torch.float32).eval()
     model.generation_config.do_sample = False
     model.save_pretrained(out, safe_serialization=True)
     (out / "fork-model.json").write_text(json.dumps({"name": name, "seed": 0}) + "\n")

@@ -283,10 +283,11 @@ def _ascend_process() -> None:
     NPUPlatform.device_type = "cpu"
 
 
-def check_dry_run(models_dir: str) -> None:
+def check_dry_run(models_dir: str, families_py: str = "") -> None:
     """Llama, Qwen2.5, Qwen3, Qwen3-MoE and the tiny DeepSeek start with the chunk
     cache on vllm-ascend's code path; Qwen3 with an M-RoPE is refused naming its
-    rope class (docs/ascend.md)."""
+    rope class (docs/ascend.md). With `families_py`, then every family of the
+    model-family matrix in the same process (`_family_dry_run`)."""
     _ascend_process()
     found = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -311,7 +312,78 @@ def check_dry_run(models_dir: str) -> None:
             f"{cls}.forward in vllm_ascend.patch.worker.patch_qwen3vl"], found[name]
     assert found["tiny-deepseek"]["ropes"] == ["AscendDeepseekScalingRotaryEmbedding"]
     assert found["tiny-deepseek"]["impls"] == ["AscendMLAImpl"]
+    if families_py:
+        _family_dry_run(families_py)
 
+
+
+def _family_start_up(path: str, engine_args: dict) -> dict:
+    """The chunk cache's start-up on a family's model as built on an NPU, in the
+    order of an engine's start: the worker's `register_model` (ropes) and
+    `check_attention_layer` with the engine's max_model_len (as
+    `register_kv_caches` calls it), then the scheduler's `kv_cache_block_size` on
+    the KV cache config vLLM's `get_kv_cache_configs` makes of the layers' own
+    specs (what vllm-ascend's runner's `get_kv_cache_spec` collects). Returns what
+    was found; a refusal raises."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.support import (
+        check_attention_layer,
+        kv_cache_block_size,
+    )
+    from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.worker import (
+        ChunkCacheWorker,
+    )
+    from vllm.v1.core.kv_cache_utils import get_kv_cache_configs
+
+    cfg, model = _build(path, **engine_args)
+    max_model_len = cfg.model_config.max_model_len
+    worker = ChunkCacheWorker.__new__(ChunkCacheWorker)  # its start-up half only
+    worker.register_model(model)
+    layers = {name: layer for name, layer in
+              cfg.compilation_config.static_forward_context.items() if hasattr(layer, "impl")}
+    for name, layer in layers.items():
+        check_attention_layer(name, layer, max_model_len)
+    specs = {name: layer.get_kv_cache_spec(cfg) for name, layer in layers.items()}
+    kv_cache_config = get_kv_cache_configs(cfg, [specs], [256 << 20])[0]
+    kv_cache_block_size(kv_cache_config, max_model_len)
+    return {"ropes": sorted({f"{type(r).__name__}(base {getattr(r, 'base', None)}, "
+                             f"rotary_dim {getattr(r, 'rotary_dim', None)}, "
+                             f"neox {getattr(r, 'is_neox_style', None)})"
+                             for r in worker._ropes.values()}),
+            "impls": sorted({type(layer.impl).__name__ for layer in layers.values()}),
+            "specs": sorted({type(g.kv_cache_spec).__name__
+                             for g in kv_cache_config.kv_cache_groups}),
+            "windows": sorted({str(getattr(layer, "sliding_window", None))
+                               for layer in layers.values()})}
+
+
+def _family_dry_run(families_py: str) -> None:
+    """The model-family matrix (`families_py`: tests/e2e/families.py) on
+    vllm-ascend's code path, after `_ascend_process`: each family's config (no
+    weights) written as vLLM reads it and started as `_family_start_up` starts it,
+    with the arguments of its e2e engine (tests/e2e/engine.make_llm: max_model_len
+    4096, then the family's own). One JSON line per family (`FAMILY {...}`):
+    accepted with what was found, or refused with the exception's type and message.
+    The expectations are the test's (test_ascend_startup.py)."""
+    import time
+
+    spec = importlib.util.spec_from_file_location("families", families_py)
+    families = importlib.util.module_from_spec(spec)
+    sys.modules["families"] = families  # its dataclasses look their module up
+    spec.loader.exec_module(families)
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, family in families.FAMILIES.items():
+            start = time.monotonic()
+            config, cls_name = family.make()
+            config.architectures = [cls_name]
+            path = os.path.join(tmp, name)
+            config.save_pretrained(path)
+            engine_args = {"max_model_len": 4096, **dict(family.engine_args)}
+            try:
+                result = {"accepted": True, **_family_start_up(path, engine_args)}
+            except Exception as e:  # noqa: BLE001 - the test asserts which and why
+                result = {"accepted": False, "type": type(e).__name__, "message": str(e)}
+            result["seconds"] = round(time.monotonic() - start, 2)
+            print("FAMILY", json.dumps({"name": name, **result}), flush=True)
 
 # The tiny DeepSeek's paged cache on vllm-ascend's MLA path: blocks of the NPU's
 # 128 tokens; the load's rows (a request's blocks 2 and 3, from two cached segments

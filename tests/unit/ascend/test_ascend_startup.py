@@ -7,9 +7,13 @@ an NPU op, and docs/ascend.md lists what never ran."""
 
 from __future__ import annotations
 
+import json
+import re
 from pathlib import Path
 
-from tests.conftest import models_dir
+import pytest
+
+from tests.conftest import REPO, models_dir
 from tests.unit.ascend.ascend_checks import run_check
 
 SCRIPT = "npu_plugin_checks.py"
@@ -43,12 +47,19 @@ def test_xlite_graph_mode_is_refused_at_start_up(ascend_tree: Path):
     run_check(SCRIPT, "check_xlite_refused", ascend_tree)
 
 
-def test_dry_run_of_the_start_up_on_vllm_ascend(ascend_tree: Path):
+@pytest.fixture(scope="module")
+def dry_run(ascend_tree: Path) -> str:
+    """One subprocess for the dry run of the start-up: the models below, then every
+    family of the model-family matrix (its imports dominate: one process for both)."""
+    return run_check(SCRIPT, "check_dry_run", ascend_tree, str(models_dir()),
+                     str(REPO / "tests" / "e2e" / "families.py"))
+
+
+def test_dry_run_of_the_start_up_on_vllm_ascend(dry_run: str):
     """Acceptance: Llama, Qwen2.5, Qwen3, Qwen3-MoE (vllm-ascend's patched attention
     forward, finding 2) and the tiny DeepSeek (Ascend MLA) are accepted; Qwen3 with
     an M-RoPE is refused naming AscendMRotaryEmbedding."""
-    out = run_check(SCRIPT, "check_dry_run", ascend_tree, str(models_dir()))
-    assert "qwen3-mrope refused" in out
+    assert "qwen3-mrope refused" in dry_run
 
 
 def test_deepseek_on_ascend_mla_allocates_its_latent_load_buffers_in_register_kv_caches(
@@ -73,3 +84,77 @@ def test_deepseek_on_ascend_mla_forms_a_steps_cos_sin_once_per_frequencies(
     tensors the old code fails by its per-layer formation (docs/ascend.md)."""
     run_check(SCRIPT, "check_deepseek_load_step_forms_cos_sin_once_per_frequencies",
               ascend_tree, str(models_dir()))
+
+
+# ------------------------------------------------- the model-family matrix (issue 42)
+
+# What each family of tests/e2e/families.py gets at start-up on vllm-ascend's code
+# path (its custom ops, rope classes and NPUPlatform's attention backend): accepted
+# with the rope below, or refused with the message the regex matches. From the
+# documented rules (docs/ascend.md, "The model-family matrix on Ascend"): a window
+# shorter than max_model_len is shown exact on CPU_ATTN only, so it is refused on
+# Ascend's attention naming the layer and the backend (the worker's check runs
+# before the scheduler's); a window of at least max_model_len is full attention; a
+# model without RoPE is refused naming its layers.
+_WINDOW = (r"chunk cache does not support sliding-window attention "
+           r"\(model\.layers\.0\.self_attn\.attn, window {}\) on the attention backend "
+           r"AscendAttentionBackendImpl: windowed layers are shown exact on "
+           r"CPUAttentionBackendImpl only")
+# Accepted: the rope found for every layer (class, rotary_dim, neox pairing) from
+# the family's config (head size 32 times its partial rotary factor; GLM-4's GPT-J
+# pairs; Phi-3's LongRoPE is vLLM's own class, which vllm-ascend does not replace).
+_PLAIN = "AscendRotaryEmbedding(base 10000.0, rotary_dim 32, neox True)"
+ASCEND_FAMILIES = {
+    "llama": _PLAIN, "qwen2": _PLAIN, "qwen3": _PLAIN, "qwen3-moe": _PLAIN,
+    "mistral": _PLAIN, "mistral-window-4096": _PLAIN, "olmo2": _PLAIN, "granite": _PLAIN,
+    "phi3": "Phi3LongRoPEScaledRotaryEmbedding(base 10000.0, rotary_dim 16, neox None)",
+    "stablelm": "AscendRotaryEmbedding(base 10000.0, rotary_dim 8, neox True)",
+    "glm4": "AscendRotaryEmbedding(base 10000.0, rotary_dim 16, neox False)",
+    "mistral-window": _WINDOW.format(24),
+    "gemma2": _WINDOW.format(8),
+    "gemma2-window-1024": _WINDOW.format(1024),
+    "gemma3": _WINDOW.format(24),
+    "gpt2": r"attention layer\(s\) \['transformer\.h\.0\.attn\.attn'.*have no "
+            r"rotary embedding",
+}
+
+_REFUSED = {"mistral-window", "gemma2", "gemma2-window-1024", "gemma3", "gpt2"}
+
+
+@pytest.fixture(scope="module")
+def ascend_families(dry_run: str) -> dict[str, dict]:
+    """What each family got at start-up on vllm-ascend's code path
+    (npu_plugin_checks._family_dry_run, in the dry run's process)."""
+    found = {}
+    for line in dry_run.splitlines():
+        if line.startswith("FAMILY "):
+            result = json.loads(line[len("FAMILY "):])
+            found[result.pop("name")] = result
+    return found
+
+
+def test_ascend_family_table_covers_the_matrix():
+    from tests.e2e.families import FAMILIES
+
+    assert set(ASCEND_FAMILIES) == set(FAMILIES)
+
+
+@pytest.mark.parametrize("name", sorted(ASCEND_FAMILIES))
+def test_family_starts_or_is_refused_on_vllm_ascend(ascend_families, name):
+    """Each family accepted on vllm-ascend's attention and rope classes, or refused
+    at start-up with the documented message (docs/ascend.md)."""
+    result = ascend_families[name]
+    expected = ASCEND_FAMILIES[name]
+    print(name, result)
+    if name not in _REFUSED:
+        assert result["accepted"], result
+        assert result["impls"] == ["AscendAttentionBackendImpl"], result
+        # A window of max_model_len keeps vLLM's SlidingWindowSpec (every layer
+        # windowed), which frees nothing: served as full attention.
+        spec = "SlidingWindowSpec" if name == "mistral-window-4096" else "FullAttentionSpec"
+        assert result["specs"] == [spec], result
+        assert result["ropes"] == [expected], result
+    else:
+        assert not result["accepted"], result
+        assert result["type"] == "ValueError", result
+        assert re.search(expected, result["message"]), result

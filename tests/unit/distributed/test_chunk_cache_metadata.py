@@ -97,3 +97,29 @@ def test_each_row_knows_its_stretch_and_each_stretch_its_delta():
                    (33, 19, 1, 2), (34, 20, 1, 2), (35, 21, 1, 2),  # block 8 -> 3..5
                    (28, 26, 2, -5)]  # pool block 7 -> position 2 of block 6
     assert rows.stretch_deltas.tolist() == [1, 2, -5]
+
+
+def test_a_stretch_from_a_position_keeps_exactly_the_rows_at_or_after_it():
+    """Issue 42: loads into a sliding-window group skip the rows of the blocks vLLM's
+    SlidingWindowManager null-padded (out of every later token's window). Oracle:
+    the untrimmed expansion with the rows before the position filtered out."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.scheduler_adapter import (
+        _leading_null_blocks,
+    )
+
+    blocks = (0, 0, 6, 2)  # two null blocks first: positions 0..7 are skipped
+    skipped = _leading_null_blocks(list(blocks)) * 4
+    assert skipped == 8 and _leading_null_blocks([3, 0, 5]) == 0
+    stretches = (SegmentStretch((3, 1, 5), first_row=1, num_rows=9, dst_position=2, delta=4),
+                 SegmentStretch((7,), first_row=0, num_rows=3, dst_position=12, delta=-1),
+                 SegmentStretch((9,), first_row=0, num_rows=2, dst_position=5, delta=2))
+    full = LoadRows.expand([RequestLoad(blocks, stretches)], 4, 4, CPU)
+    trimmed = [t for t in (s.from_position(skipped) for s in stretches) if t is not None]
+    assert len(trimmed) == 2  # the last stretch lies entirely in the null blocks
+    assert trimmed[1] is stretches[1]  # untouched when nothing is before the position
+    rows = LoadRows.expand([RequestLoad(blocks, tuple(trimmed))], 4, 4, CPU)
+    keep = full.dst_slots >= 4  # the rows into the null block (slots 0..3) are dropped
+    assert rows.src_rows.tolist() == full.src_rows[keep].tolist()
+    assert rows.dst_slots.tolist() == full.dst_slots[keep].tolist()
+    assert rows.deltas.tolist() == full.deltas[keep].tolist()
+    assert bool(keep.any()) and not bool(keep.all())

@@ -42,6 +42,17 @@ class SegmentStretch:
             delta=seg.position_delta,
         )
 
+    def from_position(self, position: int) -> "SegmentStretch | None":
+        """This stretch without its rows copied to positions before `position`
+        (None when none is left)."""
+        skip = max(0, position - self.dst_position)
+        if skip >= self.num_rows:
+            return None
+        if skip == 0:
+            return self
+        return SegmentStretch(self.pool_block_ids, self.first_row + skip,
+                              self.num_rows - skip, self.dst_position + skip, self.delta)
+
 
 @dataclass(frozen=True)
 class RequestLoad:

@@ -377,9 +377,21 @@ class ChunkCacheSchedulerAdapter:
                 continue
             plan = self._load_plan(rid, pending)
             self.manager.record_load(plan)
+            stretches = [SegmentStretch.of(seg) for seg in plan.segments]
+            # NOTE: a sliding-window group (every layer windowed: vLLM's
+            # SlidingWindowManager) pads the blocks of loaded tokens that are
+            # already out of the window with its null block (id 0, never a
+            # request's own block): no token reads them, so their rows are not
+            # written (docs/design/sliding-window.md).
+            skipped = _leading_null_blocks(pending.block_ids) * self.block_size
+            if skipped:
+                stretches = [t for t in (s.from_position(skipped) for s in stretches)
+                             if t is not None]
+            if not stretches:
+                continue
             meta.loads.append(RequestLoad(
                 block_ids=tuple(pending.block_ids),
-                stretches=tuple(SegmentStretch.of(seg) for seg in plan.segments),
+                stretches=tuple(stretches),
             ))
         self._pending_loads.clear()
 
@@ -524,3 +536,18 @@ class ChunkCacheSchedulerAdapter:
             pool_block_ids=tuple(int(b) for b in plan.pool_block_ids),
         )
         return child
+
+
+# vLLM's null block (BlockPool.null_block: the first block, never allocated).
+NULL_BLOCK_ID = 0
+
+
+def _leading_null_blocks(block_ids: list[int]) -> int:
+    """How many of a request's first blocks are vLLM's null block (blocks a
+    sliding-window manager skipped: out of every later token's window)."""
+    n = 0
+    for block_id in block_ids:
+        if block_id != NULL_BLOCK_ID:
+            break
+        n += 1
+    return n

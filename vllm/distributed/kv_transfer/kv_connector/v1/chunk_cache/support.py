@@ -10,7 +10,7 @@ they need:
 * `check_config`: the engine config (front end and engine core, before
   anything is built): features that change what a step computes;
 * `kv_cache_block_size`: the KV cache layout (scheduler, once vLLM grouped
-  the layers): one group of full attention (windowed layers kept as full);
+  the layers): one group of full or sliding-window attention;
 * `check_attention_layer`: each attention layer (worker, once the model is
   built): standard attention, its own KV cache, a window only on a backend
   shown to apply it by position, a backend whose cache write the load can use.
@@ -246,11 +246,11 @@ def check_model_config(hf_config: Any) -> None:
 
 def kv_cache_block_size(kv_cache_config: KVCacheConfig,
                         max_model_len: int | None = None) -> int:
-    """The paged block size of the single KV cache group of full attention
-    (every block of a request kept: sliding-window layers too, once vLLM's
-    hybrid allocator, off under a KV connector, kept them as full attention;
-    docs/design/sliding-window.md); refuses every other layout. A window of
-    at least `max_model_len` keys is full attention whatever keeps it."""
+    """The paged block size of the single KV cache group of full or
+    sliding-window attention (docs/design/sliding-window.md); refuses every
+    other layout, naming its layers and the reason. `max_model_len` is
+    accepted for the callers' symmetry with `check_attention_layer` (which
+    decides, per layer, where a window shorter than it is served)."""
     from vllm.v1.kv_cache_interface import (
         FullAttentionSpec,
         MLAAttentionSpec,
@@ -270,30 +270,27 @@ def kv_cache_block_size(kv_cache_config: KVCacheConfig,
     # mixing windowed and full layers) keeps every block; each windowed layer's
     # kernel applies its window by position, which is what the windowed
     # isolation semantics say (docs/design/sliding-window.md). A
-    # SlidingWindowSpec (every layer windowed) frees the blocks that fell out
-    # of the window and reads prefix-cache hits by windows: not served unless
-    # the window covers max_model_len. Chunked-local attention restarts its
-    # window at absolute multiples of the chunk size: not translation-invariant.
+    # SlidingWindowSpec (every layer windowed) makes vLLM's SlidingWindowManager
+    # replace the blocks out of every later token's window by its null block:
+    # nothing a token reads is freed, and a load skips the rows of those
+    # blocks (scheduler_adapter._add_loads). Chunked-local attention restarts
+    # its window at absolute multiples of the chunk size: not
+    # translation-invariant.
     chunked = getattr(spec, "attention_chunk_size", None)
-    window = getattr(spec, "sliding_window", None)
-    full_window = window is not None and max_model_len is not None and window >= max_model_len
     # MLA's latent cache is full attention too (one latent row per token);
     # its layers are checked by the worker (cache_writers' latent writers).
     if chunked is not None or not (
-            type(spec) in (FullAttentionSpec, MLAAttentionSpec)
-            or (type(spec) is SlidingWindowSpec and full_window)):
-        detail = (f", chunk size {chunked}" if chunked is not None
-                  else f", window {window}" if window is not None else "")
-        reason = ("a window shorter than --max-model-len on every layer: vLLM's "
-                  "sliding-window KV manager frees the blocks that leave the window"
-                  if type(spec) is SlidingWindowSpec else
-                  "chunked-local attention restarts at absolute positions"
+            type(spec) in (FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec)):
+        detail = f", chunk size {chunked}" if chunked is not None else ""
+        reason = ("chunked-local attention restarts at absolute positions"
                   if chunked is not None else
                   "attention-sink, state-space or other layers")
+        layers = groups[0].layer_names
+        named = ", ".join(layers[:2]) + (f" and {len(layers) - 2} more" if len(layers) > 2
+                                         else "")
         raise ValueError(
-            "--enable-chunk-cache supports full and sliding-window attention kept as "
-            f"full attention; this model's KV cache is {type(spec).__name__}{detail} "
-            f"({reason})"
+            "--enable-chunk-cache supports full and sliding-window attention; the KV "
+            f"cache of layer(s) {named} is {type(spec).__name__}{detail} ({reason})"
         )
     return spec.block_size
 

@@ -170,6 +170,19 @@ class ChunkCacheWorker:
 
     def register_model(self, model: nn.Module) -> None:
         ropes, orphans = find_layer_ropes(model)
+        if ropes and all(rope is None for rope in ropes.values()) and (
+                type(model).__module__.startswith("vllm.model_executor.models.transformers")):
+            # NOTE: vLLM's Transformers modeling backend (vLLM 0.32 serves e.g.
+            # Olmo2ForCausalLM through it) runs transformers' own attention
+            # forward, which applies the rope inside transformers' code: no
+            # rotary module of vLLM's to re-rotate keys with (issue 42).
+            raise ValueError(
+                f"chunk cache cannot find the rotary embedding of attention layer(s) "
+                f"{sorted(ropes)[:4]}: the model runs on vLLM's Transformers modeling "
+                f"backend ({type(model).__name__}), which applies RoPE inside "
+                "transformers' attention code, where keys cannot be re-rotated: "
+                "unsupported model implementation"
+            )
         if ropes and all(rope is None for rope in ropes.values()):
             # NOTE: with no RoPE a token's place enters elsewhere: learned or
             # sinusoidal absolute position embeddings added to the input
