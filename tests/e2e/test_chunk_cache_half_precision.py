@@ -177,6 +177,7 @@ def test_half_precision_chunk_cache_within_3x_of_stock_vllm(reference, dtype, tm
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(3600)  # four engines one after the other: ~25 minutes on 2 shared cores
 def test_each_engine_in_a_process_of_its_own_twice_in_one_pytest_process(reference,
                                                                         tmp_path):
     """The GPU form (issue 40): each engine in a fresh process, run twice from one pytest
