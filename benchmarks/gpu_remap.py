@@ -17,9 +17,10 @@
   geometries (`LaunchGeometry`: rows and heads per program, num_warps), each
   checked to write the bytes of the default geometry (poisoned destinations,
   every written slot / pool row of every layer), in one table with % of the
-  copy bandwidth and the best geometry per kernel. quick: 10 geometries and
-  the default (meant for under 90 s with --sweep-only; not executed yet);
-  full: 40 and the default.
+  copy bandwidth and the best geometry per kernel. quick: rows 4-32 x heads
+  1-2 x warps 2-8 around the default (8 x 1 x 4, the best of 2026-11-26's
+  sweep on an H100) and the former one-row default, 25 in all (the 11 of
+  2026-11-26 took 8 s); full: 57.
 
 Run (device with vLLM importable): python benchmarks/gpu_remap.py
 [--sweep quick|full] [--sweep-only]
@@ -78,17 +79,25 @@ def step_rows(n_rows: int):
 
 
 def sweep_geometries(kind: str) -> list:
-    from vllm.v1.worker.fused_chunk_load import LaunchGeometry
+    """The geometries timed besides the default, around the best measured one
+    (8 rows x 1 head x 4 warps on an H100, 2026-11-26; docs/design/fused-load.md):
+    quick: rows 4-32 x heads 1-2 x warps 2-8 (24, the default among them), plus
+    the former one-row default as the baseline; full: rows 1-32 x heads 1, 2 and
+    every KV head x warps 1-8, tiles of at most 64 (row, head) entries."""
+    from vllm.v1.worker.fused_chunk_load import ONE_ROW_GEOMETRY, LaunchGeometry
 
     if kind == "quick":
-        tiles = [(1, 1), (8, 1), (32, 1), (1, KV_HEADS), (4, KV_HEADS)]
-        warps = (4, 8)
+        tiles = [(r, h) for h in (1, 2) for r in (4, 8, 16, 32)]
+        warps = (2, 4, 8)
+        extra = [ONE_ROW_GEOMETRY]
     else:
         # NOTE: tiles of at most 64 (row, head) entries: larger ones hold
         # 64 x 128 fp32 values per tensor of the rotation, past the registers.
-        tiles = [(r, h) for h in (1, KV_HEADS) for r in (1, 2, 4, 8, 16, 32) if r * h <= 64]
+        tiles = [(r, h) for h in (1, 2, KV_HEADS) for r in (1, 2, 4, 8, 16, 32)
+                 if r * h <= 64]
         warps = (1, 2, 4, 8)
-    return [LaunchGeometry(r, h, w) for r, h in tiles for w in warps]
+        extra = [ONE_ROW_GEOMETRY]
+    return extra + [LaunchGeometry(r, h, w) for r, h in tiles for w in warps]
 
 
 def sweep(kind: str, group, caches, pool_k, pool_v, rotation, bw: float,
@@ -98,7 +107,8 @@ def sweep(kind: str, group, caches, pool_k, pool_v, rotation, bw: float,
     geometry wrote the default geometry's bytes."""
     from vllm.v1.worker.fused_chunk_load import DEFAULT_GEOMETRY, fused_capture, fused_load
 
-    geometries = [DEFAULT_GEOMETRY] + sweep_geometries(kind)
+    geometries = [DEFAULT_GEOMETRY] + [g for g in sweep_geometries(kind)
+                                       if g != DEFAULT_GEOMETRY]
     rows = []  # (kernel, n_rows, geometry, seconds, same bytes)
     started = time.monotonic()
     useful = {n: LAYERS * 4 * n * KV_HEADS * HEAD * DTYPE.itemsize for n in row_counts}

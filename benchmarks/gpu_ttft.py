@@ -11,11 +11,15 @@ the size's pool, shuffled anew per request) ## question. Warm-up: two requests (
 document is seen; the chunk cache and the prefix cache fill); then TTFT_REPS (10) measured
 requests, one at a time, each with a new question and a new order. TTFT = wall time of a
 generate() with max_tokens=1. Default compilation (FULL_AND_PIECEWISE CUDA graphs) unless
-TTFT_EAGER=1.
+TTFT_EAGER=1. TTFT_DRY_RUN=1: print the plan (sizes, reps, engine arguments) and exit.
 
 Decode (TTFT_DECODE=1, default): 64 requests of ~512 prompt tokens decode 256 tokens each
 (ignore_eos); tokens/s = 64 * 255 / (t(256 tokens) - t(1 token)): run on `prefix` (flag
 off) and `chunk` (flag on) to compare.
+Boundary recompute (TTFT_RECOMPUTE_K=K, chunk mode): the engine gets
+`chunk_recompute_tokens=K`; every measured request is sent as `sink` (the manager's
+recompute set to 0) and as `sink+K`, one after the other: two rows per size, modes
+`chunk` and `chunk+K<K>`, the same floor.
 Profile (TTFT_PROFILE=1, chunk mode): a torch profiler table of one all-hit request at the
 middle size. Every mode runs the engine core in-process.
 One JSON line per measurement on stdout.
@@ -56,6 +60,33 @@ def make_model_dir(out: Path, tokenizer_from: Path) -> None:
             (out / f.name).write_bytes(f.read_bytes())
 
 
+def recompute_k(mode: str) -> int:
+    """TTFT_RECOMPUTE_K (chunk mode only): the engine is built with
+    `chunk_recompute_tokens=K` and each measured request is run twice, as `sink`
+    (recompute 0) and as `sink+K`, one after the other."""
+    k = int(os.environ.get("TTFT_RECOMPUTE_K", "0"))
+    if k < 0 or (k and mode != "chunk"):
+        raise SystemExit(f"TTFT_RECOMPUTE_K={k}: a K > 0 needs mode chunk (got {mode})")
+    return k
+
+
+def engine_kwargs(mode: str, model: str, sizes: list[int], eager: bool, k: int = 0) -> dict:
+    if mode not in ("stock", "prefix", "chunk"):
+        raise SystemExit(f"unknown mode {mode!r}: stock | prefix | chunk")
+    kwargs = dict(model=model, load_format="dummy", dtype="bfloat16",
+                  max_model_len=max(sizes) + 1024, gpu_memory_utilization=0.85, seed=0,
+                  enforce_eager=eager, max_num_seqs=64)
+    if mode == "stock":
+        kwargs["enable_prefix_caching"] = False
+    elif mode == "prefix":
+        kwargs["enable_prefix_caching"] = True
+    else:
+        kwargs.update(enable_chunk_cache=True, enable_prefix_caching=True)
+        if k:
+            kwargs["chunk_recompute_tokens"] = k
+    return kwargs
+
+
 def emit(**fields) -> None:
     print(json.dumps(fields), flush=True)
 
@@ -66,21 +97,25 @@ def main() -> None:
     # NOTE: in-process engine core for every mode (the profiler needs it): no mode pays an
     # IPC hop the others do not.
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    eager = os.environ.get("TTFT_EAGER", "0") == "1"
+    k = recompute_k(mode)
+    kwargs = engine_kwargs(mode, model, SIZES, eager, k)
+    if os.environ.get("TTFT_DRY_RUN") == "1":  # the plan only (checked on the CPU)
+        emit(dry_run=True, mode=mode, sizes=SIZES, reps=REPS, engine=kwargs)
+        return
     from vllm import LLM, SamplingParams
 
-    eager = os.environ.get("TTFT_EAGER", "0") == "1"
-    kwargs = dict(model=model, load_format="dummy", dtype="bfloat16",
-                  max_model_len=max(SIZES) + 1024, gpu_memory_utilization=0.85, seed=0,
-                  enforce_eager=eager, max_num_seqs=64)
-    if mode == "stock":
-        kwargs["enable_prefix_caching"] = False
-    elif mode == "prefix":
-        kwargs["enable_prefix_caching"] = True
-    else:
-        kwargs.update(enable_chunk_cache=True, enable_prefix_caching=True)
     t0 = time.time()
     llm = LLM(**kwargs)
-    emit(mode=mode, start_up_s=round(time.time() - t0, 1), enforce_eager=eager)
+    emit(mode=mode, start_up_s=round(time.time() - t0, 1), enforce_eager=eager,
+         **({"recompute_k": k} if k else {}))
+    manager = None
+    if k:
+        # NOTE: `sink` and `sink+K` on one engine, request by request (as
+        # bench_recompute.py --paired): the manager's recompute set to 0 is `sink`
+        # (cached entries do not depend on K).
+        manager = llm.llm_engine.engine_core.engine_core.scheduler.connector \
+            .chunk_scheduler.manager
     tok = llm.get_tokenizer()
     rng = random.Random(0)
     sep = " ## " if mode == "chunk" else " "  # stock/prefix: the same text, no markers
@@ -104,23 +139,34 @@ def main() -> None:
 
         for _ in range(2):
             timed(prompt(words(rng, 12)))
-        ttfts, cached, lengths, floor = [], [], [], []
+        ks = (0, k) if k else (0,)
+        ttfts = {x: [] for x in ks}
+        cached = {x: [] for x in ks}
+        lengths, floor = [], []
         for _ in range(REPS):
-            t, out = timed(prompt(words(rng, 12)))
-            ttfts.append(t)
-            cached.append(out.num_cached_tokens or 0)
-            lengths.append(len(out.prompt_token_ids))
+            for x in ks:
+                if manager is not None:
+                    manager.recompute_tokens = x
+                t, out = timed(prompt(words(rng, 12)))
+                ttfts[x].append(t)
+                cached[x].append(out.num_cached_tokens or 0)
+                lengths.append(len(out.prompt_token_ids))
             if mode == "chunk":  # the floor: the question alone, same engine
                 floor.append(timed("question: " + words(rng, 12))[0])
-        row = dict(mode=mode, size=size, docs=len(docs),
-                   prompt_tokens_mean=round(statistics.mean(lengths)),
-                   cached_tokens_mean=round(statistics.mean(cached)),
-                   ttft_ms_median=round(1e3 * statistics.median(ttfts), 2),
-                   ttft_ms_min=round(1e3 * min(ttfts), 2),
-                   ttft_ms_max=round(1e3 * max(ttfts), 2))
-        if floor:
-            row["floor_ms_median"] = round(1e3 * statistics.median(floor), 2)
-        emit(**row)
+        if manager is not None:
+            manager.recompute_tokens = k
+        for x in ks:
+            row = dict(mode=mode if not x else f"{mode}+K{x}", size=size, docs=len(docs),
+                       prompt_tokens_mean=round(statistics.mean(lengths)),
+                       cached_tokens_mean=round(statistics.mean(cached[x])),
+                       ttft_ms_median=round(1e3 * statistics.median(ttfts[x]), 2),
+                       ttft_ms_min=round(1e3 * min(ttfts[x]), 2),
+                       ttft_ms_max=round(1e3 * max(ttfts[x]), 2))
+            if floor:
+                row["floor_ms_median"] = round(1e3 * statistics.median(floor), 2)
+            if k:
+                row["engine_recompute_k"] = k
+            emit(**row)
         if profile and size == SIZES[len(SIZES) // 2]:
             from torch.profiler import ProfilerActivity, profile as torch_profile
 

@@ -47,6 +47,13 @@ def _fetch_one(paths: Paths, pin: Pin, python: Path | None) -> Path:
     dest = artifact_path(paths, pin)
     if verified(paths, pin):
         return dest
+    if pin.kind == "sdist" and python is None:
+        # NOTE: pip's metadata step would run the sdist's setup.py under whatever Python
+        # runs this tool (torch, setuptools-rust, setuptools >= 77 for vLLM's): on a fresh
+        # machine that fails deep inside pip (tools/gpu/pack.sh, 2026-11-26). Say so first.
+        raise ToolError(f"downloading the sdist {pin.file} runs its setup.py through pip, "
+                        "which needs the fork's venv (torch, setuptools-rust): run "
+                        f"`./fork setup --base {paths.base.name}` first")
     paths.downloads.mkdir(parents=True, exist_ok=True)
     with step(f"downloading {pin.file}"), tempfile.TemporaryDirectory(dir=paths.cache) as tmp:
         cmd = [str(python or sys.executable), "-m", "pip", "download", "--no-deps",

@@ -5,26 +5,57 @@
 #   bash tools/gpu/pack.sh py     .gpu/py.tar.xz only: the wheel's Python files with this
 #                                 checkout's patched sources over them (./fork apply vllm);
 #                                 rerun it after any change to vllm/ or patches/
+#   bash tools/gpu/pack.sh [py] --dry-run
+#                                 print the steps and check the tools they need; runs nothing
 # The device tool carries 64 MiB a call, working tree included: each part stays <= 60 MiB.
+# Needs Python 3 with pip, unzip, xz, split; nothing else in the system Python: the patched
+# sources come from `./fork apply vllm`, which downloads vLLM's sdist through the fork's venv
+# (pip runs its setup.py: torch, setuptools-rust), so `./fork setup` runs first (idempotent:
+# seconds when the venv exists, ~10 minutes on a fresh machine).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-work=.cache/gpu; mkdir -p "$work" .gpu
+only_py=0 dry=0
+for a in "$@"; do
+  case $a in
+    py) only_py=1 ;;
+    --dry-run) dry=1 ;;
+    *) echo "pack.sh: unknown argument '$a' (py, --dry-run)" >&2; exit 2 ;;
+  esac
+done
+cache=${FORK_CACHE:-.cache}
+work=.cache/gpu
+if ((dry)); then
+  missing=0
+  for t in python3 unzip xz split tar; do
+    command -v $t >/dev/null || { echo "missing: $t" >&2; missing=1; }
+  done
+  python3 -m pip --version >/dev/null 2>&1 || { echo "missing: pip for python3" >&2; missing=1; }
+  if [ -x "$cache/venv/bin/python" ]; then echo "1. ./fork setup (venv $cache/venv exists: seconds)"
+  else echo "1. ./fork setup (no venv at $cache/venv yet: builds it, ~10 minutes)"; fi
+  if compgen -G "$work/whl/vllm-0.23.0-*.whl" >/dev/null; then echo "2. vllm 0.23.0 CUDA wheel: cached in $work/whl"
+  else echo "2. pip download vllm==0.23.0 (CUDA wheel, 261 MiB) into $work/whl"; fi
+  ((only_py)) || echo "3. extensions + dependencies -> .gpu/part00, .gpu/part01 (xz -9e, ~8 minutes)"
+  echo "4. ./fork apply vllm --force; the wheel's Python files + $cache/trees/vllm/vllm -> .gpu/py.tar.xz"
+  exit $missing
+fi
+mkdir -p "$work" .gpu
+./fork setup
 plat="--only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64
  --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64
  --platform manylinux_2_24_x86_64 --platform manylinux_2_34_x86_64 --platform any"
 # NOTE: pip skips a file already in the destination (a previous pack's wheel, 261 MiB).
-pip download -q --no-deps $plat -d "$work/whl" vllm==0.23.0
+python3 -m pip download -q --no-deps $plat -d "$work/whl" vllm==0.23.0
 wheel=$(ls "$work"/whl/vllm-0.23.0-*.whl)
 
 python_sources() {
   rm -rf "$work/py" && mkdir -p "$work/py"
   (cd "$work/py" && unzip -q "$OLDPWD/$wheel" -x '*.so' 'vllm/vllm-rs' 'vllm/third_party/deep_gemm/*')
   ./fork apply vllm --force
-  cp -r .cache/trees/vllm/vllm/. "$work/py/vllm/"   # the fork's patched sources over the wheel's
+  cp -r "$cache/trees/vllm/vllm/." "$work/py/vllm/"   # the fork's patched sources over the wheel's
   tar cf - -C "$work/py" . | xz -T0 -9 > .gpu/py.tar.xz
   ls -l .gpu/py.tar.xz
 }
-if [ "${1:-}" = py ]; then python_sources; exit 0; fi
+if ((only_py)); then python_sources; exit 0; fi
 
 # NOTE: the extensions a dense model and MLA need on Hopper (xz -9e sizes in docs/gpu.md):
 # _C and _C_stable_libtorch (cuda.py imports both; reshape_and_cache_flash,
@@ -41,7 +72,7 @@ rm -rf "$work/so" && mkdir -p "$work/so"
 # NOTE: vLLM's own requirements minus what the device image already has (torch, triton,
 # transformers, numpy, ...) and the CUDA kernel packages a dense model on FLASH_ATTN /
 # TRITON_ATTN never imports (flashinfer, tilelang, cutlass-dsl, quack, ...).
-pip download -q $plat -d "$work/deps" blake3 "fastapi[standard]<0.137,>=0.115" "openai>=2" \
+python3 -m pip download -q $plat -d "$work/deps" blake3 "fastapi[standard]<0.137,>=0.115" "openai>=2" \
   "pydantic>=2.12" "prometheus-fastapi-instrumentator>=7" lm-format-enforcer==0.11.3 \
   outlines_core==0.2.14 diskcache==5.6.3 lark==1.2.2 partial-json-parser pyzmq msgspec \
   "gguf>=0.17" "mistral_common>=1.11.3" python-json-logger pybase64 cbor2 ijson setproctitle \
@@ -50,7 +81,7 @@ pip download -q $plat -d "$work/deps" blake3 "fastapi[standard]<0.137,>=0.115" "
   opentelemetry-semantic-conventions-ai watchfiles cachetools depyf==0.20.0
 # NOTE: xgrammar 0.2.8 does not import with vLLM's pinned apache-tvm-ffi 0.1.9; 0.1.15.post2
 # (what pip resolves for the CPU venv) works. vLLM imports xgrammar at start-up.
-pip download -q --no-deps $plat -d "$work/deps" compressed-tensors==0.17.0 "xgrammar<1,>=0.2" \
+python3 -m pip download -q --no-deps $plat -d "$work/deps" compressed-tensors==0.17.0 "xgrammar<1,>=0.2" \
   loguru llguidance==1.6.1 apache-tvm-ffi==0.1.15.post2
 for p in numpy pillow protobuf pyyaml regex requests setuptools tqdm typing_extensions urllib3 \
     certifi charset_normalizer idna jinja2 markupsafe packaging pygments rich markdown_it_py \

@@ -5,7 +5,7 @@ Today's GPU load is about a dozen small kernels per layer: two gathers of pool
 rows, the fp32 rotation (elementwise passes over strided halves), a cast back,
 then the backend's `reshape_and_cache_flash`. This kernel does the same work in
 one pass: each program reads a tile of pool rows (`LaunchGeometry`: by default
-one row of one KV head) once, rotates K by each row's delta with the step's
+8 rows of one KV head) once, rotates K by each row's delta with the step's
 cos/sin table (one row per stretch of a cached segment,
 `RopeRotation.stretch_cos_sin`: float64 angles, fp32 values; each row reads its
 stretch's entry), and writes K and V once into the paged cache through its
@@ -95,12 +95,20 @@ class LaunchGeometry:
         return options
 
 
-# NOTE: today's geometry, one row of one head per program with Triton's
-# default warps, is the one measured on a GPU (docs/gpu.md: load 35-40% of
-# the copy bandwidth at >= 4k rows on an H100). Larger tiles are expected to
-# do better but are unmeasured: the default changes only after
-# benchmarks/gpu_remap.py --sweep picks one on a GPU (docs/design/fused-load.md).
-DEFAULT_GEOMETRY = LaunchGeometry()
+# NOTE: the default is the best geometry of the launch-geometry sweep run on an
+# H100 80GB HBM3 on 2026-11-26 (benchmarks/gpu_remap.py --sweep quick, Llama-3-8B
+# shapes, bf16, 32 layers in one launch; ../shared/notes/gpu-run-2026-11-26/):
+# 8 rows of one head per program, 4 warps, moved 46.4% of the copy bandwidth in
+# the load (mean over 4k and 16k rows; the former default, one row of one head
+# with Triton's default warps: 30.6%) and 68.5% in the capture (former default
+# 44.7%), the best of 11 geometries for both kernels, each writing the former
+# default's bytes. The geometry changes no byte (per-element arithmetic; the
+# CPU tests check it under several). The sweep (now rows 4-32, heads 1-2,
+# warps 2-8 around this one) re-measures it on the next GPU.
+DEFAULT_GEOMETRY = LaunchGeometry(rows_per_program=8, heads_per_program=1, num_warps=4)
+# The geometry before 2026-11-26 (one row of one head, Triton's default warps),
+# kept as the sweep's baseline.
+ONE_ROW_GEOMETRY = LaunchGeometry()
 
 
 if triton is not None:

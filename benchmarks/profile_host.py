@@ -1,0 +1,92 @@
+#!/usr/bin/env python3
+"""Where an all-hit request's host time goes, per prompt size (issue 40, deliverable 4).
+
+The workload and engine of benchmarks/bench_host.py (tiny-llama's shapes and tokenizer,
+random weights: compute negligible; documents of ~500 tokens, every request = system + all
+documents shuffled anew + a new question, every document resident; the segment token cache
+on, as a deployment that sees its documents again), then one all-hit request per size under
+cProfile: wall ms, the floor (the question alone), and the functions with the most own time
+and the most cumulative time. The engine core runs in-process, so scheduler, connector,
+model runner and renderer are all in the profile.
+
+    .cache/venv/bin/python benchmarks/profile_host.py [--docs 16 64] [--top 25]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import os
+import pstats
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from common import DOC_TOKENS, document, words
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--docs", type=int, nargs="+", default=[16, 64])
+    ap.add_argument("--reps", type=int, default=5, help="timed requests before the profile")
+    ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--model", default=str(ROOT / ".cache/models/tiny-llama"))
+    args = ap.parse_args()
+
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "6")
+    from vllm import LLM, SamplingParams
+
+    max_len = max(args.docs) * DOC_TOKENS + 1024
+    llm = LLM(model=args.model, load_format="dummy", dtype="bfloat16", seed=0,
+              max_model_len=max_len, hf_overrides={"max_position_embeddings": max_len},
+              enforce_eager=True, enable_chunk_cache=True, enable_prefix_caching=True)
+    tok = llm.get_tokenizer()
+    rng = random.Random(0)
+    one = SamplingParams(max_tokens=1, temperature=0.0)
+    for num_docs in args.docs:
+        docs = [document(rng, tok) for _ in range(num_docs)]
+
+        def prompt() -> str:
+            order = rng.sample(range(num_docs), num_docs)
+            return " ## ".join(["answer from the documents", *[docs[i] for i in order],
+                                "question: " + words(rng, 12)])
+
+        for _ in range(2):  # every document resident, the token cache filled
+            llm.generate([prompt()], one, use_tqdm=False)
+        wall, floor = [], []
+        for _ in range(args.reps):
+            t = time.perf_counter()
+            out = llm.generate([prompt()], one, use_tqdm=False)[0]
+            wall.append(time.perf_counter() - t)
+            t = time.perf_counter()
+            llm.generate(["question: " + words(rng, 12)], one, use_tqdm=False)
+            floor.append(time.perf_counter() - t)
+        print(f"\n== {num_docs} documents, {len(out.prompt_token_ids)} prompt tokens, "
+              f"{out.num_cached_tokens} cached: all-hit {1e3 * statistics.median(wall):.1f} ms, "
+              f"floor {1e3 * statistics.median(floor):.1f} ms (medians of {args.reps})",
+              flush=True)
+        p = prompt()
+        prof = cProfile.Profile()
+        t = time.perf_counter()
+        prof.enable()
+        llm.generate([p], one, use_tqdm=False)
+        prof.disable()
+        print(f"profiled request: {1e3 * (time.perf_counter() - t):.1f} ms under cProfile")
+        for key in ("tottime", "cumulative"):
+            s = io.StringIO()
+            pstats.Stats(prof, stream=s).sort_stats(key).print_stats(args.top)
+            lines = s.getvalue().splitlines()
+            start = next(i for i, line in enumerate(lines) if "ncalls" in line)
+            print(f"-- by {key}")
+            print("\n".join(lines[start:start + args.top + 1]), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
