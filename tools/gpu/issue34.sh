@@ -59,7 +59,7 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMER
 
 half() {  # half ENV...: the half-precision exactness test (tests/e2e) under these settings
   env CHUNK_HALF_GPU_UTIL=0.3 CHUNK_HALF_EAGER=0 "$@" python3 -m pytest -s -q -p no:cacheprovider \
-    tests/e2e/test_chunk_cache_half_precision.py
+    tests/e2e/test_chunk_cache_half_precision.py -m "" -k within_3x
 }
 
 run_item() {  # the command of one item; its output goes to the item's log
