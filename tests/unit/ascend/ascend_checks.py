@@ -10,7 +10,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from tests.unit.ascend.check_batch import BEGIN, END
+from tests.unit.ascend.check_batch import ARGS, BEGIN, END
 
 HERE = Path(__file__).resolve().parent
 
@@ -48,10 +48,13 @@ class CheckOutcome:
 
 
 def run_checks(script: str, checks: list[str], ascend_tree: Path,
+               args: dict[str, list[str]] | None = None,
                timeout: int = 1200) -> dict[str, CheckOutcome]:
-    """Run `checks` of `script` as one batch; each check's outcome by name. A check
-    that is missing from the output (the batch died before it) has exit code -1."""
-    proc = subprocess.run([sys.executable, str(HERE / script), "--batch", *checks],
+    """Run `checks` of `script` as one batch (`args`: a check's arguments, by name);
+    each check's outcome by name. A check that is missing from the output (the batch
+    died before it) has exit code -1."""
+    tokens = [ARGS.join([c, *(args or {}).get(c, [])]) for c in checks]
+    proc = subprocess.run([sys.executable, str(HERE / script), "--batch", *tokens],
                           env=_env(ascend_tree, None), capture_output=True, text=True,
                           timeout=timeout)
     outcomes: dict[str, CheckOutcome] = {}

@@ -1,7 +1,7 @@
 """The `__main__` of the Ascend check scripts: one check, as before, or a batch.
 
     python npu_stub_checks.py CHECK [ARG ...]         one check in this process
-    python npu_stub_checks.py --batch CHECK [CHECK ...]
+    python npu_stub_checks.py --batch CHECK[::ARG...] [CHECK[::ARG...] ...]
 
 NOTE: a check's process spends ~20 s of CPU importing torch, vLLM and vllm-ascend
 and well under a second checking; twenty such processes were ~7 minutes of CI on
@@ -23,6 +23,7 @@ from typing import Callable
 
 BEGIN = "=== check "
 END = "=== exit "
+ARGS = "::"  # separates a batched check's name from its arguments
 
 
 def main(checks: dict[str, Callable], preamble: Callable[[], None],
@@ -35,7 +36,8 @@ def main(checks: dict[str, Callable], preamble: Callable[[], None],
         return
     for name in preload:
         importlib.import_module(name)
-    for name in argv[1:]:
+    for token in argv[1:]:
+        name, *args = token.split(ARGS)
         print(BEGIN + name, flush=True)
         sys.stderr.flush()
         pid = os.fork()
@@ -43,7 +45,7 @@ def main(checks: dict[str, Callable], preamble: Callable[[], None],
             os.dup2(sys.stdout.fileno(), 2)  # the check's warnings go with its output
             code = 0
             try:
-                checks[name]()
+                checks[name](*args)
                 print("OK", name)
             except BaseException:  # noqa: BLE001 - reported to the parent's reader
                 traceback.print_exc(file=sys.stdout)

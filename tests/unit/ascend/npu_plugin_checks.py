@@ -541,5 +541,7 @@ def check_deepseek_load_step_forms_cos_sin_once_per_frequencies(models_dir: str)
 
 
 if __name__ == "__main__":
-    globals()[sys.argv[1]](*sys.argv[2:])
-    print("OK", sys.argv[1])
+    from check_batch import main
+
+    main(globals(), preamble=lambda: None,
+         preload=("vllm.config", "vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache"))

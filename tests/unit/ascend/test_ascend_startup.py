@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO, models_dir
-from tests.unit.ascend.ascend_checks import run_check
+from tests.unit.ascend.ascend_checks import CheckOutcome, run_check, run_checks
 
 SCRIPT = "npu_plugin_checks.py"
 LLAMA = str(models_dir() / "tiny-llama")
@@ -35,16 +35,29 @@ def test_vllm_ascends_runner_serves_a_stock_connector_on_a_stock_vllm(
               ascend_tree, first=stock_vllm)
 
 
-def test_schedulers_that_replace_schedule_are_refused_with_boundary_recompute(
-        ascend_tree: Path):
+BUFFERS = "check_deepseek_load_buffers_allocated_in_register_kv_caches"
+COS_SIN = "check_deepseek_load_step_forms_cos_sin_once_per_frequencies"
+
+
+@pytest.fixture(scope="module")
+def batch(ascend_tree: Path) -> dict[str, CheckOutcome]:
+    """The checks that need no stock vLLM first on the path, as one batch (each in a child
+    forked after the imports: check_batch.py)."""
+    return run_checks(SCRIPT, ["check_scheduler_rules", "check_xlite_refused", BUFFERS, COS_SIN],
+                      ascend_tree, args={"check_scheduler_rules": [LLAMA],
+                                         BUFFERS: [str(models_dir())],
+                                         COS_SIN: [str(models_dir())]})
+
+
+def test_schedulers_that_replace_schedule_are_refused_with_boundary_recompute(batch):
     """Finding 1 (the refusal half; the admission half runs an engine:
     tests/e2e/test_ascend_schedulers.py)."""
-    run_check(SCRIPT, "check_scheduler_rules", ascend_tree, LLAMA)
+    batch["check_scheduler_rules"].assert_ok("check_scheduler_rules")
 
 
-def test_xlite_graph_mode_is_refused_at_start_up(ascend_tree: Path):
+def test_xlite_graph_mode_is_refused_at_start_up(batch):
     """Finding 4: xlite computes attention outside vLLM's layers (zeros loaded)."""
-    run_check(SCRIPT, "check_xlite_refused", ascend_tree)
+    batch["check_xlite_refused"].assert_ok("check_xlite_refused")
 
 
 @pytest.fixture(scope="module")
@@ -63,18 +76,16 @@ def test_dry_run_of_the_start_up_on_vllm_ascend(dry_run: str):
 
 
 def test_deepseek_on_ascend_mla_allocates_its_latent_load_buffers_in_register_kv_caches(
-        ascend_tree: Path):
+        batch):
     """Finding 10, on vllm-ascend's AscendMLAImpl and rope (npu_plugin_checks.py).
     Against the code before 98e9514 (reinstated one part at a time): the lazy allocation
     fails with `AssertionError: {}` (no buffer after register_kv_caches); the K/V sizing
     of load_scratch_bytes with `AssertionError: (29360128, 132120576)` (allocated vs
     counted); the per-layer MLA load with `a load took tensors of its own`."""
-    run_check(SCRIPT, "check_deepseek_load_buffers_allocated_in_register_kv_caches",
-              ascend_tree, str(models_dir()))
+    batch[BUFFERS].assert_ok(BUFFERS)
 
 
-def test_deepseek_on_ascend_mla_forms_a_steps_cos_sin_once_per_frequencies(
-        ascend_tree: Path):
+def test_deepseek_on_ascend_mla_forms_a_steps_cos_sin_once_per_frequencies(batch):
     """Finding 8, on the with_pairing copies vllm-ascend's MLA reader makes of its
     AscendDeepseekScalingRotaryEmbedding (npu_plugin_checks.py). Against the code
     before 98e9514 (the step's cos/sin keyed by id(rotation), its cos_sin_rows):
@@ -82,8 +93,7 @@ def test_deepseek_on_ascend_mla_forms_a_steps_cos_sin_once_per_frequencies(
     with today's cos_sin_rows (host deltas), `a device value was read back on the host`.
     NOTE: the old code read back only on a device other than CPU and CUDA; on these CPU
     tensors the old code fails by its per-layer formation (docs/ascend.md)."""
-    run_check(SCRIPT, "check_deepseek_load_step_forms_cos_sin_once_per_frequencies",
-              ascend_tree, str(models_dir()))
+    batch[COS_SIN].assert_ok(COS_SIN)
 
 
 # ------------------------------------------------- the model-family matrix (issue 42)
