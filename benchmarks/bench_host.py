@@ -21,14 +21,13 @@ Needs `./fork setup` (tiny-llama in .cache/models).
 from __future__ import annotations
 
 import argparse
-import os
 import random
 import statistics
 import sys
 import time
 from pathlib import Path
 
-from common import DOC_TOKENS, document, words
+from common import DOC_TOKENS, document, host_workload_llm, words
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -41,15 +40,9 @@ def main() -> int:
     args = ap.parse_args()
 
     # NOTE: in-process engine core: the splitter lives in this process's renderer.
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "6")
-    from vllm import LLM, SamplingParams
+    llm = host_workload_llm(args.model, max(args.docs) * DOC_TOKENS + 1024)
+    from vllm import SamplingParams
     from vllm.renderers.segment_token_cache import DEFAULT_MAX_TOKENS, SegmentTokenCache
-
-    max_len = max(args.docs) * DOC_TOKENS + 1024
-    llm = LLM(model=args.model, load_format="dummy", dtype="bfloat16", seed=0,
-              max_model_len=max_len, hf_overrides={"max_position_embeddings": max_len},
-              enforce_eager=True, enable_chunk_cache=True, enable_prefix_caching=True)
     splitter = llm.renderer._chunk_splitter
     tok = llm.get_tokenizer()
     rng = random.Random(0)

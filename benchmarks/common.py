@@ -507,3 +507,23 @@ def document(rng: random.Random, tokenizer, num_tokens: int = DOC_TOKENS) -> str
     while len(tokenizer.encode(text, add_special_tokens=False)) < num_tokens:
         text += " " + words(rng, 5)
     return text
+
+
+# ------------------------------------------------------------------- host work
+
+
+def host_workload_llm(model: str, max_model_len: int):
+    """The in-process engine bench_host.py and profile_host.py measure: dummy bf16 weights
+    (compute is not what they time), the chunk cache and prefix caching on, the positions
+    stretched to `max_model_len`.
+
+    NOTE: in-process engine core (VLLM_ENABLE_V1_MULTIPROCESSING=0): the chunk splitter and
+    the scheduler live in this process, where the benchmarks look at them."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "6")
+    from vllm import LLM
+
+    return LLM(model=model, load_format="dummy", dtype="bfloat16", seed=0,
+               max_model_len=max_model_len,
+               hf_overrides={"max_position_embeddings": max_model_len},
+               enforce_eager=True, enable_chunk_cache=True, enable_prefix_caching=True)

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
-import os
 import pstats
 import random
 import statistics
@@ -25,7 +24,7 @@ import sys
 import time
 from pathlib import Path
 
-from common import DOC_TOKENS, document, words
+from common import DOC_TOKENS, document, host_workload_llm, words
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -38,14 +37,9 @@ def main() -> int:
     ap.add_argument("--model", default=str(ROOT / ".cache/models/tiny-llama"))
     args = ap.parse_args()
 
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "6")
-    from vllm import LLM, SamplingParams
-
-    max_len = max(args.docs) * DOC_TOKENS + 1024
-    llm = LLM(model=args.model, load_format="dummy", dtype="bfloat16", seed=0,
-              max_model_len=max_len, hf_overrides={"max_position_embeddings": max_len},
-              enforce_eager=True, enable_chunk_cache=True, enable_prefix_caching=True)
+    # NOTE: in-process engine core: the splitter lives in this process's renderer.
+    llm = host_workload_llm(args.model, max(args.docs) * DOC_TOKENS + 1024)
+    from vllm import SamplingParams
     tok = llm.get_tokenizer()
     rng = random.Random(0)
     one = SamplingParams(max_tokens=1, temperature=0.0)
