@@ -179,6 +179,34 @@ def _worker(fraction=0.15):
                                                          num_blocks=64))
 
 
+class _NoRopeAttention(nn.Module):
+    """Attention that holds no rotary_emb (GPT-2's learned positions, or the
+    Transformers backend's layers, whose rope lives in transformers' code)."""
+
+    def __init__(self, name):
+        super().__init__()
+        self.attn = _attention(name)
+
+
+def _no_rope_model(module_name):
+    cls = type("TransformersForCausalLM", (nn.ModuleList,), {"__module__": module_name})
+    return cls([_NoRopeAttention("l0"), _NoRopeAttention("l1")])
+
+
+def test_a_model_on_the_transformers_backend_is_refused_by_name():
+    """Issue 42: vLLM 0.32 serves OLMo 2 through its Transformers modeling
+    backend; its layers have no rope of vLLM's, which must not read as "a model
+    without RoPE" (a different reason) nor be served unrotated."""
+    worker = _worker()
+    model = _no_rope_model("vllm.model_executor.models.transformers.causal")
+    with pytest.raises(ValueError, match=r"Transformers modeling backend "
+                       r"\(TransformersForCausalLM\).*unsupported model implementation"):
+        worker.register_model(model)
+    # The same layers in a model of vLLM's own: refused as a model without RoPE.
+    with pytest.raises(ValueError, match=r"\['l0', 'l1'\] have no rotary embedding"):
+        worker.register_model(_no_rope_model("vllm.model_executor.models.gpt2"))
+
+
 def test_start_up_is_refused_when_the_runner_never_registered_the_model():
     worker = _worker()
     # Before: a warning, then keys loaded without rotation (wrong answers).
