@@ -105,14 +105,21 @@ def sweep(kind: str, group, caches, pool_k, pool_v, rotation, bw: float,
           time_fn=timed) -> bool:
     """Times the fused load and capture under each geometry; True if every
     geometry wrote the default geometry's bytes."""
-    from vllm.v1.worker.fused_chunk_load import DEFAULT_GEOMETRY, fused_capture, fused_load
+    from vllm.v1.worker.fused_chunk_load import (
+        DEFAULT_CAPTURE_GEOMETRY,
+        DEFAULT_LOAD_GEOMETRY,
+        fused_capture,
+        fused_load,
+    )
 
-    geometries = [DEFAULT_GEOMETRY] + [g for g in sweep_geometries(kind)
-                                       if g != DEFAULT_GEOMETRY]
+    defaults = {"load": DEFAULT_LOAD_GEOMETRY, "capture": DEFAULT_CAPTURE_GEOMETRY}
+    geometries = {kernel: [d] + [g for g in sweep_geometries(kind) if g != d]
+                  for kernel, d in defaults.items()}
     rows = []  # (kernel, n_rows, geometry, seconds, same bytes)
     started = time.monotonic()
     useful = {n: LAYERS * 4 * n * KV_HEADS * HEAD * DTYPE.itemsize for n in row_counts}
-    print(f"\nlaunch geometry sweep ({kind}, {len(geometries)} geometries, first = the default)")
+    print(f"\nlaunch geometry sweep ({kind}, {len(geometries['load'])} geometries a kernel, "
+          "first = the kernel's default)")
     print(f"{'kernel':8} {'rows':>6} {'rows/prog':>9} {'heads/prog':>10} {'warps':>5} "
           f"{'ms/step':>8} {'useful TB/s':>11} {'% of copy':>9} {'same bytes':>10}", flush=True)
 
@@ -135,9 +142,9 @@ def sweep(kind: str, group, caches, pool_k, pool_v, rotation, bw: float,
         def loaded():
             return [c[blocks, :, offsets] for c in caches]
 
-        load(DEFAULT_GEOMETRY)
+        load(DEFAULT_LOAD_GEOMETRY)
         want = loaded()
-        for geometry in geometries:
+        for geometry in geometries["load"]:
             for cache in caches:
                 cache.fill_(float("nan"))  # poison: every slot must be written again
             load(geometry)
@@ -156,7 +163,7 @@ def sweep(kind: str, group, caches, pool_k, pool_v, rotation, bw: float,
         def captured():
             return [p[dst_rows] for p in pool_k + pool_v]
 
-        capture(DEFAULT_GEOMETRY)
+        capture(DEFAULT_CAPTURE_GEOMETRY)
         want = captured()
         # The default against the cache itself (vLLM's layout, indexed by torch).
         exact = all(
@@ -164,7 +171,7 @@ def sweep(kind: str, group, caches, pool_k, pool_v, rotation, bw: float,
             and torch.equal(want[len(caches) + i].view(torch.int16),
                             c[blocks, 1, offsets].view(torch.int16))
             for i, c in enumerate(caches))
-        for geometry in geometries:
+        for geometry in geometries["capture"]:
             for p in pool_k + pool_v:
                 p.index_fill_(0, dst_rows, float("nan"))
             capture(geometry)
@@ -183,7 +190,7 @@ def sweep(kind: str, group, caches, pool_k, pool_v, rotation, bw: float,
                 scores.setdefault(g, []).append(100 * useful[n] / t / bw if same else None)
         passing = {g: sum(v) / len(v) for g, v in scores.items() if None not in v}
         best = max(passing, key=passing.get) if passing else None
-        default = passing.get(DEFAULT_GEOMETRY)
+        default = passing.get(defaults[kernel])
         print(f"best {kernel} geometry: {best} at {passing.get(best, 0):.1f}% of copy "
               f"(mean over {', '.join(map(str, row_counts))} rows; default: "
               f"{'%.1f%%' % default if default is not None else 'failed'})")

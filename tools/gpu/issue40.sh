@@ -21,9 +21,9 @@
 set -uo pipefail
 
 ITEMS=(  # name  box(s)  min(s)  what (issue 40 priority)
-  "mla-triton 150 90 MLA: gpu-deepseek on TRITON_MLA, bf16, vs the HF reference, each engine in its own process"
-  "mla-fa 150 90 MLA: gpu-deepseek on FLASH_ATTN_MLA, bf16, each engine in its own process"
-  "mla-flashmla 150 90 MLA: gpu-deepseek on FLASHMLA, bf16, each engine in its own process"
+  "mla-triton 190 150 MLA: gpu-deepseek on TRITON_MLA, bf16, vs the HF reference, each engine in its own process"
+  "mla-fa 170 150 MLA: gpu-deepseek on FLASH_ATTN_MLA, bf16, each engine in its own process"
+  "mla-flashmla 170 150 MLA: gpu-deepseek on FLASHMLA, bf16, each engine in its own process"
   "ttft-chunk 200 120 TTFT at 8k and 32k: chunk cache and floor, median of 10"
   "ttft-stock 150 90 TTFT at 8k and 32k: stock vLLM (no prefix caching), median of 5"
   "ttft-k12 150 100 TTFT at 8k: sink+K12 vs sink on one engine, median of 10 pairs"

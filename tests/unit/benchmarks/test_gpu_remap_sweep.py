@@ -30,13 +30,15 @@ def _triples(geometries):
 
 
 def test_the_default_is_the_measured_best_and_the_quick_sweep_surrounds_it():
-    assert fused.DEFAULT_GEOMETRY == fused.LaunchGeometry(8, 1, 4)
+    # The second H100 sweep of 2026-11-26 (docs/gpu.md): load 76.7%, capture 86.1%.
+    assert fused.DEFAULT_LOAD_GEOMETRY == fused.LaunchGeometry(4, 2, 2)
+    assert fused.DEFAULT_CAPTURE_GEOMETRY == fused.LaunchGeometry(8, 1, 2)
     quick = remap.sweep_geometries("quick")
     assert len(quick) == len(set(quick))
     assert _triples(quick) == {(r, h, w) for r in (4, 8, 16, 32) for h in (1, 2)
                                for w in (2, 4, 8)} | {(1, 1, None)}
     full = remap.sweep_geometries("full")
-    assert len(full) == len(set(full)) and fused.DEFAULT_GEOMETRY in full
+    assert len(full) == len(set(full)) and {fused.DEFAULT_LOAD_GEOMETRY, fused.DEFAULT_CAPTURE_GEOMETRY} <= set(full)
     assert _triples(quick) - {(1, 1, None)} <= _triples(full)
     assert all(g.rows_per_program * g.heads_per_program <= 64 for g in full)
 
@@ -93,7 +95,7 @@ def test_the_sweep_runs_on_tiny_shapes_and_flags_a_geometry_that_writes_other_by
     same = {(r[0], r[2], r[3], r[4]): r[-1] for r in rows}
     want_load_odd = "False" if broken else "True"
     assert same[("load", "32", "2", "8")] == want_load_odd
-    assert same[("load", "8", "1", "4")] == same[("load", "16", "2", "2")] == "True"
+    assert same[("load", "4", "2", "2")] == same[("load", "16", "2", "2")] == "True"
     assert all(same[k] == "True" for k in same if k[0] == "capture")
     assert ok is not broken
     assert "best load geometry" in out and "best capture geometry" in out

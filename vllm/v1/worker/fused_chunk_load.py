@@ -95,17 +95,17 @@ class LaunchGeometry:
         return options
 
 
-# NOTE: the default is the best geometry of the launch-geometry sweep run on an
-# H100 80GB HBM3 on 2026-11-26 (benchmarks/gpu_remap.py --sweep quick, Llama-3-8B
-# shapes, bf16, 32 layers in one launch; ../shared/notes/gpu-run-2026-11-26/):
-# 8 rows of one head per program, 4 warps, moved 46.4% of the copy bandwidth in
-# the load (mean over 4k and 16k rows; the former default, one row of one head
-# with Triton's default warps: 30.6%) and 68.5% in the capture (former default
-# 44.7%), the best of 11 geometries for both kernels, each writing the former
-# default's bytes. The geometry changes no byte (per-element arithmetic; the
-# CPU tests check it under several). The sweep (now rows 4-32, heads 1-2,
-# warps 2-8 around this one) re-measures it on the next GPU.
-DEFAULT_GEOMETRY = LaunchGeometry(rows_per_program=8, heads_per_program=1, num_warps=4)
+# NOTE: each kernel's default is its best geometry in the launch-geometry sweep
+# run on an H100 80GB HBM3 on 2026-11-26, second run (benchmarks/gpu_remap.py
+# --sweep quick: rows 4-32 x heads 1-2 x warps 2-8, Llama-3-8B shapes, bf16, 32
+# layers in one launch, mean over 4k and 16k rows; docs/gpu.md). Two warps won
+# for both: the load moved 76.7% of the copy bandwidth with 4 rows of 2 heads
+# per program (8 rows of one head, 4 warps, the default chosen from the first
+# run's 11 geometries: 45.1%; one row of one head: 29%), the capture 86.1% with
+# 8 rows of one head (that earlier default: 68.1%). Every geometry wrote the
+# same bytes (per-element arithmetic; the CPU tests check it under several).
+DEFAULT_LOAD_GEOMETRY = LaunchGeometry(rows_per_program=4, heads_per_program=2, num_warps=2)
+DEFAULT_CAPTURE_GEOMETRY = LaunchGeometry(rows_per_program=8, heads_per_program=1, num_warps=2)
 # The geometry before 2026-11-26 (one row of one head, Triton's default warps),
 # kept as the sweep's baseline.
 ONE_ROW_GEOMETRY = LaunchGeometry()
@@ -372,7 +372,7 @@ def fused_load(
     is_neox_style: bool,
     rotary_dim: int,
     *,
-    geometry: LaunchGeometry = DEFAULT_GEOMETRY,
+    geometry: LaunchGeometry = DEFAULT_LOAD_GEOMETRY,
 ) -> None:
     """One launch: pool rows `src_rows` [n] of every layer of `group` to
     paged slots `dst_slots` [n], K rotated by row: `delta_index` [n] indexes
@@ -408,7 +408,7 @@ def fused_load(
 
 
 def fused_capture(group: FusedGroup, src_slots: torch.Tensor, dst_rows: torch.Tensor, *,
-                  geometry: LaunchGeometry = DEFAULT_GEOMETRY) -> None:
+                  geometry: LaunchGeometry = DEFAULT_CAPTURE_GEOMETRY) -> None:
     """One launch: the rows at paged slots `src_slots` [n] of every layer of
     `group` into pool rows `dst_rows` [n], K and V as they are (the capture
     after the forward; caches in the pool's dtype only)."""
