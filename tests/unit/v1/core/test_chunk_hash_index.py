@@ -34,6 +34,12 @@ def test_serialisation_is_fixed_width_little_endian_with_lengths():
     )
     assert compute_chunk_hash([258, 70000], [5], d) == xxhash.xxh3_128(data).digest()
     assert token_bytes([1, 256]) == b"\x01\x00\x00\x00\x00\x01\x00\x00"
+    # A list (array.array's path) and an ndarray (numpy's) serialise alike, as
+    # struct writes little-endian uint32s.
+    ids = [0, 7, 2**31 + 5, 2**32 - 1, 128_000]
+    want = struct.pack("<5I", *ids)
+    assert token_bytes(ids) == token_bytes(tuple(ids)) == want
+    assert token_bytes(np.array(ids, dtype=np.int64)) == want
 
 
 def test_context_and_token_boundary_is_unambiguous():
