@@ -1,7 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """Chunk store read bandwidth: Mooncake Store get vs a host memcpy, one run.
 
-    ./fork bench store [--sizes-mb 1,2,4] [--batch 8] [--repeats 20] [--json out.json]
+    ./fork bench store [--sizes-mb 1,2,4] [--batch 8] [--repeats 20] [--local-client]
+                       [--json out.json]
 
 Starts a Mooncake master and a standalone client (lending the memory) on loopback,
 writes `batch` values of each size through one MooncakeChunkStore connection and
@@ -12,11 +13,17 @@ what the kernel alone gives) and the xxh3-64 checksum every store read is
 verified with.
 Prints GB/s and the ratio store/memcpy per size; the values read are checked
 byte for byte once per size.
+
+--local-client: both connections run Mooncake's dummy client against the node's
+standalone client (`local_client=`, docs/design/chunk-store.md), so on one node a
+read is a copy through shared memory, not TCP; the buffers are then carved from
+the dummy client's shared memory (the only memory its transfers may use).
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import platform
 import queue
@@ -86,17 +93,30 @@ class _TcpLoopback:
         self.sock.close()
 
 
-def run(sizes_mb: list[float], batch: int, repeats: int) -> list[dict]:
+def _shared(store: MooncakeChunkStore, nbytes: int) -> np.ndarray:
+    """`nbytes` of the dummy client's shared memory as a uint8 array."""
+    ptr = store.alloc_host(nbytes)
+    return np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(ptr))
+
+
+def run(sizes_mb: list[float], batch: int, repeats: int,
+        local_client: bool = False) -> list[dict]:
     biggest = int(max(sizes_mb) * (1 << 20))
     span = batch * biggest
     rows = []
     with MooncakeFleet(Path(tempfile.mkdtemp(prefix="bench-store-")),
                        segment_bytes=max(64 << 20, 2 * span * len(sizes_mb)),
-                       timeout_s=30.0, buffer_bytes=16 << 20) as fleet:
+                       timeout_s=30.0, buffer_bytes=16 << 20,
+                       local_client=local_client) as fleet:
         spec = parse_store_spec(fleet.spec_text)
-        writer, reader = MooncakeChunkStore.connect(spec), MooncakeChunkStore.connect(spec)
-        src = np.random.default_rng(0).integers(0, 256, span, dtype=np.uint8)
-        dst = np.zeros(span, dtype=np.uint8)
+        writer, reader = (MooncakeChunkStore.connect(spec, shared_pool_bytes=span)
+                          for _ in range(2))
+        data = np.random.default_rng(0).integers(0, 256, span, dtype=np.uint8)
+        if local_client:
+            src, dst = _shared(writer, span), _shared(reader, span)
+            src[:] = data
+        else:
+            src, dst = data, np.zeros(span, dtype=np.uint8)
         writer.register_buffer(HostBuffer(src.ctypes.data, span))
         reader.register_buffer(HostBuffer(dst.ctypes.data, span))
         tcp = _TcpLoopback(src)
@@ -149,11 +169,15 @@ def main() -> int:
     p.add_argument("--sizes-mb", default="1,2,4")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--local-client", action="store_true",
+                   help="through the node's mooncake_client (shared memory on one node)")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args()
-    rows = run([float(s) for s in args.sizes_mb.split(",")], args.batch, args.repeats)
+    rows = run([float(s) for s in args.sizes_mb.split(",")], args.batch, args.repeats,
+               args.local_client)
+    path = "the node's client, shared memory" if args.local_client else "loopback TCP"
     print(f"# chunk store read vs host memcpy ({platform.processor() or platform.machine()}, "
-          f"loopback TCP, medians of {args.repeats})")
+          f"{path}, medians of {args.repeats})")
     print("| value | batch | store get GB/s | one-key get GB/s | memcpy GB/s | "
           "store / memcpy | plain TCP loopback GB/s | xxh3 verify GB/s |")
     print("|---|---|---|---|---|---|---|---|")
