@@ -34,6 +34,10 @@ def ensure_env(paths: Paths, torch_wheel: Path, wheel: BuiltWheel) -> Path:
     stamp = json.loads(stamp_path.read_text()) if stamp_path.exists() else {}
     reqs = paths.repo / "requirements"
     pip = [str(py), "-m", "pip", "--disable-pip-version-check"]
+    # NOTE: --no-compile: pip byte-compiles every installed file (~23k in the 0.23 venv,
+    # ~100 s of one core here); Python compiles what a run imports on first import and
+    # keeps it, a fraction of that (CI time, 2026-11-26).
+    install = pip + ["install", "--no-compile", "--progress-bar", "off"]
     if not py.exists():
         with step(f"creating virtual environment {paths.venv}"):
             run([sys.executable, "-m", "venv", str(paths.venv)])
@@ -46,10 +50,10 @@ def ensure_env(paths: Paths, torch_wheel: Path, wheel: BuiltWheel) -> Path:
                         if "==" in line and not line.startswith(("#", "torch=="))]
         with step(f"installing {torch_wheel.name} into {paths.venv} (a few minutes: "
                   "the first run downloads up to ~2 GB)"):
-            run(pip + ["install", "--progress-bar", "off", str(torch_wheel),
+            run(install + [str(torch_wheel),
                        "-c", str(constraints), *torch_family])
         with step("installing the patched vLLM wheel with its dependencies and dev tools"):
-            run(pip + ["install", "--progress-bar", "off", str(wheel.path),
+            run(install + [str(wheel.path),
                        "-r", str(reqs / "dev.txt"), "-c", str(constraints)])
         # NOTE: when an older build of the same version was already installed, pip kept it
         # ("already satisfied"), so the swap below must still run; in a new venv the wheel
@@ -59,8 +63,7 @@ def ensure_env(paths: Paths, torch_wheel: Path, wheel: BuiltWheel) -> Path:
             stamp["wheel"] = wheel.inputs_digest
     if stamp.get("wheel") != wheel.inputs_digest:
         with step(f"reinstalling {wheel.path.name} (patches or overlay changed)"):
-            run(pip + ["install", "--no-deps", "--force-reinstall", "--progress-bar", "off",
-                       str(wheel.path)], quiet=True)
+            run(install + ["--no-deps", "--force-reinstall", str(wheel.path)], quiet=True)
         stamp["wheel"] = wheel.inputs_digest
     stamp_path.write_text(json.dumps(stamp, indent=1))
     return py
