@@ -34,9 +34,11 @@ def ensure_env(paths: Paths, torch_wheel: Path, wheel: BuiltWheel) -> Path:
     stamp = json.loads(stamp_path.read_text()) if stamp_path.exists() else {}
     reqs = paths.repo / "requirements"
     pip = [str(py), "-m", "pip", "--disable-pip-version-check"]
-    # NOTE: --no-compile: pip byte-compiles every installed file (~23k in the 0.23 venv,
-    # ~100 s of one core here); Python compiles what a run imports on first import and
-    # keeps it, a fraction of that (CI time, 2026-11-26).
+    # NOTE: pip byte-compiles every installed file on one core (~23k files in the 0.23
+    # venv, ~100 s here); compileall does it on every core after the installs. The
+    # compiling cannot be left to first imports: where PYTHONDONTWRITEBYTECODE is set (as
+    # on the CI machines) every process would compile what it imports anew (a fresh-clone
+    # run measured 2026-11-26: each vLLM start ~40 s slower).
     install = pip + ["install", "--no-compile", "--progress-bar", "off"]
     if not py.exists():
         with step(f"creating virtual environment {paths.venv}"):
@@ -58,15 +60,29 @@ def ensure_env(paths: Paths, torch_wheel: Path, wheel: BuiltWheel) -> Path:
         # NOTE: when an older build of the same version was already installed, pip kept it
         # ("already satisfied"), so the swap below must still run; in a new venv the wheel
         # just installed is this build, and installing it again would only cost time.
+        with step("byte-compiling the venv on every core"):
+            _compile_all(py, paths.venv)
         stamp = {"base": want_base}
         if not had_vllm:
             stamp["wheel"] = wheel.inputs_digest
     if stamp.get("wheel") != wheel.inputs_digest:
         with step(f"reinstalling {wheel.path.name} (patches or overlay changed)"):
             run(install + ["--no-deps", "--force-reinstall", str(wheel.path)], quiet=True)
+            _compile_all(py, paths.venv, "vllm")
         stamp["wheel"] = wheel.inputs_digest
     stamp_path.write_text(json.dumps(stamp, indent=1))
     return py
+
+
+def _compile_all(py: Path, venv: Path, package: str = "") -> None:
+    """Byte-compile the venv's site-packages (or one package of it) on every core."""
+    # NOTE: compile_dir, not `python -m compileall`: its exit code would fail the set-up
+    # on a file written for another Python version (vendored test data, templates),
+    # which pip's own compile step also skips; such a file is simply left to its source.
+    for site in sorted(venv.glob("lib/python*/site-packages")):
+        run([py, "-c", "import compileall, sys; "
+             "compileall.compile_dir(sys.argv[1], quiet=2, workers=0)", site / package],
+            env={**os.environ, "PYTHONDONTWRITEBYTECODE": ""})
 
 
 def runtime_env(paths: Paths) -> dict[str, str]:
