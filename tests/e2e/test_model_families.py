@@ -43,6 +43,9 @@ MODES = ("none", "sink", "system")
 # refusal.
 _DEFAULT_MODE = {"gemma2": "sink", "gemma3": "system", "mistral-window": "none"}
 _DEFAULT_REFUSALS: set[str] = set()
+# Boundary recompute (K > 0) over sliding-window layers, slow tier: the recomputed
+# heads of each chunk see the real tokens before them through each layer's window.
+_RECOMPUTE = (("mistral-window", "sink", 4), ("gemma2", "system", 4))
 _BASE = vllm.__version__
 
 
@@ -60,17 +63,20 @@ def _refusal(family, base=_BASE):
 def _cases():
     for name, family in FAMILIES.items():
         if _refusal(family) is not None:
-            yield pytest.param((name, None), id=f"{name}-refused",
+            yield pytest.param((name, None, 0), id=f"{name}-refused",
                                marks=[] if name in _DEFAULT_REFUSALS else [pytest.mark.slow])
             continue
         if _base_failure(family) is not None:
-            yield pytest.param((name, None), id=f"{name}-base-fails",
+            yield pytest.param((name, None, 0), id=f"{name}-base-fails",
                                marks=[pytest.mark.slow])
             continue
         for mode in MODES:
             slow = _DEFAULT_MODE.get(name) != mode
-            yield pytest.param((name, mode), id=f"{name}-{mode}",
+            yield pytest.param((name, mode, 0), id=f"{name}-{mode}",
                                marks=[pytest.mark.slow] if slow else [])
+    for name, mode, k in _RECOMPUTE:
+        yield pytest.param((name, mode, k), id=f"{name}-{mode}-recompute{k}",
+                           marks=[pytest.mark.slow])
 
 
 @pytest.fixture(scope="session")
@@ -90,18 +96,18 @@ _REFERENCES: dict[str, Reference] = {}
 
 @pytest.fixture(scope="module", params=list(_cases()))
 def family_engine(request, family_dir):
-    name, mode = request.param
+    name, mode, recompute = request.param
     model = str(family_dir(name))
     family = FAMILIES[name]
     if mode is None:
-        yield name, mode, None, None
+        yield name, mode, recompute, None, None
         return
     llm = make_llm(model, enable_chunk_cache=True, chunk_context=mode,
-                   **dict(family.engine_args))
+                   chunk_recompute_tokens=recompute, **dict(family.engine_args))
     if name not in _REFERENCES:
         _REFERENCES.clear()
         _REFERENCES[name] = Reference(model)
-    yield name, mode, llm, _REFERENCES[name]
+    yield name, mode, recompute, llm, _REFERENCES[name]
     close_llm(llm)
 
 
@@ -122,7 +128,7 @@ def test_family_is_exact_or_refused(family_engine, family_dir):
     from vllm import SamplingParams
     from vllm.v1.core.chunk_prefill_plan import PrefillPlan
 
-    name, mode, llm, reference = family_engine
+    name, mode, recompute, llm, reference = family_engine
     family = FAMILIES[name]
     if llm is None and _refusal(family) is not None:
         # The refusal at start-up, with its message (the layer and the reason).
@@ -149,22 +155,24 @@ def test_family_is_exact_or_refused(family_engine, family_dir):
             longest = max(longest, prompt.question_span.start)
             completion = out.outputs[0]
             generated = list(completion.token_ids)
-            ref = reference.next_token_logprobs(prompt, mode, generated)
+            ref = reference.next_token_logprobs(prompt, mode, generated,
+                                                recompute_tokens=recompute)
             result = compare(ref, generated, completion.logprobs, TOL)
             worst = max(worst, result["max_diff"])
             mismatches += result["steps"] - result["exact_argmax"]
             # Only the question was computed (cold too: the children ran first).
-            loaded = PrefillPlan.for_prompt(prompt, 0).num_loaded
+            loaded = PrefillPlan.for_prompt(prompt, recompute).num_loaded
             assert loaded <= out.num_cached_tokens <= prompt.question_span.start
             if windowed:
                 saved = reference.windows
                 reference.windows = [None] * len(saved)
                 try:
-                    unwindowed = reference.next_token_logprobs(prompt, mode, generated)
+                    unwindowed = reference.next_token_logprobs(
+                        prompt, mode, generated, recompute_tokens=recompute)
                 finally:
                     reference.windows = saved
                 controls.append(float((unwindowed[0] - ref[0]).abs().max()))
-    print(f"{name} [{mode}]: worst |dlogprob| {worst:.2e}, mismatches {mismatches}, "
+    print(f"{name} [{mode}, K={recompute}]: worst |dlogprob| {worst:.2e}, mismatches {mismatches}, "
           f"longest loaded prefix {longest} tokens")
     assert worst < TOL / 10 and mismatches <= 1
     if name == "mistral-window":
