@@ -344,7 +344,7 @@ def _family_start_up(path: str, engine_args: dict) -> dict:
         check_attention_layer(name, layer, max_model_len)
     specs = {name: layer.get_kv_cache_spec(cfg) for name, layer in layers.items()}
     kv_cache_config = get_kv_cache_configs(cfg, [specs], [256 << 20])[0]
-    kv_cache_block_size(kv_cache_config, max_model_len)
+    kv_cache_block_size(kv_cache_config)
     return {"ropes": sorted({f"{type(r).__name__}(base {getattr(r, 'base', None)}, "
                              f"rotary_dim {getattr(r, 'rotary_dim', None)}, "
                              f"neox {getattr(r, 'is_neox_style', None)})"

@@ -118,8 +118,7 @@ def test_windows_kept_as_full_attention_or_on_every_layer_are_served():
     token's window; Mistral with window 24 in the family matrix). Before: a
     SlidingWindowSpec below max_model_len was refused."""
     assert kv_cache_block_size(_kv_cache_config(_spec(sliding_window=32))) == 16
-    assert kv_cache_block_size(_kv_cache_config(_spec("sliding")), max_model_len=32) == 16
-    assert kv_cache_block_size(_kv_cache_config(_spec("sliding")), max_model_len=4096) == 16
+    assert kv_cache_block_size(_kv_cache_config(_spec("sliding"))) == 16
 
 
 @pytest.mark.parametrize("specs, message", [
@@ -129,7 +128,7 @@ def test_windows_kept_as_full_attention_or_on_every_layer_are_served():
 ], ids=["chunked-local", "two-groups"])
 def test_other_kv_cache_layouts_are_refused(specs, message):
     with pytest.raises(ValueError, match=message):
-        kv_cache_block_size(_kv_cache_config(*specs), max_model_len=4096)
+        kv_cache_block_size(_kv_cache_config(*specs))
 
 
 # ------------------------------------------------------ attention layers

@@ -121,8 +121,7 @@ class ChunkCacheSchedulerAdapter:
 
         cfg = vllm_config.chunk_cache_config
         check_scheduler(vllm_config)
-        self.block_size = kv_cache_block_size(
-            kv_cache_config, getattr(vllm_config.model_config, "max_model_len", None))
+        self.block_size = kv_cache_block_size(kv_cache_config)
         num_pool_blocks = pool_num_blocks(vllm_config, kv_cache_config)
         self.manager = ChunkCacheManager(
             num_pool_blocks,

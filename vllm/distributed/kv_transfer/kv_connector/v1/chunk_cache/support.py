@@ -244,13 +244,12 @@ def check_model_config(hf_config: Any) -> None:
                 )
 
 
-def kv_cache_block_size(kv_cache_config: KVCacheConfig,
-                        max_model_len: int | None = None) -> int:
+def kv_cache_block_size(kv_cache_config: KVCacheConfig) -> int:
     """The paged block size of the single KV cache group of full or
     sliding-window attention (docs/design/sliding-window.md); refuses every
-    other layout, naming its layers and the reason. `max_model_len` is
-    accepted for the callers' symmetry with `check_attention_layer` (which
-    decides, per layer, where a window shorter than it is served)."""
+    other layout, naming its layers and the reason. Whether a window shorter
+    than max_model_len is served is decided per layer by
+    `check_attention_layer`."""
     from vllm.v1.kv_cache_interface import (
         FullAttentionSpec,
         MLAAttentionSpec,

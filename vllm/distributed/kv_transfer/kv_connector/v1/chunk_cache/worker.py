@@ -170,8 +170,9 @@ class ChunkCacheWorker:
 
     def register_model(self, model: nn.Module) -> None:
         ropes, orphans = find_layer_ropes(model)
-        if ropes and all(rope is None for rope in ropes.values()) and (
-                type(model).__module__.startswith("vllm.model_executor.models.transformers")):
+        no_rope = bool(ropes) and all(rope is None for rope in ropes.values())
+        if no_rope and type(model).__module__.startswith(
+                "vllm.model_executor.models.transformers"):
             # NOTE: vLLM's Transformers modeling backend (vLLM 0.32 serves e.g.
             # Olmo2ForCausalLM through it) runs transformers' own attention
             # forward, which applies the rope inside transformers' code: no
@@ -183,7 +184,7 @@ class ChunkCacheWorker:
                 "transformers' attention code, where keys cannot be re-rotated: "
                 "unsupported model implementation"
             )
-        if ropes and all(rope is None for rope in ropes.values()):
+        if no_rope:
             # NOTE: with no RoPE a token's place enters elsewhere: learned or
             # sinusoidal absolute position embeddings added to the input
             # (GPT-2, OPT: every hidden state depends on the absolute
