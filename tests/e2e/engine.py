@@ -31,3 +31,9 @@ def close_llm(llm) -> None:
         pass
     del llm
     gc.collect()
+
+
+def chunk_scheduler(llm):
+    """The scheduler half of the chunk cache in an in-process engine (its
+    manager owns every counter the tests read through `stats()`)."""
+    return llm.llm_engine.engine_core.engine_core.scheduler.connector.chunk_scheduler

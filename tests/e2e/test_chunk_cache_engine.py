@@ -17,7 +17,7 @@ from vllm.exceptions import VLLMValidationError
 
 from tests.conftest import models_dir
 from tests.e2e.chunk_reference import Layout, Reference, compare, random_text
-from tests.e2e.engine import close_llm, make_llm
+from tests.e2e.engine import chunk_scheduler, close_llm, make_llm
 
 pytestmark = pytest.mark.e2e
 
@@ -44,11 +44,6 @@ def llm():
                    max_num_batched_tokens=192)
     yield llm
     close_llm(llm)
-
-
-def chunk_scheduler(llm):
-    connector = llm.llm_engine.engine_core.engine_core.scheduler.connector
-    return connector.chunk_scheduler
 
 
 def snapshot(sched) -> dict:

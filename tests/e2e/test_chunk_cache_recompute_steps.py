@@ -26,7 +26,7 @@ import pytest
 
 from tests.conftest import models_dir
 from tests.e2e.chunk_reference import Layout, Reference, compare, random_text
-from tests.e2e.engine import close_llm, make_llm
+from tests.e2e.engine import chunk_scheduler, close_llm, make_llm
 from vllm.v1.core.chunk_prefill_plan import PrefillPlan
 
 pytestmark = pytest.mark.e2e
@@ -51,10 +51,6 @@ def llm():
                       max_num_batched_tokens=BUDGET, max_model_len=2048)
     yield engine
     close_llm(engine)
-
-
-def _adapter(llm):
-    return llm.llm_engine.engine_core.engine_core.scheduler.connector.chunk_scheduler
 
 
 def _params(n=3):
@@ -127,7 +123,7 @@ def test_every_head_and_the_question_in_one_step(llm, reference):
     rng = random.Random("one-step")
     docs = _docs(rng, reference, 4)
     _warm(llm, "answer briefly", docs)
-    adapter = _adapter(llm)
+    adapter = chunk_scheduler(llm)
     assert adapter._steps.one_step, adapter._steps.reason
     layout = Layout("answer briefly", rng.sample(docs, 4), "which one?")
     out, steps = _run(llm, layout, "one-step")
@@ -178,4 +174,4 @@ def test_a_request_preempted_in_the_middle_restarts_exact(llm, reference):
     _check(reference, layout, out, resumed=True)
     # Preempted after its first step, it starts over: two steps again.
     assert steps == 1 + 2
-    assert _adapter(llm).stats().pinned_entries == 0
+    assert chunk_scheduler(llm).stats().pinned_entries == 0

@@ -24,7 +24,7 @@ import pytest
 
 from tests.conftest import models_dir
 from tests.e2e.chunk_reference import Layout, Reference, random_text
-from tests.e2e.engine import close_llm, make_llm
+from tests.e2e.engine import chunk_scheduler, close_llm, make_llm
 # NOTE: the same exactness check (HF isolation-mask reference, `sink`, 1e-3).
 from tests.e2e.test_chunk_cache_engine import check, params, update_weights
 from tests.store_fleet import MooncakeFleet
@@ -53,10 +53,6 @@ def make_replica(fleet):
                     chunk_store=fleet.spec_text, max_model_len=1024)
 
 
-def connector(llm):
-    return llm.llm_engine.engine_core.engine_core.scheduler.connector.chunk_scheduler
-
-
 def worker_store(llm):
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
@@ -65,7 +61,7 @@ def worker_store(llm):
 
 def counters(llm) -> dict:
     """The manager's counters plus the scheduler's store counters so far."""
-    sched = connector(llm)
+    sched = chunk_scheduler(llm)
     stats = dataclasses.asdict(sched.manager.stats())
     stats.update(dataclasses.asdict(sched.store.counters))
     return stats
