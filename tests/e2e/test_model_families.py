@@ -28,7 +28,7 @@ import vllm
 
 from tests.conftest import REPO, models_dir
 from tests.e2e.chunk_reference import Layout, Reference, compare, random_text
-from tests.e2e.engine import close_llm, make_llm
+from tests.e2e.engine import chunk_scheduler, close_llm, make_llm
 from tests.e2e.families import FAMILIES, build
 
 pytestmark = pytest.mark.e2e
@@ -182,6 +182,50 @@ def test_family_is_exact_or_refused(family_engine, family_dir):
         assert longest > 128 + 24, longest
     if windowed:
         assert max(controls) > 10 * TOL, controls
+        if recompute == 0:  # (recomputed heads after the hit would be computed, not loaded)
+            _check_windowed_prefix_hit(llm, reference, name, mode, params)
+
+
+def _check_windowed_prefix_hit(llm, reference, name, mode, params):
+    """A repeated prompt on a windowed model: vLLM's prefix cache serves its full
+    blocks by its own rule for the layers' KV spec, the chunk cache loads only
+    the rest before the question, and the answer is still the isolation
+    reference's. The documents run past two 128-token blocks and the question
+    starts fewer than 21 tokens into its block, so under a SlidingWindowSpec
+    (mistral-window, W=24) the block before the question's was inside the first
+    request's window (allocated, loaded, cached: the hit) and the blocks before
+    it were out of every window (null-padded, never cached: find_longest_cache_hit
+    pads them with the null block). Under a FullAttentionSpec (Gemma 2/3 with
+    the hybrid manager off) every full block was cached: the same hit."""
+    rng = random.Random(f"families-prefix-{name}-{mode}")
+    system, first, question = ("you are a careful assistant", random_text(rng, 45),
+                               random_text(rng, 4))
+    words = random_text(rng, 90).split()
+    for n in range(20, 90):
+        layout = Layout(system, [first, " ".join(words[:n])], question)
+        prompt = reference.chunked_prompt(layout)
+        start = prompt.question_span.start
+        if start > 2 * 128 and start % 128 <= 20 and len(prompt.token_ids) - 1 < 128 * (
+                start // 128 + 1):
+            break
+    else:
+        raise AssertionError("no layout puts the question early in a block")
+    sched = chunk_scheduler(llm)
+    loads = []
+    for _ in range(2):
+        before = sched.stats().tokens_loaded
+        out = llm.generate([layout.prompt], params, use_tqdm=False)[0]
+        assert list(out.prompt_token_ids) == prompt.token_ids
+        generated = list(out.outputs[0].token_ids)
+        ref = reference.next_token_logprobs(prompt, mode, generated)
+        result = compare(ref, generated, out.outputs[0].logprobs, TOL)
+        assert result["max_diff"] < TOL / 10
+        assert out.num_cached_tokens >= start
+        loads.append(sched.stats().tokens_loaded - before)
+    hit = start - loads[1]
+    print(f"{name} [{mode}]: repeat of a {start}-token prefix: prefix cache {hit} tokens, "
+          f"chunk cache {loads[1]} (cold: {loads[0]})")
+    assert hit == 128 * (start // 128), (hit, start, loads)
 
 
 # ------------------------------------------------------------ the user guide
