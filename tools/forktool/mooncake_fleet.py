@@ -119,9 +119,10 @@ class MooncakeFleet:
                 f"&timeout={self.timeout_s:g}")
         if self.lookup_timeout_s is not None:
             text += f"&lookup_timeout={self.lookup_timeout_s:g}"
-        if self.local_client:
-            text += f"&local_client=127.0.0.1:{self.client_port}"
-        return text
+        # NOTE: said either way: without the key the flag means the node's client at
+        # its default port, which is not this fleet's.
+        client = f"127.0.0.1:{self.client_port}" if self.local_client else "none"
+        return text + f"&local_client={client}"
 
     def kill_master(self) -> None:
         _kill(self.master)

@@ -26,7 +26,7 @@ from vllm.v1.core.chunk_store_probe import FetchSpec, StoreAnswer
 
 def client(tp: int, lookup_timeout: float = 600) -> StoreClient:
     config = SimpleNamespace(
-        chunk_cache_config=SimpleNamespace(chunk_store=f"mooncake://127.0.0.1:1?lookup_timeout={lookup_timeout}"),
+        chunk_cache_config=SimpleNamespace(chunk_store=f"mooncake://127.0.0.1:1?lookup_timeout={lookup_timeout}&local_client=none"),
         parallel_config=SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=1))
     return StoreClient(config)
 

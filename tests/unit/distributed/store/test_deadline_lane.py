@@ -101,7 +101,7 @@ class BlockingClient:
 
 
 def test_reads_and_lookups_do_not_wait_behind_a_stuck_put():
-    spec = parse_store_spec("mooncake://127.0.0.1:1?timeout=0.5")
+    spec = parse_store_spec("mooncake://127.0.0.1:1?timeout=0.5&local_client=none")
     client = BlockingClient()
     store = MooncakeChunkStore(spec, client)
     buf = HostBuffer(0, 64)

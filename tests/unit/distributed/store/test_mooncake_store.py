@@ -151,11 +151,38 @@ def test_an_entry_outlives_its_writer(fleet, pair):
 
 
 def test_connect_to_no_master_fails_in_bounded_time_naming_it():
-    spec = parse_store_spec(f"mooncake://127.0.0.1:{free_port()}?timeout={TIMEOUT_S}")
+    spec = parse_store_spec(
+        f"mooncake://127.0.0.1:{free_port()}?timeout={TIMEOUT_S}&local_client=none")
     t0 = time.monotonic()
     with pytest.raises(RuntimeError, match=f"Mooncake master at {spec.master_address}"):
         MooncakeChunkStore.connect(spec)
     assert time.monotonic() - t0 < 15
+
+
+def test_no_node_client_is_computed_locally_without_a_client_per_try(monkeypatch, caplog):
+    """Through the node's client (the flag's default) with none answering: the
+    connection (on its own thread) stays absent, every try is logged naming
+    that client's address, and no Mooncake client is made per try (the
+    connect thread asks the port first: Mooncake's dummy client, once made,
+    keeps retrying on a thread of its own even after close())."""
+    import logging
+
+    from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store import connection
+
+    made = []
+    real = MooncakeChunkStore.connect.__func__
+    monkeypatch.setattr(MooncakeChunkStore, "connect",
+                        classmethod(lambda cls, *a, **k: made.append(a) or real(cls, *a, **k)))
+    monkeypatch.setattr(connection, "RECONNECT_S", 0.2)
+    node = f"127.0.0.1:{free_port()}"
+    shared = connection.SharedStore(
+        f"mooncake://127.0.0.1:{free_port()}?timeout={TIMEOUT_S}&local_client={node}")
+    with caplog.at_level(logging.WARNING):
+        assert not shared.wait_connected(1.0)
+    assert shared.get() is None
+    assert shared.connect_failures >= 2
+    assert made == []
+    assert f"local_client={node}" in caplog.text
 
 
 def test_fleet_without_the_package_says_what_to_install(monkeypatch, tmp_path):
@@ -352,7 +379,7 @@ def test_through_the_nodes_client_exact_bytes_and_a_client_crash_is_a_miss(dummy
     assert np.array_equal(src, dst)
     # Another process's kind of connection (the client in process) reads it too.
     inproc = MooncakeChunkStore.connect(parse_store_spec(
-        spec.to_url().split("&local_client=")[0]))
+        spec.to_url().split("&local_client=")[0] + "&local_client=none"))
     buf = Pinned(inproc, 4 << 20)
     assert inproc.batch_get_into([k], [buf.span(0, 2 << 20)]) == [src.size]
     assert np.array_equal(buf.array[:src.size], src)

@@ -44,7 +44,7 @@ def test_a_read_slower_than_the_compute_is_skipped_but_explored():
 
 def test_the_client_turns_a_hit_slower_than_computing_into_a_miss():
     config = SimpleNamespace(
-        chunk_cache_config=SimpleNamespace(chunk_store="mooncake://127.0.0.1:1?lookup_timeout=60"),
+        chunk_cache_config=SimpleNamespace(chunk_store="mooncake://127.0.0.1:1?lookup_timeout=60&local_client=none"),
         parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1))
     c = StoreClient(config)
     c.on_report(StoreReport(identities=[RankIdentity(

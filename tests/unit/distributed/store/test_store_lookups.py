@@ -73,7 +73,7 @@ def test_a_stopped_master_costs_a_lookup_at_most_its_deadline(tmp_path):
 def test_connecting_is_never_on_the_lookup_path():
     """No master at all: the connection is tried on its own thread (and again
     later); every lookup returns at once and misses at its deadline."""
-    c = client(f"mooncake://127.0.0.1:{free_port()}?timeout=2&lookup_timeout=0.1")
+    c = client(f"mooncake://127.0.0.1:{free_port()}?timeout=2&lookup_timeout=0.1&local_client=none")
     for segment in ([5, 6], [7, 8], [9, 10]):
         got, took = answer(c, segment, limit_s=5)
         assert got is StoreAnswer.MISS and took < 0.1 + 0.25, took

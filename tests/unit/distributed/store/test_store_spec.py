@@ -26,6 +26,26 @@ def test_defaults_lend_no_memory_over_tcp_on_loopback():
                                                      "127.0.0.1", 5.0)
 
 
+def test_transfers_go_through_the_nodes_client_unless_said_otherwise():
+    """Issue 39, finding 7: by default Mooncake's transfer code runs in the node's
+    mooncake_client (its default port), not in vLLM's process. Before: the
+    default was the client in process."""
+    assert parse_store_spec("mooncake://127.0.0.1:50051").local_client == "127.0.0.1:50052"
+    assert parse_store_spec('{"master": "127.0.0.1:50051"}').local_client == "127.0.0.1:50052"
+    for text in ("mooncake://127.0.0.1:50051?local_client=none",
+                 '{"master": "127.0.0.1:50051", "local_client": null}',
+                 '{"master": "127.0.0.1:50051", "local_client": "none"}',
+                 # lending memory needs the client in this process (it owns the memory)
+                 "mooncake://127.0.0.1:50051?segment=64MB"):
+        assert parse_store_spec(text).local_client is None, text
+    given = parse_store_spec("mooncake://127.0.0.1:50051?local_client=10.0.0.7:6000")
+    assert given.local_client == "10.0.0.7:6000"
+    for spec in (given, parse_store_spec("mooncake://127.0.0.1:50051?local_client=none")):
+        assert parse_store_spec(spec.to_url()) == spec
+    with pytest.raises(ValueError, match="segment must be 0 with local_client"):
+        parse_store_spec("mooncake://127.0.0.1:50051?segment=1MB&local_client=h:1")
+
+
 def test_json_form_equals_the_url_form():
     url = parse_store_spec("mooncake://127.0.0.1:7000?segment=1GB&buffer=4096&timeout=3")
     js = parse_store_spec('{"master": "127.0.0.1:7000", "segment": "1GB", '

@@ -174,7 +174,7 @@ def _read(buf: HostBuffer) -> bytes:
 def test_a_read_given_up_keeps_its_span_until_the_call_returns():
     store = LateStore()
     src = small_pool(seed=1)
-    writer = transfers("mooncake://127.0.0.1:1?read_timeout=0.05&arena=1MB", src, store=store)
+    writer = transfers("mooncake://127.0.0.1:1?read_timeout=0.05&arena=1MB&local_client=none", src, store=store)
     wait_identity(writer)
     a, b = entry([1] + list(range(10, 40))), entry([1] + list(range(50, 90)))
     writer.on_step(StoreStep(epoch=0, puts=[EntryPut(a, (0, 1)), EntryPut(b, (2, 3, 4))]))
@@ -182,7 +182,7 @@ def test_a_read_given_up_keeps_its_span_until_the_call_returns():
     assert len(store.values) == 2
 
     dst = small_pool(seed=2)
-    reader = transfers("mooncake://127.0.0.1:1?read_timeout=0.05&arena=1MB", dst, store=store)
+    reader = transfers("mooncake://127.0.0.1:1?read_timeout=0.05&arena=1MB&local_client=none", dst, store=store)
     wait_identity(reader)
     # The first read is stuck: the step gives up on it (the document is computed).
     reader.on_step(StoreStep(epoch=0, fetches=[EntryFetch("f1", a, (5, 6))]))
@@ -213,7 +213,7 @@ def test_a_put_span_is_not_reused_while_its_call_runs():
             return [StoreCode.TIMEOUT] * len(keys)
 
     store = SlowPutStore()
-    t = transfers("mooncake://127.0.0.1:1?arena=1MB", small_pool(), store=store)
+    t = transfers("mooncake://127.0.0.1:1?arena=1MB&local_client=none", small_pool(), store=store)
     wait_identity(t)
     t.on_step(StoreStep(epoch=0, puts=[EntryPut(entry([1, 2, 3]), (0,))]))
     drain_puts(t)
@@ -234,7 +234,7 @@ def test_the_weights_fingerprint_never_runs_on_the_step():
         return "w"
 
     store = LateStore()
-    t = transfers("mooncake://127.0.0.1:1?arena=1MB", small_pool(), store=store,
+    t = transfers("mooncake://127.0.0.1:1?arena=1MB&local_client=none", small_pool(), store=store,
                   fingerprint=slow_fingerprint)
     t0 = time.monotonic()
     t.on_step(StoreStep(epoch=0, puts=[EntryPut(entry([1, 2, 3]), (0,))]))
@@ -268,7 +268,7 @@ def test_weights_loaded_without_a_reset_stop_puts_and_reads_until_the_next_epoch
     store = LateStore()
     store.stuck_first_get = False
     model = Model()
-    shared = SharedStore("mooncake://127.0.0.1:1?arena=1MB")
+    shared = SharedStore("mooncake://127.0.0.1:1?arena=1MB&local_client=none")
     shared.use(store)
     t = StoreTransfers(rank(), shared, model, small_pool(), "f32",
                        fingerprint=lambda m: str(float(m.w.sum())))

@@ -18,7 +18,9 @@ much again for writes; default: two entries of --max-chunk-tokens, at least
 authenticated with a keyed BLAKE3 MAC; default none), `local_client`
 (host:port of the node's standalone `mooncake_client` service: the transfers
 are then made by that process, and this one holds only Mooncake's dummy
-client and shared memory; default none: the client runs in this process),
+client and shared memory; default 127.0.0.1:50052, that service's own
+default port, unless `segment` lends memory; `none`: the client runs in this
+process),
 `protocol` (tcp, rdma
 or ascend; default tcp), `metadata_server` (default P2PHANDSHAKE),
 `local_hostname` (the address this process's transfer engine announces;
@@ -44,6 +46,11 @@ _UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10,
 _SIZE = re.compile(r"^\s*(\d+)\s*([A-Za-z]*)\s*$")
 _KEYS = ("segment", "buffer", "timeout", "lookup_timeout", "read_timeout", "arena",
          "key_file", "local_client", "protocol", "metadata_server", "local_hostname")
+# NOTE: the node's client by default (issue 39, finding 7): Mooncake's transfer code then
+# runs in that process, whose crash is a miss here rather than a dead engine, and on one
+# node a read is a shared-memory copy. 50052 is `mooncake_client --port`'s default.
+DEFAULT_LOCAL_CLIENT = "127.0.0.1:50052"
+IN_PROCESS = "none"
 
 
 @dataclass(frozen=True)
@@ -97,7 +104,9 @@ class StoreSpec:
     process runs Mooncake's dummy client only: the node's client makes every
     transfer (same node: a copy through shared memory), so a crash in
     Mooncake's transfer code is a miss here, not a dead engine. None: the
-    client runs inside this process."""
+    client runs inside this process. (The flag's default is
+    DEFAULT_LOCAL_CLIENT, see _build; the field's is None so that a spec built
+    in code with `segment_bytes` stays valid.)"""
 
     def __post_init__(self) -> None:
         _check_address(self.master_address)
@@ -148,8 +157,7 @@ class StoreSpec:
             url += f"&arena={self.arena_bytes}"
         if self.key_file is not None:
             url += f"&key_file={quote(self.key_file, safe='/')}"
-        if self.local_client is not None:
-            url += f"&local_client={self.local_client}"
+        url += f"&local_client={self.local_client or IN_PROCESS}"
         return url
 
 
@@ -227,9 +235,16 @@ def _build(master: str, fields: dict) -> StoreSpec:
         kwargs["arena_bytes"] = _size("arena", fields["arena"])
     for key in ("protocol", "metadata_server", "local_hostname", "key_file", "local_client"):
         if key in fields:
+            if key == "local_client" and fields[key] in (None, IN_PROCESS):
+                kwargs[key] = None  # JSON null or "none": the client in this process
+                continue
             if not isinstance(fields[key], str):
                 raise ValueError(f"{key} must be a string, got {fields[key]!r}")
             kwargs[key] = fields[key]
+    if "local_client" not in fields and not kwargs.get("segment_bytes"):
+        # A process that lends memory runs the client itself (Mooncake #607: the
+        # memory is this process's); any other goes through the node's client.
+        kwargs["local_client"] = DEFAULT_LOCAL_CLIENT
     return StoreSpec(**kwargs)
 
 
