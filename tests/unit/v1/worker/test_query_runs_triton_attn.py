@@ -2,9 +2,11 @@
 """Issue 40, deliverable 3 (first part): what TRITON_ATTN would do with a step whose request
 is split into query runs (the boundary recompute in one step), checked on the CPU.
 
-* The metadata: `split_rows` on vLLM's `CommonAttentionMetadata`, then vLLM 0.23's own
-  `TritonAttentionMetadataBuilder.build`, gives per row the query starts, sequence lengths
-  and block-table row written out by hand below (the builder passes them through).
+* The metadata: `split_rows` on vLLM's `CommonAttentionMetadata`, then the installed
+  vLLM's own `TritonAttentionMetadataBuilder.build` (either base, 0.23 or 0.32: the
+  builder's attributes are those of both, the metadata's fields are read by name), gives
+  per row the query starts, sequence lengths and block-table row written out by hand
+  below (the builder passes them through).
 * The kernel: vLLM's Triton `unified_attention`, run by Triton's interpreter
   (TRITON_INTERPRET=1) on those rows over a paged cache, against a float64 softmax written
   here: a token at position p of any run attends to every key at positions 0..p of its
@@ -16,6 +18,7 @@ path is still offered on the CPU backend only (`RecomputeSteps.for_config`);
 this is the evidence a CUDA port would start from. Not executed on a GPU.
 """
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -94,16 +97,42 @@ def _split() -> CommonAttentionMetadata:
     return split_rows(common, run_rows(RUNS, REQ_IDS, NUM_SCHEDULED, SEQ_LENS))
 
 
+def _bare_builder(cls, **state):
+    """`cls` without its __init__ (it needs a model config, layers and GPU buffers), with
+    the attributes its `build` reads set to `state`: what __init__ sets on a machine
+    without CUDA graphs, AOT scheduling, DCP, R-SWA, multimodal prefixes or SM120. `state`
+    names the attributes of both vLLM bases (0.23 and 0.32); one a base's build does not
+    read is unused there, and one a newer build reads that is not here fails loudly
+    (AttributeError) rather than being guessed."""
+    builder = object.__new__(cls)
+    builder.__dict__.update(device=torch.device("cpu"), **state)
+    return builder
+
+
 def _triton_metadata(split):
-    # vLLM's own build; the builder's __init__ (model config, buffers) is not needed for
-    # a 2D launch, so only what build reads is set.
-    builder = object.__new__(triton_attn.TritonAttentionMetadataBuilder)
-    builder.device = torch.device("cpu")
-    builder.seq_threshold_3D = None
-    builder.num_par_softmax_segments = None
-    builder.softmax_segm_output = builder.softmax_segm_max = None
-    builder.softmax_segm_expsum = None
+    # vLLM's own build; the 3D (segmented softmax) launch is off (no threshold, no
+    # scratch), so the kernel below takes the 2D path over exactly these rows.
+    builder = _bare_builder(
+        triton_attn.TritonAttentionMetadataBuilder,
+        seq_threshold_3D=None, num_par_softmax_segments=None, softmax_segm_output=None,
+        softmax_segm_max=None, softmax_segm_expsum=None,
+        max_seqs_64_segments=0,  # 0.32: the 64-segment layout is SM120 only
+        rswa_window=None, persistent_rswa_prefix_lens=None)  # 0.32: R-SWA off
     return builder.build(0, split)
+
+
+def _field_names(meta) -> set[str]:
+    return {f.name for f in dataclasses.fields(meta)}
+
+
+def _assert_plain_causal(meta):
+    """No cascade (a field 0.23's metadata has, 0.32's dropped) and causal rows (a field
+    0.32's TRITON_ATTN metadata has; 0.23's kernel is causal only)."""
+    names = _field_names(meta)
+    if "use_cascade" in names:
+        assert not meta.use_cascade
+    if "causal" in names:
+        assert meta.causal is True
 
 
 def test_triton_attn_gets_one_row_per_run_over_the_request_block_table():
@@ -113,27 +142,32 @@ def test_triton_attn_gets_one_row_per_run_over_the_request_block_table():
     assert meta.seq_lens.tolist() == [9, 7, 19, 33]
     assert meta.block_table.tolist() == [[6, 0, 0], [2, 5, 1], [2, 5, 1], [2, 5, 1]]
     assert (meta.max_query_len, meta.max_seq_len, meta.num_actual_tokens) == (3, 33, 10)
-    assert not meta.use_cascade
+    _assert_plain_causal(meta)
 
 
 def test_flash_attn_gets_the_same_rows():
-    """FLASH_ATTN (vLLM 0.23's builder; AOT scheduling, DCP and full CUDA graphs off, as
-    they cannot be set up without a GPU): the same rows as TRITON_ATTN. With FA3's AOT
+    """FLASH_ATTN (the installed vLLM's builder; AOT scheduling, DCP, full CUDA graphs,
+    R-SWA and multimodal prefixes off, as they cannot be set up without a GPU): the same
+    rows as TRITON_ATTN. With FA3's AOT
     scheduling on a GPU, `get_scheduler_metadata` is handed these same rows (not executed
     here)."""
     flash = pytest.importorskip("vllm.v1.attention.backends.flash_attn")
-    builder = object.__new__(flash.FlashAttentionMetadataBuilder)
-    builder.__dict__.update(aot_schedule=False, aot_sliding_window=(-1, -1),
-                            use_full_cuda_graph=False, max_cudagraph_size=None,
-                            max_num_splits=0, dcp_world_size=1, device=torch.device("cpu"),
-                            cache_config=SimpleNamespace(cache_dtype="auto"),
-                            kv_cache_dtype=torch.bfloat16)
+    builder = _bare_builder(
+        flash.FlashAttentionMetadataBuilder,
+        aot_schedule=False, aot_sliding_window=(-1, -1), use_full_cuda_graph=False,
+        max_cudagraph_size=None, max_num_splits=0, dcp_world_size=1,
+        cache_config=SimpleNamespace(cache_dtype="auto"), kv_cache_dtype=torch.bfloat16,
+        # 0.32: R-SWA and the multimodal-prefix staging buffers off
+        rswa_window=None, persistent_rswa_prefix_lens=None,
+        persistent_rswa_window_tensor=None, mm_prefix_query_ranges_cpu=None,
+        mm_prefix_query_ranges_np=None, mm_prefix_query_ranges_gpu=None)
     meta = builder.build(0, _split())
     assert meta.query_start_loc.tolist() == [0, 3, 5, 7, 10]
     assert meta.seq_lens.tolist() == [9, 7, 19, 33]
     assert meta.block_table.tolist() == [[6, 0, 0], [2, 5, 1], [2, 5, 1], [2, 5, 1]]
     assert (meta.max_query_len, meta.max_seq_len, meta.causal) == (3, 33, True)
-    assert meta.scheduler_metadata is None and not meta.use_cascade
+    assert meta.scheduler_metadata is None
+    _assert_plain_causal(meta)
 
 
 def _positions() -> list[tuple[int, int]]:
