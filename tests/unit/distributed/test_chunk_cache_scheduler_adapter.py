@@ -23,18 +23,19 @@ SINK = 1
 
 
 def make_config(num_kv_blocks=64, fraction=0.5, groups=1, recompute=0, scheduler=None,
-                max_load=16384):
+                max_load=16384, store=None):
     from vllm.v1.core.sched.scheduler import Scheduler
 
     chunk = SimpleNamespace(chunk_context="sink", chunk_sink_token_id=SINK,
                             chunk_pool_fraction=fraction, chunk_pool_size_gib=None,
                             chunk_recompute_tokens=recompute,
-                            max_chunk_load_tokens=max_load, chunk_store=None)
+                            max_chunk_load_tokens=max_load, chunk_store=store)
     vllm_config = SimpleNamespace(
         chunk_cache_config=chunk,
         cache_config=SimpleNamespace(cache_dtype="auto", block_size=BLOCK),
         model_config=SimpleNamespace(model="m", tokenizer="t", dtype="float32"),
         scheduler_config=SimpleNamespace(get_scheduler_cls=lambda: scheduler or Scheduler),
+        parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1),
     )
     from vllm.v1.kv_cache_interface import FullAttentionSpec
 
@@ -453,6 +454,48 @@ def test_two_adapters_under_one_name_never_share_entries(tmp_path):
     _adapter_dir(tmp_path / "v3", seed=3)
     shutil.copy(tmp_path / "v3" / "adapter_model.safetensors", v1)
     assert len(with_lora("d", v1, 1)) == 2
+
+
+def test_a_childs_store_entry_names_the_adapter_its_parent_was_keyed_by(tmp_path):
+    """With a store, a child's entry is written under its parent's tenant. Before:
+    the adapter's files were digested again when the child was made (twice per
+    request), so an adapter rewritten in place in between put the entry under
+    another identity than the pool's. Now: the parent's namespace, read once."""
+    import shutil
+    import time
+
+    from vllm.lora.request import LoRARequest
+
+    adapter = ChunkCacheSchedulerAdapter(*make_config(
+        store="mooncake://127.0.0.1:1?lookup_timeout=0.01&local_client=none"))
+    v1 = _adapter_dir(tmp_path / "v1", seed=1)
+    r = parent("a", [3, 5, 2], salt="tenant")
+    r.lora_request = LoRARequest("sql", 1, str(v1))
+    from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store.messages import (
+        RankIdentity,
+        StoreReport,
+    )
+
+    # The one rank's identity (lookups wait for it); the store itself is absent.
+    adapter.on_store_report(StoreReport(identities=[RankIdentity(
+        epoch=0, tp_rank=0, pp_rank=0, model="m", weights_version="w", kv_dtype="f32",
+        kv_layout="l", rope="r", compute="c")]))
+    adapter.on_new_request(r)
+    keyed_by = adapter.manager.namespace_of("a")
+    assert keyed_by.lora_name.startswith("sql@")
+    _adapter_dir(tmp_path / "v2", seed=2)
+    shutil.copy(tmp_path / "v2" / "adapter_model.safetensors", v1)  # rewritten in place
+    deadline = time.monotonic() + 10
+    children = []
+    while not children:  # the store's "is it there?" is given lookup_timeout
+        assert time.monotonic() < deadline
+        adapter.get_num_new_matched_tokens(r, 0)
+        children = adapter.take_internal_requests()
+        time.sleep(0.02)
+    assert len(children) == 2
+    tenants = {adapter._child_tenants[c.request_id] for c in children}
+    assert tenants == {("tenant", keyed_by.lora_name)}
+    adapter.store.close()
 
 
 def test_tokens_loaded_counts_the_rows_sent_not_the_plans_asked_for():

@@ -217,6 +217,13 @@ class ChunkCacheManager:
     def has_request(self, request_id: str) -> bool:
         return request_id in self._parents
 
+    def namespace_of(self, request_id: str) -> ChunkNamespace | None:
+        """The namespace a live parent's segments are keyed in (its children's
+        entries are written to the store under the same tenant); None once it
+        has finished or been aborted."""
+        parent = self._parents.get(request_id)
+        return None if parent is None else parent.namespace
+
     def admit(self, request_id: str) -> ChunkAdmission:
         """Admit a queued parent, now that the scheduler is about to run it.
 

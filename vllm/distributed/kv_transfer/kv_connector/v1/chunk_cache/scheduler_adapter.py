@@ -527,8 +527,13 @@ class ChunkCacheSchedulerAdapter:
         )
         plan = self.manager.store_plan(spec.request_id)
         if self.store is not None:
-            self._child_tenants[spec.request_id] = (
-                origin.cache_salt, lora_identity(origin.lora_request))
+            # NOTE: the parent's namespace rather than lora_identity again: one digest
+            # per request, and the store key names the adapter the pool entry was keyed
+            # by. A fetch's waiting parent may have left since: then its request's.
+            namespace = self.manager.namespace_of(origin.request_id)
+            lora = (namespace.lora_name if namespace is not None
+                    else lora_identity(origin.lora_request))
+            self._child_tenants[spec.request_id] = (origin.cache_salt, lora)
         self._children[spec.request_id] = _ChildSlots(
             num_tokens=len(spec.token_ids),
             store_start=spec.store_start,
