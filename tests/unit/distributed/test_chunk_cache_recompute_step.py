@@ -43,3 +43,57 @@ def test_what_keeps_or_refuses_the_one_step_path_is_named(monkeypatch):
     monkeypatch.setenv(RECOMPUTE_IN_ONE_STEP, "yes")
     with pytest.raises(ValueError, match="must be 0 or 1"):
         RecomputeSteps.for_config(config())
+
+
+def _platform(kind: str):
+    return SimpleNamespace(is_cpu=lambda: kind == "cpu", is_cuda=lambda: kind == "cuda",
+                           device_name=kind)
+
+
+def test_on_cuda_one_step_is_opt_in_and_elsewhere_refused_by_name(monkeypatch):
+    """Issue 40, deliverable 3: on CUDA the one-step path is offered only when asked
+    for (=1: not yet shown exact on a GPU); unset, each head takes its step and the
+    start-up line says how to opt in. Other platforms (ROCm, XPU, NPU) keep the
+    multi-step path, and =1 there is refused naming the platform."""
+    monkeypatch.delenv(RECOMPUTE_IN_ONE_STEP, raising=False)
+    cuda = RecomputeSteps.for_config(config(), _platform("cuda"))
+    assert not cuda.one_step and f"{RECOMPUTE_IN_ONE_STEP}=1" in cuda.reason
+    other = RecomputeSteps.for_config(config(), _platform("rocm"))
+    assert not other.one_step and "not on rocm" in other.reason
+    monkeypatch.setenv(RECOMPUTE_IN_ONE_STEP, "1")
+    assert RecomputeSteps.for_config(config(), _platform("cuda")).one_step
+    assert RecomputeSteps.for_config(config(), _platform("cpu")).one_step
+    with pytest.raises(ValueError, match="not on rocm"):
+        RecomputeSteps.for_config(config(), _platform("rocm"))
+    # Opted in, what no backend's rows allow is still refused by name.
+    with pytest.raises(ValueError, match="MLA"):
+        RecomputeSteps.for_config(config(mla=True), _platform("cuda"))
+
+
+def test_on_cuda_the_worker_refuses_other_backends_and_full_graphs_by_name():
+    from vllm.config.compilation import CUDAGraphMode
+    from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.support import (
+        check_query_runs,
+    )
+
+    def layer(impl: str):
+        return SimpleNamespace(impl=type(impl, (), {})())
+
+    flash = {"model.layers.0.self_attn.attn": layer("FlashAttentionImpl"),
+             "model.layers.1.self_attn.attn": layer("TritonAttentionImpl")}
+    piecewise = SimpleNamespace(cudagraph_mode=CUDAGraphMode.PIECEWISE)
+    check_query_runs(True, flash, piecewise, _platform("cuda"))
+    check_query_runs(True, flash, SimpleNamespace(cudagraph_mode=CUDAGraphMode.NONE),
+                     _platform("cuda"))
+    # Not asked for, or not CUDA (the CPU backend's rows are its own): nothing to refuse.
+    flashinfer = {"model.layers.0.self_attn.attn": layer("FlashInferImpl")}
+    check_query_runs(False, flashinfer, piecewise, _platform("cuda"))
+    check_query_runs(True, {"l": layer("CPUAttentionBackendImpl")},
+                     SimpleNamespace(cudagraph_mode=CUDAGraphMode.FULL), _platform("cpu"))
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.self_attn\.attn runs FlashInferImpl"):
+        check_query_runs(True, flashinfer, piecewise, _platform("cuda"))
+    for mode in (CUDAGraphMode.FULL_AND_PIECEWISE, CUDAGraphMode.FULL,
+                 CUDAGraphMode.FULL_DECODE_ONLY):
+        with pytest.raises(ValueError, match=f"cudagraph_mode={mode.name}"):
+            check_query_runs(True, flash, SimpleNamespace(cudagraph_mode=mode),
+                             _platform("cuda"))

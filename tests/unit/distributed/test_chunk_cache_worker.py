@@ -169,7 +169,8 @@ def test_nope_layer_configs_are_refused():
 
 def _worker(fraction=0.15):
     chunk = SimpleNamespace(chunk_pool_fraction=fraction, chunk_pool_size_gib=None,
-                            max_chunk_load_tokens=64, chunk_store=None)
+                            max_chunk_load_tokens=64, chunk_store=None,
+                            chunk_recompute_tokens=0)
     model = SimpleNamespace(dtype=torch.float32)
     vllm_config = SimpleNamespace(chunk_cache_config=chunk, model_config=model,
                                   cache_config=SimpleNamespace(cache_dtype="auto"),

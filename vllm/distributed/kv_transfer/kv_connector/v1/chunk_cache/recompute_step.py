@@ -17,6 +17,15 @@ every other set-up the multi-step path runs and the start-up line says why.
 `CHUNK_CACHE_RECOMPUTE_ONE_STEP=0` keeps the multi-step path anywhere (e.g. to
 measure it side by side); `=1` refuses to start where one step is not
 supported.
+
+On CUDA the one-step path is opt-in (`=1`) and experimental: FLASH_ATTN and
+TRITON_ATTN builders pass the runs' rows through and vLLM's Triton kernel
+attends over them causally by real position (both checked on the CPU:
+tests/unit/v1/worker/test_query_runs_triton_attn.py), but no GPU run has shown
+the outputs exact yet. The worker then refuses, naming it, any other attention
+backend and any CUDA-graph mode with full graphs (a step's rows outnumber its
+requests; the graphs' buffers are sized by requests):
+`support.check_query_runs`.
 """
 
 import os
@@ -40,7 +49,9 @@ class RecomputeSteps:
     reason: str
 
     @classmethod
-    def for_config(cls, vllm_config: Any) -> "RecomputeSteps":
+    def for_config(cls, vllm_config: Any, platform: Any = None) -> "RecomputeSteps":
+        """The decision for `vllm_config` on `platform` (vLLM's current one by
+        default; tests pass another)."""
         cfg = vllm_config.chunk_cache_config
         if cfg is None or cfg.chunk_recompute_tokens == 0:
             return cls(False, "no boundary recompute")
@@ -50,7 +61,9 @@ class RecomputeSteps:
         wanted = None if value == "" else value == "1"
         if wanted is False:
             return cls(False, f"one step per chunk head ({RECOMPUTE_IN_ONE_STEP}=0)")
-        missing = _unsupported(vllm_config)
+        if platform is None:
+            from vllm.platforms import current_platform as platform
+        missing = _unsupported(vllm_config, platform, opted_in=bool(wanted))
         if missing is None:
             return cls(True, "every head and the question in one step (query runs)")
         if wanted:
@@ -87,20 +100,24 @@ def loaded_spans(plan: PrefillPlan, first_position: int,
     return plan.loaded_from(first_position, num_tokens)
 
 
-def _unsupported(vllm_config: Any) -> str | None:
-    from vllm.platforms import current_platform
-
-    if not current_platform.is_cpu():
+def _unsupported(vllm_config: Any, platform: Any, opted_in: bool) -> str | None:
+    if platform.is_cuda() and not opted_in:
         return (
-            f"query runs are built and tested for the CPU attention backend "
-            f"(CPU_ATTN) only, not on {current_platform.device_name or 'this platform'}"
+            f"on CUDA the one-step path is opt-in ({RECOMPUTE_IN_ONE_STEP}=1: FLASH_ATTN "
+            "or TRITON_ATTN without full CUDA graphs; not yet shown exact on a GPU)"
+        )
+    if not (platform.is_cpu() or platform.is_cuda()):
+        return (
+            f"query runs are built for the CPU attention backend (CPU_ATTN) and, opted "
+            f"in, CUDA's FLASH_ATTN and TRITON_ATTN; not on "
+            f"{getattr(platform, 'device_name', None) or 'this platform'}"
         )
     model_config = getattr(vllm_config, "model_config", None)
     if getattr(model_config, "use_mla", False):
         # NOTE: vLLM's MLA builders split a batch's rows into decodes and
         # prefills by query length, assuming decodes come first; a 1-token
         # run after a longer one is not covered by a test yet.
-        return "MLA attention (CPU_MLA) splits rows by query length"
+        return "MLA attention's metadata builders split rows by query length"
     if getattr(vllm_config, "speculative_config", None) is not None:
         return "speculative decoding schedules draft tokens per request"
     if getattr(vllm_config, "use_v2_model_runner", False):

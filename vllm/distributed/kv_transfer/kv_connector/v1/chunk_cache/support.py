@@ -400,6 +400,37 @@ def check_graph_mode(compilation_config: Any, hooked: dict[str, str]) -> None:
         )
 
 
+# CUDA backends whose metadata builders take the runs of a one-step boundary
+# recompute as rows (tests/unit/v1/worker/test_query_runs_triton_attn.py).
+CUDA_QUERY_RUN_BACKENDS = ("FlashAttentionImpl", "TritonAttentionImpl")
+
+
+def check_query_runs(one_step: bool, layers: dict[str, Any], compilation_config: Any,
+                     platform: Any) -> None:
+    """Refuse at start-up a one-step boundary recompute (query runs,
+    recompute_step.py) on CUDA over an attention backend or a CUDA-graph mode it
+    was not built for. `layers`: the attention layers by name."""
+    if not one_step or not platform.is_cuda():
+        return
+    how = ("--chunk-recompute-tokens in one step (CHUNK_CACHE_RECOMPUTE_ONE_STEP=1) on "
+           "CUDA")
+    for name, layer in layers.items():
+        backend = type(getattr(layer, "impl", None)).__name__
+        if backend not in CUDA_QUERY_RUN_BACKENDS:
+            raise ValueError(
+                f"{how} needs FLASH_ATTN or TRITON_ATTN: attention layer {name} runs "
+                f"{backend} (choose one with --attention-backend, or unset "
+                "CHUNK_CACHE_RECOMPUTE_ONE_STEP for one step per chunk head)")
+    mode = getattr(compilation_config, "cudagraph_mode", None)
+    if mode is not None and mode.has_full_cudagraphs():
+        # NOTE: a step's attention rows are its runs, more than its requests; the
+        # full graphs' attention buffers are sized by requests (max_num_seqs).
+        raise ValueError(
+            f"{how} does not support cudagraph_mode={mode.name}: a step's query runs "
+            "outnumber its requests, and full CUDA graphs size their attention buffers "
+            "by requests; use -O.cudagraph_mode=PIECEWISE or --enforce-eager")
+
+
 # Scheduler classes that replace schedule() but call vLLM's own under some
 # configs (qualified class name -> predicate on the VllmConfig), registered
 # by a platform's glue (chunk_cache_npu: vllm-ascend's BalanceScheduler).

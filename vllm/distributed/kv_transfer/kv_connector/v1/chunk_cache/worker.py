@@ -76,6 +76,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.metadata import (
     LoadRows,
     StoreRows,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.recompute_step import (
+    RecomputeSteps,
+)
 from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.setup import (
     POOL_BLOCK_SIZE,
     load_scratch_rows,
@@ -85,6 +88,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.setup import (
 from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.support import (
     check_attention_layer,
     check_graph_mode,
+    check_query_runs,
 )
 from vllm.logger import init_logger
 from vllm.v1.worker.position_remapper import (
@@ -237,9 +241,14 @@ class ChunkCacheWorker:
         # cache of their own (a KV-sharing layer may have none); the context
         # also holds non-attention layers (fused MoE), which have no keys.
         max_model_len = getattr(self.vllm_config.model_config, "max_model_len", None)
-        for name, layer in layers.items():
-            if isinstance(layer, (Attention, MLAAttention)):
-                check_attention_layer(name, layer, max_model_len)
+        attention = {name: layer for name, layer in layers.items()
+                     if isinstance(layer, (Attention, MLAAttention))}
+        for name, layer in attention.items():
+            check_attention_layer(name, layer, max_model_len)
+        from vllm.platforms import current_platform
+
+        check_query_runs(RecomputeSteps.for_config(self.vllm_config).one_step, attention,
+                         self.vllm_config.compilation_config, current_platform)
         total = 0
         for name, kv_cache in kv_caches.items():
             layer = layers.get(name)
