@@ -20,6 +20,9 @@ Boundary recompute (TTFT_RECOMPUTE_K=K, chunk mode): the engine gets
 `chunk_recompute_tokens=K`; every measured request is sent as `sink` (the manager's
 recompute set to 0) and as `sink+K`, one after the other: two rows per size, modes
 `chunk` and `chunk+K<K>`, the same floor.
+TTFT_CUDAGRAPH=MODE sets the engine's cudagraph_mode (e.g. PIECEWISE: with
+CHUNK_CACHE_RECOMPUTE_ONE_STEP=1 the boundary recompute in one step on CUDA, which
+refuses full graphs).
 Profile (TTFT_PROFILE=1, chunk mode): a torch profiler table of one all-hit request at the
 middle size. Every mode runs the engine core in-process.
 One JSON line per measurement on stdout.
@@ -76,6 +79,8 @@ def engine_kwargs(mode: str, model: str, sizes: list[int], eager: bool, k: int =
     kwargs = dict(model=model, load_format="dummy", dtype="bfloat16",
                   max_model_len=max(sizes) + 1024, gpu_memory_utilization=0.85, seed=0,
                   enforce_eager=eager, max_num_seqs=64)
+    if os.environ.get("TTFT_CUDAGRAPH"):  # e.g. PIECEWISE (the one-step recompute's mode)
+        kwargs["compilation_config"] = {"cudagraph_mode": os.environ["TTFT_CUDAGRAPH"]}
     if mode == "stock":
         kwargs["enable_prefix_caching"] = False
     elif mode == "prefix":

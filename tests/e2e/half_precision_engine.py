@@ -84,7 +84,8 @@ def run_engine(request: dict) -> dict:
     role = request["role"]
     kwargs = dict(request["engine_kwargs"])
     if role == "chunk":
-        kwargs.update(enable_chunk_cache=True, chunk_context="sink")
+        kwargs.update(enable_chunk_cache=True, chunk_context="sink",
+                      chunk_recompute_tokens=request.get("recompute", 0))
     params = SamplingParams(max_tokens=request["num_gen"], temperature=0.0, logprobs=5,
                             ignore_eos=True)
     llm = make_llm(request["model"], **kwargs)

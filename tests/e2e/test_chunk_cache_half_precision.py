@@ -17,6 +17,12 @@ runs in a process of its own (tests/e2e/half_precision_engine.py; CHUNK_HALF_ISO
 overrides): a second engine in one process died in vLLM's memory profiling there. Each
 engine's rows, and the chunk cache's worst difference, are printed as soon as they exist,
 before the control starts.
+
+CHUNK_HALF_RECOMPUTE=K gives the chunk-cache engine --chunk-recompute-tokens K (the
+reference recomputes the same heads); CHUNK_HALF_CUDAGRAPH=PIECEWISE (or another mode)
+sets both engines' cudagraph_mode. With CHUNK_CACHE_RECOMPUTE_ONE_STEP=1 in the
+environment this is the GPU check of the one-step recompute on CUDA (issue 40,
+deliverable 3; tools/gpu/issue40.sh, item `k12-1step`).
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ DTYPES = os.environ.get("CHUNK_HALF_DTYPES", "bfloat16").split(",")
 EAGER = os.environ.get("CHUNK_HALF_EAGER", "1") == "1"
 NUM_GEN = 4
 FACTOR = 3.0
+RECOMPUTE = int(os.environ.get("CHUNK_HALF_RECOMPUTE", "0"))
 
 
 def _engine_kwargs(dtype: str) -> dict:
@@ -45,6 +52,8 @@ def _engine_kwargs(dtype: str) -> dict:
         kwargs["attention_backend"] = os.environ["CHUNK_HALF_BACKEND"]
     if os.environ.get("CHUNK_HALF_KV_DTYPE"):  # e.g. fp8 on a GPU (both engines)
         kwargs["kv_cache_dtype"] = os.environ["CHUNK_HALF_KV_DTYPE"]
+    if os.environ.get("CHUNK_HALF_CUDAGRAPH"):  # e.g. PIECEWISE (both engines)
+        kwargs["compilation_config"] = {"cudagraph_mode": os.environ["CHUNK_HALF_CUDAGRAPH"]}
     if os.environ.get("CHUNK_HALF_GPU_UTIL"):
         # The two engines one after the other on one GPU.
         kwargs["gpu_memory_utilization"] = float(os.environ["CHUNK_HALF_GPU_UTIL"])
@@ -94,11 +103,16 @@ def reference():
 
 def _label(dtype: str) -> str:
     return (f"dtype={dtype} eager={EAGER} backend={os.environ.get('CHUNK_HALF_BACKEND', 'default')} "
-            f"kv={os.environ.get('CHUNK_HALF_KV_DTYPE', 'auto')}")
+            f"kv={os.environ.get('CHUNK_HALF_KV_DTYPE', 'auto')}"
+            + (f" recompute={RECOMPUTE} one_step="
+               f"{os.environ.get('CHUNK_CACHE_RECOMPUTE_ONE_STEP', 'unset')}" if RECOMPUTE else "")
+            + (f" cudagraph={os.environ['CHUNK_HALF_CUDAGRAPH']}"
+               if os.environ.get("CHUNK_HALF_CUDAGRAPH") else ""))
 
 
 def _check(reference, dtype: str, isolate: bool, workdir) -> tuple[dict, dict]:
     from tests.e2e.half_precision_engine import run_engine, run_engine_in_subprocess
+    from vllm.v1.core.chunk_prefill_plan import PrefillPlan
 
     def engine(request):
         if isolate:
@@ -117,10 +131,11 @@ def _check(reference, dtype: str, isolate: bool, workdir) -> tuple[dict, dict]:
 
     # Cold batch, then warm batch (loads from the pool at new positions).
     chunk = engine(dict(common, role="chunk", prompts=[layout.prompt for layout in layouts],
-                        batches=[[0, 1, 2], [3, 4, 5]]))
+                        batches=[[0, 1, 2], [3, 4, 5]], recompute=RECOMPUTE))
     chunk_worst, chunk_rows = 0.0, []
     for i, (prompt, out) in enumerate(zip(prompts, chunk["outputs"])):
-        ref = reference.next_token_logprobs(prompt, "sink", out["token_ids"])
+        ref = reference.next_token_logprobs(prompt, "sink", out["token_ids"],
+                                            recompute_tokens=RECOMPUTE)
         worst = _worst(ref, out["logprobs"])
         chunk_worst = max(chunk_worst, worst)
         chunk_rows.append((i, prompt, out))
@@ -132,7 +147,11 @@ def _check(reference, dtype: str, isolate: bool, workdir) -> tuple[dict, dict]:
           flush=True)
     for i, prompt, out in chunk_rows:
         assert out["prompt_token_ids"] == prompt.token_ids, i
-        assert out["num_cached_tokens"] == prompt.question_span.start, i
+        if RECOMPUTE:  # the recomputed heads are computed, the rest loaded
+            loaded = PrefillPlan.for_prompt(prompt, RECOMPUTE).num_loaded
+            assert loaded <= out["num_cached_tokens"] <= prompt.question_span.start, i
+        else:
+            assert out["num_cached_tokens"] == prompt.question_span.start, i
 
     stock = engine(dict(common, role="stock", prompts=[p.token_ids for p in prompts],
                         batches=[list(range(len(prompts)))]))

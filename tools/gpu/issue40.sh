@@ -24,6 +24,7 @@ ITEMS=(  # name  box(s)  min(s)  what (issue 40 priority)
   "ttft-chunk 200 120 TTFT at 8k and 32k: chunk cache and floor, median of 10"
   "ttft-stock 150 90 TTFT at 8k and 32k: stock vLLM (no prefix caching), median of 5"
   "ttft-k12 150 100 TTFT at 8k: sink+K12 vs sink on one engine, median of 10 pairs"
+  "k12-1step 170 120 one-step recompute on CUDA (opt-in): gpu-llama fp16 FLASH_ATTN K=4 PIECEWISE vs the HF reference, then TTFT sink+K12 vs sink at 8k"
   "remap 60 25 launch-geometry sweep of the fused load and capture (gpu_remap.py --sweep quick --sweep-only)"
 )
 
@@ -46,6 +47,10 @@ run_item() {  # the command of one item; its output goes to the item's log
     ttft-chunk) ttft chunk 8192,32768 10 ;;
     ttft-stock) ttft stock 8192,32768 5 ;;
     ttft-k12) ttft chunk 8192 10 TTFT_RECOMPUTE_K=12 ;;
+    k12-1step)  # NOTE: experimental (recompute_step.py): exactness first, then its speed
+      half CHUNK_HALF_MODEL=$M/gpu-llama CHUNK_HALF_DTYPES=float16 CHUNK_HALF_BACKEND=FLASH_ATTN \
+        CHUNK_HALF_RECOMPUTE=4 CHUNK_HALF_CUDAGRAPH=PIECEWISE CHUNK_CACHE_RECOMPUTE_ONE_STEP=1 &&
+      ttft chunk 8192 10 TTFT_RECOMPUTE_K=12 TTFT_CUDAGRAPH=PIECEWISE CHUNK_CACHE_RECOMPUTE_ONE_STEP=1 ;;
     remap) python3 benchmarks/gpu_remap.py --sweep quick --sweep-only ;;
   esac
 }
@@ -55,6 +60,8 @@ export -f run_item half ttft
 figures() {  # figures ITEM LOG: the lines of the summary that carry the item's figures
   local log=$2
   case $1 in
+    k12-1step) grep -oE "chunk-recompute-tokens [0-9]+: .*" "$log" | sort -u | cut -c1-150 | head -2
+               figures mla-rows "$log"; figures ttft-rows "$log" ;;
     mla-*)
       grep -oE "dtype=[a-z0-9]+ eager=.*" "$log" | head -2
       grep -E "^half-precision row: engine=" "$log" | wc -l | sed 's/^/rows printed: /' 
