@@ -12,6 +12,8 @@ no-op defaults.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -164,11 +166,34 @@ class ChunkCacheConnector(KVConnectorBase_V1):
 
     def register_model(self, model: Any) -> None:
         assert self._worker is not None
-        self._worker.register_model(model)
+        with self._released_if_refused():
+            self._worker.register_model(model)
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         assert self._worker is not None
-        self._worker.register_kv_caches(kv_caches)
+        with self._released_if_refused():
+            self._worker.register_kv_caches(kv_caches)
+
+    @contextmanager
+    def _released_if_refused(self) -> Iterator[None]:
+        """A start-up refusal (the model or cache this worker cannot serve) also
+        gives up vLLM's process-wide slot for the worker's connector.
+
+        NOTE: vLLM keeps this connector in `kv_transfer_state` until a clean engine
+        shutdown, and an engine whose start-up failed never shuts down; the next
+        engine of the process (a notebook's second `LLM(...)`) found the slot taken
+        and was handed this connector, built for the refused model's config (its
+        layers were then "NoneType"; the family matrix's slow tier met it after
+        gpt2's refusal)."""
+        try:
+            yield
+        except BaseException:
+            from vllm.distributed.kv_transfer import kv_transfer_state
+
+            if (kv_transfer_state.has_kv_transfer_group()
+                    and kv_transfer_state.get_kv_transfer_group() is self):
+                kv_transfer_state.ensure_kv_transfer_shutdown()
+            raise
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         assert self._worker is not None
