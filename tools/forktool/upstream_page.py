@@ -44,7 +44,7 @@ PR_SPLIT: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("3. the chunk cache: config, request layout, engine budget, connector",
      ("0001", "0002", "0005", "0008", "0010", "0011")),
     ("4. front end: prompts given as segments, chat documents, opt-out",
-     ("0003", "0009", "0014", "0015", "0016")),
+     ("0003", "0009", "0014", "0015", "0016", "0018")),
 )
 
 _HUNK = re.compile(r"^@@ -\d+(?:,(\d+))? \+\d+(?:,(\d+))? @@")
