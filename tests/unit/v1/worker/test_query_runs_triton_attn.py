@@ -19,6 +19,7 @@ this is the evidence a CUDA port would start from. Not executed on a GPU.
 """
 
 import dataclasses
+import functools
 import os
 import re
 import subprocess
@@ -218,7 +219,18 @@ def _oracle(key_cache, value_cache, query) -> torch.Tensor:
 
 _KERNEL_TESTS = ("test_triton_unified_attention_over_the_runs_is_causal_over_the_real_positions",
                  "test_without_the_split_the_heads_would_see_the_wrong_keys")
-_fresh_runs: dict[str, str] = {}
+
+
+@functools.cache
+def _fresh_process_output() -> str:
+    """Both kernel tests in one new pytest process, Triton imported under
+    TRITON_INTERPRET=1 there: its output."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-rA", "-p", "no:randomly",
+         *(f"{__file__}::{name}" for name in _KERNEL_TESTS)],
+        env={**os.environ, "TRITON_INTERPRET": "1"},
+        capture_output=True, text=True, timeout=600)
+    return proc.stdout + proc.stderr
 
 
 def _ran_in_a_fresh_process(test: str) -> bool:
@@ -235,14 +247,7 @@ def _ran_in_a_fresh_process(test: str) -> bool:
 
     if type(tl.zeros).__name__ != "JITFunction":
         return False
-    if not _fresh_runs:
-        proc = subprocess.run(
-            [sys.executable, "-m", "pytest", "-q", "-rA", "-p", "no:randomly",
-             *(f"{__file__}::{name}" for name in _KERNEL_TESTS)],
-            env={**os.environ, "TRITON_INTERPRET": "1"},
-            capture_output=True, text=True, timeout=600)
-        _fresh_runs["out"] = proc.stdout + proc.stderr
-    out = _fresh_runs["out"]
+    out = _fresh_process_output()
     assert re.search(rf"^PASSED \S*{Path(__file__).name}::{test}\s*$", out, re.M), out[-6000:]
     return True
 
