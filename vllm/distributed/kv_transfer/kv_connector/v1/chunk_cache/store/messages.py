@@ -103,6 +103,15 @@ class StoreReport(KVConnectorWorkerMetadata):
     # The read bandwidth a rank measured (bytes/s; 0: none yet); combined,
     # the slowest rank's (a fetch ends when every rank read its part).
     read_bytes_per_s: float = 0.0
+    # NOTE (issue 39, finding 9): a read straight into pool rows that a rank
+    # gave up on (TIMEOUT) may still be written into by the store until its
+    # call returns: fetch id -> ranks whose call still holds the fetch's pool
+    # rows, reported with the outcome. The scheduler never hands those blocks
+    # to anyone until every such rank reported them back in `rows_returned`
+    # (fetch id -> ranks whose call has returned since; a later step's
+    # report, or the same one).
+    rows_lent: dict[str, int] = field(default_factory=dict)
+    rows_returned: dict[str, int] = field(default_factory=dict)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> StoreReport:
         assert isinstance(other, StoreReport)
@@ -111,10 +120,15 @@ class StoreReport(KVConnectorWorkerMetadata):
         self.identities.extend(other.identities)
         rates = [r for r in (self.read_bytes_per_s, other.read_bytes_per_s) if r > 0]
         self.read_bytes_per_s = min(rates) if rates else 0.0
+        for mine, theirs in ((self.rows_lent, other.rows_lent),
+                             (self.rows_returned, other.rows_returned)):
+            for fetch_id, ranks in theirs.items():
+                mine[fetch_id] = mine.get(fetch_id, 0) + ranks
         return self
 
     def is_empty(self) -> bool:
-        return not self.outcomes and not self.identities and not self.read_bytes_per_s
+        return (not self.outcomes and not self.identities and not self.read_bytes_per_s
+                and not self.rows_lent and not self.rows_returned)
 
 
 def store_key_for(identity: RankIdentity, tp_size: int, pp_size: int, entry: EntryRef) -> str:
