@@ -100,3 +100,39 @@ def test_bad_magic_and_version():
 def test_token_ids_beyond_32_bits_are_refused():
     with pytest.raises(ValueError, match="32 bits"):
         ef.encode_header(ef.EntryHeader(1, 0, (1 << 32,), 0, 0))
+
+
+# -- a value scattered over buffers (a read straight into pool rows, issue 39) ----
+
+
+def _scattered(buf, cuts):
+    head = ef.header_nbytes(len(TOKENS))
+    edges = [head, *(head + c for c in cuts), len(buf)]
+    return memoryview(buf)[:head], [memoryview(buf)[a:b] for a, b in zip(edges, edges[1:])]
+
+
+@pytest.mark.parametrize("cuts", [[], [1], [1000, 1001, 3000], [4095]])
+def test_a_scattered_value_verifies_as_the_whole_one(cuts):
+    buf, _ = _entry()
+    header, parts = _scattered(buf, cuts)
+    assert ef.verify_parts(header, parts, TOKENS, START, 4096) == ef.VerifyResult(True, "ok")
+
+
+@pytest.mark.parametrize("where", [0, 1000, 1001, 4095])
+def test_a_flipped_byte_in_any_part_is_caught(where):
+    buf, _ = _entry()
+    buf[ef.header_nbytes(7) + where] ^= 0x01
+    header, parts = _scattered(buf, [1000, 1001, 3000])
+    r = ef.verify_parts(header, parts, TOKENS, START, 4096)
+    assert (r.ok, r.cause) == (False, ef.CHECKSUM)
+    assert (r.ok, r.cause) == (lambda w: (w.ok, w.cause))(_verify(buf))
+
+
+def test_scattered_parts_of_another_length_are_caught():
+    buf, _ = _entry()
+    header, parts = _scattered(buf, [1000])
+    assert ef.verify_parts(header, parts[:1], TOKENS, START, 4096).cause == ef.TRUNCATED
+    longer = [*parts, memoryview(b"\0")]
+    assert ef.verify_parts(header, longer, TOKENS, START, 4096).cause == ef.HEADER_MISMATCH
+    buf[ef.FIXED_NBYTES + 4] ^= 0x10  # a stored token
+    assert ef.verify_parts(header, parts, TOKENS, START, 4096).cause == ef.TOKEN_MISMATCH

@@ -38,6 +38,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store.messages imp
     EntryPut,
     EntryRef,
     FetchOutcome,
+    StoreReport,
     StoreStep,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store.rank import StoreRank
@@ -92,6 +93,10 @@ def step_until(t: StoreTransfers, fetch_id: str, timeout_s: float = 30.0) -> Fet
         t.on_step(StoreStep(epoch=0))
         report = t.take_report()
         if report is not None and fetch_id in report.outcomes:
+            # A read given up on says in the same report whether it holds rows.
+            lent = report.rows_lent.get(fetch_id, 0)
+            returned = report.rows_returned.get(fetch_id, 0)
+            assert lent == (1 if fetch_id in t._rows_held else returned), report
             return report.outcomes[fetch_id][0]
         assert time.monotonic() < deadline, f"no outcome for {fetch_id}"
         time.sleep(0.01)
@@ -199,6 +204,102 @@ def test_a_read_given_up_keeps_its_span_until_the_call_returns():
         assert torch.equal(got[name], want[name]), name
     reader.on_step(StoreStep(epoch=0))
     assert reader.lent_bytes() == 0 and reader.get_arena.in_use() == 0
+
+
+class LateScatterStore(LateStore):
+    """LateStore that scatters a value over buffers (as Mooncake's
+    batch_get_into_multi_buffers does): a worker reads into pool rows."""
+
+    scatters = True
+
+    def batch_get_into_parts(self, keys, parts, on_release=lambda: None):
+        if self.stuck_first_get:
+            self.stuck_first_get = False
+            self.late.append(([b for buffers in parts for b in buffers], on_release))
+            return [StoreCode.TIMEOUT] * len(keys)
+        out = []
+        for k, buffers in zip(keys, parts):
+            v = self.values.get(k)
+            if v is None or len(v) != sum(b.nbytes for b in buffers):
+                out.append(StoreCode.ABSENT if v is None else StoreCode.TOO_LARGE)
+                continue
+            off = 0
+            for b in buffers:
+                _write(b, v[off:off + b.nbytes])
+                off += b.nbytes
+            out.append(len(v))
+        on_release()
+        return out
+
+
+def _reports(t: StoreTransfers, steps: int = 1) -> StoreReport:
+    merged = StoreReport()
+    for _ in range(steps):
+        t.on_step(StoreStep(epoch=0))
+        report = t.take_report()
+        if report is not None:
+            merged.aggregate(report)
+    return merged
+
+
+def test_a_read_into_pool_rows_given_up_holds_them_until_the_call_returns():
+    """Finding 9 with finding 1's rule: a read lands in the pool rows the
+    scheduler allocated, with only the header and the tag in host memory of
+    its own; one the step gave up on reports its rows lent (the scheduler
+    gives them to no one), and returned once the store's call has."""
+    store = LateScatterStore()
+    src = small_pool(seed=1)
+    writer = transfers("mooncake://127.0.0.1:1?read_timeout=0.05&arena=1MB&local_client=none",
+                       src, store=store)
+    wait_identity(writer)
+    a, b = entry([1] + list(range(10, 40))), entry([1] + list(range(50, 90)))
+    writer.on_step(StoreStep(epoch=0, puts=[EntryPut(a, (0, 1)), EntryPut(b, (2, 3, 4))]))
+    drain_puts(writer)
+
+    dst = small_pool(seed=2)
+    reader = transfers("mooncake://127.0.0.1:1?read_timeout=0.05&arena=1MB&local_client=none",
+                       dst, store=store)
+    wait_identity(reader)
+    assert reader.reads_into_pool()
+    spans = []
+    allocate = reader.get_arena.allocate
+    reader.get_arena.allocate = lambda n, **kw: spans.append(n) or allocate(n, **kw)
+    reader.on_step(StoreStep(epoch=0, fetches=[EntryFetch("f1", a, (5, 6))]))
+    assert step_until(reader, "f1") is FetchOutcome.TIMEOUT
+    # step_until took the report that said so; the rows stay lent meanwhile.
+    assert reader._rows_held.keys() == {"f1"}
+    assert _reports(reader, 3).rows_returned == {}
+
+    # Blocks 1-3 are another fetch's (the scheduler gave 5-6 to no one): the
+    # value lands there, split at the run 1-3 of each tensor.
+    reader.on_step(StoreStep(epoch=0, fetches=[EntryFetch("f2", b, (1, 2, 3))]))
+    assert step_until(reader, "f2") is FetchOutcome.OK
+    assert reader.counters["store_gets_into_pool"] == 1
+    assert spans == [entry_format.header_nbytes(31) + 16, entry_format.header_nbytes(41) + 16]
+    got, want = rows_of(dst, (1, 2, 3), 40), rows_of(src, (2, 3, 4), 40)
+    for name in got:
+        assert torch.equal(got[name], want[name]), name
+
+    store.land_late(fill=0x7F)  # into rows 5-6 (lent) and f1's header span
+    report = _reports(reader)
+    assert report.rows_returned == {"f1": 1} and reader._rows_held == {}
+    late = rows_of(dst, (5, 6), 30)
+    assert all((v.view(torch.uint8) == 0x7F).all() for v in late.values())
+    for name, rows in rows_of(dst, (1, 2, 3), 40).items():
+        assert torch.equal(rows, want[name]), name  # the late write touched only its own
+    assert reader.get_arena.in_use() == 0 and reader.lent_bytes() == 0
+
+
+def test_a_read_given_up_after_its_call_returned_lends_nothing():
+    """A read whose call returned (even late, even failed) holds no rows: the
+    scheduler may compute the entry into them at once."""
+    store = LateScatterStore()
+    store.stuck_first_get = False
+    reader = transfers("mooncake://127.0.0.1:1?local_client=none", small_pool(), store=store)
+    wait_identity(reader)
+    reader.on_step(StoreStep(epoch=0, fetches=[EntryFetch("gone", entry([1, 2, 3]), (0,))]))
+    assert step_until(reader, "gone") is FetchOutcome.ABSENT
+    assert _reports(reader, 2).rows_lent == {} and reader._rows_held == {}
 
 
 def test_a_put_span_is_not_reused_while_its_call_runs():
@@ -347,6 +448,10 @@ def _round_trip_8b(big_fleet) -> None:
     assert step_until(t, "big", timeout_s=120) is FetchOutcome.OK
     for name, p in pool.items():
         assert torch.equal(p[:max_tokens], want[name]), name
+    # In process the read lands in the pool's rows (finding 9); through the
+    # node's client only its shared memory can be written: the arena.
+    assert t.counters.get("store_gets_into_pool", 0) == (
+        0 if big_fleet.spec().local_client else 1)
     nbytes = t.counters["store_get_bytes"]
     src = torch.ones(int(nbytes), dtype=torch.uint8)
     dst = torch.empty_like(src)
@@ -386,12 +491,12 @@ def test_an_authenticated_entry_reads_back_only_with_the_fleets_secret(big_fleet
         wait_identity(reader)
         reader.on_step(StoreStep(epoch=0, fetches=[EntryFetch(name, e, (4, 5, 6))]))
         outcomes[name] = step_until(reader, name)
+        assert reader.reads_into_pool()
         if name == "secret":
             got, want = rows_of(dst, (4, 5, 6), 40), rows_of(src, (0, 1, 2), 40)
             assert all(torch.equal(got[n], want[n]) for n in got)
-        else:
-            assert all(torch.equal(a, b) for a, b in zip(
-                rows_of(dst, (4, 5, 6), 40).values(),
-                rows_of(small_pool(seed=4), (4, 5, 6), 40).values()))  # untouched
+        # NOTE: otherwise the rows hold the writer's bytes, unverified: the
+        # read landed in them. A failed fetch's rows are never served (the
+        # scheduler computes the entry into them before anyone reads it).
     assert outcomes == {"secret": FetchOutcome.OK, "other": FetchOutcome.VERIFY_FAILED,
                         "none": FetchOutcome.VERIFY_FAILED}

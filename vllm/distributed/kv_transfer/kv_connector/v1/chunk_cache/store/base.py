@@ -63,6 +63,10 @@ class StoreCode(IntEnum):
 class ChunkStore(ABC):
     """Batch exists / get into a buffer / put from a buffer, by string key."""
 
+    # Whether `batch_get_into_parts` can scatter a value over several buffers
+    # (a read straight into the pool's rows, which are never one buffer).
+    scatters: bool = False
+
     @abstractmethod
     def register_buffer(self, buffer: HostBuffer) -> None:
         """Make `buffer` usable by the get/put calls below (once, at start-up)."""
@@ -83,6 +87,15 @@ class ChunkStore(ABC):
         store's thread) when the abandoned call returned. Until then the
         buffers are the store's: reusing them lets a late read overwrite
         whatever was put there."""
+
+    def batch_get_into_parts(self, keys: Sequence[str],
+                             parts: Sequence[Sequence[HostBuffer]],
+                             on_release: Release = no_release) -> list[int]:
+        """batch_get_into with each key's value scattered over its buffers in
+        order (the first buffer takes the value's first bytes); their sizes
+        add up to the value's, else the key fails. Only where `scatters`."""
+        on_release()
+        raise NotImplementedError(f"{type(self).__name__} cannot scatter a value")
 
     @abstractmethod
     def batch_put_from(self, keys: Sequence[str], buffers: Sequence[HostBuffer],

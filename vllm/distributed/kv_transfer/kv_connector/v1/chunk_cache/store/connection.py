@@ -63,6 +63,10 @@ class SharedStore:
         self._arena_bytes = 0
         self._arenas: dict[str, HostArena] = {}
         self._registered: set[str] = set()
+        # The chunk pool's host tensors of each worker of this process, and
+        # which of them the connection knows (reads land in them directly).
+        self._pool_wanted: list[HostBuffer] = []
+        self._pool_registered: set[HostBuffer] = set()
         self._thread: threading.Thread | None = None
         self.connect_failures = 0
 
@@ -94,6 +98,22 @@ class SharedStore:
                     self._register_locked(self._store)
             elif self._store is not None:
                 self._carve_locked(self._store)
+
+    def want_pool(self, buffers: list[HostBuffer]) -> None:
+        """A worker's chunk pool (host tensors): registered with the client in
+        this process, now or once connected, so that a read lands in the pool's
+        rows with no arena between (issue 39, finding 9). Not through the
+        node's client: its transfers reach only the shared memory it maps."""
+        if self.shared_memory:
+            return
+        with self._lock:
+            self._pool_wanted.extend(b for b in buffers if b not in self._pool_wanted)
+            if self._store is not None:
+                self._register_pool_locked(self._store)
+
+    def pool_ready(self, buffers: list[HostBuffer]) -> bool:
+        """Every one of `buffers` is registered with the connection."""
+        return bool(buffers) and all(b in self._pool_registered for b in buffers)
 
     def arena(self, kind: str) -> HostArena | None:
         """The arena of `kind` calls, None while there is none yet."""
@@ -182,3 +202,21 @@ class SharedStore:
             if kind not in self._registered:
                 store.register_buffer(HostBuffer(arena.ptr, arena.nbytes))
                 self._registered.add(kind)
+        self._register_pool_locked(store)
+
+    def _register_pool_locked(self, store: ChunkStore) -> None:
+        if not store.scatters:
+            return
+        for buffer in self._pool_wanted:
+            if buffer in self._pool_registered:
+                continue
+            try:
+                store.register_buffer(buffer)
+            except RuntimeError as e:
+                # NOTE: e.g. memory of an earlier engine's pool still registered
+                # (Mooncake refuses an overlapping range): that worker reads
+                # through the arena instead.
+                logger.warning("chunk store: %s; reads go through host memory of "
+                               "their own", e)
+                continue
+            self._pool_registered.add(buffer)

@@ -107,35 +107,76 @@ def decode_and_verify(
     """Check the value read from the store (exactly the bytes the get returned)
     against what the reader expects; ok only if every check passes."""
     view = memoryview(view).cast("B")
+    result, size = _check_header(view, view.nbytes, expected_tokens, expected_virtual_start,
+                                 expected_payload_nbytes)
+    if result is not None:
+        return result
+    return _check_payload(view, [view[size:]])
+
+
+def verify_parts(
+    header: memoryview,
+    payload_parts: Sequence[memoryview],
+    expected_tokens: Sequence[int],
+    expected_virtual_start: int,
+    expected_payload_nbytes: int,
+) -> VerifyResult:
+    """decode_and_verify for a value the get scattered: its header in `header`
+    (header_nbytes(len(expected_tokens)) bytes), its payload over
+    `payload_parts` in order (a read straight into pool rows, issue 39)."""
+    header = memoryview(header).cast("B")
+    parts = [memoryview(p).cast("B") for p in payload_parts]
+    result, _ = _check_header(header, header.nbytes + sum(p.nbytes for p in parts),
+                              expected_tokens, expected_virtual_start,
+                              expected_payload_nbytes)
+    if result is not None:
+        return result
+    return _check_payload(header, parts)
+
+
+def _check_header(view: memoryview, value_nbytes: int, expected_tokens: Sequence[int],
+                  expected_virtual_start: int,
+                  expected_payload_nbytes: int) -> tuple[VerifyResult | None, int]:
+    """(a failed VerifyResult, or None when every header field and the value's
+    length are what the reader expects; the header's size)."""
     if view.nbytes < FIXED_NBYTES:
-        return VerifyResult(False, TRUNCATED, f"{view.nbytes} bytes, less than a header")
-    magic, version, _, size, n, start, nbytes, checksum = _FIXED.unpack_from(view, 0)
+        return VerifyResult(False, TRUNCATED, f"{view.nbytes} bytes, less than a header"), 0
+    magic, version, _, size, n, start, nbytes, _ = _FIXED.unpack_from(view, 0)
     if magic != MAGIC:
-        return VerifyResult(False, BAD_MAGIC, f"magic {magic!r}")
+        return VerifyResult(False, BAD_MAGIC, f"magic {magic!r}"), size
     if version != FORMAT_VERSION:
         return VerifyResult(False, BAD_VERSION, f"format version {version}, "
-                                                f"this reader knows {FORMAT_VERSION}")
+                                                f"this reader knows {FORMAT_VERSION}"), size
     expected_n = len(expected_tokens)
     if n != expected_n or size != header_nbytes(expected_n):
         return VerifyResult(False, HEADER_MISMATCH, f"{n} tokens / header of {size} bytes, "
-                                                    f"expected {expected_n} tokens")
+                                                    f"expected {expected_n} tokens"), size
     if start != expected_virtual_start:
         return VerifyResult(False, HEADER_MISMATCH, f"virtual start {start}, "
-                                                    f"expected {expected_virtual_start}")
+                                                    f"expected {expected_virtual_start}"), size
     if nbytes != expected_payload_nbytes:
         return VerifyResult(False, HEADER_MISMATCH, f"payload of {nbytes} bytes, "
-                                                    f"expected {expected_payload_nbytes}")
+                                                    f"expected {expected_payload_nbytes}"), size
     total = size + nbytes
-    if view.nbytes < total:
-        return VerifyResult(False, TRUNCATED, f"{view.nbytes} of {total} bytes")
-    if view.nbytes > total:
-        return VerifyResult(False, HEADER_MISMATCH, f"{view.nbytes} bytes, the header "
-                                                    f"says {total}")
+    if value_nbytes < total or view.nbytes < size:
+        return VerifyResult(False, TRUNCATED, f"{value_nbytes} of {total} bytes"), size
+    if value_nbytes > total:
+        return VerifyResult(False, HEADER_MISMATCH, f"{value_nbytes} bytes, the header "
+                                                    f"says {total}"), size
     stored = np.frombuffer(view, dtype="<u4", count=n, offset=FIXED_NBYTES)
     if not np.array_equal(stored, np.asarray(expected_tokens, dtype=np.int64)):
         first = int(np.argmax(stored != np.asarray(expected_tokens, dtype=np.int64)))
-        return VerifyResult(False, TOKEN_MISMATCH, f"first differing token at {first}")
-    if payload_checksum(view[size:total]) != checksum:
+        return VerifyResult(False, TOKEN_MISMATCH, f"first differing token at {first}"), size
+    return None, size
+
+
+def _check_payload(header: memoryview, parts: Sequence[memoryview]) -> VerifyResult:
+    """The header's checksum against the payload's bytes (over its parts)."""
+    checksum = _FIXED.unpack_from(header, 0)[-1]
+    digest = xxhash.xxh3_64()
+    for part in parts:
+        digest.update(part)
+    if digest.intdigest() != checksum:
         return VerifyResult(False, CHECKSUM, "payload checksum differs")
     return VerifyResult(True, OK)
 

@@ -234,6 +234,27 @@ class MooncakeChunkStore(ChunkStore):
         return self._transfer("get", self._client.batch_get_into, keys, buffers,
                               on_release)
 
+    # Mooncake's batch_get_into_multi_buffers (measured with 0.3.13.post1: the
+    # sizes must add up to the value's exactly, else -600 or -800).
+    scatters = True
+
+    def batch_get_into_parts(self, keys: Sequence[str],
+                             parts: Sequence[Sequence[HostBuffer]],
+                             on_release: Release = no_release) -> list[int]:
+        if len(keys) != len(parts):
+            on_release()
+            raise ValueError(f"{len(keys)} keys but {len(parts)} lists of buffers")
+        if not keys:
+            on_release()
+            return []
+        ptrs = [[b.ptr for b in buffers] for buffers in parts]
+        sizes = [[b.nbytes for b in buffers] for buffers in parts]
+        result = self._call("get", lambda: self._client.batch_get_into_multi_buffers(
+            list(keys), ptrs, sizes), on_release)
+        if result.status is not CallStatus.OK:
+            return [self._failure_code(result.status)] * len(keys)
+        return self._map_codes(result.value, len(keys), get=True)
+
     def batch_put_from(self, keys: Sequence[str], buffers: Sequence[HostBuffer],
                        on_release: Release = no_release) -> list[int]:
         return self._transfer("put", self._client.batch_put_from, keys, buffers,

@@ -15,12 +15,18 @@ Per step (`on_step`, at the start of `start_load_kv`, before any load):
    scheduler in this step's worker metadata (`take_report`), combined over
    all ranks: the scheduler serves an entry only when every rank read and
    verified its own key;
-4. new fetches are read on the get thread, into the get arena.
+4. new fetches are read on the get thread: straight into the pool rows the
+   scheduler allocated where the connection can reach them (a host pool and
+   Mooncake's client in this process: only the header and the tag go to the
+   get arena), else into the get arena.
 
 NOTE (issue 39, finding 1): an arena span given to a store call is freed only
 when that call has returned (its `on_release`), never at a deadline: a read
 the step gave up on may still be written into by Mooncake, and its span reused
 by a put would be stored, checksummed, with the late read's bytes in it.
+The same holds for pool rows (finding 9): a read into pool rows given up on
+reports them lent (`StoreReport.rows_lent`), and the scheduler hands those
+blocks to no one until this rank reports them returned.
 """
 
 from __future__ import annotations
@@ -118,11 +124,24 @@ class _Span:
         return self.released.is_set() and (self.fence is None or self.fence.query())
 
 
+@dataclass(frozen=True)
+class _PoolPart:
+    """Rows [first_row, first_row + num_rows) of one pool tensor: a piece of
+    an entry's payload where it lives in the pool."""
+
+    tensor: int
+    first_row: int
+    num_rows: int
+
+
 @dataclass
 class _Read:
     fetch: EntryFetch
     span: _Span
     head: int
+    # Where the payload landed: the pool rows (a direct read; the span holds
+    # the header and the tag only), or None (the span holds all of it).
+    parts: list[_PoolPart] | None
     # One call reads every entry of a step: its outcomes, this one's index.
     future: Future
     index: int
@@ -166,6 +185,14 @@ class StoreTransfers:
         # NOTE: reads and writes have arenas of their own: a burst of writes
         # never leaves a read without room (reads come first).
         shared.want_arenas(arena_bytes)
+        # A host pool the connection can reach takes its reads directly.
+        self._pool_buffers = [
+            HostBuffer(t.data_ptr(), t.nbytes) for t in self.tensors
+            if t.device.type == "cpu" and t.is_contiguous()]
+        if len(self._pool_buffers) == len(self.tensors):
+            shared.want_pool(self._pool_buffers)
+        else:
+            self._pool_buffers = []
         self._get_thread = ThreadPoolExecutor(1, thread_name_prefix="chunk-store-get")
         self._put_thread = ThreadPoolExecutor(1, thread_name_prefix="chunk-store-put")
         self._fp_thread = ThreadPoolExecutor(1, thread_name_prefix="chunk-store-weights")
@@ -174,6 +201,11 @@ class StoreTransfers:
         self._identity: Future[RankIdentity] | None = None
         self._identity_reported = False
         self._reads: dict[str, _Read] = {}
+        # Fetches whose pool rows a given-up read's call still holds, and
+        # what this step reports lent / returned (the scheduler's side).
+        self._rows_held: dict[str, _Span] = {}
+        self._rows_lent: dict[str, int] = {}
+        self._rows_returned: dict[str, int] = {}
         # Spans whose step is done but whose call has not returned yet.
         self._lent: list[tuple[object, _Span]] = []
         self._outcomes: dict[str, FetchOutcome] = {}
@@ -244,8 +276,9 @@ class StoreTransfers:
         self._reap()
 
     def take_report(self) -> StoreReport | None:
-        report = StoreReport(outcomes={k: [v] for k, v in self._outcomes.items()})
-        self._outcomes = {}
+        report = StoreReport(outcomes={k: [v] for k, v in self._outcomes.items()},
+                             rows_lent=self._rows_lent, rows_returned=self._rows_returned)
+        self._outcomes, self._rows_lent, self._rows_returned = {}, {}, {}
         if self._bandwidth_news:
             report.read_bytes_per_s = self._read_bytes_per_s
             self._bandwidth_news = False
@@ -295,6 +328,33 @@ class StoreTransfers:
         rows = (blocks[:, None] * POOL_BLOCK_SIZE
                 + torch.arange(POOL_BLOCK_SIZE)[None, :]).reshape(-1)[:num_rows]
         return rows.to(device)
+
+    def _pool_parts(self, pool_block_ids: tuple[int, ...], num_rows: int) -> list[_PoolPart]:
+        """The payload's pieces in the pool, in the value's order: per tensor
+        (name order), one piece per run of consecutive blocks."""
+        runs: list[list[int]] = []
+        left = num_rows
+        for block in pool_block_ids:
+            n = min(POOL_BLOCK_SIZE, left)
+            if n <= 0:
+                break
+            first = block * POOL_BLOCK_SIZE
+            if runs and runs[-1][0] + runs[-1][1] == first:
+                runs[-1][1] += n
+            else:
+                runs.append([first, n])
+            left -= n
+        return [_PoolPart(i, first, n) for i in range(len(self.tensors)) for first, n in runs]
+
+    def _part_buffer(self, part: _PoolPart) -> HostBuffer:
+        t = self.tensors[part.tensor]
+        row = t[0].numel() * t.element_size()
+        return HostBuffer(t.data_ptr() + part.first_row * row, part.num_rows * row)
+
+    def _part_bytes(self, part: _PoolPart):
+        t = self.tensors[part.tensor]
+        rows = t[part.first_row:part.first_row + part.num_rows]
+        return rows.reshape(-1).view(torch.uint8).numpy()
 
     def _payload_views(self, arena, start: int, num_rows: int) -> list[torch.Tensor]:
         views, off = [], start
@@ -377,6 +437,10 @@ class StoreTransfers:
         lent, self._lent = self._lent, []
         for arena, span in lent:
             self._finish_span(arena, span)
+        for fetch_id, span in list(self._rows_held.items()):
+            if span.released.is_set():
+                del self._rows_held[fetch_id]
+                self._rows_returned[fetch_id] = 1
 
     def _finish_span(self, arena, span: _Span) -> None:
         """The step is done with `span`: free it now if its call returned,
@@ -394,6 +458,12 @@ class StoreTransfers:
         """Bytes of spans given to calls that have not returned (tests, metrics)."""
         return sum(span.nbytes for _, span in self._lent)
 
+    def reads_into_pool(self) -> bool:
+        """Reads land in the pool rows now (the connection reaches the pool)."""
+        store = self._shared.get()
+        return (store is not None and store.scatters
+                and self._shared.pool_ready(self._pool_buffers))
+
     # -------------------------------------------------------------- reads
 
     def _read_deadline(self, nbytes: int) -> float:
@@ -405,6 +475,7 @@ class StoreTransfers:
         """Every entry of a step in one batch_get_into (Mooncake transfers them
         in parallel), on the get thread."""
         identity = self.identity
+        direct = bool(fetches) and self.reads_into_pool()
         items = []
         for fetch in fetches:
             entry = fetch.entry
@@ -415,42 +486,66 @@ class StoreTransfers:
                     or self.weights_changed):
                 self._outcomes[fetch.fetch_id] = FetchOutcome.ERROR
                 continue
+            parts = self._pool_parts(fetch.pool_block_ids, num_rows) if direct else None
+            # NOTE: a direct read's span holds the header and the tag only.
+            span_bytes = head + TAG_BYTES if direct else nbytes
             arena = self.get_arena
-            start = None if arena is None else arena.allocate(nbytes, tail_align_at=head)
+            start = None if arena is None else arena.allocate(span_bytes, tail_align_at=head)
             if start is None:
                 logger.warning("chunk store: no host room for a %d-byte read; computing it",
-                               nbytes)
+                               span_bytes)
                 self._count("store_reads_no_room")
                 self._outcomes[fetch.fetch_id] = FetchOutcome.ERROR
                 continue
-            items.append((fetch, self._key(identity, entry), _Span(start, nbytes), head))
+            read = _Read(fetch, _Span(start, span_bytes), head, parts, None, 0, 0.0)
+            items.append((self._key(identity, entry), read))
         if not items:
             return
         released = threading.Event()
-        for _, _, span, _ in items:
+        for _, read in items:
             # One call for the step's entries: they are released together.
-            span.released = released
-        future = self._get_thread.submit(
-            self._read, [(key, fetch.entry, span, head) for fetch, key, span, head in items],
-            released)
+            read.span.released = released
+        future = self._get_thread.submit(self._read, items, released)
         now = time.monotonic()
-        total = sum(span.nbytes for _, _, span, _ in items)
+        total = sum(entry_nbytes(len(r.fetch.entry.token_ids),
+                                 len(r.fetch.entry.token_ids) - r.fetch.entry.virtual_start,
+                                 self.row_bytes) for _, r in items)
         deadline = now + self._read_deadline(total)
-        for index, (fetch, _, span, head) in enumerate(items):
-            self._reads[fetch.fetch_id] = _Read(fetch, span, head, future, index, deadline)
+        for index, (_, read) in enumerate(items):
+            read.future, read.index, read.deadline = future, index, deadline
+            self._reads[read.fetch.fetch_id] = read
 
-    def _read(self, items: list[tuple[str, EntryRef, _Span, int]],
+    def _hold_rows_if_lent(self, fetch_id: str, read: _Read) -> None:
+        """A failed read into pool rows whose call has not returned: its rows
+        are the store's until it does (reported lent now, returned by _reap)."""
+        if read.parts is not None and not read.span.released.is_set():
+            self._rows_held[fetch_id] = read.span
+            self._rows_lent[fetch_id] = 1
+
+    def _value_buffers(self, read: _Read) -> list[HostBuffer]:
+        """Where the store writes `read`'s value, in the value's order."""
+        base = self.get_arena.ptr + read.span.start
+        if read.parts is None:
+            return [HostBuffer(base, read.span.nbytes)]
+        return [HostBuffer(base, read.head), *map(self._part_buffer, read.parts),
+                HostBuffer(base + read.head, TAG_BYTES)]
+
+    def _read(self, items: list[tuple[str, _Read]],
               released: threading.Event) -> list[FetchOutcome]:
         t0 = time.monotonic()
         store = self._store()
         if store is None:
             released.set()
             return [FetchOutcome.ERROR] * len(items)
-        codes = store.batch_get_into(
-            [key for key, *_ in items],
-            [HostBuffer(self.get_arena.ptr + span.start, span.nbytes)
-             for _, _, span, _ in items],
-            on_release=released.set)
+        keys = [key for key, _ in items]
+        if items[0][1].parts is not None:
+            codes = store.batch_get_into_parts(
+                keys, [self._value_buffers(read) for _, read in items],
+                on_release=released.set)
+        else:
+            codes = store.batch_get_into(
+                keys, [self._value_buffers(read)[0] for _, read in items],
+                on_release=released.set)
         # NOTE: the transfer alone (one call for the step's entries), for the
         # bytes/s figure; verification follows.
         seconds = time.monotonic() - t0
@@ -462,28 +557,33 @@ class StoreTransfers:
             self._read_bytes_per_s = 0.7 * self._read_bytes_per_s + 0.3 * (got / seconds)
             self._bandwidth_news = True
         out = []
-        for code, (key, entry, span, head) in zip(codes, items):
+        for code, (key, read) in zip(codes, items):
             if code < 0:
                 out.append({StoreCode.ABSENT: FetchOutcome.ABSENT,
                             StoreCode.TIMEOUT: FetchOutcome.TIMEOUT}.get(
                                 code, FetchOutcome.ERROR))
-            elif code != span.nbytes:
+            elif code != sum(b.nbytes for b in self._value_buffers(read)):
                 out.append(FetchOutcome.VERIFY_FAILED)
             else:
-                out.append(self._verify(key, entry, span, head))
+                out.append(self._verify(key, read))
         return out
 
-    def _verify(self, key: str, entry: EntryRef, span: _Span, head: int) -> FetchOutcome:
+    def _verify(self, key: str, read: _Read) -> FetchOutcome:
+        entry, span, head = read.fetch.entry, read.span, read.head
         value = self.get_arena.view(span.start, span.nbytes).numpy()
-        payload = span.nbytes - head
-        result = entry_format.decode_and_verify(value, list(entry.token_ids),
-                                                entry.virtual_start, payload)
+        if read.parts is None:
+            rows = [value[head:span.nbytes - TAG_BYTES]]
+        else:
+            rows = [self._part_bytes(part) for part in read.parts]
+        tag = value[span.nbytes - TAG_BYTES:]
+        payload = sum(r.nbytes for r in rows) + TAG_BYTES
+        result = entry_format.verify_parts(value[:head], [*rows, tag], list(entry.token_ids),
+                                           entry.virtual_start, payload)
         if not result.ok:
             logger.warning("chunk store: entry %s failed verification (%s: %s)", key,
                            result.cause, result.detail)
             return FetchOutcome.VERIFY_FAILED
-        body = value[head:]
-        if bytes(body[payload - TAG_BYTES:]) != self.seal.tag(key, body[:payload - TAG_BYTES]):
+        if bytes(tag) != self.seal.tag_of_parts(key, rows):
             logger.warning("chunk store: entry %s carries a tag that is not its key's (a "
                            "value written under another key%s)", key,
                            ", or without the fleet's secret" if self.seal.authenticated
@@ -501,10 +601,12 @@ class StoreTransfers:
                     del self._reads[fetch_id]
                     self._outcomes[fetch_id] = FetchOutcome.TIMEOUT
                     self._count("store_reads_given_up")
+                    self._hold_rows_if_lent(fetch_id, read)
                     self._finish_span(self.get_arena, read.span)
-                    logger.warning("chunk store: read of %s did not land within %.2f s; "
-                                   "computing it", fetch_id,
-                                   self._read_deadline(read.span.nbytes))
+                    logger.warning("chunk store: read of %s did not land by its deadline; "
+                                   "computing it%s", fetch_id,
+                                   " (its pool rows stay the store's until the call "
+                                   "returns)" if fetch_id in self._rows_held else "")
                 continue
             del self._reads[fetch_id]
             try:
@@ -516,7 +618,11 @@ class StoreTransfers:
                 # A call that returned OK has released; this cannot happen, but
                 # a span still lent is never read from.
                 outcome = FetchOutcome.ERROR
-            if outcome is FetchOutcome.OK:
+            if outcome is FetchOutcome.OK and read.parts is not None:
+                # The rows landed in place and were verified there.
+                self._count("store_gets")
+                self._count("store_gets_into_pool")
+            elif outcome is FetchOutcome.OK:
                 entry = read.fetch.entry
                 num_rows = len(entry.token_ids) - entry.virtual_start
                 rows = self._rows(read.fetch.pool_block_ids, num_rows, self.tensors[0].device)
@@ -526,6 +632,8 @@ class StoreTransfers:
                 read.span.fence = copy_fence(self.tensors[0].device)
                 self._count("store_gets")
             else:
+                # NOTE: the store answers TIMEOUT while its call may still run.
+                self._hold_rows_if_lent(fetch_id, read)
                 logger.info("chunk store: %s not served from the store (%s); computing it",
                             fetch_id, outcome.value)
             self._finish_span(self.get_arena, read.span)
