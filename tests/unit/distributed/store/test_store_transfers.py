@@ -448,10 +448,6 @@ def _round_trip_8b(big_fleet) -> None:
     assert step_until(t, "big", timeout_s=120) is FetchOutcome.OK
     for name, p in pool.items():
         assert torch.equal(p[:max_tokens], want[name]), name
-    # In process the read lands in the pool's rows (finding 9); through the
-    # node's client only its shared memory can be written: the arena.
-    assert t.counters.get("store_gets_into_pool", 0) == (
-        0 if big_fleet.spec().local_client else 1)
     nbytes = t.counters["store_get_bytes"]
     src = torch.ones(int(nbytes), dtype=torch.uint8)
     dst = torch.empty_like(src)
@@ -467,6 +463,10 @@ def _round_trip_8b(big_fleet) -> None:
           f"({100 * read / memcpy:.0f}%)")
     assert t.counters["store_get_bytes"] == entry_format.header_nbytes(len(tokens)) \
         + max_tokens * (128 << 10) + 16
+    # In process the read lands in the pool's rows (finding 9); through the
+    # node's client only its shared memory can be written: the arena.
+    assert t.counters.get("store_gets_into_pool", 0) == (
+        0 if big_fleet.spec().local_client else 1)
 
 
 def test_an_authenticated_entry_reads_back_only_with_the_fleets_secret(big_fleet, tmp_path):
