@@ -614,3 +614,43 @@ def test_a_child_prefilled_in_pieces_stores_each_piece_as_block_ids():
                           preempted_req_ids=None)
     meta = adapter.build_connector_meta(out)
     assert stored(meta) == ([7 * BLOCK + 4, 7 * BLOCK + 5], [19, 20])
+
+
+def test_a_failed_fetch_whose_rows_are_lent_computes_in_new_blocks_until_returned():
+    """Issue 39, finding 9: a rank's store call may still write into a timed-out
+    read's pool rows, so the child computing the segment gets other blocks and
+    the old ones go to nobody until the rank reported them back."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store.messages import (
+        CAUSE_TIMEOUT,
+        FETCH_OK,
+        StoreReport,
+    )
+    from vllm.v1.core.chunk_store_probe import StoreAnswer, StoreLookup
+
+    adapter = ChunkCacheSchedulerAdapter(*make_config(
+        store="mooncake://127.0.0.1:1?lookup_timeout=600&local_client=none"))
+
+    class EveryKeyHits:
+        def lookup(self, segment_ids, context_ids, namespace):
+            return StoreLookup(StoreAnswer.HIT, content_hash=len(segment_ids))
+
+    adapter.manager.store_probe = EveryKeyHits()
+    r = parent("p", [3, 5, 2])
+    adapter.on_new_request(r)
+    adapter.get_num_new_matched_tokens(r, 0)
+    assert adapter.take_internal_requests() == []  # both segments are read
+    sys_fetch, doc_fetch = adapter.store.take_step(epoch=0).fetches
+    assert (sys_fetch.pool_block_ids, doc_fetch.pool_block_ids) == ((0,), (1,))
+    adapter.on_store_report(StoreReport(
+        outcomes={sys_fetch.fetch_id: [FETCH_OK], doc_fetch.fetch_id: [CAUSE_TIMEOUT]},
+        rows_lent={doc_fetch.fetch_id: 1}))
+    (child,) = adapter.take_internal_requests()
+    assert child.prompt_token_ids == [SINK, 13, 14, 15, 16, 17]
+    assert adapter._children[child.request_id].pool_block_ids == (2,)
+    assert adapter.manager.pool.held_by(doc_fetch.fetch_id) == (1,)
+    assert adapter.stats().pool_blocks_held == 1
+    adapter.on_store_report(StoreReport(rows_returned={doc_fetch.fetch_id: 1}))
+    assert adapter.stats().pool_blocks_held == 0
+    finish(adapter, child, RequestStatus.FINISHED_LENGTH_CAPPED)
+    assert adapter.get_num_new_matched_tokens(r, 0) == (8, False)
+    adapter.store.close()

@@ -11,6 +11,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store.arena import
     HostArena,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store.lookups import (
+    FetchFailure,
+    ReportResult,
     StoreClient,
     store_content_hash,
 )
@@ -46,11 +48,13 @@ def test_a_fetch_counts_only_when_every_rank_reported():
     fetch(c, "f-ok")
     fetch(c, "f-bad")
     # Rank 0 finishes both in one step, rank 1 in a later one.
-    assert c.on_report(StoreReport(outcomes={"f-ok": [FETCH_OK], "f-bad": [FETCH_OK]})) == ([], [])
-    done, failed = c.on_report(
+    assert c.on_report(StoreReport(outcomes={"f-ok": [FETCH_OK], "f-bad": [FETCH_OK]})) == (
+        ReportResult())
+    result = c.on_report(
         StoreReport(outcomes={"f-ok": [FETCH_OK]}).aggregate(
             StoreReport(outcomes={"f-bad": [CAUSE_VERIFY_FAILED]})))
-    assert done == ["f-ok"] and failed == [("f-bad", "verify_failed")]
+    assert result == ReportResult(done=("f-ok",), failed=(
+        FetchFailure("f-bad", CAUSE_VERIFY_FAILED, rows_held=False),))
     counters = c.counters.take()
     assert counters["store_hits"] == 1 and counters["store_misses_verify_failed"] == 1
     assert "store_hits" not in c.counters.take()  # increments: nothing new

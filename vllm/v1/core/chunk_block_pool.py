@@ -18,6 +18,11 @@ Rules:
   entry now and retires the pinned ones: a retired entry is freed when its
   last pin drops instead of entering the LRU, so its rows (old weights, or
   memory a sleep discarded) are never handed to a new holder.
+* `relocate` takes an entry's blocks away into the held set under a holder
+  id and gives the entry new ones (issue 39, finding 9: a store read given
+  up on may still write into its rows until the store's call returns).
+  Held blocks are in no entry, never free, never evicted and untouched by
+  `retire_all`; `release_held` puts them back on the free list.
 """
 
 from collections import OrderedDict, deque
@@ -38,6 +43,20 @@ class PoolAllocation:
 
 
 @dataclass(frozen=True)
+class PoolRelocation:
+    """Result of `ChunkBlockPool.relocate`."""
+
+    # The entry with its new blocks (pins unchanged); None if no new blocks
+    # could be found: the entry was dropped, with its pins.
+    entry: ChunkPoolEntry | None
+    # The entry's former blocks, now held under the holder either way.
+    held: tuple[PoolBlockId, ...]
+    # Entries evicted to make room, oldest first; the caller must drop them
+    # from its index.
+    evicted: tuple[ChunkHash, ...]
+
+
+@dataclass(frozen=True)
 class PoolUsage:
     """Snapshot of the pool's gauges and counters."""
 
@@ -51,6 +70,9 @@ class PoolUsage:
     num_evictable: int
     # Entries evicted since creation.
     num_evictions: int
+    # Blocks held for a holder (`relocate`), in no entry; counted in
+    # blocks_used too (they are not free).
+    blocks_held: int = 0
 
 
 class ChunkBlockPool:
@@ -72,6 +94,9 @@ class ChunkBlockPool:
         self._evictable_blocks = 0
         # Pinned entries retired by a reset: freed on their last unpin.
         self._retired: set[ChunkHash] = set()
+        # Blocks taken from entries by `relocate`, per holder, until
+        # `release_held`.
+        self._held: dict[str, tuple[PoolBlockId, ...]] = {}
         self.num_evictions = 0
 
     # ------------------------------------------------------------- queries
@@ -96,6 +121,14 @@ class ChunkBlockPool:
     def is_retired(self, chunk_hash: ChunkHash) -> bool:
         return chunk_hash in self._retired
 
+    @property
+    def num_held_blocks(self) -> int:
+        return sum(len(blocks) for blocks in self._held.values())
+
+    def held_by(self, holder: str) -> tuple[PoolBlockId, ...]:
+        """Blocks held under `holder` (empty if none)."""
+        return self._held.get(holder, ())
+
     def lru_order(self) -> list[ChunkHash]:
         """Evictable entries, next victim first."""
         return list(self._lru)
@@ -107,6 +140,7 @@ class ChunkBlockPool:
             num_entries=len(self._entries),
             num_evictable=len(self._lru),
             num_evictions=self.num_evictions,
+            blocks_held=self.num_held_blocks,
         )
 
     # ----------------------------------------------------------- mutations
@@ -184,6 +218,48 @@ class ChunkBlockPool:
             self._release(chunk_hash)
         self._retired.update(self._entries)
         return dropped
+
+    def relocate(self, chunk_hash: ChunkHash, holder: str) -> PoolRelocation:
+        """Hold a pinned entry's blocks under `holder` and give the entry new
+        ones, evicting LRU entries as `allocate` does.
+
+        If no new blocks can be found the entry is dropped (pins included;
+        also from the retired set) and its former blocks stay held all the
+        same: the caller refuses whoever waited on it.
+        """
+        entry = self._require(chunk_hash)
+        if not entry.pin_count:
+            # NOTE: an unpinned entry is in the LRU and could be chosen as the
+            # victim of its own relocation; every caller holds a writer's pin.
+            raise ValueError(f"chunk {chunk_hash.hex()} is not pinned")
+        if holder in self._held:
+            raise ValueError(f"holder {holder} already holds pool blocks")
+        held = tuple(entry.block_ids)
+        self._held[holder] = held
+        num_blocks = len(held)
+        if not self.can_allocate(num_blocks):
+            # NOTE: the lent blocks must neither stay with the entry (a new
+            # writer would write where the store still may) nor go back to the
+            # free list: the entry goes, its blocks stay held.
+            del self._entries[chunk_hash]
+            self._retired.discard(chunk_hash)
+            entry.block_ids = []
+            entry.pin_count = 0
+            return PoolRelocation(entry=None, held=held, evicted=())
+        evicted = []
+        while len(self._free_blocks) < num_blocks:
+            evicted.append(self._evict_lru())
+        entry.block_ids = [self._free_blocks.popleft() for _ in range(num_blocks)]
+        return PoolRelocation(entry=entry, held=held, evicted=tuple(evicted))
+
+    def release_held(self, holder: str) -> tuple[PoolBlockId, ...]:
+        """Put the blocks held under `holder` back on the free list (at its
+        back, in their row order). Raises KeyError for an unknown holder."""
+        blocks = self._held.pop(holder, None)
+        if blocks is None:
+            raise KeyError(f"holder {holder} holds no pool blocks")
+        self._free_blocks.extend(blocks)
+        return blocks
 
     def evict_lru(self) -> ChunkHash | None:
         """Evict the least recently used unpinned entry, if any."""

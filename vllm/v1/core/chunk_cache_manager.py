@@ -19,6 +19,8 @@ counter (docs/design/ownership.md). Life of a chunked request (the parent):
    store holds is fetched instead (`take_new_fetches`: pinned like a child,
    `fetch_finished` / `fetch_failed`, the latter becoming a child); a query
    not answered yet makes the parent wait a step (docs/design/store-path.md).
+   A failed fetch whose rows a store call still holds is computed into new
+   blocks; the old ones are held until `rows_returned`.
 3. `child_finished` / `child_failed`: a child stored its rows (the entry
    becomes RESIDENT) or ended without them; a failed child is retried once,
    then its waiters are refused (`take_refusals`).
@@ -474,16 +476,43 @@ class ChunkCacheManager:
         assert self._require_child(fetch_id).fetch is not None
         return self.child_finished(fetch_id)
 
-    def fetch_failed(self, fetch_id: str) -> ChildSpec:
+    def fetch_failed(self, fetch_id: str, *, rows_lent: bool = False) -> ChildSpec | None:
         """A worker's read failed (absent, corrupt, timeout, error): the
-        entry is computed by a normal child instead, with the same pool blocks
-        and pins; never served from the store."""
+        entry is computed by a normal child instead, with the same pins;
+        never served from the store.
+
+        `rows_lent`: some rank's store call may still write into the fetch's
+        pool rows (issue 39, finding 9). Then the child computes into new
+        blocks and the old ones stay held under `fetch_id` until
+        `rows_returned(fetch_id)`. If no new blocks can be had, the waiting
+        parents are refused and None is returned.
+        """
         fetch = self._pop_child(fetch_id)
         assert fetch.fetch is not None
-        key = _SegmentKey(fetch.spec.chunk_hash, fetch.segment_ids, fetch.context_ids)
+        h = fetch.spec.chunk_hash
+        if rows_lent:
+            moved = self.pool.relocate(h, holder=fetch_id)
+            for victim in moved.evicted:
+                self.index.remove(victim)
+            if moved.entry is None:
+                # NOTE: the entry went with its pins (the writer's and the
+                # waiters'); its blocks stay held, so nothing computed or
+                # served ever lands where the store may still write.
+                for parent_id in sorted(fetch.waiters):
+                    message = self._fetch_failed_message(parent_id, fetch, len(moved.held))
+                    self._release_pins(parent_id, skip=h)
+                    self._refuse(parent_id, AdmitReason.FETCH_FAILED, message)
+                return None
+        key = _SegmentKey(h, fetch.segment_ids, fetch.context_ids)
         child = self._new_child(key, attempt=1)
         self._children[child.request_id].waiters = fetch.waiters
         return child
+
+    def rows_returned(self, fetch_id: str) -> None:
+        """Every rank's store call of a failed fetch lent with `fetch_failed`
+        has returned: its former pool blocks are free again. Raises KeyError
+        for a fetch whose rows were not held."""
+        self.pool.release_held(fetch_id)
 
     def _probe_store(
         self, missing: list["_SegmentKey"], namespace: ChunkNamespace
@@ -547,6 +576,7 @@ class ChunkCacheManager:
             pool_blocks_total=usage.blocks_total,
             pinned_entries=usage.num_entries - usage.num_evictable,
             live_requests=len(self._parents) + len(self._children),
+            pool_blocks_held=usage.blocks_held,
         )
 
     def pinned_by(self, request_id: str) -> list[ChunkHash]:
@@ -643,11 +673,7 @@ class ChunkCacheManager:
         """What the client of a parent refused for `child` is told: which
         segment, and that nothing of it was kept (so a retry is safe)."""
         h = child.spec.chunk_hash
-        indices = [s.segment_index for s in self._parents[parent_id].segments
-                   if s.chunk_hash == h]
-        where = ", ".join(
-            "the system segment" if i == 0 else f"document {i}" for i in indices
-        ) or "a segment"
+        where = self._segments_named(parent_id, h)
         how = f", the last ended {ended}" if ended else ""
         return (
             f"chunk cache: {where} of this request ({len(child.segment_ids)} "
@@ -656,6 +682,27 @@ class ChunkCacheManager:
             "than served with another attention. Nothing of it was cached: "
             "retrying the request is safe."
         )
+
+    def _fetch_failed_message(self, parent_id: str, fetch: _Child, lent_blocks: int) -> str:
+        """What the client of a parent refused for a failed fetch whose rows
+        are still lent (`fetch_failed`) is told."""
+        h = fetch.spec.chunk_hash
+        return (
+            f"chunk cache: {self._segments_named(parent_id, h)} of this request "
+            f"({len(fetch.segment_ids)} tokens, chunk key {h.hex()[:16]}) could not be "
+            f"read from the chunk store, and the chunk pool has no room to compute it: "
+            f"its {lent_blocks} block(s) stay lent to the store's unfinished read and "
+            f"the rest is pinned by requests in flight; the request is refused rather "
+            f"than served wrong. Nothing of it was cached: retrying the request is "
+            f"safe (or enlarge the pool: {POOL_FLAGS})."
+        )
+
+    def _segments_named(self, parent_id: str, h: ChunkHash) -> str:
+        indices = [s.segment_index for s in self._parents[parent_id].segments
+                   if s.chunk_hash == h]
+        return ", ".join(
+            "the system segment" if i == 0 else f"document {i}" for i in indices
+        ) or "a segment"
 
     def _release_pins(self, request_id: str, skip: ChunkHash) -> None:
         """Drop a parent's pins except on `skip` (the failed child's entry,

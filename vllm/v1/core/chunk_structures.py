@@ -159,6 +159,10 @@ class AdmitReason(str, Enum):
     COLLISION = "collision"
     # A child computing one of its segments failed twice: refused.
     CHILD_FAILED = "child_failed"
+    # A store read of one of its segments failed while the store may still
+    # write into the read's pool rows, and the pool had no other room to
+    # compute the segment in: refused (issue 39, finding 9).
+    FETCH_FAILED = "fetch_failed"
 
     @property
     def refused(self) -> bool:
@@ -306,6 +310,10 @@ class ChunkCacheStats:
     pool_blocks_total: int = 0
     pinned_entries: int = 0
     live_requests: int = 0
+    # Pool blocks a failed store read's rows are still lent to the store's
+    # call (in no entry until every rank reported them back; counted in
+    # pool_blocks_used too).
+    pool_blocks_held: int = 0
 
     @property
     def lookups(self) -> int:

@@ -122,8 +122,104 @@ def test_free_and_errors():
     assert pool.usage().blocks_used == 0
 
 
+def test_relocate_holds_the_old_blocks_and_gives_new_ones_evicting_lru():
+    pool = ChunkBlockPool(num_blocks=6, block_size=2)
+    pool.allocate(key(1), 2)  # [0]
+    pool.unpin(key(1))
+    pool.allocate(key(2), 4)  # [1, 2], pinned by its writer
+    pool.pin(key(2))  # and by a waiting reader
+    pool.allocate(key(3), 2)  # [3]
+    pool.unpin(key(3))  # LRU: 1, 3; free: 4, 5
+    moved = pool.relocate(key(2), holder="fetch-a")
+    assert moved.held == (1, 2)
+    assert moved.entry is pool.get(key(2))
+    assert moved.entry.block_ids == [4, 5] and moved.entry.pin_count == 2
+    assert moved.evicted == ()
+    assert pool.held_by("fetch-a") == (1, 2)
+    usage = pool.usage()
+    assert (usage.blocks_used, usage.blocks_held) == (6, 2)  # held is not free
+    # Nothing free now: a second relocation evicts the LRU entries, oldest first.
+    pool.allocate(key(4), 4)  # evicts 1 and 3 -> [0, 3]
+    pool.unpin(key(4))
+    moved = pool.relocate(key(2), holder="fetch-b")
+    assert moved.evicted == (key(4),)
+    assert moved.held == (4, 5) and moved.entry.block_ids == [0, 3]
+    assert pool.num_free_blocks == 0 and pool.num_held_blocks == 4
+    # Held blocks are never evicted, never retired, never allocated.
+    assert pool.evict_lru() is None
+    assert pool.retire_all() == [key(2)]
+    assert pool.held_by("fetch-a") == (1, 2) and pool.held_by("fetch-b") == (4, 5)
+    assert not pool.can_allocate(1)
+    # Released: back on the free list in row order, handed out after the rest.
+    assert pool.release_held("fetch-b") == (4, 5)
+    assert pool.release_held("fetch-a") == (1, 2)
+    assert list(pool._free_blocks) == [4, 5, 1, 2]
+    assert pool.usage().blocks_held == 0 and pool.usage().blocks_used == 2
+    pool.unpin(key(2))
+    pool.unpin(key(2))  # retired: freed on its last pin, the new blocks only
+    assert list(pool._free_blocks) == [4, 5, 1, 2, 0, 3]
+
+
+def test_relocate_without_room_drops_the_entry_and_keeps_its_blocks_held():
+    pool = ChunkBlockPool(num_blocks=4, block_size=2)
+    pool.allocate(key(1), 4)  # [0, 1], pinned
+    pool.allocate(key(2), 2)  # [2], pinned
+    pool.allocate(key(3), 2)  # [3]
+    pool.unpin(key(3))  # evictable, but 1 block is not enough for 2
+    moved = pool.relocate(key(1), holder="fetch-a")
+    assert moved.entry is None and moved.held == (0, 1) and moved.evicted == ()
+    assert key(1) not in pool and key(3) in pool  # nothing evicted in vain
+    assert pool.held_by("fetch-a") == (0, 1)
+    usage = pool.usage()
+    assert (usage.blocks_used, usage.blocks_held, usage.num_entries) == (4, 2, 2)
+    with pytest.raises(KeyError):
+        pool.unpin(key(1))  # the pins went with the entry
+    # The key can be allocated again, never onto the held blocks.
+    assert pool.allocate(key(1), 2).evicted == (key(3),)
+    assert pool.get(key(1)).block_ids == [3]
+    assert pool.release_held("fetch-a") == (0, 1)
+    assert pool.num_free_blocks == 2
+
+
+def test_relocate_of_a_retired_entry_keeps_it_retired():
+    pool = ChunkBlockPool(num_blocks=4, block_size=2)
+    pool.allocate(key(1), 2)  # [0]
+    pool.retire_all()
+    moved = pool.relocate(key(1), holder="fetch-a")
+    assert moved.entry.block_ids == [1] and pool.is_retired(key(1))
+    pool.unpin(key(1))
+    assert key(1) not in pool
+    assert list(pool._free_blocks) == [2, 3, 1]  # block 0 is still held
+    # Dropped for lack of room: no longer retired either.
+    pool.allocate(key(2), 6)  # [2, 3, 1]
+    pool.retire_all()
+    moved = pool.relocate(key(2), holder="fetch-b")
+    assert moved.entry is None and moved.held == (2, 3, 1)
+    assert key(2) not in pool and not pool.is_retired(key(2))
+    assert pool.usage().blocks_held == 4 and pool.num_free_blocks == 0
+
+
+def test_relocate_and_release_errors():
+    pool = ChunkBlockPool(num_blocks=4, block_size=2)
+    pool.allocate(key(1), 2)
+    pool.unpin(key(1))
+    with pytest.raises(ValueError, match="not pinned"):
+        pool.relocate(key(1), holder="fetch-a")  # could evict itself
+    pool.pin(key(1))
+    pool.relocate(key(1), holder="fetch-a")
+    with pytest.raises(ValueError, match="already holds"):
+        pool.relocate(key(1), holder="fetch-a")
+    with pytest.raises(KeyError):
+        pool.relocate(key(9), holder="fetch-b")
+    pool.release_held("fetch-a")
+    with pytest.raises(KeyError, match="holds no pool blocks"):
+        pool.release_held("fetch-a")  # no double release
+    assert pool.held_by("fetch-a") == ()
+
+
 class PoolMachine(RuleBasedStateMachine):
-    """Random alloc / pin / unpin / touch / evict / free against a model.
+    """Random alloc / pin / unpin / touch / evict / free / relocate /
+    release_held against a model.
 
     The model is the obvious list-based LRU; the pool must agree with it on
     every eviction victim, and its block bookkeeping must never leak or
@@ -136,6 +232,7 @@ class PoolMachine(RuleBasedStateMachine):
         self.pins: dict[ChunkHash, int] = {}
         self.sizes: dict[ChunkHash, int] = {}
         self.lru: list[ChunkHash] = []  # unpinned, oldest first
+        self.held: dict[str, int] = {}  # holder -> blocks held
         self.next_key = 0
 
     def _evictable_blocks(self) -> int:
@@ -147,6 +244,7 @@ class PoolMachine(RuleBasedStateMachine):
         self.next_key += 1
         blocks = self.pool.blocks_needed(num_tokens)
         used = sum(self.pool.blocks_needed(n) for n in self.sizes.values())
+        used += sum(self.held.values())
         fits = blocks <= 12 - used + self._evictable_blocks()
         assert self.pool.can_allocate(blocks) == fits
         if not fits:
@@ -216,6 +314,37 @@ class PoolMachine(RuleBasedStateMachine):
         with pytest.raises(KeyError):
             self.pool.free(k)
 
+    @precondition(lambda self: any(self.pins.values()))
+    @rule(data=st.data())
+    def relocate(self, data):
+        k = data.draw(st.sampled_from(sorted(k for k, n in self.pins.items() if n)))
+        holder = f"h{self.next_key}"
+        self.next_key += 1
+        blocks = self.pool.blocks_needed(self.sizes[k])
+        used = sum(self.pool.blocks_needed(n) for n in self.sizes.values())
+        free = 12 - used - sum(self.held.values())
+        self.held[holder] = blocks
+        moved = self.pool.relocate(k, holder)
+        assert len(moved.held) == blocks
+        if blocks > free + self._evictable_blocks():
+            assert moved.entry is None and moved.evicted == ()
+            del self.pins[k], self.sizes[k]
+            return
+        expected_victims = []
+        while free < blocks:
+            victim = self.lru.pop(0)
+            expected_victims.append(victim)
+            free += self.pool.blocks_needed(self.sizes.pop(victim))
+            del self.pins[victim]
+        assert list(moved.evicted) == expected_victims
+        assert not set(moved.held) & set(moved.entry.block_ids)
+
+    @precondition(lambda self: self.held)
+    @rule(data=st.data())
+    def release_held(self, data):
+        holder = data.draw(st.sampled_from(sorted(self.held)))
+        assert len(self.pool.release_held(holder)) == self.held.pop(holder)
+
     @invariant()
     def bookkeeping(self):
         owned = []
@@ -225,13 +354,17 @@ class PoolMachine(RuleBasedStateMachine):
             assert entry.pin_count == self.pins[k]
             assert len(entry.block_ids) == self.pool.blocks_needed(self.sizes[k])
             owned += entry.block_ids
+        held = [b for h in self.held for b in self.pool.held_by(h)]
+        assert len(held) == sum(self.held.values())
         free = list(self.pool._free_blocks)
         assert len(owned) == len(set(owned))  # no block owned twice
         assert not set(owned) & set(free)  # nor both owned and free
-        assert sorted(owned + free) == list(range(12))  # no leak
+        # Every block is owned, held or free, exactly once: no leak.
+        assert sorted(owned + held + free) == list(range(12))
         assert self.pool.lru_order() == self.lru  # exact LRU order
         usage = self.pool.usage()
-        assert usage.blocks_used == len(owned)
+        assert usage.blocks_used == len(owned) + len(held)
+        assert usage.blocks_held == len(held)
         assert usage.num_entries == len(self.pins)
 
 

@@ -1,7 +1,11 @@
 # SPDX-License-Identifier: Apache-2.0
 """The manager's store policy (issue 31) with a scripted probe (no store, no
 engine): a pending query waits without pins, a hit becomes a fetch pinned like
-a child, a failed fetch becomes a child, a finished one serves its parents."""
+a child, a failed fetch becomes a child, a finished one serves its parents; a
+failed fetch whose rows a store call still holds computes into new blocks and
+holds the old ones until they are returned."""
+
+import pytest
 
 from vllm.v1.core.chunk_cache_manager import ChunkCacheManager
 from vllm.v1.core.chunk_hash_index import ChunkNamespace
@@ -140,3 +144,99 @@ def test_without_a_probe_nothing_is_asked():
     m.add_request("p", prompt(SYS, DOC_A, Q), NS)
     assert m.admit("p").reason == AdmitReason.ADMITTED
     assert len(m.take_new_children()) == 2 and m.take_new_fetches() == []
+
+
+def small_manager(probe, num_blocks: int) -> ChunkCacheManager:
+    m = ChunkCacheManager(num_blocks, 4, ChunkContextMode.SINK, sink_token_id=1)
+    m.store_probe = probe
+    return m
+
+
+def test_failed_fetch_with_lent_rows_computes_into_new_blocks_and_holds_the_old():
+    """Issue 39, finding 9: a store call may still write into a timed-out
+    read's rows, so its child never computes there; the rows are held until
+    every rank returned them."""
+    probe = ScriptedProbe()
+    m = small_manager(probe, num_blocks=5)
+    # A resident DOC_B, least recently used after SYS: SYS [0], DOC_B [1].
+    m.add_request("o", prompt(SYS, DOC_B, Q), NS)
+    m.admit("o")
+    for c in m.take_new_children():
+        m.child_finished(c.request_id)
+    m.release("o")
+    probe.answers[tuple(DOC_A)] = StoreAnswer.HIT
+    m.add_request("p", prompt(SYS, DOC_A, Q), NS)
+    assert m.admit("p").reason == AdmitReason.ADMITTED
+    fetch = m.take_new_fetches()[0]
+    assert m.store_plan(fetch.request_id).pool_block_ids == [2, 3]
+    child = m.fetch_failed(fetch.request_id, rows_lent=True)
+    assert child.token_ids == [1] + DOC_A and child.chunk_hash == fetch.chunk_hash
+    assert m.take_new_children() == [child]
+    # New blocks: the free one, then DOC_B's (evicted, gone from the index).
+    assert m.store_plan(child.request_id).pool_block_ids == [4, 1]
+    assert m.pool.held_by(fetch.request_id) == (2, 3)
+    assert m.pool.lru_order() == [] and len(m.index) == 1  # only SYS is left
+    stats = m.stats()
+    assert (stats.evictions, stats.pool_blocks_held, stats.pool_blocks_used) == (1, 2, 5)
+    assert m.pool.get(fetch.chunk_hash).pin_count == 2  # writer + parent, as before
+    assert m.child_finished(child.request_id) == ["p"]
+    assert [s.pool_block_ids for s in m.load_plan("p").segments] == [[0], [4, 1]]
+    # Still held after the child finished: the store's call has not returned.
+    assert m.pool.held_by(fetch.request_id) == (2, 3)
+    m.rows_returned(fetch.request_id)
+    assert m.stats().pool_blocks_held == 0 and list(m.pool._free_blocks) == [2, 3]
+    with pytest.raises(KeyError):
+        m.rows_returned(fetch.request_id)  # returned once
+    m.release("p")
+    assert m.stats().pinned_entries == 0
+
+
+def test_failed_fetch_with_lent_rows_and_no_room_refuses_its_waiters():
+    probe = ScriptedProbe()
+    probe.answers[tuple(DOC_A)] = StoreAnswer.HIT
+    m = small_manager(probe, num_blocks=3)
+    m.add_request("p", prompt(SYS, DOC_A, Q), NS)
+    m.add_request("q", prompt(SYS, DOC_A, Q), NS)
+    assert m.admit("p").reason == AdmitReason.ADMITTED
+    assert m.admit("q").reason == AdmitReason.ADMITTED  # joins both in flight
+    sys_child = m.take_new_children()[0]
+    fetch = m.take_new_fetches()[0]
+    assert m.store_plan(fetch.request_id).pool_block_ids == [1, 2]
+    # SYS [0] is pinned, DOC_A's [1, 2] are lent: no room for new blocks.
+    assert m.fetch_failed(fetch.request_id, rows_lent=True) is None
+    assert m.take_new_children() == []
+    refusals = m.take_refusals()
+    assert [(r.request_id, r.reason) for r in refusals] == [
+        ("p", AdmitReason.FETCH_FAILED), ("q", AdmitReason.FETCH_FAILED)]
+    assert "document 1 of this request (5 tokens" in refusals[0].message
+    assert "could not be read from the chunk store" in refusals[0].message
+    assert "retrying the request is safe" in refusals[0].message
+    assert m.stats().refused_requests == 2
+    # The entry went with its pins, its blocks stay held; SYS lost its waiters.
+    assert fetch.chunk_hash not in m.pool
+    assert m.pool.held_by(fetch.request_id) == (1, 2)
+    assert m.child_finished(sys_child.request_id) == []
+    assert m.stats().pinned_entries == 0
+    m.release("p")
+    m.release("q")
+    # Until the rows come back nothing else gets them: a new parent waits.
+    m.add_request("r", prompt(SYS, DOC_A, Q), NS)
+    assert m.admit("r").reason == AdmitReason.DEFERRED
+    m.rows_returned(fetch.request_id)
+    assert m.stats().pool_blocks_held == 0
+    assert m.admit("r").reason == AdmitReason.ADMITTED
+    again = m.take_new_fetches()[0]
+    assert m.store_plan(again.request_id).pool_block_ids == [1, 2]
+
+
+def test_failed_fetch_without_lent_rows_keeps_its_blocks():
+    probe = ScriptedProbe()
+    probe.answers[tuple(DOC_A)] = StoreAnswer.HIT
+    m = small_manager(probe, num_blocks=3)
+    m.add_request("p", prompt(SYS, DOC_A, Q), NS)
+    m.admit("p")
+    fetch = m.take_new_fetches()[0]
+    # A full pool is no obstacle: every rank's call returned, the rows are free.
+    child = m.fetch_failed(fetch.request_id, rows_lent=False)
+    assert m.store_plan(child.request_id).pool_block_ids == [1, 2]
+    assert m.stats().pool_blocks_held == 0 and m.take_refusals() == []

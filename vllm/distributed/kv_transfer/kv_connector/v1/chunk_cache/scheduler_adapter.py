@@ -485,15 +485,27 @@ class ChunkCacheSchedulerAdapter:
         """The workers' store outcomes of a step (combined over ranks)."""
         if self.store is None:
             return
-        done, failed = self.store.on_report(report)
-        for fetch_id in done:
+        result = self.store.on_report(report)
+        # NOTE: returned rows first: the blocks they free may be the room a
+        # failed fetch below needs to compute elsewhere.
+        for fetch_id in result.rows_returned:
+            self.manager.rows_returned(fetch_id)
+        for fetch_id in result.done:
             self._fetch_origins.pop(fetch_id, None)
             self.manager.fetch_finished(fetch_id)
-        for fetch_id, cause in failed:
-            origin = self._fetch_origins.pop(fetch_id)
-            spec = self.manager.fetch_failed(fetch_id)
-            logger.info("chunk store: %s missed (%s); computing it as %s",
-                        fetch_id, getattr(cause, "value", cause), spec.request_id)
+        for failure in result.failed:
+            origin = self._fetch_origins.pop(failure.fetch_id)
+            spec = self.manager.fetch_failed(failure.fetch_id, rows_lent=failure.rows_held)
+            cause = getattr(failure.cause, "value", failure.cause)
+            if spec is None:
+                logger.warning("chunk store: %s missed (%s) with its pool rows still lent "
+                               "to the store and no room to compute it: its requests are "
+                               "refused", failure.fetch_id, cause)
+                continue
+            logger.info("chunk store: %s missed (%s); computing it as %s%s",
+                        failure.fetch_id, cause, spec.request_id,
+                        " in new blocks (its rows are still lent)" if failure.rows_held
+                        else "")
             self._spawn_children(origin)
 
     # ----------------------------------------------------------- internal

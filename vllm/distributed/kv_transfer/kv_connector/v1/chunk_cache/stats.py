@@ -74,6 +74,8 @@ GAUGES: dict[str, str] = {
     "pool_blocks_total": "Chunk pool blocks in total",
     "pool_entries_pinned": "Chunk pool entries pinned by requests in flight",
     "live_requests": "Chunked requests and child requests the chunk cache tracks",
+    "pool_blocks_held":
+        "Chunk pool blocks still lent to a failed store read's unfinished call",
 }
 
 # Gauge name -> the ChunkCacheStats field it reports.
@@ -82,6 +84,7 @@ _GAUGE_SOURCES: dict[str, str] = {
     "pool_blocks_total": "pool_blocks_total",
     "pool_entries_pinned": "pinned_entries",
     "live_requests": "live_requests",
+    "pool_blocks_held": "pool_blocks_held",
 }
 
 

@@ -4,7 +4,9 @@
 `StoreClient` answers the manager's `StoreProbe.lookup` from existence
 queries run on its own thread (one `batch_exists` per step for every key
 asked in it), tracks the fetches it hands to the workers until every rank
-reported, and queues children's entries for the workers to write. Nothing
+reported (and the pool rows a failed fetch's store calls still hold, until
+every rank returned them), and queues children's entries for the workers to
+write. Nothing
 here blocks the scheduler: a query not answered yet is PENDING, a store that
 cannot be reached answers MISS (counted as `error`). See
 docs/design/store-path.md.
@@ -85,6 +87,32 @@ class _Fetch:
     outcomes: list[str] = dataclasses.field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class FetchFailure:
+    """A fetch some rank failed (`ReportResult.failed`)."""
+
+    fetch_id: str
+    # The first failure's cause (a miss cause; anything else is an error).
+    cause: FetchOutcome
+    # Some rank's store call still holds the fetch's pool rows (issue 39,
+    # finding 9): nobody may get them until `ReportResult.rows_returned`
+    # names the fetch.
+    rows_held: bool = False
+
+
+@dataclass(frozen=True)
+class ReportResult:
+    """What `StoreClient.on_report` decided from one (combined) report."""
+
+    # Fetches every rank completed.
+    done: tuple[str, ...] = ()
+    # Fetches some rank failed.
+    failed: tuple[FetchFailure, ...] = ()
+    # Failed fetches reported with rows_held earlier whose rows every rank
+    # has returned since.
+    rows_returned: tuple[str, ...] = ()
+
+
 @dataclass
 class StoreCounters:
     """The scheduler's store counters, cumulative; `take` gives the
@@ -140,6 +168,9 @@ class StoreClient:
         self._asked: dict[tuple, tuple[list[str], str | None, str]] = {}
         self._query: tuple[dict, Future] | None = None
         self._fetches: dict[str, _Fetch] = {}
+        # Fetch id -> ranks that lent its pool rows minus those that returned
+        # them, while undecided or failed with rows held (issue 39, finding 9).
+        self._lent: dict[str, int] = {}
         self._step = StoreStep(epoch=0)
         self._puts: list[tuple[int, EntryPut]] = []
         self.counters = StoreCounters()
@@ -305,15 +336,34 @@ class StoreClient:
         self._puts = []
         return step
 
-    def on_report(self, report: StoreReport) -> tuple[list[str], list[tuple[str, str]]]:
-        """Fold in the workers' report: (fetches every rank completed,
-        fetches some rank failed with the first failure's cause)."""
+    def on_report(self, report: StoreReport) -> ReportResult:
+        """Fold in the workers' report: the fetches every rank completed, the
+        fetches some rank failed (with the first failure's cause, and whether
+        a rank's call still holds the rows), and the held rows returned."""
         for identity in report.identities:
             self._identities.setdefault(identity.epoch, {})[
                 (identity.pp_rank, identity.tp_rank)] = identity
             self.read_cost.note_row_bytes(identity.row_bytes)
         if report.read_bytes_per_s:
             self.read_cost.note_read_bandwidth(report.read_bytes_per_s)
+        # NOTE: lent before returned (a rank may report both in one step), and
+        # both before the outcomes: the outcome that decides a fetch comes in
+        # the same report as its rank's rows_lent.
+        for fetch_id, ranks in report.rows_lent.items():
+            if fetch_id not in self._fetches:
+                logger.warning("chunk store: rows lent for unknown fetch %s ignored",
+                               fetch_id)
+                continue
+            self._lent[fetch_id] = self._lent.get(fetch_id, 0) + ranks
+        returned = []
+        for fetch_id, ranks in report.rows_returned.items():
+            if fetch_id not in self._lent:
+                continue  # unknown, or nothing lent: nothing held for it
+            self._lent[fetch_id] -= ranks
+            if self._lent[fetch_id] <= 0 and fetch_id not in self._fetches:
+                # Failed with rows held in an earlier report: now free.
+                del self._lent[fetch_id]
+                returned.append(fetch_id)
         done, failed = [], []
         for fetch_id, results in report.outcomes.items():
             fetch = self._fetches.get(fetch_id)
@@ -324,7 +374,16 @@ class StoreClient:
                 continue
             del self._fetches[fetch_id]
             self.counters.store_fetch_seconds += time.monotonic() - fetch.started
+            # NOTE: a rank that returned before the fetch was decided holds
+            # nothing any more; the fetch is held only while some rank does.
+            held = self._lent.get(fetch_id, 0) > 0
+            if not held:
+                self._lent.pop(fetch_id, None)
             causes = [c for c in fetch.outcomes if c != FETCH_OK]
+            if held and not causes:
+                # NOTE: rows are lent only with a TIMEOUT; should a rank lend
+                # them with OK, the rows may still change: never served.
+                causes = [CAUSE_ERROR]
             if not causes:
                 self.counters.store_hits += 1
                 done.append(fetch_id)
@@ -332,8 +391,8 @@ class StoreClient:
             cause = causes[0] if causes[0] in MISS_CAUSES else CAUSE_ERROR
             name = f"store_misses_{FetchOutcome(cause).value}"
             setattr(self.counters, name, getattr(self.counters, name) + 1)
-            failed.append((fetch_id, cause))
-        return done, failed
+            failed.append(FetchFailure(fetch_id, FetchOutcome(cause), rows_held=held))
+        return ReportResult(tuple(done), tuple(failed), tuple(returned))
 
     def close(self) -> None:
         self._thread.shutdown(wait=False, cancel_futures=True)
