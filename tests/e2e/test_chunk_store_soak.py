@@ -10,6 +10,7 @@ oracle); after the soak both replicas must be alive with nothing pinned.
 
     ./fork test -m slow tests/e2e/test_chunk_store_soak.py     # slow tier, 500 requests
     .cache/venv/bin/python -m tests.e2e.test_chunk_store_soak 500   # benchmark mode: the report
+    .cache/venv/bin/python -m tests.e2e.test_chunk_store_soak 500 in-process   # client in vLLM
 
 Reported: requests served, store hits, misses by cause, wrong answers (must
 be 0), request latency p50/p99 (2 tokens; the store's share of TTFT).
@@ -141,7 +142,8 @@ class _Faults(threading.Thread):
                 f.start_client()
 
 
-def run_soak(workdir: Path, requests: int, concurrency: int = 8, seed: int = 39) -> SoakReport:
+def run_soak(workdir: Path, requests: int, concurrency: int = 8, seed: int = 39,
+             local_client: bool = True) -> SoakReport:
     reference = Reference(MODEL)
     rng = random.Random(seed)
     corpus = [random_text(rng, rng.randint(20, 45)) for _ in range(60)]
@@ -151,8 +153,11 @@ def run_soak(workdir: Path, requests: int, concurrency: int = 8, seed: int = 39)
     report = SoakReport(requests=requests)
     # NOTE: through the node's client (the recommended set-up): a client killed
     # or crashed (SIGSEGV) is a miss in the replicas, never a dead replica.
+    # `local_client=False`: Mooncake's client in each replica, reads straight
+    # into the pool (finding 9); the faults hit the segment holder, so reads
+    # hang and are given up on with their pool rows still lent.
     with MooncakeFleet(workdir / "mooncake", segment_bytes=512 << 20, timeout_s=2.0,
-                       local_client=True) as fleet:
+                       local_client=local_client) as fleet:
         replicas = [_replica(fleet, workdir / f"replica-{i}.log") for i in range(2)]
         try:
             faults = _Faults(fleet, seed, report)
@@ -211,6 +216,26 @@ def test_fault_soak_two_replicas_no_wrong_answer(tmp_path):
     assert len(report.faults) >= 5
 
 
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_fault_soak_reads_into_the_pool_no_wrong_answer(tmp_path):
+    """The same with Mooncake's client in each replica: reads land in pool
+    rows, a hung one keeps them (held blocks), and no answer is wrong."""
+    report = run_soak(tmp_path, requests=500, local_client=False)
+    print(report.text())
+    assert report.wrong == [], report.wrong[:3]
+    assert report.refused == [], report.refused[:3]
+    assert report.served == report.requests
+    assert report.counters["replicas_alive"] == 2
+    assert report.counters["pinned_after"] == 0
+    assert report.counters["pool_blocks_held"] == 0
+    assert report.counters.get("store_hits", 0) > 0
+    assert len(report.faults) >= 5
+
+
 if __name__ == "__main__":
     n = int(sys.argv[1]) if len(sys.argv) > 1 else 500
-    print(run_soak(Path(tempfile.mkdtemp(prefix="store-soak-")), requests=n).text())
+    # `in-process` as the second argument: Mooncake's client in each replica.
+    in_process = len(sys.argv) > 2 and sys.argv[2] == "in-process"
+    print(run_soak(Path(tempfile.mkdtemp(prefix="store-soak-")), requests=n,
+                   local_client=not in_process).text())

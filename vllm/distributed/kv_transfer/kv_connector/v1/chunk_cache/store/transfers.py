@@ -169,7 +169,8 @@ class StoreTransfers:
         # in name order, then the seal's tag.
         self.names = sorted(tensors)
         self.tensors = [tensors[n] for n in self.names]
-        self.row_bytes = sum(t[0].numel() * t.element_size() for t in self.tensors)
+        self.row_bytes_of = [t[0].numel() * t.element_size() for t in self.tensors]
+        self.row_bytes = sum(self.row_bytes_of)
         self.kv_layout = ";".join(
             f"{n}:{tuple(t.shape[1:])}:{t.dtype}" for n, t in zip(self.names, self.tensors))
         self.max_entry_bytes = entry_nbytes(2 * rank.max_chunk_tokens, rank.max_chunk_tokens,
@@ -189,8 +190,15 @@ class StoreTransfers:
         self._pool_buffers = [
             HostBuffer(t.data_ptr(), t.nbytes) for t in self.tensors
             if t.device.type == "cpu" and t.is_contiguous()]
+        # NOTE: each tensor's bytes as numpy, made here: the get thread
+        # verifies rows in place through numpy slices only. With torch views
+        # made on the get thread, verification did not finish in the engine's
+        # process (test_chunk_store.py's second replica: 4 runs of 5 gave up
+        # at the read deadline after a 50 ms transfer; cause not found).
+        self._pool_bytes = []
         if len(self._pool_buffers) == len(self.tensors):
             shared.want_pool(self._pool_buffers)
+            self._pool_bytes = [t.reshape(-1).view(torch.uint8).numpy() for t in self.tensors]
         else:
             self._pool_buffers = []
         self._get_thread = ThreadPoolExecutor(1, thread_name_prefix="chunk-store-get")
@@ -347,14 +355,14 @@ class StoreTransfers:
         return [_PoolPart(i, first, n) for i in range(len(self.tensors)) for first, n in runs]
 
     def _part_buffer(self, part: _PoolPart) -> HostBuffer:
-        t = self.tensors[part.tensor]
-        row = t[0].numel() * t.element_size()
-        return HostBuffer(t.data_ptr() + part.first_row * row, part.num_rows * row)
+        row = self.row_bytes_of[part.tensor]
+        return HostBuffer(self._pool_buffers[part.tensor].ptr + part.first_row * row,
+                          part.num_rows * row)
 
     def _part_bytes(self, part: _PoolPart):
-        t = self.tensors[part.tensor]
-        rows = t[part.first_row:part.first_row + part.num_rows]
-        return rows.reshape(-1).view(torch.uint8).numpy()
+        row = self.row_bytes_of[part.tensor]
+        return self._pool_bytes[part.tensor][part.first_row * row:
+                                             (part.first_row + part.num_rows) * row]
 
     def _payload_views(self, arena, start: int, num_rows: int) -> list[torch.Tensor]:
         views, off = [], start
