@@ -20,7 +20,8 @@ counter (docs/design/ownership.md). Life of a chunked request (the parent):
    `fetch_finished` / `fetch_failed`, the latter becoming a child); a query
    not answered yet makes the parent wait a step (docs/design/store-path.md).
    A failed fetch whose rows a store call still holds is computed into new
-   blocks; the old ones are held until `rows_returned`.
+   blocks (the old ones held until `rows_returned`), or, with no room for
+   them, in its own once they are returned.
 3. `child_finished` / `child_failed`: a child stored its rows (the entry
    becomes RESIDENT) or ended without them; a failed child is retried once,
    then its waiters are refused (`take_refusals`).
@@ -186,6 +187,10 @@ class ChunkCacheManager:
         # Parents not admitted yet, in arrival order.
         self._queued: OrderedDict[str, None] = OrderedDict()
         self._children: dict[str, _Child] = {}
+        # Failed fetches (still in flight, in _children) whose rows a store
+        # call holds and that the pool had no other room for: their children
+        # start when the rows come back (`rows_returned`).
+        self._waiting_for_rows: set[str] = set()
         self._child_by_hash: dict[ChunkHash, str] = {}
         self._new_children: list[ChildSpec] = []
         self._refusals: list[ChunkRefusal] = []
@@ -484,35 +489,46 @@ class ChunkCacheManager:
         `rows_lent`: some rank's store call may still write into the fetch's
         pool rows (issue 39, finding 9). Then the child computes into new
         blocks and the old ones stay held under `fetch_id` until
-        `rows_returned(fetch_id)`. If no new blocks can be had, the waiting
-        parents are refused and None is returned.
+        `rows_returned(fetch_id)`. If the pool has no room for new blocks now,
+        the fetch waits in flight (its entry, blocks, pins and waiters kept;
+        None is returned) and `rows_returned` starts its child in its own
+        blocks once nothing can write there any more.
         """
-        fetch = self._pop_child(fetch_id)
+        fetch = self._require_child(fetch_id)
         assert fetch.fetch is not None
         h = fetch.spec.chunk_hash
         if rows_lent:
+            entry = self.pool.get(h)
+            assert entry is not None
+            if not self.pool.can_allocate(len(entry.block_ids)):
+                # NOTE: waiting costs the requests the rest of the store's
+                # call (bounded by its timeout); refusing them would fail
+                # requests a full pool could still serve exactly.
+                self._waiting_for_rows.add(fetch_id)
+                return None
             moved = self.pool.relocate(h, holder=fetch_id)
+            assert moved.entry is not None
             for victim in moved.evicted:
                 self.index.remove(victim)
-            if moved.entry is None:
-                # NOTE: the entry went with its pins (the writer's and the
-                # waiters'); its blocks stay held, so nothing computed or
-                # served ever lands where the store may still write.
-                for parent_id in sorted(fetch.waiters):
-                    message = self._fetch_failed_message(parent_id, fetch, len(moved.held))
-                    self._release_pins(parent_id, skip=h)
-                    self._refuse(parent_id, AdmitReason.FETCH_FAILED, message)
-                return None
-        key = _SegmentKey(h, fetch.segment_ids, fetch.context_ids)
+        return self._compute_failed_fetch(fetch_id)
+
+    def rows_returned(self, fetch_id: str) -> ChildSpec | None:
+        """Every rank's store call of a failed fetch lent with `fetch_failed`
+        has returned: its former pool blocks are free again, or, for a fetch
+        that waited for them, its child starts in them (returned). Raises
+        KeyError for a fetch whose rows were not held."""
+        if fetch_id in self._waiting_for_rows:
+            self._waiting_for_rows.discard(fetch_id)
+            return self._compute_failed_fetch(fetch_id)
+        self.pool.release_held(fetch_id)
+        return None
+
+    def _compute_failed_fetch(self, fetch_id: str) -> ChildSpec:
+        fetch = self._pop_child(fetch_id)
+        key = _SegmentKey(fetch.spec.chunk_hash, fetch.segment_ids, fetch.context_ids)
         child = self._new_child(key, attempt=1)
         self._children[child.request_id].waiters = fetch.waiters
         return child
-
-    def rows_returned(self, fetch_id: str) -> None:
-        """Every rank's store call of a failed fetch lent with `fetch_failed`
-        has returned: its former pool blocks are free again. Raises KeyError
-        for a fetch whose rows were not held."""
-        self.pool.release_held(fetch_id)
 
     def _probe_store(
         self, missing: list["_SegmentKey"], namespace: ChunkNamespace
@@ -681,20 +697,6 @@ class ChunkCacheManager:
             f"({MAX_CHILD_ATTEMPTS} attempts{how}); the request is refused rather "
             "than served with another attention. Nothing of it was cached: "
             "retrying the request is safe."
-        )
-
-    def _fetch_failed_message(self, parent_id: str, fetch: _Child, lent_blocks: int) -> str:
-        """What the client of a parent refused for a failed fetch whose rows
-        are still lent (`fetch_failed`) is told."""
-        h = fetch.spec.chunk_hash
-        return (
-            f"chunk cache: {self._segments_named(parent_id, h)} of this request "
-            f"({len(fetch.segment_ids)} tokens, chunk key {h.hex()[:16]}) could not be "
-            f"read from the chunk store, and the chunk pool has no room to compute it: "
-            f"its {lent_blocks} block(s) stay lent to the store's unfinished read and "
-            f"the rest is pinned by requests in flight; the request is refused rather "
-            f"than served wrong. Nothing of it was cached: retrying the request is "
-            f"safe (or enlarge the pool: {POOL_FLAGS})."
         )
 
     def _segments_named(self, parent_id: str, h: ChunkHash) -> str:

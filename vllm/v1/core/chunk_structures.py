@@ -159,10 +159,6 @@ class AdmitReason(str, Enum):
     COLLISION = "collision"
     # A child computing one of its segments failed twice: refused.
     CHILD_FAILED = "child_failed"
-    # A store read of one of its segments failed while the store may still
-    # write into the read's pool rows, and the pool had no other room to
-    # compute the segment in: refused (issue 39, finding 9).
-    FETCH_FAILED = "fetch_failed"
 
     @property
     def refused(self) -> bool:

@@ -191,7 +191,10 @@ def test_failed_fetch_with_lent_rows_computes_into_new_blocks_and_holds_the_old(
     assert m.stats().pinned_entries == 0
 
 
-def test_failed_fetch_with_lent_rows_and_no_room_refuses_its_waiters():
+def test_failed_fetch_with_lent_rows_and_no_room_waits_for_them_then_computes_there():
+    """No room for new blocks: the fetch stays in flight (entry, blocks, pins,
+    waiters kept; nothing computed) until its rows are back, then its child
+    computes in them. Nobody is refused; a later request joins it."""
     probe = ScriptedProbe()
     probe.answers[tuple(DOC_A)] = StoreAnswer.HIT
     m = small_manager(probe, num_blocks=3)
@@ -204,29 +207,24 @@ def test_failed_fetch_with_lent_rows_and_no_room_refuses_its_waiters():
     assert m.store_plan(fetch.request_id).pool_block_ids == [1, 2]
     # SYS [0] is pinned, DOC_A's [1, 2] are lent: no room for new blocks.
     assert m.fetch_failed(fetch.request_id, rows_lent=True) is None
-    assert m.take_new_children() == []
-    refusals = m.take_refusals()
-    assert [(r.request_id, r.reason) for r in refusals] == [
-        ("p", AdmitReason.FETCH_FAILED), ("q", AdmitReason.FETCH_FAILED)]
-    assert "document 1 of this request (5 tokens" in refusals[0].message
-    assert "could not be read from the chunk store" in refusals[0].message
-    assert "retrying the request is safe" in refusals[0].message
-    assert m.stats().refused_requests == 2
-    # The entry went with its pins, its blocks stay held; SYS lost its waiters.
-    assert fetch.chunk_hash not in m.pool
-    assert m.pool.held_by(fetch.request_id) == (1, 2)
-    assert m.child_finished(sys_child.request_id) == []
-    assert m.stats().pinned_entries == 0
-    m.release("p")
-    m.release("q")
-    # Until the rows come back nothing else gets them: a new parent waits.
+    assert m.take_new_children() == [] and m.take_refusals() == []
+    assert m.pool.held_by(fetch.request_id) == ()
+    assert m.pool.get(fetch.chunk_hash).block_ids == [1, 2]
+    assert m.pool.get(fetch.chunk_hash).pin_count == 3  # writer, p, q
+    assert m.child_finished(sys_child.request_id) == []  # p, q still wait
+    # A third request joins the fetch still in flight (nothing new started).
     m.add_request("r", prompt(SYS, DOC_A, Q), NS)
-    assert m.admit("r").reason == AdmitReason.DEFERRED
-    m.rows_returned(fetch.request_id)
-    assert m.stats().pool_blocks_held == 0
     assert m.admit("r").reason == AdmitReason.ADMITTED
-    again = m.take_new_fetches()[0]
-    assert m.store_plan(again.request_id).pool_block_ids == [1, 2]
+    assert m.take_new_fetches() == [] and m.take_new_children() == []
+    child = m.rows_returned(fetch.request_id)
+    assert child is not None and child.token_ids == [1] + DOC_A
+    assert m.take_new_children() == [child]
+    assert m.store_plan(child.request_id).pool_block_ids == [1, 2]
+    assert sorted(m.child_finished(child.request_id)) == ["p", "q", "r"]
+    assert m.stats().pool_blocks_held == 0 and m.stats().refused_requests == 0
+    for rid in "pqr":
+        m.release(rid)
+    assert m.stats().pinned_entries == 0
 
 
 def test_failed_fetch_without_lent_rows_keeps_its_blocks():

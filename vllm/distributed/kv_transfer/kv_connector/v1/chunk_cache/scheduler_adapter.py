@@ -489,24 +489,28 @@ class ChunkCacheSchedulerAdapter:
         # NOTE: returned rows first: the blocks they free may be the room a
         # failed fetch below needs to compute elsewhere.
         for fetch_id in result.rows_returned:
-            self.manager.rows_returned(fetch_id)
+            spec = self.manager.rows_returned(fetch_id)
+            if spec is not None:
+                logger.info("chunk store: %s's rows are back; computing it as %s",
+                            fetch_id, spec.request_id)
+                self._spawn_children(self._fetch_origins.pop(fetch_id))
         for fetch_id in result.done:
             self._fetch_origins.pop(fetch_id, None)
             self.manager.fetch_finished(fetch_id)
         for failure in result.failed:
-            origin = self._fetch_origins.pop(failure.fetch_id)
             spec = self.manager.fetch_failed(failure.fetch_id, rows_lent=failure.rows_held)
             cause = getattr(failure.cause, "value", failure.cause)
             if spec is None:
-                logger.warning("chunk store: %s missed (%s) with its pool rows still lent "
-                               "to the store and no room to compute it: its requests are "
-                               "refused", failure.fetch_id, cause)
+                # NOTE: its origin stays: rows_returned spawns the child.
+                logger.info("chunk store: %s missed (%s); its pool rows are still lent to "
+                            "the store's call and the pool has no other room: computed "
+                            "once they are back", failure.fetch_id, cause)
                 continue
             logger.info("chunk store: %s missed (%s); computing it as %s%s",
                         failure.fetch_id, cause, spec.request_id,
                         " in new blocks (its rows are still lent)" if failure.rows_held
                         else "")
-            self._spawn_children(origin)
+            self._spawn_children(self._fetch_origins.pop(failure.fetch_id))
 
     # ----------------------------------------------------------- internal
 

@@ -249,11 +249,8 @@ class MooncakeChunkStore(ChunkStore):
             return []
         ptrs = [[b.ptr for b in buffers] for buffers in parts]
         sizes = [[b.nbytes for b in buffers] for buffers in parts]
-        result = self._call("get", lambda: self._client.batch_get_into_multi_buffers(
-            list(keys), ptrs, sizes), on_release)
-        if result.status is not CallStatus.OK:
-            return [self._failure_code(result.status)] * len(keys)
-        return self._map_codes(result.value, len(keys), get=True)
+        return self._codes("get", lambda: self._client.batch_get_into_multi_buffers(
+            list(keys), ptrs, sizes), len(keys), on_release)
 
     def batch_put_from(self, keys: Sequence[str], buffers: Sequence[HostBuffer],
                        on_release: Release = no_release) -> list[int]:
@@ -337,11 +334,17 @@ class MooncakeChunkStore(ChunkStore):
         if not keys:
             on_release()
             return []
-        result = self._call(kind, lambda: method(
-            list(keys), [b.ptr for b in buffers], [b.nbytes for b in buffers]), on_release)
+        return self._codes(kind, lambda: method(
+            list(keys), [b.ptr for b in buffers], [b.nbytes for b in buffers]), len(keys),
+            on_release)
+
+    def _codes(self, kind: str, fn: Callable[[], Any], n: int,
+               on_release: Release) -> list[int]:
+        """One transfer call on `kind`'s lane: per key bytes read / 0, or a StoreCode."""
+        result = self._call(kind, fn, on_release)
         if result.status is not CallStatus.OK:
-            return [self._failure_code(result.status)] * len(keys)
-        return self._map_codes(result.value, len(keys), get=kind == "get")
+            return [self._failure_code(result.status)] * n
+        return self._map_codes(result.value, n, get=kind == "get")
 
     def _failure_code(self, status: CallStatus) -> int:
         if status in (CallStatus.TIMEOUT, CallStatus.BUSY):
