@@ -616,10 +616,10 @@ def test_a_child_prefilled_in_pieces_stores_each_piece_as_block_ids():
     assert stored(meta) == ([7 * BLOCK + 4, 7 * BLOCK + 5], [19, 20])
 
 
-def test_a_failed_fetch_whose_rows_are_lent_computes_in_new_blocks_until_returned():
-    """Issue 39, finding 9: a rank's store call may still write into a timed-out
-    read's pool rows, so the child computing the segment gets other blocks and
-    the old ones go to nobody until the rank reported them back."""
+def _doc_read_times_out_with_rows_lent(num_kv_blocks=64):
+    """An adapter whose parent [3, 5, 2] is read from the store (every key
+    hits): the system segment's read is OK, the document's times out with its
+    pool rows lent. Returns (adapter, parent, the document's fetch)."""
     from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store.messages import (
         CAUSE_TIMEOUT,
         FETCH_OK,
@@ -628,6 +628,7 @@ def test_a_failed_fetch_whose_rows_are_lent_computes_in_new_blocks_until_returne
     from vllm.v1.core.chunk_store_probe import StoreAnswer, StoreLookup
 
     adapter = ChunkCacheSchedulerAdapter(*make_config(
+        num_kv_blocks=num_kv_blocks,
         store="mooncake://127.0.0.1:1?lookup_timeout=600&local_client=none"))
 
     class EveryKeyHits:
@@ -644,6 +645,18 @@ def test_a_failed_fetch_whose_rows_are_lent_computes_in_new_blocks_until_returne
     adapter.on_store_report(StoreReport(
         outcomes={sys_fetch.fetch_id: [FETCH_OK], doc_fetch.fetch_id: [CAUSE_TIMEOUT]},
         rows_lent={doc_fetch.fetch_id: 1}))
+    return adapter, r, doc_fetch
+
+
+def test_a_failed_fetch_whose_rows_are_lent_computes_in_new_blocks_until_returned():
+    """Issue 39, finding 9: a rank's store call may still write into a timed-out
+    read's pool rows, so the child computing the segment gets other blocks and
+    the old ones go to nobody until the rank reported them back."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store.messages import (
+        StoreReport,
+    )
+
+    adapter, r, doc_fetch = _doc_read_times_out_with_rows_lent()
     (child,) = adapter.take_internal_requests()
     assert child.prompt_token_ids == [SINK, 13, 14, 15, 16, 17]
     assert adapter._children[child.request_id].pool_block_ids == (2,)
@@ -660,29 +673,11 @@ def test_a_failed_fetch_whose_rows_are_lent_waits_for_them_in_a_full_pool():
     """No room for other blocks: the child starts, in the fetch's own blocks,
     only in the step whose report says the rows are back."""
     from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store.messages import (
-        CAUSE_TIMEOUT,
-        FETCH_OK,
         StoreReport,
     )
-    from vllm.v1.core.chunk_store_probe import StoreAnswer, StoreLookup
 
-    adapter = ChunkCacheSchedulerAdapter(*make_config(
-        num_kv_blocks=2, store="mooncake://127.0.0.1:1?lookup_timeout=600&local_client=none"))
+    adapter, r, doc_fetch = _doc_read_times_out_with_rows_lent(num_kv_blocks=2)
     assert adapter.manager.pool.num_blocks == 2
-
-    class EveryKeyHits:
-        def lookup(self, segment_ids, context_ids, namespace):
-            return StoreLookup(StoreAnswer.HIT, content_hash=len(segment_ids))
-
-    adapter.manager.store_probe = EveryKeyHits()
-    r = parent("p", [3, 5, 2])
-    adapter.on_new_request(r)
-    adapter.get_num_new_matched_tokens(r, 0)
-    sys_fetch, doc_fetch = adapter.store.take_step(epoch=0).fetches
-    assert (sys_fetch.pool_block_ids, doc_fetch.pool_block_ids) == ((0,), (1,))
-    adapter.on_store_report(StoreReport(
-        outcomes={sys_fetch.fetch_id: [FETCH_OK], doc_fetch.fetch_id: [CAUSE_TIMEOUT]},
-        rows_lent={doc_fetch.fetch_id: 1}))
     assert adapter.take_internal_requests() == []
     assert not adapter.take_failed_requests()  # nobody refused
     assert adapter.get_num_new_matched_tokens(r, 0) == (None, False)  # still waiting

@@ -241,16 +241,10 @@ class MooncakeChunkStore(ChunkStore):
     def batch_get_into_parts(self, keys: Sequence[str],
                              parts: Sequence[Sequence[HostBuffer]],
                              on_release: Release = no_release) -> list[int]:
-        if len(keys) != len(parts):
-            on_release()
-            raise ValueError(f"{len(keys)} keys but {len(parts)} lists of buffers")
-        if not keys:
-            on_release()
-            return []
         ptrs = [[b.ptr for b in buffers] for buffers in parts]
         sizes = [[b.nbytes for b in buffers] for buffers in parts]
         return self._codes("get", lambda: self._client.batch_get_into_multi_buffers(
-            list(keys), ptrs, sizes), len(keys), on_release)
+            list(keys), ptrs, sizes), keys, len(parts), on_release)
 
     def batch_put_from(self, keys: Sequence[str], buffers: Sequence[HostBuffer],
                        on_release: Release = no_release) -> list[int]:
@@ -328,19 +322,21 @@ class MooncakeChunkStore(ChunkStore):
 
     def _transfer(self, kind: str, method, keys: Sequence[str],
                   buffers: Sequence[HostBuffer], on_release: Release) -> list[int]:
-        if len(keys) != len(buffers):
+        return self._codes(kind, lambda: method(
+            list(keys), [b.ptr for b in buffers], [b.nbytes for b in buffers]), keys,
+            len(buffers), on_release)
+
+    def _codes(self, kind: str, fn: Callable[[], Any], keys: Sequence[str],
+               num_destinations: int, on_release: Release) -> list[int]:
+        """One transfer call on `kind`'s lane: per key bytes read / 0, or a
+        StoreCode. `num_destinations`: the buffers (or lists of them) given."""
+        if len(keys) != num_destinations:
             on_release()
-            raise ValueError(f"{len(keys)} keys but {len(buffers)} buffers")
+            raise ValueError(f"{len(keys)} keys but {num_destinations} destinations")
         if not keys:
             on_release()
             return []
-        return self._codes(kind, lambda: method(
-            list(keys), [b.ptr for b in buffers], [b.nbytes for b in buffers]), len(keys),
-            on_release)
-
-    def _codes(self, kind: str, fn: Callable[[], Any], n: int,
-               on_release: Release) -> list[int]:
-        """One transfer call on `kind`'s lane: per key bytes read / 0, or a StoreCode."""
+        n = len(keys)
         result = self._call(kind, fn, on_release)
         if result.status is not CallStatus.OK:
             return [self._failure_code(result.status)] * n
