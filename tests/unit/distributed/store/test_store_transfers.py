@@ -500,3 +500,53 @@ def test_an_authenticated_entry_reads_back_only_with_the_fleets_secret(big_fleet
         # scheduler computes the entry into them before anyone reads it).
     assert outcomes == {"secret": FetchOutcome.OK, "other": FetchOutcome.VERIFY_FAILED,
                         "none": FetchOutcome.VERIFY_FAILED}
+
+
+class RegistryStore(LateScatterStore):
+    """Registers ranges as Mooncake does: one overlapping a registered range
+    is refused (-600)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ranges: set[HostBuffer] = set()
+        self.busy = False
+
+    def register_buffer(self, b):
+        if any(r.ptr < b.ptr + b.nbytes and b.ptr < r.ptr + r.nbytes for r in self.ranges):
+            raise RuntimeError("registering failed (ok, -600)")
+        self.ranges.add(b)
+
+    def unregister_buffer(self, b):
+        self.ranges.remove(b)
+
+    def idle(self):
+        return not self.busy
+
+
+@pytest.mark.parametrize("earlier_call_running", [False, True])
+def test_a_later_engines_pool_in_an_earlier_ones_memory_is_registered_again(
+        earlier_call_running):
+    """A second engine of the process whose pool lies where the first one's
+    was (freed with it): the stale registration goes, the new pool reads in
+    place; unless a call of the store may still write there (then its reads
+    go through the arena)."""
+    store = RegistryStore()
+    shared = SharedStore("mooncake://127.0.0.1:1?local_client=none")
+    shared.use(store)
+    memory = torch.zeros(2 * 4 * 8 * POOL_BLOCK_SIZE * 16 + 64)
+
+    def pool(offset):
+        n = 8 * POOL_BLOCK_SIZE * 16
+        return {f"layers.0.{kv}": memory[offset + i * n:offset + (i + 1) * n].view(-1, 2, 8)
+                for i, kv in enumerate("kv")}
+
+    first = StoreTransfers(rank(), shared, nn.Linear(1, 1), pool(0), "f32",
+                           fingerprint=lambda m: "w")
+    arenas = set(store.ranges) - set(first._pool_buffers)  # the get and put arenas
+    assert first.reads_into_pool() and store.ranges == arenas | set(first._pool_buffers)
+    store.busy = earlier_call_running
+    second = StoreTransfers(rank(), shared, nn.Linear(1, 1), pool(16), "f32",
+                            fingerprint=lambda m: "w")
+    assert second.reads_into_pool() is (not earlier_call_running)
+    assert store.ranges == arenas | set(first._pool_buffers if earlier_call_running
+                                        else second._pool_buffers)

@@ -71,6 +71,16 @@ class ChunkStore(ABC):
     def register_buffer(self, buffer: HostBuffer) -> None:
         """Make `buffer` usable by the get/put calls below (once, at start-up)."""
 
+    def unregister_buffer(self, buffer: HostBuffer) -> None:
+        """Forget a buffer given to `register_buffer` (its memory is being
+        reused). Only where `scatters` (the pool's registrations)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot unregister a buffer")
+
+    def idle(self) -> bool:
+        """No call is running, not even one given up on (then no store call
+        can still write anywhere)."""
+        return True
+
     @abstractmethod
     def batch_exists(self, keys: Sequence[str]) -> list[Presence]:
         """One answer per key, in order."""

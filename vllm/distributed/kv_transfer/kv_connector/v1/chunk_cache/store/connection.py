@@ -207,10 +207,26 @@ class SharedStore:
     def _register_pool_locked(self, store: ChunkStore) -> None:
         if not store.scatters:
             return
-        for buffer in self._pool_wanted:
+        for buffer in list(self._pool_wanted):
             if buffer in self._pool_registered:
                 continue
+            stale = [b for b in self._pool_registered
+                     if b.ptr < buffer.ptr + buffer.nbytes and buffer.ptr < b.ptr + b.nbytes]
+            if stale and not store.idle():
+                # NOTE: a call still running may write into the old range (an
+                # earlier engine's read given up on): not this pool's reads.
+                logger.warning("chunk store: this worker's pool reuses memory an "
+                               "earlier engine's pool lent to a store call that has not "
+                               "returned; its reads go through host memory of their own")
+                continue
             try:
+                # NOTE: two live pools never overlap: memory registered for an
+                # earlier engine's pool and now this one's was freed with it
+                # (Mooncake refuses a range overlapping a registered one).
+                for old in stale:
+                    store.unregister_buffer(old)
+                    self._pool_registered.discard(old)
+                    self._pool_wanted.remove(old)
                 store.register_buffer(buffer)
             except RuntimeError as e:
                 # NOTE: e.g. memory of an earlier engine's pool still registered

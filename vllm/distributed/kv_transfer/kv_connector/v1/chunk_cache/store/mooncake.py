@@ -212,6 +212,13 @@ class MooncakeChunkStore(ChunkStore):
                 f"Mooncake client failed ({result.status.value}, {result.value})"
             )
 
+    def unregister_buffer(self, buffer: HostBuffer) -> None:
+        result = self._call("query", lambda: self._client.unregister_buffer(buffer.ptr))
+        if result.status is not CallStatus.OK or result.value != 0:
+            raise RuntimeError(
+                f"chunk store: unregistering a {buffer.nbytes}-byte host buffer from the "
+                f"Mooncake client failed ({result.status.value}, {result.value})")
+
     def batch_exists(self, keys: Sequence[str]) -> list[Presence]:
         if not keys:
             return []
