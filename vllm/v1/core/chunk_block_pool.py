@@ -46,10 +46,9 @@ class PoolAllocation:
 class PoolRelocation:
     """Result of `ChunkBlockPool.relocate`."""
 
-    # The entry with its new blocks (pins unchanged); None if no new blocks
-    # could be found: the entry was dropped, with its pins.
-    entry: ChunkPoolEntry | None
-    # The entry's former blocks, now held under the holder either way.
+    # The entry with its new blocks (pins unchanged).
+    entry: ChunkPoolEntry
+    # The entry's former blocks, now held under the holder.
     held: tuple[PoolBlockId, ...]
     # Entries evicted to make room, oldest first; the caller must drop them
     # from its index.
@@ -223,9 +222,8 @@ class ChunkBlockPool:
         """Hold a pinned entry's blocks under `holder` and give the entry new
         ones, evicting LRU entries as `allocate` does.
 
-        If no new blocks can be found the entry is dropped (pins included;
-        also from the retired set) and its former blocks stay held all the
-        same: the caller refuses whoever waited on it.
+        Raises ValueError, changing nothing, if the new blocks do not fit
+        even after evicting every unpinned entry (check `can_allocate` first).
         """
         entry = self._require(chunk_hash)
         if not entry.pin_count:
@@ -235,17 +233,14 @@ class ChunkBlockPool:
         if holder in self._held:
             raise ValueError(f"holder {holder} already holds pool blocks")
         held = tuple(entry.block_ids)
-        self._held[holder] = held
         num_blocks = len(held)
         if not self.can_allocate(num_blocks):
-            # NOTE: the lent blocks must neither stay with the entry (a new
-            # writer would write where the store still may) nor go back to the
-            # free list: the entry goes, its blocks stay held.
-            del self._entries[chunk_hash]
-            self._retired.discard(chunk_hash)
-            entry.block_ids = []
-            entry.pin_count = 0
-            return PoolRelocation(entry=None, held=held, evicted=())
+            raise ValueError(
+                f"chunk pool cannot relocate {num_blocks} blocks: "
+                f"{len(self._free_blocks)} free, "
+                f"{self._evictable_blocks} evictable of {self.num_blocks}"
+            )
+        self._held[holder] = held
         evicted = []
         while len(self._free_blocks) < num_blocks:
             evicted.append(self._evict_lru())

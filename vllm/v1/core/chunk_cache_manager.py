@@ -507,7 +507,6 @@ class ChunkCacheManager:
                 self._waiting_for_rows.add(fetch_id)
                 return None
             moved = self.pool.relocate(h, holder=fetch_id)
-            assert moved.entry is not None
             for victim in moved.evicted:
                 self.index.remove(victim)
         return self._compute_failed_fetch(fetch_id)
@@ -689,7 +688,11 @@ class ChunkCacheManager:
         """What the client of a parent refused for `child` is told: which
         segment, and that nothing of it was kept (so a retry is safe)."""
         h = child.spec.chunk_hash
-        where = self._segments_named(parent_id, h)
+        indices = [s.segment_index for s in self._parents[parent_id].segments
+                   if s.chunk_hash == h]
+        where = ", ".join(
+            "the system segment" if i == 0 else f"document {i}" for i in indices
+        ) or "a segment"
         how = f", the last ended {ended}" if ended else ""
         return (
             f"chunk cache: {where} of this request ({len(child.segment_ids)} "
@@ -698,13 +701,6 @@ class ChunkCacheManager:
             "than served with another attention. Nothing of it was cached: "
             "retrying the request is safe."
         )
-
-    def _segments_named(self, parent_id: str, h: ChunkHash) -> str:
-        indices = [s.segment_index for s in self._parents[parent_id].segments
-                   if s.chunk_hash == h]
-        return ", ".join(
-            "the system segment" if i == 0 else f"document {i}" for i in indices
-        ) or "a segment"
 
     def _release_pins(self, request_id: str, skip: ChunkHash) -> None:
         """Drop a parent's pins except on `skip` (the failed child's entry,

@@ -160,25 +160,19 @@ def test_relocate_holds_the_old_blocks_and_gives_new_ones_evicting_lru():
     assert list(pool._free_blocks) == [4, 5, 1, 2, 0, 3]
 
 
-def test_relocate_without_room_drops_the_entry_and_keeps_its_blocks_held():
+def test_relocate_without_room_raises_and_changes_nothing():
     pool = ChunkBlockPool(num_blocks=4, block_size=2)
     pool.allocate(key(1), 4)  # [0, 1], pinned
     pool.allocate(key(2), 2)  # [2], pinned
     pool.allocate(key(3), 2)  # [3]
     pool.unpin(key(3))  # evictable, but 1 block is not enough for 2
-    moved = pool.relocate(key(1), holder="fetch-a")
-    assert moved.entry is None and moved.held == (0, 1) and moved.evicted == ()
-    assert key(1) not in pool and key(3) in pool  # nothing evicted in vain
-    assert pool.held_by("fetch-a") == (0, 1)
+    assert not pool.can_allocate(2)
+    with pytest.raises(ValueError, match="cannot relocate 2 blocks"):
+        pool.relocate(key(1), holder="fetch-a")
+    assert pool.get(key(1)).block_ids == [0, 1] and pool.get(key(1)).pin_count == 1
+    assert key(3) in pool and pool.held_by("fetch-a") == ()  # nothing evicted in vain
     usage = pool.usage()
-    assert (usage.blocks_used, usage.blocks_held, usage.num_entries) == (4, 2, 2)
-    with pytest.raises(KeyError):
-        pool.unpin(key(1))  # the pins went with the entry
-    # The key can be allocated again, never onto the held blocks.
-    assert pool.allocate(key(1), 2).evicted == (key(3),)
-    assert pool.get(key(1)).block_ids == [3]
-    assert pool.release_held("fetch-a") == (0, 1)
-    assert pool.num_free_blocks == 2
+    assert (usage.blocks_used, usage.blocks_held, usage.num_entries) == (4, 0, 3)
 
 
 def test_relocate_of_a_retired_entry_keeps_it_retired():
@@ -190,13 +184,13 @@ def test_relocate_of_a_retired_entry_keeps_it_retired():
     pool.unpin(key(1))
     assert key(1) not in pool
     assert list(pool._free_blocks) == [2, 3, 1]  # block 0 is still held
-    # Dropped for lack of room: no longer retired either.
+    # Without room: refused, still retired and pinned.
     pool.allocate(key(2), 6)  # [2, 3, 1]
     pool.retire_all()
-    moved = pool.relocate(key(2), holder="fetch-b")
-    assert moved.entry is None and moved.held == (2, 3, 1)
-    assert key(2) not in pool and not pool.is_retired(key(2))
-    assert pool.usage().blocks_held == 4 and pool.num_free_blocks == 0
+    with pytest.raises(ValueError):
+        pool.relocate(key(2), holder="fetch-b")
+    assert pool.is_retired(key(2)) and pool.get(key(2)).block_ids == [2, 3, 1]
+    assert pool.usage().blocks_held == 1 and pool.num_free_blocks == 0
 
 
 def test_relocate_and_release_errors():
@@ -323,13 +317,13 @@ class PoolMachine(RuleBasedStateMachine):
         blocks = self.pool.blocks_needed(self.sizes[k])
         used = sum(self.pool.blocks_needed(n) for n in self.sizes.values())
         free = 12 - used - sum(self.held.values())
+        if blocks > free + self._evictable_blocks():
+            with pytest.raises(ValueError):
+                self.pool.relocate(k, holder)
+            return
         self.held[holder] = blocks
         moved = self.pool.relocate(k, holder)
         assert len(moved.held) == blocks
-        if blocks > free + self._evictable_blocks():
-            assert moved.entry is None and moved.evicted == ()
-            del self.pins[k], self.sizes[k]
-            return
         expected_victims = []
         while free < blocks:
             victim = self.lru.pop(0)

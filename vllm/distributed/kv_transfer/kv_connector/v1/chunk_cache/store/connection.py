@@ -229,8 +229,7 @@ class SharedStore:
                     self._pool_wanted.remove(old)
                 store.register_buffer(buffer)
             except RuntimeError as e:
-                # NOTE: e.g. memory of an earlier engine's pool still registered
-                # (Mooncake refuses an overlapping range): that worker reads
+                # NOTE: Mooncake refused (or did not answer): that worker reads
                 # through the arena instead.
                 logger.warning("chunk store: %s; reads go through host memory of "
                                "their own", e)
