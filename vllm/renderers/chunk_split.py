@@ -58,8 +58,14 @@ class ChunkPromptError(VLLMValidationError):
 
 
 def make_splitter(vllm_config: VllmConfig) -> ChunkPromptSplitter | None:
-    """The renderer's splitter; None when the chunk cache is off."""
-    if not vllm_config.chunk_cache_config.enable_chunk_cache:
+    """The renderer's splitter; None when the chunk cache is off.
+
+    NOTE: a config built without the chunk cache's field (a renderer made
+    from a stand-in config, as vLLM's own renderer tests do) is "off" too:
+    the renderer reads no chunk-cache state it was not given.
+    """
+    cfg = getattr(vllm_config, "chunk_cache_config", None)
+    if cfg is None or not cfg.enable_chunk_cache:
         return None
     return ChunkPromptSplitter(vllm_config)
 

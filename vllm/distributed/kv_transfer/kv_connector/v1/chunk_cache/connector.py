@@ -34,6 +34,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.stats import (
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.support import (
     CAPTURE_IN_ATTENTION,
+    CONNECTOR_NAME,
 )
 
 if TYPE_CHECKING:
@@ -56,6 +57,15 @@ class ChunkCacheConnector(KVConnectorBase_V1):
         role: KVConnectorRole,
         kv_cache_config: KVCacheConfig | None = None,
     ):
+        if not vllm_config.chunk_cache_config.enable_chunk_cache:
+            # NOTE: vLLM calls the hooks this connector lives on (prefill
+            # gaps, internal and failed requests) only with the flag on; named
+            # in a --kv-transfer-config (alone or inside a MultiConnector) it
+            # would run without them and serve wrong KV.
+            raise ValueError(
+                f"{CONNECTOR_NAME} is turned on with --enable-chunk-cache, not "
+                "through --kv-transfer-config (alone or inside MultiConnector)"
+            )
         super().__init__(vllm_config, role, kv_cache_config)
         self._scheduler: ChunkCacheSchedulerAdapter | None = None
         self._worker = None
