@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import (bases, check, env, fetch, local_store, loopback, models, sysdeps, tree,
-               upstream_page, upstream_tests, wheel)
+               upstream_ascend, upstream_page, upstream_tests, wheel)
 from .paths import Paths
 from .progress import ToolError, say
 from .releases import DEFAULT, RELEASES
@@ -104,6 +104,7 @@ def cmd_check(paths: Paths, args) -> int:
     report = check.CheckReport()
     # The reviewer's page reads every release's series, whichever release is checked.
     upstream_page.check_page(paths, report)
+    upstream_tests.check_page(paths.repo, report)
     for name in (args.only or RELEASES):
         rel_paths = paths.for_base(RELEASES[name])
         for tree_name, kinds in rel_paths.base.trees.items():
@@ -158,7 +159,14 @@ def cmd_test(paths: Paths, args) -> int:
 
 
 def cmd_upstream_tests(paths: Paths, args) -> int:
+    if args.write_page:
+        upstream_tests.write_page(paths.repo)
+        return 0
     s = setup(paths, sdists=True)
+    if args.ascend:
+        if paths.base.name != "0.23":
+            raise ToolError("--ascend: vllm-ascend's release pins vLLM 0.23 (--base 0.23)")
+        return upstream_ascend.main(paths, Path(s.python), args.paths, args.refresh_stock)
     return upstream_tests.main(paths, Path(s.python), args.paths,
                                args.tier, args.refresh_stock)
 
@@ -257,6 +265,11 @@ def parser() -> argparse.ArgumentParser:
                     help="which list: the CI subset or every listed file (default: full)")
     sp.add_argument("--refresh-stock", action="store_true",
                     help="run the stock side again instead of reading its kept results")
+    sp.add_argument("--ascend", action="store_true",
+                    help="vllm-ascend's own unit tests (tests/ut, on the CPU with their mock "
+                         "torch_npu) instead of vLLM's")
+    sp.add_argument("--write-page", action="store_true",
+                    help="only rewrite docs/upstream.md's counts from tools/upstream_tests/")
     add("serve", "set up, then `vllm serve` SmolLM2 with the chunk cache on 127.0.0.1:8000 "
                  "(extra args go to vllm serve; `--chunk-store local` also starts a local "
                  "Mooncake master and client for the fleet tier and stops them on exit)").add_argument("vllm_args",

