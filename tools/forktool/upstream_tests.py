@@ -256,7 +256,10 @@ def run_files(paths: Paths, python: Path, files: list[str], side: Side) -> dict[
             # Nothing collected: the reason is in the output (an import error, a timeout).
             reasons[path][_first_error(tail)] += 1
         if reasons[path]:
-            run.reason = reasons[path].most_common(1)[0][0][:160]
+            # NOTE: without this machine's paths, so that the kept results are the same
+            # wherever they were taken.
+            run.reason = reasons[path].most_common(1)[0][0].replace(
+                str(paths.cache), ".cache")[:160]
     return runs
 
 
@@ -264,7 +267,7 @@ def _reason(failure: ET.Element) -> str:
     """A failure's message; for a collection error (pytest's message says only that), the
     exception its traceback ends with."""
     message = failure.get("message") or ""
-    if message and message != "collection failure":
+    if message.strip() and message != "collection failure":
         return _first_line(message)
     raised = [ln[1:].strip() for ln in (failure.text or "").splitlines()
               if ln.startswith("E ")]
@@ -395,28 +398,30 @@ def _short(path: str) -> str:
 def generate_block() -> str:
     """Per base: files, stock passed, patched passed, both failed, cannot run here."""
     out = [BEGIN, "",
-           "| vLLM | files | tests | stock passed | patched passed | failed on both | "
+           "| own tests of | files | tests | stock passed | patched passed | failed on both | "
            "skipped | files that cannot run here | passes on stock only |",
            "|---|---|---|---|---|---|---|---|---|"]
     cannot_lines: list[str] = []
     for stock_file in sorted(LISTS.glob("stock-*.json")):
         ver = stock_file.stem.removeprefix("stock-")
+        label = (f"vllm-ascend {ver.removeprefix('ascend-')}" if ver.startswith("ascend-")
+                 else f"vLLM {ver}")
         stock = {p: FileRun.from_json(d) for p, d in json.loads(stock_file.read_text()).items()}
         patched_f = _patched_file(ver)
         patched = json.loads(patched_f.read_text()) if patched_f.exists() else {}
         files = sorted(set(stock) & set(patched))
         count = lambda o: sum(1 for p in files for x in stock[p].outcomes.values() if x == o)  # noqa: E731
         cannot = [p for p in files if not any(x == "passed" for x in stock[p].outcomes.values())]
-        out.append(f"| {ver} | {len(files)} | {sum(len(stock[p].outcomes) for p in files)} | "
+        out.append(f"| {label} | {len(files)} | {sum(len(stock[p].outcomes) for p in files)} | "
                    f"{count('passed')} | {sum(patched[p]['passed'] for p in files)} | "
                    f"{count('failed') + count('error')} | {count('skipped')} | {len(cannot)} | "
                    f"{sum(patched[p]['regressions'] for p in files)} |")
         for p in cannot:
             reason = (stock[p].reason or "?").replace("tests/", "").replace("|", "/")
-            cannot_lines.append(f"| {ver} | {_short(p)} | {reason} |")
+            cannot_lines.append(f"| {label} | {_short(p)} | {reason} |")
     if cannot_lines:
         out += ["", "Files that cannot run here (no test passes on stock), with the reason "
-                    "read from the stock run:", "", "| vLLM | file (under vLLM's tests/) | "
+                    "read from the stock run:", "", "| own tests of | file (under its tests/) | "
                     "reason |", "|---|---|---|", *cannot_lines]
     out += ["", END]
     return "\n".join(out)
