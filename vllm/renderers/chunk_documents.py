@@ -45,6 +45,7 @@ import dataclasses
 import re
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from itertools import chain
 from typing import Any
 
 from vllm.renderers.chunk_split import SEGMENTS_KEY, ChunkPromptError
@@ -142,7 +143,7 @@ def _pieces(prompt: dict, marked: MarkedChunks) -> list[str]:
 
 
 def _segments_prompt(prompt: dict, token_lists: list[list[int]], whole: list[int]) -> dict:
-    if [t for ids in token_lists for t in ids] != whole:
+    if list(chain.from_iterable(token_lists)) != whole:
         raise ChunkPromptError(
             "the chat template's text next to a document merges with it into one "
             "token, so the documents cannot be cached apart without changing the "

@@ -123,3 +123,106 @@ def test_a_stretch_from_a_position_keeps_exactly_the_rows_at_or_after_it():
     assert rows.dst_slots.tolist() == full.dst_slots[keep].tolist()
     assert rows.deltas.tolist() == full.deltas[keep].tolist()
     assert bool(keep.any()) and not bool(keep.all())
+
+
+# --- the vectorised expansion against a row-by-row reference (issue 52) ---
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+
+def _reference_rows(blocks, first, count, block_size):
+    """Row by row, the definition: position p of a sequence kept in `blocks`
+    lives in block blocks[p // block_size], at offset p % block_size."""
+    return [blocks[p // block_size] * block_size + p % block_size
+            for p in range(first, first + count)]
+
+
+@st.composite
+def _load_layouts(draw):
+    """Random steps: requests with paged tables, stretches with pool tables,
+    first rows and positions anywhere inside a block (partial first and last
+    blocks), empty stretches, and pool blocks of another size than paged ones."""
+    pool_block_size = draw(st.sampled_from([1, 3, 4, 16]))
+    block_size = draw(st.sampled_from([1, 2, 4, 5, 16, 128]))
+    loads = []
+    for _ in range(draw(st.integers(0, 3))):
+        num_blocks = draw(st.integers(1, 6))
+        table = tuple(draw(st.lists(st.integers(0, 999), min_size=num_blocks,
+                                    max_size=num_blocks)))
+        capacity = num_blocks * block_size
+        stretches = []
+        for _ in range(draw(st.integers(0, 4))):
+            first_row = draw(st.integers(0, 2 * pool_block_size))
+            dst_position = draw(st.integers(0, capacity))
+            num_rows = draw(st.integers(0, capacity - dst_position))
+            needed = -(-(first_row + num_rows) // pool_block_size)
+            pool = tuple(draw(st.lists(st.integers(0, 999), min_size=needed,
+                                       max_size=needed + 2)))
+            stretches.append(SegmentStretch(pool, first_row, num_rows, dst_position,
+                                            draw(st.integers(-50, 50))))
+        loads.append(RequestLoad(table, tuple(stretches)))
+    return loads, pool_block_size, block_size
+
+
+@settings(max_examples=300, deadline=None)
+@given(_load_layouts())
+def test_the_expansion_equals_the_row_by_row_definition(layout):
+    loads, pool_block_size, block_size = layout
+    src, dst, deltas, index, stretch_deltas = [], [], [], [], []
+    for load in loads:
+        for stretch in load.stretches:
+            src += _reference_rows(stretch.pool_block_ids, stretch.first_row,
+                                   stretch.num_rows, pool_block_size)
+            dst += _reference_rows(load.block_ids, stretch.dst_position, stretch.num_rows,
+                                   block_size)
+            deltas += [stretch.delta] * stretch.num_rows
+            index += [len(stretch_deltas)] * stretch.num_rows
+            stretch_deltas.append(stretch.delta)
+    rows = LoadRows.expand(loads, pool_block_size, block_size, CPU)
+    assert rows.src_rows.tolist() == src
+    assert rows.dst_slots.tolist() == dst
+    assert rows.deltas.tolist() == deltas
+    assert rows.stretch_index.tolist() == index
+    assert rows.stretch_deltas.tolist() == stretch_deltas
+    for tensor in (rows.src_rows, rows.dst_slots, rows.deltas, rows.stretch_index):
+        assert tensor.dtype == torch.int64
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.sampled_from([1, 4, 16]), st.sampled_from([1, 3, 4, 16, 128]), st.data())
+def test_a_capture_equals_the_row_by_row_definition(pool_block_size, block_size, data):
+    stores, src, dst = [], [], []
+    for _ in range(data.draw(st.integers(0, 4))):
+        store_start = data.draw(st.integers(0, 3))
+        first = data.draw(st.integers(store_start, store_start + 40))
+        end = data.draw(st.integers(first, first + 40))
+        paged = tuple(data.draw(st.lists(st.integers(0, 999), min_size=-(-end // block_size),
+                                         max_size=-(-end // block_size) + 1)))
+        needed = -(-(end - store_start) // pool_block_size)
+        pool = tuple(data.draw(st.lists(st.integers(0, 999), min_size=needed,
+                                        max_size=needed + 1)))
+        stores.append(ChildStore(paged, pool, first, end, store_start))
+        src += _reference_rows(paged, first, end - first, block_size)
+        dst += _reference_rows(pool, first - store_start, end - first, pool_block_size)
+    rows = StoreRows.expand(stores, pool_block_size, block_size, CPU)
+    assert rows.src_slots.tolist() == src
+    assert rows.dst_rows.tolist() == dst
+
+
+def test_the_expansion_runs_no_python_per_row():
+    """Issue 52: the same stretches, 40 times the rows, the same Python lines
+    (the block arithmetic and the rows are numpy/torch work)."""
+    from tests.unit.python_lines import python_lines
+
+    def step(rows_per_stretch):
+        stretches = tuple(SegmentStretch(tuple(range(10 * i, 10 * i + 60)), 3,
+                                         rows_per_stretch, 1 + i * rows_per_stretch, i)
+                          for i in range(4))
+        blocks = tuple(range(200, 200 + 4 * rows_per_stretch // 16 + 2))
+        return [RequestLoad(blocks, stretches)]
+
+    small, large = step(20), step(800)
+    LoadRows.expand(small, 16, 16, CPU)  # first-call imports and caches
+    assert (python_lines(lambda: LoadRows.expand(large, 16, 16, CPU))
+            == python_lines(lambda: LoadRows.expand(small, 16, 16, CPU)))

@@ -213,3 +213,30 @@ def test_truncation_prompt_logprobs_and_an_oversized_pool_request_are_refused():
 
 def test_disabled_chunk_cache_has_no_splitter():
     assert make_splitter(SimpleNamespace(chunk_cache_config=ChunkCacheConfig())) is None
+
+
+@pytest.mark.parametrize("bad", [[5, True, 6], [5, 6.0], [5, -1], ["5"]])
+def test_token_id_segments_are_non_negative_ints_and_nothing_else(bad):
+    # bool is an int subclass and 6.0 == 6: both refused, as a JSON client's
+    # true or 6.0 would be.
+    with pytest.raises(ChunkPromptError, match="non-negative"):
+        _splitter().split({SEGMENTS_KEY: [[1], bad, [2]]}, _params(), build_toy_tokenizer())
+
+
+def test_token_id_segments_run_no_python_per_token():
+    """Issue 52: a prompt given as token-id segments is checked, joined and
+    marked with no Python loop over its tokens: 50 times the tokens, the same
+    Python lines executed."""
+    from tests.unit.python_lines import python_lines
+
+    tok = build_toy_tokenizer()
+    splitter = _splitter(max_chunk_tokens=100_000)
+
+    def split(doc_tokens):
+        segments = [[1, 2]] + [list(range(3, 3 + doc_tokens))] * 4 + [[7, 8]]
+        return lambda: splitter.split({SEGMENTS_KEY: segments}, _params(), tok)
+
+    small, large = split(40), split(2000)
+    assert len(large()["prompt_token_ids"]) == 4 + 4 * 2000
+    small()
+    assert python_lines(large) == python_lines(small)

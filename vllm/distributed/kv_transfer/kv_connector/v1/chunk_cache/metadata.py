@@ -35,7 +35,7 @@ class SegmentStretch:
     def of(cls, seg: SegmentLoad) -> "SegmentStretch":
         """The stretch of a manager's planned segment load."""
         return cls(
-            pool_block_ids=tuple(int(b) for b in seg.pool_block_ids),
+            pool_block_ids=tuple(map(int, seg.pool_block_ids)),
             first_row=seg.first_row,
             num_rows=seg.row_end - seg.first_row,
             dst_position=seg.dst_start + seg.first_row,
@@ -160,7 +160,9 @@ def _expand(copies: list[_Copy], src_block_size: int, dst_block_size: int,
     NOTE: the host packs only block tables and six integers per copy (a
     request's table once, however many stretches use it) into one array:
     one host->device copy, then the expansion runs where the rows are used,
-    with no host synchronisation (the row count is known on the host).
+    with no host synchronisation (the row and piece counts are known on the
+    host). Per row it is three repeat_interleaves and two adds; the block
+    arithmetic runs per block piece (`_side_rows`).
     """
     if not copies:
         empty = torch.zeros(0, dtype=torch.int64, device=device)
@@ -191,15 +193,49 @@ def _expand(copies: list[_Copy], src_block_size: int, dst_block_size: int,
     which = torch.repeat_interleave(
         torch.arange(num, device=device), count, output_size=total
     )
-    local = torch.arange(total, device=device) - (torch.cumsum(count, 0) - count)[which]
-    src = src_first[which] + local
-    dst = dst_first[which] + local
-    src_rows = (blocks[src_off[which] + src // src_block_size] * src_block_size
-                + src % src_block_size)
-    dst_rows = (blocks[dst_off[which] + dst // dst_block_size] * dst_block_size
-                + dst % dst_block_size)
+    # Each copy's row offset in the step; every row's index in the step,
+    # from which both sides' rows are one add away (see _side_rows).
+    row_offset = torch.cumsum(count, 0) - count
+    steps = torch.arange(total, device=device)
+    src_rows = _side_rows(blocks, src_off, src_first, count, row_offset, steps,
+                          _pieces(per_copy[1], per_copy[4], src_block_size), src_block_size)
+    dst_rows = _side_rows(blocks, dst_off, dst_first, count, row_offset, steps,
+                          _pieces(per_copy[3], per_copy[4], dst_block_size), dst_block_size)
     # The deltas stay on the host too (a copy, not part of what is shipped).
     return _Rows(src_rows, dst_rows, which, delta, torch.tensor(per_copy[5]))
+
+
+def _pieces(first: np.ndarray, count: np.ndarray, block_size: int) -> int:
+    """How many (copy, block) pieces one side of the copies spans: known on
+    the host, so the device expansion needs no read-back of its size."""
+    spanned = (first + count - 1) // block_size - first // block_size + 1
+    return int(np.where(count > 0, spanned, 0).sum())
+
+
+def _side_rows(blocks: torch.Tensor, table_off: torch.Tensor, first: torch.Tensor,
+               count: torch.Tensor, row_offset: torch.Tensor, steps: torch.Tensor,
+               num_pieces: int, block_size: int) -> torch.Tensor:
+    """One side's flat rows of every copied position, in step order.
+
+    NOTE: the block arithmetic runs once per piece (the part of a copy inside
+    one of this side's blocks), not once per row: inside a piece the rows are
+    consecutive, so row = (the piece's first row - its first step) + step,
+    and the per-row work is one repeat_interleave and one add.
+    """
+    num = first.numel()
+    end = first + count
+    spanned = torch.where(count > 0, (end - 1) // block_size - first // block_size + 1, 0)
+    copy = torch.repeat_interleave(torch.arange(num, device=blocks.device), spanned,
+                                   output_size=num_pieces)
+    nth = (torch.arange(num_pieces, device=blocks.device)
+           - (torch.cumsum(spanned, 0) - spanned)[copy])
+    block = first[copy] // block_size + nth
+    start = torch.maximum(first[copy], block * block_size)
+    stop = torch.minimum(end[copy], (block + 1) * block_size)
+    first_row = blocks[table_off[copy] + block] * block_size + (start - block * block_size)
+    first_step = row_offset[copy] + (start - first[copy])
+    return torch.repeat_interleave(first_row - first_step, stop - start,
+                                   output_size=steps.numel()) + steps
 
 
 @dataclass

@@ -553,7 +553,7 @@ class ChunkCacheSchedulerAdapter:
         self._children[spec.request_id] = _ChildSlots(
             num_tokens=len(spec.token_ids),
             store_start=spec.store_start,
-            pool_block_ids=tuple(int(b) for b in plan.pool_block_ids),
+            pool_block_ids=tuple(map(int, plan.pool_block_ids)),
         )
         return child
 
