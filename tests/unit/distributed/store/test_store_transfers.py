@@ -550,3 +550,92 @@ def test_a_later_engines_pool_in_an_earlier_ones_memory_is_registered_again(
     assert second.reads_into_pool() is (not earlier_call_running)
     assert store.ranges == arenas | set(first._pool_buffers if earlier_call_running
                                         else second._pool_buffers)
+
+
+# -- issue 50, finding 9: the MAC covers the header; the fingerprint backlog ------
+
+
+def test_an_authenticated_entry_whose_header_tokens_were_rewritten_is_a_miss(tmp_path):
+    """The tokens of an entry were bound to its key by xxh3-128 only (its
+    content hash), and the MAC covered the key and the rows. A writer without
+    the secret who finds other tokens of the same content hash (xxh3 is no
+    cryptographic hash) rewrites the header's token ids, keeps the rows, the
+    tag and the checksum (of the payload only), and a reader of those tokens
+    is served the first tokens' KV. The MAC now covers the header."""
+    secret = tmp_path / "fleet.key"
+    secret.write_bytes(b"s" * 32)
+    store = LateScatterStore()
+    store.stuck_first_get = False
+    spec = f"mooncake://127.0.0.1:1?arena=1MB&local_client=none&key_file={secret}"
+    writer = transfers(spec, small_pool(seed=1), store=store)
+    wait_identity(writer)
+    tokens = [1] + list(range(10, 40))
+    a = entry(tokens)
+    writer.on_step(StoreStep(epoch=0, puts=[EntryPut(a, (0, 1))]))
+    drain_puts(writer)
+    (key, value), = store.values.items()
+
+    # The forgery: other tokens of the same length under the same key (a
+    # content-hash collision), everything else as written by the fleet.
+    forged_tokens = [1] + list(range(110, 140))
+    header = bytearray(value[:entry_format.header_nbytes(len(tokens))])
+    off = entry_format.FIXED_NBYTES
+    header[off:off + 4 * len(tokens)] = b"".join(t.to_bytes(4, "little")
+                                                 for t in forged_tokens)
+    store.values[key] = bytes(header) + value[len(header):]
+    collision = EntryRef(content_hash=a.content_hash, token_ids=tuple(forged_tokens),
+                         virtual_start=a.virtual_start, cache_salt=None, lora="")
+
+    for direct in (True, False):
+        reader = transfers(spec, small_pool(seed=2), store=store)
+        if not direct:
+            reader._pool_buffers = []  # reads through the arena (a device pool)
+        wait_identity(reader)
+        assert reader.reads_into_pool() is direct
+        # The genuine entry still reads back; the forged header does not.
+        store.values[key] = value
+        reader.on_step(StoreStep(epoch=0, fetches=[EntryFetch("genuine", a, (2, 3))]))
+        assert step_until(reader, "genuine") is FetchOutcome.OK
+        store.values[key] = bytes(header) + value[len(header):]
+        reader.on_step(StoreStep(epoch=0, fetches=[EntryFetch("forged", collision, (4, 5))]))
+        assert step_until(reader, "forged") is FetchOutcome.VERIFY_FAILED, (
+            f"a header rewritten without the secret was served (direct={direct})")
+
+
+def test_superseded_fingerprints_are_cancelled():
+    """Each reset queued a full hash of the weights on the fingerprint thread,
+    and none was ever dropped: resets faster than a hash grew the backlog
+    without bound. A fingerprint no longer the current epoch's is cancelled
+    unless it already runs; a put of a superseded epoch is skipped."""
+    go = threading.Event()
+    calls = []
+
+    def slow_fingerprint(model):
+        calls.append(time.monotonic())
+        go.wait(30)
+        return "w"
+
+    store = LateStore()
+    t = transfers("mooncake://127.0.0.1:1?arena=1MB&local_client=none", small_pool(),
+                  store=store, fingerprint=slow_fingerprint)
+    deadline = time.monotonic() + 10
+    while not calls:  # epoch 0's hash runs
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    t.on_step(StoreStep(epoch=1, puts=[EntryPut(entry([1, 2, 3]), (0,))]))
+    for epoch in range(2, 50):
+        t.on_step(StoreStep(epoch=epoch))
+    go.set()
+    wait_identity(t)
+    assert t.identity.epoch == 49
+    deadline = time.monotonic() + 10
+    while t._puts:  # NOTE: drain_puts steps at epoch 0, which is a reset
+        t.on_step(StoreStep(epoch=49))
+        assert time.monotonic() < deadline, "puts did not finish"
+        time.sleep(0.01)
+    time.sleep(0.2)  # anything still queued would run now
+    # Epoch 0's (already running) and epoch 49's: nothing in between.
+    assert len(calls) == 2, f"{len(calls)} fingerprints ran for 2 epochs that count"
+    # Epoch 1's put had no identity to be keyed with: skipped, never stored.
+    assert store.values == {} and t.counters.get("store_puts_skipped") == 1
+    assert t.put_arena.in_use() == 0 and t.lent_bytes() == 0

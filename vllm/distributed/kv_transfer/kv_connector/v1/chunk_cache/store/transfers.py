@@ -34,7 +34,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -82,6 +82,11 @@ MIN_ARENA_BYTES = 256 << 20
 READ_SLACK = 4.0
 # The bandwidth assumed before any read was measured.
 INITIAL_READ_BYTES_PER_S = 1 << 30
+
+
+# What _put returns for an entry it did not store (no key: its epoch's
+# fingerprint was cancelled by a later reset).
+_SKIPPED = None
 
 
 def entry_nbytes(num_tokens: int, num_rows: int, row_bytes: int) -> int:
@@ -314,6 +319,12 @@ class StoreTransfers:
         self.epoch = epoch
         self.weights_changed = False
         self._identity_reported = False
+        # NOTE (issue 50, finding 9): a fingerprint not yet started is of no
+        # use once superseded, and each is a full hash of the weights: resets
+        # faster than a hash queued them without bound. A running one cannot
+        # be stopped; so at most one runs and one waits.
+        if self._identity is not None:
+            self._identity.cancel()
         self._identity = self._fp_thread.submit(self._make_identity, epoch)
 
     def _make_identity(self, epoch: int) -> RankIdentity:
@@ -406,12 +417,23 @@ class StoreTransfers:
     def _put(self, identity: Future, entry: EntryRef, span: _Span, head: int) -> int:
         # NOTE: the entry was computed in this epoch: its key waits for the
         # epoch's fingerprint (on this thread, never on the step).
-        key = self._key(identity.result(), entry)
+        try:
+            key = self._key(identity.result(), entry)
+        except CancelledError:
+            # A reset came before this epoch's fingerprint ran (_new_epoch
+            # cancelled it): the entry has no key; it is not stored.
+            span.released.set()
+            return _SKIPPED
         if span.fence is not None:
             span.fence.synchronize()  # the rows' copy into the arena
         payload = span.nbytes - head
         body = self.put_arena.view(span.start + head, payload).numpy()
-        body[payload - TAG_BYTES:] = memoryview(self.seal.tag(key, body[:payload - TAG_BYTES]))
+        # NOTE: the tag covers the header but its checksum, which covers the tag.
+        mac_header = entry_format.header_for_mac(entry_format.encode_header(
+            entry_format.EntryHeader(entry_format.FORMAT_VERSION, int(entry.virtual_start),
+                                     tuple(int(t) for t in entry.token_ids), payload, 0)))
+        body[payload - TAG_BYTES:] = memoryview(
+            self.seal.tag_of_parts(key, mac_header, [body[:payload - TAG_BYTES]]))
         header = entry_format.encode_header(
             entry_format.make_header(entry.virtual_start, entry.token_ids, body))
         self.put_arena.view(span.start, head).numpy()[:] = memoryview(header)
@@ -435,7 +457,9 @@ class StoreTransfers:
                 logger.warning("chunk store: put failed: %s", e)
                 put.span.released.set()  # raised before the store was given it
                 code = StoreCode.ERROR
-            if code == 0:
+            if code is _SKIPPED:
+                self._count("store_puts_skipped")
+            elif code == 0:
                 self._count("store_puts")
                 self._count("store_put_bytes", put.span.nbytes)
             else:
@@ -591,7 +615,7 @@ class StoreTransfers:
             logger.warning("chunk store: entry %s failed verification (%s: %s)", key,
                            result.cause, result.detail)
             return FetchOutcome.VERIFY_FAILED
-        if bytes(tag) != self.seal.tag_of_parts(key, rows):
+        if not self.seal.matches(tag, key, entry_format.header_for_mac(value[:head]), rows):
             logger.warning("chunk store: entry %s carries a tag that is not its key's (a "
                            "value written under another key%s)", key,
                            ", or without the fleet's secret" if self.seal.authenticated
