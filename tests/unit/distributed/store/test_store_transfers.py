@@ -639,3 +639,155 @@ def test_superseded_fingerprints_are_cancelled():
     # Epoch 1's put had no identity to be keyed with: skipped, never stored.
     assert store.values == {} and t.counters.get("store_puts_skipped") == 1
     assert t.put_arena.in_use() == 0 and t.lent_bytes() == 0
+
+
+# -- issue 50, finding 5: a call that runs past the deadline; reads queued behind it --
+
+
+class BlockingScatterStore(LateScatterStore):
+    """A store whose first get is a real stuck call: it blocks (on `go`) well
+    past the read deadline, then writes garbage into every buffer it was
+    given, then returns (TIMEOUT) and releases. The step thread sees a future
+    still running at the deadline, as with a stopped holder or RDMA. Other
+    gets work at once; `gets` counts the calls that reached the store."""
+
+    def __init__(self):
+        super().__init__()
+        self.stuck_first_get = False
+        self.block_first = True
+        self.go = threading.Event()
+        self.entered = threading.Event()
+        self.gets = 0
+
+    def batch_get_into_parts(self, keys, parts, on_release=lambda: None):
+        self.gets += 1
+        if self.block_first:
+            self.block_first = False
+            self.entered.set()
+            assert self.go.wait(30)
+            for buffers in parts:
+                for b in buffers:
+                    _write(b, bytes([0x7F]) * b.nbytes)
+            on_release()
+            return [StoreCode.TIMEOUT] * len(keys)
+        return super().batch_get_into_parts(keys, parts, on_release)
+
+
+def _blocking_reader(store: BlockingScatterStore):
+    src = small_pool(seed=1)
+    writer = transfers("mooncake://127.0.0.1:1?arena=1MB&local_client=none", src, store=store)
+    wait_identity(writer)
+    a, b = entry([1] + list(range(10, 40))), entry([1] + list(range(50, 90)))
+    writer.on_step(StoreStep(epoch=0, puts=[EntryPut(a, (0, 1)), EntryPut(b, (2, 3, 4))]))
+    drain_puts(writer)
+    dst = small_pool(seed=2)
+    reader = transfers("mooncake://127.0.0.1:1?read_timeout=0.05&timeout=0.05&arena=1MB"
+                       "&local_client=none", dst, store=store)
+    wait_identity(reader)
+    assert reader.reads_into_pool()
+    return reader, dst, a, b
+
+
+def test_a_read_queued_behind_a_stuck_call_is_cancelled_and_lends_nothing():
+    """f1's call is stuck past its deadline: its rows stay lent until the call
+    returns, and its late write lands in them then. f2, queued behind it on the
+    get thread, never reached the store: before, its deadline (counted from
+    submit) passed too and its rows were reported lent although nothing held
+    them; now its call is cancelled, nothing is lent, and it never runs."""
+    store = BlockingScatterStore()
+    reader, dst, a, b = _blocking_reader(store)
+    untouched = rows_of(dst, (1, 2, 3), 40)
+    reader.on_step(StoreStep(epoch=0, fetches=[EntryFetch("f1", a, (5, 6))]))
+    assert store.entered.wait(10)
+    reader.on_step(StoreStep(epoch=0, fetches=[EntryFetch("f2", b, (1, 2, 3))]))
+    outcomes, lent = {}, {}
+    deadline = time.monotonic() + 10
+    while len(outcomes) < 2:
+        reader.on_step(StoreStep(epoch=0))
+        report = reader.take_report()
+        if report is not None:
+            outcomes.update({k: v[0] for k, v in report.outcomes.items()})
+            lent.update(report.rows_lent)
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert outcomes == {"f1": FetchOutcome.TIMEOUT, "f2": FetchOutcome.TIMEOUT}
+    assert lent == {"f1": 1}, f"rows reported lent: {lent} (f2's call never started)"
+    assert set(reader._rows_held) == {"f1"}
+    # The stuck call is still the store's: rows 5-6 and f1's span stay lent.
+    assert _reports(reader, 3).rows_returned == {}
+    assert reader.lent_bytes() > 0
+
+    store.go.set()  # the call writes late, then returns
+    deadline = time.monotonic() + 10
+    returned = {}
+    while not returned:
+        returned = _reports(reader).rows_returned
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert returned == {"f1": 1} and reader._rows_held == {}
+    late = rows_of(dst, (5, 6), 30)
+    assert all((v.view(torch.uint8) == 0x7F).all() for v in late.values())
+    time.sleep(0.2)
+    _reports(reader, 2)
+    assert store.gets == 1, "the cancelled read reached the store"
+    for name, rows in rows_of(dst, (1, 2, 3), 40).items():
+        assert torch.equal(rows, untouched[name]), name
+    assert reader.get_arena.in_use() == 0 and reader.lent_bytes() == 0
+    # The connection serves on.
+    reader.on_step(StoreStep(epoch=0, fetches=[EntryFetch("f3", b, (1, 2, 3))]))
+    assert step_until(reader, "f3") is FetchOutcome.OK
+
+
+def test_a_read_whose_deadline_passed_in_the_queue_is_not_started():
+    """The get thread reaches a read after its deadline, before the step gave
+    it up: it does not call the store (the step computes the document anyway),
+    and it lends nothing."""
+    store = BlockingScatterStore()
+    reader, dst, a, b = _blocking_reader(store)
+    untouched = rows_of(dst, (1, 2, 3), 40)
+    reader.on_step(StoreStep(epoch=0, fetches=[EntryFetch("f1", a, (5, 6))]))
+    assert store.entered.wait(10)
+    reader.on_step(StoreStep(epoch=0, fetches=[EntryFetch("f2", b, (1, 2, 3))]))
+    time.sleep(0.3)  # f2's deadline passes in the queue; no step runs meanwhile
+    store.go.set()
+    f2 = reader._reads["f2"].future
+    deadline = time.monotonic() + 10
+    while not f2.done():  # the get thread took f2 (no step ran: none cancelled it)
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert not f2.cancelled()
+    assert store.gets == 1, "a read past its deadline was started"
+    merged = _reports(reader, 2)
+    assert {k: v[0] for k, v in merged.outcomes.items()} == {
+        "f1": FetchOutcome.TIMEOUT, "f2": FetchOutcome.TIMEOUT}
+    assert merged.rows_lent == {}
+    for name, rows in rows_of(dst, (1, 2, 3), 40).items():
+        assert torch.equal(rows, untouched[name]), name
+    assert reader.get_arena.in_use() == 0 and reader.lent_bytes() == 0
+
+
+def test_verification_makes_no_torch_view_on_the_get_thread():
+    """NOTE: torch views made on the get thread once kept verification from
+    finishing in the engine's process (transfers.py); the pool's bytes are
+    numpy views made at start-up, and so must the arena's be."""
+    store = LateScatterStore()
+    store.stuck_first_get = False
+    src = small_pool(seed=1)
+    writer = transfers("mooncake://127.0.0.1:1?arena=1MB&local_client=none", src, store=store)
+    wait_identity(writer)
+    a = entry([1] + list(range(10, 40)))
+    writer.on_step(StoreStep(epoch=0, puts=[EntryPut(a, (0, 1))]))
+    drain_puts(writer)
+    for direct in (True, False):
+        reader = transfers("mooncake://127.0.0.1:1?arena=1MB&local_client=none",
+                           small_pool(seed=2), store=store)
+        if not direct:
+            reader._pool_buffers = []
+        wait_identity(reader)
+        threads = []
+        view = reader.get_arena.view
+        reader.get_arena.view = lambda *args: threads.append(
+            threading.current_thread().name) or view(*args)
+        reader.on_step(StoreStep(epoch=0, fetches=[EntryFetch("f", a, (2, 3))]))
+        assert step_until(reader, "f") is FetchOutcome.OK
+        assert not [n for n in threads if n.startswith("chunk-store-get")], threads

@@ -427,7 +427,8 @@ class StoreTransfers:
         if span.fence is not None:
             span.fence.synchronize()  # the rows' copy into the arena
         payload = span.nbytes - head
-        body = self.put_arena.view(span.start + head, payload).numpy()
+        # NOTE: numpy views only on the store threads (HostArena.bytes_view).
+        body = self.put_arena.bytes_view(span.start + head, payload)
         # NOTE: the tag covers the header but its checksum, which covers the tag.
         mac_header = entry_format.header_for_mac(entry_format.encode_header(
             entry_format.EntryHeader(entry_format.FORMAT_VERSION, int(entry.virtual_start),
@@ -436,7 +437,7 @@ class StoreTransfers:
             self.seal.tag_of_parts(key, mac_header, [body[:payload - TAG_BYTES]]))
         header = entry_format.encode_header(
             entry_format.make_header(entry.virtual_start, entry.token_ids, body))
-        self.put_arena.view(span.start, head).numpy()[:] = memoryview(header)
+        self.put_arena.bytes_view(span.start, head)[:] = memoryview(header)
         store = self._store()
         if store is None:
             span.released.set()
@@ -537,12 +538,12 @@ class StoreTransfers:
         for _, read in items:
             # One call for the step's entries: they are released together.
             read.span.released = released
-        future = self._get_thread.submit(self._read, items, released)
-        now = time.monotonic()
         total = sum(entry_nbytes(len(r.fetch.entry.token_ids),
                                  len(r.fetch.entry.token_ids) - r.fetch.entry.virtual_start,
                                  self.row_bytes) for _, r in items)
-        deadline = now + self._read_deadline(total)
+        # NOTE: fixed before the submit: the get thread reads it too (_read).
+        deadline = time.monotonic() + self._read_deadline(total)
+        future = self._get_thread.submit(self._read, items, released, deadline)
         for index, (_, read) in enumerate(items):
             read.future, read.index, read.deadline = future, index, deadline
             self._reads[read.fetch.fetch_id] = read
@@ -562,9 +563,16 @@ class StoreTransfers:
         return [HostBuffer(base, read.head), *map(self._part_buffer, read.parts),
                 HostBuffer(base + read.head, TAG_BYTES)]
 
-    def _read(self, items: list[tuple[str, _Read]],
-              released: threading.Event) -> list[FetchOutcome]:
+    def _read(self, items: list[tuple[str, _Read]], released: threading.Event,
+              deadline: float) -> list[FetchOutcome]:
         t0 = time.monotonic()
+        if t0 > deadline:
+            # NOTE (issue 50, finding 5): queued behind a slow call past its
+            # deadline: the step computes these documents whatever we do now,
+            # so the store is not asked (no call holds the span or the rows).
+            released.set()
+            self._count("store_reads_never_started", len(items))
+            return [FetchOutcome.TIMEOUT] * len(items)
         store = self._store()
         if store is None:
             released.set()
@@ -602,7 +610,9 @@ class StoreTransfers:
 
     def _verify(self, key: str, read: _Read) -> FetchOutcome:
         entry, span, head = read.fetch.entry, read.span, read.head
-        value = self.get_arena.view(span.start, span.nbytes).numpy()
+        # NOTE: numpy, made when the arena was: no torch view on this thread
+        # (see the pool's bytes in __init__).
+        value = self.get_arena.bytes_view(span.start, span.nbytes)
         if read.parts is None:
             rows = [value[head:span.nbytes - TAG_BYTES]]
         else:
@@ -626,6 +636,21 @@ class StoreTransfers:
     def _finish_reads(self) -> None:
         now = time.monotonic()
         for fetch_id, read in list(self._reads.items()):
+            if now > read.deadline and read.future.cancel():
+                # NOTE (issue 50, finding 5): still queued behind another call
+                # (its deadline counts from submit): it never reached the store,
+                # so nothing holds its span or its rows. Its step's other
+                # reads share the future and see it cancelled below.
+                read.span.released.set()
+            if read.future.cancelled():
+                del self._reads[fetch_id]
+                self._outcomes[fetch_id] = FetchOutcome.TIMEOUT
+                self._count("store_reads_given_up")
+                self._count("store_reads_never_started")
+                self._finish_span(self.get_arena, read.span)
+                logger.warning("chunk store: read of %s waited past its deadline behind "
+                               "another store call; computing it", fetch_id)
+                continue
             if not read.future.done():
                 if now > read.deadline:
                     # NOTE: the document is computed instead; the span stays the
