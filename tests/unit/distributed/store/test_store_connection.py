@@ -45,6 +45,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store.transfers im
 )
 
 
+# An address no other test's store uses (nothing listens: _probe is patched).
+MASTER = "127.0.0.1:47231"
+
+
 class Client(ChunkStore):
     """One Mooncake client (a shared `values` dict stands for the store)."""
 
@@ -138,6 +142,10 @@ def test_a_connect_that_failed_half_way_leaves_nothing_of_its_client(monkeypatch
     made = []
 
     def connect(spec, shared_pool_bytes=0):
+        # NOTE: only this test's SharedStore: connect threads of earlier tests
+        # (retrying an unreachable store) call the patched method too.
+        if spec.master_address != MASTER:
+            raise RuntimeError(f"not this test's store: {spec.master_address}")
         made.append(clients[len(made)])
         return made[-1]
 
@@ -147,7 +155,7 @@ def test_a_connect_that_failed_half_way_leaves_nothing_of_its_client(monkeypatch
     monkeypatch.setattr(SharedStore, "_probe", lambda self: None)  # no network
     monkeypatch.setattr(connection, "RECONNECT_S", 0.01)
 
-    spec = "mooncake://127.0.0.1:1?arena=1MB" + ("" if local_client else "&local_client=none")
+    spec = f"mooncake://{MASTER}?arena=1MB" + ("" if local_client else "&local_client=none")
     shared = SharedStore(spec)
     from torch import nn
 
