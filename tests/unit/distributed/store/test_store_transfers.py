@@ -791,3 +791,106 @@ def test_verification_makes_no_torch_view_on_the_get_thread():
         reader.on_step(StoreStep(epoch=0, fetches=[EntryFetch("f", a, (2, 3))]))
         assert step_until(reader, "f") is FetchOutcome.OK
         assert not [n for n in threads if n.startswith("chunk-store-get")], threads
+
+
+# -- issue 50, finding 1: a late read into the pool of a closed engine --------------
+
+
+def _pool_reader_with_a_stuck_read(seed: int = 2):
+    """A reader whose read into pool rows 5-6 was given up on while the store's
+    call still holds them (LateScatterStore: TIMEOUT now, the write later)."""
+    store = LateScatterStore()
+    src = small_pool(seed=1)
+    writer = transfers("mooncake://127.0.0.1:1?read_timeout=0.05&arena=1MB&local_client=none",
+                       src, store=store)
+    wait_identity(writer)
+    a = entry([1] + list(range(10, 40)))
+    writer.on_step(StoreStep(epoch=0, puts=[EntryPut(a, (0, 1))]))
+    drain_puts(writer)
+    dst = small_pool(seed=seed)
+    reader = transfers("mooncake://127.0.0.1:1?read_timeout=0.05&arena=1MB&local_client=none",
+                       dst, store=store)
+    wait_identity(reader)
+    assert reader.reads_into_pool()
+    reader.on_step(StoreStep(epoch=0, fetches=[EntryFetch("f1", a, (5, 6))]))
+    assert step_until(reader, "f1") is FetchOutcome.TIMEOUT
+    assert reader._rows_held.keys() == {"f1"} and store.late
+    return store, reader, dst
+
+
+def test_a_closed_engines_pool_stays_allocated_until_a_late_read_into_it_returns():
+    """Mooncake was handed raw pointers into the pool; nothing kept the pool
+    alive until the call's release. An engine closed (`del llm`) while such a
+    call hangs freed its pool, and the late write then landed in whatever the
+    next engine (or anything) had put there, or in unmapped memory. The pool's
+    memory now stays allocated until the call returns, and not longer."""
+    import gc
+    import weakref
+
+    store, reader, dst = _pool_reader_with_a_stuck_read()
+    pool = weakref.ref(dst["layers.0.k"])
+    del reader, dst  # the engine goes (no close: `del llm` without a shutdown)
+    gc.collect()
+    assert pool() is not None, "the pool was freed while a store call may still write into it"
+    # The call writes (into memory still the pool's), then returns: its
+    # on_release is the last hold on the pool.
+    store.land_late(fill=0x7F)
+    gc.collect()
+    assert pool() is None, "the pool outlived the store's call"
+
+
+def test_closing_waits_for_the_calls_in_flight_and_frees_their_memory():
+    """A call that returns within the close's wait: the close returns once it
+    has, nothing is held, and the shared arenas (a later engine of the process
+    gets them) have every span back."""
+    store, reader, dst = _pool_reader_with_a_stuck_read()
+    timer = threading.Timer(0.3, store.land_late, kwargs={"fill": 0x7F})
+    timer.start()
+    t0 = time.monotonic()
+    assert reader.close(timeout_s=10) == 0
+    assert 0.2 < time.monotonic() - t0 < 5
+    timer.join()
+    assert reader.get_arena.in_use() == 0 and reader.put_arena.in_use() == 0
+    assert reader.lent_bytes() == 0
+    # A closed engine starts no calls.
+    reader.on_step(StoreStep(epoch=0, fetches=[EntryFetch("late", entry([1, 2, 3]), (0,))]))
+    assert store.late == [] and reader._reads == {}
+
+
+def test_closing_under_a_call_that_does_not_return_accounts_for_it():
+    """A call still running when the close's wait ends: the close says so
+    (one call holds this engine's memory), and that memory stays allocated."""
+    import gc
+    import weakref
+
+    store, reader, dst = _pool_reader_with_a_stuck_read()
+    pool = weakref.ref(dst["layers.0.k"])
+    t0 = time.monotonic()
+    assert reader.close(timeout_s=0.2) == 1
+    assert time.monotonic() - t0 < 5
+    del reader, dst
+    gc.collect()
+    assert pool() is not None
+    store.land_late(fill=0x7F)
+    gc.collect()
+    assert pool() is None
+
+
+def test_the_connectors_shutdown_closes_the_store_path():
+    """vLLM's worker shutdown calls the connector's `shutdown`: the store's
+    calls in flight are waited for (a store deadline) and accounted for."""
+    from types import SimpleNamespace
+
+    from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.connector import (
+        ChunkCacheConnector,
+    )
+
+    store, reader, dst = _pool_reader_with_a_stuck_read()
+    reader.spec = SimpleNamespace(timeout_s=0.1)  # the wait: a store deadline
+    connector = ChunkCacheConnector.__new__(ChunkCacheConnector)
+    connector._scheduler, connector._worker = None, SimpleNamespace(store=reader)
+    connector.shutdown()
+    assert reader.counters.get("store_calls_held_at_close") == 1
+    reader.on_step(StoreStep(epoch=0, fetches=[EntryFetch("late", entry([1, 2, 3]), (0,))]))
+    assert reader._reads == {}
+    store.land_late(fill=0)

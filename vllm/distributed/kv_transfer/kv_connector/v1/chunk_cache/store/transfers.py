@@ -129,6 +129,29 @@ class _Span:
         return self.released.is_set() and (self.fence is None or self.fence.query())
 
 
+class _CallLease:
+    """What one store call was given that must outlive the call: the event
+    its spans wait on and, for a read into pool rows, the pool tensors.
+
+    NOTE (issue 50, finding 1): Mooncake holds raw pointers into the pool
+    until its call returns. An engine closed meanwhile (`del llm`, a framework
+    that recreates engines) would free the pool, the next engine's pool could
+    land at the same addresses, and the late write would scatter into its rows
+    (served unchecked) or into unmapped memory. The lease is the store call's
+    `on_release`, so whatever holds the call (Mooncake's lane) holds the
+    tensors, and `release` lets them go when the call has returned."""
+
+    __slots__ = ("released", "_keep")
+
+    def __init__(self, released: threading.Event, keep: list[torch.Tensor] | None):
+        self.released = released
+        self._keep = keep
+
+    def release(self) -> None:
+        self._keep = None
+        self.released.set()
+
+
 @dataclass(frozen=True)
 class _PoolPart:
     """Rows [first_row, first_row + num_rows) of one pool tensor: a piece of
@@ -151,6 +174,7 @@ class _Read:
     future: Future
     index: int
     deadline: float
+    lease: _CallLease | None = None
 
 
 @dataclass
@@ -232,6 +256,7 @@ class StoreTransfers:
         # Set when the model's load_weights runs (weight sync, reload) and
         # cleared at the next epoch (the reset that must follow a weight update).
         self.weights_changed = False
+        self._closed = False
         self._watch_weight_loads(model)
         shared.start_connecting()
         self._new_epoch(0)
@@ -280,6 +305,8 @@ class StoreTransfers:
     # --------------------------------------------------------------- step
 
     def on_step(self, step: StoreStep) -> None:
+        if self._closed:
+            return
         if step.epoch != self.epoch:
             self._new_epoch(step.epoch)
         for put in step.puts:
@@ -483,6 +510,55 @@ class StoreTransfers:
         else:
             self._lent.append((arena, span))
 
+    def close(self, timeout_s: float) -> int:
+        """The engine is closing: start no call, drop the reads still queued,
+        wait up to `timeout_s` for the store calls that hold this engine's
+        memory (pool rows, spans of the process's arenas) to return, and free
+        what they held. Returns how many calls still hold some when the wait
+        ends: their pool tensors stay allocated (each call's lease) and their
+        spans stay taken until they return, so nothing is written into memory
+        a later engine was given (issue 50, finding 1)."""
+        if self._closed:
+            return 0
+        self._closed = True
+        for read in self._reads.values():
+            if read.future.cancel():
+                read.lease.release()
+        for put in self._puts:
+            if put.future.cancel():
+                put.span.released.set()  # never handed to the store
+        t_end = time.monotonic() + timeout_s
+        spans = ([r.span for r in self._reads.values()] + list(self._rows_held.values())
+                 + [p.span for p in self._puts] + [span for _, span in self._lent])
+        events = {id(span.released): span.released for span in spans}
+        for event in events.values():
+            event.wait(max(0.0, t_end - time.monotonic()))
+        # Verification may still run after a read's call released its memory.
+        for read in list(self._reads.values()):
+            try:
+                read.future.exception(max(0.0, t_end - time.monotonic()))
+            except Exception:  # noqa: BLE001 - cancelled, or still running: given up below
+                pass
+            read.deadline = float("-inf")
+        self._finish_reads()
+        for put in self._puts:
+            try:
+                put.future.exception(max(0.0, t_end - time.monotonic()))
+            except Exception:  # noqa: BLE001 - cancelled, or still running: held
+                pass
+        self._reap()
+        held = sum(not e.is_set() for e in events.values())
+        for executor in (self._get_thread, self._put_thread, self._fp_thread):
+            executor.shutdown(wait=False, cancel_futures=True)
+        if held:
+            self._count("store_calls_held_at_close", held)
+            logger.warning(
+                "chunk store: closing with %d store call(s) that have not returned within "
+                "%.1f s; the memory they were given (pool tensors, %d bytes of host "
+                "arenas) stays allocated until they return", held, timeout_s,
+                self.lent_bytes())
+        return held
+
     def shared_ready(self, timeout_s: float) -> bool:
         """Tests and tools: wait until the connection is made."""
         return self._shared.wait_connected(timeout_s)
@@ -535,15 +611,17 @@ class StoreTransfers:
         if not items:
             return
         released = threading.Event()
+        lease = _CallLease(released, list(self.tensors) if direct else None)
         for _, read in items:
             # One call for the step's entries: they are released together.
             read.span.released = released
+            read.lease = lease
         total = sum(entry_nbytes(len(r.fetch.entry.token_ids),
                                  len(r.fetch.entry.token_ids) - r.fetch.entry.virtual_start,
                                  self.row_bytes) for _, r in items)
         # NOTE: fixed before the submit: the get thread reads it too (_read).
         deadline = time.monotonic() + self._read_deadline(total)
-        future = self._get_thread.submit(self._read, items, released, deadline)
+        future = self._get_thread.submit(self._read, items, lease, deadline)
         for index, (_, read) in enumerate(items):
             read.future, read.index, read.deadline = future, index, deadline
             self._reads[read.fetch.fetch_id] = read
@@ -563,29 +641,29 @@ class StoreTransfers:
         return [HostBuffer(base, read.head), *map(self._part_buffer, read.parts),
                 HostBuffer(base + read.head, TAG_BYTES)]
 
-    def _read(self, items: list[tuple[str, _Read]], released: threading.Event,
+    def _read(self, items: list[tuple[str, _Read]], lease: _CallLease,
               deadline: float) -> list[FetchOutcome]:
         t0 = time.monotonic()
         if t0 > deadline:
             # NOTE (issue 50, finding 5): queued behind a slow call past its
             # deadline: the step computes these documents whatever we do now,
             # so the store is not asked (no call holds the span or the rows).
-            released.set()
+            lease.release()
             self._count("store_reads_never_started", len(items))
             return [FetchOutcome.TIMEOUT] * len(items)
         store = self._store()
         if store is None:
-            released.set()
+            lease.release()
             return [FetchOutcome.ERROR] * len(items)
         keys = [key for key, _ in items]
         if items[0][1].parts is not None:
             codes = store.batch_get_into_parts(
                 keys, [self._value_buffers(read) for _, read in items],
-                on_release=released.set)
+                on_release=lease.release)
         else:
             codes = store.batch_get_into(
                 keys, [self._value_buffers(read)[0] for _, read in items],
-                on_release=released.set)
+                on_release=lease.release)
         # NOTE: the transfer alone (one call for the step's entries), for the
         # bytes/s figure; verification follows.
         seconds = time.monotonic() - t0
@@ -641,7 +719,7 @@ class StoreTransfers:
                 # (its deadline counts from submit): it never reached the store,
                 # so nothing holds its span or its rows. Its step's other
                 # reads share the future and see it cancelled below.
-                read.span.released.set()
+                read.lease.release()
             if read.future.cancelled():
                 del self._reads[fetch_id]
                 self._outcomes[fetch_id] = FetchOutcome.TIMEOUT
