@@ -143,8 +143,11 @@ class _CallLease:
 
     __slots__ = ("released", "_keep")
 
-    def __init__(self, released: threading.Event, keep: list[torch.Tensor] | None):
+    def __init__(self, released: threading.Event, keep: list[object] | None):
         self.released = released
+        # NOTE: the host arena the call's spans are in too: a process's
+        # arenas live as long as its SharedStore, which need not outlive
+        # this engine (a SharedStore of its own, as in tests).
         self._keep = keep
 
     def release(self) -> None:
@@ -469,9 +472,10 @@ class StoreTransfers:
         if store is None:
             span.released.set()
             return StoreCode.ERROR
+        lease = _CallLease(span.released, [self.put_arena])
         return store.batch_put_from([key], [HostBuffer(self.put_arena.ptr + span.start,
                                                        span.nbytes)],
-                                    on_release=span.released.set)[0]
+                                    on_release=lease.release)[0]
 
     def _reap(self) -> None:
         still = []
@@ -611,7 +615,7 @@ class StoreTransfers:
         if not items:
             return
         released = threading.Event()
-        lease = _CallLease(released, list(self.tensors) if direct else None)
+        lease = _CallLease(released, [self.get_arena, *(self.tensors if direct else ())])
         for _, read in items:
             # One call for the step's entries: they are released together.
             read.span.released = released
