@@ -38,6 +38,7 @@ with a ValueError naming the type.
 
 import copy
 import enum
+import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
@@ -233,27 +234,61 @@ class Rounding(enum.Enum):
     ADDCMUL = "addcmul"
 
 
+def _frequencies(rope: torch.nn.Module) -> _Frequencies:
+    rule = _FREQUENCY_RULES.get(type(rope))
+    if rule is None:
+        raise ValueError(
+            f"chunk cache cannot re-position keys of RoPE type "
+            f"{type(rope).__name__}: only RoPE whose angle is linear in "
+            "the position is supported (default, linear, ntk, dynamic, "
+            "llama3, yarn, deepseek_yarn, longrope; a platform's own "
+            "subclasses only where its plugin registered them)"
+        )
+    return rule(rope)
+
+
+def _stored_neox_style(rope: torch.nn.Module) -> bool:
+    # The pairing of the stored keys: the rope's style, unless its type
+    # was registered with another (register_rope_rule).
+    pairing = _STORED_PAIRING.get(type(rope))
+    return bool(pairing(rope) if pairing is not None else getattr(rope, "is_neox_style", True))
+
+
+def rotation_identity(rope: torch.nn.Module) -> dict[str, object]:
+    """What the keys this rope rotated depend on, as vLLM built it (not as the
+    HF config describes it): the rule's fp32 inverse frequencies (digest), the
+    magnitude baked into its cos/sin, the row of position 0 in its cache, its
+    dims, pairing and cache dtype. The same rule the remapper rotates with, so
+    two engines whose stored K could differ get different identities.
+
+    NOTE (issue 50, finding 2): the HF rope fields do not decide the rotation.
+    LongRoPE uses its long factors (and their magnitude and cache half) when
+    max_model_len > original_max_position_embeddings, its short ones otherwise,
+    so one model config at two --max-model-len values rotates K differently.
+    Raises ValueError for a rope type the remapper refuses."""
+    freqs = _frequencies(rope)
+    inv_freq = freqs.inv_freq.detach().to(torch.float32).cpu().contiguous()
+    return {
+        "type": type(rope).__name__,
+        "head_size": int(rope.head_size),
+        "rotary_dim": int(rope.rotary_dim),
+        "neox": _stored_neox_style(rope),
+        "inv_freq": hashlib.blake2b(inv_freq.numpy().tobytes(), digest_size=16).hexdigest(),
+        # float.hex: exact, a repr of a rounded print could merge two magnitudes.
+        "magnitude": float(freqs.magnitude).hex(),
+        "cache_offset": int(freqs.cache_offset),
+        "cache_dtype": str(freqs.cache.dtype),
+    }
+
+
 class RopeRotation:
     """Rotates post-RoPE keys by a position delta, for one rope object."""
 
     def __init__(self, rope: torch.nn.Module, use_cpu_kernel: bool = True):
-        rule = _FREQUENCY_RULES.get(type(rope))
-        if rule is None:
-            raise ValueError(
-                f"chunk cache cannot re-position keys of RoPE type "
-                f"{type(rope).__name__}: only RoPE whose angle is linear in "
-                "the position is supported (default, linear, ntk, dynamic, "
-                "llama3, yarn, deepseek_yarn, longrope; a platform's own "
-                "subclasses only where its plugin registered them)"
-            )
-        freqs = rule(rope)
+        freqs = _frequencies(rope)
         self.head_size: int = rope.head_size
         self.rotary_dim: int = rope.rotary_dim
-        # The pairing of the stored keys: the rope's style, unless its type
-        # was registered with another (register_rope_rule).
-        pairing = _STORED_PAIRING.get(type(rope))
-        self.is_neox_style: bool = bool(
-            pairing(rope) if pairing is not None else getattr(rope, "is_neox_style", True))
+        self.is_neox_style: bool = _stored_neox_style(rope)
         # On the host only: a device copy kept from start-up would live in the
         # KV-cache memory pool, which a sleep discards (issue 30).
         self.inv_freq = freqs.inv_freq.to(torch.float32).cpu()

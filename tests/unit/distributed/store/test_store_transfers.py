@@ -550,3 +550,347 @@ def test_a_later_engines_pool_in_an_earlier_ones_memory_is_registered_again(
     assert second.reads_into_pool() is (not earlier_call_running)
     assert store.ranges == arenas | set(first._pool_buffers if earlier_call_running
                                         else second._pool_buffers)
+
+
+# -- issue 50, finding 9: the MAC covers the header; the fingerprint backlog ------
+
+
+def test_an_authenticated_entry_whose_header_tokens_were_rewritten_is_a_miss(tmp_path):
+    """The tokens of an entry were bound to its key by xxh3-128 only (its
+    content hash), and the MAC covered the key and the rows. A writer without
+    the secret who finds other tokens of the same content hash (xxh3 is no
+    cryptographic hash) rewrites the header's token ids, keeps the rows, the
+    tag and the checksum (of the payload only), and a reader of those tokens
+    is served the first tokens' KV. The MAC now covers the header."""
+    secret = tmp_path / "fleet.key"
+    secret.write_bytes(b"s" * 32)
+    store = LateScatterStore()
+    store.stuck_first_get = False
+    spec = f"mooncake://127.0.0.1:1?arena=1MB&local_client=none&key_file={secret}"
+    writer = transfers(spec, small_pool(seed=1), store=store)
+    wait_identity(writer)
+    tokens = [1] + list(range(10, 40))
+    a = entry(tokens)
+    writer.on_step(StoreStep(epoch=0, puts=[EntryPut(a, (0, 1))]))
+    drain_puts(writer)
+    (key, value), = store.values.items()
+
+    # The forgery: other tokens of the same length under the same key (a
+    # content-hash collision), everything else as written by the fleet.
+    forged_tokens = [1] + list(range(110, 140))
+    header = bytearray(value[:entry_format.header_nbytes(len(tokens))])
+    off = entry_format.FIXED_NBYTES
+    header[off:off + 4 * len(tokens)] = b"".join(t.to_bytes(4, "little")
+                                                 for t in forged_tokens)
+    store.values[key] = bytes(header) + value[len(header):]
+    collision = EntryRef(content_hash=a.content_hash, token_ids=tuple(forged_tokens),
+                         virtual_start=a.virtual_start, cache_salt=None, lora="")
+
+    for direct in (True, False):
+        reader = transfers(spec, small_pool(seed=2), store=store)
+        if not direct:
+            reader._pool_buffers = []  # reads through the arena (a device pool)
+        wait_identity(reader)
+        assert reader.reads_into_pool() is direct
+        # The genuine entry still reads back; the forged header does not.
+        store.values[key] = value
+        reader.on_step(StoreStep(epoch=0, fetches=[EntryFetch("genuine", a, (2, 3))]))
+        assert step_until(reader, "genuine") is FetchOutcome.OK
+        store.values[key] = bytes(header) + value[len(header):]
+        reader.on_step(StoreStep(epoch=0, fetches=[EntryFetch("forged", collision, (4, 5))]))
+        assert step_until(reader, "forged") is FetchOutcome.VERIFY_FAILED, (
+            f"a header rewritten without the secret was served (direct={direct})")
+
+
+def test_superseded_fingerprints_are_cancelled():
+    """Each reset queued a full hash of the weights on the fingerprint thread,
+    and none was ever dropped: resets faster than a hash grew the backlog
+    without bound. A fingerprint no longer the current epoch's is cancelled
+    unless it already runs; a put of a superseded epoch is skipped."""
+    go = threading.Event()
+    calls = []
+
+    def slow_fingerprint(model):
+        calls.append(time.monotonic())
+        go.wait(30)
+        return "w"
+
+    store = LateStore()
+    t = transfers("mooncake://127.0.0.1:1?arena=1MB&local_client=none", small_pool(),
+                  store=store, fingerprint=slow_fingerprint)
+    deadline = time.monotonic() + 10
+    while not calls:  # epoch 0's hash runs
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    t.on_step(StoreStep(epoch=1, puts=[EntryPut(entry([1, 2, 3]), (0,))]))
+    for epoch in range(2, 50):
+        t.on_step(StoreStep(epoch=epoch))
+    go.set()
+    wait_identity(t)
+    assert t.identity.epoch == 49
+    deadline = time.monotonic() + 10
+    while t._puts:  # NOTE: drain_puts steps at epoch 0, which is a reset
+        t.on_step(StoreStep(epoch=49))
+        assert time.monotonic() < deadline, "puts did not finish"
+        time.sleep(0.01)
+    time.sleep(0.2)  # anything still queued would run now
+    # Epoch 0's (already running) and epoch 49's: nothing in between.
+    assert len(calls) == 2, f"{len(calls)} fingerprints ran for 2 epochs that count"
+    # Epoch 1's put had no identity to be keyed with: skipped, never stored.
+    assert store.values == {} and t.counters.get("store_puts_skipped") == 1
+    assert t.put_arena.in_use() == 0 and t.lent_bytes() == 0
+
+
+# -- issue 50, finding 5: a call that runs past the deadline; reads queued behind it --
+
+
+class BlockingScatterStore(LateScatterStore):
+    """A store whose first get is a real stuck call: it blocks (on `go`) well
+    past the read deadline, then writes garbage into every buffer it was
+    given, then returns (TIMEOUT) and releases. The step thread sees a future
+    still running at the deadline, as with a stopped holder or RDMA. Other
+    gets work at once; `gets` counts the calls that reached the store."""
+
+    def __init__(self):
+        super().__init__()
+        self.stuck_first_get = False
+        self.block_first = True
+        self.go = threading.Event()
+        self.entered = threading.Event()
+        self.gets = 0
+
+    def batch_get_into_parts(self, keys, parts, on_release=lambda: None):
+        self.gets += 1
+        if self.block_first:
+            self.block_first = False
+            self.entered.set()
+            assert self.go.wait(30)
+            for buffers in parts:
+                for b in buffers:
+                    _write(b, bytes([0x7F]) * b.nbytes)
+            on_release()
+            return [StoreCode.TIMEOUT] * len(keys)
+        return super().batch_get_into_parts(keys, parts, on_release)
+
+
+def _blocking_reader(store: BlockingScatterStore):
+    src = small_pool(seed=1)
+    writer = transfers("mooncake://127.0.0.1:1?arena=1MB&local_client=none", src, store=store)
+    wait_identity(writer)
+    a, b = entry([1] + list(range(10, 40))), entry([1] + list(range(50, 90)))
+    writer.on_step(StoreStep(epoch=0, puts=[EntryPut(a, (0, 1)), EntryPut(b, (2, 3, 4))]))
+    drain_puts(writer)
+    dst = small_pool(seed=2)
+    reader = transfers("mooncake://127.0.0.1:1?read_timeout=0.05&timeout=0.05&arena=1MB"
+                       "&local_client=none", dst, store=store)
+    wait_identity(reader)
+    assert reader.reads_into_pool()
+    return reader, dst, a, b
+
+
+def test_a_read_queued_behind_a_stuck_call_is_cancelled_and_lends_nothing():
+    """f1's call is stuck past its deadline: its rows stay lent until the call
+    returns, and its late write lands in them then. f2, queued behind it on the
+    get thread, never reached the store: before, its deadline (counted from
+    submit) passed too and its rows were reported lent although nothing held
+    them; now its call is cancelled, nothing is lent, and it never runs."""
+    store = BlockingScatterStore()
+    reader, dst, a, b = _blocking_reader(store)
+    untouched = rows_of(dst, (1, 2, 3), 40)
+    reader.on_step(StoreStep(epoch=0, fetches=[EntryFetch("f1", a, (5, 6))]))
+    assert store.entered.wait(10)
+    reader.on_step(StoreStep(epoch=0, fetches=[EntryFetch("f2", b, (1, 2, 3))]))
+    outcomes, lent = {}, {}
+    deadline = time.monotonic() + 10
+    while len(outcomes) < 2:
+        reader.on_step(StoreStep(epoch=0))
+        report = reader.take_report()
+        if report is not None:
+            outcomes.update({k: v[0] for k, v in report.outcomes.items()})
+            lent.update(report.rows_lent)
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert outcomes == {"f1": FetchOutcome.TIMEOUT, "f2": FetchOutcome.TIMEOUT}
+    assert lent == {"f1": 1}, f"rows reported lent: {lent} (f2's call never started)"
+    assert set(reader._rows_held) == {"f1"}
+    # The stuck call is still the store's: rows 5-6 and f1's span stay lent.
+    assert _reports(reader, 3).rows_returned == {}
+    assert reader.lent_bytes() > 0
+
+    store.go.set()  # the call writes late, then returns
+    deadline = time.monotonic() + 10
+    returned = {}
+    while not returned:
+        returned = _reports(reader).rows_returned
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert returned == {"f1": 1} and reader._rows_held == {}
+    late = rows_of(dst, (5, 6), 30)
+    assert all((v.view(torch.uint8) == 0x7F).all() for v in late.values())
+    time.sleep(0.2)
+    _reports(reader, 2)
+    assert store.gets == 1, "the cancelled read reached the store"
+    for name, rows in rows_of(dst, (1, 2, 3), 40).items():
+        assert torch.equal(rows, untouched[name]), name
+    assert reader.get_arena.in_use() == 0 and reader.lent_bytes() == 0
+    # The connection serves on.
+    reader.on_step(StoreStep(epoch=0, fetches=[EntryFetch("f3", b, (1, 2, 3))]))
+    assert step_until(reader, "f3") is FetchOutcome.OK
+
+
+def test_a_read_whose_deadline_passed_in_the_queue_is_not_started():
+    """The get thread reaches a read after its deadline, before the step gave
+    it up: it does not call the store (the step computes the document anyway),
+    and it lends nothing."""
+    store = BlockingScatterStore()
+    reader, dst, a, b = _blocking_reader(store)
+    untouched = rows_of(dst, (1, 2, 3), 40)
+    reader.on_step(StoreStep(epoch=0, fetches=[EntryFetch("f1", a, (5, 6))]))
+    assert store.entered.wait(10)
+    reader.on_step(StoreStep(epoch=0, fetches=[EntryFetch("f2", b, (1, 2, 3))]))
+    time.sleep(0.3)  # f2's deadline passes in the queue; no step runs meanwhile
+    store.go.set()
+    f2 = reader._reads["f2"].future
+    deadline = time.monotonic() + 10
+    while not f2.done():  # the get thread took f2 (no step ran: none cancelled it)
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert not f2.cancelled()
+    assert store.gets == 1, "a read past its deadline was started"
+    merged = _reports(reader, 2)
+    assert {k: v[0] for k, v in merged.outcomes.items()} == {
+        "f1": FetchOutcome.TIMEOUT, "f2": FetchOutcome.TIMEOUT}
+    assert merged.rows_lent == {}
+    for name, rows in rows_of(dst, (1, 2, 3), 40).items():
+        assert torch.equal(rows, untouched[name]), name
+    assert reader.get_arena.in_use() == 0 and reader.lent_bytes() == 0
+
+
+def test_verification_makes_no_torch_view_on_the_get_thread():
+    """NOTE: torch views made on the get thread once kept verification from
+    finishing in the engine's process (transfers.py); the pool's bytes are
+    numpy views made at start-up, and so must the arena's be."""
+    store = LateScatterStore()
+    store.stuck_first_get = False
+    src = small_pool(seed=1)
+    writer = transfers("mooncake://127.0.0.1:1?arena=1MB&local_client=none", src, store=store)
+    wait_identity(writer)
+    a = entry([1] + list(range(10, 40)))
+    writer.on_step(StoreStep(epoch=0, puts=[EntryPut(a, (0, 1))]))
+    drain_puts(writer)
+    for direct in (True, False):
+        reader = transfers("mooncake://127.0.0.1:1?arena=1MB&local_client=none",
+                           small_pool(seed=2), store=store)
+        if not direct:
+            reader._pool_buffers = []
+        wait_identity(reader)
+        threads = []
+        view = reader.get_arena.view
+        reader.get_arena.view = lambda *args: threads.append(
+            threading.current_thread().name) or view(*args)
+        reader.on_step(StoreStep(epoch=0, fetches=[EntryFetch("f", a, (2, 3))]))
+        assert step_until(reader, "f") is FetchOutcome.OK
+        assert not [n for n in threads if n.startswith("chunk-store-get")], threads
+
+
+# -- issue 50, finding 1: a late read into the pool of a closed engine --------------
+
+
+def _pool_reader_with_a_stuck_read(seed: int = 2):
+    """A reader whose read into pool rows 5-6 was given up on while the store's
+    call still holds them (LateScatterStore: TIMEOUT now, the write later)."""
+    store = LateScatterStore()
+    src = small_pool(seed=1)
+    writer = transfers("mooncake://127.0.0.1:1?read_timeout=0.05&arena=1MB&local_client=none",
+                       src, store=store)
+    wait_identity(writer)
+    a = entry([1] + list(range(10, 40)))
+    writer.on_step(StoreStep(epoch=0, puts=[EntryPut(a, (0, 1))]))
+    drain_puts(writer)
+    dst = small_pool(seed=seed)
+    reader = transfers("mooncake://127.0.0.1:1?read_timeout=0.05&arena=1MB&local_client=none",
+                       dst, store=store)
+    wait_identity(reader)
+    assert reader.reads_into_pool()
+    reader.on_step(StoreStep(epoch=0, fetches=[EntryFetch("f1", a, (5, 6))]))
+    assert step_until(reader, "f1") is FetchOutcome.TIMEOUT
+    assert reader._rows_held.keys() == {"f1"} and store.late
+    return store, reader, dst
+
+
+def test_a_closed_engines_pool_stays_allocated_until_a_late_read_into_it_returns():
+    """Mooncake was handed raw pointers into the pool; nothing kept the pool
+    alive until the call's release. An engine closed (`del llm`) while such a
+    call hangs freed its pool, and the late write then landed in whatever the
+    next engine (or anything) had put there, or in unmapped memory. The pool's
+    memory now stays allocated until the call returns, and not longer."""
+    import gc
+    import weakref
+
+    store, reader, dst = _pool_reader_with_a_stuck_read()
+    pool = weakref.ref(dst["layers.0.k"])
+    del reader, dst  # the engine goes (no close: `del llm` without a shutdown)
+    gc.collect()
+    assert pool() is not None, "the pool was freed while a store call may still write into it"
+    # The call writes (into memory still the pool's), then returns: its
+    # on_release is the last hold on the pool.
+    store.land_late(fill=0x7F)
+    gc.collect()
+    assert pool() is None, "the pool outlived the store's call"
+
+
+def test_closing_waits_for_the_calls_in_flight_and_frees_their_memory():
+    """A call that returns within the close's wait: the close returns once it
+    has, nothing is held, and the shared arenas (a later engine of the process
+    gets them) have every span back."""
+    store, reader, dst = _pool_reader_with_a_stuck_read()
+    timer = threading.Timer(0.3, store.land_late, kwargs={"fill": 0x7F})
+    timer.start()
+    t0 = time.monotonic()
+    assert reader.close(timeout_s=10) == 0
+    assert 0.2 < time.monotonic() - t0 < 5
+    timer.join()
+    assert reader.get_arena.in_use() == 0 and reader.put_arena.in_use() == 0
+    assert reader.lent_bytes() == 0
+    # A closed engine starts no calls.
+    reader.on_step(StoreStep(epoch=0, fetches=[EntryFetch("late", entry([1, 2, 3]), (0,))]))
+    assert store.late == [] and reader._reads == {}
+
+
+def test_closing_under_a_call_that_does_not_return_accounts_for_it():
+    """A call still running when the close's wait ends: the close says so
+    (one call holds this engine's memory), and that memory stays allocated."""
+    import gc
+    import weakref
+
+    store, reader, dst = _pool_reader_with_a_stuck_read()
+    pool = weakref.ref(dst["layers.0.k"])
+    t0 = time.monotonic()
+    assert reader.close(timeout_s=0.2) == 1
+    assert time.monotonic() - t0 < 5
+    del reader, dst
+    gc.collect()
+    assert pool() is not None
+    store.land_late(fill=0x7F)
+    gc.collect()
+    assert pool() is None
+
+
+def test_the_connectors_shutdown_closes_the_store_path():
+    """vLLM's worker shutdown calls the connector's `shutdown`: the store's
+    calls in flight are waited for (a store deadline) and accounted for."""
+    from types import SimpleNamespace
+
+    from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.connector import (
+        ChunkCacheConnector,
+    )
+
+    store, reader, dst = _pool_reader_with_a_stuck_read()
+    reader.spec = SimpleNamespace(timeout_s=0.1)  # the wait: a store deadline
+    connector = ChunkCacheConnector.__new__(ChunkCacheConnector)
+    connector._scheduler, connector._worker = None, SimpleNamespace(store=reader)
+    connector.shutdown()
+    assert reader.counters.get("store_calls_held_at_close") == 1
+    reader.on_step(StoreStep(epoch=0, fetches=[EntryFetch("late", entry([1, 2, 3]), (0,))]))
+    assert reader._reads == {}
+    store.land_late(fill=0)

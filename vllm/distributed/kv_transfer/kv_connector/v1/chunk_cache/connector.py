@@ -126,6 +126,16 @@ class ChunkCacheConnector(KVConnectorBase_V1):
             return True
         return self._scheduler.reset()
 
+    def shutdown(self) -> None:
+        """vLLM's worker shutdown (an engine closed, `del llm`): the store's
+        calls that hold this engine's memory get a store deadline to return.
+        NOTE (issue 50, finding 1): one that does not keeps that memory (the
+        pool tensors, arena spans) allocated until it does (StoreTransfers.close),
+        so a later engine's pool never lies where a late read writes."""
+        store = self._worker.store if self._worker is not None else None
+        if store is not None:
+            store.close(timeout_s=store.spec.timeout_s + 1.0)
+
     def get_kv_connector_stats(self) -> ChunkCacheConnectorStats | None:
         if self._scheduler is not None:
             return self._scheduler.take_stats()

@@ -50,6 +50,9 @@ STORE_COUNTERS: dict[str, str] = {
     "store_lookup_timeouts":
         "Store lookups not answered within the lookup deadline (computed instead)",
     "store_reads_given_up": "Store reads that missed their read deadline (computed instead)",
+    "store_reads_never_started":
+        "Store reads dropped before their call started, queued past their deadline behind "
+        "another store call (computed instead; nothing lent)",
     "store_reads_no_room": "Store reads refused for lack of read-arena room (computed instead)",
     "store_reads_skipped_slower":
         "Store hits computed instead: the read was expected to take longer than the compute",

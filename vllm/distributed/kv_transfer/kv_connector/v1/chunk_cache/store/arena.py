@@ -32,6 +32,9 @@ class HostArena:
             self._memory = (ctypes.c_uint8 * nbytes).from_address(ptr)
             self.tensor = torch.frombuffer(self._memory, dtype=torch.uint8)
         self.ptr = self.tensor.data_ptr()
+        # NOTE: the bytes as numpy, made here: the store's get thread reads
+        # through it (bytes_view), never through a torch view made there.
+        self._array = self.tensor.numpy()
         # Free spans (offset, size), sorted by offset.
         self._free: list[tuple[int, int]] = [(0, nbytes)]
         # Span start -> (its free-list offset, bytes it took).
@@ -73,6 +76,10 @@ class HostArena:
 
     def view(self, start: int, nbytes: int) -> torch.Tensor:
         return self.tensor[start:start + nbytes]
+
+    def bytes_view(self, start: int, nbytes: int):
+        """`view` as a numpy uint8 array (no torch call)."""
+        return self._array[start:start + nbytes]
 
     def in_use(self) -> int:
         with self._lock:

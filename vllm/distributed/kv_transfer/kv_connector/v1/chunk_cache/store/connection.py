@@ -97,7 +97,7 @@ class SharedStore:
                 if self._store is not None:
                     self._register_locked(self._store)
             elif self._store is not None:
-                self._carve_locked(self._store)
+                self._arenas = self._carved(self._store)
 
     def want_pool(self, buffers: list[HostBuffer]) -> None:
         """A worker's chunk pool (host tensors): registered with the client in
@@ -159,13 +159,12 @@ class SharedStore:
                 with self._lock:
                     pool = len(KINDS) * (self._arena_bytes + 2 * ALIGN)
                 store = MooncakeChunkStore.connect(self.spec, shared_pool_bytes=pool)
-                with self._lock:
-                    # NOTE: published only once its memory is registered: a call is
-                    # never given memory the client does not know.
-                    if self.shared_memory:
-                        self._carve_locked(store)
-                    self._register_locked(store)
-                    self._store = store
+                try:
+                    with self._lock:
+                        self._adopt_locked(store)
+                except BaseException:
+                    self._discard(store)
+                    raise
             except Exception as e:  # noqa: BLE001 - any failure: try again later
                 self.connect_failures += 1
                 logger.warning("chunk store: cannot connect to %s (%s); entries are "
@@ -183,25 +182,67 @@ class SharedStore:
         with socket.create_connection((host, int(port)), timeout=min(1.0, self.spec.timeout_s)):
             pass
 
-    def _carve_locked(self, store: ChunkStore) -> None:
-        """The arenas, from the dummy client's shared memory."""
-        if not self._arena_bytes or self._arenas:
-            return
+    def _adopt_locked(self, store: ChunkStore) -> None:
+        """Make `store` the connection: its arenas (carved from its shared
+        memory through the node's client) and every buffer registered with it,
+        then published. NOTE (issue 50, finding 7): what is registered with, or
+        carved from, a client belongs to that client alone. Registrations are
+        recorded for `store` from scratch, and carved arenas are published
+        only with it, so a try that fails half-way (`_discard`) leaves nothing
+        of its client behind: before, an arena registered with a discarded
+        client stayed in `_registered` and was never registered with the next
+        one (every read into it failed), and arenas carved from a discarded
+        dummy client's shared memory were kept for the next."""
+        self._registered = set()
+        self._pool_registered = set()
+        if self.shared_memory and not self._arenas:
+            arenas = self._carved(store)
+            self._register_arenas_locked(store, arenas)
+            # NOTE: published only once registered: a call is never given
+            # memory the client does not know.
+            self._arenas = arenas
+        else:
+            self._register_arenas_locked(store, self._arenas)
+        self._register_pool_locked(store)
+        self._store = store
+
+    def _discard(self, store: ChunkStore) -> None:
+        """A client whose set-up failed after it connected: nothing of it stays
+        (its registrations, arenas from its shared memory), and it is closed."""
+        with self._lock:
+            if self._store is store:
+                self._store = None
+            self._registered = set()
+            self._pool_registered = set()
+            if self.shared_memory:
+                self._arenas = {}
         try:
-            for kind in KINDS:
-                ptr = store.alloc_host(self._arena_bytes)
-                self._arenas[kind] = HostArena(self._arena_bytes, ptr=ptr)
+            store.close()
+        except Exception as e:  # noqa: BLE001 - it is dropped either way
+            logger.warning("chunk store: closing a client whose set-up failed: %s", e)
+
+    def _carved(self, store: ChunkStore) -> dict[str, HostArena]:
+        """The arenas, from the dummy client's shared memory ({} if none was
+        asked for yet or there is no room)."""
+        if not self._arena_bytes:
+            return {}
+        try:
+            return {kind: HostArena(self._arena_bytes, ptr=store.alloc_host(self._arena_bytes))
+                    for kind in KINDS}
         except RuntimeError as e:
             # NOTE: a connection made before any worker asked (its pool too small):
             # the store stays without arenas, every read and write a miss.
-            self._arenas.clear()
             logger.error("chunk store: %s; store reads and writes are off in this process", e)
+            return {}
 
-    def _register_locked(self, store: ChunkStore) -> None:
-        for kind, arena in self._arenas.items():
+    def _register_arenas_locked(self, store: ChunkStore, arenas: dict[str, HostArena]) -> None:
+        for kind, arena in arenas.items():
             if kind not in self._registered:
                 store.register_buffer(HostBuffer(arena.ptr, arena.nbytes))
                 self._registered.add(kind)
+
+    def _register_locked(self, store: ChunkStore) -> None:
+        self._register_arenas_locked(store, self._arenas)
         self._register_pool_locked(store)
 
     def _register_pool_locked(self, store: ChunkStore) -> None:

@@ -29,6 +29,7 @@ MAGIC = b"CCKV"
 FORMAT_VERSION = 1
 _FIXED = struct.Struct("<4sHHIIqQQ")
 FIXED_NBYTES = _FIXED.size  # 40
+_CHECKSUM_AT = 32
 ALIGN = 64
 _MAX_TOKEN_ID = (1 << 32) - 1
 
@@ -95,6 +96,15 @@ def encode_header(h: EntryHeader) -> bytes:
     _FIXED.pack_into(out, 0, MAGIC, h.version, 0, size, n, h.virtual_start,
                      h.payload_nbytes, h.checksum)
     out[FIXED_NBYTES:FIXED_NBYTES + 4 * n] = tokens.astype("<u4").tobytes()
+    return bytes(out)
+
+
+def header_for_mac(header) -> bytes:
+    """The header as the entry's MAC covers it: every field but the checksum
+    (zeroed), which is over the payload and so over the tag itself. The MAC
+    covers the payload's rows directly (integrity.py)."""
+    out = bytearray(memoryview(header).cast("B"))
+    out[_CHECKSUM_AT:_CHECKSUM_AT + 8] = bytes(8)
     return bytes(out)
 
 

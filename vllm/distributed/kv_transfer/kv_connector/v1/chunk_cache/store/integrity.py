@@ -8,8 +8,14 @@ Two modes:
   and the header's checksum covers it. It does NOT stop anyone who can write to
   the store: such a writer can store any KV under any key and make it verify.
 - authenticated (`--chunk-store ...&key_file=PATH`): keyed BLAKE3 (a vLLM
-  dependency) with the fleet's secret over the key and the whole payload
-  before the tag. Without the secret no value verifies under any key.
+  dependency) with the fleet's secret over the key, the header (all but its
+  checksum: entry_format.header_for_mac) and the whole payload before the
+  tag. Without the secret no value verifies under any key. NOTE (issue 50,
+  finding 9): the header is covered because the key binds the tokens only by
+  their xxh3-128 content hash, which is no cryptographic hash: without it a
+  writer could put other tokens of the same content hash in the header of a
+  genuine value and have their reader served its rows. A tag is compared in
+  constant time (`matches`).
 
 Either way the header (token ids in clear, virtual start, checksum) is
 readable by anyone who can read the store.
@@ -17,13 +23,15 @@ readable by anyone who can read the store.
 
 from __future__ import annotations
 
+import hmac
 from pathlib import Path
 
 import xxhash
 
 TAG_BYTES = 16
 # The secret is hashed to BLAKE3's 32-byte key (any length of secret works).
-_KEY_CONTEXT = "chunkcache 2026-11 store entry MAC v1"
+# v2: the MAC covers the header too (issue 50); a v1 tag never verifies as v2.
+_KEY_CONTEXT = "chunkcache 2026-11 store entry MAC v2"
 _MIN_SECRET_BYTES = 16
 
 
@@ -52,13 +60,11 @@ class EntrySeal:
     def authenticated(self) -> bool:
         return self._key is not None
 
-    def tag(self, key: str, body) -> bytes:
-        """The tag of payload `body` (everything before the tag) under `key`."""
-        return self.tag_of_parts(key, [body])
-
-    def tag_of_parts(self, key: str, parts) -> bytes:
-        """`tag` of the payload made of `parts` in order (a read that landed
-        in pool rows: the payload is never one buffer)."""
+    def tag_of_parts(self, key: str, mac_header: bytes, parts) -> bytes:
+        """The tag of the entry whose header, as the MAC covers it, is
+        `mac_header` (entry_format.header_for_mac) and whose payload before
+        the tag is made of `parts` in order (a read that landed in pool rows:
+        the payload is never one buffer)."""
         if self._key is None:
             return xxhash.xxh3_128(key.encode()).digest()
         import blake3
@@ -66,6 +72,13 @@ class EntrySeal:
         mac = blake3.blake3(key=self._key)
         mac.update(key.encode())
         mac.update(b"\0")
+        mac.update(mac_header)
         for part in parts:
             mac.update(memoryview(part).cast("B"))
         return mac.digest(length=TAG_BYTES)
+
+    def matches(self, tag, key: str, mac_header: bytes, parts) -> bool:
+        """Whether `tag` is the entry's; in constant time (a byte-wise `!=`
+        returns at the first difference, and its timing tells a forger how
+        much of a tag was right)."""
+        return hmac.compare_digest(bytes(tag), self.tag_of_parts(key, mac_header, parts))

@@ -1,7 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """StoreRank: what a worker rank knows of itself that goes into its store keys
 (besides the weights fingerprint, taken per epoch): its place in TP/PP, the
-model, the RoPE configuration, and how it computes KV (`compute`).
+model, the RoPE configuration (the HF fields and the rotation vLLM built from
+them, `effective_rotation`), and how it computes KV (`compute`).
 
 Built from the engine once (`from_engine`); tests build it directly.
 """
@@ -43,9 +44,12 @@ class StoreRank:
         parallel = vllm_config.parallel_config
         hf = vllm_config.model_config.hf_text_config
         rope = json.dumps({
-            k: getattr(hf, k, None)
-            for k in ("rope_theta", "rope_scaling", "rope_parameters", "partial_rotary_factor",
-                      "max_position_embeddings")
+            "hf": {
+                k: getattr(hf, k, None)
+                for k in ("rope_theta", "rope_scaling", "rope_parameters",
+                          "partial_rotary_factor", "max_position_embeddings")
+            },
+            "built": effective_rotation(model),
         }, sort_keys=True, default=str)
         backends = sorted({backend_name(m.attn_backend) for m in model.modules()
                            if getattr(m, "attn_backend", None) is not None})
@@ -65,6 +69,35 @@ class StoreRank:
             compute=compute,
             max_chunk_tokens=vllm_config.chunk_cache_config.max_chunk_tokens,
         )
+
+
+def effective_rotation(model: nn.Module) -> dict[str, object]:
+    """The rotation vLLM built for each attention layer's keys: the distinct
+    ropes' identities (position_remapper.rotation_identity: what the remapper
+    rotates with) and, per layer, which one it used (None: no RoPE).
+
+    NOTE (issue 50, finding 2): the HF rope fields alone do not decide it (a
+    LongRoPE model uses other factors at another --max-model-len; any rope
+    whose cos/sin depend on engine arguments), and K rotated one way must
+    never be served to an engine that rotates another way."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.layer_ropes import (
+        find_layer_ropes,
+    )
+    from vllm.v1.worker.position_remapper import rotation_identity
+
+    ropes, _ = find_layer_ropes(model)
+    identities: list[str] = []
+    layers: dict[str, int | None] = {}
+    for name in sorted(ropes):
+        rope = ropes[name]
+        if rope is None:
+            layers[name] = None
+            continue
+        identity = json.dumps(rotation_identity(rope), sort_keys=True)
+        if identity not in identities:
+            identities.append(identity)
+        layers[name] = identities.index(identity)
+    return {"ropes": identities, "layers": layers}
 
 
 def backend_name(backend) -> str:

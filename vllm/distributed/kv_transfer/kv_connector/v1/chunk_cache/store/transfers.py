@@ -34,7 +34,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -84,6 +84,11 @@ READ_SLACK = 4.0
 INITIAL_READ_BYTES_PER_S = 1 << 30
 
 
+# What _put returns for an entry it did not store (no key: its epoch's
+# fingerprint was cancelled by a later reset).
+_SKIPPED = None
+
+
 def entry_nbytes(num_tokens: int, num_rows: int, row_bytes: int) -> int:
     """Header + rows + tag of an entry of `num_tokens` header tokens."""
     return entry_format.header_nbytes(num_tokens) + num_rows * row_bytes + TAG_BYTES
@@ -124,6 +129,32 @@ class _Span:
         return self.released.is_set() and (self.fence is None or self.fence.query())
 
 
+class _CallLease:
+    """What one store call was given that must outlive the call: the event
+    its spans wait on and, for a read into pool rows, the pool tensors.
+
+    NOTE (issue 50, finding 1): Mooncake holds raw pointers into the pool
+    until its call returns. An engine closed meanwhile (`del llm`, a framework
+    that recreates engines) would free the pool, the next engine's pool could
+    land at the same addresses, and the late write would scatter into its rows
+    (served unchecked) or into unmapped memory. The lease is the store call's
+    `on_release`, so whatever holds the call (Mooncake's lane) holds the
+    tensors, and `release` lets them go when the call has returned."""
+
+    __slots__ = ("released", "_keep")
+
+    def __init__(self, released: threading.Event, keep: list[object] | None):
+        self.released = released
+        # NOTE: the host arena the call's spans are in too: a process's
+        # arenas live as long as its SharedStore, which need not outlive
+        # this engine (a SharedStore of its own, as in tests).
+        self._keep = keep
+
+    def release(self) -> None:
+        self._keep = None
+        self.released.set()
+
+
 @dataclass(frozen=True)
 class _PoolPart:
     """Rows [first_row, first_row + num_rows) of one pool tensor: a piece of
@@ -146,6 +177,7 @@ class _Read:
     future: Future
     index: int
     deadline: float
+    lease: _CallLease | None = None
 
 
 @dataclass
@@ -227,6 +259,7 @@ class StoreTransfers:
         # Set when the model's load_weights runs (weight sync, reload) and
         # cleared at the next epoch (the reset that must follow a weight update).
         self.weights_changed = False
+        self._closed = False
         self._watch_weight_loads(model)
         shared.start_connecting()
         self._new_epoch(0)
@@ -275,6 +308,8 @@ class StoreTransfers:
     # --------------------------------------------------------------- step
 
     def on_step(self, step: StoreStep) -> None:
+        if self._closed:
+            return
         if step.epoch != self.epoch:
             self._new_epoch(step.epoch)
         for put in step.puts:
@@ -314,6 +349,12 @@ class StoreTransfers:
         self.epoch = epoch
         self.weights_changed = False
         self._identity_reported = False
+        # NOTE (issue 50, finding 9): a fingerprint not yet started is of no
+        # use once superseded, and each is a full hash of the weights: resets
+        # faster than a hash queued them without bound. A running one cannot
+        # be stopped; so at most one runs and one waits.
+        if self._identity is not None:
+            self._identity.cancel()
         self._identity = self._fp_thread.submit(self._make_identity, epoch)
 
     def _make_identity(self, epoch: int) -> RankIdentity:
@@ -406,22 +447,35 @@ class StoreTransfers:
     def _put(self, identity: Future, entry: EntryRef, span: _Span, head: int) -> int:
         # NOTE: the entry was computed in this epoch: its key waits for the
         # epoch's fingerprint (on this thread, never on the step).
-        key = self._key(identity.result(), entry)
+        try:
+            key = self._key(identity.result(), entry)
+        except CancelledError:
+            # A reset came before this epoch's fingerprint ran (_new_epoch
+            # cancelled it): the entry has no key; it is not stored.
+            span.released.set()
+            return _SKIPPED
         if span.fence is not None:
             span.fence.synchronize()  # the rows' copy into the arena
         payload = span.nbytes - head
-        body = self.put_arena.view(span.start + head, payload).numpy()
-        body[payload - TAG_BYTES:] = memoryview(self.seal.tag(key, body[:payload - TAG_BYTES]))
+        # NOTE: numpy views only on the store threads (HostArena.bytes_view).
+        body = self.put_arena.bytes_view(span.start + head, payload)
+        # NOTE: the tag covers the header but its checksum, which covers the tag.
+        mac_header = entry_format.header_for_mac(entry_format.encode_header(
+            entry_format.EntryHeader(entry_format.FORMAT_VERSION, int(entry.virtual_start),
+                                     tuple(int(t) for t in entry.token_ids), payload, 0)))
+        body[payload - TAG_BYTES:] = memoryview(
+            self.seal.tag_of_parts(key, mac_header, [body[:payload - TAG_BYTES]]))
         header = entry_format.encode_header(
             entry_format.make_header(entry.virtual_start, entry.token_ids, body))
-        self.put_arena.view(span.start, head).numpy()[:] = memoryview(header)
+        self.put_arena.bytes_view(span.start, head)[:] = memoryview(header)
         store = self._store()
         if store is None:
             span.released.set()
             return StoreCode.ERROR
+        lease = _CallLease(span.released, [self.put_arena])
         return store.batch_put_from([key], [HostBuffer(self.put_arena.ptr + span.start,
                                                        span.nbytes)],
-                                    on_release=span.released.set)[0]
+                                    on_release=lease.release)[0]
 
     def _reap(self) -> None:
         still = []
@@ -435,7 +489,9 @@ class StoreTransfers:
                 logger.warning("chunk store: put failed: %s", e)
                 put.span.released.set()  # raised before the store was given it
                 code = StoreCode.ERROR
-            if code == 0:
+            if code is _SKIPPED:
+                self._count("store_puts_skipped")
+            elif code == 0:
                 self._count("store_puts")
                 self._count("store_put_bytes", put.span.nbytes)
             else:
@@ -457,6 +513,55 @@ class StoreTransfers:
             arena.free(span.start)
         else:
             self._lent.append((arena, span))
+
+    def close(self, timeout_s: float) -> int:
+        """The engine is closing: start no call, drop the reads still queued,
+        wait up to `timeout_s` for the store calls that hold this engine's
+        memory (pool rows, spans of the process's arenas) to return, and free
+        what they held. Returns how many calls still hold some when the wait
+        ends: their pool tensors stay allocated (each call's lease) and their
+        spans stay taken until they return, so nothing is written into memory
+        a later engine was given (issue 50, finding 1)."""
+        if self._closed:
+            return 0
+        self._closed = True
+        for read in self._reads.values():
+            if read.future.cancel():
+                read.lease.release()
+        for put in self._puts:
+            if put.future.cancel():
+                put.span.released.set()  # never handed to the store
+        t_end = time.monotonic() + timeout_s
+        spans = ([r.span for r in self._reads.values()] + list(self._rows_held.values())
+                 + [p.span for p in self._puts] + [span for _, span in self._lent])
+        events = {id(span.released): span.released for span in spans}
+        for event in events.values():
+            event.wait(max(0.0, t_end - time.monotonic()))
+        # Verification may still run after a read's call released its memory.
+        for read in list(self._reads.values()):
+            try:
+                read.future.exception(max(0.0, t_end - time.monotonic()))
+            except Exception:  # noqa: BLE001 - cancelled, or still running: given up below
+                pass
+            read.deadline = float("-inf")
+        self._finish_reads()
+        for put in self._puts:
+            try:
+                put.future.exception(max(0.0, t_end - time.monotonic()))
+            except Exception:  # noqa: BLE001 - cancelled, or still running: held
+                pass
+        self._reap()
+        held = sum(not e.is_set() for e in events.values())
+        for executor in (self._get_thread, self._put_thread, self._fp_thread):
+            executor.shutdown(wait=False, cancel_futures=True)
+        if held:
+            self._count("store_calls_held_at_close", held)
+            logger.warning(
+                "chunk store: closing with %d store call(s) that have not returned within "
+                "%.1f s; the memory they were given (pool tensors, %d bytes of host "
+                "arenas) stays allocated until they return", held, timeout_s,
+                self.lent_bytes())
+        return held
 
     def shared_ready(self, timeout_s: float) -> bool:
         """Tests and tools: wait until the connection is made."""
@@ -510,15 +615,17 @@ class StoreTransfers:
         if not items:
             return
         released = threading.Event()
+        lease = _CallLease(released, [self.get_arena, *(self.tensors if direct else ())])
         for _, read in items:
             # One call for the step's entries: they are released together.
             read.span.released = released
-        future = self._get_thread.submit(self._read, items, released)
-        now = time.monotonic()
+            read.lease = lease
         total = sum(entry_nbytes(len(r.fetch.entry.token_ids),
                                  len(r.fetch.entry.token_ids) - r.fetch.entry.virtual_start,
                                  self.row_bytes) for _, r in items)
-        deadline = now + self._read_deadline(total)
+        # NOTE: fixed before the submit: the get thread reads it too (_read).
+        deadline = time.monotonic() + self._read_deadline(total)
+        future = self._get_thread.submit(self._read, items, lease, deadline)
         for index, (_, read) in enumerate(items):
             read.future, read.index, read.deadline = future, index, deadline
             self._reads[read.fetch.fetch_id] = read
@@ -538,22 +645,29 @@ class StoreTransfers:
         return [HostBuffer(base, read.head), *map(self._part_buffer, read.parts),
                 HostBuffer(base + read.head, TAG_BYTES)]
 
-    def _read(self, items: list[tuple[str, _Read]],
-              released: threading.Event) -> list[FetchOutcome]:
+    def _read(self, items: list[tuple[str, _Read]], lease: _CallLease,
+              deadline: float) -> list[FetchOutcome]:
         t0 = time.monotonic()
+        if t0 > deadline:
+            # NOTE (issue 50, finding 5): queued behind a slow call past its
+            # deadline: the step computes these documents whatever we do now,
+            # so the store is not asked (no call holds the span or the rows).
+            lease.release()
+            self._count("store_reads_never_started", len(items))
+            return [FetchOutcome.TIMEOUT] * len(items)
         store = self._store()
         if store is None:
-            released.set()
+            lease.release()
             return [FetchOutcome.ERROR] * len(items)
         keys = [key for key, _ in items]
         if items[0][1].parts is not None:
             codes = store.batch_get_into_parts(
                 keys, [self._value_buffers(read) for _, read in items],
-                on_release=released.set)
+                on_release=lease.release)
         else:
             codes = store.batch_get_into(
                 keys, [self._value_buffers(read)[0] for _, read in items],
-                on_release=released.set)
+                on_release=lease.release)
         # NOTE: the transfer alone (one call for the step's entries), for the
         # bytes/s figure; verification follows.
         seconds = time.monotonic() - t0
@@ -578,7 +692,9 @@ class StoreTransfers:
 
     def _verify(self, key: str, read: _Read) -> FetchOutcome:
         entry, span, head = read.fetch.entry, read.span, read.head
-        value = self.get_arena.view(span.start, span.nbytes).numpy()
+        # NOTE: numpy, made when the arena was: no torch view on this thread
+        # (see the pool's bytes in __init__).
+        value = self.get_arena.bytes_view(span.start, span.nbytes)
         if read.parts is None:
             rows = [value[head:span.nbytes - TAG_BYTES]]
         else:
@@ -591,7 +707,7 @@ class StoreTransfers:
             logger.warning("chunk store: entry %s failed verification (%s: %s)", key,
                            result.cause, result.detail)
             return FetchOutcome.VERIFY_FAILED
-        if bytes(tag) != self.seal.tag_of_parts(key, rows):
+        if not self.seal.matches(tag, key, entry_format.header_for_mac(value[:head]), rows):
             logger.warning("chunk store: entry %s carries a tag that is not its key's (a "
                            "value written under another key%s)", key,
                            ", or without the fleet's secret" if self.seal.authenticated
@@ -602,6 +718,21 @@ class StoreTransfers:
     def _finish_reads(self) -> None:
         now = time.monotonic()
         for fetch_id, read in list(self._reads.items()):
+            if now > read.deadline and read.future.cancel():
+                # NOTE (issue 50, finding 5): still queued behind another call
+                # (its deadline counts from submit): it never reached the store,
+                # so nothing holds its span or its rows. Its step's other
+                # reads share the future and see it cancelled below.
+                read.lease.release()
+            if read.future.cancelled():
+                del self._reads[fetch_id]
+                self._outcomes[fetch_id] = FetchOutcome.TIMEOUT
+                self._count("store_reads_given_up")
+                self._count("store_reads_never_started")
+                self._finish_span(self.get_arena, read.span)
+                logger.warning("chunk store: read of %s waited past its deadline behind "
+                               "another store call; computing it", fetch_id)
+                continue
             if not read.future.done():
                 if now > read.deadline:
                     # NOTE: the document is computed instead; the span stays the
