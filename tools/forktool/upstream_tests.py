@@ -232,6 +232,7 @@ def run_files(paths: Paths, python: Path, files: list[str], side: Side) -> dict[
         tail = f"the run ran past {FILE_TIMEOUT_S} s a file"
     runs = {f: FileRun() for f in files}
     reasons = {f: collections.Counter() for f in files}
+    skips = {f: collections.Counter() for f in files}
     try:
         tree = ET.parse(report)
     except (ET.ParseError, FileNotFoundError):
@@ -257,12 +258,15 @@ def run_files(paths: Paths, python: Path, files: list[str], side: Side) -> dict[
                 break
             if child.tag == "skipped":
                 outcome = "skipped"
+                skips[path][_first_line(child.get("message") or "skipped")] += 1
         runs[path].outcomes[test_id] = outcome
         runs[path].seconds += float(case.get("time") or 0)
     for path, run in runs.items():
         if not run.outcomes:
             # Nothing collected: the reason is in the output (an import error, a timeout).
             reasons[path][_first_error(tail)] += 1
+        elif not reasons[path] and skips[path]:
+            reasons[path] = skips[path]  # every test skipped: why
         if reasons[path]:
             # NOTE: without this machine's paths, so that the kept results are the same
             # wherever they were taken.
