@@ -69,11 +69,11 @@ def test_a_patch_left_out_of_the_table_fails_naming_it():
 def test_a_changed_line_count_fails_with_both_numbers():
     row = next(ln for ln in PAGE.splitlines() if ln.startswith("| 0006 |"))
     cells = row.split(" | ")
-    assert cells[-1] == "+37 / -0 |"  # 0.32.0: the patch adds 37 lines
+    assert cells[-1] == "+48 / -0 |"  # 0.32.0: the patch adds 48 lines
     changed = " | ".join(cells[:-1] + ["+24 / -0 |"])
     found = problems(PAGE.replace(row, changed))
     assert ("docs/upstream.md: patch 0006 on vLLM 0.32.0: the page says '+24 / -0', the "
-            "patch file has '+37 / -0'") in found, found
+            "patch file has '+48 / -0'") in found, found
 
 
 def test_a_page_without_the_generated_block_or_a_review_entry_fails():
@@ -106,7 +106,7 @@ def test_the_page_before_issue_41_fails():
     assert any("no line-count column for vLLM 0.23.0" in p for p in found), found
     assert any("patch 0017" in p and "missing" in p for p in found), found
     assert ("docs/upstream.md: patch 0006 on vLLM 0.32.0: the page says '+24 / -0', the "
-            "patch file has '+37 / -0'") in found
+            "patch file has '+48 / -0'") in found
     assert any("no generated patch tables" in p for p in found), found
 
 
@@ -116,7 +116,7 @@ def test_write_page_replaces_only_the_generated_block(tmp_path):
     import shutil
 
     shutil.copytree(REAL.repo / "patches", repo / "patches")
-    stale = PAGE.replace("+37 / -0", "+1 / -0")
+    stale = PAGE.replace("+48 / -0", "+1 / -0")
     (repo / upstream_page.PAGE).write_text(stale)
     paths = Paths(repo=repo, cache=tmp_path / "cache")
     upstream_page.write_page(paths)
