@@ -80,9 +80,14 @@ def _compile_all(py: Path, venv: Path, package: str = "") -> None:
     # on a file written for another Python version (vendored test data, templates),
     # which pip's own compile step also skips; such a file is simply left to its source.
     for site in sorted(venv.glob("lib/python*/site-packages")):
-        run([py, "-c", "import compileall, sys; "
-             "compileall.compile_dir(sys.argv[1], quiet=2, workers=0)", site / package],
-            env={**os.environ, "PYTHONDONTWRITEBYTECODE": ""})
+        compile_dir(py, site / package)
+
+
+def compile_dir(py: Path, folder: Path) -> None:
+    """Byte-compile one folder on every core (see _compile_all's NOTE)."""
+    run([py, "-c", "import compileall, sys; "
+         "compileall.compile_dir(sys.argv[1], quiet=2, workers=0)", folder],
+        env={**os.environ, "PYTHONDONTWRITEBYTECODE": ""})
 
 
 def runtime_env(paths: Paths) -> dict[str, str]:

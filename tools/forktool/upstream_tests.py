@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import bases, fetch, loopback
-from .env import runtime_env
+from .env import compile_dir, runtime_env
 from .paths import Paths
 from .pins import load_pins
 from .progress import ToolError, say
@@ -188,9 +188,7 @@ def unpack_stock(paths: Paths, python: Path, ws: Workspace) -> None:
         so.chmod(0o755)
     # NOTE: these machines set PYTHONDONTWRITEBYTECODE=1; without a compile here every
     # stock process would compile vLLM's imports anew.
-    subprocess.run([str(python), "-c", "import compileall, sys; "
-                    "compileall.compile_dir(sys.argv[1], quiet=2, workers=0)",
-                    str(ws.stock)], env={**os.environ, "PYTHONDONTWRITEBYTECODE": ""})
+    compile_dir(python, ws.stock)
     (ws.stock / ".done").write_text("")
 
 
