@@ -517,6 +517,14 @@ class ChunkCacheSchedulerAdapter:
         for fetch_id in result.done:
             self._fetch_origins.pop(fetch_id, None)
             self.manager.fetch_finished(fetch_id)
+        for fetch_id in result.written_off:
+            # NOTE (issue 50, finding 4): computed elsewhere, or refused (take_refusals).
+            spec = self.manager.rows_written_off(fetch_id)
+            origin = self._fetch_origins.pop(fetch_id, None)
+            if spec is not None and origin is not None:
+                logger.info("chunk store: computing %s as %s in other blocks",
+                            fetch_id, spec.request_id)
+                self._spawn_children(origin)
         for failure in result.failed:
             spec = self.manager.fetch_failed(failure.fetch_id, rows_lent=failure.rows_held)
             cause = getattr(failure.cause, "value", failure.cause)
