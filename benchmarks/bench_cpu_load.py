@@ -10,7 +10,9 @@ The pieces are timed interleaved in one run on one thread; medians and the ratio
 first. Every variant's cache bytes are checked equal to the first's before timing.
 
 Also printed: each pass alone over all rows (the gather, the casts, the rotation, the write),
-to show what the pieces change.
+and the write done instead by one indexed copy per side into the cache's own layout (its
+bytes checked equal to the op's first), to show where the time is and what the pieces and
+the alternative change.
 
     OMP_NUM_THREADS=1 .cache/venv/bin/python benchmarks/bench_cpu_load.py [--docs 64] \
         [--dtype bfloat16] [--pieces 16384 1024 256]
@@ -61,6 +63,9 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--pieces", type=int, nargs="+", default=[16384, 2048, 1024, 512, 256])
     ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument("--inductor", action="store_true",
+                    help="also K's gather, casts and rotation as one loop compiled by "
+                         "torch.compile (inductor's C++; compiles for ~30 s)")
     args = ap.parse_args()
 
     import torch
@@ -160,12 +165,78 @@ def main() -> None:
         t = time.perf_counter()
         write("0", key, value, rows.dst_slots)
         out["write K+V"] = time.perf_counter() - t
+        if isa in ("vec", "vec16"):
+            # The alternative: one indexed copy per side into the layout the op packs
+            # ("vec": per block and head, K as [head, block], V as [block, head]).
+            t = time.perf_counter()
+            by_index(key, value, rows.dst_slots)
+            out["write by index"] = time.perf_counter() - t
         return out
 
+    def by_index(key, value, slots):
+        c4 = by_index_cache.view(num_blocks, HEADS, 2, BLOCK * HEAD)
+        keys = c4[:, :, 0].view(num_blocks, HEADS, HEAD, BLOCK).permute(0, 3, 1, 2)
+        values = c4[:, :, 1].view(num_blocks, HEADS, BLOCK, HEAD).transpose(1, 2)
+        index = (slots // BLOCK, slots % BLOCK)
+        keys.index_put_(index, key)
+        values.index_put_(index, value)
+
+    by_index_cache = torch.zeros_like(caches[0])
+    caches[0].zero_()
+    passes()
+    if isa in ("vec", "vec16"):
+        assert torch.equal(by_index_cache.view(torch.int16), caches[0].view(torch.int16)), \
+            "the indexed copy must write the op's bytes"
+
+    if args.inductor:
+        _inductor(args, rows, pool_k[0], stretches, key, key32, rotation, table)
     samples = [passes() for _ in range(args.reps)]
     print(f"  each pass alone, all {n} rows at once, x {LAYERS} layers:")
     for name in samples[0]:
         print(f"    {name:16s} {1e3 * LAYERS * statistics.median(s[name] for s in samples):7.2f} ms")
+
+
+def _inductor(args, rows, pool, stretches, key, key32, rotation, table) -> None:
+    """K's gather + fp32 rotation + cast as one compiled loop, against the passes it
+    would replace (gather, cast, vLLM's rotation op, cast back), on one layer."""
+    import torch
+
+    half = HEAD // 2
+
+    def fused(pool, src, index, cos, sin):
+        k = pool[src].float()
+        c, s = cos[index][:, None], sin[index][:, None]
+        x1, x2 = k[..., :half], k[..., half:]
+        return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], -1).to(pool.dtype)
+
+    def passes():
+        torch.index_select(pool.flatten(1), 0, rows.src_rows, out=key.flatten(1))
+        target = key
+        if key.dtype != torch.float32:
+            target = key32
+            key32.copy_(key)
+        rotation.rotate_in_place_indexed(target, rows.stretch_index, table)
+        if target is not key:
+            key.copy_(key32)
+        return key
+
+    compiled = torch.compile(fused, dynamic=True)
+    t = time.perf_counter()
+    out = compiled(pool, rows.src_rows, rows.stretch_index, stretches.cos, stretches.sin)
+    print(f"  inductor: compiled in {time.perf_counter() - t:.1f} s")
+    same = torch.equal(out.flatten(), passes().flatten())
+    times = {"passes": [], "compiled": []}
+    for _ in range(args.reps):
+        for name in times:
+            t = time.perf_counter()
+            if name == "passes":
+                passes()
+            else:
+                compiled(pool, rows.src_rows, rows.stretch_index, stretches.cos, stretches.sin)
+            times[name].append(time.perf_counter() - t)
+    p, c = (1e3 * statistics.median(times[k]) for k in ("passes", "compiled"))
+    print(f"  K of one layer: gather, casts, rotation as passes {p:.2f} ms, as one compiled "
+          f"loop {c:.2f} ms ({c / p:.2f}x); bit-identical: {same}")
 
 
 if __name__ == "__main__":
