@@ -54,16 +54,18 @@ def main() -> None:
                 "per call": (layout, chunk_block_keys._starts_of)}
         times: dict[str, list[float]] = {name: [] for name in rows}
         hashes = {}
-        for _ in range(args.reps):
-            for name, (lay, starts) in rows.items():
-                chunk_block_keys._starts = starts
-                hasher = get_request_block_hasher(args.block, hash_fn)
-                request = Request("r", tokens, SamplingParams(max_tokens=1), None,
-                                  arrival_time=0.0, chunk_layout=lay)
-                t = time.perf_counter()
-                hashes[name] = hasher(request)
-                times[name].append(time.perf_counter() - t)
-        chunk_block_keys._starts = memo
+        try:
+            for _ in range(args.reps):
+                for name, (lay, starts) in rows.items():
+                    chunk_block_keys._starts = starts
+                    hasher = get_request_block_hasher(args.block, hash_fn)
+                    request = Request("r", tokens, SamplingParams(max_tokens=1), None,
+                                      arrival_time=0.0, chunk_layout=lay)
+                    t = time.perf_counter()
+                    hashes[name] = hasher(request)
+                    times[name].append(time.perf_counter() - t)
+        finally:
+            chunk_block_keys._starts = memo
         assert hashes["chunked"] == hashes["per call"]
         ms = {k: 1e3 * statistics.median(v) for k, v in times.items()}
         print(f"{n:>7} | {ms['stock']:>7.2f} {ms['chunked']:>8.2f} {ms['per call']:>9.2f} | "
