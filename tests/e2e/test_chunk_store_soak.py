@@ -3,7 +3,9 @@ tiny Llama on one real Mooncake Store (master + client on loopback), hundreds
 of chunked requests over a corpus larger than either pool (evictions, so the
 store is read), with faults injected at random while they run: the node's
 client or the master stopped (SIGSTOP) and resumed, killed (SIGKILL, SIGSEGV
-of the client) and restarted.
+of the client) and restarted. Then (issue 50) an engine in the test's own process
+is closed while its reads hang (the segment holder stopped), and a new engine in
+the same process serves on while the holder resumes and the late writes land.
 
 Every answer is compared with the HF isolation-mask reference (the test
 oracle); after the soak both replicas must be alive with nothing pinned.
@@ -57,6 +59,9 @@ class SoakReport:
     latencies: list[float] = field(default_factory=list)
     faults: list[str] = field(default_factory=list)
     counters: dict[str, float] = field(default_factory=dict)
+    # The engine closed mid-read and the next one in the same process (issue 50).
+    restart_requests: int = 0
+    restart_served: int = 0
 
     def text(self) -> str:
         lat = sorted(self.latencies)
@@ -76,6 +81,9 @@ class SoakReport:
             f"latency (2 tokens) p50 {statistics.median(lat):.3f} s, p99 {p99:.3f} s"
             if lat else "no latencies",
             f"faults ({len(self.faults)}): {', '.join(self.faults)}",
+            f"engine closed mid-read: {self.counters.get('restart_lent_at_close', 0):.0f} "
+            f"bytes still lent to hanging reads at close; the next engine served "
+            f"{self.restart_served} of {self.restart_requests} (wrong answers counted above)",
         ])
 
 
@@ -158,8 +166,12 @@ def run_soak(workdir: Path, requests: int, concurrency: int = 8, seed: int = 39,
     # hang and are given up on with their pool rows still lent.
     with MooncakeFleet(workdir / "mooncake", segment_bytes=512 << 20, timeout_s=2.0,
                        local_client=local_client) as fleet:
-        replicas = [_replica(fleet, workdir / f"replica-{i}.log") for i in range(2)]
+        replicas = []
         try:
+            # NOTE: started inside the try: one that fails to start never leaves
+            # the other running.
+            for i in range(2):
+                replicas.append(_replica(fleet, workdir / f"replica-{i}.log"))
             faults = _Faults(fleet, seed, report)
             lock = threading.Lock()
 
@@ -199,7 +211,100 @@ def run_soak(workdir: Path, requests: int, concurrency: int = 8, seed: int = 39,
         finally:
             for r in replicas:
                 r.stop()
+        _engine_closed_mid_read(fleet, reference, layouts, report)
     return report
+
+
+def _stop_holder_at_first_read(fleet: MooncakeFleet, client):
+    """The segment holder is stopped (SIGSTOP) just before the first read reaches
+    Mooncake, which then really hangs in it. NOTE: stopped at the read, not before
+    the lookups: through the node's client every lookup goes through the holder
+    too, and a stopped one answers none (no read would start)."""
+    stopped = threading.Event()
+    for name in ("batch_get_into", "batch_get_into_parts"):
+        original = getattr(client, name)
+
+        def read(*args, _original=original, **kwargs):
+            if not stopped.is_set():
+                stopped.set()
+                fleet.stop_client()
+            return _original(*args, **kwargs)
+
+        setattr(client, name, read)
+    return client
+
+
+def _engine_closed_mid_read(fleet: MooncakeFleet, reference: Reference, layouts: list[Layout],
+                            report: SoakReport) -> None:
+    """Issue 50: engine A, in this process, reads documents the replicas wrote; the
+    segment holder is stopped, so its reads hang and are given up on (computed,
+    exact) with their calls still running. A is closed then (`del llm`), engine B
+    starts in the same process (its pool may lie where A's was), the holder
+    resumes while B serves, and the late writes land. Every answer of A and B is
+    compared with the reference."""
+    from vllm import SamplingParams
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    from tests.e2e.engine import close_llm, make_llm
+
+    kwargs = dict(enable_chunk_cache=True, chunk_context=MODE, chunk_pool_size_gib=POOL_GIB,
+                  max_chunks=8, chunk_store=fleet.spec_text, served_model_name="tiny",
+                  max_model_len=1024)
+    params = SamplingParams(max_tokens=2, temperature=0.0, logprobs=5, ignore_eos=True)
+
+    def serve(llm, batch: list[Layout]) -> None:
+        outs = llm.generate([layout.prompt for layout in batch], params, use_tqdm=False)
+        report.restart_requests += len(batch)
+        for layout, out in zip(batch, outs):
+            report.restart_served += 1
+            completion = out.outputs[0]
+            tokens = list(completion.token_ids)
+            ref = reference.next_token_logprobs(reference.chunked_prompt(layout), MODE, tokens)
+            try:
+                compare(ref, tokens, completion.logprobs, TOL)
+            except AssertionError as e:
+                report.wrong.append(f"engine restart: {str(e)[:200]}")
+
+    # NOTE: the soak's last fault may have left the segment holder dead (killed,
+    # restarted since or not): the store is then empty. A writes what it reads.
+    if fleet.client is None or fleet.client.poll() is not None:
+        fleet.start_client()
+    a = make_llm(MODEL, **kwargs)
+    store = get_kv_transfer_group()._worker.store
+    try:
+        assert store._shared.wait_connected(60), "engine A never connected to the store"
+        serve(a, layouts[:8])
+        deadline = time.monotonic() + 60
+        while store._puts:  # the steps of short requests hand finished puts back
+            assert time.monotonic() < deadline, "A's puts did not finish"
+            a.generate(["x ## y ## drain"], SamplingParams(max_tokens=1), use_tqdm=False)
+            time.sleep(0.05)
+        assert a.reset_prefix_cache(reset_connector=True)
+        client = _stop_holder_at_first_read(fleet, store._shared.get())
+        try:
+            serve(a, layouts[:8])  # store hits whose reads hang: given up on, computed
+        finally:
+            client.__dict__.pop("batch_get_into", None)
+            client.__dict__.pop("batch_get_into_parts", None)
+        report.counters["restart_lent_at_close"] = store.lent_bytes()
+        report.faults.append("close-engine-mid-read")
+    except BaseException:
+        fleet.continue_client()
+        raise
+    close_llm(a)
+    del a, store
+    try:
+        b = make_llm(MODEL, **kwargs)
+        serve(b, layouts[8:12])  # the holder still stopped
+        timer = threading.Timer(0.5, fleet.continue_client)
+        timer.start()  # the late writes land while b serves
+        serve(b, layouts[12:20])
+        timer.join()
+        assert b.reset_prefix_cache(reset_connector=True)
+        serve(b, layouts[:20])  # the store read again, held rows back
+    finally:
+        fleet.continue_client()
+    close_llm(b)
 
 
 @pytest.mark.e2e
@@ -218,6 +323,8 @@ def _check_soak(report: SoakReport) -> None:
     assert report.counters["pool_blocks_held"] == 0
     assert report.counters.get("store_hits", 0) > 0
     assert len(report.faults) >= 5
+    assert report.restart_served == report.restart_requests == 48
+    assert report.counters["restart_lent_at_close"] > 0, "no read hung when the engine closed"
 
 
 @pytest.mark.e2e
