@@ -47,6 +47,9 @@ def main() -> int:
     ap.add_argument("--model", default=str(ROOT / ".cache/models/tiny-llama"))
     ap.add_argument("--split-reps", type=int, default=7,
                     help="all-hit and floor requests profiled one by one for the split")
+    ap.add_argument("--apc", action="store_true",
+                    help="add APC-same to the split: the same documents in one fixed order, "
+                         "unsplit, a new question (vLLM's prefix cache at its best)")
     ap.add_argument("--save", default=None,
                     help="write the single profiled request to SAVE.<docs>.pstats")
     args = ap.parse_args()
@@ -91,7 +94,8 @@ def main() -> int:
         pauses.stop()
         print(f"\n== {num_docs} documents, {len(out.prompt_token_ids)} prompt tokens, "
               f"{out.num_cached_tokens} cached: all-hit {1e3 * statistics.median(wall):.1f} ms, "
-              f"floor {1e3 * statistics.median(floor):.1f} ms (medians of {args.reps})",
+              f"floor {1e3 * statistics.median(floor):.1f} ms (medians of {args.reps}; all-hit "
+              f"{1e3 * min(wall):.1f}-{1e3 * max(wall):.1f})",
               flush=True)
         print(f"garbage collections during those {2 * args.reps} requests: {pauses}")
         p = prompt()
@@ -111,8 +115,12 @@ def main() -> int:
             print(f"-- by {key}")
             print("\n".join(lines[start:start + args.top + 1]), flush=True)
         if args.split_reps:
+            def same() -> str:
+                return " ## ".join(["answer from the documents", *docs,
+                                    "question: " + words(rng, 12)])
+
             _print_split(llm, prompt, lambda: "question: " + words(rng, 12), one,
-                         args.split_reps)
+                         args.split_reps, same if args.apc else None)
     return 0
 
 
@@ -191,24 +199,38 @@ def _parts(prof: cProfile.Profile, wall_ms: float) -> dict[str, float]:
     return {k: ms[k] for k in order + [k for k in ms if k not in order]}
 
 
-def _print_split(llm, prompt, question, params, reps: int) -> None:
-    """Median parts of `reps` all-hit and floor requests, each profiled alone."""
-    runs: dict[str, list[dict[str, float]]] = {"all-hit": [], "floor": []}
+def _print_split(llm, prompt, question, params, reps: int, same=None) -> None:
+    """Median parts of `reps` all-hit and floor requests (and APC-same ones with
+    `same`), each profiled alone, interleaved."""
+    # NOTE: APC-same goes unsplit (as bench_long_context.py's row): vLLM's prefix cache
+    # alone; twice first so that its blocks are cached.
+    unsplit = {"split_chunks": False}
+    names = ["all-hit", "floor"]
+    if same is not None:
+        names.append("APC-same")
+        for _ in range(2):
+            llm.generate([same()], params, use_tqdm=False, tokenization_kwargs=unsplit)
+    runs: dict[str, list[dict[str, float]]] = {name: [] for name in names}
     for rep in range(reps):
-        for name in ("all-hit", "floor") if rep % 2 == 0 else ("floor", "all-hit"):
-            p = prompt() if name == "all-hit" else question()
+        for name in names if rep % 2 == 0 else names[::-1]:
+            p = {"all-hit": prompt, "floor": question, "APC-same": same}[name]()
             prof = cProfile.Profile()
             t = time.perf_counter()
             prof.enable()
-            llm.generate([p], params, use_tqdm=False)
+            llm.generate([p], params, use_tqdm=False,
+                         tokenization_kwargs=unsplit if name == "APC-same" else None)
             prof.disable()
             runs[name].append(_parts(prof, 1e3 * (time.perf_counter() - t)))
     print(f"-- split, medians of {reps} requests each profiled alone (ms)")
-    print(f"{'part':<55} {'all-hit':>8} {'floor':>8} {'above':>8}")
+    head = f"{'part':<55} {'all-hit':>8} {'floor':>8} {'above':>8}"
+    print(head + (f" {'APC-same':>8}" if same is not None else ""))
     for label in runs["all-hit"][0]:
-        hit = statistics.median(r[label] for r in runs["all-hit"])
-        low = statistics.median(r[label] for r in runs["floor"])
-        print(f"{label:<55} {hit:>8.2f} {low:>8.2f} {hit - low:>8.2f}", flush=True)
+        med = {name: statistics.median(r[label] for r in runs[name]) for name in names}
+        line = (f"{label:<55} {med['all-hit']:>8.2f} {med['floor']:>8.2f} "
+                f"{med['all-hit'] - med['floor']:>8.2f}")
+        if same is not None:
+            line += f" {med['APC-same']:>8.2f}"
+        print(line, flush=True)
 
 
 if __name__ == "__main__":
