@@ -66,6 +66,11 @@ def main() -> None:
     ap.add_argument("--inductor", action="store_true",
                     help="also K's gather, casts and rotation as one loop compiled by "
                          "torch.compile (inductor's C++; compiles for ~30 s)")
+    ap.add_argument("--cold-write", type=float, default=0.0, metavar="GIB",
+                    help="also the write alone into a paged cache of GIB over the layers: "
+                         "the same blocks every request (warm) against the next blocks of "
+                         "the cache every request (cold, as vLLM's free queue hands out its "
+                         "least recently used blocks)")
     args = ap.parse_args()
 
     import torch
@@ -194,6 +199,8 @@ def main() -> None:
     print(f"  each pass alone, all {n} rows at once, x {LAYERS} layers:")
     for name in samples[0]:
         print(f"    {name:16s} {1e3 * LAYERS * statistics.median(s[name] for s in samples):7.2f} ms")
+    if args.cold_write:
+        _cold_write(args, n, dtype, isa)
 
 
 def _inductor(args, rows, pool, stretches, key, key32, rotation, table) -> None:
@@ -237,6 +244,55 @@ def _inductor(args, rows, pool, stretches, key, key32, rotation, table) -> None:
     p, c = (1e3 * statistics.median(times[k]) for k in ("passes", "compiled"))
     print(f"  K of one layer: gather, casts, rotation as passes {p:.2f} ms, as one compiled "
           f"loop {c:.2f} ms ({c / p:.2f}x); bit-identical: {same}")
+
+
+def _cold_write(args, n: int, dtype, isa: str) -> None:
+    """The write op of one request's rows into a large cache: warm blocks against cold.
+
+    NOTE (issue 52, third pass): the engine's write was said to cost 12 ms at 32k against
+    this script's 5.2; one suspect was the engine's destination blocks, cold in a cache of
+    gigabytes. Interleaved here, one thread."""
+    import torch
+
+    from vllm import _custom_ops as ops
+
+    block_bytes = HEADS * BLOCK * 2 * HEAD * torch.empty((), dtype=dtype).element_size()
+    num_blocks = int(args.cold_write * (1 << 30) / block_bytes / LAYERS)
+    request_blocks = -(-n // BLOCK)
+    if num_blocks < 3 * request_blocks:
+        raise SystemExit(f"--cold-write {args.cold_write}: too small for {n} rows")
+    caches = [torch.zeros(num_blocks, HEADS, BLOCK, 2 * HEAD, dtype=dtype)
+              for _ in range(LAYERS)]
+    gen = torch.Generator().manual_seed(1)
+    key = torch.randn(n, HEADS, HEAD, generator=gen).to(dtype)
+    value = torch.randn(n, HEADS, HEAD, generator=gen).to(dtype)
+
+    small = [torch.zeros(request_blocks, HEADS, BLOCK, 2 * HEAD, dtype=dtype)
+             for _ in range(LAYERS)]
+
+    def write(layers: list, first_block: int) -> float:
+        slots = torch.arange(first_block * BLOCK, first_block * BLOCK + n)
+        t = time.perf_counter()
+        for cache in layers:
+            paged = cache.view(cache.shape[0], HEADS, BLOCK * 2, -1)
+            key_cache, value_cache = paged.chunk(2, dim=2)
+            ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, slots, isa)
+        return time.perf_counter() - t
+
+    times: dict[str, list[float]] = {"small": [], "warm": [], "cold": []}
+    first = request_blocks
+    for _ in range(2 * args.reps):
+        times["small"].append(write(small, 0))
+        times["warm"].append(write(caches, 0))
+        times["cold"].append(write(caches, first))
+        first = first + request_blocks
+        if first + request_blocks > num_blocks:
+            first = request_blocks
+    ms = {k: 1e3 * statistics.median(v) for k, v in times.items()}
+    print(f"  the write alone, {n} rows x {LAYERS} layers, interleaved: into a cache of "
+          f"just their blocks {ms['small']:.2f} ms; into a cache of {args.cold_write} GiB "
+          f"({num_blocks} blocks a layer), the same blocks every time {ms['warm']:.2f} ms, "
+          f"the next blocks every time (cold) {ms['cold']:.2f} ms")
 
 
 if __name__ == "__main__":

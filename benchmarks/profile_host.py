@@ -9,13 +9,23 @@ cProfile: wall ms, the floor (the question alone), and the functions with the mo
 and the most cumulative time. The engine core runs in-process, so scheduler, connector,
 model runner and renderer are all in the profile.
 
-    .cache/venv/bin/python benchmarks/profile_host.py [--docs 16 64] [--top 25]
+Then the split (issue 52, third pass): `--split-reps` all-hit and floor requests, each
+profiled on its own, interleaved, and the median ms per request of disjoint parts (the
+attention op, the chunk load and its ops, the rest of the model step, the scheduler, block
+hashing, the rest) for both, with the all-hit minus floor difference: where every
+millisecond above the floor goes. A single profiled request is one sample: an outlier
+there (a garbage collection charged to whatever function allocated) is not a cost. The
+collector's pauses during the timed requests are counted (gc.callbacks).
+
+    OMP_NUM_THREADS=1 .cache/venv/bin/python benchmarks/profile_host.py [--docs 16 64] \
+        [--top 25] [--split-reps 7] [--save PREFIX]
 """
 
 from __future__ import annotations
 
 import argparse
 import cProfile
+import gc
 import io
 import pstats
 import random
@@ -35,6 +45,13 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=5, help="timed requests before the profile")
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--model", default=str(ROOT / ".cache/models/tiny-llama"))
+    ap.add_argument("--split-reps", type=int, default=7,
+                    help="all-hit and floor requests profiled one by one for the split")
+    ap.add_argument("--apc", action="store_true",
+                    help="add APC-same to the split: the same documents in one fixed order, "
+                         "unsplit, a new question (vLLM's prefix cache at its best)")
+    ap.add_argument("--save", default=None,
+                    help="write the single profiled request to SAVE.<docs>.pstats")
     args = ap.parse_args()
 
     # NOTE: the documents first, with the model's own tokenizer, so that the engine's
@@ -66,6 +83,7 @@ def main() -> int:
         for _ in range(2):  # every document resident, the token cache filled
             llm.generate([prompt()], one, use_tqdm=False)
         wall, floor = [], []
+        pauses = _GcPauses()
         for _ in range(args.reps):
             t = time.perf_counter()
             out = llm.generate([prompt()], one, use_tqdm=False)[0]
@@ -73,10 +91,13 @@ def main() -> int:
             t = time.perf_counter()
             llm.generate(["question: " + words(rng, 12)], one, use_tqdm=False)
             floor.append(time.perf_counter() - t)
+        pauses.stop()
         print(f"\n== {num_docs} documents, {len(out.prompt_token_ids)} prompt tokens, "
               f"{out.num_cached_tokens} cached: all-hit {1e3 * statistics.median(wall):.1f} ms, "
-              f"floor {1e3 * statistics.median(floor):.1f} ms (medians of {args.reps})",
+              f"floor {1e3 * statistics.median(floor):.1f} ms (medians of {args.reps}; all-hit "
+              f"{1e3 * min(wall):.1f}-{1e3 * max(wall):.1f})",
               flush=True)
+        print(f"garbage collections during those {2 * args.reps} requests: {pauses}")
         p = prompt()
         prof = cProfile.Profile()
         t = time.perf_counter()
@@ -84,6 +105,8 @@ def main() -> int:
         llm.generate([p], one, use_tqdm=False)
         prof.disable()
         print(f"profiled request: {1e3 * (time.perf_counter() - t):.1f} ms under cProfile")
+        if args.save:
+            prof.dump_stats(f"{args.save}.{num_docs}.pstats")
         for key in ("tottime", "cumulative"):
             s = io.StringIO()
             pstats.Stats(prof, stream=s).sort_stats(key).print_stats(args.top)
@@ -91,7 +114,123 @@ def main() -> int:
             start = next(i for i, line in enumerate(lines) if "ncalls" in line)
             print(f"-- by {key}")
             print("\n".join(lines[start:start + args.top + 1]), flush=True)
+        if args.split_reps:
+            def same() -> str:
+                return " ## ".join(["answer from the documents", *docs,
+                                    "question: " + words(rng, 12)])
+
+            _print_split(llm, prompt, lambda: "question: " + words(rng, 12), one,
+                         args.split_reps, same if args.apc else None)
     return 0
+
+
+class _GcPauses:
+    """The cyclic collector's pauses from now until `stop`, per generation."""
+
+    def __init__(self) -> None:
+        self.ms: dict[int, list[float]] = {0: [], 1: [], 2: []}
+        self._t = 0.0
+        gc.callbacks.append(self._callback)
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._t = time.perf_counter()
+        else:
+            self.ms[info["generation"]].append(1e3 * (time.perf_counter() - self._t))
+
+    def stop(self) -> None:
+        gc.callbacks.remove(self._callback)
+
+    def __str__(self) -> str:
+        return "; ".join(f"gen {g}: {len(v)}, {sum(v):.1f} ms (max {max(v, default=0):.1f})"
+                         for g, v in self.ms.items())
+
+
+# Disjoint parts of one request, from its profile: (label, how, what). "own": the summed
+# own time of built-in functions whose name contains the text; "from": the same, only
+# where called from a file (suffix); "cum": the cumulative time of a function (file
+# suffix, name). Parts indented are inside the chunk load.
+_PARTS = (
+    ("attention op (cpu_attention_with_kv_cache)", "own", "cpu_attention_with_kv_cache"),
+    ("chunk load (worker start_load_kv)", "cum", ("chunk_cache/worker.py", "start_load_kv")),
+    ("  write op (cpu_attn_reshape_and_cache)", "cum", ("chunk_cache/cache_writers.py",
+                                                       "_write_cpu")),
+    ("  gathers (index_select)", "from", ("torch.index_select", "position_remapper.py")),
+    ("  casts (copy_)", "from", ("method 'copy_'", "position_remapper.py")),
+    ("  RoPE op (rotary_embedding)", "cum", ("worker/position_remapper.py",
+                                          "rotate_in_place_indexed")),
+    ("  rows expansion (LoadRows.expand)", "cum", ("chunk_cache/metadata.py", "expand")),
+    ("rest of the model step", "cum", ("worker/gpu_model_runner.py", "execute_model")),
+    ("scheduler (schedule)", "cum", ("core/sched/scheduler.py", "schedule")),
+    ("block hashing (request_block_hasher)", "cum",
+     ("core/kv_cache_utils.py", "request_block_hasher")),
+    ("front end: split", "cum", ("renderers/chunk_split.py", "split")),
+)
+
+
+def _parts(prof: cProfile.Profile, wall_ms: float) -> dict[str, float]:
+    stats = pstats.Stats(prof).stats  # (file, line, name) -> (cc, nc, tt, ct, callers)
+    ms: dict[str, float] = {}
+    for label, how, what in _PARTS:
+        if how == "own":
+            ms[label] = sum(1e3 * v[2] for (f, _, n), v in stats.items()
+                            if f == "~" and what in n)
+        elif how == "from":
+            text, caller = what
+            ms[label] = sum(1e3 * c[2] for (f, _, n), v in stats.items()
+                            if f == "~" and text in n
+                            for (cf, _, _), c in v[4].items() if cf.endswith(caller))
+        else:
+            suffix, name = what
+            ms[label] = sum(1e3 * v[3] for (f, _, n), v in stats.items()
+                            if n == name and f.endswith(suffix))
+    # The model step contains the load and the attention op.
+    load = ms["chunk load (worker start_load_kv)"]
+    inside = [k for k in ms if k.startswith("  ")]
+    ms["  rest of the load (Python, dispatch)"] = max(0.0, load - sum(ms[k] for k in inside))
+    model = ms["rest of the model step"]
+    ms["rest of the model step"] = max(0.0, model - load - ms[_PARTS[0][0]])
+    counted = sum(v for k, v in ms.items() if not k.startswith("  "))
+    ms["everything else (render, tokenize, output, Python)"] = max(0.0, wall_ms - counted)
+    ms["whole request (wall, under cProfile)"] = wall_ms
+    # Printed in this order: the load's own rest right after its ops.
+    order = [label for label, _, _ in _PARTS]
+    order.insert(order.index("rest of the model step"), "  rest of the load (Python, dispatch)")
+    return {k: ms[k] for k in order + [k for k in ms if k not in order]}
+
+
+def _print_split(llm, prompt, question, params, reps: int, same=None) -> None:
+    """Median parts of `reps` all-hit and floor requests (and APC-same ones with
+    `same`), each profiled alone, interleaved."""
+    # NOTE: APC-same goes unsplit (as bench_long_context.py's row): vLLM's prefix cache
+    # alone; twice first so that its blocks are cached.
+    unsplit = {"split_chunks": False}
+    names = ["all-hit", "floor"]
+    if same is not None:
+        names.append("APC-same")
+        for _ in range(2):
+            llm.generate([same()], params, use_tqdm=False, tokenization_kwargs=unsplit)
+    runs: dict[str, list[dict[str, float]]] = {name: [] for name in names}
+    for rep in range(reps):
+        for name in names if rep % 2 == 0 else names[::-1]:
+            p = {"all-hit": prompt, "floor": question, "APC-same": same}[name]()
+            prof = cProfile.Profile()
+            t = time.perf_counter()
+            prof.enable()
+            llm.generate([p], params, use_tqdm=False,
+                         tokenization_kwargs=unsplit if name == "APC-same" else None)
+            prof.disable()
+            runs[name].append(_parts(prof, 1e3 * (time.perf_counter() - t)))
+    print(f"-- split, medians of {reps} requests each profiled alone (ms)")
+    head = f"{'part':<55} {'all-hit':>8} {'floor':>8} {'above':>8}"
+    print(head + (f" {'APC-same':>8}" if same is not None else ""))
+    for label in runs["all-hit"][0]:
+        med = {name: statistics.median(r[label] for r in runs[name]) for name in names}
+        line = (f"{label:<55} {med['all-hit']:>8.2f} {med['floor']:>8.2f} "
+                f"{med['all-hit'] - med['floor']:>8.2f}")
+        if same is not None:
+            line += f" {med['APC-same']:>8.2f}"
+        print(line, flush=True)
 
 
 if __name__ == "__main__":

@@ -32,6 +32,18 @@ def test_cpu_load_runs_every_piece_size_and_each_pass(monkeypatch, capsys):
         assert name in out
 
 
+def test_cpu_load_cold_write_runs_its_three_caches(monkeypatch, capsys):
+    # The write alone into a cache of just the request's blocks, and into a larger one at
+    # the same blocks and at the next blocks every time (issue 52, third pass).
+    bench = _load("bench_cpu_load")
+    monkeypatch.setattr(sys, "argv", ["bench_cpu_load.py", "--docs", "3", "--doc-tokens", "40",
+                                      "--pieces", "64", "--reps", "2", "--cold-write", "0.001"])
+    bench.main()
+    out = capsys.readouterr().out
+    assert "the write alone, 120 rows x 4 layers" in out
+    assert "(8 blocks a layer)" in out  # 0.001 GiB / (2 x 128 x 64 bf16 values) / 4 layers
+
+
 def test_block_hashing_runs_each_row(monkeypatch, capsys):
     bench = _load("bench_block_hashing")
     monkeypatch.setattr(sys, "argv", ["bench_block_hashing.py", "--tokens", "700", "1500",
