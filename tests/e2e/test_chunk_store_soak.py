@@ -211,6 +211,7 @@ def run_soak(workdir: Path, requests: int, concurrency: int = 8, seed: int = 39,
         finally:
             for r in replicas:
                 r.stop()
+        print(f"{time.strftime('%H:%M:%S')} the replicas' soak:\n{report.text()}", flush=True)
         _engine_closed_mid_read(fleet, reference, layouts, report)
     return report
 
@@ -266,8 +267,10 @@ def _engine_closed_mid_read(fleet: MooncakeFleet, reference: Reference, layouts:
                 report.wrong.append(f"engine restart: {str(e)[:200]}")
 
     # NOTE: the soak's last fault may have left the segment holder dead (killed,
-    # restarted since or not): the store is then empty. A writes what it reads.
+    # and its restart refused while the master still held its segment's name):
+    # then a fresh master and client (an empty store: A writes what it reads).
     if fleet.client is None or fleet.client.poll() is not None:
+        fleet.restart_master()
         fleet.start_client()
     a = make_llm(MODEL, **kwargs)
     store = get_kv_transfer_group()._worker.store
