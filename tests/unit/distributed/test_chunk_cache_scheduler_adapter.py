@@ -688,3 +688,84 @@ def test_a_failed_fetch_whose_rows_are_lent_waits_for_them_in_a_full_pool():
     finish(adapter, child, RequestStatus.FINISHED_LENGTH_CAPPED)
     assert adapter.get_num_new_matched_tokens(r, 0) == (8, False)
     adapter.store.close()
+
+
+def _scheduled(*children, block_ids=None):
+    """A step's output scheduling `children` as new requests, all their tokens, each in
+    its own paged block (7, 8, ...)."""
+    new = [SimpleNamespace(req_id=c.request_id, block_ids=([7 + i],), num_computed_tokens=0)
+           for i, c in enumerate(children)]
+    return SimpleNamespace(
+        scheduled_new_reqs=new,
+        num_scheduled_tokens={c.request_id: len(c.prompt_token_ids) for c in children},
+        scheduled_cached_reqs=SimpleNamespace(req_ids=[], new_block_ids=[],
+                                              resumed_req_ids=set(), num_computed_tokens=[]),
+        preempted_req_ids=None)
+
+
+def _puts_and_writes_are_disjoint(meta):
+    """The step's puts read pool blocks that none of its stores (new child rows) writes."""
+    put = {b for p in meta.store.puts for b in p.pool_block_ids}
+    written = {b for s in meta.stores for b in s.pool_block_ids}
+    assert not put & written, (
+        f"pool block(s) {sorted(put & written)} are both copied into a put and written "
+        f"by a child in one step (puts {[p.pool_block_ids for p in meta.store.puts]}, "
+        f"stores {[s.pool_block_ids for s in meta.stores]})")
+
+
+def test_a_put_never_copies_rows_a_child_writes_in_the_same_step():
+    """Issue 50, finding 3: on vLLM 0.32 a step with no synchronous load copies its
+    puts after the forward. A finished child's entry E1 (its parent aborted, so only the
+    writer pinned it) was unpinned in the update that queued its put; a failed fetch with
+    lent rows in the same update relocated into E1's evicted block, and the next step
+    both wrote that block (the new child) and copied it under E1's key. Every block a
+    step's puts read must be out of its writes; the parent is still served."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store.messages import (
+        CAUSE_TIMEOUT,
+        FETCH_OK,
+        StoreReport,
+    )
+    from vllm.v1.core.chunk_store_probe import StoreAnswer, StoreLookup
+
+    adapter = ChunkCacheSchedulerAdapter(*make_config(
+        num_kv_blocks=3,
+        store="mooncake://127.0.0.1:1?lookup_timeout=600&local_client=none"))
+    assert adapter.manager.pool.num_blocks == 3
+
+    class StoreHoldsDocumentFrom30:
+        def lookup(self, segment_ids, context_ids, namespace):
+            if segment_ids[0] == 30:
+                return StoreLookup(StoreAnswer.HIT, content_hash=30)
+            return StoreLookup(StoreAnswer.MISS)
+
+    adapter.manager.store_probe = StoreHoldsDocumentFrom30()
+    p1 = parent("p1", [3, 5, 2])                         # system 10-12, document 13-17
+    p2 = Request("p2", [10, 11, 12] + list(range(30, 35)) + [40, 41],
+                 SamplingParams(max_tokens=2), None, chunk_layout=[3, 5, 2])
+    for p in (p1, p2):
+        adapter.on_new_request(p)
+        adapter.get_num_new_matched_tokens(p, 0)
+    sys_child, c1 = adapter.take_internal_requests()   # p2 joins the system, reads its doc
+    meta = adapter.build_connector_meta(_scheduled(sys_child, c1))
+    (fetch,) = meta.store.fetches
+    assert adapter.manager.pool.num_free_blocks == 0
+    # The update after that step: p1 was aborted, both children finished (C1's put is
+    # queued, its entry now pinned by nobody), and the read of p2's document timed out
+    # with its rows lent.
+    finish(adapter, p1, RequestStatus.FINISHED_ABORTED)
+    finish(adapter, sys_child, RequestStatus.FINISHED_LENGTH_CAPPED)
+    finish(adapter, c1, RequestStatus.FINISHED_LENGTH_CAPPED)
+    adapter.on_store_report(StoreReport(outcomes={fetch.fetch_id: [CAUSE_TIMEOUT]},
+                                        rows_lent={fetch.fetch_id: 1}))
+    steps = 0
+    while not adapter.manager.is_ready("p2"):
+        steps += 1
+        assert steps < 5, "p2 never became ready"
+        children = adapter.take_internal_requests()
+        meta = adapter.build_connector_meta(_scheduled(*children))
+        _puts_and_writes_are_disjoint(meta)
+        for c in children:
+            finish(adapter, c, RequestStatus.FINISHED_LENGTH_CAPPED)
+        adapter.on_store_report(StoreReport(rows_returned={fetch.fetch_id: 1}))
+    assert adapter.get_num_new_matched_tokens(p2, 0) == (8, False)
+    adapter.store.close()

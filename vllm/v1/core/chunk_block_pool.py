@@ -97,6 +97,8 @@ class ChunkBlockPool:
         # `release_held`.
         self._held: dict[str, tuple[PoolBlockId, ...]] = {}
         self.num_evictions = 0
+        # Blocks given up for good (`write_off`): no longer in num_blocks.
+        self.num_written_off = 0
 
     # ------------------------------------------------------------- queries
 
@@ -254,6 +256,34 @@ class ChunkBlockPool:
         if blocks is None:
             raise KeyError(f"holder {holder} holds no pool blocks")
         self._free_blocks.extend(blocks)
+        return blocks
+
+    def detach(self, chunk_hash: ChunkHash, holder: str) -> tuple[PoolBlockId, ...]:
+        """Drop a pinned entry (its pins with it) and hold its blocks under
+        `holder` instead, as `relocate` would with no room for new ones."""
+        entry = self._require(chunk_hash)
+        if not entry.pin_count:
+            raise ValueError(f"chunk {chunk_hash.hex()} is not pinned")
+        if holder in self._held:
+            raise ValueError(f"holder {holder} already holds pool blocks")
+        held = self._held[holder] = tuple(entry.block_ids)
+        del self._entries[chunk_hash]
+        self._retired.discard(chunk_hash)
+        entry.block_ids = []
+        return held
+
+    def write_off(self, holder: str) -> tuple[PoolBlockId, ...]:
+        """Give up the blocks held under `holder` for good: they leave the pool
+        (num_blocks shrinks) and are never handed out again. Raises KeyError for
+        an unknown holder.
+
+        NOTE (issue 50, finding 4): for rows a store call that never returned
+        may still write into; the pool is smaller rather than ever wrong."""
+        blocks = self._held.pop(holder, None)
+        if blocks is None:
+            raise KeyError(f"holder {holder} holds no pool blocks")
+        self.num_blocks -= len(blocks)
+        self.num_written_off += len(blocks)
         return blocks
 
     def evict_lru(self) -> ChunkHash | None:

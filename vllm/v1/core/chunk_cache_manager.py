@@ -522,6 +522,51 @@ class ChunkCacheManager:
         self.pool.release_held(fetch_id)
         return None
 
+    def rows_written_off(self, fetch_id: str) -> ChildSpec | None:
+        """A failed fetch's rows were lent longer than the store's held-rows
+        limit (its call may never return): its blocks leave the pool for good.
+        A fetch that waited for them is computed in new blocks (returned) if the
+        pool has room, else its waiters are refused. Raises KeyError for a fetch
+        whose rows were not held.
+
+        NOTE (issue 50, finding 4): without a bound, a call that never returns
+        (RDMA, long MC_* timeouts) held its blocks, and any parent waiting on it,
+        for good."""
+        if fetch_id not in self._waiting_for_rows:
+            self.pool.write_off(fetch_id)
+            return None
+        self._waiting_for_rows.discard(fetch_id)
+        h = self._require_child(fetch_id).spec.chunk_hash
+        entry = self.pool.get(h)
+        assert entry is not None
+        if self.pool.can_allocate(len(entry.block_ids)):
+            moved = self.pool.relocate(h, holder=fetch_id)
+            for victim in moved.evicted:
+                self.index.remove(victim)
+            self.pool.write_off(fetch_id)
+            return self._compute_failed_fetch(fetch_id)
+        fetch = self._pop_child(fetch_id)
+        for parent_id in sorted(fetch.waiters):
+            self._release_pins(parent_id, skip=h)
+            self._refuse(parent_id, AdmitReason.CHILD_FAILED,
+                         self._written_off_message(parent_id, fetch, len(entry.block_ids)))
+        self.pool.detach(h, holder=fetch_id)
+        self.pool.write_off(fetch_id)
+        return None
+
+    def _written_off_message(self, parent_id: str, fetch: _Child, num_blocks: int) -> str:
+        indices = [s.segment_index for s in self._parents[parent_id].segments
+                   if s.chunk_hash == fetch.spec.chunk_hash]
+        where = ", ".join("the system segment" if i == 0 else f"document {i}"
+                          for i in indices) or "a segment"
+        return (
+            f"chunk cache: {where} of this request was being read from the chunk "
+            "store, whose call never returned the pool rows it was given; those "
+            f"{num_blocks} pool block(s) are written off, and the pool has no other "
+            "room to compute it now, so the request is refused rather than kept "
+            "waiting. Nothing of it was cached: retrying the request is safe."
+        )
+
     def _compute_failed_fetch(self, fetch_id: str) -> ChildSpec:
         fetch = self._pop_child(fetch_id)
         key = _SegmentKey(fetch.spec.chunk_hash, fetch.segment_ids, fetch.context_ids)
@@ -591,7 +636,10 @@ class ChunkCacheManager:
             pool_blocks_total=usage.blocks_total,
             pinned_entries=usage.num_entries - usage.num_evictable,
             live_requests=len(self._parents) + len(self._children),
-            pool_blocks_held=usage.blocks_held,
+            # NOTE (finding 4): a fetch waiting for its lent rows holds its own.
+            pool_blocks_held=usage.blocks_held + sum(
+                len(self.pool.get(self._children[f].spec.chunk_hash).block_ids)
+                for f in self._waiting_for_rows),
         )
 
     def pinned_by(self, request_id: str) -> list[ChunkHash]:

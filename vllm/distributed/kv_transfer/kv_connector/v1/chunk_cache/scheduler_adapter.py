@@ -69,6 +69,7 @@ from vllm.v1.core.chunk_structures import (
     ChunkCacheStats,
     ChunkContextMode,
     ChunkedPrompt,
+    ChunkHash,
 )
 
 if TYPE_CHECKING:
@@ -360,7 +361,19 @@ class ChunkCacheSchedulerAdapter:
         self._rows_this_step = 0
         if self.store is not None:
             meta.store = self.store.take_step(self.manager.epoch)
+            self._unpin_copied_puts()
         return meta
+
+    def _unpin_copied_puts(self) -> None:
+        """NOTE (issue 50, finding 3): a put's entry keeps a pin from the child's
+        finish until the step after the one whose metadata carried the put: the
+        worker copies a put's rows in that step's `start_load_kv`, which vLLM 0.32
+        runs after the forward, so blocks reused by a child in that same step would
+        be copied under the put's key. Steps run in order on the worker, so any
+        step scheduled after this one writes the blocks after the copy."""
+        for chunk_hash in self._put_pins_shipped:
+            self.manager.pool.unpin(chunk_hash)
+        self._put_pins_shipped, self._put_pins = self._put_pins, []
 
     def _add_loads(self, meta: ChunkCacheMetadata, out: SchedulerOutput) -> None:
         # NOTE: a request allocated (and given a load) earlier in this step
@@ -461,6 +474,10 @@ class ChunkCacheSchedulerAdapter:
         self._child_tenants: dict[str, tuple[str | None, str]] = {}
         # A waiting parent of each fetch (a failed fetch's child is its).
         self._fetch_origins: dict[str, Request] = {}
+        # Entries whose put is queued, and those whose put the last step's
+        # metadata carried: pinned until the worker copied them (_unpin_copied_puts).
+        self._put_pins: list[ChunkHash] = []
+        self._put_pins_shipped: list[ChunkHash] = []
         return client
 
     def _start_fetches(self, origin: Request) -> None:
@@ -480,6 +497,9 @@ class ChunkCacheSchedulerAdapter:
             return
         self.store.queue_put(list(request.prompt_token_ids or []), plan.src_start, salt, lora,
                              plan.pool_block_ids, self.manager.epoch)
+        # NOTE (finding 3): besides the writer's pin, dropped by child_finished next.
+        self.manager.pool.pin(plan.chunk_hash)
+        self._put_pins.append(plan.chunk_hash)
 
     def on_store_report(self, report: Any) -> None:
         """The workers' store outcomes of a step (combined over ranks)."""
@@ -497,6 +517,14 @@ class ChunkCacheSchedulerAdapter:
         for fetch_id in result.done:
             self._fetch_origins.pop(fetch_id, None)
             self.manager.fetch_finished(fetch_id)
+        for fetch_id in result.written_off:
+            # NOTE (issue 50, finding 4): computed elsewhere, or refused (take_refusals).
+            spec = self.manager.rows_written_off(fetch_id)
+            origin = self._fetch_origins.pop(fetch_id, None)
+            if spec is not None and origin is not None:
+                logger.info("chunk store: computing %s as %s in other blocks",
+                            fetch_id, spec.request_id)
+                self._spawn_children(origin)
         for failure in result.failed:
             spec = self.manager.fetch_failed(failure.fetch_id, rows_lent=failure.rows_held)
             cause = getattr(failure.cause, "value", failure.cause)

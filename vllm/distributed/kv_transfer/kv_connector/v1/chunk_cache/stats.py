@@ -65,6 +65,8 @@ STORE_COUNTERS: dict[str, str] = {
     "store_get_bytes": "Bytes read from the store by worker ranks",
     "store_get_seconds": "Seconds worker ranks spent in store reads (one call per step, summed)",
     "store_puts_queued": "Children's entries queued for writing to the store",
+    "store_reads_written_off":
+        "Failed store reads whose pool rows stayed lent past held_limit (written off)",
     "store_puts": "Entries written to the store by a worker rank",
     "store_put_bytes": "Bytes written to the store by worker ranks",
     "store_put_failures": "Entry writes the store refused or failed",

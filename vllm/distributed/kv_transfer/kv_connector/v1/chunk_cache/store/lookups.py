@@ -111,6 +111,9 @@ class ReportResult:
     # Failed fetches reported with rows_held earlier whose rows every rank
     # has returned since.
     rows_returned: tuple[str, ...] = ()
+    # Failed fetches whose rows stayed lent past the spec's held_limit: their
+    # pool blocks are written off (a later return is ignored).
+    written_off: tuple[str, ...] = ()
 
 
 @dataclass
@@ -134,6 +137,8 @@ class StoreCounters:
     store_expected_compute_seconds: float = 0.0
     store_fetch_seconds: float = 0.0
     store_puts_queued: int = 0
+    # Failed reads whose pool rows stayed lent past held_limit (written off).
+    store_reads_written_off: int = 0
 
     def take(self) -> dict[str, float]:
         now = dataclasses.asdict(self)
@@ -171,6 +176,11 @@ class StoreClient:
         # Fetch id -> ranks that lent its pool rows minus those that returned
         # them, while undecided or failed with rows held (issue 39, finding 9).
         self._lent: dict[str, int] = {}
+        # Failed fetches with rows held -> when they failed (the clock is
+        # injectable for tests); written off past held_limit_s.
+        self.clock = time.monotonic
+        self.held_limit_s = self._shared.spec.held_limit_s
+        self._held_since: dict[str, float] = {}
         self._step = StoreStep(epoch=0)
         self._puts: list[tuple[int, EntryPut]] = []
         self.counters = StoreCounters()
@@ -363,6 +373,7 @@ class StoreClient:
             if self._lent[fetch_id] <= 0 and fetch_id not in self._fetches:
                 # Failed with rows held in an earlier report: now free.
                 del self._lent[fetch_id]
+                self._held_since.pop(fetch_id, None)
                 returned.append(fetch_id)
         done, failed = [], []
         for fetch_id, results in report.outcomes.items():
@@ -392,7 +403,25 @@ class StoreClient:
             name = f"store_misses_{FetchOutcome(cause).value}"
             setattr(self.counters, name, getattr(self.counters, name) + 1)
             failed.append(FetchFailure(fetch_id, FetchOutcome(cause), rows_held=held))
-        return ReportResult(tuple(done), tuple(failed), tuple(returned))
+            if held:
+                self._held_since[fetch_id] = self.clock()
+        return ReportResult(tuple(done), tuple(failed), tuple(returned),
+                            self._write_off_held())
+
+    def _write_off_held(self) -> tuple[str, ...]:
+        """Failed fetches whose rows stayed lent past held_limit_s: forgotten here
+        (a rank's late return is then ignored), logged once each, counted."""
+        now = self.clock()
+        expired = [f for f, since in self._held_since.items()
+                   if now - since >= self.held_limit_s]
+        for fetch_id in expired:
+            since = self._held_since.pop(fetch_id)
+            self._lent.pop(fetch_id, None)
+            self.counters.store_reads_written_off += 1
+            logger.warning("chunk store: %s's store call has held its pool rows for %.0f s "
+                           "(held_limit); they are written off: out of the pool for good, "
+                           "never read or handed out again", fetch_id, now - since)
+        return tuple(expired)
 
     def close(self) -> None:
         self._thread.shutdown(wait=False, cancel_futures=True)

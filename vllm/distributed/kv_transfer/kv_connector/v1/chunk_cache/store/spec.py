@@ -12,7 +12,9 @@ store; default 0), `buffer` (the client's local transfer buffer; default
 (seconds a request waits for the store's answer to "is it there?" before the
 document is computed; default 0.05), `read_timeout` (the least time a read is
 given before the document is computed instead; default 0.5, more for large
-entries at the bandwidth measured), `arena` (host memory for reads, and as
+entries at the bandwidth measured), `held_limit` (seconds after which pool
+rows a store call was given and never returned are written off: they leave
+the pool for good; default 300), `arena` (host memory for reads, and as
 much again for writes; default: two entries of --max-chunk-tokens, at least
 256 MB), `key_file` (a file holding the fleet's secret: every entry is then
 authenticated with a keyed BLAKE3 MAC; default none), `local_client`
@@ -44,7 +46,8 @@ _UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10,
           "M": 1 << 20, "MB": 1 << 20, "MIB": 1 << 20,
           "G": 1 << 30, "GB": 1 << 30, "GIB": 1 << 30}
 _SIZE = re.compile(r"^\s*(\d+)\s*([A-Za-z]*)\s*$")
-_KEYS = ("segment", "buffer", "timeout", "lookup_timeout", "read_timeout", "arena",
+_KEYS = ("segment", "buffer", "timeout", "lookup_timeout", "read_timeout", "held_limit",
+         "arena",
          "key_file", "local_client", "protocol", "metadata_server", "local_hostname")
 # NOTE: the node's client by default (issue 39, finding 7): Mooncake's transfer code then
 # runs in that process, whose crash is a miss here rather than a dead engine, and on one
@@ -91,6 +94,13 @@ class StoreSpec:
     instead (a large entry gets more, from its size and the bandwidth this
     replica measured)."""
 
+    held_limit_s: float = 300.0
+    """How long pool rows a store call was given may stay lent after the read was
+    given up on (the call has not returned: a stopped holder, RDMA, long MC_*
+    timeouts). Past it they are written off: out of the pool for good, logged
+    and counted, and a document waiting for them is computed elsewhere or its
+    requests refused (issue 50, finding 4)."""
+
     arena_bytes: int | None = None
     """Host memory for reads (and as much for writes); None: sized from the
     model's largest entry (store/transfers.py)."""
@@ -122,7 +132,7 @@ class StoreSpec:
             raise ValueError("metadata_server must not be empty")
         if not self.local_hostname or any(c in self.local_hostname for c in " /?#"):
             raise ValueError(f"bad local_hostname {self.local_hostname!r}")
-        for name in ("timeout_s", "lookup_timeout_s", "read_timeout_s"):
+        for name in ("timeout_s", "lookup_timeout_s", "read_timeout_s", "held_limit_s"):
             value = getattr(self, name)
             if not 0 < value <= 3600:
                 raise ValueError(f"{name[:-2]} must be in (0, 3600] seconds, got {value}")
@@ -150,6 +160,7 @@ class StoreSpec:
             f"{SCHEME}://{self.master_address}?segment={self.segment_bytes}"
             f"&buffer={self.buffer_bytes}&timeout={self.timeout_s:g}"
             f"&lookup_timeout={self.lookup_timeout_s:g}&read_timeout={self.read_timeout_s:g}"
+            f"&held_limit={self.held_limit_s:g}"
             f"&protocol={self.protocol}&metadata_server={self.metadata_server}"
             f"&local_hostname={self.local_hostname}"
         )
@@ -228,7 +239,7 @@ def _build(master: str, fields: dict) -> StoreSpec:
         kwargs["segment_bytes"] = _size("segment", fields["segment"])
     if "buffer" in fields:
         kwargs["buffer_bytes"] = _size("buffer", fields["buffer"])
-    for key in ("timeout", "lookup_timeout", "read_timeout"):
+    for key in ("timeout", "lookup_timeout", "read_timeout", "held_limit"):
         if key in fields:
             kwargs[f"{key}_s"] = _seconds(key, fields[key])
     if "arena" in fields:
