@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """The manager's pins and held blocks under random admissions, children, store
-fetches (ok, failed, failed with rows lent, rows returned), releases and resets
+fetches (ok, failed, failed with rows lent, rows returned or written off),
+releases and resets
 (issue 51, deliverable 1).
 
 The model is the test's own record of who is live: admitted parents (each with
@@ -83,6 +84,8 @@ class ManagerMachine(RuleBasedStateMachine):
         self._take()
 
     def _take(self) -> None:
+        """Children and fetches handed out (admissions, retries, failed fetches),
+        refusals."""
         for spec in self.m.take_new_children():
             self.children[spec.request_id] = spec.chunk_hash
         for spec in self.m.take_new_fetches():
@@ -122,10 +125,8 @@ class ManagerMachine(RuleBasedStateMachine):
         if ok:
             self.m.child_finished(rid)
         else:
-            retry = self.m.child_failed(rid, ended="FINISHED_ABORTED")
-            if retry is not None:
-                self.children[retry.request_id] = retry.chunk_hash
-        self._take()
+            self.m.child_failed(rid, ended="FINISHED_ABORTED")
+        self._take()  # its retry, if any
 
     @precondition(lambda self: self.fetches)
     @rule(data=st.data(), outcome=st.sampled_from(["ok", "failed", "lent"]))
@@ -138,11 +139,9 @@ class ManagerMachine(RuleBasedStateMachine):
         spec = self.m.fetch_failed(fid, rows_lent=outcome == "lent")
         if spec is None:
             self.waiting[fid] = h
-        else:
-            self.children[spec.request_id] = spec.chunk_hash
-            if outcome == "lent":
-                self.lent.add(fid)
-        self._take()
+        elif outcome == "lent":
+            self.lent.add(fid)
+        self._take()  # the child computing it instead
 
     @precondition(lambda self: self.lent or self.waiting)
     @rule(data=st.data())
@@ -151,12 +150,21 @@ class ManagerMachine(RuleBasedStateMachine):
         spec = self.m.rows_returned(fid)
         if fid in self.waiting:
             del self.waiting[fid]
-            assert spec is not None
-            self.children[spec.request_id] = spec.chunk_hash
+            assert spec is not None  # its child, handed out with the others
         else:
             self.lent.discard(fid)
             assert spec is None
         self._take()
+
+    @precondition(lambda self: self.lent or self.waiting)
+    @rule(data=st.data())
+    def rows_written_off(self, data):
+        """The rows stayed lent past the store's held limit (issue 50, finding 4)."""
+        fid = data.draw(st.sampled_from(sorted(self.lent | set(self.waiting))))
+        self.m.rows_written_off(fid)
+        self.lent.discard(fid)
+        self.waiting.pop(fid, None)
+        self._take()  # computed elsewhere, or its parents refused
 
     @rule()
     def toggle_pending(self):
@@ -176,8 +184,8 @@ class ManagerMachine(RuleBasedStateMachine):
                 self.m.fetch_finished(fid)
             for fid in list(self.waiting):
                 del self.waiting[fid]
-                spec = self.m.rows_returned(fid)
-                self.children[spec.request_id] = spec.chunk_hash
+                assert self.m.rows_returned(fid) is not None
+                self._take()
             for fid in list(self.lent):
                 self.lent.discard(fid)
                 assert self.m.rows_returned(fid) is None
