@@ -49,13 +49,9 @@ import dataclasses
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from vllm.v1.core.chunk_block_pool import ChunkBlockPool
+from vllm.v1.core.chunk_block_pool import ChunkBlockPool, Residence
 from vllm.v1.core.chunk_prefill_plan import PrefillPlan
-from vllm.v1.core.chunk_hash_index import (
-    ChunkHashIndex,
-    ChunkNamespace,
-    compute_chunk_hash,
-)
+from vllm.v1.core.chunk_hash_index import ChunkNamespace, compute_chunk_hash
 from vllm.v1.core.chunk_store_probe import (
     FETCH_ID_PREFIX,
     FetchSpec,
@@ -175,6 +171,7 @@ class ChunkCacheManager:
         context_mode: ChunkContextMode = ChunkContextMode.SINK,
         sink_token_id: int | None = None,
         recompute_tokens: int = 0,
+        store: StoreProbe | None = None,
     ):
         self.recompute_tokens = recompute_tokens
         self.context_mode = ChunkContextMode(context_mode)
@@ -182,7 +179,6 @@ class ChunkCacheManager:
             raise ValueError("chunk_context='sink' needs a sink token id")
         self.sink_token_id = sink_token_id
         self.pool = ChunkBlockPool(num_pool_blocks, block_size)
-        self.index = ChunkHashIndex()
         self._parents: dict[str, _Parent] = {}
         # Parents not admitted yet, in arrival order.
         self._queued: OrderedDict[str, None] = OrderedDict()
@@ -200,7 +196,7 @@ class ChunkCacheManager:
         self._epoch = 0
         # The fleet-wide store (issue 31), None without --chunk-store: then
         # nothing below about fetches ever runs.
-        self.store_probe: StoreProbe | None = None
+        self.store_probe = store
         self._new_fetches: list[FetchSpec] = []
         self._stats = ChunkCacheStats()
 
@@ -262,13 +258,12 @@ class ChunkCacheManager:
                 oversized_message(needed, self.pool.num_blocks, self.pool.block_size),
             )
 
-        # Classify each distinct key once; pin residents and in-flight
-        # entries first so that the allocations below cannot evict them.
+        # Classify each distinct key once; nothing is pinned until the pool
+        # reserves every pin and allocation below in one step.
         status_of: dict[ChunkHash, SegmentStatus] = {}
         for h, key in distinct.items():
             status = self._classify(key)
             if status is None:
-                self._unpin_classified(status_of)
                 return self._refuse(
                     request_id,
                     AdmitReason.COLLISION,
@@ -276,19 +271,19 @@ class ChunkCacheManager:
                     "(hash collision); the request cannot be served exactly",
                 )
             status_of[h] = status
-            if status != SegmentStatus.MISSING:
-                self.pool.pin(h)
 
         missing = [distinct[h] for h, s in status_of.items() if s == SegmentStatus.MISSING]
         store_hits = self._probe_store(missing, namespace)
         if store_hits is None:
             # NOTE: an existence query is still in flight: wait a step (not
             # counted as deferred; the scheduler never waits on the network).
-            self._unpin_classified(status_of)
             return ChunkAdmission(request_id, AdmitReason.DEFERRED)
-        blocks = sum(self.pool.blocks_needed(len(k.segment_ids)) for k in missing)
-        if not self.pool.can_allocate(blocks):
-            self._unpin_classified(status_of)
+        # NOTE: residents and in-flight entries are pinned before the new
+        # entries are allocated, so that those allocations cannot evict them.
+        reservation = self.pool.reserve(
+            [h for h, s in status_of.items() if s != SegmentStatus.MISSING],
+            [(k.chunk_hash, len(k.segment_ids)) for k in missing])
+        if reservation is None:
             return self._defer(request_id, parent)
 
         new_children = []
@@ -296,7 +291,7 @@ class ChunkCacheManager:
             if key.chunk_hash in store_hits:
                 self._start_fetch(key, store_hits[key.chunk_hash])
             else:
-                new_children.append(self._start_child(key))
+                new_children.append(self._new_child(key, attempt=1))
             self.pool.pin(key.chunk_hash)  # the parent's own pin, besides the writer's
 
         parent.segments = tuple(
@@ -390,9 +385,7 @@ class ChunkCacheManager:
         """
         usage = self.pool.usage()
         self._epoch += 1
-        for h in self.pool.retire_all():
-            if h in self.index:  # else a child is still writing it
-                self.index.remove(h)
+        self.pool.retire_all()
         return usage.num_entries == usage.num_evictable
 
     def take_refusals(self) -> list[ChunkRefusal]:
@@ -427,8 +420,8 @@ class ChunkCacheManager:
         """The child's rows are in the pool. Returns parents now ready."""
         child = self._pop_child(child_request_id)
         h = child.spec.chunk_hash
-        if not self.pool.is_retired(h):  # else computed before a reset
-            self.index.insert(h, child.segment_ids, child.context_ids)
+        # NOTE: not published if retired (computed before a reset).
+        self.pool.publish(h, child.segment_ids, child.context_ids)
         self.pool.unpin(h)  # the writer's pin
         ready = []
         for parent_id in sorted(child.waiters):
@@ -506,9 +499,7 @@ class ChunkCacheManager:
                 # requests a full pool could still serve exactly.
                 self._waiting_for_rows.add(fetch_id)
                 return None
-            moved = self.pool.relocate(h, holder=fetch_id)
-            for victim in moved.evicted:
-                self.index.remove(victim)
+            self.pool.relocate(h, holder=fetch_id)
         return self._compute_failed_fetch(fetch_id)
 
     def rows_returned(self, fetch_id: str) -> ChildSpec | None:
@@ -540,9 +531,7 @@ class ChunkCacheManager:
         entry = self.pool.get(h)
         assert entry is not None
         if self.pool.can_allocate(len(entry.block_ids)):
-            moved = self.pool.relocate(h, holder=fetch_id)
-            for victim in moved.evicted:
-                self.index.remove(victim)
+            self.pool.relocate(h, holder=fetch_id)
             self.pool.write_off(fetch_id)
             return self._compute_failed_fetch(fetch_id)
         fetch = self._pop_child(fetch_id)
@@ -592,7 +581,6 @@ class ChunkCacheManager:
         return None if pending else hits
 
     def _start_fetch(self, key: "_SegmentKey", content_hash: int) -> None:
-        self._allocate(key)
         h = key.chunk_hash
         fetch_id = self._internal_id(FETCH_ID_PREFIX, h)
         spec = FetchSpec(
@@ -630,7 +618,7 @@ class ChunkCacheManager:
             failed_children=s.failed_children,
             refused_requests=s.refused_requests,
             deferred_requests=s.deferred_requests,
-            hash_collisions=self.index.num_collisions + s.hash_collisions,
+            hash_collisions=s.hash_collisions,
             evictions=usage.num_evictions,
             pool_blocks_used=usage.blocks_used,
             pool_blocks_total=usage.blocks_total,
@@ -681,16 +669,13 @@ class ChunkCacheManager:
                 self._stats.hash_collisions += 1
                 return None
             return SegmentStatus.IN_FLIGHT
-        if h in self.index:
-            if self.index.lookup(h, key.segment_ids, key.context_ids) is None:
-                return None
+        residence = self.pool.find(h, key.segment_ids, key.context_ids)
+        if residence == Residence.COLLISION:
+            self._stats.hash_collisions += 1
+            return None
+        if residence == Residence.RESIDENT:
             return SegmentStatus.RESIDENT
         return SegmentStatus.MISSING
-
-    def _unpin_classified(self, status_of: dict[ChunkHash, SegmentStatus]) -> None:
-        for h, status in status_of.items():
-            if status != SegmentStatus.MISSING:
-                self.pool.unpin(h)
 
     def _drop_holds(self, request_id: str, parent: _Parent) -> None:
         for h in parent.waiting_on:
@@ -761,16 +746,6 @@ class ChunkCacheManager:
         for h in parent.pinned:
             if h != skip:
                 self.pool.unpin(h)
-
-    def _start_child(self, key: _SegmentKey) -> ChildSpec:
-        self._allocate(key)
-        return self._new_child(key, attempt=1)
-
-    def _allocate(self, key: _SegmentKey) -> None:
-        """Pool blocks for `key`'s entry, pinned once for its writer."""
-        allocation = self.pool.allocate(key.chunk_hash, len(key.segment_ids))
-        for victim in allocation.evicted:
-            self.index.remove(victim)
 
     def _internal_id(self, prefix: str, h: ChunkHash) -> str:
         # NOTE: one counter for children and store fetches, so no two internal

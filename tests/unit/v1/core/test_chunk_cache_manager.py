@@ -125,7 +125,7 @@ def test_reset_forgets_resident_segments_they_are_computed_again():
     finish_children(m, admit(m, "r1", prompt))
     m.release("r1")
     assert m.reset() is True  # nothing was pinned
-    assert m.stats().pool_blocks_used == 0 and len(m.index) == 0
+    assert m.stats().pool_blocks_used == 0 and m.pool.num_published == 0
     adm = admit(m, "r2", prompt)
     assert [s.status for s in adm.segments] == [SegmentStatus.MISSING] * 2
     assert len(adm.new_children) == 2
@@ -320,7 +320,7 @@ def test_pool_pinned_full_defers_and_keeps_pins_of_others():
     # by r2 itself) and its key leaves the index.
     a2 = m.admit("r2")
     assert a2.reason == AdmitReason.ADMITTED
-    assert ha not in m.pool and ha not in m.index
+    assert ha not in m.pool and not m.pool.is_published(ha)
     assert m.store_plan(a2.new_children[0].request_id).pool_block_ids == [3, 1, 2]
     stats = m.stats()
     assert (stats.evictions, stats.deferred_requests, stats.refused_requests) == (1, 1, 0)
@@ -430,12 +430,14 @@ def test_hash_collision_is_refused_never_serves_other_tokens():
     m = Manager(num_pool_blocks=16, block_size=4)
     ha = h(DOC_A, [BOS])
     # Forced collision: DOC_A's key filed with other content.
-    m.index.insert(ha, [99, 98], [BOS])
+    m.pool.allocate(ha, 2)
+    m.pool.publish(ha, [99, 98], [BOS])
+    m.pool.unpin(ha)
     adm = admit(m, "r1", make_prompt(SYS, DOC_A, [30]))
     assert adm.reason == AdmitReason.COLLISION
     stats = m.stats()
     assert (stats.hash_collisions, stats.refused_requests) == (1, 1)
-    assert m.pool.usage().num_entries == 0
+    assert (stats.pinned_entries, stats.pool_blocks_used) == (0, 1)  # nothing taken
 
 
 def test_api_misuse_is_reported():

@@ -60,8 +60,8 @@ class ManagerMachine(RuleBasedStateMachine):
     def __init__(self):
         super().__init__()
         self.probe = Probe()
-        self.m = ChunkCacheManager(10, 4, ChunkContextMode.SINK, sink_token_id=1)
-        self.m.store_probe = self.probe
+        self.m = ChunkCacheManager(10, 4, ChunkContextMode.SINK, sink_token_id=1,
+                                   store=self.probe)
         self.parents: dict[str, set[ChunkHash]] = {}  # live -> keys pinned
         self.children: dict[str, ChunkHash] = {}  # computing writers
         self.fetches: dict[str, ChunkHash] = {}  # reading writers

@@ -124,12 +124,14 @@ class ChunkCacheSchedulerAdapter:
         check_scheduler(vllm_config)
         self.block_size = kv_cache_block_size(kv_cache_config)
         num_pool_blocks = pool_num_blocks(vllm_config, kv_cache_config)
+        self.store = self._start_store(vllm_config)
         self.manager = ChunkCacheManager(
             num_pool_blocks,
             POOL_BLOCK_SIZE,
             ChunkContextMode(cfg.chunk_context),
             sink_token_id=cfg.chunk_sink_token_id,
             recompute_tokens=cfg.chunk_recompute_tokens,
+            store=self.store,
         )
         model_config = vllm_config.model_config
         self._model = str(model_config.model)
@@ -153,7 +155,6 @@ class ChunkCacheSchedulerAdapter:
         self._rows_this_step = 0
         self._new_children: list[Request] = []
         self._reported = ChunkCacheStats()
-        self.store = self._start_store(vllm_config)
         self._steps = RecomputeSteps.for_config(vllm_config)
         if cfg.chunk_recompute_tokens:
             logger.info("Chunk cache: --chunk-recompute-tokens %d: %s",
@@ -469,7 +470,6 @@ class ChunkCacheSchedulerAdapter:
         )
 
         client = StoreClient(vllm_config)
-        self.manager.store_probe = client
         # The tenant of each child, for the key its entry is written under.
         self._child_tenants: dict[str, tuple[str | None, str]] = {}
         # A waiting parent of each fetch (a failed fetch's child is its).
