@@ -52,9 +52,11 @@ from dataclasses import dataclass, field
 from vllm.v1.core.chunk_block_pool import ChunkBlockPool, Residence
 from vllm.v1.core.chunk_prefill_plan import PrefillPlan
 from vllm.v1.core.chunk_hash_index import ChunkNamespace, compute_chunk_hash
+from vllm.v1.core.chunk_step_decision import ChildPut, Outcome, StepDecision
 from vllm.v1.core.chunk_store_probe import (
     FETCH_ID_PREFIX,
     FetchSpec,
+    ReportResult,
     StoreAnswer,
     StoreProbe,
 )
@@ -68,6 +70,7 @@ from vllm.v1.core.chunk_structures import (
     ChunkLoadPlan,
     ChunkRefusal,
     ChunkStorePlan,
+    PoolBlockId,
     SegmentLoad,
     SegmentSpan,
     SegmentStatus,
@@ -140,6 +143,8 @@ class _Parent:
     seq: int = 0
     # The manager's epoch when the parent was admitted.
     epoch: int = 0
+    # Opaque to the manager: what the engine glue builds its children from.
+    origin: object = None
 
 
 @dataclass
@@ -161,6 +166,8 @@ class _SegmentKey:
     chunk_hash: ChunkHash
     segment_ids: list[int]
     context_ids: list[int]
+    # The namespace the key was made in (with the epoch).
+    namespace: ChunkNamespace
 
 
 class ChunkCacheManager:
@@ -198,14 +205,22 @@ class ChunkCacheManager:
         # nothing below about fetches ever runs.
         self.store_probe = store
         self._new_fetches: list[FetchSpec] = []
+        # Entries whose put was handed out, and those whose put the last
+        # step's metadata carried: pinned until the worker copied them
+        # (`puts_shipped`).
+        self._put_pins: list[ChunkHash] = []
+        self._put_pins_shipped: list[ChunkHash] = []
         self._stats = ChunkCacheStats()
 
     # ------------------------------------------------------------ parents
 
     def add_request(
-        self, request_id: str, prompt: ChunkedPrompt, namespace: ChunkNamespace
+        self, request_id: str, prompt: ChunkedPrompt, namespace: ChunkNamespace,
+        origin: object = None,
     ) -> None:
-        """A chunked request arrived (nothing is pinned until `admit`)."""
+        """A chunked request arrived (nothing is pinned until `admit`).
+        `origin` is handed back in the specs of the children its admission
+        starts (ChildSpec.origin)."""
         if request_id in self._parents or request_id in self._children:
             raise ValueError(f"request {request_id} is already known")
         self._parents[request_id] = _Parent(
@@ -213,6 +228,7 @@ class ChunkCacheManager:
             namespace=namespace,
             plan=PrefillPlan.for_prompt(prompt, self.recompute_tokens),
             seq=self._num_parents_seen,
+            origin=origin,
         )
         self._num_parents_seen += 1
         self._queued[request_id] = None
@@ -246,7 +262,7 @@ class ChunkCacheManager:
         namespace = dataclasses.replace(parent.namespace, weights_epoch=self._epoch)
         ns_digest = namespace.digest()
         keyed = [
-            self._segment_key(prompt, index, ns_digest)
+            self._segment_key(prompt, index, namespace, ns_digest)
             for index in range(len(prompt.cached_spans))
         ]
         distinct = {k.chunk_hash: k for k in keyed}
@@ -289,9 +305,9 @@ class ChunkCacheManager:
         new_children = []
         for key in missing:
             if key.chunk_hash in store_hits:
-                self._start_fetch(key, store_hits[key.chunk_hash])
+                self._start_fetch(key, store_hits[key.chunk_hash], parent.origin)
             else:
-                new_children.append(self._new_child(key, attempt=1))
+                new_children.append(self._new_child(key, 1, parent.origin))
             self.pool.pin(key.chunk_hash)  # the parent's own pin, besides the writer's
 
         parent.segments = tuple(
@@ -315,6 +331,43 @@ class ChunkCacheManager:
         return ChunkAdmission(
             request_id, AdmitReason.ADMITTED, parent.segments, tuple(new_children)
         )
+
+    def decide(self, request_id: str, admit: bool = True) -> StepDecision | None:
+        """The parent's decision for this scheduler step (None: not a chunked
+        request this manager knows): admitted now if it can be, the children
+        and store fetches that started, and, once ready, every cached
+        segment's rows with the pool blocks it pins (stable until it is
+        released: a pinned entry is never evicted or moved).
+
+        `admit=False` for a running parent: it keeps the admission it runs
+        with, also one from before a reset (as vLLM's running requests keep
+        their KV); nothing starts."""
+        parent = self._parents.get(request_id)
+        if parent is None:
+            return None
+        children: list[ChildSpec] = []
+        fetches: list[FetchSpec] = []
+        if admit:
+            reason = self.admit(request_id).reason
+            children, fetches = self.take_new_children(), self.take_new_fetches()
+        else:
+            reason = parent.reason or AdmitReason.DEFERRED
+        ready = reason == AdmitReason.ADMITTED and not parent.waiting_on
+        segments = ()
+        if ready:
+            segments = tuple(
+                SegmentLoad(
+                    chunk_hash=seg.chunk_hash,
+                    segment_index=seg.segment_index,
+                    pool_block_ids=list(self._pool_blocks(seg.chunk_hash)),
+                    num_tokens=seg.span.num_tokens,
+                    stored_start=seg.stored_start,
+                    dst_start=seg.span.start,
+                )
+                for seg in parent.segments
+            )
+        return StepDecision(request_id, reason, ready, parent.plan, segments,
+                            tuple(children), tuple(fetches))
 
     def prefill_plan(self, request_id: str) -> PrefillPlan:
         """Which prompt stretches the parent loads and which it computes."""
@@ -416,6 +469,59 @@ class ChunkCacheManager:
             pool_block_ids=list(entry.block_ids),
         )
 
+    def finish_child(self, child_request_id: str, stored: bool, ended: str = "") -> Outcome:
+        """A child request ended, with its rows stored or without (`ended`:
+        how): the parents now ready, its retry, and (with a store) its entry
+        to write, unless a reset retired it (computed with weights that may
+        be gone)."""
+        if not stored:
+            self.child_failed(child_request_id, ended)
+            return Outcome(children=tuple(self.take_new_children()))
+        spec = self._require_child(child_request_id).spec
+        put = None
+        if self.store_probe is not None and not self.pool.is_retired(spec.chunk_hash):
+            namespace = spec.namespace
+            assert namespace is not None
+            put = ChildPut(tuple(spec.token_ids), spec.store_start, namespace.cache_salt,
+                           namespace.lora_name, spec.pool_block_ids, self._epoch)
+            # NOTE (issue 50, finding 3): the put's own pin, besides the
+            # writer's dropped below, until the worker copied it (puts_shipped).
+            self.pool.pin(spec.chunk_hash)
+            self._put_pins.append(spec.chunk_hash)
+        ready = self.child_finished(child_request_id)
+        return Outcome(ready=tuple(ready), put=put)
+
+    def puts_shipped(self) -> None:
+        """The step's metadata carrying the puts handed out since the last
+        call was built. NOTE (issue 50, finding 3): a put's entry keeps a pin
+        until the step after the one whose metadata carried the put: the
+        worker copies a put's rows in that step's `start_load_kv`, which vLLM
+        0.32 runs after the forward, so blocks reused by a child in that same
+        step would be copied under the put's key. Steps run in order on the
+        worker, so any step scheduled after this one writes the blocks after
+        the copy."""
+        for chunk_hash in self._put_pins_shipped:
+            self.pool.unpin(chunk_hash)
+        self._put_pins_shipped, self._put_pins = self._put_pins, []
+
+    def store_report(self, result: ReportResult) -> Outcome:
+        """The store's decisions from the workers' report of a step: fetches
+        done, failed (computed by a child, in new blocks if their rows are
+        still lent, or once they are returned), rows returned or written off.
+
+        NOTE: returned rows first: the blocks they free may be the room a
+        failed fetch below needs to compute elsewhere."""
+        ready: list[str] = []
+        for fetch_id in result.rows_returned:
+            self.rows_returned(fetch_id)
+        for fetch_id in result.done:
+            ready += self.fetch_finished(fetch_id)
+        for fetch_id in result.written_off:
+            self.rows_written_off(fetch_id)
+        for failure in result.failed:
+            self.fetch_failed(failure.fetch_id, rows_lent=failure.rows_held)
+        return Outcome(children=tuple(self.take_new_children()), ready=tuple(ready))
+
     def child_finished(self, child_request_id: str) -> list[str]:
         """The child's rows are in the pool. Returns parents now ready."""
         child = self._pop_child(child_request_id)
@@ -441,8 +547,8 @@ class ChunkCacheManager:
         child = self._pop_child(child_request_id)
         self._stats.failed_children += 1
         if child.attempt < MAX_CHILD_ATTEMPTS:
-            key = _SegmentKey(child.spec.chunk_hash, child.segment_ids, child.context_ids)
-            retry = self._new_child(key, attempt=child.attempt + 1)
+            retry = self._new_child(self._key_of(child), child.attempt + 1,
+                                    child.spec.origin)
             self._children[retry.request_id].waiters = child.waiters
             return retry
         for parent_id in sorted(child.waiters):
@@ -558,8 +664,7 @@ class ChunkCacheManager:
 
     def _compute_failed_fetch(self, fetch_id: str) -> ChildSpec:
         fetch = self._pop_child(fetch_id)
-        key = _SegmentKey(fetch.spec.chunk_hash, fetch.segment_ids, fetch.context_ids)
-        child = self._new_child(key, attempt=1)
+        child = self._new_child(self._key_of(fetch), 1, fetch.spec.origin)
         self._children[child.request_id].waiters = fetch.waiters
         return child
 
@@ -580,7 +685,7 @@ class ChunkCacheManager:
                 hits[key.chunk_hash] = found.content_hash
         return None if pending else hits
 
-    def _start_fetch(self, key: "_SegmentKey", content_hash: int) -> None:
+    def _start_fetch(self, key: "_SegmentKey", content_hash: int, origin: object) -> None:
         h = key.chunk_hash
         fetch_id = self._internal_id(FETCH_ID_PREFIX, h)
         spec = FetchSpec(
@@ -590,11 +695,13 @@ class ChunkCacheManager:
             store_start=len(key.context_ids),
             content_hash=content_hash,
             epoch=self._epoch,
+            pool_block_ids=self._pool_blocks(h),
         )
         # NOTE: registered as an in-flight child (same pins, waiters and
         # joins), but handed out as a fetch, never as a vLLM request.
         self._children[fetch_id] = _Child(
-            spec=ChildSpec(fetch_id, h, spec.token_ids, spec.store_start),
+            spec=ChildSpec(fetch_id, h, spec.token_ids, spec.store_start,
+                           spec.pool_block_ids, key.namespace, origin),
             segment_ids=key.segment_ids,
             context_ids=key.context_ids,
             fetch=spec,
@@ -636,7 +743,8 @@ class ChunkCacheManager:
     # ----------------------------------------------------------- internal
 
     def _segment_key(
-        self, prompt: ChunkedPrompt, index: int, ns_digest: bytes
+        self, prompt: ChunkedPrompt, index: int, namespace: ChunkNamespace,
+        ns_digest: bytes,
     ) -> _SegmentKey:
         segment_ids = prompt.segment_tokens(index)
         if index == 0 or self.context_mode == ChunkContextMode.NONE:
@@ -654,6 +762,7 @@ class ChunkCacheManager:
             chunk_hash=compute_chunk_hash(segment_ids, context_ids, ns_digest),
             segment_ids=segment_ids,
             context_ids=context_ids,
+            namespace=namespace,
         )
 
     def _classify(self, key: _SegmentKey) -> SegmentStatus | None:
@@ -754,7 +863,7 @@ class ChunkCacheManager:
         self._num_children_created += 1
         return rid
 
-    def _new_child(self, key: _SegmentKey, attempt: int) -> ChildSpec:
+    def _new_child(self, key: _SegmentKey, attempt: int, origin: object) -> ChildSpec:
         h = key.chunk_hash
         child_id = self._internal_id(CHILD_REQUEST_PREFIX, h)
         spec = ChildSpec(
@@ -762,6 +871,9 @@ class ChunkCacheManager:
             chunk_hash=h,
             token_ids=key.context_ids + key.segment_ids,
             store_start=len(key.context_ids),
+            pool_block_ids=self._pool_blocks(h),
+            namespace=key.namespace,
+            origin=origin,
         )
         self._children[child_id] = _Child(
             spec=spec,
@@ -792,6 +904,17 @@ class ChunkCacheManager:
             for s in segments
             if s.status == SegmentStatus.RESIDENT
         )
+
+    def _pool_blocks(self, h: ChunkHash) -> tuple[PoolBlockId, ...]:
+        entry = self.pool.get(h)
+        assert entry is not None, "a writer's entry is allocated before it starts"
+        return tuple(entry.block_ids)
+
+    @staticmethod
+    def _key_of(child: _Child) -> _SegmentKey:
+        assert child.spec.namespace is not None
+        return _SegmentKey(child.spec.chunk_hash, child.segment_ids, child.context_ids,
+                           child.spec.namespace)
 
     def _pop_child(self, child_request_id: str) -> _Child:
         child = self._require_child(child_request_id)
