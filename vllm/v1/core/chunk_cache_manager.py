@@ -6,30 +6,35 @@ counter (docs/design/ownership.md). Life of a chunked request (the parent):
 
 1. `add_request` on arrival: the parent is queued. Nothing is pinned yet,
    so a request waiting in vLLM's queue holds no pool room.
-2. `admit` when the scheduler is about to run it. Parents are admitted in
+2. `decide` (which admits) when the scheduler is about to run it: one
+   frozen `StepDecision` per step (chunk_step_decision.py) that every
+   scheduler hook of the step reads. Parents are admitted in
    arrival order: while an earlier parent waits for room, later ones are
    DEFERRED too (a big request is never starved by a stream of small ones).
    Every cached segment (system + chunks) is keyed and classified RESIDENT
    (in the pool, verified), IN_FLIGHT (a child computes it) or MISSING. The
-   parent pins every entry it will load; each distinct MISSING key gets pool
-   blocks and exactly one child request (`take_new_children`). A request
+   pool reserves, in one step or not at all, a pin on every entry the parent
+   will load and pool blocks for each distinct MISSING key, which gets
+   exactly one child request (`StepDecision.children`). A request
    whose segments can never fit the pool is refused (OVERSIZED), as is one
    whose key matched other tokens (COLLISION): never served otherwise.
-   With a fleet-wide store (`store_probe`, issue 31) a MISSING key the
-   store holds is fetched instead (`take_new_fetches`: pinned like a child,
-   `fetch_finished` / `fetch_failed`, the latter becoming a child); a query
-   not answered yet makes the parent wait a step (docs/design/store-path.md).
+   With a fleet-wide store (the `store` constructor argument, issue 31) a
+   MISSING key the store holds is fetched instead (`StepDecision.fetches`:
+   pinned like a child; `store_report` ends it, a failed one becoming a
+   child); a query not answered yet makes the parent wait a step
+   (docs/design/store-path.md).
    A failed fetch whose rows a store call still holds is computed into new
    blocks (the old ones held until `rows_returned`), or, with no room for
    them, in its own once they are returned.
-3. `child_finished` / `child_failed`: a child stored its rows (the entry
-   becomes RESIDENT) or ended without them; a failed child is retried once,
-   then its waiters are refused (`take_refusals`).
-4. `is_ready` -> `prefill_plan` / `load_plan`: once every segment is
-   resident, which stretch to load at a position (all of system and chunks
-   at once, or with boundary recompute the part of each chunk after its
-   first K tokens, chunk_prefill_plan.py) and the rows to copy, with
-   delta = real_start - stored_start.
+3. `finish_child` (`child_finished` / `child_failed`): a child stored its
+   rows (the entry becomes RESIDENT; with a store, the `Outcome` carries its
+   put) or ended without them; a failed child is retried once, then its
+   waiters are refused (`take_refusals`).
+4. Once every segment is resident the decision is ready: its plan says
+   which stretch to load at a position (all of system and chunks at once,
+   or with boundary recompute the part of each chunk after its first K
+   tokens, chunk_prefill_plan.py) and `StepDecision.load_plan` the rows to
+   copy, with delta = real_start - stored_start.
 5. `release` on finish or abort, in any state, drops the parent's pins.
 6. `reset` (vLLM resets its caches: new weights, sleep, pause with
    clear_cache) retires every entry and starts a new epoch, which is part
@@ -747,17 +752,7 @@ class ChunkCacheManager:
         ns_digest: bytes,
     ) -> _SegmentKey:
         segment_ids = prompt.segment_tokens(index)
-        if index == 0 or self.context_mode == ChunkContextMode.NONE:
-            # NOTE: the system segment is always at position 0 and sees
-            # nothing before it, so it is computed alone in every mode.
-            context_ids: list[int] = []
-        elif self.context_mode == ChunkContextMode.SINK:
-            # NOTE: a constant of the deployment, never the request's first
-            # token, so the key does not depend on the system prompt.
-            assert self.sink_token_id is not None
-            context_ids = [self.sink_token_id]
-        else:
-            context_ids = prompt.segment_tokens(0)
+        context_ids = segment_context(prompt, index, self.context_mode, self.sink_token_id)
         return _SegmentKey(
             chunk_hash=compute_chunk_hash(segment_ids, context_ids, ns_digest),
             segment_ids=segment_ids,
@@ -935,19 +930,35 @@ class ChunkCacheManager:
         return child
 
 
+def segment_context(prompt: ChunkedPrompt, index: int, mode: ChunkContextMode,
+                    sink_token_id: int | None) -> list[int]:
+    """What segment `index` is computed after, which its key includes: a
+    segment's entry is one per distinct (context, tokens)."""
+    if index == 0 or mode == ChunkContextMode.NONE:
+        # NOTE: the system segment is always at position 0 and sees nothing
+        # before it, so it is computed alone in every mode.
+        return []
+    if mode == ChunkContextMode.SINK:
+        # NOTE: a constant of the deployment, never the request's first
+        # token, so the key does not depend on the system prompt.
+        assert sink_token_id is not None
+        return [sink_token_id]
+    return prompt.segment_tokens(0)
+
+
 def pool_blocks_for(
     prompt: ChunkedPrompt, block_size: int, context_mode: ChunkContextMode
 ) -> int:
-    """Pool blocks the prompt's distinct cached segments need, as `admit`
+    """Pool blocks the prompt's distinct cached segments need, as admission
     counts them (the front end refuses an oversized request with a 400
-    before it reaches the engine)."""
+    before it reaches the engine): one entry per distinct key, by the rule
+    of `segment_context`. NOTE: any sink stands for the deployment's here
+    (one constant for every chunk: the same keys are distinct)."""
     mode = ChunkContextMode(context_mode)
-    distinct = set()
-    for index in range(len(prompt.cached_spans)):
-        # Same dedup as the content key: system alone, chunks after their
-        # context (the system's tokens are the same for all of one prompt).
-        alone = index == 0 or mode == ChunkContextMode.NONE
-        distinct.add((alone, tuple(prompt.segment_tokens(index))))
+    distinct = {
+        (tuple(segment_context(prompt, index, mode, 0)), tuple(prompt.segment_tokens(index)))
+        for index in range(len(prompt.cached_spans))
+    }
     return sum(-(-len(tokens) // block_size) for _, tokens in distinct)
 
 

@@ -6,7 +6,7 @@ import torch
 
 from vllm.v1.core.chunk_cache_manager import ChunkCacheManager
 from vllm.v1.core.chunk_hash_index import ChunkNamespace
-from vllm.v1.core.chunk_isolation_mask import (
+from tests.chunk_isolation_mask import (
     Role,
     build_isolated_sequence,
     build_lever_sequence,
