@@ -480,9 +480,11 @@ def test_a_childs_store_entry_names_the_adapter_its_parent_was_keyed_by(tmp_path
     adapter.on_store_report(StoreReport(identities=[RankIdentity(
         epoch=0, tp_rank=0, pp_rank=0, model="m", weights_version="w", kv_dtype="f32",
         kv_layout="l", rope="r", compute="c")]))
+    from vllm.v1.core.chunk_lora_identity import lora_identity
+
+    keyed_by = lora_identity(r.lora_request)  # what on_new_request keys it by
     adapter.on_new_request(r)
-    keyed_by = adapter.manager.namespace_of("a")
-    assert keyed_by.lora_name.startswith("sql@")
+    assert keyed_by.startswith("sql@")
     _adapter_dir(tmp_path / "v2", seed=2)
     shutil.copy(tmp_path / "v2" / "adapter_model.safetensors", v1)  # rewritten in place
     deadline = time.monotonic() + 10
@@ -495,7 +497,7 @@ def test_a_childs_store_entry_names_the_adapter_its_parent_was_keyed_by(tmp_path
     assert len(children) == 2
     namespaces = {adapter._children[c.request_id].spec.namespace for c in children}
     assert {(ns.cache_salt, ns.lora_name) for ns in namespaces} == {
-        ("tenant", keyed_by.lora_name)}
+        ("tenant", keyed_by)}
     adapter.store.close()
 
 

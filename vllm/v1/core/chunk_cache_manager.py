@@ -120,13 +120,6 @@ class ChunkAdmission:
     # For refusals: what the client is told.
     message: str = ""
 
-    @property
-    def ready(self) -> bool:
-        """True if the parent can load everything right away."""
-        return self.reason == AdmitReason.ADMITTED and all(
-            s.status == SegmentStatus.RESIDENT for s in self.segments
-        )
-
 
 @dataclass
 class _Parent:
@@ -238,16 +231,6 @@ class ChunkCacheManager:
         self._num_parents_seen += 1
         self._queued[request_id] = None
 
-    def has_request(self, request_id: str) -> bool:
-        return request_id in self._parents
-
-    def namespace_of(self, request_id: str) -> ChunkNamespace | None:
-        """The namespace a live parent's segments are keyed in (its children's
-        entries are written to the store under the same tenant); None once it
-        has finished or been aborted."""
-        parent = self._parents.get(request_id)
-        return None if parent is None else parent.namespace
-
     def admit(self, request_id: str) -> ChunkAdmission:
         """Admit a queued parent, now that the scheduler is about to run it.
 
@@ -357,7 +340,7 @@ class ChunkCacheManager:
             children, fetches = self.take_new_children(), self.take_new_fetches()
         else:
             reason = parent.reason or AdmitReason.DEFERRED
-        ready = reason == AdmitReason.ADMITTED and not parent.waiting_on
+        ready = self.is_ready(request_id)
         segments = ()
         if ready:
             segments = tuple(
@@ -374,49 +357,28 @@ class ChunkCacheManager:
         return StepDecision(request_id, reason, ready, parent.plan, segments,
                             tuple(children), tuple(fetches))
 
-    def prefill_plan(self, request_id: str) -> PrefillPlan:
-        """Which prompt stretches the parent loads and which it computes."""
-        return self._require_parent(request_id).plan
-
     def is_ready(self, request_id: str) -> bool:
+        """Admitted and every segment resident (the one definition: a
+        decision's `ready` is this)."""
         parent = self._require_parent(request_id)
         return parent.reason == AdmitReason.ADMITTED and not parent.waiting_on
 
     def load_plan(
         self, request_id: str, first_position: int = 0, end_position: int | None = None
     ) -> ChunkLoadPlan:
-        """Rows to copy into the parent for positions in [first_position,
-        end_position) (default: up to the question). Those before are already
-        in its paged KV (vLLM's own prefix cache hit, or an earlier stretch);
-        those after are loaded later or recomputed."""
-        parent = self._require_parent(request_id)
-        if not self.is_ready(request_id):
+        """Rows to copy into a ready parent for positions in [first_position,
+        end_position) (default: up to the question): its running decision's
+        (`StepDecision.load_plan`)."""
+        decision = self.decide(request_id, admit=False)
+        if decision is None or not decision.ready:
+            parent = self._require_parent(request_id)
             raise ValueError(
                 f"request {request_id} is not ready (still waits for "
                 f"{len(parent.waiting_on)} segment(s))"
             )
-        end = parent.prompt.question_span.start if end_position is None else end_position
-        loads = []
-        for seg in parent.segments:
-            skip = max(0, min(first_position - seg.span.start, seg.span.num_tokens))
-            stop = max(0, min(end - seg.span.start, seg.span.num_tokens))
-            if skip >= stop:
-                continue
-            entry = self.pool.get(seg.chunk_hash)
-            assert entry is not None, "pinned entries are never evicted"
-            loads.append(
-                SegmentLoad(
-                    chunk_hash=seg.chunk_hash,
-                    segment_index=seg.segment_index,
-                    pool_block_ids=list(entry.block_ids),
-                    num_tokens=seg.span.num_tokens,
-                    stored_start=seg.stored_start,
-                    dst_start=seg.span.start,
-                    first_row=skip,
-                    end_row=None if stop == seg.span.num_tokens else stop,
-                )
-            )
-        return ChunkLoadPlan(request_id=request_id, segments=tuple(loads))
+        end = (self._parents[request_id].prompt.question_span.start
+               if end_position is None else end_position)
+        return decision.load_plan(first_position, end)
 
     def record_load(self, plan: ChunkLoadPlan) -> None:
         """Count a plan whose rows were sent to the workers (`load_plan` is a
@@ -458,9 +420,6 @@ class ChunkCacheManager:
         """Children started since the last call (admissions and retries)."""
         children, self._new_children = self._new_children, []
         return children
-
-    def is_child(self, request_id: str) -> bool:
-        return request_id in self._children
 
     def store_plan(self, child_request_id: str) -> ChunkStorePlan:
         child = self._require_child(child_request_id)
@@ -741,9 +700,6 @@ class ChunkCacheManager:
                 len(self.pool.get(self._children[f].spec.chunk_hash).block_ids)
                 for f in self._waiting_for_rows),
         )
-
-    def pinned_by(self, request_id: str) -> list[ChunkHash]:
-        return list(self._require_parent(request_id).pinned)
 
     # ----------------------------------------------------------- internal
 

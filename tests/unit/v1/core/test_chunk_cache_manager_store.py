@@ -95,7 +95,8 @@ def test_hit_is_fetched_not_computed_and_serves_every_waiter():
     # Resident now: a later parent hits the pool without asking the store.
     m.add_request("r", prompt(SYS, DOC_A, Q), NS)
     asked = len(probe.asked)
-    assert m.admit("r").ready
+    m.admit("r")
+    assert m.is_ready("r")
     assert len(probe.asked) == asked
 
 
