@@ -24,7 +24,7 @@ request's state and every counter. This module only translates:
   refused parents to finish with an error.
 
 It keeps only vLLM-side facts, each with its lifetime: this step's decision
-and allocation of each parent (`_this_step`, `_pending_loads`, cleared at
+and allocation of each parent (`_loads`, step_loads.py, cleared at
 `build_connector_meta`), and each child's spec with its paged block ids
 (`_children`, until it finishes). One manager call per parent per hook at
 most: the step's `StepDecision` answers every hook of the step.
@@ -45,8 +45,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.metadata import (
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.recompute_step import (
     RecomputeSteps,
-    loaded_spans,
-    num_loaded,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.setup import (
     POOL_BLOCK_SIZE,
@@ -59,17 +57,16 @@ from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.support import (
 from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.stats import (
     ChunkCacheConnectorStats,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.step_loads import StepLoads
 from vllm.logger import init_logger
 from vllm.v1.core.chunk_cache_manager import ChunkCacheManager
 from vllm.v1.core.chunk_hash_index import ChunkNamespace
 from vllm.v1.core.chunk_lora_identity import lora_identity
-from vllm.v1.core.chunk_prefill_plan import PrefillStep
-from vllm.v1.core.chunk_step_decision import Outcome, StepDecision
+from vllm.v1.core.chunk_step_decision import Outcome
 from vllm.v1.core.chunk_store_probe import FetchSpec
 from vllm.v1.core.chunk_structures import (
     AdmitReason,
     ChildSpec,
-    ChunkLoadPlan,
     ChunkCacheStats,
     ChunkContextMode,
     ChunkedPrompt,
@@ -111,33 +108,6 @@ class _ChildSlots:
     first_scheduled: float | None = None
 
 
-@dataclass
-class _RequestStep:
-    """A parent's facts within one step (cleared at build_connector_meta)."""
-
-    # The manager's decision, asked once per step.
-    decision: StepDecision
-    # Position the last reported stretch to load starts at, between the report
-    # and the scheduler's allocation (update_state_after_alloc).
-    load_start: int | None = None
-
-
-@dataclass(frozen=True)
-class _PendingLoad:
-    # Prompt positions [first_position, end_position) to load (earlier ones
-    # are computed or hit vLLM's prefix cache; later ones are loaded by a
-    # later stretch or computed).
-    first_position: int
-    end_position: int
-    # The parent's paged block ids.
-    block_ids: list[int]
-    # The loaded stretches in [first_position, end_position) (one, or one
-    # per loaded stretch when a step takes several computed ones).
-    spans: tuple[tuple[int, int], ...]
-    # The step's decision, whose rows are loaded.
-    decision: StepDecision
-
-
 class ChunkCacheSchedulerAdapter:
     """Scheduler-side half of the connector (engine-core process)."""
 
@@ -171,16 +141,11 @@ class ChunkCacheSchedulerAdapter:
             output_kind=RequestOutputKind.FINAL_ONLY,
         )
         self._children: dict[str, _ChildSlots] = {}
-        # This step's decisions and allocations (cleared at build_connector_meta).
-        self._this_step: dict[str, _RequestStep] = {}
-        self._pending_loads: dict[str, _PendingLoad] = {}
-        # Rows allocated for loads in the step being scheduled, against the
-        # per-step cap (--max-chunk-load-tokens).
-        self._max_load_rows = cfg.max_chunk_load_tokens
-        self._rows_this_step = 0
         self._new_children: list[Request] = []
         self._reported = ChunkCacheStats()
         self._steps = RecomputeSteps.for_config(vllm_config)
+        # This step's decisions, reports and allocations (step_loads.py).
+        self._loads = StepLoads(self._steps.one_step, cfg.max_chunk_load_tokens)
         if cfg.chunk_recompute_tokens:
             logger.info("Chunk cache: --chunk-recompute-tokens %d: %s",
                         cfg.chunk_recompute_tokens, self._steps.reason)
@@ -223,7 +188,7 @@ class ChunkCacheSchedulerAdapter:
         decision = self.manager.decide(rid)
         if decision is None:
             return 0, False
-        self._this_step[rid] = _RequestStep(decision)
+        self._loads.decided(rid, decision)
         self._hand_out(decision.children, decision.fetches)
         if decision.reason != AdmitReason.ADMITTED:
             # NOTE: a refused request is never computed: it waits here until
@@ -231,116 +196,29 @@ class ChunkCacheSchedulerAdapter:
             return None, False
         if not decision.ready:
             return None, False
-        step = self._report(rid, num_computed_tokens)
-        if step is None:
-            return 0, False
-        if not self._fits_this_step(rid, step.num_loaded):
-            return None, False
-        return step.num_loaded, False
+        return self._loads.matched_tokens(rid, num_computed_tokens), False
 
     def get_prefill_gap(self, request: Request, num_computed_tokens: int) -> PrefillGap | None:
         rid = request.request_id
         if request.chunk_layout is None:
             return None
-        now = self._this_step.get(rid)
-        if now is None:
+        decision = self._loads.decision(rid)
+        if decision is None:
             # NOTE: a running request (no matched tokens asked this step) keeps
             # the admission it runs with.
             decision = self.manager.decide(rid, admit=False)
             if decision is None:
                 return None
-            now = self._this_step[rid] = _RequestStep(decision)
-        if not now.decision.runs:
+            self._loads.decided(rid, decision)
+        if not decision.runs:
             return None
-        step = self._report(rid, num_computed_tokens)
-        if step is None:
-            return None
-        gap = self._gap_with_runs(rid, num_computed_tokens)
-        if gap.next_stretches and not self._fits_more(num_loaded(gap)):
-            # NOTE: the later stretches would pass this step's load cap: this
-            # step takes the first computed stretch only.
-            gap = PrefillGap(gap.num_external_tokens, gap.max_new_tokens)
-        if not self._fits_this_step(rid, gap.num_external_tokens):
-            # NOTE: computing nothing, not computing without the load: the
-            # running request skips this step and is asked again next step.
-            return PrefillGap(num_external_tokens=0, max_new_tokens=0)
-        return gap
-
-    def _gap_with_runs(self, rid: str, position: int) -> PrefillGap:
-        """The gap at `position`, with every later stretch in one-step mode.
-
-        NOTE: with later stretches, the loads start here even when nothing
-        is loaded at `position` (a waiting request whose matched tokens end
-        there keeps the start of that report, which ends at `position`)."""
-        now = self._this_step[rid]
-        plan = now.decision.plan
-        gap = self._steps.prefill_gap(plan, position)
-        if gap.next_stretches and gap.num_external_tokens == 0:
-            start = now.load_start
-            if start is None or start + plan.step_at(start).num_loaded != position:
-                now.load_start = position
-        return gap
-
-    def _fits_more(self, num_rows: int) -> bool:
-        return self._rows_this_step == 0 or (
-            self._rows_this_step + num_rows <= self._max_load_rows)
-
-    def _fits_this_step(self, rid: str, num_rows: int) -> bool:
-        """Whether a load of `num_rows` stays within this step's cap. The
-        first load of a step always fits (a load longer than the cap runs
-        alone, in pieces, on the workers), so every request gets its turn."""
-        if num_rows == 0 or self._rows_this_step == 0:
-            return True
-        if self._rows_this_step + num_rows <= self._max_load_rows:
-            return True
-        self._this_step[rid].load_start = None
-        return False
-
-    def _report(self, rid: str, position: int) -> PrefillStep | None:
-        """The manager's step at `position`, None past the prompt (a request
-        resumed after a preemption whose prefix-cache hit covers its prompt
-        and generated tokens); remembers where a stretch to load starts until
-        the scheduler allocates it.
-
-        NOTE: in the waiting path the scheduler asks twice (matched tokens,
-        then the gap after them, which loads nothing): only a report that
-        loads something replaces the start."""
-        now = self._this_step[rid]
-        plan = now.decision.plan
-        if position >= plan.num_tokens:
-            return None
-        step = plan.step_at(position)
-        if step.num_loaded:
-            now.load_start = position
-        return step
+        return self._loads.gap(rid, num_computed_tokens)
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
-        rid = request.request_id
-        now = self._this_step.get(rid)
-        first = None if now is None else now.load_start
-        if now is not None:
-            now.load_start = None
-        if num_external_tokens == 0 or first is None:
-            # NOTE: an earlier allocation in this step was preempted since.
-            self._pending_loads.pop(rid, None)
-            return
-        assert now is not None
-        # The loaded stretches allocated: from `first` on, the first
-        # `num_external_tokens` loaded tokens of the plan (computed heads skipped).
-        spans = loaded_spans(now.decision.plan, first, num_external_tokens)
-        self._pending_loads[rid] = _PendingLoad(
-            first, spans[-1].end, list(blocks.get_block_ids()[0]),
-            tuple((s.start, s.end) for s in spans), now.decision)
-        self._rows_this_step += num_external_tokens
-
-    @staticmethod
-    def _load_plan(rid: str, pending: _PendingLoad) -> ChunkLoadPlan:
-        """The decision's rows for every loaded stretch of a pending load."""
-        plans = [pending.decision.load_plan(start, end) for start, end in pending.spans]
-        return ChunkLoadPlan(request_id=rid,
-                             segments=tuple(seg for p in plans for seg in p.segments))
+        self._loads.allocated(request.request_id, list(blocks.get_block_ids()[0]),
+                              num_external_tokens)
 
     def reset(self) -> bool:
         """vLLM's cache reset (`reset_prefix_cache(reset_connector=True)`,
@@ -390,8 +268,7 @@ class ChunkCacheSchedulerAdapter:
                 )
             self._hand_out(outcome.children, put=outcome)
             return
-        self._pending_loads.pop(rid, None)
-        self._this_step.pop(rid, None)
+        self._loads.forget(rid)
         self.manager.release(rid)
 
     # --------------------------------------------------------------- meta
@@ -400,8 +277,7 @@ class ChunkCacheSchedulerAdapter:
         meta = ChunkCacheMetadata()
         self._add_loads(meta, scheduler_output)
         self._add_stores(meta, scheduler_output)
-        self._rows_this_step = 0
-        self._this_step.clear()
+        self._loads.end_step()
         if self.store is not None:
             meta.store = self.store.take_step(self.manager.epoch)
             self.manager.puts_shipped()
@@ -416,10 +292,10 @@ class ChunkCacheSchedulerAdapter:
         # pending load). Not `preempted_req_ids`: vLLM 0.32 also lists there a
         # request preempted between steps (a cache reset with running
         # requests) and resumed in this one, whose load must run.
-        for rid, pending in self._pending_loads.items():
+        for rid, pending in self._loads.pending().items():
             if rid not in out.num_scheduled_tokens:
                 continue
-            plan = self._load_plan(rid, pending)
+            plan = pending.load_plan()
             self.manager.record_load(plan)
             stretches = [SegmentStretch.of(seg) for seg in plan.segments]
             # NOTE: a sliding-window group (every layer windowed: vLLM's
@@ -437,7 +313,6 @@ class ChunkCacheSchedulerAdapter:
                 block_ids=tuple(pending.block_ids),
                 stretches=tuple(stretches),
             ))
-        self._pending_loads.clear()
 
     def _add_stores(self, meta: ChunkCacheMetadata, out: SchedulerOutput) -> None:
         if not self._children:
