@@ -501,6 +501,54 @@ def test_a_childs_store_entry_names_the_adapter_its_parent_was_keyed_by(tmp_path
     adapter.store.close()
 
 
+def test_a_retried_childs_store_entry_names_the_adapter_its_parent_was_keyed_by(tmp_path):
+    """Issue 51: a child's retry is built from its spec, which carries the
+    namespace its key was made in. Before: from the failed child's request, whose
+    request id names no parent, so the adapter's files were digested again, and
+    an adapter rewritten in place since the admission put the retry's entry under
+    another identity than the pool's key."""
+    import shutil
+    import time
+
+    from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store.messages import (
+        RankIdentity,
+        StoreReport,
+    )
+    from vllm.lora.request import LoRARequest
+    from vllm.v1.core.chunk_lora_identity import lora_identity
+
+    adapter = ChunkCacheSchedulerAdapter(*make_config(
+        store="mooncake://127.0.0.1:1?lookup_timeout=0.01&local_client=none"))
+    v1 = _adapter_dir(tmp_path / "v1", seed=1)
+    r = parent("a", [3, 5, 2], salt="tenant")
+    r.lora_request = LoRARequest("sql", 1, str(v1))
+    adapter.on_store_report(StoreReport(identities=[RankIdentity(
+        epoch=0, tp_rank=0, pp_rank=0, model="m", weights_version="w", kv_dtype="f32",
+        kv_layout="l", rope="r", compute="c")]))
+    keyed_by = lora_identity(r.lora_request)
+    adapter.on_new_request(r)
+    deadline = time.monotonic() + 10
+    children = []
+    while not children:  # the store's "is it there?" is given lookup_timeout
+        assert time.monotonic() < deadline
+        adapter.get_num_new_matched_tokens(r, 0)
+        children = adapter.take_internal_requests()
+        time.sleep(0.02)
+    _adapter_dir(tmp_path / "v2", seed=2)
+    shutil.copy(tmp_path / "v2" / "adapter_model.safetensors", v1)  # rewritten in place
+    assert lora_identity(r.lora_request) != keyed_by
+    system, doc = children
+    finish(adapter, system, RequestStatus.FINISHED_LENGTH_CAPPED)
+    finish(adapter, doc, RequestStatus.FINISHED_ABORTED)
+    (retry,) = adapter.take_internal_requests()
+    finish(adapter, retry, RequestStatus.FINISHED_LENGTH_CAPPED)
+    puts = adapter.store.take_step(epoch=0).puts
+    assert [(p.entry.token_ids[p.entry.virtual_start:], p.entry.cache_salt, p.entry.lora)
+            for p in puts] == [((10, 11, 12), "tenant", keyed_by),
+                               ((13, 14, 15, 16, 17), "tenant", keyed_by)]
+    adapter.store.close()
+
+
 def test_tokens_loaded_counts_the_rows_sent_not_the_plans_asked_for():
     """Issue 20, finding 9: load_plan is a query. Before: every call counted
     its rows, so a plan asked twice (or dropped) counted as loaded."""
