@@ -374,179 +374,29 @@ def test_engine_core_connector_does_not_import_front_end_code():
     assert len(seen) > 5, seen  # the walk really followed the connector's imports
     assert not bad, bad
 
-def test_lora_adapters_are_keyed_by_name_as_the_prefix_cache_does():
-    """Issue 20, finding 9. Before: keyed by lora_int_id, a per-process slot
-    number: the same adapter under another id missed, and another adapter
-    given a recycled id would have shared the first one's KV."""
+def test_lora_adapters_are_keyed_in_the_pool_by_name_and_id_as_vllm_loads_them():
+    """Issue 50, finding 6: in this engine's pool an adapter is what vLLM loaded for
+    its (name, int id): vLLM's LoRA caches load an id once and keep those weights,
+    whatever its files become. Another id, or another name on the same id, is
+    computed afresh; the same name and id hit. No file is read."""
     from vllm.lora.request import LoRARequest
 
     adapter = ChunkCacheSchedulerAdapter(*make_config())
 
     def with_lora(rid, name, int_id):
         r = parent(rid, [3, 5, 2])
-        r.lora_request = LoRARequest(name, int_id, "/adapters/" + name)
-        adapter.on_new_request(r)
-        adapter.get_num_new_matched_tokens(r, 0)
-        return r, adapter.take_internal_requests()
-
-    first, children = with_lora("a", "sql", 1)
-    assert all(c.lora_request.lora_name == "sql" for c in children)
-    for c in children:
-        finish(adapter, c, RequestStatus.FINISHED_LENGTH_CAPPED)
-    # The same adapter under another slot id: every segment hits.
-    _, children = with_lora("b", "sql", 7)
-    assert children == []
-    # Another adapter that got the first one's slot id: computed afresh.
-    _, children = with_lora("c", "chat", 1)
-    assert len(children) == 2
-
-
-def _adapter_dir(path, seed: int):
-    """An adapter's files as vLLM loads them (config + safetensors weights)."""
-    import json
-
-    import torch
-    from safetensors.torch import save_file
-
-    path.mkdir(parents=True)
-    (path / "adapter_config.json").write_text(json.dumps(
-        {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj"], "peft_type": "LORA"}))
-    g = torch.Generator().manual_seed(seed)
-    save_file({"base_model.model.layers.0.self_attn.q_proj.lora_A.weight":
-               torch.randn(4, 64, generator=g)}, str(path / "adapter_model.safetensors"))
-    return path
-
-
-def test_two_adapters_under_one_name_never_share_entries(tmp_path):
-    """Issue 39, finding 2. Before: keyed by the adapter's name only, so an
-    adapter loaded under a name used before (a rolling update,
-    /v1/load_lora_adapter) was served the first one's KV, in the pool and,
-    through the store, on every replica. Now: by name and a digest of its
-    files; the same files at another path still share."""
-    from vllm.lora.request import LoRARequest
-
-    adapter = ChunkCacheSchedulerAdapter(*make_config())
-    v1 = _adapter_dir(tmp_path / "v1", seed=1)
-    v2 = _adapter_dir(tmp_path / "v2", seed=2)
-    copy = tmp_path / "copy-of-v1"
-    import shutil
-    shutil.copytree(v1, copy)
-
-    def with_lora(rid, path, int_id):
-        r = parent(rid, [3, 5, 2])
-        r.lora_request = LoRARequest("sql", int_id, str(path))
+        r.lora_request = LoRARequest(name, int_id, "/no/such/adapter/" + name)
         adapter.on_new_request(r)
         adapter.get_num_new_matched_tokens(r, 0)
         return adapter.take_internal_requests()
 
-    children = with_lora("a", v1, 1)
-    assert len(children) == 2
+    children = with_lora("a", "sql", 1)
+    assert len(children) == 2 and all(c.lora_request.lora_name == "sql" for c in children)
     for c in children:
         finish(adapter, c, RequestStatus.FINISHED_LENGTH_CAPPED)
-    # Other weights under the same name (and slot): computed, never served v1's KV.
-    children = with_lora("b", v2, 1)
-    assert len(children) == 2
-    for c in children:
-        finish(adapter, c, RequestStatus.FINISHED_LENGTH_CAPPED)
-    # v1's files at another path (another replica's layout): every segment hits.
-    assert with_lora("c", copy, 3) == []
-    # v1 rewritten in place (same path, other bytes): computed afresh.
-    _adapter_dir(tmp_path / "v3", seed=3)
-    shutil.copy(tmp_path / "v3" / "adapter_model.safetensors", v1)
-    assert len(with_lora("d", v1, 1)) == 2
-
-
-def test_a_childs_store_entry_names_the_adapter_its_parent_was_keyed_by(tmp_path):
-    """With a store, a child's entry is written under its parent's tenant. Before:
-    the adapter's files were digested again when the child was made (twice per
-    request), so an adapter rewritten in place in between put the entry under
-    another identity than the pool's. Now: the parent's namespace, read once."""
-    import shutil
-    import time
-
-    from vllm.lora.request import LoRARequest
-
-    adapter = ChunkCacheSchedulerAdapter(*make_config(
-        store="mooncake://127.0.0.1:1?lookup_timeout=0.01&local_client=none"))
-    v1 = _adapter_dir(tmp_path / "v1", seed=1)
-    r = parent("a", [3, 5, 2], salt="tenant")
-    r.lora_request = LoRARequest("sql", 1, str(v1))
-    from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store.messages import (
-        RankIdentity,
-        StoreReport,
-    )
-
-    # The one rank's identity (lookups wait for it); the store itself is absent.
-    adapter.on_store_report(StoreReport(identities=[RankIdentity(
-        epoch=0, tp_rank=0, pp_rank=0, model="m", weights_version="w", kv_dtype="f32",
-        kv_layout="l", rope="r", compute="c")]))
-    from vllm.v1.core.chunk_lora_identity import lora_identity
-
-    keyed_by = lora_identity(r.lora_request)  # what on_new_request keys it by
-    adapter.on_new_request(r)
-    assert keyed_by.startswith("sql@")
-    _adapter_dir(tmp_path / "v2", seed=2)
-    shutil.copy(tmp_path / "v2" / "adapter_model.safetensors", v1)  # rewritten in place
-    deadline = time.monotonic() + 10
-    children = []
-    while not children:  # the store's "is it there?" is given lookup_timeout
-        assert time.monotonic() < deadline
-        adapter.get_num_new_matched_tokens(r, 0)
-        children = adapter.take_internal_requests()
-        time.sleep(0.02)
-    assert len(children) == 2
-    namespaces = {adapter._children[c.request_id].spec.namespace for c in children}
-    assert {(ns.cache_salt, ns.lora_name) for ns in namespaces} == {
-        ("tenant", keyed_by)}
-    adapter.store.close()
-
-
-def test_a_retried_childs_store_entry_names_the_adapter_its_parent_was_keyed_by(tmp_path):
-    """Issue 51: a child's retry is built from its spec, which carries the
-    namespace its key was made in. Before: from the failed child's request, whose
-    request id names no parent, so the adapter's files were digested again, and
-    an adapter rewritten in place since the admission put the retry's entry under
-    another identity than the pool's key."""
-    import shutil
-    import time
-
-    from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store.messages import (
-        RankIdentity,
-        StoreReport,
-    )
-    from vllm.lora.request import LoRARequest
-    from vllm.v1.core.chunk_lora_identity import lora_identity
-
-    adapter = ChunkCacheSchedulerAdapter(*make_config(
-        store="mooncake://127.0.0.1:1?lookup_timeout=0.01&local_client=none"))
-    v1 = _adapter_dir(tmp_path / "v1", seed=1)
-    r = parent("a", [3, 5, 2], salt="tenant")
-    r.lora_request = LoRARequest("sql", 1, str(v1))
-    adapter.on_store_report(StoreReport(identities=[RankIdentity(
-        epoch=0, tp_rank=0, pp_rank=0, model="m", weights_version="w", kv_dtype="f32",
-        kv_layout="l", rope="r", compute="c")]))
-    keyed_by = lora_identity(r.lora_request)
-    adapter.on_new_request(r)
-    deadline = time.monotonic() + 10
-    children = []
-    while not children:  # the store's "is it there?" is given lookup_timeout
-        assert time.monotonic() < deadline
-        adapter.get_num_new_matched_tokens(r, 0)
-        children = adapter.take_internal_requests()
-        time.sleep(0.02)
-    _adapter_dir(tmp_path / "v2", seed=2)
-    shutil.copy(tmp_path / "v2" / "adapter_model.safetensors", v1)  # rewritten in place
-    assert lora_identity(r.lora_request) != keyed_by
-    system, doc = children
-    finish(adapter, system, RequestStatus.FINISHED_LENGTH_CAPPED)
-    finish(adapter, doc, RequestStatus.FINISHED_ABORTED)
-    (retry,) = adapter.take_internal_requests()
-    finish(adapter, retry, RequestStatus.FINISHED_LENGTH_CAPPED)
-    puts = adapter.store.take_step(epoch=0).puts
-    assert [(p.entry.token_ids[p.entry.virtual_start:], p.entry.cache_salt, p.entry.lora)
-            for p in puts] == [((10, 11, 12), "tenant", keyed_by),
-                               ((13, 14, 15, 16, 17), "tenant", keyed_by)]
-    adapter.store.close()
+    assert with_lora("b", "sql", 1) == []
+    assert len(with_lora("c", "sql", 7)) == 2
+    assert len(with_lora("d", "chat", 1)) == 2
 
 
 def test_tokens_loaded_counts_the_rows_sent_not_the_plans_asked_for():

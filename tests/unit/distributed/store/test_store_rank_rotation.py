@@ -166,3 +166,36 @@ def test_which_rope_each_layer_used_is_in_the_key(one_rank):
     assert _key(rank_of([short, long])) != _key(rank_of([long, short]))
     assert _key(rank_of([short, long])) == _key(rank_of([short, long]))
 
+
+
+def test_compute_names_the_backend_each_layer_was_given(one_rank):
+    """`compute` captures the effective configuration too: the attention backend
+    vLLM gave the layers (what computed the KV), read from the built layers, not
+    from a flag. The oracle is the backend classes attached to the layers: engines
+    whose layers run other backends never share keys, engines with the same do."""
+    from vllm.config import set_current_vllm_config
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+    from vllm.v1.attention.backends.flex_attention import FlexAttentionBackend
+
+    rope = _longrope(512)
+    config = _config(512)
+    config.parallel_config.tensor_parallel_size = 1
+    config.parallel_config.pipeline_parallel_size = 1
+
+    def rank_with(*backends):
+        model = nn.ModuleList()
+        for i, backend in enumerate(backends):
+            block = Block(rope, _attention(f"model.layers.{i}.attn"))
+            block.attn.attn_backend = backend
+            model.append(block)
+        with set_current_vllm_config(config):
+            return StoreRank.from_engine(config, model)
+
+    cpu = rank_with(CPUAttentionBackend, CPUAttentionBackend)
+    flex = rank_with(FlexAttentionBackend, FlexAttentionBackend)
+    assert json.loads(cpu.compute)["backends"] == [CPUAttentionBackend.get_name()]
+    assert json.loads(flex.compute)["backends"] == [FlexAttentionBackend.get_name()]
+    assert _key(cpu) != _key(flex)
+    assert _key(cpu) == _key(rank_with(CPUAttentionBackend, CPUAttentionBackend))
+    assert _key(rank_with(CPUAttentionBackend, FlexAttentionBackend)) not in (
+        _key(cpu), _key(flex))

@@ -8,8 +8,9 @@ callers count a miss. A failed try is retried after RECONNECT_S on that
 thread. But Mooncake's `setup` holds the GIL while it runs (measured: another
 Python thread made no progress for the 4.4 s a setup against no master took),
 so a try would stall the whole process, scheduler included: each try first
-opens a plain TCP connection to the address it sets up against (the GIL
-released) and calls `setup` only when that succeeds.
+probes the address it sets up against (the GIL released) and calls `setup`
+only when the process there answers (`_probe`: a TCP connect alone passes
+against a stopped process).
 
 Two ways to connect (StoreSpec.local_client):
 - in process (default): Mooncake's client runs here; the arenas are plain
@@ -48,6 +49,8 @@ logger = init_logger(__name__)
 # Between two tries to connect to a store that could not be reached.
 RECONNECT_S = 5.0
 KINDS = ("get", "put")
+# What the connect probe sends: no RPC header, so the peer closes the connection.
+PROBE_BYTES = bytes(64)
 
 
 class SharedStore:
@@ -176,11 +179,28 @@ class SharedStore:
             return
 
     def _probe(self) -> None:
-        """OSError unless the address setup goes to accepts a TCP connection."""
+        """OSError unless the process at the address setup goes to answers.
+
+        NOTE (issue 50, finding 8): a TCP connect alone passes against a stopped
+        (SIGSTOP) master or node client: the kernel completes the handshake. Then
+        `setup` held the GIL for about `timeout`, every RECONNECT_S, and the whole
+        process, scheduler included, froze. So the probe sends a header no RPC
+        server accepts and waits for the peer's own answer: Mooncake's master and
+        mooncake_client close such a connection at once (seen with both); a
+        stopped process says nothing, and the probe fails after its wait with the
+        GIL released all along."""
         address = self.spec.local_client or self.spec.master_address
         host, _, port = address.rpartition(":")
-        with socket.create_connection((host, int(port)), timeout=min(1.0, self.spec.timeout_s)):
-            pass
+        wait = min(1.0, self.spec.timeout_s)
+        with socket.create_connection((host, int(port)), timeout=wait) as sock:
+            sock.sendall(PROBE_BYTES)
+            try:
+                sock.recv(64)  # b"" (closed) or any bytes: the process answered
+            except TimeoutError as e:
+                raise OSError(f"{address} accepted a connection but did not answer "
+                              f"within {wait:g} s (a stopped process?)") from e
+            except ConnectionResetError:
+                pass  # reset by the peer: it answered
 
     def _adopt_locked(self, store: ChunkStore) -> None:
         """Make `store` the connection: its arenas (carved from its shared

@@ -36,6 +36,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store.messages imp
     StoreStep,
     store_key_for,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store.lora_loads import (
+    LOADED_SEP,
+    adapter_of,
+)
 from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store.read_cost import ReadCost
 from vllm.logger import init_logger
 from vllm.v1.core.chunk_hash_index import ChunkNamespace, compute_chunk_hash
@@ -160,6 +164,9 @@ class StoreClient:
         self.clock = time.monotonic
         self.held_limit_s = self._shared.spec.held_limit_s
         self._held_since: dict[str, float] = {}
+        # LoRA int id -> digest of the weights every rank reported loading for it
+        # (finding 6); an id whose ranks disagree is absent (never shared).
+        self._lora_digests: dict[int, str] = {}
         self._step = StoreStep(epoch=0)
         self._puts: list[tuple[int, EntryPut]] = []
         self.counters = StoreCounters()
@@ -177,7 +184,9 @@ class StoreClient:
             return StoreLookup(StoreAnswer.PENDING)
         if not identities:
             return StoreLookup(StoreAnswer.MISS)
-        lora = namespace.lora_name
+        lora = self.store_lora(namespace.lora_name)
+        if lora is None:
+            return StoreLookup(StoreAnswer.MISS)  # no rank said what it loaded
         content = store_content_hash(segment_ids, context_ids, namespace.cache_salt, lora)
         lookup_id = (epoch, content)
         now = time.monotonic()
@@ -307,8 +316,22 @@ class StoreClient:
         self._step.fetches.append(
             EntryFetch(spec.request_id, entry, tuple(int(b) for b in pool_block_ids)))
 
+    def store_lora(self, identity: str) -> str | None:
+        """The store's name for a pool's LoRA identity "<name>#<int id>":
+        "<name>@<digest of the weights the workers loaded>", "" without an adapter,
+        None while no rank has reported loading it (or ranks disagree)."""
+        adapter = adapter_of(identity)
+        if adapter is None:
+            return ""
+        digest = self._lora_digests.get(adapter[1])
+        return None if digest is None else f"{adapter[0]}{LOADED_SEP}{digest}"
+
     def queue_put(self, token_ids: list[int], store_start: int, cache_salt: str | None,
                   lora: str, pool_block_ids: list[int], epoch: int) -> None:
+        """`lora`: the pool's identity of the child's adapter (store_lora)."""
+        lora = self.store_lora(lora)
+        if lora is None:
+            return  # NOTE (finding 6): nobody vouched for the adapter's weights
         content = store_content_hash(token_ids[store_start:], token_ids[:store_start],
                                      cache_salt, lora)
         entry = EntryRef(content, tuple(token_ids), store_start, cache_salt, lora)
@@ -335,6 +358,11 @@ class StoreClient:
             self.read_cost.note_row_bytes(identity.row_bytes)
         if report.read_bytes_per_s:
             self.read_cost.note_read_bandwidth(report.read_bytes_per_s)
+        for lora_id, digests in report.lora_loads.items():
+            if len(set(digests)) == 1:
+                self._lora_digests[lora_id] = digests[0]
+            else:
+                self._lora_digests.pop(lora_id, None)
         # NOTE: lent before returned (a rank may report both in one step), and
         # both before the outcomes: the outcome that decides a fetch comes in
         # the same report as its rank's rows_lent.

@@ -112,6 +112,9 @@ class StoreReport(KVConnectorWorkerMetadata):
     # report, or the same one).
     rows_lent: dict[str, int] = field(default_factory=dict)
     rows_returned: dict[str, int] = field(default_factory=dict)
+    # LoRA int id -> digest of the weights a rank loaded for it since its last
+    # report, one per rank (issue 50, finding 6: store/lora_loads.py).
+    lora_loads: dict[int, list[str]] = field(default_factory=dict)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> StoreReport:
         assert isinstance(other, StoreReport)
@@ -124,11 +127,13 @@ class StoreReport(KVConnectorWorkerMetadata):
                              (self.rows_returned, other.rows_returned)):
             for fetch_id, ranks in theirs.items():
                 mine[fetch_id] = mine.get(fetch_id, 0) + ranks
+        for lora_id, digests in other.lora_loads.items():
+            self.lora_loads.setdefault(lora_id, []).extend(digests)
         return self
 
     def is_empty(self) -> bool:
         return (not self.outcomes and not self.identities and not self.read_bytes_per_s
-                and not self.rows_lent and not self.rows_returned)
+                and not self.rows_lent and not self.rows_returned and not self.lora_loads)
 
 
 def store_key_for(identity: RankIdentity, tp_size: int, pp_size: int, entry: EntryRef) -> str:

@@ -54,6 +54,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store.integrity im
     TAG_BYTES,
     EntrySeal,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store.lora_loads import (
+    LOADED_SEP,
+    LoadedLoras,
+)
 from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store.messages import (
     EntryFetch,
     EntryPut,
@@ -261,6 +265,9 @@ class StoreTransfers:
         self.weights_changed = False
         self._closed = False
         self._watch_weight_loads(model)
+        # The LoRA adapters this rank loaded, by what it loaded (finding 6).
+        self.loras = LoadedLoras()
+        self.loras.watch(model)
         shared.start_connecting()
         self._new_epoch(0)
 
@@ -322,6 +329,7 @@ class StoreTransfers:
         report = StoreReport(outcomes={k: [v] for k, v in self._outcomes.items()},
                              rows_lent=self._rows_lent, rows_returned=self._rows_returned)
         self._outcomes, self._rows_lent, self._rows_returned = {}, {}, {}
+        report.lora_loads = {k: [v] for k, v in self.loras.take_loads().items()}
         if self._bandwidth_news:
             report.read_bytes_per_s = self._read_bytes_per_s
             self._bandwidth_news = False
@@ -424,6 +432,11 @@ class StoreTransfers:
             self._count("store_puts_skipped")
             return
         entry = put.entry
+        if entry.lora and not self.loras.holds(entry.lora.rpartition(LOADED_SEP)[2]):
+            # NOTE (issue 50, finding 6): the adapter the scheduler keyed the entry by
+            # is not what this rank holds now (reloaded since): never written.
+            self._count("store_puts_skipped")
+            return
         num_rows = len(entry.token_ids) - entry.virtual_start
         head = entry_format.header_nbytes(len(entry.token_ids))
         nbytes = entry_nbytes(len(entry.token_ids), num_rows, self.row_bytes)
