@@ -115,8 +115,6 @@ class ChunkAdmission:
     reason: AdmitReason
     # Cached segments in prompt order (empty unless admitted).
     segments: tuple[CachedSegment, ...] = ()
-    # Children started by this call (also queued for `take_new_children`).
-    new_children: tuple[ChildSpec, ...] = ()
     # For refusals: what the client is told.
     message: str = ""
 
@@ -290,12 +288,13 @@ class ChunkCacheManager:
         if reservation is None:
             return self._defer(request_id, parent)
 
-        new_children = []
+        # NOTE: the children and fetches are handed out once, by the outboxes
+        # (take_new_children, take_new_fetches; `decide` drains them).
         for key in missing:
             if key.chunk_hash in store_hits:
                 self._start_fetch(key, store_hits[key.chunk_hash], parent.origin)
             else:
-                new_children.append(self._new_child(key, 1, parent.origin))
+                self._new_child(key, 1, parent.origin)
             self.pool.pin(key.chunk_hash)  # the parent's own pin, besides the writer's
 
         parent.segments = tuple(
@@ -316,9 +315,7 @@ class ChunkCacheManager:
         parent.epoch = self._epoch
         del self._queued[request_id]
         self._count_admission(status_of, parent.segments)
-        return ChunkAdmission(
-            request_id, AdmitReason.ADMITTED, parent.segments, tuple(new_children)
-        )
+        return ChunkAdmission(request_id, AdmitReason.ADMITTED, parent.segments)
 
     def decide(self, request_id: str, admit: bool = True) -> StepDecision | None:
         """The parent's decision for this scheduler step (None: not a chunked

@@ -52,10 +52,27 @@ def Manager(num_pool_blocks, block_size, context_mode=ChunkContextMode.SINK):
     return ChunkCacheManager(num_pool_blocks, block_size, context_mode, sink_token_id=SINK)
 
 
-def admit(manager, rid, prompt, ns=NS):
+@dataclasses.dataclass(frozen=True)
+class Admitted:
+    """An admission and the children it started (the manager hands children out
+    once, through take_new_children)."""
+
+    reason: AdmitReason
+    segments: tuple
+    message: str
+    new_children: tuple
+
+
+def admitted(manager, rid) -> Admitted:
+    adm = manager.admit(rid)
+    return Admitted(adm.reason, adm.segments, adm.message,
+                    tuple(manager.take_new_children()))
+
+
+def admit(manager, rid, prompt, ns=NS) -> Admitted:
     """Arrival and admission at once (the scheduler asks right away)."""
     manager.add_request(rid, prompt, ns)
-    return manager.admit(rid)
+    return admitted(manager, rid)
 
 
 def finish_all(manager, admission) -> list[str]:
@@ -150,7 +167,7 @@ def test_reset_with_running_and_waiting_parents():
     assert m.load_plan("run").num_rows_to_copy == 8
     # The old child finishes after the reset: its rows are not found again.
     m.child_finished(old.new_children[0].request_id)
-    adm = m.admit("wait")
+    adm = admitted(m, "wait")
     assert adm.reason == AdmitReason.ADMITTED
     assert [s.status for s in adm.segments] == [SegmentStatus.MISSING] * 2
     assert [c.token_ids for c in adm.new_children] == [SYS, [SINK] + DOC_B]
@@ -317,7 +334,7 @@ def test_pool_pinned_full_defers_and_keeps_pins_of_others():
     m.release("r1")
     # Now DOC_A (2 blocks) is evictable: r2 evicts exactly it (SYS is pinned
     # by r2 itself) and its key leaves the index.
-    a2 = m.admit("r2")
+    a2 = admitted(m, "r2")
     assert a2.reason == AdmitReason.ADMITTED
     assert ha not in m.pool and not m.pool.is_published(ha)
     assert m.store_plan(a2.new_children[0].request_id).pool_block_ids == [3, 1, 2]
