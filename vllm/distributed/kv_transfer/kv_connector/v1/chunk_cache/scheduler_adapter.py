@@ -14,8 +14,8 @@ request's state and every counter. This module only translates:
   reported as computed externally;
 * `get_prefill_gap`: with boundary recompute, the next loaded stretch and
   the chunk head to compute after it: one per step, or every later stretch
-  too where the model runner computes query runs (recompute_step.py);
-* `build_connector_meta`: manager plans -> paged slots and pool rows;
+  too where the model runner computes query runs (step_loads.py);
+* `build_connector_meta`: the step's decisions -> paged slots and pool rows;
 * `request_finished`: children stored their rows (or failed and are
   retried); parents are released;
 * `reset`: vLLM reset its caches (weights changed, sleep): the manager
