@@ -24,7 +24,7 @@ import sys
 import time
 from pathlib import Path
 
-from common import DOC_TOKENS, document, host_workload_llm, words
+from common import document, host_workload_llm, words
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -37,14 +37,26 @@ def main() -> int:
     ap.add_argument("--model", default=str(ROOT / ".cache/models/tiny-llama"))
     args = ap.parse_args()
 
-    # NOTE: in-process engine core: the splitter lives in this process's renderer.
-    llm = host_workload_llm(args.model, max(args.docs) * DOC_TOKENS + 1024)
-    from vllm import SamplingParams
-    tok = llm.get_tokenizer()
+    # NOTE: the documents first, with the model's own tokenizer, so that the engine's
+    # max_model_len fits the longest prompt: `document` stops at the first length of at
+    # least DOC_TOKENS, so 256 documents overshoot 256 * DOC_TOKENS (issue 52: `--docs 256`
+    # was refused with max_model_len = 256 * DOC_TOKENS + 1024).
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(args.model)
     rng = random.Random(0)
+    docs_of = {n: [document(rng, tok) for _ in range(n)] for n in args.docs}
+    longest = max(sum(len(tok.encode(d, add_special_tokens=False)) for d in docs)
+                  for docs in docs_of.values())
+    # Margin: the system prompt, the question (12 words), and a few tokens a document
+    # may gain when tokenized as its own segment.
+    max_len = longest + 4 * max(args.docs) + 1024
+    # NOTE: in-process engine core: the splitter lives in this process's renderer.
+    llm = host_workload_llm(args.model, max_len)
+    from vllm import SamplingParams
     one = SamplingParams(max_tokens=1, temperature=0.0)
     for num_docs in args.docs:
-        docs = [document(rng, tok) for _ in range(num_docs)]
+        docs = docs_of[num_docs]
 
         def prompt() -> str:
             order = rng.sample(range(num_docs), num_docs)

@@ -100,3 +100,22 @@ def test_no_client_salt_shares_a_block_with_a_chunked_prompt(algo):
     # A chunked prompt's salt keys its blocks too: a tenant's own hash differs.
     assert hashes((BLOCK, 4, 2), "tenant")[0] != chunked[0]
     init_none_hash(hashing.sha256)  # as the module fixture left it
+
+
+def test_layouts_asked_in_turn_each_get_their_own_boundaries():
+    """Issue 52: the starts are remembered for the last layout object asked
+    for. Interleaved layouts, equal ones as distinct objects and a layout asked
+    again after another all give the keys of a plain reading of the layout
+    (each segment start's offset in the block, and its kind)."""
+    def expected(layout, start, end):
+        starts = [sum(layout[:i]) for i in range(len(layout))]
+        return [("chunk-segment", p - start, "s" if i == 0 else
+                 "q" if i == len(layout) - 1 else "c")
+                for i, p in enumerate(starts) if start <= p < end]
+
+    a, b = (3, 5, 4, 2), (2, 2, 2, 2, 6)
+    a_again = tuple(list(a))  # equal content, another object
+    for layout in (a, b, a, a_again, b, b, a_again):
+        for start in range(0, 16, BLOCK):
+            assert block_extra_keys(layout, start, start + BLOCK) == expected(
+                layout, start, start + BLOCK)

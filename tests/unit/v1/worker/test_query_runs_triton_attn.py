@@ -181,7 +181,9 @@ def _positions() -> list[tuple[int, int]]:
     return out
 
 
-def _attend(meta, dtype):
+def _attend(meta, dtype, window: int | None = None):
+    """vLLM's kernel over `meta`'s rows; `window`: a sliding window of that many keys,
+    passed as vLLM's TritonAttentionImpl passes a layer's (`(window - 1, 0)`)."""
     gen = torch.Generator().manual_seed(40)
     num_blocks = 8
     key_cache = torch.randn(num_blocks, BLOCK, KV_HEADS, HEAD, generator=gen).to(dtype)
@@ -192,18 +194,22 @@ def _attend(meta, dtype):
         q=query, k=key_cache, v=value_cache, out=out, cu_seqlens_q=meta.query_start_loc,
         max_seqlen_q=meta.max_query_len, seqused_k=meta.seq_lens,
         max_seqlen_k=meta.max_seq_len, softmax_scale=HEAD ** -0.5, causal=True,
-        window_size=(-1, -1), block_table=meta.block_table, softcap=0, q_descale=None,
+        window_size=(-1, -1) if window is None else (window - 1, 0),
+        block_table=meta.block_table, softcap=0, q_descale=None,
         k_descale=None, v_descale=None)
     return key_cache, value_cache, query, out
 
 
-def _oracle(key_cache, value_cache, query) -> torch.Tensor:
-    """Float64 attention of each query token over its request's keys 0..position,
-    gathered through the request's block-table row by hand."""
+def _oracle(key_cache, value_cache, query, window: int | None = None) -> torch.Tensor:
+    """Float64 attention of each query token over its request's keys 0..position (with
+    `window`: only keys k with position - k < window, HF's rule and the windowed
+    isolation semantics', docs/design/sliding-window.md), gathered through the request's
+    block-table row by hand."""
     group = Q_HEADS // KV_HEADS
     want = torch.empty(query.shape, dtype=torch.float64)
     for t, (req, pos) in enumerate(_positions()):
-        slots = torch.arange(pos + 1)
+        first = 0 if window is None else max(0, pos - window + 1)
+        slots = torch.arange(first, pos + 1)
         blocks = TABLE[req][slots // BLOCK].long()
         k = key_cache[blocks, slots % BLOCK].double()  # [keys, kv heads, head]
         v = value_cache[blocks, slots % BLOCK].double()
@@ -218,7 +224,8 @@ def _oracle(key_cache, value_cache, query) -> torch.Tensor:
 # dtype is the GPU's business; what is checked here is which keys each row sees.
 
 _KERNEL_TESTS = ("test_triton_unified_attention_over_the_runs_is_causal_over_the_real_positions",
-                 "test_without_the_split_the_heads_would_see_the_wrong_keys")
+                 "test_without_the_split_the_heads_would_see_the_wrong_keys",
+                 "test_a_sliding_window_applies_by_real_position_over_the_runs")
 
 
 @functools.cache
@@ -276,3 +283,25 @@ def test_without_the_split_the_heads_would_see_the_wrong_keys():
     want = _oracle(key_cache, value_cache, query)
     close = [torch.allclose(out[t].double(), want[t], atol=1e-5, rtol=1e-5) for t in range(10)]
     assert close == [True] * 3 + [False] * 4 + [True] * 3
+
+
+WINDOW = 4
+
+
+def test_a_sliding_window_applies_by_real_position_over_the_runs():
+    """Issue 52 (item 4): a windowed layer on TRITON_ATTN. Each row's query tokens see
+    only the keys within the window of their real position: a's 6..8 and b's heads at
+    5..6 and 17..18 and its question at 30..32 each attend to keys (p - 4, p], loaded
+    rests and earlier runs included, through the request's block table. The windowed
+    oracle tells the window apart: without it every token at a position >= 4 would see
+    more keys."""
+    if _ran_in_a_fresh_process("test_a_sliding_window_applies_by_real_position_over_the_runs"):
+        return
+    key_cache, value_cache, query, out = _attend(_triton_metadata(_split()), torch.float32,
+                                                 window=WINDOW)
+    want = _oracle(key_cache, value_cache, query, window=WINDOW)
+    assert not torch.isnan(out).any()
+    assert torch.allclose(out.double(), want, atol=1e-5, rtol=1e-5)
+    full = _oracle(key_cache, value_cache, query)
+    assert not any(torch.allclose(out[t].double(), full[t], atol=1e-5, rtol=1e-5)
+                   for t, (_, pos) in enumerate(_positions()) if pos >= WINDOW)
