@@ -344,7 +344,7 @@ class ChunkCacheManager:
                 SegmentLoad(
                     chunk_hash=seg.chunk_hash,
                     segment_index=seg.segment_index,
-                    pool_block_ids=list(self._pool_blocks(seg.chunk_hash)),
+                    pool_block_ids=self._pool_block_list(seg.chunk_hash),
                     num_tokens=seg.span.num_tokens,
                     stored_start=seg.stored_start,
                     dst_start=seg.span.start,
@@ -854,9 +854,12 @@ class ChunkCacheManager:
         )
 
     def _pool_blocks(self, h: ChunkHash) -> tuple[PoolBlockId, ...]:
+        return tuple(self._pool_block_list(h))
+
+    def _pool_block_list(self, h: ChunkHash) -> list[PoolBlockId]:
         entry = self.pool.get(h)
-        assert entry is not None, "a writer's entry is allocated before it starts"
-        return tuple(entry.block_ids)
+        assert entry is not None, "a pinned entry is never evicted"
+        return list(entry.block_ids)
 
     @staticmethod
     def _key_of(child: _Child) -> _SegmentKey:

@@ -59,6 +59,9 @@ class StepDecision:
             stop = max(0, min(end_position - seg.dst_start, seg.num_tokens))
             if skip >= stop:
                 continue
+            if skip == 0 and stop == seg.num_tokens:
+                loads.append(seg)  # the whole segment (the all-hit case)
+                continue
             loads.append(SegmentLoad(
                 chunk_hash=seg.chunk_hash,
                 segment_index=seg.segment_index,

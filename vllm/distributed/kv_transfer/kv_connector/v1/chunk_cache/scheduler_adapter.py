@@ -145,7 +145,7 @@ class ChunkCacheSchedulerAdapter:
         self._reported = ChunkCacheStats()
         self._steps = RecomputeSteps.for_config(vllm_config)
         # This step's decisions, reports and allocations (step_loads.py).
-        self._loads = StepLoads(self._steps.one_step, cfg.max_chunk_load_tokens)
+        self._loads = StepLoads(cfg.max_chunk_load_tokens)
         if cfg.chunk_recompute_tokens:
             logger.info("Chunk cache: --chunk-recompute-tokens %d: %s",
                         cfg.chunk_recompute_tokens, self._steps.reason)
@@ -212,7 +212,7 @@ class ChunkCacheSchedulerAdapter:
             self._loads.decided(rid, decision)
         if not decision.runs:
             return None
-        return self._loads.gap(rid, num_computed_tokens)
+        return self._loads.gap(rid, num_computed_tokens, self._steps.one_step)
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int

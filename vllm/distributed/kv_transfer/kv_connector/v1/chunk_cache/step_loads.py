@@ -74,8 +74,7 @@ def num_loaded(gap: PrefillGap) -> int:
 class StepLoads:
     """This step's decisions, reports and allocations of the parents."""
 
-    def __init__(self, one_step: bool, max_load_rows: int):
-        self.one_step = one_step
+    def __init__(self, max_load_rows: int):
         self._max_load_rows = max_load_rows
         self._requests: dict[str, _RequestStep] = {}
         self._pending: dict[str, PendingLoad] = {}
@@ -99,11 +98,13 @@ class StepLoads:
             return None
         return step.num_loaded
 
-    def gap(self, rid: str, position: int) -> PrefillGap | None:
+    def gap(self, rid: str, position: int, one_step: bool) -> PrefillGap | None:
+        """A running request's gap, or the waiting path's after its matched
+        tokens (`one_step`: the start-up decision, recompute_step.py)."""
         step = self._report(rid, position)
         if step is None:
             return None
-        gap = self._gap_with_runs(rid, position)
+        gap = self._gap_with_runs(rid, position, one_step)
         if gap.next_stretches and not self._fits_more(num_loaded(gap)):
             # NOTE: the later stretches would pass this step's load cap: this
             # step takes the first computed stretch only.
@@ -147,7 +148,7 @@ class StepLoads:
 
     # ----------------------------------------------------------- internal
 
-    def _gap_with_runs(self, rid: str, position: int) -> PrefillGap:
+    def _gap_with_runs(self, rid: str, position: int, one_step: bool) -> PrefillGap:
         """The gap at `position`, with every later stretch in one-step mode.
 
         NOTE: with later stretches, the loads start here even when nothing
@@ -155,7 +156,7 @@ class StepLoads:
         there keeps the start of that report, which ends at `position`)."""
         now = self._requests[rid]
         plan = now.decision.plan
-        gap = prefill_gap(plan, position, self.one_step)
+        gap = prefill_gap(plan, position, one_step)
         if gap.next_stretches and gap.num_external_tokens == 0:
             start = now.load_start
             if start is None or start + plan.step_at(start).num_loaded != position:
