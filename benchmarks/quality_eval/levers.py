@@ -5,7 +5,7 @@ The general lever reference - `build_lever_sequence` (an extended sequence + 4D
 mask in which some tokens of each chunk are recomputed with full visibility and
 the rest keep their isolated KV), its `Role`s, and the boundary selection
 `first_k` (EPIC / LegoLink) - is part of the engine's isolation reference,
-`vllm.v1.core.chunk_isolation_mask` (its docstring defines the semantics); it is
+`tests/chunk_isolation_mask.py` (its docstring defines the semantics); it is
 re-exported here. This module adds the benchmark-only levers: the selection
 `top_fraction` (CacheBlend), `question_aware` (the question's attention, issue 33)
 and `context_scale_bias` (APE's scaling factor).
@@ -17,7 +17,7 @@ import math
 
 import torch
 
-from vllm.v1.core.chunk_isolation_mask import (
+from tests.chunk_isolation_mask import (
     IsolatedSequence,
     LeverSequence,
     Role,

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from vllm.v1.core.chunk_isolation_mask import IsolatedSequence, build_isolated_sequence
+from tests.chunk_isolation_mask import IsolatedSequence, build_isolated_sequence
 from vllm.v1.core.chunk_structures import ChunkedPrompt
 
 from .levers import (

@@ -1,6 +1,6 @@
 """The oracle of the chunk-cache e2e tests: one HF transformers forward over the
 extended sequence with explicit position ids and the 4D chunk-isolation mask
-(ARCHITECTURE.md section 3), built by vllm/v1/core/chunk_isolation_mask.py.
+(ARCHITECTURE.md section 3), built by tests/chunk_isolation_mask.py.
 
 Also a random-layout generator and the comparison of vLLM's greedy tokens and
 top-k logprobs against the reference."""
@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from vllm.v1.core.chunk_isolation_mask import build_isolated_sequence
+from tests.chunk_isolation_mask import build_isolated_sequence
 from vllm.v1.core.chunk_structures import ChunkedPrompt, SegmentSpan
 
 SEP = "##"

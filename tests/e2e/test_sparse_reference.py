@@ -118,7 +118,7 @@ def test_pure_torch_forward_equals_hf_deepseek_v32_causal(reference, model):
 def test_pure_torch_forward_equals_hf_deepseek_v32_under_the_isolation_mask(
     reference, model, mode
 ):
-    from vllm.v1.core.chunk_isolation_mask import build_isolated_sequence
+    from tests.chunk_isolation_mask import build_isolated_sequence
 
     prompt = reference.chunked_prompt(_layouts(random.Random(5), 1)[0])
     sink = reference.tokenizer.bos_token_id
@@ -225,7 +225,7 @@ def test_a_quantized_indexer_is_not_translation_invariant(reference, model):
     (hence what a chunk computed at 0.. means at its real positions) fails; unquantized,
     the same shift changes nothing but float rounding. Observed on this model: ~8% of the
     selected (query, token) pairs differ, log-probabilities by 3 to 5."""
-    from vllm.v1.core.chunk_isolation_mask import build_isolated_sequence
+    from tests.chunk_isolation_mask import build_isolated_sequence
 
     prompt = reference.chunked_prompt(_layouts(random.Random(8), 1)[0])
     seq = build_isolated_sequence(prompt, "sink", extra_token_ids=GENERATED,

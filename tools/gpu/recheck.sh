@@ -14,6 +14,6 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 VLLM_USE_FL
 for l in 1 2; do python3 tools/gpu/sleep_check.py /tmp/models/gpu-llama $l >"$OUT/sleep$l.log" 2>&1
   echo "sleep $l rc=$?"; grep -E "^level|Error|error:" "$OUT/sleep$l.log" | head -8; done
 TRITON_INTERPRET=0 python3 -m pytest -q -p no:cacheprovider -rs tests/unit/v1/worker/test_fused_chunk_load.py \
-  tests/unit/distributed/test_chunk_cache_fused_load_path.py tests/unit/distributed/test_chunk_cache_latent_writers.py \
+  tests/unit/distributed/test_chunk_cache_fused_chunk_load_path.py tests/unit/distributed/test_chunk_cache_mla_latent_layers.py \
   -k "fp8 or writer_puts_rows" >"$OUT/gpu-unit.log" 2>&1; echo "gpu unit rc=$?"; tail -15 "$OUT/gpu-unit.log"
 bash tools/gpu/run_batch.sh half-fa 2>&1 | grep -v "^INFO\|Writing"

@@ -267,7 +267,7 @@ def check_mlapo_is_read_per_layer_after_weights_load() -> None:
     from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.cache_writers import (
         latent_writer_for,
     )
-    from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.latent_layers import LatentLayer
+    from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.mla_latent_layers import LatentLayer
     from vllm.model_executor.layers.linear import UnquantizedLinearMethod
     from vllm.model_executor.layers.rotary_embedding import get_rope
     from vllm.v1.worker.position_remapper import RopeRotation

@@ -51,14 +51,14 @@ def check_registration_covers_standard_attention_mla_and_sfa_only() -> None:
             if w.write.__module__ == chunk_cache_npu.__name__}
     assert ours == {"AscendAttentionBackendImpl", "AscendMLAImpl", "AscendSFAImpl"}, ours
     # SFA (issue 32): a latent writer and an indexer key writer, nothing else.
-    from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache import indexer_writers
+    from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache import indexer_keys_layers
 
-    assert set(indexer_writers._INDEXER_WRITERS) == {"AscendSFAImpl"}
+    assert set(indexer_keys_layers._INDEXER_WRITERS) == {"AscendSFAImpl"}
     assert cache_writers.writer_for(named("AscendSFAImpl")) is None
     for refused in ("AscendDSAImpl", "AscendMlaCPImpl", "AscendC8AttentionBackendImpl"):
         assert cache_writers.writer_for(named(refused)) is None, refused
         assert cache_writers.latent_writer_for(named(refused)) is None, refused
-        assert indexer_writers.indexer_writer_for(named(refused)) is None, refused
+        assert indexer_keys_layers.indexer_writer_for(named(refused)) is None, refused
 
 
 def check_load_path_writes_rotated_rows_through_device_operator() -> None:
@@ -311,7 +311,7 @@ def check_mla_load_writes_what_ascend_writes_at_the_new_position(rope=None) -> N
     from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.cache_writers import (
         latent_writer_for,
     )
-    from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.latent_layers import (
+    from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.mla_latent_layers import (
         LatentLayer,
     )
     from vllm.model_executor.layers.rotary_embedding import get_rope
@@ -406,7 +406,7 @@ def check_mla_refusals() -> None:
     from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.cache_writers import (
         latent_writer_for,
     )
-    from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.latent_layers import (
+    from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.mla_latent_layers import (
         LatentLayer,
     )
     from vllm_ascend.distributed.chunk_cache_npu import register_npu_chunk_cache
@@ -511,7 +511,7 @@ def check_sfa_load_writes_what_ascend_writes_at_the_new_position(rope=None) -> N
     from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.cache_writers import (
         latent_writer_for,
     )
-    from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.latent_layers import (
+    from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.mla_latent_layers import (
         INDEXER_SCRATCH,
         LatentLayer,
     )
@@ -585,10 +585,10 @@ def check_sfa_reader_returns_what_the_writer_wrote() -> None:
     from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.cache_writers import (
         latent_writer_for,
     )
-    from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.indexer_writers import (
+    from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.indexer_keys_layers import (
         indexer_writer_for,
     )
-    from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.latent_layers import (
+    from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.mla_latent_layers import (
         LatentLayer,
     )
     from vllm_ascend.distributed.chunk_cache_npu import register_npu_chunk_cache
@@ -640,7 +640,7 @@ def check_sfa_li_c8_load_quantizes_as_ascend_at_the_new_position() -> None:
     from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.cache_writers import (
         latent_writer_for,
     )
-    from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.latent_layers import (
+    from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.mla_latent_layers import (
         LatentLayer,
     )
     from vllm.model_executor.layers.rotary_embedding import get_rope
@@ -752,7 +752,7 @@ def check_sfa_refusals() -> None:
     from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.cache_writers import (
         latent_writer_for,
     )
-    from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.latent_layers import (
+    from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.mla_latent_layers import (
         LatentLayer,
     )
     from vllm_ascend.distributed.chunk_cache_npu import register_npu_chunk_cache

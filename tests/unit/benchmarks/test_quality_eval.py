@@ -21,7 +21,7 @@ from quality_eval.levers import (  # noqa: E402
 )
 from quality_eval.prompts import EncodedQuestion, ends_word  # noqa: E402
 
-from vllm.v1.core.chunk_isolation_mask import build_isolated_sequence  # noqa: E402
+from tests.chunk_isolation_mask import build_isolated_sequence  # noqa: E402
 from vllm.v1.core.chunk_structures import ChunkedPrompt  # noqa: E402
 
 SINK = 7
@@ -89,13 +89,14 @@ def test_encoded_question_ids():
 
 # ----------------------------------------------------------------- levers
 # The lever reference itself (build_lever_sequence, first_k, the boundary lever)
-# is part of the overlay and tested in tests/unit/v1/core/test_chunk_isolation_mask.py;
+# is the test oracle tests/chunk_isolation_mask.py (not in the wheel), tested in
+# tests/unit/v1/core/test_chunk_isolation_mask.py;
 # benchmarks/ only adds CacheBlend's selection.
 
 
 def test_levers_reexport_the_overlay_reference():
     from quality_eval import levers
-    from vllm.v1.core import chunk_isolation_mask as overlay
+    from tests import chunk_isolation_mask as overlay
 
     for name in ("Role", "LeverSequence", "build_lever_sequence", "first_k"):
         assert getattr(levers, name) is getattr(overlay, name)

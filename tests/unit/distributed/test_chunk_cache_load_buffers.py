@@ -12,11 +12,11 @@ import torch
 
 from tests.unit.distributed.test_chunk_cache_worker import _sizing_config, _worker
 from tests.unit.ascend.step_probes import cos_sin_formed_without_host_reads
-from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache import fused_load_path, setup
+from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache import fused_chunk_load_path, setup
 from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.cache_writers import (
     LatentWriter,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.latent_layers import (
+from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.mla_latent_layers import (
     LatentLayer,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.metadata import (
@@ -46,7 +46,7 @@ def test_the_load_buffers_are_sized_for_the_model_kind_and_the_layers_that_take_
     assert setup.load_scratch_bytes(cfg) == 4096 * (512 * 2 + 64 * 2 + 2 * 64 * 4 + 64 * 2)
     # Every layer expected on the fused kernel: only the fallback's rows.
     cfg = _sizing_config()
-    monkeypatch.setattr(fused_load_path, "fused_load_expected", lambda config: True)
+    monkeypatch.setattr(fused_chunk_load_path, "fused_load_expected", lambda config: True)
     assert setup.load_scratch_rows(cfg) == setup.FALLBACK_SCRATCH_ROWS
     assert setup.load_scratch_bytes(cfg) == standard * setup.FALLBACK_SCRATCH_ROWS // 4096
 
@@ -55,7 +55,7 @@ def test_the_fused_kernel_is_expected_only_on_cuda(monkeypatch):
     """The config-time guess the buffers are sized from: never on this CPU."""
     cfg = _sizing_config()
     cfg.attention_config = SimpleNamespace(backend=None)
-    assert fused_load_path.fused_load_expected(cfg) is False
+    assert fused_chunk_load_path.fused_load_expected(cfg) is False
 
 
 class _Rope(torch.nn.Module):

@@ -560,7 +560,7 @@ def test_a_failed_fetch_whose_rows_are_lent_computes_in_new_blocks_until_returne
     adapter, r, doc_fetch = _doc_read_times_out_with_rows_lent()
     (child,) = adapter.take_internal_requests()
     assert child.prompt_token_ids == [SINK, 13, 14, 15, 16, 17]
-    assert adapter._children[child.request_id].pool_block_ids == (2,)
+    assert adapter._children[child.request_id].spec.pool_block_ids == (2,)
     assert adapter.manager.pool.held_by(doc_fetch.fetch_id) == (1,)
     assert adapter.stats().pool_blocks_held == 1
     adapter.on_store_report(StoreReport(rows_returned={doc_fetch.fetch_id: 1}))
@@ -585,7 +585,7 @@ def test_a_failed_fetch_whose_rows_are_lent_waits_for_them_in_a_full_pool():
     adapter.on_store_report(StoreReport(rows_returned={doc_fetch.fetch_id: 1}))
     (child,) = adapter.take_internal_requests()
     assert child.prompt_token_ids == [SINK, 13, 14, 15, 16, 17]
-    assert adapter._children[child.request_id].pool_block_ids == (1,)
+    assert adapter._children[child.request_id].spec.pool_block_ids == (1,)
     finish(adapter, child, RequestStatus.FINISHED_LENGTH_CAPPED)
     assert adapter.get_num_new_matched_tokens(r, 0) == (8, False)
     adapter.store.close()

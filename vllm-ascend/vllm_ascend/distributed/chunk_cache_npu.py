@@ -452,7 +452,7 @@ def register_npu_chunk_cache() -> None:
     register_latent_writer("AscendSFAImpl", ASCEND_SFA_BACKEND, write_sfa_latent_npu,
                            read_sfa_latent_npu, k_pe_neox_style=False,
                            check_layer=check_sfa_layer)
-    from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.indexer_writers import (
+    from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.indexer_keys_layers import (
         IndexerWriter,
         register_indexer_writer,
     )

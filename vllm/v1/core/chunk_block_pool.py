@@ -23,12 +23,42 @@ Rules:
   up on may still write into its rows until the store's call returns).
   Held blocks are in no entry, never free, never evicted and untouched by
   `retire_all`; `release_held` puts them back on the free list.
+* `reserve` pins existing entries and allocates new ones in one step, or
+  does nothing at all: an admission never has to undo half of itself.
+* The pool owns the index of its resident entries (key -> exact tokens,
+  chunk_hash_index.py): `publish` files an entry whose writer finished,
+  `find` answers by key and tokens, and an entry evicted, freed or retired
+  leaves the index with its blocks, so the two never disagree.
 """
 
 from collections import OrderedDict, deque
+from collections.abc import Sequence
 from dataclasses import dataclass
+from enum import Enum
 
+from vllm.v1.core.chunk_hash_index import ChunkHashIndex
 from vllm.v1.core.chunk_structures import ChunkHash, ChunkPoolEntry, PoolBlockId
+
+
+class Residence(str, Enum):
+    """What `ChunkBlockPool.find` knows of a key and its tokens."""
+
+    # Published under this key with exactly these tokens.
+    RESIDENT = "resident"
+    # Not published (absent, or an entry whose writer has not finished).
+    ABSENT = "absent"
+    # Published under this key with other tokens: a hash collision.
+    COLLISION = "collision"
+
+
+@dataclass(frozen=True)
+class Reservation:
+    """Result of `ChunkBlockPool.reserve`."""
+
+    # The new entries, in the order asked, each pinned once (for its writer).
+    entries: tuple[ChunkPoolEntry, ...]
+    # Entries evicted to make room, oldest first (already out of the index).
+    evicted: tuple[ChunkHash, ...]
 
 
 @dataclass(frozen=True)
@@ -37,8 +67,7 @@ class PoolAllocation:
 
     # The new entry, already pinned once for its writer.
     entry: ChunkPoolEntry
-    # Entries evicted to make room, oldest first; the caller must drop them
-    # from its index.
+    # Entries evicted to make room, oldest first (already out of the index).
     evicted: tuple[ChunkHash, ...]
 
 
@@ -50,8 +79,7 @@ class PoolRelocation:
     entry: ChunkPoolEntry
     # The entry's former blocks, now held under the holder.
     held: tuple[PoolBlockId, ...]
-    # Entries evicted to make room, oldest first; the caller must drop them
-    # from its index.
+    # Entries evicted to make room, oldest first (already out of the index).
     evicted: tuple[ChunkHash, ...]
 
 
@@ -97,6 +125,8 @@ class ChunkBlockPool:
         # `release_held`.
         self._held: dict[str, tuple[PoolBlockId, ...]] = {}
         self.num_evictions = 0
+        # Resident entries' exact tokens, by key (`publish`, `find`).
+        self._index = ChunkHashIndex()
         # Blocks given up for good (`write_off`): no longer in num_blocks.
         self.num_written_off = 0
 
@@ -121,6 +151,23 @@ class ChunkBlockPool:
 
     def is_retired(self, chunk_hash: ChunkHash) -> bool:
         return chunk_hash in self._retired
+
+    @property
+    def num_published(self) -> int:
+        """Entries `find` can answer RESIDENT for."""
+        return len(self._index)
+
+    def is_published(self, chunk_hash: ChunkHash) -> bool:
+        return chunk_hash in self._index
+
+    def find(self, chunk_hash: ChunkHash, token_ids: Sequence[int],
+             context_ids: Sequence[int]) -> Residence:
+        """Whether `chunk_hash` is published with exactly these tokens."""
+        if chunk_hash not in self._index:
+            return Residence.ABSENT
+        if self._index.lookup(chunk_hash, token_ids, context_ids) is None:
+            return Residence.COLLISION
+        return Residence.RESIDENT
 
     @property
     def num_held_blocks(self) -> int:
@@ -172,6 +219,36 @@ class ChunkBlockPool:
         self._entries[chunk_hash] = entry
         return PoolAllocation(entry=entry, evicted=tuple(evicted))
 
+    def reserve(self, pins: Sequence[ChunkHash],
+                allocations: Sequence[tuple[ChunkHash, int]]) -> Reservation | None:
+        """Pin every entry of `pins` once and allocate an entry of each
+        (key, num_tokens) of `allocations`, evicting LRU entries as `allocate`
+        does; or, if the allocations do not fit once the pinned entries are
+        out of the LRU, change nothing and return None."""
+        needed = sum(self.blocks_needed(n) for _, n in allocations)
+        # NOTE: entries about to be pinned leave the LRU first, so their blocks
+        # are no room for the allocations (as when pinned one by one before).
+        leaving = sum(len(self._entries[h].block_ids) for h in set(pins)
+                      if h in self._lru)
+        if needed > len(self._free_blocks) + self._evictable_blocks - leaving:
+            return None
+        for h in pins:
+            self.pin(h)
+        made = [self.allocate(h, n) for h, n in allocations]
+        return Reservation(entries=tuple(a.entry for a in made),
+                           evicted=tuple(v for a in made for v in a.evicted))
+
+    def publish(self, chunk_hash: ChunkHash, token_ids: Sequence[int],
+                context_ids: Sequence[int]) -> bool:
+        """The entry's writer finished: file it under its key and tokens, so
+        that `find` answers RESIDENT, unless a reset retired it (computed
+        before the reset: never found again). True if published."""
+        self._require(chunk_hash)
+        if chunk_hash in self._retired:
+            return False
+        self._index.insert(chunk_hash, token_ids, context_ids)
+        return True
+
     def pin(self, chunk_hash: ChunkHash) -> ChunkPoolEntry:
         entry = self._require(chunk_hash)
         if entry.pin_count == 0:
@@ -212,12 +289,14 @@ class ChunkBlockPool:
     def retire_all(self) -> list[ChunkHash]:
         """Drop every entry: unpinned ones now, pinned ones on their last
         unpin (they stay readable for their current holders only). Returns
-        the keys of all entries that existed (the caller drops them from its
-        index). Eviction counters are not touched: a reset is no eviction."""
+        the keys of all entries that existed (none of them is found again).
+        Eviction counters are not touched: a reset is no eviction."""
         dropped = list(self._entries)
         for chunk_hash in list(self._lru):
             self._release(chunk_hash)
         self._retired.update(self._entries)
+        for chunk_hash in dropped:
+            self._unindex(chunk_hash)
         return dropped
 
     def relocate(self, chunk_hash: ChunkHash, holder: str) -> PoolRelocation:
@@ -269,6 +348,7 @@ class ChunkBlockPool:
         held = self._held[holder] = tuple(entry.block_ids)
         del self._entries[chunk_hash]
         self._retired.discard(chunk_hash)
+        self._unindex(chunk_hash)
         entry.block_ids = []
         return held
 
@@ -306,7 +386,12 @@ class ChunkBlockPool:
         self.num_evictions += 1
         return victim
 
+    def _unindex(self, chunk_hash: ChunkHash) -> None:
+        if chunk_hash in self._index:
+            self._index.remove(chunk_hash)
+
     def _release(self, chunk_hash: ChunkHash) -> None:
+        self._unindex(chunk_hash)
         entry = self._entries.pop(chunk_hash)
         if self._lru.pop(chunk_hash, False) is None:
             self._evictable_blocks -= len(entry.block_ids)

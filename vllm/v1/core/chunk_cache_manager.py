@@ -6,30 +6,35 @@ counter (docs/design/ownership.md). Life of a chunked request (the parent):
 
 1. `add_request` on arrival: the parent is queued. Nothing is pinned yet,
    so a request waiting in vLLM's queue holds no pool room.
-2. `admit` when the scheduler is about to run it. Parents are admitted in
+2. `decide` (which admits) when the scheduler is about to run it: one
+   frozen `StepDecision` per step (chunk_step_decision.py) that every
+   scheduler hook of the step reads. Parents are admitted in
    arrival order: while an earlier parent waits for room, later ones are
    DEFERRED too (a big request is never starved by a stream of small ones).
    Every cached segment (system + chunks) is keyed and classified RESIDENT
    (in the pool, verified), IN_FLIGHT (a child computes it) or MISSING. The
-   parent pins every entry it will load; each distinct MISSING key gets pool
-   blocks and exactly one child request (`take_new_children`). A request
+   pool reserves, in one step or not at all, a pin on every entry the parent
+   will load and pool blocks for each distinct MISSING key, which gets
+   exactly one child request (`StepDecision.children`). A request
    whose segments can never fit the pool is refused (OVERSIZED), as is one
    whose key matched other tokens (COLLISION): never served otherwise.
-   With a fleet-wide store (`store_probe`, issue 31) a MISSING key the
-   store holds is fetched instead (`take_new_fetches`: pinned like a child,
-   `fetch_finished` / `fetch_failed`, the latter becoming a child); a query
-   not answered yet makes the parent wait a step (docs/design/store-path.md).
+   With a fleet-wide store (the `store` constructor argument, issue 31) a
+   MISSING key the store holds is fetched instead (`StepDecision.fetches`:
+   pinned like a child; `store_report` ends it, a failed one becoming a
+   child); a query not answered yet makes the parent wait a step
+   (docs/design/store-path.md).
    A failed fetch whose rows a store call still holds is computed into new
    blocks (the old ones held until `rows_returned`), or, with no room for
    them, in its own once they are returned.
-3. `child_finished` / `child_failed`: a child stored its rows (the entry
-   becomes RESIDENT) or ended without them; a failed child is retried once,
-   then its waiters are refused (`take_refusals`).
-4. `is_ready` -> `prefill_plan` / `load_plan`: once every segment is
-   resident, which stretch to load at a position (all of system and chunks
-   at once, or with boundary recompute the part of each chunk after its
-   first K tokens, chunk_prefill_plan.py) and the rows to copy, with
-   delta = real_start - stored_start.
+3. `finish_child` (`child_finished` / `child_failed`): a child stored its
+   rows (the entry becomes RESIDENT; with a store, the `Outcome` carries its
+   put) or ended without them; a failed child is retried once, then its
+   waiters are refused (`take_refusals`).
+4. Once every segment is resident the decision is ready: its plan says
+   which stretch to load at a position (all of system and chunks at once,
+   or with boundary recompute the part of each chunk after its first K
+   tokens, chunk_prefill_plan.py) and `StepDecision.load_plan` the rows to
+   copy, with delta = real_start - stored_start.
 5. `release` on finish or abort, in any state, drops the parent's pins.
 6. `reset` (vLLM resets its caches: new weights, sleep, pause with
    clear_cache) retires every entry and starts a new epoch, which is part
@@ -49,16 +54,14 @@ import dataclasses
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from vllm.v1.core.chunk_block_pool import ChunkBlockPool
+from vllm.v1.core.chunk_block_pool import ChunkBlockPool, Residence
 from vllm.v1.core.chunk_prefill_plan import PrefillPlan
-from vllm.v1.core.chunk_hash_index import (
-    ChunkHashIndex,
-    ChunkNamespace,
-    compute_chunk_hash,
-)
+from vllm.v1.core.chunk_hash_index import ChunkNamespace, compute_chunk_hash
+from vllm.v1.core.chunk_step_decision import ChildPut, Outcome, StepDecision
 from vllm.v1.core.chunk_store_probe import (
     FETCH_ID_PREFIX,
     FetchSpec,
+    ReportResult,
     StoreAnswer,
     StoreProbe,
 )
@@ -72,6 +75,7 @@ from vllm.v1.core.chunk_structures import (
     ChunkLoadPlan,
     ChunkRefusal,
     ChunkStorePlan,
+    PoolBlockId,
     SegmentLoad,
     SegmentSpan,
     SegmentStatus,
@@ -111,17 +115,8 @@ class ChunkAdmission:
     reason: AdmitReason
     # Cached segments in prompt order (empty unless admitted).
     segments: tuple[CachedSegment, ...] = ()
-    # Children started by this call (also queued for `take_new_children`).
-    new_children: tuple[ChildSpec, ...] = ()
     # For refusals: what the client is told.
     message: str = ""
-
-    @property
-    def ready(self) -> bool:
-        """True if the parent can load everything right away."""
-        return self.reason == AdmitReason.ADMITTED and all(
-            s.status == SegmentStatus.RESIDENT for s in self.segments
-        )
 
 
 @dataclass
@@ -144,6 +139,8 @@ class _Parent:
     seq: int = 0
     # The manager's epoch when the parent was admitted.
     epoch: int = 0
+    # Opaque to the manager: what the engine glue builds its children from.
+    origin: object = None
 
 
 @dataclass
@@ -165,6 +162,8 @@ class _SegmentKey:
     chunk_hash: ChunkHash
     segment_ids: list[int]
     context_ids: list[int]
+    # The namespace the key was made in (with the epoch).
+    namespace: ChunkNamespace
 
 
 class ChunkCacheManager:
@@ -175,6 +174,7 @@ class ChunkCacheManager:
         context_mode: ChunkContextMode = ChunkContextMode.SINK,
         sink_token_id: int | None = None,
         recompute_tokens: int = 0,
+        store: StoreProbe | None = None,
     ):
         self.recompute_tokens = recompute_tokens
         self.context_mode = ChunkContextMode(context_mode)
@@ -182,7 +182,6 @@ class ChunkCacheManager:
             raise ValueError("chunk_context='sink' needs a sink token id")
         self.sink_token_id = sink_token_id
         self.pool = ChunkBlockPool(num_pool_blocks, block_size)
-        self.index = ChunkHashIndex()
         self._parents: dict[str, _Parent] = {}
         # Parents not admitted yet, in arrival order.
         self._queued: OrderedDict[str, None] = OrderedDict()
@@ -200,16 +199,24 @@ class ChunkCacheManager:
         self._epoch = 0
         # The fleet-wide store (issue 31), None without --chunk-store: then
         # nothing below about fetches ever runs.
-        self.store_probe: StoreProbe | None = None
+        self.store_probe = store
         self._new_fetches: list[FetchSpec] = []
+        # Entries whose put was handed out, and those whose put the last
+        # step's metadata carried: pinned until the worker copied them
+        # (`puts_shipped`).
+        self._put_pins: list[ChunkHash] = []
+        self._put_pins_shipped: list[ChunkHash] = []
         self._stats = ChunkCacheStats()
 
     # ------------------------------------------------------------ parents
 
     def add_request(
-        self, request_id: str, prompt: ChunkedPrompt, namespace: ChunkNamespace
+        self, request_id: str, prompt: ChunkedPrompt, namespace: ChunkNamespace,
+        origin: object = None,
     ) -> None:
-        """A chunked request arrived (nothing is pinned until `admit`)."""
+        """A chunked request arrived (nothing is pinned until `admit`).
+        `origin` is handed back in the specs of the children its admission
+        starts (ChildSpec.origin)."""
         if request_id in self._parents or request_id in self._children:
             raise ValueError(f"request {request_id} is already known")
         self._parents[request_id] = _Parent(
@@ -217,19 +224,10 @@ class ChunkCacheManager:
             namespace=namespace,
             plan=PrefillPlan.for_prompt(prompt, self.recompute_tokens),
             seq=self._num_parents_seen,
+            origin=origin,
         )
         self._num_parents_seen += 1
         self._queued[request_id] = None
-
-    def has_request(self, request_id: str) -> bool:
-        return request_id in self._parents
-
-    def namespace_of(self, request_id: str) -> ChunkNamespace | None:
-        """The namespace a live parent's segments are keyed in (its children's
-        entries are written to the store under the same tenant); None once it
-        has finished or been aborted."""
-        parent = self._parents.get(request_id)
-        return None if parent is None else parent.namespace
 
     def admit(self, request_id: str) -> ChunkAdmission:
         """Admit a queued parent, now that the scheduler is about to run it.
@@ -250,7 +248,7 @@ class ChunkCacheManager:
         namespace = dataclasses.replace(parent.namespace, weights_epoch=self._epoch)
         ns_digest = namespace.digest()
         keyed = [
-            self._segment_key(prompt, index, ns_digest)
+            self._segment_key(prompt, index, namespace, ns_digest)
             for index in range(len(prompt.cached_spans))
         ]
         distinct = {k.chunk_hash: k for k in keyed}
@@ -262,13 +260,12 @@ class ChunkCacheManager:
                 oversized_message(needed, self.pool.num_blocks, self.pool.block_size),
             )
 
-        # Classify each distinct key once; pin residents and in-flight
-        # entries first so that the allocations below cannot evict them.
+        # Classify each distinct key once; nothing is pinned until the pool
+        # reserves every pin and allocation below in one step.
         status_of: dict[ChunkHash, SegmentStatus] = {}
         for h, key in distinct.items():
             status = self._classify(key)
             if status is None:
-                self._unpin_classified(status_of)
                 return self._refuse(
                     request_id,
                     AdmitReason.COLLISION,
@@ -276,27 +273,28 @@ class ChunkCacheManager:
                     "(hash collision); the request cannot be served exactly",
                 )
             status_of[h] = status
-            if status != SegmentStatus.MISSING:
-                self.pool.pin(h)
 
         missing = [distinct[h] for h, s in status_of.items() if s == SegmentStatus.MISSING]
         store_hits = self._probe_store(missing, namespace)
         if store_hits is None:
             # NOTE: an existence query is still in flight: wait a step (not
             # counted as deferred; the scheduler never waits on the network).
-            self._unpin_classified(status_of)
             return ChunkAdmission(request_id, AdmitReason.DEFERRED)
-        blocks = sum(self.pool.blocks_needed(len(k.segment_ids)) for k in missing)
-        if not self.pool.can_allocate(blocks):
-            self._unpin_classified(status_of)
+        # NOTE: residents and in-flight entries are pinned before the new
+        # entries are allocated, so that those allocations cannot evict them.
+        reservation = self.pool.reserve(
+            [h for h, s in status_of.items() if s != SegmentStatus.MISSING],
+            [(k.chunk_hash, len(k.segment_ids)) for k in missing])
+        if reservation is None:
             return self._defer(request_id, parent)
 
-        new_children = []
+        # NOTE: the children and fetches are handed out once, by the outboxes
+        # (take_new_children, take_new_fetches; `decide` drains them).
         for key in missing:
             if key.chunk_hash in store_hits:
-                self._start_fetch(key, store_hits[key.chunk_hash])
+                self._start_fetch(key, store_hits[key.chunk_hash], parent.origin)
             else:
-                new_children.append(self._start_child(key))
+                self._new_child(key, 1, parent.origin)
             self.pool.pin(key.chunk_hash)  # the parent's own pin, besides the writer's
 
         parent.segments = tuple(
@@ -317,53 +315,67 @@ class ChunkCacheManager:
         parent.epoch = self._epoch
         del self._queued[request_id]
         self._count_admission(status_of, parent.segments)
-        return ChunkAdmission(
-            request_id, AdmitReason.ADMITTED, parent.segments, tuple(new_children)
-        )
+        return ChunkAdmission(request_id, AdmitReason.ADMITTED, parent.segments)
 
-    def prefill_plan(self, request_id: str) -> PrefillPlan:
-        """Which prompt stretches the parent loads and which it computes."""
-        return self._require_parent(request_id).plan
+    def decide(self, request_id: str, admit: bool = True) -> StepDecision | None:
+        """The parent's decision for this scheduler step (None: not a chunked
+        request this manager knows): admitted now if it can be, the children
+        and store fetches that started, and, once ready, every cached
+        segment's rows with the pool blocks it pins (stable until it is
+        released: a pinned entry is never evicted or moved).
+
+        `admit=False` for a running parent: it keeps the admission it runs
+        with, also one from before a reset (as vLLM's running requests keep
+        their KV); nothing starts."""
+        parent = self._parents.get(request_id)
+        if parent is None:
+            return None
+        children: list[ChildSpec] = []
+        fetches: list[FetchSpec] = []
+        if admit:
+            reason = self.admit(request_id).reason
+            children, fetches = self.take_new_children(), self.take_new_fetches()
+        else:
+            reason = parent.reason or AdmitReason.DEFERRED
+        ready = self.is_ready(request_id)
+        segments = ()
+        if ready:
+            segments = tuple(
+                SegmentLoad(
+                    chunk_hash=seg.chunk_hash,
+                    segment_index=seg.segment_index,
+                    pool_block_ids=self._pool_block_list(seg.chunk_hash),
+                    num_tokens=seg.span.num_tokens,
+                    stored_start=seg.stored_start,
+                    dst_start=seg.span.start,
+                )
+                for seg in parent.segments
+            )
+        return StepDecision(request_id, reason, ready, parent.plan, segments,
+                            tuple(children), tuple(fetches))
 
     def is_ready(self, request_id: str) -> bool:
+        """Admitted and every segment resident (the one definition: a
+        decision's `ready` is this)."""
         parent = self._require_parent(request_id)
         return parent.reason == AdmitReason.ADMITTED and not parent.waiting_on
 
     def load_plan(
         self, request_id: str, first_position: int = 0, end_position: int | None = None
     ) -> ChunkLoadPlan:
-        """Rows to copy into the parent for positions in [first_position,
-        end_position) (default: up to the question). Those before are already
-        in its paged KV (vLLM's own prefix cache hit, or an earlier stretch);
-        those after are loaded later or recomputed."""
-        parent = self._require_parent(request_id)
-        if not self.is_ready(request_id):
+        """Rows to copy into a ready parent for positions in [first_position,
+        end_position) (default: up to the question): its running decision's
+        (`StepDecision.load_plan`)."""
+        decision = self.decide(request_id, admit=False)
+        if decision is None or not decision.ready:
+            parent = self._require_parent(request_id)
             raise ValueError(
                 f"request {request_id} is not ready (still waits for "
                 f"{len(parent.waiting_on)} segment(s))"
             )
-        end = parent.prompt.question_span.start if end_position is None else end_position
-        loads = []
-        for seg in parent.segments:
-            skip = max(0, min(first_position - seg.span.start, seg.span.num_tokens))
-            stop = max(0, min(end - seg.span.start, seg.span.num_tokens))
-            if skip >= stop:
-                continue
-            entry = self.pool.get(seg.chunk_hash)
-            assert entry is not None, "pinned entries are never evicted"
-            loads.append(
-                SegmentLoad(
-                    chunk_hash=seg.chunk_hash,
-                    segment_index=seg.segment_index,
-                    pool_block_ids=list(entry.block_ids),
-                    num_tokens=seg.span.num_tokens,
-                    stored_start=seg.stored_start,
-                    dst_start=seg.span.start,
-                    first_row=skip,
-                    end_row=None if stop == seg.span.num_tokens else stop,
-                )
-            )
-        return ChunkLoadPlan(request_id=request_id, segments=tuple(loads))
+        end = (self._parents[request_id].prompt.question_span.start
+               if end_position is None else end_position)
+        return decision.load_plan(first_position, end)
 
     def record_load(self, plan: ChunkLoadPlan) -> None:
         """Count a plan whose rows were sent to the workers (`load_plan` is a
@@ -390,9 +402,7 @@ class ChunkCacheManager:
         """
         usage = self.pool.usage()
         self._epoch += 1
-        for h in self.pool.retire_all():
-            if h in self.index:  # else a child is still writing it
-                self.index.remove(h)
+        self.pool.retire_all()
         return usage.num_entries == usage.num_evictable
 
     def take_refusals(self) -> list[ChunkRefusal]:
@@ -408,9 +418,6 @@ class ChunkCacheManager:
         children, self._new_children = self._new_children, []
         return children
 
-    def is_child(self, request_id: str) -> bool:
-        return request_id in self._children
-
     def store_plan(self, child_request_id: str) -> ChunkStorePlan:
         child = self._require_child(child_request_id)
         entry = self.pool.get(child.spec.chunk_hash)
@@ -423,12 +430,65 @@ class ChunkCacheManager:
             pool_block_ids=list(entry.block_ids),
         )
 
+    def finish_child(self, child_request_id: str, stored: bool, ended: str = "") -> Outcome:
+        """A child request ended, with its rows stored or without (`ended`:
+        how): the parents now ready, its retry, and (with a store) its entry
+        to write, unless a reset retired it (computed with weights that may
+        be gone)."""
+        if not stored:
+            self.child_failed(child_request_id, ended)
+            return Outcome(children=tuple(self.take_new_children()))
+        spec = self._require_child(child_request_id).spec
+        put = None
+        if self.store_probe is not None and not self.pool.is_retired(spec.chunk_hash):
+            namespace = spec.namespace
+            assert namespace is not None
+            put = ChildPut(tuple(spec.token_ids), spec.store_start, namespace.cache_salt,
+                           namespace.lora_name, spec.pool_block_ids, self._epoch)
+            # NOTE (issue 50, finding 3): the put's own pin, besides the
+            # writer's dropped below, until the worker copied it (puts_shipped).
+            self.pool.pin(spec.chunk_hash)
+            self._put_pins.append(spec.chunk_hash)
+        ready = self.child_finished(child_request_id)
+        return Outcome(ready=tuple(ready), put=put)
+
+    def puts_shipped(self) -> None:
+        """The step's metadata carrying the puts handed out since the last
+        call was built. NOTE (issue 50, finding 3): a put's entry keeps a pin
+        until the step after the one whose metadata carried the put: the
+        worker copies a put's rows in that step's `start_load_kv`, which vLLM
+        0.32 runs after the forward, so blocks reused by a child in that same
+        step would be copied under the put's key. Steps run in order on the
+        worker, so any step scheduled after this one writes the blocks after
+        the copy."""
+        for chunk_hash in self._put_pins_shipped:
+            self.pool.unpin(chunk_hash)
+        self._put_pins_shipped, self._put_pins = self._put_pins, []
+
+    def store_report(self, result: ReportResult) -> Outcome:
+        """The store's decisions from the workers' report of a step: fetches
+        done, failed (computed by a child, in new blocks if their rows are
+        still lent, or once they are returned), rows returned or written off.
+
+        NOTE: returned rows first: the blocks they free may be the room a
+        failed fetch below needs to compute elsewhere."""
+        ready: list[str] = []
+        for fetch_id in result.rows_returned:
+            self.rows_returned(fetch_id)
+        for fetch_id in result.done:
+            ready += self.fetch_finished(fetch_id)
+        for fetch_id in result.written_off:
+            self.rows_written_off(fetch_id)
+        for failure in result.failed:
+            self.fetch_failed(failure.fetch_id, rows_lent=failure.rows_held)
+        return Outcome(children=tuple(self.take_new_children()), ready=tuple(ready))
+
     def child_finished(self, child_request_id: str) -> list[str]:
         """The child's rows are in the pool. Returns parents now ready."""
         child = self._pop_child(child_request_id)
         h = child.spec.chunk_hash
-        if not self.pool.is_retired(h):  # else computed before a reset
-            self.index.insert(h, child.segment_ids, child.context_ids)
+        # NOTE: not published if retired (computed before a reset).
+        self.pool.publish(h, child.segment_ids, child.context_ids)
         self.pool.unpin(h)  # the writer's pin
         ready = []
         for parent_id in sorted(child.waiters):
@@ -448,8 +508,8 @@ class ChunkCacheManager:
         child = self._pop_child(child_request_id)
         self._stats.failed_children += 1
         if child.attempt < MAX_CHILD_ATTEMPTS:
-            key = _SegmentKey(child.spec.chunk_hash, child.segment_ids, child.context_ids)
-            retry = self._new_child(key, attempt=child.attempt + 1)
+            retry = self._new_child(self._key_of(child), child.attempt + 1,
+                                    child.spec.origin)
             self._children[retry.request_id].waiters = child.waiters
             return retry
         for parent_id in sorted(child.waiters):
@@ -506,9 +566,7 @@ class ChunkCacheManager:
                 # requests a full pool could still serve exactly.
                 self._waiting_for_rows.add(fetch_id)
                 return None
-            moved = self.pool.relocate(h, holder=fetch_id)
-            for victim in moved.evicted:
-                self.index.remove(victim)
+            self.pool.relocate(h, holder=fetch_id)
         return self._compute_failed_fetch(fetch_id)
 
     def rows_returned(self, fetch_id: str) -> ChildSpec | None:
@@ -540,9 +598,7 @@ class ChunkCacheManager:
         entry = self.pool.get(h)
         assert entry is not None
         if self.pool.can_allocate(len(entry.block_ids)):
-            moved = self.pool.relocate(h, holder=fetch_id)
-            for victim in moved.evicted:
-                self.index.remove(victim)
+            self.pool.relocate(h, holder=fetch_id)
             self.pool.write_off(fetch_id)
             return self._compute_failed_fetch(fetch_id)
         fetch = self._pop_child(fetch_id)
@@ -569,8 +625,7 @@ class ChunkCacheManager:
 
     def _compute_failed_fetch(self, fetch_id: str) -> ChildSpec:
         fetch = self._pop_child(fetch_id)
-        key = _SegmentKey(fetch.spec.chunk_hash, fetch.segment_ids, fetch.context_ids)
-        child = self._new_child(key, attempt=1)
+        child = self._new_child(self._key_of(fetch), 1, fetch.spec.origin)
         self._children[child.request_id].waiters = fetch.waiters
         return child
 
@@ -591,8 +646,7 @@ class ChunkCacheManager:
                 hits[key.chunk_hash] = found.content_hash
         return None if pending else hits
 
-    def _start_fetch(self, key: "_SegmentKey", content_hash: int) -> None:
-        self._allocate(key)
+    def _start_fetch(self, key: "_SegmentKey", content_hash: int, origin: object) -> None:
         h = key.chunk_hash
         fetch_id = self._internal_id(FETCH_ID_PREFIX, h)
         spec = FetchSpec(
@@ -602,11 +656,13 @@ class ChunkCacheManager:
             store_start=len(key.context_ids),
             content_hash=content_hash,
             epoch=self._epoch,
+            pool_block_ids=self._pool_blocks(h),
         )
         # NOTE: registered as an in-flight child (same pins, waiters and
         # joins), but handed out as a fetch, never as a vLLM request.
         self._children[fetch_id] = _Child(
-            spec=ChildSpec(fetch_id, h, spec.token_ids, spec.store_start),
+            spec=ChildSpec(fetch_id, h, spec.token_ids, spec.store_start,
+                           spec.pool_block_ids, key.namespace, origin),
             segment_ids=key.segment_ids,
             context_ids=key.context_ids,
             fetch=spec,
@@ -630,7 +686,7 @@ class ChunkCacheManager:
             failed_children=s.failed_children,
             refused_requests=s.refused_requests,
             deferred_requests=s.deferred_requests,
-            hash_collisions=self.index.num_collisions + s.hash_collisions,
+            hash_collisions=s.hash_collisions,
             evictions=usage.num_evictions,
             pool_blocks_used=usage.blocks_used,
             pool_blocks_total=usage.blocks_total,
@@ -642,30 +698,19 @@ class ChunkCacheManager:
                 for f in self._waiting_for_rows),
         )
 
-    def pinned_by(self, request_id: str) -> list[ChunkHash]:
-        return list(self._require_parent(request_id).pinned)
-
     # ----------------------------------------------------------- internal
 
     def _segment_key(
-        self, prompt: ChunkedPrompt, index: int, ns_digest: bytes
+        self, prompt: ChunkedPrompt, index: int, namespace: ChunkNamespace,
+        ns_digest: bytes,
     ) -> _SegmentKey:
         segment_ids = prompt.segment_tokens(index)
-        if index == 0 or self.context_mode == ChunkContextMode.NONE:
-            # NOTE: the system segment is always at position 0 and sees
-            # nothing before it, so it is computed alone in every mode.
-            context_ids: list[int] = []
-        elif self.context_mode == ChunkContextMode.SINK:
-            # NOTE: a constant of the deployment, never the request's first
-            # token, so the key does not depend on the system prompt.
-            assert self.sink_token_id is not None
-            context_ids = [self.sink_token_id]
-        else:
-            context_ids = prompt.segment_tokens(0)
+        context_ids = segment_context(prompt, index, self.context_mode, self.sink_token_id)
         return _SegmentKey(
             chunk_hash=compute_chunk_hash(segment_ids, context_ids, ns_digest),
             segment_ids=segment_ids,
             context_ids=context_ids,
+            namespace=namespace,
         )
 
     def _classify(self, key: _SegmentKey) -> SegmentStatus | None:
@@ -681,16 +726,13 @@ class ChunkCacheManager:
                 self._stats.hash_collisions += 1
                 return None
             return SegmentStatus.IN_FLIGHT
-        if h in self.index:
-            if self.index.lookup(h, key.segment_ids, key.context_ids) is None:
-                return None
+        residence = self.pool.find(h, key.segment_ids, key.context_ids)
+        if residence == Residence.COLLISION:
+            self._stats.hash_collisions += 1
+            return None
+        if residence == Residence.RESIDENT:
             return SegmentStatus.RESIDENT
         return SegmentStatus.MISSING
-
-    def _unpin_classified(self, status_of: dict[ChunkHash, SegmentStatus]) -> None:
-        for h, status in status_of.items():
-            if status != SegmentStatus.MISSING:
-                self.pool.unpin(h)
 
     def _drop_holds(self, request_id: str, parent: _Parent) -> None:
         for h in parent.waiting_on:
@@ -762,16 +804,6 @@ class ChunkCacheManager:
             if h != skip:
                 self.pool.unpin(h)
 
-    def _start_child(self, key: _SegmentKey) -> ChildSpec:
-        self._allocate(key)
-        return self._new_child(key, attempt=1)
-
-    def _allocate(self, key: _SegmentKey) -> None:
-        """Pool blocks for `key`'s entry, pinned once for its writer."""
-        allocation = self.pool.allocate(key.chunk_hash, len(key.segment_ids))
-        for victim in allocation.evicted:
-            self.index.remove(victim)
-
     def _internal_id(self, prefix: str, h: ChunkHash) -> str:
         # NOTE: one counter for children and store fetches, so no two internal
         # requests of this engine ever share an id.
@@ -779,7 +811,7 @@ class ChunkCacheManager:
         self._num_children_created += 1
         return rid
 
-    def _new_child(self, key: _SegmentKey, attempt: int) -> ChildSpec:
+    def _new_child(self, key: _SegmentKey, attempt: int, origin: object) -> ChildSpec:
         h = key.chunk_hash
         child_id = self._internal_id(CHILD_REQUEST_PREFIX, h)
         spec = ChildSpec(
@@ -787,6 +819,9 @@ class ChunkCacheManager:
             chunk_hash=h,
             token_ids=key.context_ids + key.segment_ids,
             store_start=len(key.context_ids),
+            pool_block_ids=self._pool_blocks(h),
+            namespace=key.namespace,
+            origin=origin,
         )
         self._children[child_id] = _Child(
             spec=spec,
@@ -818,6 +853,20 @@ class ChunkCacheManager:
             if s.status == SegmentStatus.RESIDENT
         )
 
+    def _pool_blocks(self, h: ChunkHash) -> tuple[PoolBlockId, ...]:
+        return tuple(self._pool_block_list(h))
+
+    def _pool_block_list(self, h: ChunkHash) -> list[PoolBlockId]:
+        entry = self.pool.get(h)
+        assert entry is not None, "a pinned entry is never evicted"
+        return list(entry.block_ids)
+
+    @staticmethod
+    def _key_of(child: _Child) -> _SegmentKey:
+        assert child.spec.namespace is not None
+        return _SegmentKey(child.spec.chunk_hash, child.segment_ids, child.context_ids,
+                           child.spec.namespace)
+
     def _pop_child(self, child_request_id: str) -> _Child:
         child = self._require_child(child_request_id)
         del self._children[child_request_id]
@@ -837,19 +886,35 @@ class ChunkCacheManager:
         return child
 
 
+def segment_context(prompt: ChunkedPrompt, index: int, mode: ChunkContextMode,
+                    sink_token_id: int | None) -> list[int]:
+    """What segment `index` is computed after, which its key includes: a
+    segment's entry is one per distinct (context, tokens)."""
+    if index == 0 or mode == ChunkContextMode.NONE:
+        # NOTE: the system segment is always at position 0 and sees nothing
+        # before it, so it is computed alone in every mode.
+        return []
+    if mode == ChunkContextMode.SINK:
+        # NOTE: a constant of the deployment, never the request's first
+        # token, so the key does not depend on the system prompt.
+        assert sink_token_id is not None
+        return [sink_token_id]
+    return prompt.segment_tokens(0)
+
+
 def pool_blocks_for(
     prompt: ChunkedPrompt, block_size: int, context_mode: ChunkContextMode
 ) -> int:
-    """Pool blocks the prompt's distinct cached segments need, as `admit`
+    """Pool blocks the prompt's distinct cached segments need, as admission
     counts them (the front end refuses an oversized request with a 400
-    before it reaches the engine)."""
+    before it reaches the engine): one entry per distinct key, by the rule
+    of `segment_context`. NOTE: any sink stands for the deployment's here
+    (one constant for every chunk: the same keys are distinct)."""
     mode = ChunkContextMode(context_mode)
-    distinct = set()
-    for index in range(len(prompt.cached_spans)):
-        # Same dedup as the content key: system alone, chunks after their
-        # context (the system's tokens are the same for all of one prompt).
-        alone = index == 0 or mode == ChunkContextMode.NONE
-        distinct.add((alone, tuple(prompt.segment_tokens(index))))
+    distinct = {
+        (tuple(segment_context(prompt, index, mode, 0)), tuple(prompt.segment_tokens(index)))
+        for index in range(len(prompt.cached_spans))
+    }
     return sum(-(-len(tokens) // block_size) for _, tokens in distinct)
 
 

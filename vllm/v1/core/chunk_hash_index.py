@@ -19,7 +19,9 @@ Key composition (ARCHITECTURE.md section 4), all hashed with xxh3-128:
 
 A 128-bit hash makes collisions astronomically unlikely, but the index
 still stores the token ids and compares them on lookup (as nano-vllm does),
-so a collision can only cost a miss, never serve wrong KV.
+so a collision is found and the request refused (never served wrong KV, nor
+another attention). The index is the pool's own (chunk_block_pool.py): an
+entry leaves it with its blocks; the manager counts collisions.
 """
 
 import array
@@ -127,8 +129,6 @@ class ChunkHashIndex:
 
     def __init__(self) -> None:
         self._entries: dict[ChunkHash, IndexedChunk] = {}
-        # Lookups whose key matched but whose stored ids did not.
-        self.num_collisions = 0
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -156,8 +156,8 @@ class ChunkHashIndex:
     ) -> IndexedChunk | None:
         """The entry for `chunk_hash` if its stored ids equal the given ones.
 
-        A key match with different ids is a hash collision: reported as a
-        miss (and counted), never as a hit.
+        A key match with different ids is a hash collision: None, never a
+        hit (the caller tells it from an absent key with `in`).
         """
         entry = self._entries.get(chunk_hash)
         if entry is None:
@@ -165,7 +165,6 @@ class ChunkHashIndex:
         if entry.token_ids != tuple(token_ids) or entry.context_ids != tuple(
             context_ids
         ):
-            self.num_collisions += 1
             return None
         return entry
 

@@ -48,6 +48,38 @@ class FetchSpec:
     content_hash: int
     # The manager's epoch when the fetch started.
     epoch: int
+    # The entry's pool blocks the workers read it into, in row order.
+    pool_block_ids: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class FetchFailure:
+    """A fetch some rank failed (`ReportResult.failed`)."""
+
+    fetch_id: str
+    # The first failure's cause (a miss cause; anything else is an error).
+    cause: str
+    # Some rank's store call still holds the fetch's pool rows (issue 39,
+    # finding 9): nobody may get them until `ReportResult.rows_returned`
+    # names the fetch.
+    rows_held: bool = False
+
+
+@dataclass(frozen=True)
+class ReportResult:
+    """What `StoreClient.on_report` decided from one (combined) report."""
+
+    # Fetches every rank completed.
+    done: tuple[str, ...] = ()
+    # Fetches some rank failed.
+    failed: tuple[FetchFailure, ...] = ()
+    # Failed fetches reported with rows_held earlier whose rows every rank
+    # has returned since.
+    rows_returned: tuple[str, ...] = ()
+    # Failed fetches whose rows stayed lent past the spec's held_limit: their
+    # pool blocks are written off (a later return is ignored).
+    written_off: tuple[str, ...] = ()
+
 
 
 class StoreProbe(Protocol):

@@ -10,7 +10,10 @@ This module imports nothing from vLLM: it is engine-free by design.
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
-from typing import NewType
+from typing import TYPE_CHECKING, Any, NewType
+
+if TYPE_CHECKING:
+    from vllm.v1.core.chunk_hash_index import ChunkNamespace
 
 # A 16-byte xxh3-128 digest of a segment's content, its private context and
 # the namespace it was computed in. Never includes a position (see
@@ -201,6 +204,15 @@ class ChildSpec:
     # Index in token_ids of the first row to store (= len(context)); rows
     # [store_start, len(token_ids)) go to the pool.
     store_start: int
+    # Its entry's pool blocks, in row order (fixed for the child's life).
+    pool_block_ids: tuple[PoolBlockId, ...] = ()
+    # The namespace its key was made in (the tenant its store entry is
+    # written under: cache salt, LoRA adapter).
+    namespace: "ChunkNamespace | None" = None
+    # What the engine glue needs to build the child's request, from the
+    # parent whose admission started it (opaque here: client, priority,
+    # LoRA request...), so that no parent request is kept for it.
+    origin: Any = None
 
 
 @dataclass(frozen=True)

@@ -297,7 +297,7 @@ class FusedGroup:
     must not move (they are the worker's pool and vLLM's paged cache,
     allocated once). Built at the first load, not at start-up: the table must
     not live in the KV-cache memory pool a sleep discards
-    (fused_load_path.FusedLayers.group)."""
+    (fused_chunk_load_path.FusedLayers.group)."""
 
     # [6, num_layers] int64 addresses: pool K, pool V, key cache, value
     # cache, k scale, v scale (the pool K's address where there is no scale).

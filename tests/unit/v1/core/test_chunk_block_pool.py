@@ -211,6 +211,46 @@ def test_relocate_and_release_errors():
     assert pool.held_by("fetch-a") == ()
 
 
+def test_reserve_pins_and_allocates_all_or_nothing():
+    """Issue 51: an admission's pins and allocations in one step. Entries to be
+    pinned leave the LRU first, so they are no room for the allocations."""
+    from vllm.v1.core.chunk_block_pool import Reservation
+
+    pool = ChunkBlockPool(num_blocks=4, block_size=2)
+    for i in range(3):
+        pool.allocate(key(i), 2)
+        pool.unpin(key(i))  # three resident entries, LRU order 0, 1, 2
+    # Pin 0 and 1, allocate 3 blocks: only 2 is evictable (1 block) + 1 free.
+    assert pool.reserve([key(0), key(1)], [(key(5), 5)]) is None
+    assert pool.lru_order() == [key(0), key(1), key(2)]  # nothing changed
+    assert pool.usage().num_evictable == 3 and pool.num_evictions == 0
+    got = pool.reserve([key(0), key(1)], [(key(5), 2), (key(6), 1)])
+    assert isinstance(got, Reservation) and got.evicted == (key(2),)
+    assert [e.chunk_hash for e in got.entries] == [key(5), key(6)]
+    assert [pool.get(k).pin_count for k in (key(0), key(1), key(5), key(6))] == [1, 1, 1, 1]
+    assert pool.lru_order() == []
+
+
+def test_the_index_is_the_pools_own_an_evicted_entry_leaves_it():
+    from vllm.v1.core.chunk_block_pool import Residence
+
+    pool = ChunkBlockPool(num_blocks=2, block_size=2)
+    pool.allocate(key(1), 2)
+    assert pool.find(key(1), [5, 6], [1]) == Residence.ABSENT  # writer not done
+    assert pool.publish(key(1), [5, 6], [1])
+    pool.unpin(key(1))
+    assert pool.find(key(1), [5, 6], [1]) == Residence.RESIDENT
+    assert pool.find(key(1), [5, 7], [1]) == Residence.COLLISION
+    pool.allocate(key(2), 4)  # evicts key(1)
+    assert pool.find(key(1), [5, 6], [1]) == Residence.ABSENT
+    assert pool.num_published == 0
+    assert pool.publish(key(2), [1, 2, 3, 4], [])
+    pool.retire_all()
+    assert pool.num_published == 0 and not pool.is_published(key(2))
+    pool.unpin(key(2))
+    assert pool.usage().blocks_used == 0
+
+
 class PoolMachine(RuleBasedStateMachine):
     """Random alloc / pin / unpin / touch / evict / free / relocate /
     release_held against a model.

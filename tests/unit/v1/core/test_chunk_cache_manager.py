@@ -52,10 +52,27 @@ def Manager(num_pool_blocks, block_size, context_mode=ChunkContextMode.SINK):
     return ChunkCacheManager(num_pool_blocks, block_size, context_mode, sink_token_id=SINK)
 
 
-def admit(manager, rid, prompt, ns=NS):
+@dataclasses.dataclass(frozen=True)
+class Admitted:
+    """An admission and the children it started (the manager hands children out
+    once, through take_new_children)."""
+
+    reason: AdmitReason
+    segments: tuple
+    message: str
+    new_children: tuple
+
+
+def admitted(manager, rid) -> Admitted:
+    adm = manager.admit(rid)
+    return Admitted(adm.reason, adm.segments, adm.message,
+                    tuple(manager.take_new_children()))
+
+
+def admit(manager, rid, prompt, ns=NS) -> Admitted:
     """Arrival and admission at once (the scheduler asks right away)."""
     manager.add_request(rid, prompt, ns)
-    return manager.admit(rid)
+    return admitted(manager, rid)
 
 
 def finish_all(manager, admission) -> list[str]:
@@ -70,7 +87,7 @@ def test_first_request_misses_everything_then_loads():
     adm = admit(m, "r1", make_prompt(SYS, DOC_A, DOC_B, [30, 31]), NS)
     hs, ha, hb = h(SYS, []), h(DOC_A, [BOS]), h(DOC_B, [BOS])
 
-    assert adm.reason == AdmitReason.ADMITTED and not adm.ready
+    assert adm.reason == AdmitReason.ADMITTED and not m.is_ready("r1")
     assert [s.status for s in adm.segments] == [SegmentStatus.MISSING] * 3
     assert [c.request_id for c in adm.new_children] == [
         child_id(0, hs), child_id(1, ha), child_id(2, hb)
@@ -78,7 +95,6 @@ def test_first_request_misses_everything_then_loads():
     # System alone; chunks behind a private copy of the first token (sink).
     assert [c.token_ids for c in adm.new_children] == [SYS, [BOS] + DOC_A, [BOS] + DOC_B]
     assert [c.store_start for c in adm.new_children] == [0, 1, 1]
-    assert m.is_child(child_id(1, ha)) and not m.is_child("r1")
     assert m.store_plan(child_id(1, ha)) == ChunkStorePlan(
         request_id=child_id(1, ha), chunk_hash=ha, src_start=1, num_tokens=5,
         pool_block_ids=[1, 2],
@@ -102,7 +118,6 @@ def test_first_request_misses_everything_then_loads():
     assert plan.num_rows_to_copy == 10  # the question (2 tokens) is computed
 
     # Only the parent's pins remain (writers released theirs).
-    assert m.pinned_by("r1") == [hs, ha, hb]
     assert [m.pool.get(k).pin_count for k in (hs, ha, hb)] == [1, 1, 1]
     assert m.release("r1")
     assert m.pool.lru_order() == [hs, ha, hb]
@@ -125,7 +140,7 @@ def test_reset_forgets_resident_segments_they_are_computed_again():
     finish_children(m, admit(m, "r1", prompt))
     m.release("r1")
     assert m.reset() is True  # nothing was pinned
-    assert m.stats().pool_blocks_used == 0 and len(m.index) == 0
+    assert m.stats().pool_blocks_used == 0 and m.pool.num_published == 0
     adm = admit(m, "r2", prompt)
     assert [s.status for s in adm.segments] == [SegmentStatus.MISSING] * 2
     assert len(adm.new_children) == 2
@@ -152,7 +167,7 @@ def test_reset_with_running_and_waiting_parents():
     assert m.load_plan("run").num_rows_to_copy == 8
     # The old child finishes after the reset: its rows are not found again.
     m.child_finished(old.new_children[0].request_id)
-    adm = m.admit("wait")
+    adm = admitted(m, "wait")
     assert adm.reason == AdmitReason.ADMITTED
     assert [s.status for s in adm.segments] == [SegmentStatus.MISSING] * 2
     assert [c.token_ids for c in adm.new_children] == [SYS, [SINK] + DOC_B]
@@ -197,7 +212,7 @@ def test_all_resident_request_is_ready_at_admission():
     finish_all(m, admit(m, "r1", prompt, NS))
     m.release("r1")
     adm = admit(m, "r2", prompt, NS)
-    assert adm.ready and adm.new_children == ()
+    assert m.is_ready("r2") and adm.new_children == ()
     assert m.is_ready("r2")
 
 
@@ -247,7 +262,8 @@ def test_abort_while_waiting_releases_pins_and_child_still_caches():
     assert finish_all(m, adm) == []  # nobody waits any more
     hs, ha = h(SYS, []), h(DOC_A, [BOS])
     assert m.pool.lru_order() == [hs, ha]
-    assert admit(m, "r2", make_prompt(SYS, DOC_A, [31]), NS).ready
+    admit(m, "r2", make_prompt(SYS, DOC_A, [31]), NS)
+    assert m.is_ready("r2")
 
 
 def test_failed_child_is_retried_once_then_its_waiters_are_refused():
@@ -318,9 +334,9 @@ def test_pool_pinned_full_defers_and_keeps_pins_of_others():
     m.release("r1")
     # Now DOC_A (2 blocks) is evictable: r2 evicts exactly it (SYS is pinned
     # by r2 itself) and its key leaves the index.
-    a2 = m.admit("r2")
+    a2 = admitted(m, "r2")
     assert a2.reason == AdmitReason.ADMITTED
-    assert ha not in m.pool and ha not in m.index
+    assert ha not in m.pool and not m.pool.is_published(ha)
     assert m.store_plan(a2.new_children[0].request_id).pool_block_ids == [3, 1, 2]
     stats = m.stats()
     assert (stats.evictions, stats.deferred_requests, stats.refused_requests) == (1, 1, 0)
@@ -333,7 +349,8 @@ def test_nothing_is_pinned_before_admission():
     m.add_request("r2", make_prompt(SYS, DOC_A, [31]), NS)  # queued in vLLM
     assert m.stats().pinned_entries == 0
     assert m.pool.lru_order() == [h(SYS, []), h(DOC_A, [BOS])]
-    assert m.admit("r2").ready
+    m.admit("r2")
+    assert m.is_ready("r2")
     assert m.stats().pinned_entries == 2
 
 
@@ -430,12 +447,14 @@ def test_hash_collision_is_refused_never_serves_other_tokens():
     m = Manager(num_pool_blocks=16, block_size=4)
     ha = h(DOC_A, [BOS])
     # Forced collision: DOC_A's key filed with other content.
-    m.index.insert(ha, [99, 98], [BOS])
+    m.pool.allocate(ha, 2)
+    m.pool.publish(ha, [99, 98], [BOS])
+    m.pool.unpin(ha)
     adm = admit(m, "r1", make_prompt(SYS, DOC_A, [30]))
     assert adm.reason == AdmitReason.COLLISION
     stats = m.stats()
     assert (stats.hash_collisions, stats.refused_requests) == (1, 1)
-    assert m.pool.usage().num_entries == 0
+    assert (stats.pinned_entries, stats.pool_blocks_used) == (0, 1)  # nothing taken
 
 
 def test_api_misuse_is_reported():

@@ -3,7 +3,8 @@
 
 The same request shape (a system prompt, eight documents, a question) with
 documents of 16 and of 1,600 tokens, every document resident: arrival,
-admission, the prefill plan and the load plan execute the same number of
+the step's decision (admission, the prefill plan, every segment's rows) and the
+load plan execute the same number of
 Python lines (`python_lines`: a count, not a time, so it holds on any machine
 and under any load). A loop over tokens or rows would make the longer prompt
 execute more; hashing, verification and block lists are C-level work.
@@ -39,7 +40,8 @@ def _all_hit_lines(doc_tokens: int) -> int:
     manager = ChunkCacheManager(4 * DOCS * (doc_tokens // 16 + 2), 16,
                                 ChunkContextMode.SINK, sink_token_id=BOS)
     manager.add_request("warm", _prompt(system, docs, [5, 6, 7]), NS)
-    for child in manager.admit("warm").new_children:
+    manager.admit("warm")
+    for child in manager.take_new_children():
         manager.child_finished(child.request_id)
     manager.release("warm")
     order = rng.sample(docs, len(docs))
@@ -47,10 +49,9 @@ def _all_hit_lines(doc_tokens: int) -> int:
 
     def request() -> None:
         manager.add_request("r", prompt, NS)
-        admission = manager.admit("r")
-        assert admission.ready, "every segment resident"
-        manager.prefill_plan("r")
-        plan = manager.load_plan("r")
+        decision = manager.decide("r")
+        assert decision.ready, "every segment resident"
+        plan = decision.load_plan(0, decision.plan.num_tokens)
         assert sum(s.num_tokens for s in plan.segments) == len(system) + DOCS * doc_tokens
         manager.release("r")
 

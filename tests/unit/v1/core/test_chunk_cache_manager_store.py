@@ -46,9 +46,7 @@ class ScriptedProbe:
 
 
 def manager(probe) -> ChunkCacheManager:
-    m = ChunkCacheManager(64, 4, ChunkContextMode.SINK, sink_token_id=1)
-    m.store_probe = probe
-    return m
+    return ChunkCacheManager(64, 4, ChunkContextMode.SINK, sink_token_id=1, store=probe)
 
 
 def test_pending_query_waits_a_step_holding_nothing():
@@ -97,7 +95,8 @@ def test_hit_is_fetched_not_computed_and_serves_every_waiter():
     # Resident now: a later parent hits the pool without asking the store.
     m.add_request("r", prompt(SYS, DOC_A, Q), NS)
     asked = len(probe.asked)
-    assert m.admit("r").ready
+    m.admit("r")
+    assert m.is_ready("r")
     assert len(probe.asked) == asked
 
 
@@ -147,9 +146,8 @@ def test_without_a_probe_nothing_is_asked():
 
 
 def small_manager(probe, num_blocks: int) -> ChunkCacheManager:
-    m = ChunkCacheManager(num_blocks, 4, ChunkContextMode.SINK, sink_token_id=1)
-    m.store_probe = probe
-    return m
+    return ChunkCacheManager(num_blocks, 4, ChunkContextMode.SINK, sink_token_id=1,
+                             store=probe)
 
 
 def test_failed_fetch_with_lent_rows_computes_into_new_blocks_and_holds_the_old():
@@ -175,7 +173,7 @@ def test_failed_fetch_with_lent_rows_computes_into_new_blocks_and_holds_the_old(
     # New blocks: the free one, then DOC_B's (evicted, gone from the index).
     assert m.store_plan(child.request_id).pool_block_ids == [4, 1]
     assert m.pool.held_by(fetch.request_id) == (2, 3)
-    assert m.pool.lru_order() == [] and len(m.index) == 1  # only SYS is left
+    assert m.pool.lru_order() == [] and m.pool.num_published == 1  # only SYS is left
     stats = m.stats()
     assert (stats.evictions, stats.pool_blocks_held, stats.pool_blocks_used) == (1, 2, 5)
     assert m.pool.get(fetch.chunk_hash).pin_count == 2  # writer + parent, as before

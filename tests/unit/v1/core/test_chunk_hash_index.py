@@ -83,20 +83,19 @@ def test_token_ids_out_of_range_are_rejected():
     assert token_bytes([]) == b""
 
 
-def test_lookup_verifies_tokens_so_a_collision_is_a_miss():
+def test_lookup_verifies_tokens_so_a_collision_is_never_a_hit():
     index = ChunkHashIndex()
     k = compute_chunk_hash([1, 2, 3], [0], NS.digest())
     index.insert(k, [1, 2, 3], [0])
     assert len(index) == 1 and k in index
     hit = index.lookup(k, [1, 2, 3], [0])
     assert hit is not None and hit.token_ids == (1, 2, 3)
-    # Forced collision: same key, other content -> miss, counted.
+    # Forced collision: same key, other content -> no hit (the pool tells it
+    # from an absent key: test_chunk_block_pool.py).
     assert index.lookup(k, [9, 9, 9], [0]) is None
     assert index.lookup(k, [1, 2, 3], [7]) is None
-    assert index.num_collisions == 2
     other = compute_chunk_hash([4], [0], NS.digest())
-    assert index.lookup(other, [4], [0]) is None
-    assert index.num_collisions == 2  # a plain miss is not a collision
+    assert index.lookup(other, [4], [0]) is None and other not in index
 
 
 def test_insert_twice_and_remove_unknown_fail():

@@ -6,7 +6,7 @@ import torch
 
 from vllm.v1.core.chunk_cache_manager import ChunkCacheManager
 from vllm.v1.core.chunk_hash_index import ChunkNamespace
-from vllm.v1.core.chunk_isolation_mask import (
+from tests.chunk_isolation_mask import (
     Role,
     build_isolated_sequence,
     build_lever_sequence,
@@ -150,9 +150,9 @@ def test_reference_mask_equals_structural_child_computation(
     manager = ChunkCacheManager(num_pool_blocks=64, block_size=4, context_mode=mode,
                                 sink_token_id=7)
     manager.add_request("r", prompt, ChunkNamespace("m", "f32", "t"))
-    admission = manager.admit("r")
+    manager.admit("r")
     stored, child_out = {}, {}
-    for child in admission.new_children:
+    for child in manager.take_new_children():
         n = len(child.token_ids)
         cq, ck, cv = project(child.token_ids, torch.arange(n))
         out = attend(cq, ck, cv, torch.ones(n, n, dtype=torch.bool).tril())

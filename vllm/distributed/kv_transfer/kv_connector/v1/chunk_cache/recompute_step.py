@@ -32,9 +32,6 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import PrefillGap
-from vllm.v1.core.chunk_prefill_plan import PrefillPlan
-from vllm.v1.core.chunk_structures import SegmentSpan
 
 # Environment variable: "1" (require), "0" (never), unset or "" (where supported).
 RECOMPUTE_IN_ONE_STEP = "CHUNK_CACHE_RECOMPUTE_ONE_STEP"
@@ -72,32 +69,6 @@ class RecomputeSteps:
                 f"is not supported here: {missing}"
             )
         return cls(False, f"one step per chunk head: {missing}")
-
-    def prefill_gap(self, plan: PrefillPlan, position: int) -> PrefillGap:
-        """What to load at `position` and compute after it (and, in one-step
-        mode, every later stretch of the prompt)."""
-        steps = plan.steps_from(position) if self.one_step else (plan.step_at(position),)
-        first = steps[0]
-        return PrefillGap(
-            num_external_tokens=first.num_loaded,
-            max_new_tokens=first.max_computed,
-            next_stretches=tuple(
-                PrefillGap(num_external_tokens=s.num_loaded, max_new_tokens=s.max_computed)
-                for s in steps[1:]
-            ),
-        )
-
-
-def num_loaded(gap: PrefillGap) -> int:
-    """Tokens a gap (with its next stretches) loads at most."""
-    return gap.num_external_tokens + sum(g.num_external_tokens for g in gap.next_stretches)
-
-
-def loaded_spans(plan: PrefillPlan, first_position: int,
-                 num_tokens: int) -> tuple[SegmentSpan, ...]:
-    """The spans a step allocated as `num_tokens` external tokens from
-    `first_position` on (one span, or one per loaded stretch it spans)."""
-    return plan.loaded_from(first_position, num_tokens)
 
 
 def _unsupported(vllm_config: Any, platform: Any, opted_in: bool) -> str | None:

@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 """The harness of the worker's start-up self-checks (capture_path.py,
-fused_load_path.py): a sample of rows written into paged blocks no request
+fused_chunk_load_path.py): a sample of rows written into paged blocks no request
 holds yet, compared byte for byte, and every touched tensor restored.
 
 At start-up (register_kv_caches) no request holds a block: the sample goes to

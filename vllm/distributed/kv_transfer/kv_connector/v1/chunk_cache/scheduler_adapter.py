@@ -14,8 +14,8 @@ request's state and every counter. This module only translates:
   reported as computed externally;
 * `get_prefill_gap`: with boundary recompute, the next loaded stretch and
   the chunk head to compute after it: one per step, or every later stretch
-  too where the model runner computes query runs (recompute_step.py);
-* `build_connector_meta`: manager plans -> paged slots and pool rows;
+  too where the model runner computes query runs (step_loads.py);
+* `build_connector_meta`: the step's decisions -> paged slots and pool rows;
 * `request_finished`: children stored their rows (or failed and are
   retried); parents are released;
 * `reset`: vLLM reset its caches (weights changed, sleep): the manager
@@ -23,9 +23,11 @@ request's state and every counter. This module only translates:
 * `take_internal_requests` / `take_failed_requests`: children to schedule,
   refused parents to finish with an error.
 
-It keeps only vLLM-side bookkeeping the manager must not know about: the
-paged block ids of children (to find their rows) and of parents between
-allocation and the next metadata build.
+It keeps only vLLM-side facts, each with its lifetime: this step's decision
+and allocation of each parent (`_loads`, step_loads.py, cleared at
+`build_connector_meta`), and each child's spec with its paged block ids
+(`_children`, until it finishes). One manager call per parent per hook at
+most: the step's `StepDecision` answers every hook of the step.
 """
 
 from __future__ import annotations
@@ -43,8 +45,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.metadata import (
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.recompute_step import (
     RecomputeSteps,
-    loaded_spans,
-    num_loaded,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.setup import (
     POOL_BLOCK_SIZE,
@@ -57,19 +57,19 @@ from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.support import (
 from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.stats import (
     ChunkCacheConnectorStats,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.step_loads import StepLoads
 from vllm.logger import init_logger
 from vllm.v1.core.chunk_cache_manager import ChunkCacheManager
 from vllm.v1.core.chunk_hash_index import ChunkNamespace
 from vllm.v1.core.chunk_lora_identity import lora_identity
-from vllm.v1.core.chunk_prefill_plan import PrefillStep
+from vllm.v1.core.chunk_step_decision import Outcome
+from vllm.v1.core.chunk_store_probe import FetchSpec
 from vllm.v1.core.chunk_structures import (
     AdmitReason,
     ChildSpec,
-    ChunkLoadPlan,
     ChunkCacheStats,
     ChunkContextMode,
     ChunkedPrompt,
-    ChunkHash,
 )
 
 if TYPE_CHECKING:
@@ -85,31 +85,27 @@ if TYPE_CHECKING:
 logger = init_logger(__name__)
 
 
+@dataclass(frozen=True)
+class _ChildOrigin:
+    """What a child request inherits from the parent whose admission started
+    it (ChildSpec.origin): its client, arrival, LoRA, salt and priority."""
+
+    client_index: int
+    arrival_time: float
+    lora_request: Any
+    cache_salt: str | None
+    priority: int
+    block_hasher: Any
+
+
 @dataclass
 class _ChildSlots:
-    # Tokens of the child's sequence and the first one to store.
-    num_tokens: int
-    store_start: int
-    # Its entry's pool blocks, in row order.
-    pool_block_ids: tuple[int, ...]
+    # The child as the manager started it (tokens, store start, pool blocks).
+    spec: ChildSpec
     # Paged block ids of the child (grows with chunked prefill).
     block_ids: list[int] = field(default_factory=list)
     # When it was first scheduled (its compute time, for the store's ReadCost).
     first_scheduled: float | None = None
-
-
-@dataclass(frozen=True)
-class _PendingLoad:
-    # Prompt positions [first_position, end_position) to load (earlier ones
-    # are computed or hit vLLM's prefix cache; later ones are loaded by a
-    # later stretch or computed).
-    first_position: int
-    end_position: int
-    # The parent's paged block ids.
-    block_ids: list[int]
-    # The loaded stretches in [first_position, end_position) (one, or one
-    # per loaded stretch when a step takes several computed ones).
-    spans: tuple[tuple[int, int], ...] = ()
 
 
 class ChunkCacheSchedulerAdapter:
@@ -124,12 +120,14 @@ class ChunkCacheSchedulerAdapter:
         check_scheduler(vllm_config)
         self.block_size = kv_cache_block_size(kv_cache_config)
         num_pool_blocks = pool_num_blocks(vllm_config, kv_cache_config)
+        self.store = self._start_store(vllm_config)
         self.manager = ChunkCacheManager(
             num_pool_blocks,
             POOL_BLOCK_SIZE,
             ChunkContextMode(cfg.chunk_context),
             sink_token_id=cfg.chunk_sink_token_id,
             recompute_tokens=cfg.chunk_recompute_tokens,
+            store=self.store,
         )
         model_config = vllm_config.model_config
         self._model = str(model_config.model)
@@ -143,18 +141,11 @@ class ChunkCacheSchedulerAdapter:
             output_kind=RequestOutputKind.FINAL_ONLY,
         )
         self._children: dict[str, _ChildSlots] = {}
-        self._pending_loads: dict[str, _PendingLoad] = {}
-        # Position each parent's last reported stretch starts at, between the
-        # report and the scheduler's allocation (update_state_after_alloc).
-        self._load_starts: dict[str, int] = {}
-        # Rows allocated for loads in the step being scheduled, against the
-        # per-step cap (--max-chunk-load-tokens).
-        self._max_load_rows = cfg.max_chunk_load_tokens
-        self._rows_this_step = 0
         self._new_children: list[Request] = []
         self._reported = ChunkCacheStats()
-        self.store = self._start_store(vllm_config)
         self._steps = RecomputeSteps.for_config(vllm_config)
+        # This step's decisions, reports and allocations (step_loads.py).
+        self._loads = StepLoads(cfg.max_chunk_load_tokens)
         if cfg.chunk_recompute_tokens:
             logger.info("Chunk cache: --chunk-recompute-tokens %d: %s",
                         cfg.chunk_recompute_tokens, self._steps.reason)
@@ -180,123 +171,54 @@ class ChunkCacheSchedulerAdapter:
             lora_name=lora_identity(request.lora_request),
             cache_salt=request.cache_salt,
         )
-        self.manager.add_request(request.request_id, prompt, namespace)
+        # NOTE: the child carries its parent's salt, so its blocks in vLLM's
+        # prefix cache (plain causal KV of `context + segment`) stay in the
+        # tenant's namespace.
+        origin = _ChildOrigin(request.client_index, request.arrival_time,
+                              request.lora_request, request.cache_salt, request.priority,
+                              request._block_hasher)
+        self.manager.add_request(request.request_id, prompt, namespace, origin)
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
         rid = request.request_id
-        if not self.manager.has_request(rid):
+        if request.chunk_layout is None:
             return 0, False
-        admission = self.manager.admit(rid)
-        self._spawn_children(request)
-        if self.store is not None:
-            self._start_fetches(request)
-        if admission.reason != AdmitReason.ADMITTED:
+        decision = self.manager.decide(rid)
+        if decision is None:
+            return 0, False
+        self._loads.decided(rid, decision)
+        self._hand_out(decision.children, decision.fetches)
+        if decision.reason != AdmitReason.ADMITTED:
             # NOTE: a refused request is never computed: it waits here until
             # the scheduler finishes it with an error (take_failed_requests).
             return None, False
-        if not self.manager.is_ready(rid):
+        if not decision.ready:
             return None, False
-        step = self._report(rid, num_computed_tokens)
-        if step is None:
-            return 0, False
-        if not self._fits_this_step(rid, step.num_loaded):
-            return None, False
-        return step.num_loaded, False
+        return self._loads.matched_tokens(rid, num_computed_tokens), False
 
     def get_prefill_gap(self, request: Request, num_computed_tokens: int) -> PrefillGap | None:
         rid = request.request_id
-        if not self.manager.has_request(rid) or not self.manager.is_ready(rid):
+        if request.chunk_layout is None:
             return None
-        step = self._report(rid, num_computed_tokens)
-        if step is None:
+        decision = self._loads.decision(rid)
+        if decision is None:
+            # NOTE: a running request (no matched tokens asked this step) keeps
+            # the admission it runs with.
+            decision = self.manager.decide(rid, admit=False)
+            if decision is None:
+                return None
+            self._loads.decided(rid, decision)
+        if not decision.runs:
             return None
-        gap = self._gap_with_runs(rid, num_computed_tokens)
-        if gap.next_stretches and not self._fits_more(num_loaded(gap)):
-            # NOTE: the later stretches would pass this step's load cap: this
-            # step takes the first computed stretch only.
-            gap = PrefillGap(gap.num_external_tokens, gap.max_new_tokens)
-        if not self._fits_this_step(rid, gap.num_external_tokens):
-            # NOTE: computing nothing, not computing without the load: the
-            # running request skips this step and is asked again next step.
-            return PrefillGap(num_external_tokens=0, max_new_tokens=0)
-        return gap
-
-    def _gap_with_runs(self, rid: str, position: int) -> PrefillGap:
-        """The gap at `position`, with every later stretch in one-step mode.
-
-        NOTE: with later stretches, the loads start here even when nothing
-        is loaded at `position` (a waiting request whose matched tokens end
-        there keeps the start of that report, which ends at `position`)."""
-        plan = self.manager.prefill_plan(rid)
-        gap = self._steps.prefill_gap(plan, position)
-        if gap.next_stretches and gap.num_external_tokens == 0:
-            start = self._load_starts.get(rid)
-            if start is None or start + plan.step_at(start).num_loaded != position:
-                self._load_starts[rid] = position
-        return gap
-
-    def _fits_more(self, num_rows: int) -> bool:
-        return self._rows_this_step == 0 or (
-            self._rows_this_step + num_rows <= self._max_load_rows)
-
-    def _fits_this_step(self, rid: str, num_rows: int) -> bool:
-        """Whether a load of `num_rows` stays within this step's cap. The
-        first load of a step always fits (a load longer than the cap runs
-        alone, in pieces, on the workers), so every request gets its turn."""
-        if num_rows == 0 or self._rows_this_step == 0:
-            return True
-        if self._rows_this_step + num_rows <= self._max_load_rows:
-            return True
-        self._load_starts.pop(rid, None)
-        return False
-
-    def _report(self, rid: str, position: int) -> PrefillStep | None:
-        """The manager's step at `position`, None past the prompt (a request
-        resumed after a preemption whose prefix-cache hit covers its prompt
-        and generated tokens); remembers where a stretch to load starts until
-        the scheduler allocates it.
-
-        NOTE: in the waiting path the scheduler asks twice (matched tokens,
-        then the gap after them, which loads nothing): only a report that
-        loads something replaces the start."""
-        plan = self.manager.prefill_plan(rid)
-        if position >= plan.num_tokens:
-            return None
-        step = plan.step_at(position)
-        if step.num_loaded:
-            self._load_starts[rid] = position
-        return step
+        return self._loads.gap(rid, num_computed_tokens, self._steps.one_step)
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
-        rid = request.request_id
-        first = self._load_starts.pop(rid, None)
-        if num_external_tokens == 0 or first is None:
-            # NOTE: an earlier allocation in this step was preempted since.
-            self._pending_loads.pop(rid, None)
-            return
-        self._pending_loads[rid] = self._pending_load(
-            rid, first, num_external_tokens, list(blocks.get_block_ids()[0])
-        )
-        self._rows_this_step += num_external_tokens
-
-    def _pending_load(self, rid: str, first: int, num_tokens: int,
-                      block_ids: list[int]) -> _PendingLoad:
-        """The loaded stretches the scheduler allocated: from `first` on, the
-        first `num_tokens` loaded tokens of the plan (computed heads skipped)."""
-        spans = loaded_spans(self.manager.prefill_plan(rid), first, num_tokens)
-        return _PendingLoad(first, spans[-1].end, block_ids,
-                            tuple((s.start, s.end) for s in spans))
-
-    def _load_plan(self, rid: str, pending: _PendingLoad) -> ChunkLoadPlan:
-        """The manager's rows for every loaded stretch of a pending load."""
-        spans = pending.spans or ((pending.first_position, pending.end_position),)
-        plans = [self.manager.load_plan(rid, start, end) for start, end in spans]
-        return ChunkLoadPlan(request_id=rid,
-                             segments=tuple(seg for p in plans for seg in p.segments))
+        self._loads.allocated(request.request_id, list(blocks.get_block_ids()[0]),
+                              num_external_tokens)
 
     def reset(self) -> bool:
         """vLLM's cache reset (`reset_prefix_cache(reset_connector=True)`,
@@ -327,29 +249,26 @@ class ChunkCacheSchedulerAdapter:
         from vllm.v1.request import RequestStatus
 
         rid = request.request_id
-        if self.manager.is_child(rid):
-            slots = self._children.pop(rid)
-            if request.status in (
+        slots = self._children.pop(rid, None)
+        if slots is not None:
+            stored = request.status in (
                 RequestStatus.FINISHED_STOPPED,
                 RequestStatus.FINISHED_LENGTH_CAPPED,
-            ) and request.num_computed_tokens >= request.num_prompt_tokens:
-                if self.store is not None:
-                    if slots.first_scheduled is not None:
-                        self.store.note_child_computed(
-                            slots.num_tokens, time.monotonic() - slots.first_scheduled)
-                    self._put_child(rid, request)
-                self.manager.child_finished(rid)
-            else:
-                retry = self.manager.child_failed(rid, ended=request.status.name)
+            ) and request.num_computed_tokens >= request.num_prompt_tokens
+            if stored and self.store is not None and slots.first_scheduled is not None:
+                self.store.note_child_computed(
+                    len(slots.spec.token_ids), time.monotonic() - slots.first_scheduled)
+            outcome = self.manager.finish_child(rid, stored, ended=request.status.name)
+            if not stored:
                 logger.warning(
                     "chunk cache: child %s ended without its rows (%s); %s",
                     rid, request.status.name,
-                    f"retrying as {retry.request_id}" if retry else "giving up",
+                    f"retrying as {outcome.children[0].request_id}" if outcome.children
+                    else "giving up",
                 )
-                self._spawn_children(request)
+            self._hand_out(outcome.children, put=outcome)
             return
-        self._pending_loads.pop(rid, None)
-        self._load_starts.pop(rid, None)
+        self._loads.forget(rid)
         self.manager.release(rid)
 
     # --------------------------------------------------------------- meta
@@ -358,22 +277,11 @@ class ChunkCacheSchedulerAdapter:
         meta = ChunkCacheMetadata()
         self._add_loads(meta, scheduler_output)
         self._add_stores(meta, scheduler_output)
-        self._rows_this_step = 0
+        self._loads.end_step()
         if self.store is not None:
             meta.store = self.store.take_step(self.manager.epoch)
-            self._unpin_copied_puts()
+            self.manager.puts_shipped()
         return meta
-
-    def _unpin_copied_puts(self) -> None:
-        """NOTE (issue 50, finding 3): a put's entry keeps a pin from the child's
-        finish until the step after the one whose metadata carried the put: the
-        worker copies a put's rows in that step's `start_load_kv`, which vLLM 0.32
-        runs after the forward, so blocks reused by a child in that same step would
-        be copied under the put's key. Steps run in order on the worker, so any
-        step scheduled after this one writes the blocks after the copy."""
-        for chunk_hash in self._put_pins_shipped:
-            self.manager.pool.unpin(chunk_hash)
-        self._put_pins_shipped, self._put_pins = self._put_pins, []
 
     def _add_loads(self, meta: ChunkCacheMetadata, out: SchedulerOutput) -> None:
         # NOTE: a request allocated (and given a load) earlier in this step
@@ -384,10 +292,10 @@ class ChunkCacheSchedulerAdapter:
         # pending load). Not `preempted_req_ids`: vLLM 0.32 also lists there a
         # request preempted between steps (a cache reset with running
         # requests) and resumed in this one, whose load must run.
-        for rid, pending in self._pending_loads.items():
+        for rid, pending in self._loads.pending().items():
             if rid not in out.num_scheduled_tokens:
                 continue
-            plan = self._load_plan(rid, pending)
+            plan = pending.load_plan()
             self.manager.record_load(plan)
             stretches = [SegmentStretch.of(seg) for seg in plan.segments]
             # NOTE: a sliding-window group (every layer windowed: vLLM's
@@ -405,7 +313,6 @@ class ChunkCacheSchedulerAdapter:
                 block_ids=tuple(pending.block_ids),
                 stretches=tuple(stretches),
             ))
-        self._pending_loads.clear()
 
     def _add_stores(self, meta: ChunkCacheMetadata, out: SchedulerOutput) -> None:
         if not self._children:
@@ -430,19 +337,20 @@ class ChunkCacheSchedulerAdapter:
         now = time.monotonic()
         for rid, start in scheduled:
             child = self._children[rid]
+            spec = child.spec
             if child.first_scheduled is None:
                 child.first_scheduled = now
             n = out.num_scheduled_tokens.get(rid, 0)
-            lo = max(start, child.store_start)
-            hi = min(start + n, child.num_tokens)
+            lo = max(start, spec.store_start)
+            hi = min(start + n, len(spec.token_ids))
             if lo >= hi:
                 continue
             meta.stores.append(ChildStore(
                 block_ids=tuple(child.block_ids),
-                pool_block_ids=child.pool_block_ids,
+                pool_block_ids=tuple(map(int, spec.pool_block_ids)),
                 first_position=lo,
                 end_position=hi,
-                store_start=child.store_start,
+                store_start=spec.store_start,
             ))
 
     # -------------------------------------------------------------- stats
@@ -468,95 +376,39 @@ class ChunkCacheSchedulerAdapter:
             StoreClient,
         )
 
-        client = StoreClient(vllm_config)
-        self.manager.store_probe = client
-        # The tenant of each child, for the key its entry is written under.
-        self._child_tenants: dict[str, tuple[str | None, str]] = {}
-        # A waiting parent of each fetch (a failed fetch's child is its).
-        self._fetch_origins: dict[str, Request] = {}
-        # Entries whose put is queued, and those whose put the last step's
-        # metadata carried: pinned until the worker copied them (_unpin_copied_puts).
-        self._put_pins: list[ChunkHash] = []
-        self._put_pins_shipped: list[ChunkHash] = []
-        return client
-
-    def _start_fetches(self, origin: Request) -> None:
-        assert self.store is not None
-        for spec in self.manager.take_new_fetches():
-            plan = self.manager.store_plan(spec.request_id)
-            self.store.start_fetch(spec, plan.pool_block_ids)
-            self._fetch_origins[spec.request_id] = origin
-
-    def _put_child(self, rid: str, request: Request) -> None:
-        """Queue the finished child's entry for the workers to write, unless
-        a reset retired it (computed with weights that may be gone)."""
-        assert self.store is not None
-        salt, lora = self._child_tenants.pop(rid, (None, ""))
-        plan = self.manager.store_plan(rid)
-        if self.manager.pool.is_retired(plan.chunk_hash):
-            return
-        self.store.queue_put(list(request.prompt_token_ids or []), plan.src_start, salt, lora,
-                             plan.pool_block_ids, self.manager.epoch)
-        # NOTE (finding 3): besides the writer's pin, dropped by child_finished next.
-        self.manager.pool.pin(plan.chunk_hash)
-        self._put_pins.append(plan.chunk_hash)
+        return StoreClient(vllm_config)
 
     def on_store_report(self, report: Any) -> None:
         """The workers' store outcomes of a step (combined over ranks)."""
         if self.store is None:
             return
-        result = self.store.on_report(report)
-        # NOTE: returned rows first: the blocks they free may be the room a
-        # failed fetch below needs to compute elsewhere.
-        for fetch_id in result.rows_returned:
-            spec = self.manager.rows_returned(fetch_id)
-            if spec is not None:
-                logger.info("chunk store: %s's rows are back; computing it as %s",
-                            fetch_id, spec.request_id)
-                self._spawn_children(self._fetch_origins.pop(fetch_id))
-        for fetch_id in result.done:
-            self._fetch_origins.pop(fetch_id, None)
-            self.manager.fetch_finished(fetch_id)
-        for fetch_id in result.written_off:
-            # NOTE (issue 50, finding 4): computed elsewhere, or refused (take_refusals).
-            spec = self.manager.rows_written_off(fetch_id)
-            origin = self._fetch_origins.pop(fetch_id, None)
-            if spec is not None and origin is not None:
-                logger.info("chunk store: computing %s as %s in other blocks",
-                            fetch_id, spec.request_id)
-                self._spawn_children(origin)
-        for failure in result.failed:
-            spec = self.manager.fetch_failed(failure.fetch_id, rows_lent=failure.rows_held)
-            cause = getattr(failure.cause, "value", failure.cause)
-            if spec is None:
-                # NOTE: its origin stays: rows_returned spawns the child.
-                logger.info("chunk store: %s missed (%s); its pool rows are still lent to "
-                            "the store's call and the pool has no other room: computed "
-                            "once they are back", failure.fetch_id, cause)
-                continue
-            logger.info("chunk store: %s missed (%s); computing it as %s%s",
-                        failure.fetch_id, cause, spec.request_id,
-                        " in new blocks (its rows are still lent)" if failure.rows_held
-                        else "")
-            self._spawn_children(self._fetch_origins.pop(failure.fetch_id))
+        outcome = self.manager.store_report(self.store.on_report(report))
+        for spec in outcome.children:
+            logger.info("chunk store: computing %s as %s (its read failed)",
+                        spec.chunk_hash.hex()[:16], spec.request_id)
+        self._hand_out(outcome.children)
 
     # ----------------------------------------------------------- internal
 
-    def _spawn_children(self, origin: Request) -> None:
-        """Build vLLM requests for the children the manager started.
+    def _hand_out(self, children: tuple[ChildSpec, ...],
+                  fetches: tuple[FetchSpec, ...] = (), put: Outcome | None = None) -> None:
+        """The one place specs become vLLM requests, store fetches and puts."""
+        for spec in children:
+            self._new_children.append(self._make_child(spec))
+        if self.store is None:
+            return
+        for fetch in fetches:
+            self.store.start_fetch(fetch, list(fetch.pool_block_ids))
+        entry = None if put is None else put.put
+        if entry is not None:
+            self.store.queue_put(list(entry.token_ids), entry.store_start, entry.cache_salt,
+                                 entry.lora, list(entry.pool_block_ids), entry.epoch)
 
-        `origin` is the parent being admitted, or the failed child whose
-        retry this is: children inherit its client, LoRA, salt and priority.
-        """
-        for spec in self.manager.take_new_children():
-            self._new_children.append(self._make_child(origin, spec))
-
-    def _make_child(self, origin: Request, spec: ChildSpec) -> Request:
+    def _make_child(self, spec: ChildSpec) -> Request:
         from vllm.v1.request import Request
 
-        # NOTE: the child carries its parent's salt, so its blocks in vLLM's
-        # prefix cache (plain causal KV of `context + segment`) stay in the
-        # tenant's namespace.
+        origin = spec.origin
+        assert isinstance(origin, _ChildOrigin)
         child = Request(
             request_id=spec.request_id,
             prompt_token_ids=list(spec.token_ids),
@@ -567,22 +419,9 @@ class ChunkCacheSchedulerAdapter:
             lora_request=origin.lora_request,
             cache_salt=origin.cache_salt,
             priority=origin.priority,
-            block_hasher=origin._block_hasher,
+            block_hasher=origin.block_hasher,
         )
-        plan = self.manager.store_plan(spec.request_id)
-        if self.store is not None:
-            # NOTE: the parent's namespace rather than lora_identity again: one digest
-            # per request, and the store key names the adapter the pool entry was keyed
-            # by. A fetch's waiting parent may have left since: then its request's.
-            namespace = self.manager.namespace_of(origin.request_id)
-            lora = (namespace.lora_name if namespace is not None
-                    else lora_identity(origin.lora_request))
-            self._child_tenants[spec.request_id] = (origin.cache_salt, lora)
-        self._children[spec.request_id] = _ChildSlots(
-            num_tokens=len(spec.token_ids),
-            store_start=spec.store_start,
-            pool_block_ids=tuple(map(int, plan.pool_block_ids)),
-        )
+        self._children[spec.request_id] = _ChildSlots(spec)
         return child
 
 

@@ -184,8 +184,8 @@ def load_scratch_rows(vllm_config: VllmConfig) -> int:
     """Rows of the workers' load buffers: --max-chunk-load-tokens where a
     layer is expected to load through them (the CPU, MLA, a backend or cache
     the fused kernel does not write), `FALLBACK_SCRATCH_ROWS` where the fused
-    kernel is expected on every layer (fused_load_path.fused_load_expected)."""
-    from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.fused_load_path import (
+    kernel is expected on every layer (fused_chunk_load_path.fused_load_expected)."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.fused_chunk_load_path import (
         fused_load_expected,
     )
 
@@ -209,8 +209,8 @@ def load_scratch_bytes(vllm_config: VllmConfig) -> int:
         roles, parts = RemapScratch.LATENT, {"c": head - rope, "r": rope}
         index = _index_head_dim(model_config)
         if index:
-            # Sparse MLA: the indexer key's buffers too (latent_layers.INDEXER_SCRATCH).
-            from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.latent_layers import (
+            # Sparse MLA: the indexer key's buffers too (mla_latent_layers.INDEXER_SCRATCH).
+            from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.mla_latent_layers import (
                 INDEXER_SCRATCH,
             )
             roles, parts = roles + INDEXER_SCRATCH, {**parts, "i": index}

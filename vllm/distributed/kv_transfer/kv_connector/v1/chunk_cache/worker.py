@@ -3,7 +3,7 @@
 
 Which rope each layer's keys went through is read from the model by
 layer_ropes.py; which layers load through the fused GPU kernel is decided
-by fused_load_path.py; start-up refusals are support.py's.
+by fused_chunk_load_path.py; start-up refusals are support.py's.
 
 * The chunk pool is a separate per-layer store on the device of the layer's
   paged KV cache: key [rows, num_kv_heads, head_size] and value [rows,
@@ -29,7 +29,7 @@ by fused_load_path.py; start-up refusals are support.py's.
   Triton on CUDA; `ops.cpu_attn_reshape_and_cache` on CPU, which packs per
   ISA). On a GPU, the layers whose start-up self-check passes load through
   one fused Triton kernel instead, all of them in one launch per step,
-  writing the same bytes (fused_load_path.py). No device value is read back
+  writing the same bytes (fused_chunk_load_path.py). No device value is read back
   to the host.
 * Sleep (vLLM's CuMem pool discards what register_kv_caches allocated, on a
   GPU): only the pool, its load buffers and vLLM's caches are allocated there,
@@ -61,12 +61,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.capture_path impor
     CaptureChoice,
     choose_capture,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.fused_load_path import (
+from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.fused_chunk_load_path import (
     FusedLayers,
     FusedLoadChoice,
     choose_fused_layers,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.latent_layers import (
+from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.mla_latent_layers import (
     LatentLayer,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.layer_ropes import (
@@ -132,7 +132,7 @@ class ChunkCacheWorker:
         self.pool_key: dict[str, torch.Tensor] = {}
         self.pool_value: dict[str, torch.Tensor] = {}
         self.remappers: dict[str, PositionRemapper] = {}
-        # MLA layers: latent rows (latent_layers.py).
+        # MLA layers: latent rows (mla_latent_layers.py).
         self.latent: dict[str, LatentLayer] = {}
         # One set of load buffers for the layers that need them (not those the
         # fused kernel loads), of the rows the carve-out counts
@@ -297,7 +297,7 @@ class ChunkCacheWorker:
             self.dtype, _backend_write, self.pool_key, self.pool_value)
         # NOTE: their tables of addresses are built at the first load, not
         # here: this runs inside the KV-cache memory pool, which a sleep
-        # discards (fused_load_path.FusedLayers.group).
+        # discards (fused_chunk_load_path.FusedLayers.group).
         self._fused_groups = self._fused.launches
         # NOTE: the fused copy reads the caches the fused load's self-check
         # wrote on, in the pool's dtype (no fp8 group captures here).

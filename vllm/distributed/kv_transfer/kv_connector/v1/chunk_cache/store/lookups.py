@@ -43,7 +43,15 @@ from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store.lora_loads i
 from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store.read_cost import ReadCost
 from vllm.logger import init_logger
 from vllm.v1.core.chunk_hash_index import ChunkNamespace, compute_chunk_hash
-from vllm.v1.core.chunk_store_probe import FetchSpec, StoreAnswer, StoreLookup
+# NOTE: the report's result types are the manager's (engine-free); imported
+# here under their old home too.
+from vllm.v1.core.chunk_store_probe import (  # noqa: F401
+    FetchFailure,
+    FetchSpec,
+    ReportResult,
+    StoreAnswer,
+    StoreLookup,
+)
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -89,35 +97,6 @@ class _Fetch:
     entry: EntryRef
     started: float
     outcomes: list[str] = dataclasses.field(default_factory=list)
-
-
-@dataclass(frozen=True)
-class FetchFailure:
-    """A fetch some rank failed (`ReportResult.failed`)."""
-
-    fetch_id: str
-    # The first failure's cause (a miss cause; anything else is an error).
-    cause: FetchOutcome
-    # Some rank's store call still holds the fetch's pool rows (issue 39,
-    # finding 9): nobody may get them until `ReportResult.rows_returned`
-    # names the fetch.
-    rows_held: bool = False
-
-
-@dataclass(frozen=True)
-class ReportResult:
-    """What `StoreClient.on_report` decided from one (combined) report."""
-
-    # Fetches every rank completed.
-    done: tuple[str, ...] = ()
-    # Fetches some rank failed.
-    failed: tuple[FetchFailure, ...] = ()
-    # Failed fetches reported with rows_held earlier whose rows every rank
-    # has returned since.
-    rows_returned: tuple[str, ...] = ()
-    # Failed fetches whose rows stayed lent past the spec's held_limit: their
-    # pool blocks are written off (a later return is ignored).
-    written_off: tuple[str, ...] = ()
 
 
 @dataclass

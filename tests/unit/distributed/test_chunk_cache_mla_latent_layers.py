@@ -30,7 +30,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.cache_writers impo
     latent_writer_for,
     supported_latent_backends,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.latent_layers import (
+from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.mla_latent_layers import (
     LatentLayer,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.support import (

@@ -28,7 +28,7 @@ import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.cache_writers import (
     LatentWriter,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.indexer_writers import (
+from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.indexer_keys_layers import (
     IndexerWriter,
     indexer_writer_for,
     supported_indexer_backends,

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The start-up choice of the fused load (fused_load_path.py), on the CPU.
+"""The start-up choice of the fused load (fused_chunk_load_path.py), on the CPU.
 
 The self-check runs the fused kernel with Triton's interpreter and, as the backend's write,
 vLLM's own Triton `triton_reshape_and_cache_flash` under the same interpreter
@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from tests.unit.vllm_triton_cache_write import write_kv
-from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.fused_load_path import (
+from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.fused_chunk_load_path import (
     FusedLayers,
     FusedLoadChoice,
     choose_fused_layers,
