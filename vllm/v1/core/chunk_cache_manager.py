@@ -201,11 +201,9 @@ class ChunkCacheManager:
         # nothing below about fetches ever runs.
         self.store_probe = store
         self._new_fetches: list[FetchSpec] = []
-        # Entries whose put was handed out, and those whose put the last
-        # step's metadata carried: pinned until the worker copied them
-        # (`puts_shipped`).
+        # Entries whose put was handed out and not yet carried by a step's
+        # metadata: pinned until it is (`puts_shipped`).
         self._put_pins: list[ChunkHash] = []
-        self._put_pins_shipped: list[ChunkHash] = []
         self._stats = ChunkCacheStats()
 
     # ------------------------------------------------------------ parents
@@ -453,17 +451,20 @@ class ChunkCacheManager:
         return Outcome(ready=tuple(ready), put=put)
 
     def puts_shipped(self) -> None:
-        """The step's metadata carrying the puts handed out since the last
-        call was built. NOTE (issue 50, finding 3): a put's entry keeps a pin
-        until the step after the one whose metadata carried the put: the
-        worker copies a put's rows in that step's `start_load_kv`, which vLLM
-        0.32 runs after the forward, so blocks reused by a child in that same
-        step would be copied under the put's key. Steps run in order on the
-        worker, so any step scheduled after this one writes the blocks after
-        the copy."""
-        for chunk_hash in self._put_pins_shipped:
+        """The step's metadata now carries every put handed out since the last
+        call. NOTE (issue 50, finding 3): a put's entry is pinned from the
+        child's finish until here, so no allocation of this step (they all
+        come before its metadata) reuses its blocks: the worker copies a put's
+        rows in this step's `start_load_kv`, which vLLM 0.32 runs after the
+        forward, so a child given those blocks in this step would have its
+        rows copied under the put's key. A step scheduled later (even ahead,
+        with async scheduling) runs after this one on the workers, so its
+        writes come after the copy, and the pin can go now. It must: an idle
+        engine runs no further step, and a pin held for one would keep
+        `reset_prefix_cache` answering False for good."""
+        for chunk_hash in self._put_pins:
             self.pool.unpin(chunk_hash)
-        self._put_pins_shipped, self._put_pins = self._put_pins, []
+        self._put_pins = []
 
     def store_report(self, result: ReportResult) -> Outcome:
         """The store's decisions from the workers' report of a step: fetches
