@@ -138,6 +138,20 @@ class Transcript:
         self._names: dict[str, str] = {}
         for hook in self.HOOKS:
             setattr(self.connector, hook, self._wrap(hook, getattr(self.connector, hook)))
+        # NOTE: vLLM 0.32's update_from_output takes the scheduler side's stats
+        # itself (0.23's does not): every take of a step is kept and summed as
+        # vLLM sums them (counters added, the latest gauges), so both bases
+        # record the step's increments.
+        self._stats_taken: list[dict[str, Any]] = []
+        take_stats = self.connector.get_kv_connector_stats
+
+        def get_kv_connector_stats():
+            stats = take_stats()
+            if stats is not None:
+                self._stats_taken.append(dict(stats.data))
+            return stats
+
+        self.connector.get_kv_connector_stats = get_kv_connector_stats
 
     # ------------------------------------------------------------ naming
 
@@ -222,7 +236,10 @@ class Transcript:
         if report is not None:
             sched.connector.update_connector_output(
                 types.SimpleNamespace(kv_connector_worker_meta=report))
-        stats = sched.connector.get_kv_connector_stats()
+        stats = type(sched.connector.get_kv_connector_stats())(data={})
+        for taken in self._stats_taken:  # in the order taken: later gauges win
+            stats.aggregate(type(stats)(data=taken))
+        self._stats_taken = []
         data = {k: v for k, v in stats.data.items()
                 if not k.endswith("_seconds") and v}
         self.steps.append(self._norm({
