@@ -17,6 +17,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from tests.chunk_manager_views import child_finished
 from vllm.v1.core.chunk_cache_manager import ChunkCacheManager
 from vllm.v1.core.chunk_hash_index import ChunkNamespace
 from vllm.v1.core.chunk_store_probe import StoreAnswer, StoreLookup
@@ -122,11 +123,11 @@ class ManagerMachine(RuleBasedStateMachine):
     def child_ends(self, data, ok):
         rid = data.draw(st.sampled_from(sorted(self.children)))
         del self.children[rid]
-        if ok:
-            self.m.child_finished(rid)
-        else:
-            self.m.child_failed(rid, ended="FINISHED_ABORTED")
-        self._take()  # its retry, if any
+        outcome = self.m.finish_child(rid, ok, ended="FINISHED_ABORTED")
+        self.m.puts_shipped()
+        for spec in outcome.children:  # its retry, if any
+            self.children[spec.request_id] = spec.chunk_hash
+        self._take()
 
     @precondition(lambda self: self.fetches)
     @rule(data=st.data(), outcome=st.sampled_from(["ok", "failed", "lent"]))
@@ -191,7 +192,7 @@ class ManagerMachine(RuleBasedStateMachine):
                 assert self.m.rows_returned(fid) is None
             for rid in list(self.children):
                 del self.children[rid]
-                self.m.child_finished(rid)
+                child_finished(self.m, rid)
             self._take()
         for rid in list(self.parents):
             assert self.m.release(rid)
