@@ -6,6 +6,8 @@ for them)."""
 
 from dataclasses import dataclass
 
+from vllm.v1.core.chunk_step_decision import Outcome
+from vllm.v1.core.chunk_store_probe import FetchFailure, ReportResult
 from vllm.v1.core.chunk_structures import ChunkHash, ChunkLoadPlan, PoolBlockId
 
 
@@ -48,3 +50,13 @@ def child_finished(manager, child_request_id: str) -> list[str]:
     outcome = manager.finish_child(child_request_id, stored=True)
     manager.puts_shipped()
     return list(outcome.ready)
+
+
+def report(manager, *, done=(), failed=(), lent=(), rows_returned=(), written_off=()) -> Outcome:
+    """A store report naming these fetches (`failed`: rows returned by every
+    rank; `lent`: failed with rows still held by some rank)."""
+    failures = tuple(FetchFailure(fid, "error", rows_held=False) for fid in failed) + tuple(
+        FetchFailure(fid, "error", rows_held=True) for fid in lent)
+    return manager.store_report(ReportResult(done=tuple(done), failed=failures,
+                                             rows_returned=tuple(rows_returned),
+                                             written_off=tuple(written_off)))

@@ -26,7 +26,7 @@ counter (docs/design/ownership.md). Life of a chunked request (the parent):
    A failed fetch whose rows a store call still holds is computed into new
    blocks (the old ones held until `rows_returned`), or, with no room for
    them, in its own once they are returned.
-3. `finish_child` (`child_finished` / `child_failed`): a child stored its
+3. `finish_child` (one `Outcome`): a child stored its
    rows (the entry becomes RESIDENT; with a store, the `Outcome` carries its
    put) or ended without them; a failed child is retried once, then its
    waiters are refused (`take_refusals`).
@@ -440,13 +440,13 @@ class ChunkCacheManager:
         failed fetch below needs to compute elsewhere."""
         ready: list[str] = []
         for fetch_id in result.rows_returned:
-            self.rows_returned(fetch_id)
+            self._rows_returned(fetch_id)
         for fetch_id in result.done:
-            ready += self.fetch_finished(fetch_id)
+            ready += self._fetch_finished(fetch_id)
         for fetch_id in result.written_off:
-            self.rows_written_off(fetch_id)
+            self._rows_written_off(fetch_id)
         for failure in result.failed:
-            self.fetch_failed(failure.fetch_id, rows_lent=failure.rows_held)
+            self._fetch_failed(failure.fetch_id, rows_lent=failure.rows_held)
         return Outcome(children=tuple(self.take_new_children()), ready=tuple(ready))
 
     def _child_finished(self, child_request_id: str) -> list[str]:
@@ -501,13 +501,13 @@ class ChunkCacheManager:
         fetches, self._new_fetches = self._new_fetches, []
         return fetches
 
-    def fetch_finished(self, fetch_id: str) -> list[str]:
+    def _fetch_finished(self, fetch_id: str) -> list[str]:
         """Every worker read and verified the entry into its rows: as a
         child that stored them. Returns parents now ready."""
         assert self._require_child(fetch_id).fetch is not None
         return self._child_finished(fetch_id)
 
-    def fetch_failed(self, fetch_id: str, *, rows_lent: bool = False) -> ChildSpec | None:
+    def _fetch_failed(self, fetch_id: str, *, rows_lent: bool = False) -> ChildSpec | None:
         """A worker's read failed (absent, corrupt, timeout, error): the
         entry is computed by a normal child instead, with the same pins;
         never served from the store.
@@ -535,7 +535,7 @@ class ChunkCacheManager:
             self.pool.relocate(h, holder=fetch_id)
         return self._compute_failed_fetch(fetch_id)
 
-    def rows_returned(self, fetch_id: str) -> ChildSpec | None:
+    def _rows_returned(self, fetch_id: str) -> ChildSpec | None:
         """Every rank's store call of a failed fetch lent with `fetch_failed`
         has returned: its former pool blocks are free again, or, for a fetch
         that waited for them, its child starts in them (returned). Raises
@@ -546,7 +546,7 @@ class ChunkCacheManager:
         self.pool.release_held(fetch_id)
         return None
 
-    def rows_written_off(self, fetch_id: str) -> ChildSpec | None:
+    def _rows_written_off(self, fetch_id: str) -> ChildSpec | None:
         """A failed fetch's rows were lent longer than the store's held-rows
         limit (its call may never return): its blocks leave the pool for good.
         A fetch that waited for them is computed in new blocks (returned) if the

@@ -7,7 +7,7 @@ holds the old ones until they are returned."""
 
 import pytest
 
-from tests.chunk_manager_views import child_finished, is_ready, load_plan, store_plan
+from tests.chunk_manager_views import child_finished, is_ready, load_plan, report, store_plan
 from vllm.v1.core.chunk_cache_manager import ChunkCacheManager
 from vllm.v1.core.chunk_hash_index import ChunkNamespace
 from vllm.v1.core.chunk_store_probe import FETCH_ID_PREFIX, StoreAnswer, StoreLookup
@@ -91,7 +91,7 @@ def test_hit_is_fetched_not_computed_and_serves_every_waiter():
     assert m.stats().in_flight_joins >= 1
     child_finished(m, children[0].request_id)
     assert not is_ready(m, "p")
-    ready = m.fetch_finished(fetch.request_id)
+    ready = list(report(m, done=[fetch.request_id]).ready)
     assert ready == ["p"] and is_ready(m, "p")
     # Resident now: a later parent hits the pool without asking the store.
     m.add_request("r", prompt(SYS, DOC_A, Q), NS)
@@ -110,9 +110,9 @@ def test_failed_fetch_becomes_a_child_with_the_same_entry():
     sys_child = m.take_new_children()[0]
     fetch = m.take_new_fetches()[0]
     blocks = list(store_plan(m, fetch).pool_block_ids)
-    child = m.fetch_failed(fetch.request_id)
+    (child,) = report(m, failed=[fetch.request_id]).children
     assert child.token_ids == [1] + DOC_A and child.chunk_hash == fetch.chunk_hash
-    assert m.take_new_children() == [child]
+    assert m.take_new_children() == []  # handed out once, by the outcome
     assert list(store_plan(m, child).pool_block_ids) == blocks
     assert m.stats().child_computes == 2
     child_finished(m, sys_child.request_id)
@@ -131,7 +131,7 @@ def test_lookups_carry_the_epoch_and_a_reset_forgets_fetched_entries():
     m.reset()
     # Finished after the reset: never filed under a key (computed with weights
     # that may be gone).
-    m.fetch_finished(fetch.request_id)
+    report(m, done=[fetch.request_id])
     m.release("p")
     m.add_request("q", prompt(SYS, DOC_A, Q), NS)
     m.admit("q")
@@ -168,9 +168,9 @@ def test_failed_fetch_with_lent_rows_computes_into_new_blocks_and_holds_the_old(
     assert m.admit("p").reason == AdmitReason.ADMITTED
     fetch = m.take_new_fetches()[0]
     assert store_plan(m, fetch).pool_block_ids == [2, 3]
-    child = m.fetch_failed(fetch.request_id, rows_lent=True)
+    (child,) = report(m, lent=[fetch.request_id]).children
     assert child.token_ids == [1] + DOC_A and child.chunk_hash == fetch.chunk_hash
-    assert m.take_new_children() == [child]
+    assert m.take_new_children() == []  # handed out once, by the outcome
     # New blocks: the free one, then DOC_B's (evicted, gone from the index).
     assert store_plan(m, child).pool_block_ids == [4, 1]
     assert m.pool.held_by(fetch.request_id) == (2, 3)
@@ -182,10 +182,10 @@ def test_failed_fetch_with_lent_rows_computes_into_new_blocks_and_holds_the_old(
     assert [s.pool_block_ids for s in load_plan(m, "p").segments] == [[0], [4, 1]]
     # Still held after the child finished: the store's call has not returned.
     assert m.pool.held_by(fetch.request_id) == (2, 3)
-    m.rows_returned(fetch.request_id)
+    assert report(m, rows_returned=[fetch.request_id]).children == ()
     assert m.stats().pool_blocks_held == 0 and list(m.pool._free_blocks) == [2, 3]
     with pytest.raises(KeyError):
-        m.rows_returned(fetch.request_id)  # returned once
+        report(m, rows_returned=[fetch.request_id])  # returned once
     m.release("p")
     assert m.stats().pinned_entries == 0
 
@@ -205,7 +205,7 @@ def test_failed_fetch_with_lent_rows_and_no_room_waits_for_them_then_computes_th
     fetch = m.take_new_fetches()[0]
     assert store_plan(m, fetch).pool_block_ids == [1, 2]
     # SYS [0] is pinned, DOC_A's [1, 2] are lent: no room for new blocks.
-    assert m.fetch_failed(fetch.request_id, rows_lent=True) is None
+    assert report(m, lent=[fetch.request_id]).children == ()
     assert m.take_new_children() == [] and m.take_refusals() == []
     assert m.pool.held_by(fetch.request_id) == ()
     assert m.pool.get(fetch.chunk_hash).block_ids == [1, 2]
@@ -215,9 +215,9 @@ def test_failed_fetch_with_lent_rows_and_no_room_waits_for_them_then_computes_th
     m.add_request("r", prompt(SYS, DOC_A, Q), NS)
     assert m.admit("r").reason == AdmitReason.ADMITTED
     assert m.take_new_fetches() == [] and m.take_new_children() == []
-    child = m.rows_returned(fetch.request_id)
-    assert child is not None and child.token_ids == [1] + DOC_A
-    assert m.take_new_children() == [child]
+    (child,) = report(m, rows_returned=[fetch.request_id]).children
+    assert child.token_ids == [1] + DOC_A
+    assert m.take_new_children() == []  # handed out once, by the outcome
     assert store_plan(m, child).pool_block_ids == [1, 2]
     assert sorted(child_finished(m, child.request_id)) == ["p", "q", "r"]
     assert m.stats().pool_blocks_held == 0 and m.stats().refused_requests == 0
@@ -234,6 +234,8 @@ def test_failed_fetch_without_lent_rows_keeps_its_blocks():
     m.admit("p")
     fetch = m.take_new_fetches()[0]
     # A full pool is no obstacle: every rank's call returned, the rows are free.
-    child = m.fetch_failed(fetch.request_id, rows_lent=False)
+    # NOTE: the outcome also hands out SYS's child, still undrained here.
+    child = report(m, failed=[fetch.request_id]).children[-1]
+    assert child.chunk_hash == fetch.chunk_hash
     assert store_plan(m, child).pool_block_ids == [1, 2]
     assert m.stats().pool_blocks_held == 0 and m.take_refusals() == []
