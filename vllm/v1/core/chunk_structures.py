@@ -216,23 +216,6 @@ class ChildSpec:
 
 
 @dataclass(frozen=True)
-class ChunkStorePlan:
-    """Worker instruction: copy a child's KV rows into the chunk pool."""
-
-    # The child request whose forward produces the rows.
-    request_id: str
-    # Key of the entry being filled (for logging / stats).
-    chunk_hash: ChunkHash
-    # First position of the child's sequence to store (its context is not
-    # stored).
-    src_start: int
-    # Number of rows to store.
-    num_tokens: int
-    # Destination pool blocks, rows filled in order.
-    pool_block_ids: list[PoolBlockId]
-
-
-@dataclass(frozen=True)
 class SegmentLoad:
     """One cached segment to copy from the pool into a request's KV."""
 

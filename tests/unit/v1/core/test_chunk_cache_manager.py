@@ -5,6 +5,7 @@ import dataclasses
 
 import pytest
 
+from tests.chunk_manager_views import StorePlan, child_finished, is_ready, load_plan, store_plan
 from vllm.v1.core.chunk_cache_manager import (
     CHILD_REQUEST_PREFIX,
     MAX_CHILD_ATTEMPTS,
@@ -16,7 +17,6 @@ from vllm.v1.core.chunk_structures import (
     AdmitReason,
     ChunkContextMode,
     ChunkedPrompt,
-    ChunkStorePlan,
     SegmentLoad,
     SegmentSpan,
     SegmentStatus,
@@ -78,7 +78,7 @@ def admit(manager, rid, prompt, ns=NS) -> Admitted:
 def finish_all(manager, admission) -> list[str]:
     ready = []
     for child in admission.new_children:
-        ready += manager.child_finished(child.request_id)
+        ready += child_finished(manager, child.request_id)
     return ready
 
 
@@ -87,7 +87,7 @@ def test_first_request_misses_everything_then_loads():
     adm = admit(m, "r1", make_prompt(SYS, DOC_A, DOC_B, [30, 31]), NS)
     hs, ha, hb = h(SYS, []), h(DOC_A, [BOS]), h(DOC_B, [BOS])
 
-    assert adm.reason == AdmitReason.ADMITTED and not m.is_ready("r1")
+    assert adm.reason == AdmitReason.ADMITTED and not is_ready(m, "r1")
     assert [s.status for s in adm.segments] == [SegmentStatus.MISSING] * 3
     assert [c.request_id for c in adm.new_children] == [
         child_id(0, hs), child_id(1, ha), child_id(2, hb)
@@ -95,20 +95,20 @@ def test_first_request_misses_everything_then_loads():
     # System alone; chunks behind a private copy of the first token (sink).
     assert [c.token_ids for c in adm.new_children] == [SYS, [BOS] + DOC_A, [BOS] + DOC_B]
     assert [c.store_start for c in adm.new_children] == [0, 1, 1]
-    assert m.store_plan(child_id(1, ha)) == ChunkStorePlan(
+    assert store_plan(m, adm.new_children[1]) == StorePlan(
         request_id=child_id(1, ha), chunk_hash=ha, src_start=1, num_tokens=5,
         pool_block_ids=[1, 2],
     )
 
-    assert m.child_finished(child_id(0, hs)) == []
-    assert m.child_finished(child_id(1, ha)) == []
-    assert not m.is_ready("r1")
-    with pytest.raises(ValueError, match="still waits for 1 segment"):
-        m.load_plan("r1")
-    assert m.child_finished(child_id(2, hb)) == ["r1"]
-    assert m.is_ready("r1")
+    assert child_finished(m, child_id(0, hs)) == []
+    assert child_finished(m, child_id(1, ha)) == []
+    assert not is_ready(m, "r1")
+    # Not ready: its decision serves no rows.
+    assert m.decide("r1", admit=False).segments == ()
+    assert child_finished(m, child_id(2, hb)) == ["r1"]
+    assert is_ready(m, "r1")
 
-    plan = m.load_plan("r1")
+    plan = load_plan(m, "r1")
     assert plan.segments == (
         SegmentLoad(hs, 0, [0], 3, stored_start=0, dst_start=0),
         SegmentLoad(ha, 1, [1, 2], 5, stored_start=1, dst_start=3),
@@ -129,7 +129,7 @@ def test_first_request_misses_everything_then_loads():
 
 def finish_children(manager, admission):
     for c in admission.new_children:
-        manager.child_finished(c.request_id)
+        child_finished(manager, c.request_id)
 
 
 def test_reset_forgets_resident_segments_they_are_computed_again():
@@ -159,14 +159,14 @@ def test_reset_with_running_and_waiting_parents():
     m = Manager(num_pool_blocks=16, block_size=4)
     running = make_prompt(SYS, DOC_A, [30])
     finish_children(m, admit(m, "run", running))
-    assert m.is_ready("run")
+    assert is_ready(m, "run")
     old = admit(m, "wait", make_prompt(SYS, DOC_B, [31]))
     assert [s.status for s in old.segments] == [SegmentStatus.RESIDENT, SegmentStatus.MISSING]
     assert m.reset() is False
     # "run" may still read its retired rows.
-    assert m.load_plan("run").num_rows_to_copy == 8
+    assert load_plan(m, "run").num_rows_to_copy == 8
     # The old child finishes after the reset: its rows are not found again.
-    m.child_finished(old.new_children[0].request_id)
+    child_finished(m, old.new_children[0].request_id)
     adm = admitted(m, "wait")
     assert adm.reason == AdmitReason.ADMITTED
     assert [s.status for s in adm.segments] == [SegmentStatus.MISSING] * 2
@@ -192,8 +192,8 @@ def test_reordered_chunks_after_another_system_prompt_hit():
     ]
     h2 = h(sys2, [])
     assert [c.request_id for c in adm.new_children] == [child_id(3, h2)]
-    assert m.child_finished(child_id(3, h2)) == ["r2"]
-    plan = m.load_plan("r2")
+    assert child_finished(m, child_id(3, h2)) == ["r2"]
+    plan = load_plan(m, "r2")
     ha, hb = h(DOC_A, [BOS]), h(DOC_B, [BOS])
     assert plan.segments == (
         SegmentLoad(h2, 0, [4], 2, stored_start=0, dst_start=0),
@@ -212,8 +212,8 @@ def test_all_resident_request_is_ready_at_admission():
     finish_all(m, admit(m, "r1", prompt, NS))
     m.release("r1")
     adm = admit(m, "r2", prompt, NS)
-    assert m.is_ready("r2") and adm.new_children == ()
-    assert m.is_ready("r2")
+    assert is_ready(m, "r2") and adm.new_children == ()
+    assert is_ready(m, "r2")
 
 
 def test_concurrent_duplicate_misses_share_one_child():
@@ -230,11 +230,11 @@ def test_concurrent_duplicate_misses_share_one_child():
     # Writer pin + one pin per parent.
     assert m.pool.get(hb).pin_count == 3
 
-    assert m.child_finished(child_id(0, hs)) == []
-    assert m.child_finished(child_id(2, hb)) == []
-    assert m.child_finished(child_id(3, hc)) == ["r2"]
-    assert m.child_finished(child_id(1, ha)) == ["r1"]
-    assert m.load_plan("r2").segments[1] == SegmentLoad(
+    assert child_finished(m, child_id(0, hs)) == []
+    assert child_finished(m, child_id(2, hb)) == []
+    assert child_finished(m, child_id(3, hc)) == ["r2"]
+    assert child_finished(m, child_id(1, ha)) == ["r1"]
+    assert load_plan(m, "r2").segments[1] == SegmentLoad(
         hb, 1, [3], 2, stored_start=1, dst_start=3
     )
     stats = m.stats()
@@ -247,7 +247,7 @@ def test_same_chunk_twice_in_one_request():
     hb = h(DOC_B, [BOS])
     assert [c.chunk_hash for c in adm.new_children].count(hb) == 1
     finish_all(m, adm)
-    loads = [s for s in m.load_plan("r1").segments if s.chunk_hash == hb]
+    loads = [s for s in load_plan(m, "r1").segments if s.chunk_hash == hb]
     assert [(s.dst_start, s.position_delta) for s in loads] == [(3, 2), (10, 9)]
     assert m.pool.get(hb).pin_count == 1  # one pin per distinct key
     m.release("r1")
@@ -263,7 +263,7 @@ def test_abort_while_waiting_releases_pins_and_child_still_caches():
     hs, ha = h(SYS, []), h(DOC_A, [BOS])
     assert m.pool.lru_order() == [hs, ha]
     admit(m, "r2", make_prompt(SYS, DOC_A, [31]), NS)
-    assert m.is_ready("r2")
+    assert is_ready(m, "r2")
 
 
 def test_failed_child_is_retried_once_then_its_waiters_are_refused():
@@ -275,15 +275,16 @@ def test_failed_child_is_retried_once_then_its_waiters_are_refused():
     blocks = m.pool.get(ha).block_ids
 
     # First failure: a retry with a new id, same entry and blocks, same waiters.
-    retry = m.child_failed(child_id(1, ha))
+    (retry,) = m.finish_child(child_id(1, ha), stored=False).children
     assert retry is not None and retry.request_id == child_id(3, ha)
     assert retry.token_ids == [SINK] + DOC_A and retry.store_start == 1
-    assert m.take_new_children() == [retry]
+    assert m.take_new_children() == []  # handed out once, by the outcome
     assert m.pool.get(ha).block_ids == blocks
     assert m.take_refusals() == []
 
     # Second failure: refused, never served otherwise; pins and entry gone.
-    assert m.child_failed(retry.request_id, ended="FINISHED_ABORTED") is None
+    assert m.finish_child(retry.request_id, stored=False,
+                          ended="FINISHED_ABORTED").children == ()
     assert ha not in m.pool
     refusals = m.take_refusals()
     assert [(r.request_id, r.reason) for r in refusals] == [
@@ -294,11 +295,11 @@ def test_failed_child_is_retried_once_then_its_waiters_are_refused():
             f"{ha.hex()[:16]}) could not be computed (2 attempts, the last " \
             "ended FINISHED_ABORTED)" in r.message
         assert "retrying the request is safe" in r.message
-    assert not m.is_ready("r1")
+    assert not is_ready(m, "r1")
     assert m.admit("r1").reason == AdmitReason.CHILD_FAILED
     # Remaining children still complete into entries nobody pins.
-    assert m.child_finished(a1.new_children[0].request_id) == []
-    assert m.child_finished(child_id(2, hb)) == []
+    assert child_finished(m, a1.new_children[0].request_id) == []
+    assert child_finished(m, child_id(2, hb)) == []
     assert m.release("r1") and m.release("r2")
     assert m.pool.lru_order() == [hs, hb]
     stats = m.stats()
@@ -337,7 +338,7 @@ def test_pool_pinned_full_defers_and_keeps_pins_of_others():
     a2 = admitted(m, "r2")
     assert a2.reason == AdmitReason.ADMITTED
     assert ha not in m.pool and not m.pool.is_published(ha)
-    assert m.store_plan(a2.new_children[0].request_id).pool_block_ids == [3, 1, 2]
+    assert store_plan(m, a2.new_children[0]).pool_block_ids == [3, 1, 2]
     stats = m.stats()
     assert (stats.evictions, stats.deferred_requests, stats.refused_requests) == (1, 1, 0)
 
@@ -350,7 +351,7 @@ def test_nothing_is_pinned_before_admission():
     assert m.stats().pinned_entries == 0
     assert m.pool.lru_order() == [h(SYS, []), h(DOC_A, [BOS])]
     m.admit("r2")
-    assert m.is_ready("r2")
+    assert is_ready(m, "r2")
     assert m.stats().pinned_entries == 2
 
 
@@ -376,7 +377,7 @@ def test_deferred_requests_are_admitted_in_arrival_order():
     assert m.admit("big").reason == AdmitReason.ADMITTED
     assert m.admit("s2").reason == AdmitReason.DEFERRED  # the pool is big's now
     for child in m.take_new_children():
-        m.child_finished(child.request_id)
+        child_finished(m, child.request_id)
     m.release("big")
     assert m.admit("s2").reason == AdmitReason.ADMITTED
     assert m.stats().deferred_requests == 7
@@ -409,7 +410,7 @@ def test_context_modes(mode, context, stored_start):
     assert child.token_ids == context + DOC_A
     assert child.store_start == stored_start
     finish_all(m, adm)
-    seg = m.load_plan("r1").segments[1]
+    seg = load_plan(m, "r1").segments[1]
     assert (seg.stored_start, seg.position_delta) == (stored_start, 3 - stored_start)
 
 
@@ -462,9 +463,8 @@ def test_api_misuse_is_reported():
     admit(m, "r1", make_prompt(SYS, [30]))
     with pytest.raises(ValueError, match="already known"):
         m.add_request("r1", make_prompt(SYS, [30]), NS)
-    with pytest.raises(KeyError, match="not a chunk-cache parent"):
-        m.load_plan("nope")
+    assert m.decide("nope") is None  # not a chunk-cache parent
     with pytest.raises(KeyError, match="not a chunk-cache child"):
-        m.child_finished("nope")
+        child_finished(m, "nope")
     with pytest.raises(KeyError, match="not a chunk-cache child"):
-        m.store_plan("nope")
+        m.finish_child("nope", stored=True)

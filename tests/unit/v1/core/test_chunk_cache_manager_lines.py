@@ -13,6 +13,7 @@ execute more; hashing, verification and block lists are C-level work.
 import random
 
 from tests.unit.python_lines import python_lines
+from tests.chunk_manager_views import child_finished
 from vllm.v1.core.chunk_cache_manager import ChunkCacheManager
 from vllm.v1.core.chunk_hash_index import ChunkNamespace
 from vllm.v1.core.chunk_structures import ChunkContextMode, ChunkedPrompt, SegmentSpan
@@ -42,7 +43,7 @@ def _all_hit_lines(doc_tokens: int) -> int:
     manager.add_request("warm", _prompt(system, docs, [5, 6, 7]), NS)
     manager.admit("warm")
     for child in manager.take_new_children():
-        manager.child_finished(child.request_id)
+        child_finished(manager, child.request_id)
     manager.release("warm")
     order = rng.sample(docs, len(docs))
     prompt = _prompt(system, order, [8, 9, 10])

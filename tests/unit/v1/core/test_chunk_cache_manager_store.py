@@ -7,6 +7,7 @@ holds the old ones until they are returned."""
 
 import pytest
 
+from tests.chunk_manager_views import child_finished, is_ready, load_plan, report, store_plan
 from vllm.v1.core.chunk_cache_manager import ChunkCacheManager
 from vllm.v1.core.chunk_hash_index import ChunkNamespace
 from vllm.v1.core.chunk_store_probe import FETCH_ID_PREFIX, StoreAnswer, StoreLookup
@@ -79,7 +80,7 @@ def test_hit_is_fetched_not_computed_and_serves_every_waiter():
     assert fetch.content_hash == sum(DOC_A) and fetch.epoch == 0
     assert m.stats().child_computes == 1
     # The fetch's entry is allocated and pinned like a child's (writer + parent).
-    plan = m.store_plan(fetch.request_id)
+    plan = store_plan(m, fetch)
     assert plan.num_tokens == len(DOC_A)
     assert m.pool.get(fetch.chunk_hash).pin_count == 2
     # A second parent joins the fetch in flight (no second lookup of DOC_A).
@@ -88,15 +89,15 @@ def test_hit_is_fetched_not_computed_and_serves_every_waiter():
     assert m.take_new_fetches() == []
     assert all(seg != tuple(DOC_A) for seg, _ in probe.asked[asked:])
     assert m.stats().in_flight_joins >= 1
-    m.child_finished(children[0].request_id)
-    assert not m.is_ready("p")
-    ready = m.fetch_finished(fetch.request_id)
-    assert ready == ["p"] and m.is_ready("p")
+    child_finished(m, children[0].request_id)
+    assert not is_ready(m, "p")
+    ready = list(report(m, done=[fetch.request_id]).ready)
+    assert ready == ["p"] and is_ready(m, "p")
     # Resident now: a later parent hits the pool without asking the store.
     m.add_request("r", prompt(SYS, DOC_A, Q), NS)
     asked = len(probe.asked)
     m.admit("r")
-    assert m.is_ready("r")
+    assert is_ready(m, "r")
     assert len(probe.asked) == asked
 
 
@@ -108,14 +109,14 @@ def test_failed_fetch_becomes_a_child_with_the_same_entry():
     m.admit("p")
     sys_child = m.take_new_children()[0]
     fetch = m.take_new_fetches()[0]
-    blocks = list(m.store_plan(fetch.request_id).pool_block_ids)
-    child = m.fetch_failed(fetch.request_id)
+    blocks = list(store_plan(m, fetch).pool_block_ids)
+    (child,) = report(m, failed=[fetch.request_id]).children
     assert child.token_ids == [1] + DOC_A and child.chunk_hash == fetch.chunk_hash
-    assert m.take_new_children() == [child]
-    assert list(m.store_plan(child.request_id).pool_block_ids) == blocks
+    assert m.take_new_children() == []  # handed out once, by the outcome
+    assert list(store_plan(m, child).pool_block_ids) == blocks
     assert m.stats().child_computes == 2
-    m.child_finished(sys_child.request_id)
-    assert m.child_finished(child.request_id) == ["p"]
+    child_finished(m, sys_child.request_id)
+    assert child_finished(m, child.request_id) == ["p"]
     m.release("p")
     assert m.stats().pinned_entries == 0
 
@@ -130,7 +131,7 @@ def test_lookups_carry_the_epoch_and_a_reset_forgets_fetched_entries():
     m.reset()
     # Finished after the reset: never filed under a key (computed with weights
     # that may be gone).
-    m.fetch_finished(fetch.request_id)
+    report(m, done=[fetch.request_id])
     m.release("p")
     m.add_request("q", prompt(SYS, DOC_A, Q), NS)
     m.admit("q")
@@ -160,31 +161,31 @@ def test_failed_fetch_with_lent_rows_computes_into_new_blocks_and_holds_the_old(
     m.add_request("o", prompt(SYS, DOC_B, Q), NS)
     m.admit("o")
     for c in m.take_new_children():
-        m.child_finished(c.request_id)
+        child_finished(m, c.request_id)
     m.release("o")
     probe.answers[tuple(DOC_A)] = StoreAnswer.HIT
     m.add_request("p", prompt(SYS, DOC_A, Q), NS)
     assert m.admit("p").reason == AdmitReason.ADMITTED
     fetch = m.take_new_fetches()[0]
-    assert m.store_plan(fetch.request_id).pool_block_ids == [2, 3]
-    child = m.fetch_failed(fetch.request_id, rows_lent=True)
+    assert store_plan(m, fetch).pool_block_ids == [2, 3]
+    (child,) = report(m, lent=[fetch.request_id]).children
     assert child.token_ids == [1] + DOC_A and child.chunk_hash == fetch.chunk_hash
-    assert m.take_new_children() == [child]
+    assert m.take_new_children() == []  # handed out once, by the outcome
     # New blocks: the free one, then DOC_B's (evicted, gone from the index).
-    assert m.store_plan(child.request_id).pool_block_ids == [4, 1]
+    assert store_plan(m, child).pool_block_ids == [4, 1]
     assert m.pool.held_by(fetch.request_id) == (2, 3)
     assert m.pool.lru_order() == [] and m.pool.num_published == 1  # only SYS is left
     stats = m.stats()
     assert (stats.evictions, stats.pool_blocks_held, stats.pool_blocks_used) == (1, 2, 5)
     assert m.pool.get(fetch.chunk_hash).pin_count == 2  # writer + parent, as before
-    assert m.child_finished(child.request_id) == ["p"]
-    assert [s.pool_block_ids for s in m.load_plan("p").segments] == [[0], [4, 1]]
+    assert child_finished(m, child.request_id) == ["p"]
+    assert [s.pool_block_ids for s in load_plan(m, "p").segments] == [[0], [4, 1]]
     # Still held after the child finished: the store's call has not returned.
     assert m.pool.held_by(fetch.request_id) == (2, 3)
-    m.rows_returned(fetch.request_id)
+    assert report(m, rows_returned=[fetch.request_id]).children == ()
     assert m.stats().pool_blocks_held == 0 and list(m.pool._free_blocks) == [2, 3]
     with pytest.raises(KeyError):
-        m.rows_returned(fetch.request_id)  # returned once
+        report(m, rows_returned=[fetch.request_id])  # returned once
     m.release("p")
     assert m.stats().pinned_entries == 0
 
@@ -202,23 +203,23 @@ def test_failed_fetch_with_lent_rows_and_no_room_waits_for_them_then_computes_th
     assert m.admit("q").reason == AdmitReason.ADMITTED  # joins both in flight
     sys_child = m.take_new_children()[0]
     fetch = m.take_new_fetches()[0]
-    assert m.store_plan(fetch.request_id).pool_block_ids == [1, 2]
+    assert store_plan(m, fetch).pool_block_ids == [1, 2]
     # SYS [0] is pinned, DOC_A's [1, 2] are lent: no room for new blocks.
-    assert m.fetch_failed(fetch.request_id, rows_lent=True) is None
+    assert report(m, lent=[fetch.request_id]).children == ()
     assert m.take_new_children() == [] and m.take_refusals() == []
     assert m.pool.held_by(fetch.request_id) == ()
     assert m.pool.get(fetch.chunk_hash).block_ids == [1, 2]
     assert m.pool.get(fetch.chunk_hash).pin_count == 3  # writer, p, q
-    assert m.child_finished(sys_child.request_id) == []  # p, q still wait
+    assert child_finished(m, sys_child.request_id) == []  # p, q still wait
     # A third request joins the fetch still in flight (nothing new started).
     m.add_request("r", prompt(SYS, DOC_A, Q), NS)
     assert m.admit("r").reason == AdmitReason.ADMITTED
     assert m.take_new_fetches() == [] and m.take_new_children() == []
-    child = m.rows_returned(fetch.request_id)
-    assert child is not None and child.token_ids == [1] + DOC_A
-    assert m.take_new_children() == [child]
-    assert m.store_plan(child.request_id).pool_block_ids == [1, 2]
-    assert sorted(m.child_finished(child.request_id)) == ["p", "q", "r"]
+    (child,) = report(m, rows_returned=[fetch.request_id]).children
+    assert child.token_ids == [1] + DOC_A
+    assert m.take_new_children() == []  # handed out once, by the outcome
+    assert store_plan(m, child).pool_block_ids == [1, 2]
+    assert sorted(child_finished(m, child.request_id)) == ["p", "q", "r"]
     assert m.stats().pool_blocks_held == 0 and m.stats().refused_requests == 0
     for rid in "pqr":
         m.release(rid)
@@ -233,6 +234,8 @@ def test_failed_fetch_without_lent_rows_keeps_its_blocks():
     m.admit("p")
     fetch = m.take_new_fetches()[0]
     # A full pool is no obstacle: every rank's call returned, the rows are free.
-    child = m.fetch_failed(fetch.request_id, rows_lent=False)
-    assert m.store_plan(child.request_id).pool_block_ids == [1, 2]
+    # NOTE: the outcome also hands out SYS's child, still undrained here.
+    child = report(m, failed=[fetch.request_id]).children[-1]
+    assert child.chunk_hash == fetch.chunk_hash
+    assert store_plan(m, child).pool_block_ids == [1, 2]
     assert m.stats().pool_blocks_held == 0 and m.take_refusals() == []

@@ -4,6 +4,7 @@ import math
 import pytest
 import torch
 
+from tests.chunk_manager_views import child_finished, load_plan
 from vllm.v1.core.chunk_cache_manager import ChunkCacheManager
 from vllm.v1.core.chunk_hash_index import ChunkNamespace
 from tests.chunk_isolation_mask import (
@@ -159,8 +160,8 @@ def test_reference_mask_equals_structural_child_computation(
         s = child.store_start
         stored[child.chunk_hash] = (ck[s:], cv[s:])
         child_out[child.chunk_hash] = out[s:]
-        manager.child_finished(child.request_id)
-    plan = manager.load_plan("r")
+        child_finished(manager, child.request_id)
+    plan = load_plan(manager, "r")
     rotation = RopeRotation(rope)
     keys, values = [], []
     for seg in plan.segments:

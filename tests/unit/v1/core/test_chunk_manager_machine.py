@@ -17,6 +17,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from tests.chunk_manager_views import child_finished, report
 from vllm.v1.core.chunk_cache_manager import ChunkCacheManager
 from vllm.v1.core.chunk_hash_index import ChunkNamespace
 from vllm.v1.core.chunk_store_probe import StoreAnswer, StoreLookup
@@ -83,6 +84,12 @@ class ManagerMachine(RuleBasedStateMachine):
             self.parents[rid] = set()
         self._take()
 
+    def _children_of(self, outcome):
+        """An outcome's children start (the outbox was drained before it)."""
+        for spec in outcome.children:
+            self.children[spec.request_id] = spec.chunk_hash
+        return outcome.children
+
     def _take(self) -> None:
         """Children and fetches handed out (admissions, retries, failed fetches),
         refusals."""
@@ -122,11 +129,11 @@ class ManagerMachine(RuleBasedStateMachine):
     def child_ends(self, data, ok):
         rid = data.draw(st.sampled_from(sorted(self.children)))
         del self.children[rid]
-        if ok:
-            self.m.child_finished(rid)
-        else:
-            self.m.child_failed(rid, ended="FINISHED_ABORTED")
-        self._take()  # its retry, if any
+        outcome = self.m.finish_child(rid, ok, ended="FINISHED_ABORTED")
+        self.m.puts_shipped()
+        for spec in outcome.children:  # its retry, if any
+            self.children[spec.request_id] = spec.chunk_hash
+        self._take()
 
     @precondition(lambda self: self.fetches)
     @rule(data=st.data(), outcome=st.sampled_from(["ok", "failed", "lent"]))
@@ -134,10 +141,10 @@ class ManagerMachine(RuleBasedStateMachine):
         fid = data.draw(st.sampled_from(sorted(self.fetches)))
         h = self.fetches.pop(fid)
         if outcome == "ok":
-            self.m.fetch_finished(fid)
+            report(self.m, done=[fid])
             return
-        spec = self.m.fetch_failed(fid, rows_lent=outcome == "lent")
-        if spec is None:
+        specs = self._children_of(report(self.m, **{outcome: [fid]}))
+        if not specs:
             self.waiting[fid] = h
         elif outcome == "lent":
             self.lent.add(fid)
@@ -147,13 +154,13 @@ class ManagerMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def rows_returned(self, data):
         fid = data.draw(st.sampled_from(sorted(self.lent | set(self.waiting))))
-        spec = self.m.rows_returned(fid)
+        specs = self._children_of(report(self.m, rows_returned=[fid]))
         if fid in self.waiting:
             del self.waiting[fid]
-            assert spec is not None  # its child, handed out with the others
+            assert len(specs) == 1  # its child
         else:
             self.lent.discard(fid)
-            assert spec is None
+            assert specs == ()
         self._take()
 
     @precondition(lambda self: self.lent or self.waiting)
@@ -161,7 +168,7 @@ class ManagerMachine(RuleBasedStateMachine):
     def rows_written_off(self, data):
         """The rows stayed lent past the store's held limit (issue 50, finding 4)."""
         fid = data.draw(st.sampled_from(sorted(self.lent | set(self.waiting))))
-        self.m.rows_written_off(fid)
+        self._children_of(report(self.m, written_off=[fid]))
         self.lent.discard(fid)
         self.waiting.pop(fid, None)
         self._take()  # computed elsewhere, or its parents refused
@@ -181,17 +188,17 @@ class ManagerMachine(RuleBasedStateMachine):
         while self.children or self.fetches or self.waiting or self.lent:
             for fid in list(self.fetches):
                 del self.fetches[fid]
-                self.m.fetch_finished(fid)
+                report(self.m, done=[fid])
             for fid in list(self.waiting):
                 del self.waiting[fid]
-                assert self.m.rows_returned(fid) is not None
+                assert len(self._children_of(report(self.m, rows_returned=[fid]))) == 1
                 self._take()
             for fid in list(self.lent):
                 self.lent.discard(fid)
-                assert self.m.rows_returned(fid) is None
+                assert report(self.m, rows_returned=[fid]).children == ()
             for rid in list(self.children):
                 del self.children[rid]
-                self.m.child_finished(rid)
+                child_finished(self.m, rid)
             self._take()
         for rid in list(self.parents):
             assert self.m.release(rid)

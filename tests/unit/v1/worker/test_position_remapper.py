@@ -14,6 +14,7 @@ import math
 
 import pytest
 import torch
+from tests.chunk_manager_views import child_finished, load_plan, store_plan
 import vllm
 
 from vllm.model_executor.layers.rotary_embedding import get_rope
@@ -265,7 +266,7 @@ def test_manager_plan_through_remapper_lands_rope_at_real_positions(
     manager.admit("r")
     for child in manager.take_new_children():
         # What the worker does on store: K after RoPE at child positions.
-        store = manager.store_plan(child.request_id)
+        store = store_plan(manager, child)
         positions = torch.arange(len(child.token_ids))
         k = apply_rope(rope, positions,
                        torch.stack([raw_k[t] for t in child.token_ids]))
@@ -274,9 +275,9 @@ def test_manager_plan_through_remapper_lands_rope_at_real_positions(
                              for i in range(block)])[: store.num_tokens]
         pool_k[rows] = k[store.src_start:]
         pool_v[rows] = v[store.src_start:]
-        manager.child_finished(child.request_id)
+        child_finished(manager, child.request_id)
 
-    plan = manager.load_plan("r")
+    plan = load_plan(manager, "r")
     paged = PagedCache(num_slots=32)
     dst_slots = torch.arange(16, 16 + len(prompt.token_ids))  # block table
     rows = RemapRows.from_load_plan(plan, block, dst_slots)
