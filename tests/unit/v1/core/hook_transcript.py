@@ -123,6 +123,29 @@ def _plain(value: Any) -> Any:
     return value
 
 
+def engine_step(scheduler) -> Any:
+    """One step as EngineCore.step runs it: the connector's children added (patch
+    0006), schedule, then the model runner's answer (a token for every request whose
+    prompt is computed after this step, nothing for a prefill chunk)."""
+    from vllm.v1.engine.core import EngineCore
+    from vllm.v1.outputs import ModelRunnerOutput
+
+    # NOTE: EngineCore's own method, on the two attributes it reads.
+    EngineCore._add_internal_requests(types.SimpleNamespace(
+        _internal_request_connector=scheduler.connector, scheduler=scheduler))
+    out = scheduler.schedule()
+    ids = list(out.num_scheduled_tokens)
+    sampled = []
+    for rid in ids:
+        r = scheduler.requests[rid]
+        done = r.num_computed_tokens >= r.num_prompt_tokens  # advanced by schedule()
+        sampled.append([5] if done else [])
+    scheduler.update_from_output(out, ModelRunnerOutput(
+        req_ids=ids, req_id_to_index={rid: i for i, rid in enumerate(ids)},
+        sampled_token_ids=sampled))
+    return out
+
+
 class Transcript:
     """Records the connector hooks of one scheduler, step by step."""
 
@@ -217,21 +240,8 @@ class Transcript:
         schedule, the model runner's answer (a token for every request whose prompt
         is computed after this step), the workers' store report if `on_step` makes
         one from the scheduler output, then the connector's stats."""
-        from vllm.v1.engine.core import EngineCore
-        from vllm.v1.outputs import ModelRunnerOutput
-
         sched = self.scheduler
-        EngineCore._add_internal_requests(types.SimpleNamespace(
-            _internal_request_connector=sched.connector, scheduler=sched))
-        out = sched.schedule()
-        ids = list(out.num_scheduled_tokens)
-        sampled = []
-        for rid in ids:
-            r = sched.requests[rid]
-            sampled.append([5] if r.num_computed_tokens >= r.num_prompt_tokens else [])
-        sched.update_from_output(out, ModelRunnerOutput(
-            req_ids=ids, req_id_to_index={rid: i for i, rid in enumerate(ids)},
-            sampled_token_ids=sampled))
+        out = engine_step(sched)
         report = on_step(out) if on_step is not None else None
         if report is not None:
             sched.connector.update_connector_output(

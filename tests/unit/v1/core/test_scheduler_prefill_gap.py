@@ -11,9 +11,10 @@ the prefix cache, where the next request with the same prompt would hit unwritte
 
 from __future__ import annotations
 
-import types
 
 import pytest
+
+from tests.unit.v1.core.hook_transcript import engine_step
 
 from tests.conftest import models_dir
 
@@ -73,27 +74,7 @@ def request(rid, token_ids, priority, layout=None):
                    block_hasher=get_request_block_hasher(BLOCK, sha256))
 
 
-def step(scheduler):
-    """One step as EngineCore.step runs it: the connector's children added (patch
-    0006), schedule, then the model runner's answer (a token for every request whose
-    prompt is computed after this step, nothing for a prefill chunk)."""
-    from vllm.v1.engine.core import EngineCore
-    from vllm.v1.outputs import ModelRunnerOutput
-
-    # NOTE: EngineCore's own method, on the two attributes it reads.
-    EngineCore._add_internal_requests(types.SimpleNamespace(
-        _internal_request_connector=scheduler.connector, scheduler=scheduler))
-    out = scheduler.schedule()
-    ids = list(out.num_scheduled_tokens)
-    sampled = []
-    for rid in ids:
-        r = scheduler.requests[rid]
-        done = r.num_computed_tokens >= r.num_prompt_tokens  # advanced by schedule()
-        sampled.append([5] if done else [])
-    scheduler.update_from_output(out, ModelRunnerOutput(
-        req_ids=ids, req_id_to_index={rid: i for i, rid in enumerate(ids)},
-        sampled_token_ids=sampled))
-    return out
+step = engine_step
 
 
 def test_a_gap_dropped_by_a_preemption_leaves_no_hashed_block_unwritten(scheduler):
