@@ -34,7 +34,7 @@ def test_issue40_plans_the_items_in_priority_order_within_the_budget(tmp_path):
     items = [line.split(":")[0] for line in done.stdout.splitlines()[1:]
              if "dry-run, would run" in line]
     assert items == ["mla-triton", "mla-fa", "mla-flashmla", "ttft-chunk", "ttft-stock",
-                     "ttft-k12", "k12-1step", "remap"]
+                     "ttft-k12", "k12-1step", "remap", "window-triton"]
     # Eight minutes: the first items run, the rest are skipped by name, nothing overruns.
     done = _run(["bash", str(GPU / "issue40.sh"), "--dry-run", "--budget", "480"], tmp_path)
     assert done.returncode == 0
@@ -43,6 +43,17 @@ def test_issue40_plans_the_items_in_priority_order_within_the_budget(tmp_path):
     assert any(line.startswith("ttft-stock: skipped") for line in lines)
     assert lines[-1] == "total 480s of 480s"
     assert (tmp_path / "out" / "summary.txt").read_text().splitlines() == lines
+
+
+def test_only_runs_the_named_items_in_the_order_given(tmp_path):
+    # Issue 52 runs issue 40's items in its own priority: the TTFT rows first.
+    done = _run(["bash", str(GPU / "issue40.sh"), "--dry-run", "--budget", "2000", "--only",
+                 "ttft-chunk,ttft-stock,ttft-k12,k12-1step,mla-triton,window-triton"], tmp_path)
+    assert done.returncode == 0, done.stderr
+    items = [line.split(":")[0] for line in done.stdout.splitlines()[1:]
+             if "dry-run, would run" in line]
+    assert items == ["ttft-chunk", "ttft-stock", "ttft-k12", "k12-1step", "mla-triton",
+                     "window-triton"]
 
 
 @pytest.mark.parametrize("args", [["--only", "unit"], ["--budget", "0"], ["--bogus"]])

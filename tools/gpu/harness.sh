@@ -10,7 +10,7 @@
 #
 #   --budget   wall seconds for the whole script, install included (default 480). An item
 #              runs only if at least its minimum is left, for at most min(its box, what is left).
-#   --only     run only these items (install always runs).
+#   --only     run only these items, in the order given (install always runs).
 #   --dry-run  run nothing: print the plan as if every item used its whole box (checks the
 #              argument parsing and the time-box arithmetic on a machine without a GPU).
 # Writes $OUT/summary.txt (every figure, one screen; also printed at the end) and
@@ -74,10 +74,15 @@ harness_main() {
   fi
   pack_logs
 
-  local name box min what left t t0 note line
-  for i in "${ITEMS[@]}"; do
+  local name box min what left t t0 note line order=()
+  # NOTE: --only also orders: a later issue runs the same items in its own priority.
+  if [ -n "$only" ]; then
+    for n in ${only//,/ }; do
+      for i in "${ITEMS[@]}"; do [ "${i%% *}" = "$n" ] && order+=("$i"); done
+    done
+  else order=("${ITEMS[@]}"); fi
+  for i in "${order[@]}"; do
     read -r name box min what <<< "$i"
-    [ -n "$only" ] && [[ ",$only," != *",$name,"* ]] && continue
     left=$(( budget - $(elapsed) ))
     if ! ((install_ok)); then say "$name: skipped (install failed) - $what"; continue; fi
     if (( left < min )); then say "$name: skipped (${left}s left < ${min}s) - $what"; continue; fi

@@ -6,7 +6,8 @@
   head_dim 64, the smallest head size every CUDA attention backend of vLLM 0.23 takes;
 * llama3-8b: Llama-3-8B's config for load_format="dummy" (benchmarks/gpu_ttft.py);
 * gpu-deepseek: the tiny DeepSeek-V3 (tools/models/make_tiny_deepseek.py) reshaped so that
-  vLLM 0.23 can run it on CUDA with what the slim pack carries (docs/gpu.md, "Next run").
+  vLLM 0.23 can run it on CUDA with what the slim pack carries (docs/gpu.md, "Next run");
+* gpu-window: gpu-llama's shapes as a Mistral with a sliding window of 24 on every layer.
 """
 
 from __future__ import annotations
@@ -49,6 +50,28 @@ def build_gpu_llama(out: Path) -> None:
     model.save_pretrained(out, safe_serialization=True)
 
 
+def build_gpu_window(out: Path) -> None:
+    """gpu-llama's shapes as a Mistral whose every layer has a sliding window of 24 keys
+    (tests/e2e/families.py's MID_WINDOW): shorter than the prompts and their chunks, so a
+    loaded chunk's keys fall out of later tokens' windows (issue 52, window-triton)."""
+    import torch
+    from transformers import MistralConfig, MistralForCausalLM
+
+    import make_tiny_llama
+
+    out.mkdir(parents=True, exist_ok=True)
+    make_tiny_llama.build_tokenizer(out)
+    torch.manual_seed(0)
+    config = MistralConfig(
+        vocab_size=make_tiny_llama.VOCAB_SIZE, hidden_size=256, intermediate_size=512,
+        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+        max_position_embeddings=4096, sliding_window=24, rms_norm_eps=1e-5, bos_token_id=1,
+        eos_token_id=2, pad_token_id=2, tie_word_embeddings=False, initializer_range=0.1)
+    model = MistralForCausalLM(config).to(torch.float32)
+    model.generation_config.do_sample = False
+    model.save_pretrained(out, safe_serialization=True)
+
+
 def build_gpu_deepseek(out: Path) -> None:
     import torch
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
@@ -75,7 +98,8 @@ def main(out: Path, names: list[str]) -> None:
 
     os.environ.setdefault("RAYON_NUM_THREADS", "1")  # deterministic BPE merges
 
-    builders = {"gpu-llama": build_gpu_llama, "gpu-deepseek": build_gpu_deepseek}
+    builders = {"gpu-llama": build_gpu_llama, "gpu-deepseek": build_gpu_deepseek,
+                "gpu-window": build_gpu_window}
     for name in names or [*builders, "llama3-8b"]:
         if name == "llama3-8b":
             if not (out / "gpu-llama").exists():
