@@ -26,7 +26,8 @@ ITEMS=(  # name  box(s)  min(s)  what (issue 40 priority)
   "ttft-k12 150 100 TTFT at 8k: sink+K12 vs sink on one engine, median of 10 pairs"
   "k12-1step 170 120 one-step recompute on CUDA (opt-in): gpu-llama fp16 FLASH_ATTN K=4 PIECEWISE vs the HF reference, then TTFT sink+K12 vs sink at 8k"
   "remap 60 25 launch-geometry sweep of the fused load and capture (gpu_remap.py --sweep quick --sweep-only)"
-  "window-triton 150 100 sliding window on TRITON_ATTN (issue 52): gpu-window fp16 vs the HF windowed reference"
+  "window-triton 120 70 sliding window on TRITON_ATTN (issue 52): gpu-window fp16, eager, vs the HF windowed reference"
+  "window-fa 120 70 sliding window on FLASH_ATTN (issue 52): gpu-window fp16, eager, vs the HF windowed reference"
 )
 
 half() {  # half ENV...: the half-precision exactness test (tests/e2e) under these settings
@@ -53,7 +54,9 @@ run_item() {  # the command of one item; its output goes to the item's log
         CHUNK_HALF_RECOMPUTE=4 CHUNK_HALF_CUDAGRAPH=PIECEWISE CHUNK_CACHE_RECOMPUTE_ONE_STEP=1 &&
       ttft chunk 8192 10 TTFT_RECOMPUTE_K=12 TTFT_CUDAGRAPH=PIECEWISE CHUNK_CACHE_RECOMPUTE_ONE_STEP=1 ;;
     remap) python3 benchmarks/gpu_remap.py --sweep quick --sweep-only ;;
-    window-triton) half CHUNK_HALF_MODEL=$M/gpu-window CHUNK_HALF_DTYPES=float16 CHUNK_HALF_BACKEND=TRITON_ATTN ;;
+    window-triton) half CHUNK_HALF_MODEL=$M/gpu-window CHUNK_HALF_DTYPES=float16 CHUNK_HALF_BACKEND=TRITON_ATTN CHUNK_HALF_EAGER=1 ;;
+    window-fa) half CHUNK_HALF_MODEL=$M/gpu-window CHUNK_HALF_DTYPES=float16 CHUNK_HALF_BACKEND=FLASH_ATTN \
+      CHUNK_HALF_EAGER=1 ;;
   esac
 }
 

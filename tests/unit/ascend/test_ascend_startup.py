@@ -102,14 +102,14 @@ def test_deepseek_on_ascend_mla_forms_a_steps_cos_sin_once_per_frequencies(batch
 # path (its custom ops, rope classes and NPUPlatform's attention backend): accepted
 # with the rope below, or refused with the message the regex matches. From the
 # documented rules (docs/ascend.md, "The model-family matrix on Ascend"): a window
-# shorter than max_model_len is shown exact on CPU_ATTN and TRITON_ATTN only, so it is refused on
+# shorter than max_model_len is shown exact on CPU_ATTN, TRITON_ATTN and FLASH_ATTN only, so it is refused on
 # Ascend's attention naming the layer and the backend (the worker's check runs
 # before the scheduler's); a window of at least max_model_len is full attention; a
 # model without RoPE is refused naming its layers.
 _WINDOW = (r"chunk cache does not support sliding-window attention "
            r"\(model\.layers\.0\.self_attn\.attn, window {}\) on the attention backend "
            r"AscendAttentionBackendImpl: windowed layers are shown exact on "
-           r"CPUAttentionBackendImpl, TritonAttentionImpl only")
+           r"CPUAttentionBackendImpl, TritonAttentionImpl, FlashAttentionImpl only")
 # Accepted: the rope found for every layer (class, rotary_dim, neox pairing) from
 # the family's config (head size 32 times its partial rotary factor; GLM-4's GPT-J
 # pairs; Phi-3's LongRoPE is vLLM's own class, which vllm-ascend does not replace).

@@ -157,21 +157,24 @@ def test_kv_sharing_layers_are_refused():
 CPUAttentionBackendImpl = type("CPUAttentionBackendImpl", (), {"kv_cache_dtype": "auto"})
 FlashAttentionImpl = type("FlashAttentionImpl", (), {"kv_cache_dtype": "auto"})
 TritonAttentionImpl = type("TritonAttentionImpl", (), {"kv_cache_dtype": "auto"})
+FlashInferImpl = type("FlashInferImpl", (), {"kv_cache_dtype": "auto"})
 
 
 def test_sliding_window_layers_are_served_where_shown_exact():
     """Issue 42. Before: every windowed layer was refused, even Gemma 2's 4096
     on a 4096-token model. A window of at least max_model_len is full attention
     on any backend; a shorter one is served on CPU_ATTN (shown exact by the
-    family matrix) and on TRITON_ATTN (its kernel under Triton's interpreter,
-    issue 52: test_query_runs_triton_attn.py), and refused elsewhere, naming
-    the layer and the backend."""
+    family matrix), on TRITON_ATTN (its kernel under Triton's interpreter, issue
+    52: test_query_runs_triton_attn.py) and on TRITON_ATTN and FLASH_ATTN as run
+    on an H200 (issue 52, docs/gpu.md), and refused elsewhere, naming the layer
+    and the backend."""
     check_attention_layer("l0", _attention(sliding_window=8, impl=CPUAttentionBackendImpl()), 4096)
     check_attention_layer("l0", _attention(sliding_window=8, impl=TritonAttentionImpl()), 4096)
-    check_attention_layer("l0", _attention(sliding_window=4096, impl=FlashAttentionImpl()), 4096)
+    check_attention_layer("l0", _attention(sliding_window=8, impl=FlashAttentionImpl()), 4096)
+    check_attention_layer("l0", _attention(sliding_window=4096, impl=FlashInferImpl()), 4096)
     with pytest.raises(ValueError, match=r"sliding-window attention \(l0, window 4095\) on "
-                       "the attention backend FlashAttentionImpl"):
-        check_attention_layer("l0", _attention(sliding_window=4095, impl=FlashAttentionImpl()),
+                       "the attention backend FlashInferImpl"):
+        check_attention_layer("l0", _attention(sliding_window=4095, impl=FlashInferImpl()),
                               4096)
 
 
