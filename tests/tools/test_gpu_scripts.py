@@ -34,7 +34,7 @@ def test_issue40_plans_the_items_in_priority_order_within_the_budget(tmp_path):
     items = [line.split(":")[0] for line in done.stdout.splitlines()[1:]
              if "dry-run, would run" in line]
     assert items == ["mla-triton", "mla-fa", "mla-flashmla", "ttft-chunk", "ttft-stock",
-                     "ttft-k12", "k12-1step", "remap", "window-triton", "window-fa"]
+                     "ttft-k12", "k12-1step", "remap", "window-triton", "window-fa", "ttft-profile"]
     # Eight minutes: the first items run, the rest are skipped by name, nothing overruns.
     done = _run(["bash", str(GPU / "issue40.sh"), "--dry-run", "--budget", "480"], tmp_path)
     assert done.returncode == 0

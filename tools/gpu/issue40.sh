@@ -28,6 +28,7 @@ ITEMS=(  # name  box(s)  min(s)  what (issue 40 priority)
   "remap 60 25 launch-geometry sweep of the fused load and capture (gpu_remap.py --sweep quick --sweep-only)"
   "window-triton 120 70 sliding window on TRITON_ATTN (issue 52): gpu-window fp16, eager, vs the HF windowed reference"
   "window-fa 120 70 sliding window on FLASH_ATTN (issue 52): gpu-window fp16, eager, vs the HF windowed reference"
+  "ttft-profile 150 100 TTFT at 32k under the torch profiler: where the all-hit request's time above the floor goes"
 )
 
 half() {  # half ENV...: the half-precision exactness test (tests/e2e) under these settings
@@ -54,6 +55,7 @@ run_item() {  # the command of one item; its output goes to the item's log
         CHUNK_HALF_RECOMPUTE=4 CHUNK_HALF_CUDAGRAPH=PIECEWISE CHUNK_CACHE_RECOMPUTE_ONE_STEP=1 &&
       ttft chunk 8192 10 TTFT_RECOMPUTE_K=12 TTFT_CUDAGRAPH=PIECEWISE CHUNK_CACHE_RECOMPUTE_ONE_STEP=1 ;;
     remap) python3 benchmarks/gpu_remap.py --sweep quick --sweep-only ;;
+    ttft-profile) ttft chunk 32768 3 TTFT_PROFILE=1 ;;
     window-triton) half CHUNK_HALF_MODEL=$M/gpu-window CHUNK_HALF_DTYPES=float16 CHUNK_HALF_BACKEND=TRITON_ATTN CHUNK_HALF_EAGER=1 ;;
     window-fa) half CHUNK_HALF_MODEL=$M/gpu-window CHUNK_HALF_DTYPES=float16 CHUNK_HALF_BACKEND=FLASH_ATTN \
       CHUNK_HALF_EAGER=1 ;;
@@ -77,6 +79,7 @@ figures() {  # figures ITEM LOG: the lines of the summary that carry the item's 
       grep -E "[0-9]+ (passed|failed|error|skipped)" "$log" | tail -1 ;;
     remap) grep -E "^device|copy:|^sweep|best" "$log" | head -6
            grep -E "^(load|capture) .* False *$" "$log" | head -3 ;;
+    ttft-profile) grep -E "Self CPU time total|Self CUDA time total" "$log" | head -2 ;;
     ttft-*) grep -E '^\{' "$log" | cut -c1-200 | head -6
           grep -E "Error" "$log" | tail -1 ;;
   esac
