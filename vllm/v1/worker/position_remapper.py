@@ -668,8 +668,7 @@ class RemapScratch:
     @classmethod
     def row_bytes(cls, roles: tuple, elements: dict[str, int], dtype: torch.dtype) -> int:
         """Bytes per row of the buffers `roles` for parts of `elements` values."""
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        return sum(elements[part] * (4 if fp32 else itemsize)
+        return sum(elements[part] * (4 if fp32 else dtype.itemsize)
                    for _, fp32, part in roles if cls._needed(fp32, dtype))
 
     @classmethod
