@@ -195,11 +195,7 @@ class ChunkPromptSplitter:
                 f"'{SEGMENTS_KEY}' marks the segments explicitly; split_chunks=false "
                 "cannot apply to it (send the text as 'prompt' to serve it unsplit)",
                 parameter="split_chunks")
-        if getattr(params, "truncate_prompt_tokens", None) is not None:
-            raise ChunkPromptError(
-                "truncate_prompt_tokens cannot be used with a chunked prompt "
-                "(truncation would cut segments of the chunk layout)",
-                parameter="truncate_prompt_tokens")
+        _refuse_truncation(params)
         if not isinstance(segments, list) or len(segments) < 2:
             raise ChunkPromptError(
                 f"'{SEGMENTS_KEY}' must be a list of at least 2 segments (the system "
@@ -235,12 +231,7 @@ class ChunkPromptSplitter:
         text = prompt.get("prompt")
         if not isinstance(text, str) or self.parser.separator not in text:
             return None
-        if getattr(params, "truncate_prompt_tokens", None) is not None:
-            raise ChunkPromptError(
-                "truncate_prompt_tokens cannot be used with a chunked prompt "
-                "(truncation would cut segments of the chunk layout)",
-                parameter="truncate_prompt_tokens",
-            )
+        _refuse_truncation(params)
         pre = params.apply_pre_tokenization(tokenizer, {"prompt": text})
         return pre["prompt"]
 
@@ -272,6 +263,14 @@ class ChunkPromptSplitter:
         prompt["prompt_token_ids"] = chunked.token_ids
         prompt[LAYOUT_KEY] = list(chunked.segment_lengths)
         return prompt
+
+
+def _refuse_truncation(params: Any) -> None:
+    if getattr(params, "truncate_prompt_tokens", None) is not None:
+        raise ChunkPromptError(
+            "truncate_prompt_tokens cannot be used with a chunked prompt "
+            "(truncation would cut segments of the chunk layout)",
+            parameter="truncate_prompt_tokens")
 
 
 def _token_ids(seg: list) -> bool:

@@ -204,20 +204,10 @@ class ChunkBlockPool:
             raise ValueError(f"chunk {chunk_hash.hex()} is already allocated")
         if num_tokens < 1:
             raise ValueError(f"cannot allocate {num_tokens} rows")
-        num_blocks = self.blocks_needed(num_tokens)
-        if not self.can_allocate(num_blocks):
-            raise ValueError(
-                f"chunk pool cannot hold {num_blocks} blocks: "
-                f"{len(self._free_blocks)} free, "
-                f"{self._evictable_blocks} evictable of {self.num_blocks}"
-            )
-        evicted = []
-        while len(self._free_blocks) < num_blocks:
-            evicted.append(self._evict_lru())
-        block_ids = [self._free_blocks.popleft() for _ in range(num_blocks)]
+        block_ids, evicted = self._take_blocks(self.blocks_needed(num_tokens), "hold")
         entry = ChunkPoolEntry(chunk_hash, block_ids, num_tokens, pin_count=1)
         self._entries[chunk_hash] = entry
-        return PoolAllocation(entry=entry, evicted=tuple(evicted))
+        return PoolAllocation(entry=entry, evicted=evicted)
 
     def reserve(self, pins: Sequence[ChunkHash],
                 allocations: Sequence[tuple[ChunkHash, int]]) -> Reservation | None:
@@ -314,19 +304,9 @@ class ChunkBlockPool:
         if holder in self._held:
             raise ValueError(f"holder {holder} already holds pool blocks")
         held = tuple(entry.block_ids)
-        num_blocks = len(held)
-        if not self.can_allocate(num_blocks):
-            raise ValueError(
-                f"chunk pool cannot relocate {num_blocks} blocks: "
-                f"{len(self._free_blocks)} free, "
-                f"{self._evictable_blocks} evictable of {self.num_blocks}"
-            )
+        entry.block_ids, evicted = self._take_blocks(len(held), "relocate")
         self._held[holder] = held
-        evicted = []
-        while len(self._free_blocks) < num_blocks:
-            evicted.append(self._evict_lru())
-        entry.block_ids = [self._free_blocks.popleft() for _ in range(num_blocks)]
-        return PoolRelocation(entry=entry, held=held, evicted=tuple(evicted))
+        return PoolRelocation(entry=entry, held=held, evicted=evicted)
 
     def release_held(self, holder: str) -> tuple[PoolBlockId, ...]:
         """Put the blocks held under `holder` back on the free list (at its
@@ -379,6 +359,22 @@ class ChunkBlockPool:
         if entry is None:
             raise KeyError(f"chunk {chunk_hash.hex()} is not in the pool")
         return entry
+
+    def _take_blocks(self, num_blocks: int, verb: str
+                     ) -> tuple[list[PoolBlockId], tuple[ChunkHash, ...]]:
+        """`num_blocks` free blocks, evicting LRU entries for room (those
+        evicted, oldest first); raises ValueError, changing nothing, if they
+        cannot fit even after evicting every unpinned entry."""
+        if not self.can_allocate(num_blocks):
+            raise ValueError(
+                f"chunk pool cannot {verb} {num_blocks} blocks: "
+                f"{len(self._free_blocks)} free, "
+                f"{self._evictable_blocks} evictable of {self.num_blocks}"
+            )
+        evicted = []
+        while len(self._free_blocks) < num_blocks:
+            evicted.append(self._evict_lru())
+        return [self._free_blocks.popleft() for _ in range(num_blocks)], tuple(evicted)
 
     def _evict_lru(self) -> ChunkHash:
         victim = next(iter(self._lru))

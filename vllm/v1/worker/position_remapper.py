@@ -668,8 +668,7 @@ class RemapScratch:
     @classmethod
     def row_bytes(cls, roles: tuple, elements: dict[str, int], dtype: torch.dtype) -> int:
         """Bytes per row of the buffers `roles` for parts of `elements` values."""
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        return sum(elements[part] * (4 if fp32 else itemsize)
+        return sum(elements[part] * (4 if fp32 else dtype.itemsize)
                    for _, fp32, part in roles if cls._needed(fp32, dtype))
 
     @classmethod
@@ -722,6 +721,21 @@ class RemapScratch:
             )
             self._buffers[key] = buffer
         return buffer[:num_rows]
+
+    def rotated(self, rotate: Callable[[torch.Tensor, torch.Tensor], object],
+                source: torch.Tensor, out: torch.Tensor, roles: tuple[str, str]) -> torch.Tensor:
+        """`out` after `rotate(rows, into)` ran in fp32 (module doc): on `source`
+        itself if it is fp32, else through the fp32 buffers `roles` (the rows'
+        copy, the result), cast back once into `out`."""
+        if source.dtype == torch.float32:
+            rotate(source, out)
+            return out
+        num_rows = source.shape[0]
+        source32 = self.take(roles[0], source, num_rows, torch.float32)
+        source32.copy_(source)
+        result32 = self.take(roles[1], source, num_rows, torch.float32)
+        rotate(source32, result32)
+        return out.copy_(result32)
 
 
 class PositionRemapper:
@@ -781,14 +795,7 @@ class PositionRemapper:
             cos_sin = (None if stretches is None or rows.stretch_index is None
                        else stretches.rows(rows.stretch_index))
             rotated = self.scratch.take("rotated", pool_key, num_rows)
-            if key.dtype == torch.float32:
-                key = rotation.rotate(key, rows.deltas, cos_sin, out=rotated)
-            else:
-                # The rotation runs in fp32 (module doc): through fp32 buffers,
-                # cast back once into the pool's dtype.
-                key32 = self.scratch.take("key32", key, num_rows, torch.float32)
-                key32.copy_(key)
-                rotated32 = self.scratch.take("rotated32", key, num_rows, torch.float32)
-                rotation.rotate(key32, rows.deltas, cos_sin, out=rotated32)
-                key = rotated.copy_(rotated32)
+            key = self.scratch.rotated(
+                lambda rows32, into: rotation.rotate(rows32, rows.deltas, cos_sin, out=into),
+                key, rotated, ("key32", "rotated32"))
         self.write_rows(layer_name, key, value, rows.dst_slots)

@@ -181,19 +181,12 @@ class LatentLayer:
         if self.rotation is not None:
             cos_sin = (None if stretches is None or rows.stretch_index is None
                        else stretches.rows(rows.stretch_index))
-            out = self.scratch.take("k_pe_rotated", pool_r, n)
-            if k_pe.dtype == torch.float32:
-                # [n, 1, rope_dim]: k_pe is one head shared by every query head.
-                self.rotation.rotate(k_pe[:, None], rows.deltas, cos_sin, out=out[:, None])
-            else:
-                # The rotation runs in fp32 (position_remapper's module doc).
-                k_pe32 = self.scratch.take("k_pe32", k_pe, n, torch.float32)
-                k_pe32.copy_(k_pe)
-                rotated32 = self.scratch.take("k_pe_rotated32", k_pe, n, torch.float32)
-                self.rotation.rotate(k_pe32[:, None], rows.deltas, cos_sin,
-                                     out=rotated32[:, None])
-                out.copy_(rotated32)
-            k_pe = out
+            rotation = self.rotation
+            # [n, 1, rope_dim]: k_pe is one head shared by every query head.
+            k_pe = self.scratch.rotated(
+                lambda rows32, into: rotation.rotate(rows32[:, None], rows.deltas, cos_sin,
+                                                     out=into[:, None]),
+                k_pe, self.scratch.take("k_pe_rotated", pool_r, n), ("k_pe32", "k_pe_rotated32"))
         self.writer.write(self.layer, kv_c, k_pe, rows.dst_slots, self.kv_cache)
         if self.indexer is not None:
             self._load_indexer_keys(rows, stretches)
@@ -208,16 +201,9 @@ class LatentLayer:
         torch.index_select(pool_i, 0, rows.src_rows, out=keys)
         cos_sin = (None if stretches is None or rows.stretch_index is None
                    else stretches.rows(rows.stretch_index))
-        out = self.scratch.take("index_k_rotated", pool_i, n)
-        if keys.dtype == torch.float32:
-            reposition_indexer_keys(part.layout, part.rotation, keys, rows.deltas, cos_sin,
-                                    out=out)
-        else:
-            # The rotation runs in fp32, one rounding to the pool's dtype.
-            keys32 = self.scratch.take("index_k32", keys, n, torch.float32)
-            keys32.copy_(keys)
-            rotated32 = self.scratch.take("index_k_rotated32", keys, n, torch.float32)
-            reposition_indexer_keys(part.layout, part.rotation, keys32, rows.deltas, cos_sin,
-                                    out=rotated32)
-            out.copy_(rotated32)
+        out = self.scratch.rotated(
+            lambda rows32, into: reposition_indexer_keys(part.layout, part.rotation, rows32,
+                                                         rows.deltas, cos_sin, out=into),
+            keys, self.scratch.take("index_k_rotated", pool_i, n),
+            ("index_k32", "index_k_rotated32"))
         part.writer.write(self.layer, out, rows.dst_slots, self.kv_cache)

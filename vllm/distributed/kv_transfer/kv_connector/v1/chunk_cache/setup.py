@@ -233,7 +233,7 @@ def _pool_blocks(vllm_config: VllmConfig, num_kv_blocks: int, block_size: int) -
         cache_dtype = getattr(vllm_config.cache_config, "cache_dtype", "auto")
         ratio = 1.0  # cache in the model dtype: same bytes per token
         if cache_dtype not in (None, "auto"):
-            ratio = _itemsize(_kv_dtype(vllm_config)) / _itemsize(pool_dtype(vllm_config))
+            ratio = _kv_dtype(vllm_config).itemsize / pool_dtype(vllm_config).itemsize
         tokens = int(num_kv_blocks * block_size * ratio * f / (1.0 - f))
     return max(0, tokens // POOL_BLOCK_SIZE)
 
@@ -291,10 +291,6 @@ def _as_dtype(dtype: torch.dtype | str) -> torch.dtype:
     return STR_DTYPE_TO_TORCH_DTYPE.get(dtype, torch.uint8)
 
 
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
-
-
 def pool_dtype(vllm_config: VllmConfig) -> torch.dtype:
     """The dtype the pool is allocated (and sized) in: the model dtype.
 
@@ -319,12 +315,12 @@ def _kv_dtype(vllm_config: VllmConfig) -> torch.dtype:
 def pool_bytes_per_token(vllm_config: VllmConfig) -> int:
     """Bytes one token takes in the pool: K and V rows of every layer, in the
     dtype the worker allocates the pool in (`pool_dtype`)."""
-    return _layer_kv_elements(vllm_config) * _itemsize(pool_dtype(vllm_config))
+    return _layer_kv_elements(vllm_config) * pool_dtype(vllm_config).itemsize
 
 
 def kv_bytes_per_token(vllm_config: VllmConfig) -> int:
     """Bytes one token takes in vLLM's paged KV cache (its cache dtype)."""
-    return _layer_kv_elements(vllm_config) * _itemsize(_kv_dtype(vllm_config))
+    return _layer_kv_elements(vllm_config) * _kv_dtype(vllm_config).itemsize
 
 
 def _bos_token_id(vllm_config: VllmConfig) -> int | None:

@@ -211,7 +211,6 @@ def _check_model_kind(model_config: Any) -> None:
             "--enable-chunk-cache does not support multimodal models yet "
             "(M-RoPE positions are not linear in the token index)"
         )
-    hf_config = getattr(model_config, "hf_config", None)
     if hf_config is not None:
         check_model_config(hf_config)
 
