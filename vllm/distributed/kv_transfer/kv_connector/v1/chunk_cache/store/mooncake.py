@@ -44,6 +44,17 @@ logger = init_logger(__name__)
 # something other than StoreCode.ERROR.
 _MC_BUFFER_OVERFLOW = -600
 _MC_OBJECT_NOT_FOUND = -704
+# NOTE (issue 50, finding 1's last edge): how long the memory of a get that
+# Mooncake returned as failed (or that raised) stays the call's after it
+# returned. Measured with 0.3.13.post1, in-process client over TCP, the segment
+# holder stopped: the batch gave up after its 60 s transfer wait
+# (TRANSFER_FAIL), but the TCP transport's sessions for its slices were retried
+# (dropped at +30 s and +61 s, a new one opened after the call had returned),
+# and the one open when the holder resumed wrote the value into the buffers
+# after `on_release` had run: into a closed engine's freed pool, a heap
+# corruption in the next engine. A get that succeeded for every key has no
+# transfer left; one that failed is released only after this grace.
+LATE_WRITE_GRACE_S = 180.0
 # NOTE: setup connects, mounts and registers: give it more than one call's deadline.
 _SETUP_DEADLINE_FACTOR = 4
 _MIN_SETUP_DEADLINE_S = 10.0
@@ -72,6 +83,8 @@ class StoreCallStats:
 
     calls: int = 0
     timeouts: int = 0
+    # Failed gets whose memory was held for LATE_WRITE_GRACE_S after they returned.
+    releases_deferred: int = 0
     refused_while_stuck: int = 0
     errors: int = 0
 
@@ -344,10 +357,49 @@ class MooncakeChunkStore(ChunkStore):
             on_release()
             return []
         n = len(keys)
+        if kind == "get":
+            fn, on_release = self._deferred_if_failed(fn, n, on_release)
         result = self._call(kind, fn, on_release)
         if result.status is not CallStatus.OK:
             return [self._failure_code(result.status)] * n
         return self._map_codes(result.value, n, get=kind == "get")
+
+    def _deferred_if_failed(self, fn: Callable[[], Any], n: int,
+                            on_release: Release) -> tuple[Callable[[], Any], Release]:
+        """`fn` and `on_release` for a get: its memory is released when the call
+        returned only if Mooncake transferred every key (or found it absent);
+        after a failure (or an exception) only LATE_WRITE_GRACE_S later, as the
+        transport may still write into it (see LATE_WRITE_GRACE_S). A call
+        never started (refused, closed) is released at once."""
+        state = {"suspect": False}
+
+        def run() -> Any:
+            state["suspect"] = True  # inside Mooncake: suspect until it says done
+            value = fn()
+            state["suspect"] = not self._transferred_all(value, n)
+            return value
+
+        def release() -> None:
+            if not state["suspect"]:
+                on_release()
+                return
+            self._count("releases_deferred")
+            logger.warning("chunk store: a get failed inside Mooncake; the memory it was "
+                           "given stays its own for %.0f s more (its transport may still "
+                           "write into it)", LATE_WRITE_GRACE_S)
+            timer = threading.Timer(LATE_WRITE_GRACE_S, on_release)
+            timer.daemon = True
+            timer.name = "chunk-store-late-release"
+            timer.start()
+
+        return run, release
+
+    @staticmethod
+    def _transferred_all(value: Any, n: int) -> bool:
+        """Mooncake's answer says no transfer of the call is left: each key's
+        bytes landed, or it was not found (nothing was transferred for it)."""
+        return (isinstance(value, list) and len(value) == n
+                and all(code >= 0 or code == _MC_OBJECT_NOT_FOUND for code in value))
 
     def _failure_code(self, status: CallStatus) -> int:
         if status in (CallStatus.TIMEOUT, CallStatus.BUSY):
