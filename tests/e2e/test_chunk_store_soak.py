@@ -409,7 +409,7 @@ def _check_soak(report: SoakReport) -> None:
     # NOTE: through the node's client A's hung reads are still lent when it closes;
     # with reads into the pool, A's requests wait for the rows its hung reads hold
     # (a full pool), so A closes once Mooncake gave those reads up, while its
-    # transport may still write (mooncake.LATE_WRITE_GRACE_S).
+    # transport may still write (mooncake._RETIRED).
     assert report.counters["restart_reads_given_up"] > 0, "no read of engine A hung"
 
 

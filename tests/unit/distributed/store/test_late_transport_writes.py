@@ -113,8 +113,9 @@ class FailedThenLateClient:
         return 0
 
 
-def _reader_with_a_failed_read(monkeypatch, grace_s: float):
-    monkeypatch.setattr(mooncake, "LATE_WRITE_GRACE_S", grace_s, raising=False)
+def _reader_with_a_failed_read(monkeypatch):
+    # NOTE: what this test's retired gets hold is dropped with the test.
+    monkeypatch.setattr(mooncake, "_RETIRED", [], raising=False)
     client = FailedThenLateClient()
     store = mooncake.MooncakeChunkStore(parse_store_spec(SPEC), client)
     src = small_pool(seed=1)
@@ -139,9 +140,9 @@ def test_a_closed_engines_pool_outlives_a_failed_gets_late_transport_writes(monk
     """The engine is closed while its read hangs; Mooncake then returns the
     get as failed, and its transport writes into the pool afterwards. Before,
     the call's return released the pool (the lease's last hold): it was freed
-    and the write landed in freed memory. Now a failed get's memory is held
-    LATE_WRITE_GRACE_S after it returned, and let go after that."""
-    client, store, reader, dst, _ = _reader_with_a_failed_read(monkeypatch, grace_s=1.0)
+    and the write landed in freed memory. Now a failed get's memory is never
+    released in this process (the transport's retries have no bound)."""
+    client, store, reader, dst, _ = _reader_with_a_failed_read(monkeypatch)
     pool = weakref.ref(dst["layers.0.k"])
     assert reader.close(timeout_s=0.2) == 1  # the call holds the pool
     del reader, dst
@@ -157,22 +158,21 @@ def test_a_closed_engines_pool_outlives_a_failed_gets_late_transport_writes(monk
     assert client.landed.wait(10)
     late = pool()
     assert late is not None
-    assert (late.view(torch.uint8)[5 * 16:5 * 16 + 30] == LATE).all()  # it landed in the pool
+    assert (late.view(torch.uint8)[5 * 16:5 * 16 + 30] == LATE).all()  # landed in the pool
     del late
-    assert store.stats.releases_deferred == 1
-    deadline = time.monotonic() + 10
-    while pool() is not None:  # not held for good: let go after the grace
-        assert time.monotonic() < deadline, "the pool outlived the grace"
-        time.sleep(0.05)
-        gc.collect()
+    assert store.stats.gets_retired == 1
+    time.sleep(0.2)
+    gc.collect()
+    assert pool() is not None
 
 
-def test_a_failed_gets_rows_are_returned_only_after_the_grace(monkeypatch):
+def test_a_failed_gets_rows_are_never_returned(monkeypatch):
     """In a live engine the rows a failed get was given are not handed to
     another entry when the call returns: its transport's late write would land
-    in rows served unchecked. They come back after the grace, and the rows the
-    other reads landed in are untouched."""
-    client, store, reader, dst, a = _reader_with_a_failed_read(monkeypatch, grace_s=1.0)
+    in rows served unchecked. They stay lent (the scheduler writes them off at
+    held_limit), and the connection serves on, exact, in other rows."""
+    client, store, reader, dst, a = _reader_with_a_failed_read(monkeypatch)
+    untouched = rows_of(dst, (1, 2), 30)
     client.go.set()
     assert store.wait_idle(10)
     assert _reports(reader, 3).rows_returned == {}, "rows returned while the transport writes"
@@ -180,22 +180,17 @@ def test_a_failed_gets_rows_are_returned_only_after_the_grace(monkeypatch):
     assert client.landed.wait(10)
     late = rows_of(dst, (5, 6), 30)
     assert all((v.view(torch.uint8) == LATE).all() for v in late.values())
-    deadline = time.monotonic() + 10
-    returned = {}
-    while not returned:
-        returned = _reports(reader).rows_returned
-        assert time.monotonic() < deadline, "the rows never came back"
-        time.sleep(0.05)
-    assert returned == {"f1": 1}
-    assert reader.get_arena.in_use() == 0 and reader.lent_bytes() == 0
-    # The connection serves on, exact.
+    assert _reports(reader, 3).rows_returned == {}
+    assert reader._rows_held.keys() == {"f1"} and reader.lent_bytes() > 0
+    for name, rows in rows_of(dst, (1, 2), 30).items():
+        assert torch.equal(rows, untouched[name]), name
     reader.on_step(StoreStep(epoch=0, fetches=[EntryFetch("f2", a, (1, 2))]))
     assert step_until(reader, "f2") is FetchOutcome.OK
 
 
 def test_a_get_that_transferred_everything_is_released_when_it_returns(monkeypatch):
-    """No grace for a get Mooncake completed: its rows come back with the call."""
-    monkeypatch.setattr(mooncake, "LATE_WRITE_GRACE_S", 3600.0, raising=False)
+    """A get Mooncake completed (or found absent) is released when it returns."""
+    monkeypatch.setattr(mooncake, "_RETIRED", [], raising=False)
     client = FailedThenLateClient()
     client.block_first = False
     store = mooncake.MooncakeChunkStore(parse_store_spec(SPEC), client)
@@ -210,4 +205,4 @@ def test_a_get_that_transferred_everything_is_released_when_it_returns(monkeypat
                                                EntryFetch("g", entry([1, 5, 6, 7]), (3,))]))
     assert step_until(reader, "f") is FetchOutcome.OK
     _reports(reader, 2)
-    assert reader.lent_bytes() == 0 and store.stats.releases_deferred == 0
+    assert reader.lent_bytes() == 0 and store.stats.gets_retired == 0

@@ -44,17 +44,21 @@ logger = init_logger(__name__)
 # something other than StoreCode.ERROR.
 _MC_BUFFER_OVERFLOW = -600
 _MC_OBJECT_NOT_FOUND = -704
-# NOTE (issue 50, finding 1's last edge): how long the memory of a get that
-# Mooncake returned as failed (or that raised) stays the call's after it
-# returned. Measured with 0.3.13.post1, in-process client over TCP, the segment
+# NOTE (issue 50, finding 1's last edge): a get Mooncake returned as failed (or
+# that raised) is never released: its memory stays its own for the process's
+# life. Measured with 0.3.13.post1, in-process client over TCP, the segment
 # holder stopped: the batch gave up after its 60 s transfer wait
-# (TRANSFER_FAIL), but the TCP transport's sessions for its slices were retried
-# (dropped at +30 s and +61 s, a new one opened after the call had returned),
-# and the one open when the holder resumed wrote the value into the buffers
-# after `on_release` had run: into a closed engine's freed pool, a heap
-# corruption in the next engine. A get that succeeded for every key has no
-# transfer left; one that failed is released only after this grace.
-LATE_WRITE_GRACE_S = 180.0
+# (TRANSFER_FAIL) and returned, but the TCP transport kept retrying its slices
+# on new connections (each dropped after 30 s without progress: at +30, +61,
+# +92, +123 s, for as long as the holder stayed stopped), and the one open when
+# the holder resumed wrote the value into the buffers: after `on_release` had
+# run, into a closed engine's freed pool, a heap corruption in the next engine.
+# No finite wait bounds that, and Mooncake offers no cancel. A get that
+# transferred every key (or found it absent) has nothing left in flight.
+# What a retired get held: pool tensors (kept here), arena spans (never freed),
+# pool rows (lent until the scheduler writes them off at held_limit).
+_RETIRED: list[Release] = []
+_RETIRED_LOCK = threading.Lock()
 # NOTE: setup connects, mounts and registers: give it more than one call's deadline.
 _SETUP_DEADLINE_FACTOR = 4
 _MIN_SETUP_DEADLINE_S = 10.0
@@ -83,8 +87,8 @@ class StoreCallStats:
 
     calls: int = 0
     timeouts: int = 0
-    # Failed gets whose memory was held for LATE_WRITE_GRACE_S after they returned.
-    releases_deferred: int = 0
+    # Failed gets whose memory is never released (Mooncake may still write into it).
+    gets_retired: int = 0
     refused_while_stuck: int = 0
     errors: int = 0
 
@@ -368,9 +372,9 @@ class MooncakeChunkStore(ChunkStore):
                             on_release: Release) -> tuple[Callable[[], Any], Release]:
         """`fn` and `on_release` for a get: its memory is released when the call
         returned only if Mooncake transferred every key (or found it absent);
-        after a failure (or an exception) only LATE_WRITE_GRACE_S later, as the
-        transport may still write into it (see LATE_WRITE_GRACE_S). A call
-        never started (refused, closed) is released at once."""
+        after a failure (or an exception) never (see _RETIRED: its transport
+        may still write into it). A call never started (refused, closed) is
+        released at once."""
         state = {"suspect": False}
 
         def run() -> Any:
@@ -383,14 +387,12 @@ class MooncakeChunkStore(ChunkStore):
             if not state["suspect"]:
                 on_release()
                 return
-            self._count("releases_deferred")
+            self._count("gets_retired")
+            with _RETIRED_LOCK:
+                _RETIRED.append(on_release)  # holds what the call was given
             logger.warning("chunk store: a get failed inside Mooncake; the memory it was "
-                           "given stays its own for %.0f s more (its transport may still "
-                           "write into it)", LATE_WRITE_GRACE_S)
-            timer = threading.Timer(LATE_WRITE_GRACE_S, on_release)
-            timer.daemon = True
-            timer.name = "chunk-store-late-release"
-            timer.start()
+                           "given is never reused in this process (its transport may "
+                           "still write into it; %d such gets)", len(_RETIRED))
 
         return run, release
 
