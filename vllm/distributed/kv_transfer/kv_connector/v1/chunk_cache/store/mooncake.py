@@ -44,6 +44,9 @@ logger = init_logger(__name__)
 # something other than StoreCode.ERROR.
 _MC_BUFFER_OVERFLOW = -600
 _MC_OBJECT_NOT_FOUND = -704
+# Codes of a get answered before any transfer was submitted (bad arguments, the
+# master's RPC failed): nothing of it is left in flight.
+_MC_BEFORE_TRANSFER = (-10, _MC_BUFFER_OVERFLOW, _MC_OBJECT_NOT_FOUND, -900, -901)
 # NOTE (issue 50, finding 1's last edge): a get Mooncake returned as failed (or
 # that raised) is never released: its memory stays its own for the process's
 # life. Measured with 0.3.13.post1, in-process client over TCP, the segment
@@ -54,7 +57,9 @@ _MC_OBJECT_NOT_FOUND = -704
 # the holder resumed wrote the value into the buffers: after `on_release` had
 # run, into a closed engine's freed pool, a heap corruption in the next engine.
 # No finite wait bounds that, and Mooncake offers no cancel. A get that
-# transferred every key (or found it absent) has nothing left in flight.
+# transferred every key, or failed before any transfer (_MC_BEFORE_TRANSFER),
+# has nothing left in flight. Through the node's client the transfers are that
+# process's, into shared memory this process never frees: released as before.
 # What a retired get held: pool tensors (kept here), arena spans (never freed),
 # pool rows (lent until the scheduler writes them off at held_limit).
 _RETIRED: list[Release] = []
@@ -361,7 +366,7 @@ class MooncakeChunkStore(ChunkStore):
             on_release()
             return []
         n = len(keys)
-        if kind == "get":
+        if kind == "get" and self.spec.local_client is None:
             fn, on_release = self._deferred_if_failed(fn, n, on_release)
         result = self._call(kind, fn, on_release)
         if result.status is not CallStatus.OK:
@@ -399,9 +404,9 @@ class MooncakeChunkStore(ChunkStore):
     @staticmethod
     def _transferred_all(value: Any, n: int) -> bool:
         """Mooncake's answer says no transfer of the call is left: each key's
-        bytes landed, or it was not found (nothing was transferred for it)."""
+        bytes landed, or it failed before a transfer was submitted for it."""
         return (isinstance(value, list) and len(value) == n
-                and all(code >= 0 or code == _MC_OBJECT_NOT_FOUND for code in value))
+                and all(code >= 0 or code in _MC_BEFORE_TRANSFER for code in value))
 
     def _failure_code(self, status: CallStatus) -> int:
         if status in (CallStatus.TIMEOUT, CallStatus.BUSY):
