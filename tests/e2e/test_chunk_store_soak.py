@@ -243,8 +243,8 @@ def _engine_closed_mid_read_in_a_process(fleet: MooncakeFleet, workdir: Path, se
     report.faults.append("close-engine-mid-read")
     try:
         with open(log, "wb") as f:
-            rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT,
-                                timeout=1800).returncode
+            rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=1800,
+                                cwd=Path(__file__).resolve().parents[2]).returncode
     except subprocess.TimeoutExpired:
         rc = "timeout"
     finally:
