@@ -421,7 +421,7 @@ def _check_soak(report: SoakReport) -> None:
     assert report.counters["pool_blocks_held"] == 0
     assert report.counters.get("store_hits", 0) > 0
     assert len(report.faults) >= 5
-    assert report.restart_served == report.restart_requests == 48
+    assert report.restart_served == report.restart_requests == 43  # 8 + 3 + 4 + 8 + 20
     assert report.counters["restart_reads_given_up"] > 0, "no read of engine A hung"
     assert report.counters["restart_lent_at_close"] > 0, "no read hung when the engine closed"
 
