@@ -52,11 +52,10 @@ def child_finished(manager, child_request_id: str) -> list[str]:
     return list(outcome.ready)
 
 
-def report(manager, *, done=(), failed=(), lent=(), rows_returned=(), written_off=()) -> Outcome:
+def report(manager, *, done=(), failed=(), lent=(), rows_returned=()) -> Outcome:
     """A store report naming these fetches (`failed`: rows returned by every
     rank; `lent`: failed with rows still held by some rank)."""
     failures = tuple(FetchFailure(fid, "error", rows_held=False) for fid in failed) + tuple(
         FetchFailure(fid, "error", rows_held=True) for fid in lent)
     return manager.store_report(ReportResult(done=tuple(done), failed=failures,
-                                             rows_returned=tuple(rows_returned),
-                                             written_off=tuple(written_off)))
+                                             rows_returned=tuple(rows_returned)))

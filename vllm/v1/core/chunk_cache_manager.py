@@ -25,7 +25,8 @@ counter (docs/design/ownership.md). Life of a chunked request (the parent):
    (docs/design/store-path.md).
    A failed fetch whose rows a store call still holds is computed into new
    blocks (the old ones held until `rows_returned`), or, with no room for
-   them, in its own once they are returned.
+   them, in its own once they are returned; rows held past `held_limit_s`
+   are written off by `write_off_held`, once per scheduler step.
 3. `finish_child` (one `Outcome`): a child stored its
    rows (the entry becomes RESIDENT; with a store, the `Outcome` carries its
    put) or ended without them; a failed child is retried once, then its
@@ -51,6 +52,7 @@ polls it.
 """
 
 import dataclasses
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -174,6 +176,7 @@ class ChunkCacheManager:
         sink_token_id: int | None = None,
         recompute_tokens: int = 0,
         store: StoreProbe | None = None,
+        held_limit_s: float | None = None,
     ):
         self.recompute_tokens = recompute_tokens
         self.context_mode = ChunkContextMode(context_mode)
@@ -189,6 +192,13 @@ class ChunkCacheManager:
         # call holds and that the pool had no other room for: their children
         # start when the rows come back (`rows_returned`).
         self._waiting_for_rows: set[str] = set()
+        # Failed fetches whose rows a store call holds (waiting or relocated)
+        # -> when they failed; written off past `held_limit_s` by
+        # `write_off_held` (None: held until returned). The clock is
+        # injectable for tests.
+        self.held_limit_s = held_limit_s
+        self.clock = time.monotonic
+        self._held_since: dict[str, float] = {}
         self._child_by_hash: dict[ChunkHash, str] = {}
         self._new_children: list[ChildSpec] = []
         self._refusals: list[ChunkRefusal] = []
@@ -434,7 +444,7 @@ class ChunkCacheManager:
     def store_report(self, result: ReportResult) -> Outcome:
         """The store's decisions from the workers' report of a step: fetches
         done, failed (computed by a child, in new blocks if their rows are
-        still lent, or once they are returned), rows returned or written off.
+        still lent, or once they are returned), rows returned.
 
         NOTE: returned rows first: the blocks they free may be the room a
         failed fetch below needs to compute elsewhere."""
@@ -443,11 +453,30 @@ class ChunkCacheManager:
             self._rows_returned(fetch_id)
         for fetch_id in result.done:
             ready += self._fetch_finished(fetch_id)
-        for fetch_id in result.written_off:
-            self._rows_written_off(fetch_id)
         for failure in result.failed:
             self._fetch_failed(failure.fetch_id, rows_lent=failure.rows_held)
         return Outcome(children=tuple(self.take_new_children()), ready=tuple(ready))
+
+    def write_off_held(self) -> Outcome:
+        """Once per scheduler step: failed fetches whose rows a store call has
+        held for `held_limit_s` are written off (`Outcome.written_off`, for the
+        store to forget them; a later return is ignored), with the children that
+        compute a waiting fetch elsewhere.
+
+        NOTE: a step's, not a report's: workers report only what changed, and a
+        call that never returns changes nothing, so an engine whose every
+        request waited for held rows sent no report and waited for good. An
+        engine that runs no step at all (no request) writes off at its next
+        step: nothing waits for the rows meanwhile."""
+        if not self._held_since:
+            return Outcome()
+        now = self.clock()
+        expired = [f for f, since in self._held_since.items()
+                   if now - since >= self.held_limit_s]
+        for fetch_id in expired:
+            self._rows_written_off(fetch_id)
+        return Outcome(children=tuple(self.take_new_children()),
+                       written_off=tuple(expired))
 
     def _child_finished(self, child_request_id: str) -> list[str]:
         """The child's rows are in the pool. Returns parents now ready."""
@@ -524,6 +553,8 @@ class ChunkCacheManager:
         assert fetch.fetch is not None
         h = fetch.spec.chunk_hash
         if rows_lent:
+            if self.held_limit_s is not None:
+                self._held_since[fetch_id] = self.clock()
             entry = self.pool.get(h)
             assert entry is not None
             if not self.pool.can_allocate(len(entry.block_ids)):
@@ -540,6 +571,7 @@ class ChunkCacheManager:
         has returned: its former pool blocks are free again, or, for a fetch
         that waited for them, its child starts in them (returned). Raises
         KeyError for a fetch whose rows were not held."""
+        self._held_since.pop(fetch_id, None)
         if fetch_id in self._waiting_for_rows:
             self._waiting_for_rows.discard(fetch_id)
             return self._compute_failed_fetch(fetch_id)
@@ -556,6 +588,7 @@ class ChunkCacheManager:
         NOTE (issue 50, finding 4): without a bound, a call that never returns
         (RDMA, long MC_* timeouts) held its blocks, and any parent waiting on it,
         for good."""
+        self._held_since.pop(fetch_id, None)
         if fetch_id not in self._waiting_for_rows:
             self.pool.write_off(fetch_id)
             return None

@@ -93,7 +93,8 @@ class ChildPut:
 
 @dataclass(frozen=True)
 class Outcome:
-    """What one event (a child's end, a store report) changed."""
+    """What one event (a child's end, a store report, a step's write-off of
+    held rows) changed."""
 
     # Children to schedule (retries, failed fetches computed instead).
     children: tuple[ChildSpec, ...] = ()
@@ -101,3 +102,6 @@ class Outcome:
     ready: tuple[str, ...] = ()
     # The finished child's entry to write to the store, if any.
     put: ChildPut | None = None
+    # Failed fetches whose held rows were written off (`write_off_held`): the
+    # store forgets them, so a call's late return is ignored.
+    written_off: tuple[str, ...] = ()

@@ -76,10 +76,8 @@ class ReportResult:
     # Failed fetches reported with rows_held earlier whose rows every rank
     # has returned since.
     rows_returned: tuple[str, ...] = ()
-    # Failed fetches whose rows stayed lent past the spec's held_limit: their
-    # pool blocks are written off (a later return is ignored).
-    written_off: tuple[str, ...] = ()
-
+    # NOTE: rows held past the store's held_limit are written off by the
+    # manager on its step (ChunkCacheManager.write_off_held), not here.
 
 
 class StoreProbe(Protocol):

@@ -2,7 +2,8 @@
 bound. The scheduler half (a real adapter and manager) is driven by the reports of a
 real worker store path (StoreTransfers) whose store double blocks its first read
 (BlockingScatterStore: a call that does not return until the test says so). The age
-limit is counted on an injected clock; nothing here asserts a duration."""
+limit is counted on the manager's injected clock and checked once per scheduler step
+(`build_connector_meta`); nothing here asserts a duration."""
 
 from __future__ import annotations
 
@@ -27,7 +28,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.scheduler_adapter 
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store.messages import (
     FetchOutcome,
-    StoreReport,
     StoreStep,
 )
 from vllm.v1.core.chunk_store_probe import StoreAnswer, StoreLookup
@@ -63,7 +63,7 @@ def _stuck_read(num_kv_blocks: int):
         store=f"mooncake://127.0.0.1:1?lookup_timeout=600&held_limit={LIMIT_S:g}"
               "&local_client=none"))
     now = [1000.0]
-    adapter.store.clock = lambda: now[0]
+    adapter.manager.clock = lambda: now[0]
     adapter.manager.store_probe = DocumentHits()
     store = BlockingScatterStore()
     pool = small_pool(seed=3)
@@ -119,11 +119,11 @@ def test_a_fetch_waiting_for_rows_that_never_return_is_refused_at_the_limit():
     assert adapter.take_internal_requests() == []  # waits: no room for other blocks
     assert adapter.stats().pool_blocks_held == 1, "the waiting fetch's blocks are held"
     now[0] += LIMIT_S - 1
-    adapter.on_store_report(StoreReport())
+    adapter.build_connector_meta(_scheduled_nothing())
     assert adapter.take_failed_requests() == {} and adapter.stats().pool_blocks_held == 1
 
     now[0] += 1
-    adapter.on_store_report(StoreReport())
+    adapter.build_connector_meta(_scheduled_nothing())
     failed = adapter.take_failed_requests()
     assert list(failed) == ["p"] and "written off" in failed["p"], failed
     assert "document 1" in failed["p"] and "retrying the request is safe" in failed["p"]
@@ -157,12 +157,45 @@ def test_rows_held_past_the_limit_after_the_document_was_computed_elsewhere_leav
         finish(adapter, c, RequestStatus.FINISHED_LENGTH_CAPPED)
     assert adapter.get_num_new_matched_tokens(p, 0) == (8, False)
     now[0] += LIMIT_S
-    adapter.on_store_report(StoreReport())
+    adapter.build_connector_meta(_scheduled_nothing())
     stats = adapter.stats()
     assert (stats.pool_blocks_total, stats.pool_blocks_held) == (2, 0)
     assert adapter.take_failed_requests() == {}
     _late_write_returns(store, worker, adapter, fetch.fetch_id)
     assert set(fetch.pool_block_ids).isdisjoint(adapter.manager.pool._free_blocks)
     assert adapter.manager.pool.num_blocks == 2
+    adapter.store.close()
+    worker.close(timeout_s=1.0)
+
+
+def test_rows_held_past_the_limit_are_written_off_on_a_step_without_a_worker_report():
+    """The write-off is the scheduler's, once per step: it never waits for a worker
+    report. Workers send one only when something of theirs changed, and a call that
+    never returns changes nothing; so an engine whose every request waited for the
+    held rows (a full pool) sent none, and the rows were never written off
+    (test_chunk_store_late_write.py hung there once Mooncake's failed gets were
+    retired)."""
+    adapter, now, store, worker, pool, p, sys_child, fetch = _stuck_read(num_kv_blocks=2)
+    assert adapter.take_internal_requests() == []  # waits: no room for other blocks
+    now[0] += LIMIT_S - 1
+    adapter.build_connector_meta(_scheduled_nothing())
+    assert adapter.take_failed_requests() == {} and adapter.stats().pool_blocks_held == 1
+
+    now[0] += 1
+    worker.on_step(StoreStep(epoch=0))
+    assert worker.take_report() is None, "the stuck call reports nothing"
+    adapter.build_connector_meta(_scheduled_nothing())  # a step, no report
+    failed = adapter.take_failed_requests()
+    assert list(failed) == ["p"] and "written off" in failed["p"], (
+        "held rows past held_limit not written off on a step without a report: "
+        f"refused {failed}, pool {adapter.stats()}")
+    stats = adapter.stats()
+    assert (stats.pool_blocks_total, stats.pool_blocks_held) == (1, 0)
+    assert adapter.store.counters.take().get("store_reads_written_off") == 1
+
+    _late_write_returns(store, worker, adapter, fetch.fetch_id)
+    assert adapter.manager.pool.num_blocks == 1
+    finish(adapter, sys_child, RequestStatus.FINISHED_LENGTH_CAPPED)
+    finish(adapter, p, RequestStatus.FINISHED_ABORTED)
     adapter.store.close()
     worker.close(timeout_s=1.0)

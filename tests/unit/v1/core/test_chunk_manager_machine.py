@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """The manager's pins and held blocks under random admissions, children, store
-fetches (ok, failed, failed with rows lent, rows returned or written off),
-releases and resets
+fetches (ok, failed, failed with rows lent, rows returned or written off at the
+held limit on a step), releases and resets
 (issue 51, deliverable 1).
 
 The model is the test's own record of who is live: admitted parents (each with
@@ -33,6 +33,8 @@ NS = ChunkNamespace(model="m", kv_dtype="float32", tokenizer="t")
 SYSTEMS = [[1, 2, 3], [4, 5]]
 # Documents of 2..9 tokens (1..3 pool blocks of 4 rows).
 DOCS = [list(range(100 * i, 100 * i + n)) for i, n in enumerate((2, 5, 9, 4, 7, 3), 1)]
+# The store's held-rows limit (on the machine's clock).
+HELD_LIMIT_S = 10.0
 
 
 def prompt(segments: list[list[int]]) -> ChunkedPrompt:
@@ -62,7 +64,10 @@ class ManagerMachine(RuleBasedStateMachine):
         super().__init__()
         self.probe = Probe()
         self.m = ChunkCacheManager(10, 4, ChunkContextMode.SINK, sink_token_id=1,
-                                   store=self.probe)
+                                   store=self.probe, held_limit_s=HELD_LIMIT_S)
+        self.now = 0.0
+        self.m.clock = lambda: self.now
+        self.held_since: dict[str, float] = {}  # lent or waiting -> when it failed
         self.parents: dict[str, set[ChunkHash]] = {}  # live -> keys pinned
         self.children: dict[str, ChunkHash] = {}  # computing writers
         self.fetches: dict[str, ChunkHash] = {}  # reading writers
@@ -148,6 +153,8 @@ class ManagerMachine(RuleBasedStateMachine):
             self.waiting[fid] = h
         elif outcome == "lent":
             self.lent.add(fid)
+        if outcome == "lent":
+            self.held_since[fid] = self.now
         self._take()  # the child computing it instead
 
     @precondition(lambda self: self.lent or self.waiting)
@@ -155,6 +162,7 @@ class ManagerMachine(RuleBasedStateMachine):
     def rows_returned(self, data):
         fid = data.draw(st.sampled_from(sorted(self.lent | set(self.waiting))))
         specs = self._children_of(report(self.m, rows_returned=[fid]))
+        del self.held_since[fid]
         if fid in self.waiting:
             del self.waiting[fid]
             assert len(specs) == 1  # its child
@@ -163,14 +171,19 @@ class ManagerMachine(RuleBasedStateMachine):
             assert specs == ()
         self._take()
 
-    @precondition(lambda self: self.lent or self.waiting)
-    @rule(data=st.data())
-    def rows_written_off(self, data):
-        """The rows stayed lent past the store's held limit (issue 50, finding 4)."""
-        fid = data.draw(st.sampled_from(sorted(self.lent | set(self.waiting))))
-        self._children_of(report(self.m, written_off=[fid]))
-        self.lent.discard(fid)
-        self.waiting.pop(fid, None)
+    @rule(seconds=st.sampled_from([0.0, HELD_LIMIT_S / 2, HELD_LIMIT_S]))
+    def step(self, seconds):
+        """A scheduler step, `seconds` later: the rows that stayed lent for the
+        store's held limit are written off (issue 50, finding 4), those only."""
+        self.now += seconds
+        outcome = self.m.write_off_held()
+        due = {f for f, since in self.held_since.items() if self.now - since >= HELD_LIMIT_S}
+        assert set(outcome.written_off) == due
+        self._children_of(outcome)
+        for fid in due:
+            del self.held_since[fid]
+            self.lent.discard(fid)
+            self.waiting.pop(fid, None)
         self._take()  # computed elsewhere, or its parents refused
 
     @rule()
@@ -191,10 +204,12 @@ class ManagerMachine(RuleBasedStateMachine):
                 report(self.m, done=[fid])
             for fid in list(self.waiting):
                 del self.waiting[fid]
+                del self.held_since[fid]
                 assert len(self._children_of(report(self.m, rows_returned=[fid]))) == 1
                 self._take()
             for fid in list(self.lent):
                 self.lent.discard(fid)
+                del self.held_since[fid]
                 assert report(self.m, rows_returned=[fid]).children == ()
             for rid in list(self.children):
                 del self.children[rid]

@@ -16,6 +16,7 @@ request's state and every counter. This module only translates:
   the chunk head to compute after it: one per step, or every later stretch
   too where the model runner computes query runs (step_loads.py);
 * `build_connector_meta`: the step's decisions -> paged slots and pool rows;
+  with a store, the step's write-off of rows held past held_limit;
 * `request_finished`: children stored their rows (or failed and are
   retried); parents are released;
 * `reset`: vLLM reset its caches (weights changed, sleep): the manager
@@ -128,6 +129,7 @@ class ChunkCacheSchedulerAdapter:
             sink_token_id=cfg.chunk_sink_token_id,
             recompute_tokens=cfg.chunk_recompute_tokens,
             store=self.store,
+            held_limit_s=None if self.store is None else self.store.held_limit_s,
         )
         model_config = vllm_config.model_config
         self._model = str(model_config.model)
@@ -279,6 +281,7 @@ class ChunkCacheSchedulerAdapter:
         self._add_stores(meta, scheduler_output)
         self._loads.end_step()
         if self.store is not None:
+            self._write_off_held()
             meta.store = self.store.take_step(self.manager.epoch)
             self.manager.puts_shipped()
         return meta
@@ -386,6 +389,17 @@ class ChunkCacheSchedulerAdapter:
         for spec in outcome.children:
             logger.info("chunk store: computing %s as %s (its read failed)",
                         spec.chunk_hash.hex()[:16], spec.request_id)
+        self._hand_out(outcome.children)
+
+    def _write_off_held(self) -> None:
+        """Once per step (the manager decides): rows a store call held past
+        held_limit leave the pool; the store forgets them."""
+        outcome = self.manager.write_off_held()
+        for fetch_id in outcome.written_off:
+            self.store.write_off(fetch_id)
+        for spec in outcome.children:
+            logger.info("chunk store: computing %s as %s (the rows its read was given "
+                        "are written off)", spec.chunk_hash.hex()[:16], spec.request_id)
         self._hand_out(outcome.children)
 
     # ----------------------------------------------------------- internal

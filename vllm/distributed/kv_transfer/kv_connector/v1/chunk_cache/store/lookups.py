@@ -159,11 +159,9 @@ class StoreClient:
         # Fetch id -> ranks that lent its pool rows minus those that returned
         # them, while undecided or failed with rows held (issue 39, finding 9).
         self._lent: dict[str, int] = {}
-        # Failed fetches with rows held -> when they failed (the clock is
-        # injectable for tests); written off past held_limit_s.
-        self.clock = time.monotonic
+        # Past this, the manager writes off a failed fetch's held rows
+        # (ChunkCacheManager.write_off_held) and this forgets it (write_off).
         self.held_limit_s = self._shared.spec.held_limit_s
-        self._held_since: dict[str, float] = {}
         # LoRA int id -> digest of the weights every rank reported loading for it
         # (finding 6); an id whose ranks disagree is absent (never shared).
         self._lora_digests: dict[int, str] = {}
@@ -380,7 +378,6 @@ class StoreClient:
             if self._lent[fetch_id] <= 0 and fetch_id not in self._fetches:
                 # Failed with rows held in an earlier report: now free.
                 del self._lent[fetch_id]
-                self._held_since.pop(fetch_id, None)
                 returned.append(fetch_id)
         done, failed = [], []
         for fetch_id, results in report.outcomes.items():
@@ -410,25 +407,16 @@ class StoreClient:
             name = f"store_misses_{FetchOutcome(cause).value}"
             setattr(self.counters, name, getattr(self.counters, name) + 1)
             failed.append(FetchFailure(fetch_id, FetchOutcome(cause), rows_held=held))
-            if held:
-                self._held_since[fetch_id] = self.clock()
-        return ReportResult(tuple(done), tuple(failed), tuple(returned),
-                            self._write_off_held())
+        return ReportResult(tuple(done), tuple(failed), tuple(returned))
 
-    def _write_off_held(self) -> tuple[str, ...]:
-        """Failed fetches whose rows stayed lent past held_limit_s: forgotten here
-        (a rank's late return is then ignored), logged once each, counted."""
-        now = self.clock()
-        expired = [f for f, since in self._held_since.items()
-                   if now - since >= self.held_limit_s]
-        for fetch_id in expired:
-            since = self._held_since.pop(fetch_id)
-            self._lent.pop(fetch_id, None)
-            self.counters.store_reads_written_off += 1
-            logger.warning("chunk store: %s's store call has held its pool rows for %.0f s "
-                           "(held_limit); they are written off: out of the pool for good, "
-                           "never read or handed out again", fetch_id, now - since)
-        return tuple(expired)
+    def write_off(self, fetch_id: str) -> None:
+        """The manager wrote off a failed fetch's held rows (held_limit): forgotten
+        here (a rank's late return is then ignored), logged once, counted."""
+        self._lent.pop(fetch_id, None)
+        self.counters.store_reads_written_off += 1
+        logger.warning("chunk store: %s's store call has held its pool rows for %g s "
+                       "(held_limit); they are written off: out of the pool for good, "
+                       "never read or handed out again", fetch_id, self.held_limit_s)
 
     def close(self) -> None:
         self._thread.shutdown(wait=False, cancel_futures=True)
