@@ -31,45 +31,36 @@ GPU_DEEPSEEK_OVERRIDES = dict(qk_nope_head_dim=128, v_head_dim=128, num_hidden_l
                               first_k_dense_replace=3)
 
 
-def build_gpu_llama(out: Path) -> None:
+def _build_small(out: Path, family: str, **extra) -> None:
+    """tiny-llama's tokenizer with head_dim 64 (the smallest head size every CUDA
+    attention backend of vLLM 0.23 takes), as a Llama or a Mistral."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    import transformers
 
     import make_tiny_llama
 
     out.mkdir(parents=True, exist_ok=True)
     make_tiny_llama.build_tokenizer(out)
     torch.manual_seed(0)
-    config = LlamaConfig(
+    config = getattr(transformers, f"{family}Config")(
         vocab_size=make_tiny_llama.VOCAB_SIZE, hidden_size=256, intermediate_size=512,
         num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
         max_position_embeddings=4096, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2,
-        pad_token_id=2, tie_word_embeddings=False, initializer_range=0.1)
-    model = LlamaForCausalLM(config).to(torch.float32)
+        pad_token_id=2, tie_word_embeddings=False, initializer_range=0.1, **extra)
+    model = getattr(transformers, f"{family}ForCausalLM")(config).to(torch.float32)
     model.generation_config.do_sample = False
     model.save_pretrained(out, safe_serialization=True)
+
+
+def build_gpu_llama(out: Path) -> None:
+    _build_small(out, "Llama")
 
 
 def build_gpu_window(out: Path) -> None:
     """gpu-llama's shapes as a Mistral whose every layer has a sliding window of 24 keys
     (tests/e2e/families.py's MID_WINDOW): shorter than the prompts and their chunks, so a
     loaded chunk's keys fall out of later tokens' windows (issue 52, window-triton)."""
-    import torch
-    from transformers import MistralConfig, MistralForCausalLM
-
-    import make_tiny_llama
-
-    out.mkdir(parents=True, exist_ok=True)
-    make_tiny_llama.build_tokenizer(out)
-    torch.manual_seed(0)
-    config = MistralConfig(
-        vocab_size=make_tiny_llama.VOCAB_SIZE, hidden_size=256, intermediate_size=512,
-        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-        max_position_embeddings=4096, sliding_window=24, rms_norm_eps=1e-5, bos_token_id=1,
-        eos_token_id=2, pad_token_id=2, tie_word_embeddings=False, initializer_range=0.1)
-    model = MistralForCausalLM(config).to(torch.float32)
-    model.generation_config.do_sample = False
-    model.save_pretrained(out, safe_serialization=True)
+    _build_small(out, "Mistral", sliding_window=24)
 
 
 def build_gpu_deepseek(out: Path) -> None:
