@@ -49,8 +49,11 @@ def fleet(tmp_path_factory):
 
 
 def make_replica(fleet):
+    # NOTE: reads straight into the pool rows (direct_reads, issue 39 finding 9):
+    # the holder-stopped test checks the rows a stuck read holds. Reads through
+    # the arena (the default) are the soak's (tests/e2e/test_chunk_store_soak.py).
     return make_llm(MODEL, enable_chunk_cache=True, chunk_context="sink",
-                    chunk_store=fleet.spec_text, max_model_len=1024)
+                    chunk_store=fleet.spec_text + "&direct_reads=1", max_model_len=1024)
 
 
 def worker_store(llm):

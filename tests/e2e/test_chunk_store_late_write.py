@@ -20,8 +20,10 @@ the calls complete (the late write lands in the held rows) and return them.
 `held_limit` is short so that a failed get makes this fail (Y refused) in about
 a minute instead of waiting for the default 300 s.
 
-Engine W writes X's documents to a real Mooncake Store (its client in process:
-reads land in the pool), then engine R (small pool) serves. About 1 min here.
+Engine W writes X's documents to a real Mooncake Store (its client in process,
+`direct_reads=1`: reads land in the pool rows, what this test is about; by
+default they land in the get arena and hold no rows), then engine R (small
+pool) serves. About 1 min here.
 """
 
 from __future__ import annotations
@@ -75,7 +77,8 @@ def test_a_late_write_never_reaches_a_document_served_from_reused_rows(tmp_path)
         x_total, x_docs, y_docs)
     with MooncakeFleet(tmp_path / "mooncake", lookup_timeout_s=5.0, timeout_s=10.0) as fleet:
         kwargs = dict(enable_chunk_cache=True, chunk_context="sink",
-                      chunk_store=fleet.spec_text + f"&held_limit={HELD_LIMIT_S:g}",
+                      chunk_store=(fleet.spec_text
+                                   + f"&held_limit={HELD_LIMIT_S:g}&direct_reads=1"),
                       max_model_len=1024)
         w = make_llm(MODEL, **kwargs)
         try:

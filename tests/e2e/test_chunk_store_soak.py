@@ -168,9 +168,10 @@ def run_soak(workdir: Path, requests: int, concurrency: int = 8, seed: int = 39,
     report = SoakReport(requests=requests)
     # NOTE: through the node's client (the recommended set-up): a client killed
     # or crashed (SIGSEGV) is a miss in the replicas, never a dead replica.
-    # `local_client=False`: Mooncake's client in each replica, reads straight
-    # into the pool (finding 9); the faults hit the segment holder, so reads
-    # hang and are given up on with their pool rows still lent.
+    # `local_client=False`: Mooncake's client in each replica, reads into the
+    # get arena (the default; `direct_reads=1` would read into the pool rows);
+    # the faults hit the segment holder, so reads hang and are given up on, and
+    # a get Mooncake then fails in transfer retires its arena span.
     with MooncakeFleet(workdir / "mooncake", segment_bytes=512 << 20, timeout_s=2.0,
                        local_client=local_client) as fleet:
         replicas = []
@@ -428,9 +429,10 @@ def _check_soak(report: SoakReport) -> None:
 
 @pytest.mark.e2e
 @pytest.mark.slow
-def test_fault_soak_reads_into_the_pool_no_wrong_answer(tmp_path):
-    """The same with Mooncake's client in each replica: reads land in pool
-    rows, a hung one keeps them (held blocks), and no answer is wrong."""
+def test_fault_soak_client_in_process_no_wrong_answer(tmp_path):
+    """The same with Mooncake's client in each replica (reads through the get
+    arena, the default): a get Mooncake fails in transfer retires its arena
+    span, never pool rows, and no answer is wrong."""
     _check_soak(run_soak(tmp_path, requests=500, local_client=False))
 
 

@@ -67,8 +67,9 @@ def _stuck_read(num_kv_blocks: int):
     adapter.manager.store_probe = DocumentHits()
     store = BlockingScatterStore()
     pool = small_pool(seed=3)
+    # NOTE: reads into the pool rows (direct_reads): only those lend rows.
     worker = transfers("mooncake://127.0.0.1:1?read_timeout=0.05&timeout=0.05&arena=1MB"
-                       "&local_client=none", pool, store=store)
+                       "&local_client=none&direct_reads=1", pool, store=store)
     wait_identity(worker)
     p = parent("p", [3, 5, 2])
     adapter.on_new_request(p)

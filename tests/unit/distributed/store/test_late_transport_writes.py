@@ -49,7 +49,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store.spec import 
 )
 
 _TRANSFER_FAIL = -800
-SPEC = "mooncake://127.0.0.1:1?read_timeout=0.05&timeout=0.05&arena=1MB&local_client=none"
+# NOTE: reads into the pool rows (direct_reads): what these tests are about.
+SPEC = ("mooncake://127.0.0.1:1?read_timeout=0.05&timeout=0.05&arena=1MB&local_client=none"
+        "&direct_reads=1")
 LATE = 0x7F
 
 

@@ -82,3 +82,16 @@ def test_json_form_equals_the_url_form():
 def test_bad_specs_say_what_is_wrong(text, message):
     with pytest.raises(ValueError, match=__import__("re").escape(message)):
         parse_store_spec(text)
+
+
+def test_reads_go_through_the_arena_unless_direct_reads_is_given():
+    """Issue 50: direct_reads (reads straight into the pool rows) only when asked."""
+    assert parse_store_spec("mooncake://127.0.0.1:50051?local_client=none").direct_reads is False
+    for text in ("mooncake://127.0.0.1:50051?local_client=none&direct_reads=1",
+                 '{"master": "127.0.0.1:50051", "local_client": null, "direct_reads": true}'):
+        spec = parse_store_spec(text)
+        assert spec.direct_reads is True, text
+        assert parse_store_spec(spec.to_url()) == spec
+    assert parse_store_spec("mooncake://h:1?direct_reads=0").direct_reads is False
+    with pytest.raises(ValueError, match="direct_reads must be 0 or 1"):
+        parse_store_spec("mooncake://127.0.0.1:50051?direct_reads=maybe")

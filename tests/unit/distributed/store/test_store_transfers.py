@@ -257,8 +257,8 @@ def test_a_read_into_pool_rows_given_up_holds_them_until_the_call_returns():
     drain_puts(writer)
 
     dst = small_pool(seed=2)
-    reader = transfers("mooncake://127.0.0.1:1?read_timeout=0.05&arena=1MB&local_client=none",
-                       dst, store=store)
+    reader = transfers("mooncake://127.0.0.1:1?read_timeout=0.05&arena=1MB&local_client=none"
+                       "&direct_reads=1", dst, store=store)
     wait_identity(reader)
     assert reader.reads_into_pool()
     spans = []
@@ -430,7 +430,8 @@ def _round_trip_8b(big_fleet) -> None:
             for i in range(32) for kv in "kv"}
     # NOTE: the read is given all the time it needs: this test is about size
     # (how long a read may take is test_a_read_given_up_keeps_its_span...).
-    t = transfers(f"{big_fleet.spec_text}&read_timeout=120", pool,
+    # direct_reads: in process the read lands in the pool's rows (finding 9).
+    t = transfers(f"{big_fleet.spec_text}&read_timeout=120&direct_reads=1", pool,
                   max_chunk_tokens=max_tokens)
     assert t.row_bytes == 128 << 10
     assert t.shared_ready(60)
@@ -463,8 +464,8 @@ def _round_trip_8b(big_fleet) -> None:
           f"({100 * read / memcpy:.0f}%)")
     assert t.counters["store_get_bytes"] == entry_format.header_nbytes(len(tokens)) \
         + max_tokens * (128 << 10) + 16
-    # In process the read lands in the pool's rows (finding 9); through the
-    # node's client only its shared memory can be written: the arena.
+    # In process (direct_reads) the read lands in the pool's rows (finding 9);
+    # through the node's client only its shared memory can be written: the arena.
     assert t.counters.get("store_gets_into_pool", 0) == (
         0 if big_fleet.spec().local_client else 1)
 
@@ -486,7 +487,7 @@ def test_an_authenticated_entry_reads_back_only_with_the_fleets_secret(big_fleet
     for name, spec in (("secret", f"{base}&key_file={secret}"),
                        ("other", f"{base}&key_file={other}"), ("none", base)):
         dst = small_pool(seed=4)
-        reader = transfers(spec, dst)
+        reader = transfers(f"{spec}&direct_reads=1", dst)
         assert reader.shared_ready(60)
         wait_identity(reader)
         reader.on_step(StoreStep(epoch=0, fetches=[EntryFetch(name, e, (4, 5, 6))]))
@@ -531,7 +532,7 @@ def test_a_later_engines_pool_in_an_earlier_ones_memory_is_registered_again(
     place; unless a call of the store may still write there (then its reads
     go through the arena)."""
     store = RegistryStore()
-    shared = SharedStore("mooncake://127.0.0.1:1?local_client=none")
+    shared = SharedStore("mooncake://127.0.0.1:1?local_client=none&direct_reads=1")
     shared.use(store)
     memory = torch.zeros(2 * 4 * 8 * POOL_BLOCK_SIZE * 16 + 64)
 
@@ -587,9 +588,8 @@ def test_an_authenticated_entry_whose_header_tokens_were_rewritten_is_a_miss(tmp
                          virtual_start=a.virtual_start, cache_salt=None, lora="")
 
     for direct in (True, False):
-        reader = transfers(spec, small_pool(seed=2), store=store)
-        if not direct:
-            reader._pool_buffers = []  # reads through the arena (a device pool)
+        reader = transfers(spec + ("&direct_reads=1" if direct else ""), small_pool(seed=2),
+                           store=store)
         wait_identity(reader)
         assert reader.reads_into_pool() is direct
         # The genuine entry still reads back; the forged header does not.
@@ -682,7 +682,7 @@ def _blocking_reader(store: BlockingScatterStore):
     drain_puts(writer)
     dst = small_pool(seed=2)
     reader = transfers("mooncake://127.0.0.1:1?read_timeout=0.05&timeout=0.05&arena=1MB"
-                       "&local_client=none", dst, store=store)
+                       "&local_client=none&direct_reads=1", dst, store=store)
     wait_identity(reader)
     assert reader.reads_into_pool()
     return reader, dst, a, b
@@ -779,11 +779,11 @@ def test_verification_makes_no_torch_view_on_the_get_thread():
     writer.on_step(StoreStep(epoch=0, puts=[EntryPut(a, (0, 1))]))
     drain_puts(writer)
     for direct in (True, False):
-        reader = transfers("mooncake://127.0.0.1:1?arena=1MB&local_client=none",
-                           small_pool(seed=2), store=store)
-        if not direct:
-            reader._pool_buffers = []
+        reader = transfers("mooncake://127.0.0.1:1?arena=1MB&local_client=none"
+                           + ("&direct_reads=1" if direct else ""), small_pool(seed=2),
+                           store=store)
         wait_identity(reader)
+        assert reader.reads_into_pool() is direct
         threads = []
         view = reader.get_arena.view
         reader.get_arena.view = lambda *args: threads.append(
@@ -808,8 +808,8 @@ def _pool_reader_with_a_stuck_read(seed: int = 2):
     writer.on_step(StoreStep(epoch=0, puts=[EntryPut(a, (0, 1))]))
     drain_puts(writer)
     dst = small_pool(seed=seed)
-    reader = transfers("mooncake://127.0.0.1:1?read_timeout=0.05&arena=1MB&local_client=none",
-                       dst, store=store)
+    reader = transfers("mooncake://127.0.0.1:1?read_timeout=0.05&arena=1MB&local_client=none"
+                       "&direct_reads=1", dst, store=store)
     wait_identity(reader)
     assert reader.reads_into_pool()
     reader.on_step(StoreStep(epoch=0, fetches=[EntryFetch("f1", a, (5, 6))]))

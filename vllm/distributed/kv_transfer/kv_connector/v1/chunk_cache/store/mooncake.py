@@ -58,10 +58,15 @@ _MC_BEFORE_TRANSFER = (-10, _MC_BUFFER_OVERFLOW, _MC_OBJECT_NOT_FOUND, -900, -90
 # run, into a closed engine's freed pool, a heap corruption in the next engine.
 # No finite wait bounds that, and Mooncake offers no cancel. A get that
 # transferred every key, or failed before any transfer (_MC_BEFORE_TRANSFER),
-# has nothing left in flight. Through the node's client the transfers are that
-# process's, into shared memory this process never frees: released as before.
-# What a retired get held: pool tensors (kept here), arena spans (never freed),
-# pool rows (lent until the scheduler writes them off at held_limit).
+# has nothing left in flight. Through the node's client the same: the
+# transfers are that process's, whose transport retries just the same, into
+# the dummy client's shared memory; released when the call returned, the span
+# went to the next read, and a late write could change its bytes between
+# verification (get thread) and the copy into the pool (step thread). So a
+# failed get is retired in both modes. What a retired get held: arena spans
+# (never freed: the arena shrinks by them, and a read finding no room is a
+# miss), and with `direct_reads` pool tensors (kept here) and pool rows (lent
+# until the scheduler writes them off at held_limit).
 _RETIRED: list[Release] = []
 _RETIRED_LOCK = threading.Lock()
 # NOTE: setup connects, mounts and registers: give it more than one call's deadline.
@@ -366,7 +371,7 @@ class MooncakeChunkStore(ChunkStore):
             on_release()
             return []
         n = len(keys)
-        if kind == "get" and self.spec.local_client is None:
+        if kind == "get":
             fn, on_release = self._deferred_if_failed(fn, n, on_release)
         result = self._call(kind, fn, on_release)
         if result.status is not CallStatus.OK:

@@ -22,7 +22,12 @@ authenticated with a keyed BLAKE3 MAC; default none), `local_client`
 are then made by that process, and this one holds only Mooncake's dummy
 client and shared memory; default 127.0.0.1:50052, that service's own
 default port, unless `segment` lends memory; `none`: the client runs in this
-process),
+process), `direct_reads` (1: with the client in this process and a host
+pool, a read lands straight in the pool rows the scheduler allocated;
+faster by one host copy, but a get Mooncake fails in transfer then costs
+its pool rows until `held_limit`, and each write-off shrinks the pool for
+good; default 0: every read lands in the get arena and is copied into the
+pool once verified, so a failed get costs arena space only),
 `protocol` (tcp, rdma
 or ascend; default tcp), `metadata_server` (default P2PHANDSHAKE),
 `local_hostname` (the address this process's transfer engine announces;
@@ -47,7 +52,7 @@ _UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10,
           "G": 1 << 30, "GB": 1 << 30, "GIB": 1 << 30}
 _SIZE = re.compile(r"^\s*(\d+)\s*([A-Za-z]*)\s*$")
 _KEYS = ("segment", "buffer", "timeout", "lookup_timeout", "read_timeout", "held_limit",
-         "arena",
+         "arena", "direct_reads",
          "key_file", "local_client", "protocol", "metadata_server", "local_hostname")
 # NOTE: the node's client by default (issue 39, finding 7): Mooncake's transfer code then
 # runs in that process, whose crash is a miss here rather than a dead engine, and on one
@@ -118,6 +123,17 @@ class StoreSpec:
     DEFAULT_LOCAL_CLIENT, see _build; the field's is None so that a spec built
     in code with `segment_bytes` stays valid.)"""
 
+    direct_reads: bool = False
+    """Reads land straight in the pool rows (the client in this process, a host
+    pool), the header and tag alone in the get arena: one host copy fewer.
+    NOTE (issue 50): a get Mooncake fails in transfer is retired (its
+    transport may still write into what it was given, mooncake.py), so its
+    pool rows stay lent until `held_limit` writes them off, and each
+    write-off shrinks the pool for good (the in-process soak stalled, or
+    refused a third of its requests, after holder crashes). Off (default):
+    reads land in the get arena, a retired get costs its arena span, and an
+    exhausted arena is a miss (the document is computed)."""
+
     def __post_init__(self) -> None:
         _check_address(self.master_address)
         if self.segment_bytes < 0:
@@ -168,6 +184,8 @@ class StoreSpec:
             url += f"&arena={self.arena_bytes}"
         if self.key_file is not None:
             url += f"&key_file={quote(self.key_file, safe='/')}"
+        if self.direct_reads:
+            url += "&direct_reads=1"
         url += f"&local_client={self.local_client or IN_PROCESS}"
         return url
 
@@ -244,6 +262,8 @@ def _build(master: str, fields: dict) -> StoreSpec:
             kwargs[f"{key}_s"] = _seconds(key, fields[key])
     if "arena" in fields:
         kwargs["arena_bytes"] = _size("arena", fields["arena"])
+    if "direct_reads" in fields:
+        kwargs["direct_reads"] = _flag("direct_reads", fields["direct_reads"])
     for key in ("protocol", "metadata_server", "local_hostname", "key_file", "local_client"):
         if key in fields:
             if key == "local_client" and fields[key] in (None, IN_PROCESS):
@@ -270,6 +290,17 @@ def _size(name: str, value) -> int:
             f"{name} must be a size in bytes or with KB/MB/GB, e.g. 64MB, got {value!r}"
         )
     return int(m.group(1)) * _UNITS[m.group(2).upper()]
+
+
+def _flag(name: str, value) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{name} must be 0 or 1, got {value!r}")
 
 
 def _seconds(name: str, value) -> float:

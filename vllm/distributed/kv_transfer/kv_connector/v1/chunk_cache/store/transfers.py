@@ -15,10 +15,19 @@ Per step (`on_step`, at the start of `start_load_kv`, before any load):
    scheduler in this step's worker metadata (`take_report`), combined over
    all ranks: the scheduler serves an entry only when every rank read and
    verified its own key;
-4. new fetches are read on the get thread: straight into the pool rows the
-   scheduler allocated where the connection can reach them (a host pool and
-   Mooncake's client in this process: only the header and the tag go to the
-   get arena), else into the get arena.
+4. new fetches are read on the get thread into the get arena; with the
+   spec's `direct_reads=1` (a host pool and Mooncake's client in this
+   process) straight into the pool rows the scheduler allocated instead (only
+   the header and the tag go to the get arena).
+
+NOTE (issue 50): the arena by default. A get Mooncake fails in transfer is
+retired (mooncake.py: its transport may still write into what it was given),
+in process and through the node's client alike. Read into the arena, that
+costs the span (never reused; an exhausted arena is a miss: "no host room for
+a read"); read into the pool, it cost the pool rows until `held_limit` wrote
+them off, for good (the in-process soak stalled, or refused 158 of 500 with
+held_limit=30). And the pool is written only on the step, from bytes that a
+call that transferred everything left in a span no other call is given.
 
 NOTE (issue 39, finding 1): an arena span given to a store call is freed only
 when that call has returned (its `on_release`), never at a deadline: a read
@@ -222,10 +231,11 @@ class StoreTransfers:
         # NOTE: reads and writes have arenas of their own: a burst of writes
         # never leaves a read without room (reads come first).
         shared.want_arenas(arena_bytes)
-        # A host pool the connection can reach takes its reads directly.
+        # A host pool the connection can reach takes its reads directly, when
+        # the spec asks for it (direct_reads).
         self._pool_buffers = [
             HostBuffer(t.data_ptr(), t.nbytes) for t in self.tensors
-            if t.device.type == "cpu" and t.is_contiguous()]
+            if t.device.type == "cpu" and t.is_contiguous()] if self.spec.direct_reads else []
         # NOTE: each tensor's bytes as numpy, made here: the get thread
         # verifies rows in place through numpy slices only. With torch views
         # made on the get thread, verification did not finish in the engine's
@@ -585,9 +595,10 @@ class StoreTransfers:
         return sum(span.nbytes for _, span in self._lent)
 
     def reads_into_pool(self) -> bool:
-        """Reads land in the pool rows now (the connection reaches the pool)."""
+        """Reads land in the pool rows now (`direct_reads=1`, and the
+        connection reaches the pool)."""
         store = self._shared.get()
-        return (store is not None and store.scatters
+        return (self.spec.direct_reads and store is not None and store.scatters
                 and self._shared.pool_ready(self._pool_buffers))
 
     # -------------------------------------------------------------- reads
