@@ -11,8 +11,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store.arena import
     HostArena,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store.lookups import (
-    FetchFailure,
-    ReportResult,
     StoreClient,
     store_content_hash,
 )
@@ -23,7 +21,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store.messages imp
     StoreReport,
 )
 from vllm.v1.core.chunk_hash_index import ChunkNamespace
-from vllm.v1.core.chunk_store_probe import FetchSpec, StoreAnswer
+from vllm.v1.core.chunk_store_probe import FetchFailure, FetchSpec, ReportResult, StoreAnswer
 
 
 def client(tp: int, lookup_timeout: float = 600) -> StoreClient:

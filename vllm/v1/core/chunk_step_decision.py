@@ -14,7 +14,7 @@ store entry to write (the manager decides whether a retired entry is
 written: never).
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from vllm.v1.core.chunk_prefill_plan import PrefillPlan
 from vllm.v1.core.chunk_store_probe import FetchSpec
@@ -62,16 +62,8 @@ class StepDecision:
             if skip == 0 and stop == seg.num_tokens:
                 loads.append(seg)  # the whole segment (the all-hit case)
                 continue
-            loads.append(SegmentLoad(
-                chunk_hash=seg.chunk_hash,
-                segment_index=seg.segment_index,
-                pool_block_ids=seg.pool_block_ids,
-                num_tokens=seg.num_tokens,
-                stored_start=seg.stored_start,
-                dst_start=seg.dst_start,
-                first_row=skip,
-                end_row=None if stop == seg.num_tokens else stop,
-            ))
+            loads.append(replace(seg, first_row=skip,
+                                 end_row=None if stop == seg.num_tokens else stop))
         return ChunkLoadPlan(request_id=self.request_id, segments=tuple(loads))
 
 

@@ -11,8 +11,6 @@ from types import SimpleNamespace
 
 from tests.store_fleet import MooncakeFleet, free_port
 from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store.lookups import (
-    FetchFailure,
-    ReportResult,
     StoreClient,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store.messages import (
@@ -23,7 +21,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store.messages imp
     StoreReport,
 )
 from vllm.v1.core.chunk_hash_index import ChunkNamespace
-from vllm.v1.core.chunk_store_probe import FetchSpec, StoreAnswer
+from vllm.v1.core.chunk_store_probe import FetchFailure, FetchSpec, ReportResult, StoreAnswer
 
 NS = ChunkNamespace(model="m", kv_dtype="f32", tokenizer="t", weights_epoch=0)
 # A lookup call itself (the scheduler's step pays it) never blocks.

@@ -43,9 +43,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store.lora_loads i
 from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store.read_cost import ReadCost
 from vllm.logger import init_logger
 from vllm.v1.core.chunk_hash_index import ChunkNamespace, compute_chunk_hash
-# NOTE: the report's result types are the manager's (engine-free); imported
-# here under their old home too.
-from vllm.v1.core.chunk_store_probe import (  # noqa: F401
+from vllm.v1.core.chunk_store_probe import (
     FetchFailure,
     FetchSpec,
     ReportResult,

@@ -595,10 +595,10 @@ class StoreTransfers:
         return sum(span.nbytes for _, span in self._lent)
 
     def reads_into_pool(self) -> bool:
-        """Reads land in the pool rows now (`direct_reads=1`, and the
-        connection reaches the pool)."""
+        """Reads land in the pool rows now: the connection reaches the pool's
+        buffers, which exist only with `direct_reads=1` (see __init__)."""
         store = self._shared.get()
-        return (self.spec.direct_reads and store is not None and store.scatters
+        return (store is not None and store.scatters
                 and self._shared.pool_ready(self._pool_buffers))
 
     # -------------------------------------------------------------- reads
