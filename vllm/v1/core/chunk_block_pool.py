@@ -204,7 +204,7 @@ class ChunkBlockPool:
             raise ValueError(f"chunk {chunk_hash.hex()} is already allocated")
         if num_tokens < 1:
             raise ValueError(f"cannot allocate {num_tokens} rows")
-        block_ids, evicted = self._take_blocks(self.blocks_needed(num_tokens), "hold")
+        block_ids, evicted = self._take_blocks(self.blocks_needed(num_tokens))
         entry = ChunkPoolEntry(chunk_hash, block_ids, num_tokens, pin_count=1)
         self._entries[chunk_hash] = entry
         return PoolAllocation(entry=entry, evicted=evicted)
@@ -229,13 +229,18 @@ class ChunkBlockPool:
                            evicted=tuple(v for a in made for v in a.evicted))
 
     def publish(self, chunk_hash: ChunkHash, token_ids: Sequence[int],
-                context_ids: Sequence[int]) -> bool:
+                context_ids: Sequence[int], keep_pin: bool = False) -> bool:
         """The entry's writer finished: file it under its key and tokens, so
-        that `find` answers RESIDENT, unless a reset retired it (computed
-        before the reset: never found again). True if published."""
+        that `find` answers RESIDENT, and drop the writer's pin, or, with
+        `keep_pin`, hand it to the caller (to drop with `unpin`). A retired
+        entry (computed before a reset: never found again) is not published
+        and its writer's pin always drops. True if published."""
         self._require(chunk_hash)
         if chunk_hash in self._retired:
+            self.unpin(chunk_hash)
             return False
+        if not keep_pin:
+            self.unpin(chunk_hash)
         self._index.insert(chunk_hash, token_ids, context_ids)
         return True
 
@@ -260,6 +265,16 @@ class ChunkBlockPool:
             # the most-recently-used end.
             self._lru[chunk_hash] = None
             self._evictable_blocks += len(entry.block_ids)
+
+    def unpin_all(self, chunk_hashes: Sequence[ChunkHash],
+                  free: ChunkHash | None = None) -> None:
+        """Unpin each key in order (a key once per pin to drop), then drop
+        `free` if it is still there (an entry whose writer never finished; a
+        retired one went with its last pin)."""
+        for chunk_hash in chunk_hashes:
+            self.unpin(chunk_hash)
+        if free is not None and free in self._entries:
+            self.free(free)
 
     def touch(self, chunk_hash: ChunkHash) -> None:
         """Mark an entry used now (no-op on ordering while pinned)."""
@@ -289,13 +304,11 @@ class ChunkBlockPool:
             self._unindex(chunk_hash)
         return dropped
 
-    def relocate(self, chunk_hash: ChunkHash, holder: str) -> PoolRelocation:
+    def relocate(self, chunk_hash: ChunkHash, holder: str) -> PoolRelocation | None:
         """Hold a pinned entry's blocks under `holder` and give the entry new
-        ones, evicting LRU entries as `allocate` does.
-
-        Raises ValueError, changing nothing, if the new blocks do not fit
-        even after evicting every unpinned entry (check `can_allocate` first).
-        """
+        ones, evicting LRU entries as `allocate` does; or, if the new blocks
+        do not fit even after evicting every unpinned entry, change nothing
+        and return None."""
         entry = self._require(chunk_hash)
         if not entry.pin_count:
             # NOTE: an unpinned entry is in the LRU and could be chosen as the
@@ -303,8 +316,10 @@ class ChunkBlockPool:
             raise ValueError(f"chunk {chunk_hash.hex()} is not pinned")
         if holder in self._held:
             raise ValueError(f"holder {holder} already holds pool blocks")
+        if not self.can_allocate(len(entry.block_ids)):
+            return None
         held = tuple(entry.block_ids)
-        entry.block_ids, evicted = self._take_blocks(len(held), "relocate")
+        entry.block_ids, evicted = self._take_blocks(len(held))
         self._held[holder] = held
         return PoolRelocation(entry=entry, held=held, evicted=evicted)
 
@@ -360,14 +375,14 @@ class ChunkBlockPool:
             raise KeyError(f"chunk {chunk_hash.hex()} is not in the pool")
         return entry
 
-    def _take_blocks(self, num_blocks: int, verb: str
+    def _take_blocks(self, num_blocks: int
                      ) -> tuple[list[PoolBlockId], tuple[ChunkHash, ...]]:
         """`num_blocks` free blocks, evicting LRU entries for room (those
         evicted, oldest first); raises ValueError, changing nothing, if they
         cannot fit even after evicting every unpinned entry."""
         if not self.can_allocate(num_blocks):
             raise ValueError(
-                f"chunk pool cannot {verb} {num_blocks} blocks: "
+                f"chunk pool cannot hold {num_blocks} blocks: "
                 f"{len(self._free_blocks)} free, "
                 f"{self._evictable_blocks} evictable of {self.num_blocks}"
             )

@@ -118,6 +118,10 @@ class ChunkAdmission:
     segments: tuple[CachedSegment, ...] = ()
     # For refusals: what the client is told.
     message: str = ""
+    # The children and store fetches this admission started (handed out
+    # once, by the decision that made it).
+    children: tuple[ChildSpec, ...] = ()
+    fetches: tuple[FetchSpec, ...] = ()
 
 
 @dataclass
@@ -200,7 +204,6 @@ class ChunkCacheManager:
         self.clock = time.monotonic
         self._held_since: dict[str, float] = {}
         self._child_by_hash: dict[ChunkHash, str] = {}
-        self._new_children: list[ChildSpec] = []
         self._refusals: list[ChunkRefusal] = []
         self._num_children_created = 0
         self._num_parents_seen = 0
@@ -209,7 +212,6 @@ class ChunkCacheManager:
         # The fleet-wide store (issue 31), None without --chunk-store: then
         # nothing below about fetches ever runs.
         self.store_probe = store
-        self._new_fetches: list[FetchSpec] = []
         # Entries whose put was handed out and not yet carried by a step's
         # metadata: pinned until it is (`puts_shipped`).
         self._put_pins: list[ChunkHash] = []
@@ -295,13 +297,14 @@ class ChunkCacheManager:
         if reservation is None:
             return self._defer(request_id, parent)
 
-        # NOTE: the children and fetches are handed out once, by the outboxes
-        # (take_new_children, take_new_fetches; `decide` drains them).
+        children: list[ChildSpec] = []
+        fetches: list[FetchSpec] = []
         for key in missing:
             if key.chunk_hash in store_hits:
-                self._start_fetch(key, store_hits[key.chunk_hash], parent.origin)
+                fetches.append(
+                    self._start_fetch(key, store_hits[key.chunk_hash], parent.origin))
             else:
-                self._new_child(key, 1, parent.origin)
+                children.append(self._new_child(key, 1, parent.origin))
             self.pool.pin(key.chunk_hash)  # the parent's own pin, besides the writer's
 
         parent.segments = tuple(
@@ -322,7 +325,8 @@ class ChunkCacheManager:
         parent.epoch = self._epoch
         del self._queued[request_id]
         self._count_admission(status_of, parent.segments)
-        return ChunkAdmission(request_id, AdmitReason.ADMITTED, parent.segments)
+        return ChunkAdmission(request_id, AdmitReason.ADMITTED, parent.segments,
+                              children=tuple(children), fetches=tuple(fetches))
 
     def decide(self, request_id: str, admit: bool = True) -> StepDecision | None:
         """The parent's decision for this scheduler step (None: not a chunked
@@ -337,11 +341,11 @@ class ChunkCacheManager:
         parent = self._parents.get(request_id)
         if parent is None:
             return None
-        children: list[ChildSpec] = []
-        fetches: list[FetchSpec] = []
+        children: tuple[ChildSpec, ...] = ()
+        fetches: tuple[FetchSpec, ...] = ()
         if admit:
-            reason = self.admit(request_id).reason
-            children, fetches = self.take_new_children(), self.take_new_fetches()
+            admission = self.admit(request_id)
+            reason, children, fetches = admission.reason, admission.children, admission.fetches
         else:
             reason = parent.reason or AdmitReason.DEFERRED
         # NOTE: the one definition of ready: admitted, every segment resident.
@@ -360,7 +364,7 @@ class ChunkCacheManager:
                 for seg in parent.segments
             )
         return StepDecision(request_id, reason, ready, parent.plan, segments,
-                            tuple(children), tuple(fetches))
+                            children, fetches)
 
     def record_load(self, plan: ChunkLoadPlan) -> None:
         """Count a plan whose rows were sent to the workers (a decision's
@@ -398,32 +402,15 @@ class ChunkCacheManager:
 
     # ----------------------------------------------------------- children
 
-    def take_new_children(self) -> list[ChildSpec]:
-        """Children started since the last call (admissions and retries)."""
-        children, self._new_children = self._new_children, []
-        return children
-
     def finish_child(self, child_request_id: str, stored: bool, ended: str = "") -> Outcome:
         """A child request ended, with its rows stored or without (`ended`:
         how): the parents now ready, its retry, and (with a store) its entry
         to write, unless a reset retired it (computed with weights that may
         be gone)."""
+        child = self._pop_child(child_request_id)
         if not stored:
-            self._child_failed(child_request_id, ended)
-            return Outcome(children=tuple(self.take_new_children()))
-        spec = self._require_child(child_request_id).spec
-        put = None
-        if self.store_probe is not None and not self.pool.is_retired(spec.chunk_hash):
-            namespace = spec.namespace
-            assert namespace is not None
-            put = ChildPut(tuple(spec.token_ids), spec.store_start, namespace.cache_salt,
-                           namespace.lora_name, spec.pool_block_ids, self._epoch)
-            # NOTE (issue 50, finding 3): the put's own pin, besides the
-            # writer's dropped below, until the worker copied it (puts_shipped).
-            self.pool.pin(spec.chunk_hash)
-            self._put_pins.append(spec.chunk_hash)
-        ready = self._child_finished(child_request_id)
-        return Outcome(ready=tuple(ready), put=put)
+            return self._child_failed(child, ended)
+        return self._child_finished(child, put=self.store_probe is not None)
 
     def puts_shipped(self) -> None:
         """The step's metadata now carries every put handed out since the last
@@ -448,14 +435,18 @@ class ChunkCacheManager:
 
         NOTE: returned rows first: the blocks they free may be the room a
         failed fetch below needs to compute elsewhere."""
+        started = [self._rows_returned(fetch_id) for fetch_id in result.rows_returned]
         ready: list[str] = []
-        for fetch_id in result.rows_returned:
-            self._rows_returned(fetch_id)
         for fetch_id in result.done:
-            ready += self._fetch_finished(fetch_id)
-        for failure in result.failed:
-            self._fetch_failed(failure.fetch_id, rows_lent=failure.rows_held)
-        return Outcome(children=tuple(self.take_new_children()), ready=tuple(ready))
+            fetch = self._pop_child(fetch_id)
+            assert fetch.fetch is not None
+            # NOTE: a fetch read and verified into its rows by every worker
+            # ends as a child that stored them (no put: the store has it).
+            ready += self._child_finished(fetch, put=False).ready
+        started += [self._fetch_failed(f.fetch_id, rows_lent=f.rows_held)
+                    for f in result.failed]
+        return Outcome(children=tuple(c for c in started if c is not None),
+                       ready=tuple(ready))
 
     def write_off_held(self) -> Outcome:
         """Once per scheduler step: failed fetches whose rows a store call has
@@ -473,68 +464,61 @@ class ChunkCacheManager:
         now = self.clock()
         expired = [f for f, since in self._held_since.items()
                    if now - since >= self.held_limit_s]
-        for fetch_id in expired:
-            self._rows_written_off(fetch_id)
-        return Outcome(children=tuple(self.take_new_children()),
+        started = [self._rows_written_off(fetch_id) for fetch_id in expired]
+        return Outcome(children=tuple(c for c in started if c is not None),
                        written_off=tuple(expired))
 
-    def _child_finished(self, child_request_id: str) -> list[str]:
-        """The child's rows are in the pool. Returns parents now ready."""
-        child = self._pop_child(child_request_id)
+    def _child_finished(self, child: _Child, put: bool) -> Outcome:
+        """The child's rows are in the pool: the parents now ready and, with
+        `put`, the entry to write to the store."""
         h = child.spec.chunk_hash
-        # NOTE: not published if retired (computed before a reset).
-        self.pool.publish(h, child.segment_ids, child.context_ids)
-        self.pool.unpin(h)  # the writer's pin
         ready = []
         for parent_id in sorted(child.waiters):
             parent = self._parents[parent_id]
             parent.waiting_on.discard(h)
             if not parent.waiting_on:
                 ready.append(parent_id)
-        return ready
+        # NOTE (issue 50, finding 3): with a put, the writer's pin becomes the
+        # put's until the worker copied its rows (puts_shipped). A retired
+        # entry (computed before a reset) is neither published nor written.
+        if not self.pool.publish(h, child.segment_ids, child.context_ids, keep_pin=put):
+            return Outcome(ready=tuple(ready))
+        if not put:
+            return Outcome(ready=tuple(ready))
+        self._put_pins.append(h)
+        spec = child.spec
+        assert spec.namespace is not None
+        return Outcome(ready=tuple(ready), put=ChildPut(
+            tuple(spec.token_ids), spec.store_start, spec.namespace.cache_salt,
+            spec.namespace.lora_name, spec.pool_block_ids, self._epoch))
 
-    def _child_failed(self, child_request_id: str, ended: str = "") -> ChildSpec | None:
-        """The child ended without storing (`ended`: how, for the message).
-        Returns its retry, if any.
+    def _child_failed(self, child: _Child, ended: str) -> Outcome:
+        """The child ended without storing (`ended`: how, for the message):
+        its retry, if any.
 
         NOTE: the entry keeps its blocks and pins for the retry; after the
         last attempt its waiters are refused (never served otherwise).
         """
-        child = self._pop_child(child_request_id)
         self._stats.failed_children += 1
         if child.attempt < MAX_CHILD_ATTEMPTS:
-            retry = self._new_child(self._key_of(child), child.attempt + 1,
-                                    child.spec.origin)
-            self._children[retry.request_id].waiters = child.waiters
-            return retry
+            return Outcome(children=(self._new_child(
+                self._key_of(child), child.attempt + 1, child.spec.origin, child.waiters),))
+        h = child.spec.chunk_hash
+        unpins: list[ChunkHash] = []
         for parent_id in sorted(child.waiters):
             message = self._child_failed_message(parent_id, child, ended)
-            self._release_pins(parent_id, skip=child.spec.chunk_hash)
+            unpins += self._release_pins(parent_id, skip=h)
             self._refuse(parent_id, AdmitReason.CHILD_FAILED, message)
-        h = child.spec.chunk_hash
-        for _ in child.waiters:
-            self.pool.unpin(h)
-        self.pool.unpin(h)  # the writer's pin
-        if h in self.pool:  # a retired entry went with its last pin
-            self.pool.free(h)
-        return None
+        # NOTE: the entry's own pins (its waiters' and the writer's) drop
+        # last, and the entry with them: nothing of it was stored.
+        self.pool.unpin_all(unpins + [h] * (len(child.waiters) + 1), free=h)
+        return Outcome()
 
     # ------------------------------------------------ store fetches (#31)
 
     @property
     def epoch(self) -> int:
         return self._epoch
-
-    def take_new_fetches(self) -> list[FetchSpec]:
-        """Store fetches started since the last call (admissions)."""
-        fetches, self._new_fetches = self._new_fetches, []
-        return fetches
-
-    def _fetch_finished(self, fetch_id: str) -> list[str]:
-        """Every worker read and verified the entry into its rows: as a
-        child that stored them. Returns parents now ready."""
-        assert self._require_child(fetch_id).fetch is not None
-        return self._child_finished(fetch_id)
 
     def _fetch_failed(self, fetch_id: str, *, rows_lent: bool = False) -> ChildSpec | None:
         """A worker's read failed (absent, corrupt, timeout, error): the
@@ -551,19 +535,15 @@ class ChunkCacheManager:
         """
         fetch = self._require_child(fetch_id)
         assert fetch.fetch is not None
-        h = fetch.spec.chunk_hash
         if rows_lent:
             if self.held_limit_s is not None:
                 self._held_since[fetch_id] = self.clock()
-            entry = self.pool.get(h)
-            assert entry is not None
-            if not self.pool.can_allocate(len(entry.block_ids)):
-                # NOTE: waiting costs the requests the rest of the store's
-                # call (bounded by its timeout); refusing them would fail
-                # requests a full pool could still serve exactly.
+            if self.pool.relocate(fetch.spec.chunk_hash, holder=fetch_id) is None:
+                # NOTE: no room: waiting costs the requests the rest of the
+                # store's call (bounded by its timeout); refusing them would
+                # fail requests a full pool could still serve exactly.
                 self._waiting_for_rows.add(fetch_id)
                 return None
-            self.pool.relocate(h, holder=fetch_id)
         return self._compute_failed_fetch(fetch_id)
 
     def _rows_returned(self, fetch_id: str) -> ChildSpec | None:
@@ -594,17 +574,18 @@ class ChunkCacheManager:
             return None
         self._waiting_for_rows.discard(fetch_id)
         h = self._require_child(fetch_id).spec.chunk_hash
-        entry = self.pool.get(h)
-        assert entry is not None
-        if self.pool.can_allocate(len(entry.block_ids)):
-            self.pool.relocate(h, holder=fetch_id)
+        if self.pool.relocate(h, holder=fetch_id) is not None:
             self.pool.write_off(fetch_id)
             return self._compute_failed_fetch(fetch_id)
+        entry = self.pool.get(h)
+        assert entry is not None
         fetch = self._pop_child(fetch_id)
+        unpins: list[ChunkHash] = []
         for parent_id in sorted(fetch.waiters):
-            self._release_pins(parent_id, skip=h)
-            self._refuse(parent_id, AdmitReason.CHILD_FAILED,
-                         self._written_off_message(parent_id, fetch, len(entry.block_ids)))
+            message = self._written_off_message(parent_id, fetch, len(entry.block_ids))
+            unpins += self._release_pins(parent_id, skip=h)
+            self._refuse(parent_id, AdmitReason.CHILD_FAILED, message)
+        self.pool.unpin_all(unpins)
         self.pool.detach(h, holder=fetch_id)
         self.pool.write_off(fetch_id)
         return None
@@ -624,9 +605,7 @@ class ChunkCacheManager:
 
     def _compute_failed_fetch(self, fetch_id: str) -> ChildSpec:
         fetch = self._pop_child(fetch_id)
-        child = self._new_child(self._key_of(fetch), 1, fetch.spec.origin)
-        self._children[child.request_id].waiters = fetch.waiters
-        return child
+        return self._new_child(self._key_of(fetch), 1, fetch.spec.origin, fetch.waiters)
 
     def _probe_store(
         self, missing: list["_SegmentKey"], namespace: ChunkNamespace
@@ -645,7 +624,8 @@ class ChunkCacheManager:
                 hits[key.chunk_hash] = found.content_hash
         return None if pending else hits
 
-    def _start_fetch(self, key: "_SegmentKey", content_hash: int, origin: object) -> None:
+    def _start_fetch(self, key: "_SegmentKey", content_hash: int, origin: object
+                     ) -> FetchSpec:
         h = key.chunk_hash
         fetch_id = self._internal_id(FETCH_ID_PREFIX, h)
         spec = FetchSpec(
@@ -667,7 +647,7 @@ class ChunkCacheManager:
             fetch=spec,
         )
         self._child_by_hash[h] = fetch_id
-        self._new_fetches.append(spec)
+        return spec
 
     # -------------------------------------------------------------- stats
 
@@ -791,17 +771,16 @@ class ChunkCacheManager:
             "retrying the request is safe."
         )
 
-    def _release_pins(self, request_id: str, skip: ChunkHash) -> None:
-        """Drop a parent's pins except on `skip` (the failed child's entry,
-        whose pins the caller drops with the entry itself)."""
+    def _release_pins(self, request_id: str, skip: ChunkHash) -> list[ChunkHash]:
+        """A parent stops waiting; its pins to drop, in order, except on `skip`
+        (the failed child's entry, whose pins the caller drops with the entry
+        itself)."""
         parent = self._parents[request_id]
         for h in parent.waiting_on - {skip}:
             child_id = self._child_by_hash.get(h)
             if child_id is not None:
                 self._children[child_id].waiters.discard(request_id)
-        for h in parent.pinned:
-            if h != skip:
-                self.pool.unpin(h)
+        return [h for h in parent.pinned if h != skip]
 
     def _internal_id(self, prefix: str, h: ChunkHash) -> str:
         # NOTE: one counter for children and store fetches, so no two internal
@@ -810,7 +789,8 @@ class ChunkCacheManager:
         self._num_children_created += 1
         return rid
 
-    def _new_child(self, key: _SegmentKey, attempt: int, origin: object) -> ChildSpec:
+    def _new_child(self, key: _SegmentKey, attempt: int, origin: object,
+                   waiters: set[str] | None = None) -> ChildSpec:
         h = key.chunk_hash
         child_id = self._internal_id(CHILD_REQUEST_PREFIX, h)
         spec = ChildSpec(
@@ -827,9 +807,9 @@ class ChunkCacheManager:
             segment_ids=key.segment_ids,
             context_ids=key.context_ids,
             attempt=attempt,
+            waiters=set() if waiters is None else waiters,
         )
         self._child_by_hash[h] = child_id
-        self._new_children.append(spec)
         self._stats.child_computes += 1
         self._stats.child_tokens += len(spec.token_ids)
         return spec

@@ -99,6 +99,15 @@ class PrefillPlan:
             position += step.num_loaded + step.max_computed
         return tuple(steps)
 
+    def steps_at(self, position: int, one_step: bool) -> tuple[PrefillStep, ...]:
+        """What a step that starts at `position` may take: its load and
+        computed stretch, or with `one_step` every later one too; () past the
+        prompt (a request resumed after a preemption whose prefix-cache hit
+        covers its prompt and generated tokens)."""
+        if position >= self.num_tokens:
+            return ()
+        return self.steps_from(position) if one_step else (self.step_at(position),)
+
     def loaded_from(self, position: int, num_tokens: int) -> tuple[SegmentSpan, ...]:
         """The first `num_tokens` loaded tokens from `position` on, as spans
         in prompt order (what a step that starts there and loads that many

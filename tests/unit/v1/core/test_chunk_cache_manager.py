@@ -54,8 +54,8 @@ def Manager(num_pool_blocks, block_size, context_mode=ChunkContextMode.SINK):
 
 @dataclasses.dataclass(frozen=True)
 class Admitted:
-    """An admission and the children it started (the manager hands children out
-    once, through take_new_children)."""
+    """An admission and the children it started (handed out once, by the
+    admission)."""
 
     reason: AdmitReason
     segments: tuple
@@ -65,8 +65,7 @@ class Admitted:
 
 def admitted(manager, rid) -> Admitted:
     adm = manager.admit(rid)
-    return Admitted(adm.reason, adm.segments, adm.message,
-                    tuple(manager.take_new_children()))
+    return Admitted(adm.reason, adm.segments, adm.message, adm.children)
 
 
 def admit(manager, rid, prompt, ns=NS) -> Admitted:
@@ -270,7 +269,6 @@ def test_failed_child_is_retried_once_then_its_waiters_are_refused():
     m = Manager(num_pool_blocks=16, block_size=4)
     a1 = admit(m, "r1", make_prompt(SYS, DOC_A, [30]))
     admit(m, "r2", make_prompt(SYS, DOC_A, DOC_B, [31]))
-    m.take_new_children()
     hs, ha, hb = h(SYS, []), h(DOC_A, [BOS]), h(DOC_B, [BOS])
     blocks = m.pool.get(ha).block_ids
 
@@ -278,7 +276,6 @@ def test_failed_child_is_retried_once_then_its_waiters_are_refused():
     (retry,) = m.finish_child(child_id(1, ha), stored=False).children
     assert retry is not None and retry.request_id == child_id(3, ha)
     assert retry.token_ids == [SINK] + DOC_A and retry.store_start == 1
-    assert m.take_new_children() == []  # handed out once, by the outcome
     assert m.pool.get(ha).block_ids == blocks
     assert m.take_refusals() == []
 
@@ -363,7 +360,6 @@ def test_deferred_requests_are_admitted_in_arrival_order():
     # Two small requests are running (2 pinned blocks).
     finish_all(m, admit(m, "s0", small[0]))
     finish_all(m, admit(m, "s1", small[1]))
-    m.take_new_children()
     m.add_request("big", big, NS)
     for i in range(2, 8):
         m.add_request(f"s{i}", small[i], NS)
@@ -374,9 +370,10 @@ def test_deferred_requests_are_admitted_in_arrival_order():
         assert all(m.admit(f"s{i}").reason == AdmitReason.DEFERRED for i in range(2, 8))
     m.release("s0")
     m.release("s1")
-    assert m.admit("big").reason == AdmitReason.ADMITTED
+    big_admission = m.admit("big")
+    assert big_admission.reason == AdmitReason.ADMITTED
     assert m.admit("s2").reason == AdmitReason.DEFERRED  # the pool is big's now
-    for child in m.take_new_children():
+    for child in big_admission.children:
         child_finished(m, child.request_id)
     m.release("big")
     assert m.admit("s2").reason == AdmitReason.ADMITTED
@@ -450,7 +447,6 @@ def test_hash_collision_is_refused_never_serves_other_tokens():
     # Forced collision: DOC_A's key filed with other content.
     m.pool.allocate(ha, 2)
     m.pool.publish(ha, [99, 98], [BOS])
-    m.pool.unpin(ha)
     adm = admit(m, "r1", make_prompt(SYS, DOC_A, [30]))
     assert adm.reason == AdmitReason.COLLISION
     stats = m.stats()

@@ -41,8 +41,7 @@ def _all_hit_lines(doc_tokens: int) -> int:
     manager = ChunkCacheManager(4 * DOCS * (doc_tokens // 16 + 2), 16,
                                 ChunkContextMode.SINK, sink_token_id=BOS)
     manager.add_request("warm", _prompt(system, docs, [5, 6, 7]), NS)
-    manager.admit("warm")
-    for child in manager.take_new_children():
+    for child in manager.admit("warm").children:
         child_finished(manager, child.request_id)
     manager.release("warm")
     order = rng.sample(docs, len(docs))

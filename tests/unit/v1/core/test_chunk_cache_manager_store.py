@@ -57,7 +57,7 @@ def test_pending_query_waits_a_step_holding_nothing():
     m.add_request("p", prompt(SYS, DOC_A, Q), NS)
     adm = m.admit("p")
     assert adm.reason == AdmitReason.DEFERRED
-    assert m.take_new_children() == [] and m.take_new_fetches() == []
+    assert adm.children == () and adm.fetches == ()
     assert m.pool.usage().blocks_used == 0
     assert m.stats().deferred_requests == 0  # waiting for the network is not "deferred"
     probe.answers[tuple(DOC_A)] = StoreAnswer.HIT
@@ -70,9 +70,9 @@ def test_hit_is_fetched_not_computed_and_serves_every_waiter():
     m = manager(probe)
     m.add_request("p", prompt(SYS, DOC_A, Q), NS)
     m.add_request("q", prompt(SYS, DOC_A, DOC_B, Q), NS)
-    assert m.admit("p").reason == AdmitReason.ADMITTED
-    children = m.take_new_children()
-    fetches = m.take_new_fetches()
+    adm = m.admit("p")
+    assert adm.reason == AdmitReason.ADMITTED
+    children, fetches = adm.children, adm.fetches
     assert [c.token_ids for c in children] == [SYS]  # the system misses: computed
     assert len(fetches) == 1 and fetches[0].request_id.startswith(FETCH_ID_PREFIX)
     fetch = fetches[0]
@@ -85,8 +85,8 @@ def test_hit_is_fetched_not_computed_and_serves_every_waiter():
     assert m.pool.get(fetch.chunk_hash).pin_count == 2
     # A second parent joins the fetch in flight (no second lookup of DOC_A).
     asked = len(probe.asked)
-    assert m.admit("q").reason == AdmitReason.ADMITTED
-    assert m.take_new_fetches() == []
+    adm = m.admit("q")
+    assert adm.reason == AdmitReason.ADMITTED and adm.fetches == ()
     assert all(seg != tuple(DOC_A) for seg, _ in probe.asked[asked:])
     assert m.stats().in_flight_joins >= 1
     child_finished(m, children[0].request_id)
@@ -106,13 +106,11 @@ def test_failed_fetch_becomes_a_child_with_the_same_entry():
     probe.answers[tuple(DOC_A)] = StoreAnswer.HIT
     m = manager(probe)
     m.add_request("p", prompt(SYS, DOC_A, Q), NS)
-    m.admit("p")
-    sys_child = m.take_new_children()[0]
-    fetch = m.take_new_fetches()[0]
+    adm = m.admit("p")
+    sys_child, fetch = adm.children[0], adm.fetches[0]
     blocks = list(store_plan(m, fetch).pool_block_ids)
     (child,) = report(m, failed=[fetch.request_id]).children
     assert child.token_ids == [1] + DOC_A and child.chunk_hash == fetch.chunk_hash
-    assert m.take_new_children() == []  # handed out once, by the outcome
     assert list(store_plan(m, child).pool_block_ids) == blocks
     assert m.stats().child_computes == 2
     child_finished(m, sys_child.request_id)
@@ -126,24 +124,24 @@ def test_lookups_carry_the_epoch_and_a_reset_forgets_fetched_entries():
     probe.answers[tuple(DOC_A)] = StoreAnswer.HIT
     m = manager(probe)
     m.add_request("p", prompt(SYS, DOC_A, Q), NS)
-    m.admit("p")
-    fetch = m.take_new_fetches()[0]
+    fetch = m.admit("p").fetches[0]
     m.reset()
     # Finished after the reset: never filed under a key (computed with weights
     # that may be gone).
     report(m, done=[fetch.request_id])
     m.release("p")
     m.add_request("q", prompt(SYS, DOC_A, Q), NS)
-    m.admit("q")
+    (fetch,) = m.admit("q").fetches
     assert (tuple(DOC_A), 1) in probe.asked
-    assert m.take_new_fetches()[0].epoch == 1
+    assert fetch.epoch == 1
 
 
 def test_without_a_probe_nothing_is_asked():
     m = ChunkCacheManager(64, 4, ChunkContextMode.SINK, sink_token_id=1)
     m.add_request("p", prompt(SYS, DOC_A, Q), NS)
-    assert m.admit("p").reason == AdmitReason.ADMITTED
-    assert len(m.take_new_children()) == 2 and m.take_new_fetches() == []
+    adm = m.admit("p")
+    assert adm.reason == AdmitReason.ADMITTED
+    assert len(adm.children) == 2 and adm.fetches == ()
 
 
 def small_manager(probe, num_blocks: int) -> ChunkCacheManager:
@@ -159,18 +157,17 @@ def test_failed_fetch_with_lent_rows_computes_into_new_blocks_and_holds_the_old(
     m = small_manager(probe, num_blocks=5)
     # A resident DOC_B, least recently used after SYS: SYS [0], DOC_B [1].
     m.add_request("o", prompt(SYS, DOC_B, Q), NS)
-    m.admit("o")
-    for c in m.take_new_children():
+    for c in m.admit("o").children:
         child_finished(m, c.request_id)
     m.release("o")
     probe.answers[tuple(DOC_A)] = StoreAnswer.HIT
     m.add_request("p", prompt(SYS, DOC_A, Q), NS)
-    assert m.admit("p").reason == AdmitReason.ADMITTED
-    fetch = m.take_new_fetches()[0]
+    adm = m.admit("p")
+    assert adm.reason == AdmitReason.ADMITTED
+    fetch = adm.fetches[0]
     assert store_plan(m, fetch).pool_block_ids == [2, 3]
     (child,) = report(m, lent=[fetch.request_id]).children
     assert child.token_ids == [1] + DOC_A and child.chunk_hash == fetch.chunk_hash
-    assert m.take_new_children() == []  # handed out once, by the outcome
     # New blocks: the free one, then DOC_B's (evicted, gone from the index).
     assert store_plan(m, child).pool_block_ids == [4, 1]
     assert m.pool.held_by(fetch.request_id) == (2, 3)
@@ -199,25 +196,25 @@ def test_failed_fetch_with_lent_rows_and_no_room_waits_for_them_then_computes_th
     m = small_manager(probe, num_blocks=3)
     m.add_request("p", prompt(SYS, DOC_A, Q), NS)
     m.add_request("q", prompt(SYS, DOC_A, Q), NS)
-    assert m.admit("p").reason == AdmitReason.ADMITTED
+    adm = m.admit("p")
+    assert adm.reason == AdmitReason.ADMITTED
     assert m.admit("q").reason == AdmitReason.ADMITTED  # joins both in flight
-    sys_child = m.take_new_children()[0]
-    fetch = m.take_new_fetches()[0]
+    sys_child, fetch = adm.children[0], adm.fetches[0]
     assert store_plan(m, fetch).pool_block_ids == [1, 2]
     # SYS [0] is pinned, DOC_A's [1, 2] are lent: no room for new blocks.
     assert report(m, lent=[fetch.request_id]).children == ()
-    assert m.take_new_children() == [] and m.take_refusals() == []
+    assert m.take_refusals() == []
     assert m.pool.held_by(fetch.request_id) == ()
     assert m.pool.get(fetch.chunk_hash).block_ids == [1, 2]
     assert m.pool.get(fetch.chunk_hash).pin_count == 3  # writer, p, q
     assert child_finished(m, sys_child.request_id) == []  # p, q still wait
     # A third request joins the fetch still in flight (nothing new started).
     m.add_request("r", prompt(SYS, DOC_A, Q), NS)
-    assert m.admit("r").reason == AdmitReason.ADMITTED
-    assert m.take_new_fetches() == [] and m.take_new_children() == []
+    adm = m.admit("r")
+    assert adm.reason == AdmitReason.ADMITTED
+    assert adm.fetches == () and adm.children == ()
     (child,) = report(m, rows_returned=[fetch.request_id]).children
     assert child.token_ids == [1] + DOC_A
-    assert m.take_new_children() == []  # handed out once, by the outcome
     assert store_plan(m, child).pool_block_ids == [1, 2]
     assert sorted(child_finished(m, child.request_id)) == ["p", "q", "r"]
     assert m.stats().pool_blocks_held == 0 and m.stats().refused_requests == 0
@@ -231,8 +228,7 @@ def test_failed_fetch_without_lent_rows_keeps_its_blocks():
     probe.answers[tuple(DOC_A)] = StoreAnswer.HIT
     m = small_manager(probe, num_blocks=3)
     m.add_request("p", prompt(SYS, DOC_A, Q), NS)
-    m.admit("p")
-    fetch = m.take_new_fetches()[0]
+    fetch = m.admit("p").fetches[0]
     # A full pool is no obstacle: every rank's call returned, the rows are free.
     # NOTE: the outcome also hands out SYS's child, still undrained here.
     child = report(m, failed=[fetch.request_id]).children[-1]

@@ -151,9 +151,9 @@ def test_reference_mask_equals_structural_child_computation(
     manager = ChunkCacheManager(num_pool_blocks=64, block_size=4, context_mode=mode,
                                 sink_token_id=7)
     manager.add_request("r", prompt, ChunkNamespace("m", "f32", "t"))
-    manager.admit("r")
+    admission = manager.admit("r")
     stored, child_out = {}, {}
-    for child in manager.take_new_children():
+    for child in admission.children:
         n = len(child.token_ids)
         cq, ck, cv = project(child.token_ids, torch.arange(n))
         out = attend(cq, ck, cv, torch.ones(n, n, dtype=torch.bool).tril())

@@ -87,21 +87,20 @@ class ManagerMachine(RuleBasedStateMachine):
             # NOTE: deferred or refused: holds nothing (a parent admitted before a
             # reset drops its old pins when it is asked again).
             self.parents[rid] = set()
+        for spec in adm.children:
+            self.children[spec.request_id] = spec.chunk_hash
+        for spec in adm.fetches:
+            self.fetches[spec.request_id] = spec.chunk_hash
         self._take()
 
     def _children_of(self, outcome):
-        """An outcome's children start (the outbox was drained before it)."""
+        """An outcome's children start."""
         for spec in outcome.children:
             self.children[spec.request_id] = spec.chunk_hash
         return outcome.children
 
     def _take(self) -> None:
-        """Children and fetches handed out (admissions, retries, failed fetches),
-        refusals."""
-        for spec in self.m.take_new_children():
-            self.children[spec.request_id] = spec.chunk_hash
-        for spec in self.m.take_new_fetches():
-            self.fetches[spec.request_id] = spec.chunk_hash
+        """Refusals."""
         for refusal in self.m.take_refusals():
             self.parents[refusal.request_id] = set()
 

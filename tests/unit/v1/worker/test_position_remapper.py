@@ -263,8 +263,7 @@ def test_manager_plan_through_remapper_lands_rope_at_real_positions(
     raw_v = {t: torch.randn(NUM_HEADS, HEAD_SIZE, generator=gen) for t in range(40)}
 
     manager.add_request("r", prompt, ChunkNamespace("m", "float32", "t"))
-    manager.admit("r")
-    for child in manager.take_new_children():
+    for child in manager.admit("r").children:
         # What the worker does on store: K after RoPE at child positions.
         store = store_plan(manager, child)
         positions = torch.arange(len(child.token_ids))

@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import PrefillGap
-from vllm.v1.core.chunk_prefill_plan import PrefillPlan, PrefillStep
+from vllm.v1.core.chunk_prefill_plan import PrefillStep
 from vllm.v1.core.chunk_step_decision import StepDecision
 from vllm.v1.core.chunk_structures import ChunkLoadPlan
 
@@ -27,9 +27,30 @@ from vllm.v1.core.chunk_structures import ChunkLoadPlan
 class _RequestStep:
     # The manager's decision, asked once per step.
     decision: StepDecision
-    # Position the last reported stretch to load starts at, between the report
-    # and the scheduler's allocation.
+    # The last reported stretch to load [load_start, load_end), between the
+    # report and the scheduler's allocation.
     load_start: int | None = None
+    load_end: int | None = None
+
+    def report(self, position: int, steps: tuple[PrefillStep, ...]) -> None:
+        """Remember where the stretch to load starts until the scheduler
+        allocates it.
+
+        NOTE: in the waiting path the scheduler asks twice (matched tokens,
+        then the gap after them, which loads nothing): only a report that
+        loads something replaces the start. With later stretches (one-step
+        mode), the loads start here even when nothing is loaded at
+        `position`, unless the last report's stretch ends there (a waiting
+        request whose matched tokens end there keeps that report's start)."""
+        if steps[0].num_loaded:
+            self.load_start, self.load_end = position, position + steps[0].num_loaded
+        elif len(steps) > 1 and self.load_end != position:
+            self.load_start = self.load_end = position
+
+    def drop_report(self) -> int | None:
+        """The reported start, forgotten (allocated, or not this step)."""
+        start, self.load_start, self.load_end = self.load_start, None, None
+        return start
 
 
 @dataclass(frozen=True)
@@ -49,26 +70,6 @@ class PendingLoad:
         plans = [self.decision.load_plan(start, end) for start, end in self.spans]
         return ChunkLoadPlan(request_id=self.decision.request_id,
                              segments=tuple(seg for p in plans for seg in p.segments))
-
-
-def prefill_gap(plan: PrefillPlan, position: int, one_step: bool) -> PrefillGap:
-    """What to load at `position` and compute after it (and, in one-step mode,
-    every later stretch of the prompt)."""
-    steps = plan.steps_from(position) if one_step else (plan.step_at(position),)
-    first = steps[0]
-    return PrefillGap(
-        num_external_tokens=first.num_loaded,
-        max_new_tokens=first.max_computed,
-        next_stretches=tuple(
-            PrefillGap(num_external_tokens=s.num_loaded, max_new_tokens=s.max_computed)
-            for s in steps[1:]
-        ),
-    )
-
-
-def num_loaded(gap: PrefillGap) -> int:
-    """Tokens a gap (with its next stretches) loads at most."""
-    return gap.num_external_tokens + sum(g.num_external_tokens for g in gap.next_stretches)
 
 
 class StepLoads:
@@ -91,36 +92,46 @@ class StepLoads:
     def matched_tokens(self, rid: str, position: int) -> int | None:
         """The waiting path: tokens loaded from `position` (None: wait for the
         next step, this one's cap is reached)."""
-        step = self._report(rid, position)
-        if step is None:
+        now = self._requests[rid]
+        steps = now.decision.plan.steps_at(position, one_step=False)
+        if not steps:
             return 0
-        if not self._fits_this_step(rid, step.num_loaded):
+        now.report(position, steps)
+        if not self._fits_this_step(now, steps[0].num_loaded):
             return None
-        return step.num_loaded
+        return steps[0].num_loaded
 
     def gap(self, rid: str, position: int, one_step: bool) -> PrefillGap | None:
         """A running request's gap, or the waiting path's after its matched
-        tokens (`one_step`: the start-up decision, recompute_step.py)."""
-        step = self._report(rid, position)
-        if step is None:
+        tokens (`one_step`: the start-up decision, recompute_step.py): what
+        to load at `position` and compute after it, and in one-step mode
+        every later stretch of the prompt."""
+        now = self._requests[rid]
+        steps = now.decision.plan.steps_at(position, one_step)
+        if not steps:
             return None
-        gap = self._gap_with_runs(rid, position, one_step)
-        if gap.next_stretches and not self._fits_more(num_loaded(gap)):
+        now.report(position, steps)
+        first, later = steps[0], steps[1:]
+        if later and not self._fits_more(sum(s.num_loaded for s in steps)):
             # NOTE: the later stretches would pass this step's load cap: this
             # step takes the first computed stretch only.
-            gap = PrefillGap(gap.num_external_tokens, gap.max_new_tokens)
-        if not self._fits_this_step(rid, gap.num_external_tokens):
+            later = ()
+        if not self._fits_this_step(now, first.num_loaded):
             # NOTE: computing nothing, not computing without the load: the
             # running request skips this step and is asked again next step.
             return PrefillGap(num_external_tokens=0, max_new_tokens=0)
-        return gap
+        return PrefillGap(
+            num_external_tokens=first.num_loaded,
+            max_new_tokens=first.max_computed,
+            next_stretches=tuple(
+                PrefillGap(num_external_tokens=s.num_loaded, max_new_tokens=s.max_computed)
+                for s in later),
+        )
 
     def allocated(self, rid: str, block_ids: list[int], num_external_tokens: int) -> None:
         """The scheduler allocated `num_external_tokens` external tokens."""
         now = self._requests.get(rid)
-        first = None if now is None else now.load_start
-        if now is not None:
-            now.load_start = None
+        first = None if now is None else now.drop_report()
         if num_external_tokens == 0 or first is None:
             # NOTE: an earlier allocation in this step was preempted since.
             self._pending.pop(rid, None)
@@ -148,25 +159,10 @@ class StepLoads:
 
     # ----------------------------------------------------------- internal
 
-    def _gap_with_runs(self, rid: str, position: int, one_step: bool) -> PrefillGap:
-        """The gap at `position`, with every later stretch in one-step mode.
-
-        NOTE: with later stretches, the loads start here even when nothing
-        is loaded at `position` (a waiting request whose matched tokens end
-        there keeps the start of that report, which ends at `position`)."""
-        now = self._requests[rid]
-        plan = now.decision.plan
-        gap = prefill_gap(plan, position, one_step)
-        if gap.next_stretches and gap.num_external_tokens == 0:
-            start = now.load_start
-            if start is None or start + plan.step_at(start).num_loaded != position:
-                now.load_start = position
-        return gap
-
     def _fits_more(self, num_rows: int) -> bool:
         return self._rows == 0 or self._rows + num_rows <= self._max_load_rows
 
-    def _fits_this_step(self, rid: str, num_rows: int) -> bool:
+    def _fits_this_step(self, now: _RequestStep, num_rows: int) -> bool:
         """Whether a load of `num_rows` stays within this step's cap. The
         first load of a step always fits (a load longer than the cap runs
         alone, in pieces, on the workers), so every request gets its turn."""
@@ -174,23 +170,5 @@ class StepLoads:
             return True
         if self._rows + num_rows <= self._max_load_rows:
             return True
-        self._requests[rid].load_start = None
+        now.drop_report()
         return False
-
-    def _report(self, rid: str, position: int) -> PrefillStep | None:
-        """The plan's step at `position`, None past the prompt (a request
-        resumed after a preemption whose prefix-cache hit covers its prompt
-        and generated tokens); remembers where a stretch to load starts until
-        the scheduler allocates it.
-
-        NOTE: in the waiting path the scheduler asks twice (matched tokens,
-        then the gap after them, which loads nothing): only a report that
-        loads something replaces the start."""
-        now = self._requests[rid]
-        plan = now.decision.plan
-        if position >= plan.num_tokens:
-            return None
-        step = plan.step_at(position)
-        if step.num_loaded:
-            now.load_start = position
-        return step
