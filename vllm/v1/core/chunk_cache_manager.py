@@ -147,6 +147,13 @@ class _Parent:
     # Opaque to the manager: what the engine glue builds its children from.
     origin: object = None
 
+    def clear(self, reason: AdmitReason | None) -> None:
+        """Holds nothing any more: queued again (None) or refused."""
+        self.reason = reason
+        self.segments = ()
+        self.pinned = []
+        self.waiting_on = set()
+
 
 @dataclass
 class _Child:
@@ -378,7 +385,7 @@ class ChunkCacheManager:
         if parent is None:
             return False
         self._queued.pop(request_id, None)
-        self._drop_holds(request_id, parent)
+        self.pool.unpin_all(self._let_go(request_id, parent))
         return True
 
     def reset(self) -> bool:
@@ -504,11 +511,11 @@ class ChunkCacheManager:
             return Outcome(children=(self._new_child(
                 self._key_of(child), child.attempt + 1, child.spec.origin, child.waiters),))
         h = child.spec.chunk_hash
-        unpins: list[ChunkHash] = []
-        for parent_id in sorted(child.waiters):
-            message = self._child_failed_message(parent_id, child, ended)
-            unpins += self._release_pins(parent_id, skip=h)
-            self._refuse(parent_id, AdmitReason.CHILD_FAILED, message)
+        how = f", the last ended {ended}" if ended else ""
+        unpins = self._refuse_waiters(
+            child, f"({len(child.segment_ids)} tokens, chunk key {h.hex()[:16]}) could "
+            f"not be computed ({MAX_CHILD_ATTEMPTS} attempts{how}); the request is "
+            "refused rather than served with another attention")
         # NOTE: the entry's own pins (its waiters' and the writer's) drop
         # last, and the entry with them: nothing of it was stored.
         self.pool.unpin_all(unpins + [h] * (len(child.waiters) + 1), free=h)
@@ -580,28 +587,14 @@ class ChunkCacheManager:
         entry = self.pool.get(h)
         assert entry is not None
         fetch = self._pop_child(fetch_id)
-        unpins: list[ChunkHash] = []
-        for parent_id in sorted(fetch.waiters):
-            message = self._written_off_message(parent_id, fetch, len(entry.block_ids))
-            unpins += self._release_pins(parent_id, skip=h)
-            self._refuse(parent_id, AdmitReason.CHILD_FAILED, message)
-        self.pool.unpin_all(unpins)
+        self.pool.unpin_all(self._refuse_waiters(
+            fetch, "was being read from the chunk store, whose call never returned the "
+            f"pool rows it was given; those {len(entry.block_ids)} pool block(s) are "
+            "written off, and the pool has no other room to compute it now, so the "
+            "request is refused rather than kept waiting"))
         self.pool.detach(h, holder=fetch_id)
         self.pool.write_off(fetch_id)
         return None
-
-    def _written_off_message(self, parent_id: str, fetch: _Child, num_blocks: int) -> str:
-        indices = [s.segment_index for s in self._parents[parent_id].segments
-                   if s.chunk_hash == fetch.spec.chunk_hash]
-        where = ", ".join("the system segment" if i == 0 else f"document {i}"
-                          for i in indices) or "a segment"
-        return (
-            f"chunk cache: {where} of this request was being read from the chunk "
-            "store, whose call never returned the pool rows it was given; those "
-            f"{num_blocks} pool block(s) are written off, and the pool has no other "
-            "room to compute it now, so the request is refused rather than kept "
-            "waiting. Nothing of it was cached: retrying the request is safe."
-        )
 
     def _compute_failed_fetch(self, fetch_id: str) -> ChildSpec:
         fetch = self._pop_child(fetch_id)
@@ -626,46 +619,19 @@ class ChunkCacheManager:
 
     def _start_fetch(self, key: "_SegmentKey", content_hash: int, origin: object
                      ) -> FetchSpec:
-        h = key.chunk_hash
-        fetch_id = self._internal_id(FETCH_ID_PREFIX, h)
-        spec = FetchSpec(
-            request_id=fetch_id,
-            chunk_hash=h,
-            token_ids=key.context_ids + key.segment_ids,
-            store_start=len(key.context_ids),
-            content_hash=content_hash,
-            epoch=self._epoch,
-            pool_block_ids=self._pool_blocks(h),
-        )
         # NOTE: registered as an in-flight child (same pins, waiters and
         # joins), but handed out as a fetch, never as a vLLM request.
-        self._children[fetch_id] = _Child(
-            spec=ChildSpec(fetch_id, h, spec.token_ids, spec.store_start,
-                           spec.pool_block_ids, key.namespace, origin),
-            segment_ids=key.segment_ids,
-            context_ids=key.context_ids,
-            fetch=spec,
-        )
-        self._child_by_hash[h] = fetch_id
-        return spec
+        spec = self._register(FETCH_ID_PREFIX, key, origin, content_hash=content_hash)
+        fetch = self._children[spec.request_id].fetch
+        assert fetch is not None
+        return fetch
 
     # -------------------------------------------------------------- stats
 
     def stats(self) -> ChunkCacheStats:
         usage = self.pool.usage()
-        s = self._stats
-        return ChunkCacheStats(
-            hits=s.hits,
-            misses=s.misses,
-            in_flight_joins=s.in_flight_joins,
-            tokens_reused=s.tokens_reused,
-            tokens_loaded=s.tokens_loaded,
-            child_computes=s.child_computes,
-            child_tokens=s.child_tokens,
-            failed_children=s.failed_children,
-            refused_requests=s.refused_requests,
-            deferred_requests=s.deferred_requests,
-            hash_collisions=s.hash_collisions,
+        return dataclasses.replace(
+            self._stats,
             evictions=usage.num_evictions,
             pool_blocks_used=usage.blocks_used,
             pool_blocks_total=usage.blocks_total,
@@ -713,23 +679,22 @@ class ChunkCacheManager:
             return SegmentStatus.RESIDENT
         return SegmentStatus.MISSING
 
-    def _drop_holds(self, request_id: str, parent: _Parent) -> None:
-        for h in parent.waiting_on:
-            # NOTE: absent when called from _fail_child for that very child.
+    def _let_go(self, request_id: str, parent: _Parent,
+                skip: ChunkHash | None = None) -> list[ChunkHash]:
+        """The parent stops waiting for its children; its pins to drop, in
+        prompt order (except on `skip`)."""
+        for h in parent.waiting_on - {skip}:
+            # NOTE: absent when the child itself just ended.
             child_id = self._child_by_hash.get(h)
             if child_id is not None:
                 self._children[child_id].waiters.discard(request_id)
-        for h in parent.pinned:
-            self.pool.unpin(h)
+        return [h for h in parent.pinned if h != skip]
 
     def _requeue(self, request_id: str, parent: _Parent) -> None:
         """Undo an admission from an older epoch: drop its pins and put the
         parent back in the queue at its arrival place."""
-        self._drop_holds(request_id, parent)
-        parent.reason = None
-        parent.segments = ()
-        parent.pinned = []
-        parent.waiting_on = set()
+        self.pool.unpin_all(self._let_go(request_id, parent))
+        parent.clear(None)
         self._queued[request_id] = None
         order = sorted(self._queued, key=lambda rid: self._parents[rid].seq)
         self._queued = OrderedDict.fromkeys(order)
@@ -743,44 +708,29 @@ class ChunkCacheManager:
     def _refuse(
         self, request_id: str, reason: AdmitReason, message: str
     ) -> ChunkAdmission:
-        parent = self._parents[request_id]
-        parent.reason = reason
-        parent.segments = ()
-        parent.pinned = []
-        parent.waiting_on = set()
+        self._parents[request_id].clear(reason)
         self._queued.pop(request_id, None)
         self._refusals.append(ChunkRefusal(request_id, reason, message))
         self._stats.refused_requests += 1
         return ChunkAdmission(request_id, reason, message=message)
 
-    def _child_failed_message(self, parent_id: str, child: _Child, ended: str) -> str:
-        """What the client of a parent refused for `child` is told: which
-        segment, and that nothing of it was kept (so a retry is safe)."""
+    def _refuse_waiters(self, child: _Child, what: str) -> list[ChunkHash]:
+        """Refuse every parent waiting for `child`: its client is told which
+        segment `what` happened to, and that nothing of it was kept (so a
+        retry is safe). Returns their pins to drop, in order, except on the
+        child's own entry (the caller drops those with the entry)."""
         h = child.spec.chunk_hash
-        indices = [s.segment_index for s in self._parents[parent_id].segments
-                   if s.chunk_hash == h]
-        where = ", ".join(
-            "the system segment" if i == 0 else f"document {i}" for i in indices
-        ) or "a segment"
-        how = f", the last ended {ended}" if ended else ""
-        return (
-            f"chunk cache: {where} of this request ({len(child.segment_ids)} "
-            f"tokens, chunk key {h.hex()[:16]}) could not be computed "
-            f"({MAX_CHILD_ATTEMPTS} attempts{how}); the request is refused rather "
-            "than served with another attention. Nothing of it was cached: "
-            "retrying the request is safe."
-        )
-
-    def _release_pins(self, request_id: str, skip: ChunkHash) -> list[ChunkHash]:
-        """A parent stops waiting; its pins to drop, in order, except on `skip`
-        (the failed child's entry, whose pins the caller drops with the entry
-        itself)."""
-        parent = self._parents[request_id]
-        for h in parent.waiting_on - {skip}:
-            child_id = self._child_by_hash.get(h)
-            if child_id is not None:
-                self._children[child_id].waiters.discard(request_id)
-        return [h for h in parent.pinned if h != skip]
+        unpins: list[ChunkHash] = []
+        for parent_id in sorted(child.waiters):
+            parent = self._parents[parent_id]
+            where = ", ".join("the system segment" if s.segment_index == 0
+                              else f"document {s.segment_index}"
+                              for s in parent.segments if s.chunk_hash == h) or "a segment"
+            unpins += self._let_go(parent_id, parent, skip=h)
+            self._refuse(parent_id, AdmitReason.CHILD_FAILED,
+                         f"chunk cache: {where} of this request {what}. Nothing of it "
+                         "was cached: retrying the request is safe.")
+        return unpins
 
     def _internal_id(self, prefix: str, h: ChunkHash) -> str:
         # NOTE: one counter for children and store fetches, so no two internal
@@ -791,10 +741,19 @@ class ChunkCacheManager:
 
     def _new_child(self, key: _SegmentKey, attempt: int, origin: object,
                    waiters: set[str] | None = None) -> ChildSpec:
+        spec = self._register(CHILD_REQUEST_PREFIX, key, origin, attempt, waiters)
+        self._stats.child_computes += 1
+        self._stats.child_tokens += len(spec.token_ids)
+        return spec
+
+    def _register(self, prefix: str, key: _SegmentKey, origin: object, attempt: int = 1,
+                  waiters: set[str] | None = None, content_hash: int | None = None
+                  ) -> ChildSpec:
+        """A new in-flight writer of `key`'s entry: a child, or with a
+        `content_hash` a store fetch."""
         h = key.chunk_hash
-        child_id = self._internal_id(CHILD_REQUEST_PREFIX, h)
         spec = ChildSpec(
-            request_id=child_id,
+            request_id=self._internal_id(prefix, h),
             chunk_hash=h,
             token_ids=key.context_ids + key.segment_ids,
             store_start=len(key.context_ids),
@@ -802,16 +761,18 @@ class ChunkCacheManager:
             namespace=key.namespace,
             origin=origin,
         )
-        self._children[child_id] = _Child(
+        fetch = None if content_hash is None else FetchSpec(
+            spec.request_id, h, spec.token_ids, spec.store_start, content_hash,
+            self._epoch, spec.pool_block_ids)
+        self._children[spec.request_id] = _Child(
             spec=spec,
             segment_ids=key.segment_ids,
             context_ids=key.context_ids,
             attempt=attempt,
             waiters=set() if waiters is None else waiters,
+            fetch=fetch,
         )
-        self._child_by_hash[h] = child_id
-        self._stats.child_computes += 1
-        self._stats.child_tokens += len(spec.token_ids)
+        self._child_by_hash[h] = spec.request_id
         return spec
 
     def _count_admission(
