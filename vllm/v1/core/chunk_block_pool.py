@@ -169,6 +169,14 @@ class ChunkBlockPool:
             return Residence.COLLISION
         return Residence.RESIDENT
 
+    def find_bytes(self, chunk_hash: ChunkHash, tokens: bytes, context: bytes) -> Residence:
+        """`find` of ids already serialised by `token_bytes` (issue 52)."""
+        if chunk_hash not in self._index:
+            return Residence.ABSENT
+        if self._index.lookup_bytes(chunk_hash, tokens, context) is None:
+            return Residence.COLLISION
+        return Residence.RESIDENT
+
     @property
     def num_held_blocks(self) -> int:
         return sum(len(blocks) for blocks in self._held.values())

@@ -58,7 +58,12 @@ from dataclasses import dataclass, field
 
 from vllm.v1.core.chunk_block_pool import ChunkBlockPool, Residence
 from vllm.v1.core.chunk_prefill_plan import PrefillPlan
-from vllm.v1.core.chunk_hash_index import ChunkNamespace, compute_chunk_hash
+from vllm.v1.core.chunk_hash_index import (
+    TOKEN_ID_BYTES,
+    ChunkNamespace,
+    chunk_hash_of_bytes,
+    token_bytes,
+)
 from vllm.v1.core.chunk_step_decision import ChildPut, Outcome, StepDecision
 from vllm.v1.core.chunk_store_probe import (
     FETCH_ID_PREFIX,
@@ -176,6 +181,11 @@ class _SegmentKey:
     context_ids: list[int]
     # The namespace the key was made in (with the epoch).
     namespace: ChunkNamespace
+    # segment_ids and context_ids as `token_bytes` serialises them, which
+    # the key hashes and `_classify` verifies (issue 52: serialised once per
+    # admission). None in a key rebuilt from a child (`_key_of`).
+    tokens: bytes | None = None
+    context: bytes | None = None
 
 
 class ChunkCacheManager:
@@ -263,10 +273,7 @@ class ChunkCacheManager:
         # their retired entries may still be pinned under the old keys.
         namespace = dataclasses.replace(parent.namespace, weights_epoch=self._epoch)
         ns_digest = namespace.digest()
-        keyed = [
-            self._segment_key(prompt, index, namespace, ns_digest)
-            for index in range(len(prompt.cached_spans))
-        ]
+        keyed = self._segment_keys(prompt, namespace, ns_digest)
         distinct = {k.chunk_hash: k for k in keyed}
         needed = sum(self.pool.blocks_needed(len(k.segment_ids)) for k in distinct.values())
         if needed > self.pool.num_blocks:
@@ -645,18 +652,35 @@ class ChunkCacheManager:
 
     # ----------------------------------------------------------- internal
 
-    def _segment_key(
-        self, prompt: ChunkedPrompt, index: int, namespace: ChunkNamespace,
-        ns_digest: bytes,
-    ) -> _SegmentKey:
-        segment_ids = prompt.segment_tokens(index)
-        context_ids = segment_context(prompt, index, self.context_mode, self.sink_token_id)
-        return _SegmentKey(
-            chunk_hash=compute_chunk_hash(segment_ids, context_ids, ns_digest),
-            segment_ids=segment_ids,
-            context_ids=context_ids,
-            namespace=namespace,
-        )
+    def _segment_keys(
+        self, prompt: ChunkedPrompt, namespace: ChunkNamespace, ns_digest: bytes,
+    ) -> list[_SegmentKey]:
+        """Every cached segment's key. The prompt's cached ids are serialised
+        once (issue 52): each key hashes its slice of those bytes, and
+        `_classify` verifies the same slice (no per-segment conversion)."""
+        spans = prompt.cached_spans
+        data = token_bytes(prompt.token_ids[: spans[-1].end])
+        keys = []
+        context_ids: list[int] | None = None
+        context = b""
+        for index, span in enumerate(spans):
+            segment_ids = prompt.segment_tokens(index)
+            ids = segment_context(prompt, index, self.context_mode, self.sink_token_id)
+            if ids != context_ids:
+                # NOTE: one context for every chunk in each mode today; a
+                # context that differs is serialised anew, so this holds
+                # whatever segment_context returns.
+                context_ids, context = ids, token_bytes(ids)
+            tokens = data[TOKEN_ID_BYTES * span.start : TOKEN_ID_BYTES * span.end]
+            keys.append(_SegmentKey(
+                chunk_hash=chunk_hash_of_bytes(tokens, context, ns_digest),
+                segment_ids=segment_ids,
+                context_ids=ids,
+                namespace=namespace,
+                tokens=tokens,
+                context=context,
+            ))
+        return keys
 
     def _classify(self, key: _SegmentKey) -> SegmentStatus | None:
         """Status of a key; None on a hash collision (ids differ)."""
@@ -671,7 +695,10 @@ class ChunkCacheManager:
                 self._stats.hash_collisions += 1
                 return None
             return SegmentStatus.IN_FLIGHT
-        residence = self.pool.find(h, key.segment_ids, key.context_ids)
+        if key.tokens is None or key.context is None:
+            residence = self.pool.find(h, key.segment_ids, key.context_ids)
+        else:
+            residence = self.pool.find_bytes(h, key.tokens, key.context)
         if residence == Residence.COLLISION:
             self._stats.hash_collisions += 1
             return None

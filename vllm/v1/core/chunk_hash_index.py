@@ -18,7 +18,8 @@ Key composition (ARCHITECTURE.md section 4), all hashed with xxh3-128:
 * the position is never part of the key: that is the point.
 
 A 128-bit hash makes collisions astronomically unlikely, but the index
-still stores the token ids and compares them on lookup (as nano-vllm does),
+still stores the token ids (serialised as above) and compares them on
+lookup (as nano-vllm does),
 so a collision is found and the request refused (never served wrong KV, nor
 another attention). The index is the pool's own (chunk_block_pool.py): an
 entry leaves it with its blocks; the manager counts collisions.
@@ -40,6 +41,8 @@ _ARRAY_U32 = array.array("I").itemsize == 4
 
 # Bump when the serialisation changes so old keys can never match new ones.
 _KEY_VERSION = b"vllm-chunk-cache-key-v1"
+# Bytes an id takes in `token_bytes`.
+TOKEN_ID_BYTES = 4
 
 
 @dataclass(frozen=True)
@@ -103,13 +106,22 @@ def compute_chunk_hash(
     namespace_digest: bytes,
 ) -> ChunkHash:
     """Position-independent key of one segment (see module docstring)."""
-    h = xxhash.xxh3_128(_KEY_VERSION)
-    h.update(namespace_digest)
-    h.update(len(context_ids).to_bytes(8, "little"))
-    h.update(token_bytes(context_ids))
-    h.update(len(token_ids).to_bytes(8, "little"))
-    h.update(token_bytes(token_ids))
-    return ChunkHash(h.digest())
+    return chunk_hash_of_bytes(token_bytes(token_ids), token_bytes(context_ids),
+                               namespace_digest)
+
+
+def chunk_hash_of_bytes(
+    tokens: bytes, context: bytes, namespace_digest: bytes
+) -> ChunkHash:
+    """`compute_chunk_hash` of ids already serialised by `token_bytes`
+    (issue 52: the manager serialises a prompt once, then hashes and
+    verifies each segment's slice of it)."""
+    # NOTE: one-shot over the joined parts: the same digest as updating a
+    # hasher part by part, without a hasher's state (half the time).
+    return ChunkHash(xxhash.xxh3_128_digest(b"".join((
+        _KEY_VERSION, namespace_digest,
+        (len(context) // TOKEN_ID_BYTES).to_bytes(8, "little"), context,
+        (len(tokens) // TOKEN_ID_BYTES).to_bytes(8, "little"), tokens))))
 
 
 @dataclass(frozen=True)
@@ -118,10 +130,19 @@ class IndexedChunk:
 
     # The key it is filed under.
     chunk_hash: ChunkHash
-    # Exact segment token ids, compared on every lookup.
-    token_ids: tuple[int, ...]
-    # Exact context ids, compared on every lookup.
-    context_ids: tuple[int, ...]
+    # Exact segment token ids and context ids, as `token_bytes` serialises
+    # them, compared on every lookup (equal bytes <=> equal ids: the
+    # serialisation is fixed-width and refuses ids it cannot represent).
+    tokens: bytes
+    context: bytes
+
+    @property
+    def token_ids(self) -> tuple[int, ...]:
+        return _ids_of(self.tokens)
+
+    @property
+    def context_ids(self) -> tuple[int, ...]:
+        return _ids_of(self.context)
 
 
 class ChunkHashIndex:
@@ -145,7 +166,7 @@ class ChunkHashIndex:
         if chunk_hash in self._entries:
             raise ValueError(f"chunk {chunk_hash.hex()} is already indexed")
         self._entries[chunk_hash] = IndexedChunk(
-            chunk_hash, tuple(token_ids), tuple(context_ids)
+            chunk_hash, token_bytes(token_ids), token_bytes(context_ids)
         )
 
     def lookup(
@@ -159,18 +180,37 @@ class ChunkHashIndex:
         A key match with different ids is a hash collision: None, never a
         hit (the caller tells it from an absent key with `in`).
         """
-        entry = self._entries.get(chunk_hash)
-        if entry is None:
+        if chunk_hash not in self._entries:
             return None
-        if entry.token_ids != tuple(token_ids) or entry.context_ids != tuple(
-            context_ids
-        ):
+        try:
+            tokens, context = token_bytes(token_ids), token_bytes(context_ids)
+        except ValueError:
+            return None  # ids no entry can hold (insert refuses them)
+        return self.lookup_bytes(chunk_hash, tokens, context)
+
+    def lookup_bytes(
+        self, chunk_hash: ChunkHash, tokens: bytes, context: bytes
+    ) -> IndexedChunk | None:
+        """`lookup` of ids already serialised by `token_bytes`: two byte
+        comparisons."""
+        entry = self._entries.get(chunk_hash)
+        if entry is None or entry.tokens != tokens or entry.context != context:
             return None
         return entry
 
     def remove(self, chunk_hash: ChunkHash) -> None:
         if self._entries.pop(chunk_hash, None) is None:
             raise KeyError(f"chunk {chunk_hash.hex()} is not indexed")
+
+
+def _ids_of(data: bytes) -> tuple[int, ...]:
+    """The ids `token_bytes` serialised into `data`."""
+    if not _ARRAY_U32:
+        return tuple(int(t) for t in np.frombuffer(data, dtype="<u4"))
+    out = array.array("I", data)
+    if sys.byteorder != "little":
+        out.byteswap()
+    return tuple(out)
 
 
 def _update_with_text(h: "xxhash.xxh3_128", text: str) -> None:

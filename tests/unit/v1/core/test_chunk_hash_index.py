@@ -108,3 +108,30 @@ def test_insert_twice_and_remove_unknown_fail():
     assert k not in index
     with pytest.raises(KeyError):
         index.remove(k)
+
+
+def test_hash_of_serialised_ids_is_the_key_of_the_ids():
+    from vllm.v1.core.chunk_hash_index import chunk_hash_of_bytes
+
+    d = NS.digest()
+    for tokens, context in (([1, 2, 3], [0]), ([2**32 - 1], []), ([], [5, 6])):
+        assert chunk_hash_of_bytes(token_bytes(tokens), token_bytes(context), d) == \
+            compute_chunk_hash(tokens, context, d)
+
+
+def test_lookup_bytes_verifies_tokens_and_context_exactly():
+    index = ChunkHashIndex()
+    k = compute_chunk_hash([1, 70000, 3], [0], NS.digest())
+    index.insert(k, [1, 70000, 3], [0])
+    entry = index.lookup_bytes(k, token_bytes([1, 70000, 3]), token_bytes([0]))
+    assert entry is not None
+    # The stored bytes read back as the ids they were filed with.
+    assert (entry.token_ids, entry.context_ids) == ((1, 70000, 3), (0,))
+    # Forced collisions: the key with other tokens or another context.
+    assert index.lookup_bytes(k, token_bytes([1, 70001, 3]), token_bytes([0])) is None
+    assert index.lookup_bytes(k, token_bytes([1, 70000]), token_bytes([0])) is None
+    assert index.lookup_bytes(k, token_bytes([1, 70000, 3]), token_bytes([])) is None
+    assert index.lookup_bytes(k, token_bytes([1, 70000, 3]), token_bytes([1])) is None
+    # Ids no entry can hold are no hit (not an error) through `lookup`.
+    assert index.lookup(k, [1, 70000, -3], [0]) is None
+    assert index.lookup(k, [1, 70000, 3], [2**32]) is None

@@ -109,19 +109,22 @@ def refusals(t: Transcript, monkeypatch) -> None:
     t.step()
     t.step()
     # A collision: D3's key is D1's, with other tokens.
-    real = chunk_cache_manager.compute_chunk_hash
+    # (The manager hashes serialised ids: chunk_hash_of_bytes.)
+    from vllm.v1.core.chunk_hash_index import token_bytes
 
-    def colliding(token_ids, context_ids, ns_digest):
-        if list(token_ids) == D3:
-            return real(D1, context_ids, ns_digest)
-        return real(token_ids, context_ids, ns_digest)
+    real = chunk_cache_manager.chunk_hash_of_bytes
 
-    monkeypatch.setattr(chunk_cache_manager, "compute_chunk_hash", colliding)
+    def colliding(tokens, context, ns_digest):
+        if tokens == token_bytes(D3):
+            return real(token_bytes(D1), context, ns_digest)
+        return real(tokens, context, ns_digest)
+
+    monkeypatch.setattr(chunk_cache_manager, "chunk_hash_of_bytes", colliding)
     add(t, "warm", SYS, D1, q(1))
     run_until_idle(t)
     add(t, "clash", SYS, D3, q(2))
     run_until_idle(t)
-    monkeypatch.setattr(chunk_cache_manager, "compute_chunk_hash", real)
+    monkeypatch.setattr(chunk_cache_manager, "chunk_hash_of_bytes", real)
     # A child that ends without its rows twice: its waiters are refused. (A step
     # prefills 32 tokens: each child is aborted after its first piece.)
     add(t, "orphan", SYS, D2, q(3))

@@ -34,8 +34,11 @@ class SegmentStretch:
     @classmethod
     def of(cls, seg: SegmentLoad) -> "SegmentStretch":
         """The stretch of a manager's planned segment load."""
+        # NOTE: the manager's pool block ids are Python ints already (the
+        # pool hands out range()'s): no int() per block (issue 52: 0.33 of
+        # 0.65 ms at 256 documents of 500 tokens).
         return cls(
-            pool_block_ids=tuple(map(int, seg.pool_block_ids)),
+            pool_block_ids=tuple(seg.pool_block_ids),
             first_row=seg.first_row,
             num_rows=seg.row_end - seg.first_row,
             dst_position=seg.dst_start + seg.first_row,
