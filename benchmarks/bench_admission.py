@@ -85,8 +85,11 @@ def _setup(mods: dict, docs: int, doc_tokens: int, seed: int):
     manager = mgr_mod.ChunkCacheManager(2 * docs * (doc_tokens // block + 2) + 64, block,
                                         ChunkContextMode.SINK, sink_token_id=bos)
     manager.add_request("warm", prompt(documents, [5, 6, 7]), ns)
-    manager.admit("warm")
-    for child in manager.take_new_children():
+    admission = manager.admit("warm")
+    # NOTE: an admission carries its children since 94a8bb3; older revisions
+    # (--base) hand them out through take_new_children.
+    children = getattr(admission, "children", None)
+    for child in children if children is not None else manager.take_new_children():
         manager.finish_child(child.request_id, stored=True)
     manager.puts_shipped()
     manager.release("warm")

@@ -39,7 +39,7 @@ def manager(mode=ChunkContextMode.SINK) -> ChunkCacheManager:
 def admit(m, rid, p):
     m.add_request(rid, p, NS)
     adm = m.admit(rid)
-    return adm, m.take_new_children()
+    return adm, adm.children
 
 
 @pytest.mark.parametrize("mode", list(ChunkContextMode))
@@ -83,7 +83,7 @@ def test_other_tokens_under_a_resident_key_are_refused(monkeypatch):
     m = manager()
     _warm(m, prompt(SYS, DOC_A, [5]))
     adm, children = admit(m, "clash", prompt(SYS, DOC_C, [6]))
-    assert adm.reason == AdmitReason.COLLISION and children == []
+    assert adm.reason == AdmitReason.COLLISION and children == ()
     stats = m.stats()
     assert (stats.hash_collisions, stats.refused_requests, stats.pinned_entries) == (1, 1, 0)
 

@@ -350,7 +350,7 @@ class ChunkCacheSchedulerAdapter:
                 continue
             meta.stores.append(ChildStore(
                 block_ids=tuple(child.block_ids),
-                pool_block_ids=tuple(map(int, spec.pool_block_ids)),
+                pool_block_ids=spec.pool_block_ids,
                 first_position=lo,
                 end_position=hi,
                 store_start=spec.store_start,
