@@ -320,12 +320,12 @@ class ChunkCacheSchedulerAdapter:
     def _add_stores(self, meta: ChunkCacheMetadata, out: SchedulerOutput) -> None:
         if not self._children:
             return
-        scheduled: list[tuple[str, int]] = []
+        scheduled: list[tuple[str, _ChildSlots, int]] = []
         for new in out.scheduled_new_reqs:
             child = self._children.get(new.req_id)
             if child is not None:
                 child.block_ids = list(new.block_ids[0])
-                scheduled.append((new.req_id, new.num_computed_tokens))
+                scheduled.append((new.req_id, child, new.num_computed_tokens))
         cached = out.scheduled_cached_reqs
         for i, rid in enumerate(cached.req_ids):
             child = self._children.get(rid)
@@ -336,16 +336,15 @@ class ChunkCacheSchedulerAdapter:
                 child.block_ids = list(new_ids[0]) if new_ids is not None else []
             elif new_ids is not None:
                 child.block_ids.extend(new_ids[0])
-            scheduled.append((rid, cached.num_computed_tokens[i]))
-        now = time.monotonic()
-        for rid, start in scheduled:
-            child = self._children[rid]
+            scheduled.append((rid, child, cached.num_computed_tokens[i]))
+        # NOTE: a child's compute time is the store's (its ReadCost) only.
+        now = None if self.store is None else time.monotonic()
+        for rid, child, start in scheduled:
             spec = child.spec
             if child.first_scheduled is None:
                 child.first_scheduled = now
-            n = out.num_scheduled_tokens.get(rid, 0)
             lo = max(start, spec.store_start)
-            hi = min(start + n, len(spec.token_ids))
+            hi = min(start + out.num_scheduled_tokens.get(rid, 0), len(spec.token_ids))
             if lo >= hi:
                 continue
             meta.stores.append(ChildStore(
