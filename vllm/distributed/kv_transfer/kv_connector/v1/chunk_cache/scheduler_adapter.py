@@ -337,17 +337,20 @@ class ChunkCacheSchedulerAdapter:
             elif new_ids is not None:
                 child.block_ids.extend(new_ids[0])
             scheduled.append((rid, child, cached.num_computed_tokens[i]))
-        # NOTE: a child's compute time is the store's (its ReadCost) only.
-        now = None if self.store is None else time.monotonic()
+        if self.store is not None:
+            # NOTE: a child's compute time is the store's (its ReadCost) only.
+            now = time.monotonic()
+            for _, child, _ in scheduled:
+                if child.first_scheduled is None:
+                    child.first_scheduled = now
+        num_scheduled, stores = out.num_scheduled_tokens, meta.stores
         for rid, child, start in scheduled:
             spec = child.spec
-            if child.first_scheduled is None:
-                child.first_scheduled = now
             lo = max(start, spec.store_start)
-            hi = min(start + out.num_scheduled_tokens.get(rid, 0), len(spec.token_ids))
+            hi = min(start + num_scheduled.get(rid, 0), len(spec.token_ids))
             if lo >= hi:
                 continue
-            meta.stores.append(ChildStore(
+            stores.append(ChildStore(
                 block_ids=tuple(child.block_ids),
                 pool_block_ids=spec.pool_block_ids,
                 first_position=lo,
