@@ -183,7 +183,8 @@ class _SegmentKey:
     namespace: ChunkNamespace
     # segment_ids and context_ids as `token_bytes` serialises them, which
     # the key hashes and `_classify` verifies (issue 52: serialised once per
-    # admission). None in a key rebuilt from a child (`_key_of`).
+    # admission). None in a key rebuilt from a child (`_key_of`), which is
+    # only ever started again, never classified.
     tokens: bytes | None = None
     context: bytes | None = None
 
@@ -695,10 +696,10 @@ class ChunkCacheManager:
                 self._stats.hash_collisions += 1
                 return None
             return SegmentStatus.IN_FLIGHT
-        if key.tokens is None or key.context is None:
-            residence = self.pool.find(h, key.segment_ids, key.context_ids)
-        else:
-            residence = self.pool.find_bytes(h, key.tokens, key.context)
+        # NOTE: admission's keys carry their bytes (`_segment_keys`); only a
+        # key rebuilt from a child (`_key_of`, never classified) has none.
+        assert key.tokens is not None and key.context is not None
+        residence = self.pool.find_bytes(h, key.tokens, key.context)
         if residence == Residence.COLLISION:
             self._stats.hash_collisions += 1
             return None
