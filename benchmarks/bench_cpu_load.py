@@ -78,6 +78,7 @@ def main() -> None:
     from vllm import _custom_ops as ops
     from vllm.model_executor.layers.rotary_embedding import get_rope
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+    from vllm.v1.worker.gather_rotate import GatherRotate
     from vllm.v1.worker.position_remapper import (
         PositionRemapper,
         RemapRows,
@@ -113,11 +114,22 @@ def main() -> None:
 
     def load(piece_rows: int) -> None:
         remapper = remappers[piece_rows]
-        for piece in all_rows.pieces(piece_rows):
+        for piece in all_rows.pieces(abs(piece_rows)):
             for layer in range(LAYERS):
                 remapper.remap_layer(str(layer), pool_k[layer], pool_v[layer], piece, stretches)
 
     remappers = {p: PositionRemapper(rotation, write, RemapScratch(p)) for p in args.pieces}
+    # The one-pass K load (gather_rotate.c), at the first piece size, keyed by
+    # -pieces so it sits beside the passes in the same loop.
+    kernel = GatherRotate.load()
+    probe = pool_k[0]
+    one_pass = kernel if kernel.serves(rotation, probe) else None
+    if one_pass is not None:
+        first = args.pieces[0]
+        remappers[-first] = PositionRemapper(rotation, write, RemapScratch(first), one_pass)
+        args.pieces = [first, -first, *args.pieces[1:]]
+    else:
+        print(f"  one-pass kernel not used: {kernel.why_not(rotation, probe)}")
     print(f"{args.docs} documents x {args.doc_tokens} tokens = {n} rows, {LAYERS} layers, "
           f"{HEADS}x{HEAD} {args.dtype}, isa {isa}, rotation: {rotation.describe_path(torch.device('cpu'))}")
     reference = None
@@ -139,7 +151,9 @@ def main() -> None:
     base = statistics.median(times[args.pieces[0]])
     for p in args.pieces:
         med = statistics.median(times[p])
-        print(f"  pieces of {p:6d} rows: {1e3 * med:7.2f} ms a request  ({med / base:.2f}x)")
+        how = "K in one pass (gather_rotate.c)" if p < 0 else "passes"
+        print(f"  pieces of {abs(p):6d} rows, {how:32s}: {1e3 * med:7.2f} ms a request  "
+              f"({med / base:.2f}x)")
 
     # Each pass alone over all rows of one layer (x LAYERS), for the breakdown.
     key = torch.empty(n, HEADS, HEAD, dtype=dtype)
@@ -170,6 +184,10 @@ def main() -> None:
         t = time.perf_counter()
         write("0", key, value, rows.dst_slots)
         out["write K+V"] = time.perf_counter() - t
+        if one_pass is not None:
+            t = time.perf_counter()
+            one_pass(pool_k[0], rows.src_rows, rows.stretch_index, table, rotation, key)
+            out["K in one pass"] = time.perf_counter() - t
         if isa in ("vec", "vec16"):
             # The alternative: one indexed copy per side into the layout the op packs
             # ("vec": per block and head, K as [head, block], V as [block, head]).

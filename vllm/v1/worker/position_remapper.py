@@ -41,7 +41,7 @@ import enum
 import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -71,6 +71,9 @@ from vllm.model_executor.layers.rotary_embedding.yarn_scaling_rope import (
     YaRNScalingRotaryEmbedding,
 )
 from vllm.v1.core.chunk_structures import ChunkLoadPlan
+
+if TYPE_CHECKING:
+    from vllm.v1.worker.gather_rotate import GatherRotate
 
 
 class WriteRows(Protocol):
@@ -746,12 +749,16 @@ class PositionRemapper:
         rotation: RopeRotation | None,
         write_rows: WriteRows,
         scratch: RemapScratch | None = None,
+        gather_rotate: "GatherRotate | None" = None,
     ):
         # None: the model has no RoPE (or the layer does not use it): copy.
         self.rotation = rotation
         self.write_rows = write_rows
         # Shared by all layers of a worker (one set of buffers).
         self.scratch = scratch if scratch is not None else RemapScratch()
+        # K's gather, rotation and casts in one pass (gather_rotate.py): given
+        # only where it was checked to serve this rotation and pool dtype.
+        self.gather_rotate = gather_rotate
 
     def remap_layer(
         self,
@@ -770,11 +777,18 @@ class PositionRemapper:
         num_rows = rows.src_rows.shape[0]
         key = self.scratch.take("key", pool_key, num_rows)
         value = self.scratch.take("value", pool_value, num_rows)
+        rotation = self.rotation
+        if (self.gather_rotate is not None and rotation is not None
+                and stretches is not None and rows.stretch_index is not None):
+            self.gather_rotate(pool_key, rows.src_rows, rows.stretch_index,
+                               stretches.op_table(), rotation, key)
+            torch.index_select(pool_value.flatten(1), 0, rows.src_rows, out=value.flatten(1))
+            self.write_rows(layer_name, key, value, rows.dst_slots)
+            return
         # NOTE: rows flattened to 2-D: index_select copies whole rows then
         # (~20% faster on CPU than the 3-D gather).
         torch.index_select(pool_key.flatten(1), 0, rows.src_rows, out=key.flatten(1))
         torch.index_select(pool_value.flatten(1), 0, rows.src_rows, out=value.flatten(1))
-        rotation = self.rotation
         if rotation is None:
             pass
         elif rotation.rotates_in_place(key.device):

@@ -91,6 +91,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.support import (
     check_query_runs,
 )
 from vllm.logger import init_logger
+from vllm.v1.worker.gather_rotate import BuildError, GatherRotate
 from vllm.v1.worker.position_remapper import (
     PositionRemapper,
     RemapRows,
@@ -140,6 +141,11 @@ class ChunkCacheWorker:
         self._scratch = RemapScratch(load_scratch_rows(vllm_config))
         self._ropes: dict[str, nn.Module | None] | None = None
         self._rotations: dict[int, RopeRotation] = {}
+        # The CPU's one-pass K load (gather_rotate.py), built at the first
+        # CPU layer; the error that stopped it; and per rotation, what the
+        # start-up log says about it.
+        self._gather_rotate: GatherRotate | BuildError | None = None
+        self._one_pass_why: dict[int, str] = {}
         # Layers that load through the fused kernel (GPU, self-checked), and
         # the launches that load them.
         self._fused = FusedLoadChoice()
@@ -280,7 +286,9 @@ class ChunkCacheWorker:
                     f"chunk cache: the rope of attention layer {name} rotates heads of "
                     f"{rotation.head_size} values but its keys have {layer.head_size}: "
                     "unsupported model structure (RoPE on part of a head)")
-            self.remappers[name] = PositionRemapper(rotation, self._write_rows, self._scratch)
+            self.remappers[name] = PositionRemapper(
+                rotation, self._write_rows, self._scratch,
+                self._one_pass_for(rotation, self.pool_key[name]))
         self.pool_bytes = total
         self._layers = {name: layers[name] for name in kv_caches}
         self._kv_caches = dict(kv_caches)
@@ -329,8 +337,30 @@ class ChunkCacheWorker:
         # NOTE: the CPU path depends on the machine (vLLM's RoPE op is used
         # only where it is bit-identical to the generic rotation): say which.
         for rotation in self._rotations.values():
-            logger.info("Chunk cache: keys re-rotated with %s",
-                        rotation.describe_path(self.device))
+            logger.info("Chunk cache: keys re-rotated with %s%s",
+                        rotation.describe_path(self.device),
+                        self._one_pass_why.get(id(rotation), ""))
+
+    def _one_pass_for(self, rotation: RopeRotation | None,
+                      pool_key: torch.Tensor) -> GatherRotate | None:
+        """The CPU kernel that loads K in one pass (gather_rotate.py), where it
+        builds and its self-check holds for this rotation and pool; None keeps
+        the passes, with the reason for the start-up log."""
+        if rotation is None or pool_key.device.type != "cpu":
+            return None
+        if self._gather_rotate is None:
+            try:
+                self._gather_rotate = GatherRotate.load()
+            except BuildError as e:
+                self._gather_rotate = e
+        kernel = self._gather_rotate
+        why = (str(kernel) if isinstance(kernel, BuildError)
+               else kernel.why_not(rotation, pool_key))
+        self._one_pass_why[id(rotation)] = (
+            "; K gathered, rotated and cast in one pass (gather_rotate.c, checked "
+            "byte-identical to the passes on this CPU)" if why is None
+            else f"; K loaded in passes: the one-pass kernel is not used ({why})")
+        return kernel if why is None else None
 
     def _start_store(self) -> None:
         if self.vllm_config.chunk_cache_config.chunk_store is None:
