@@ -286,9 +286,7 @@ class ChunkCacheWorker:
                     f"chunk cache: the rope of attention layer {name} rotates heads of "
                     f"{rotation.head_size} values but its keys have {layer.head_size}: "
                     "unsupported model structure (RoPE on part of a head)")
-            self.remappers[name] = PositionRemapper(
-                rotation, self._write_rows, self._scratch,
-                self._one_pass_for(rotation, self.pool_key[name]))
+            self.remappers[name] = PositionRemapper(rotation, self._write_rows, self._scratch)
         self.pool_bytes = total
         self._layers = {name: layers[name] for name in kv_caches}
         self._kv_caches = dict(kv_caches)
@@ -307,6 +305,13 @@ class ChunkCacheWorker:
         # here: this runs inside the KV-cache memory pool, which a sleep
         # discards (fused_chunk_load_path.FusedLayers.group).
         self._fused_groups = self._fused.launches
+        # NOTE: after the fused choice: the one-pass check settles a rotation's
+        # rounding to the CPU op's (RopeRotation.rotates_in_place), and the
+        # fused self-check's reference must keep the generic rounding.
+        for name, remapper in self.remappers.items():
+            if name not in self._fused.layers:
+                remapper.gather_rotate = self._one_pass_for(remapper.rotation,
+                                                            self.pool_key[name])
         # NOTE: the fused copy reads the caches the fused load's self-check
         # wrote on, in the pool's dtype (no fp8 group captures here).
         self._capture_groups = [
