@@ -11,6 +11,14 @@ ENGINE_ENV = {
     "HF_HUB_OFFLINE": "1",
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
 }
+# NOTE (issue 59): vLLM 0.32 serves an MLA model with AMX_MLA wherever the CPU has AMX
+# tiles (`CpuPlatform.get_attn_backend_cls`: "Prefer AMX when available, unless CPU_MLA
+# was explicitly requested"), and CPU_MLA elsewhere. AMX_MLA takes bf16 only, cannot pack
+# the tiny DeepSeek's 16-wide qk_nope/v dims ("invalid weight input features 16") and has
+# no latent writer in the chunk cache: the MLA tests ask for CPU_MLA by name, so they run
+# the same backend on every x86 CPU (tests/unit/distributed/test_chunk_cache_amx_mla.py
+# forces the AMX branch and checks these arguments against vLLM's own selection).
+CPU_MLA_ARGS = {"attention_backend": "CPU_MLA"}
 
 
 def make_llm(model: str, **kwargs):

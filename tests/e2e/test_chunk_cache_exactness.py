@@ -38,7 +38,7 @@ from tests.e2e.chunk_reference import (
     compare,
     random_text,
 )
-from tests.e2e.engine import close_llm, make_llm
+from tests.e2e.engine import CPU_MLA_ARGS, close_llm, make_llm
 from vllm.config import ChunkCacheConfig
 from vllm.v1.core.chunk_prefill_plan import PrefillPlan
 
@@ -47,7 +47,8 @@ pytestmark = pytest.mark.e2e
 TINY = str(models_dir() / "tiny-llama")
 SMOL = str(models_dir() / "SmolLM2-135M-Instruct")
 # MLA (issue 22): the tiny DeepSeek-V3 on vLLM's CPU_MLA backend, which vLLM 0.23 lacks
-# (test_mla_engine.py checks that 0.23 refuses it).
+# (test_mla_engine.py checks that 0.23 refuses it). Asked for by name (CPU_MLA_ARGS): on a
+# CPU with AMX vLLM 0.32 would pick AMX_MLA instead (issue 59, tests/e2e/engine.py).
 DEEPSEEK = str(models_dir() / "tiny-deepseek")
 CPU_MLA = pytest.mark.skipif(vllm.__version__.startswith("0.23"),
                              reason="vLLM 0.23 has no MLA attention on the CPU")
@@ -108,7 +109,8 @@ def engine(request):
                           lambda *args: "forced by the test (the hook path)")
         llm = make_llm(model, enable_chunk_cache=True, chunk_context=mode,
                        enable_prefix_caching=prefix_caching,
-                       chunk_recompute_tokens=recompute, max_chunk_load_tokens=cap)
+                       chunk_recompute_tokens=recompute, max_chunk_load_tokens=cap,
+                       **(CPU_MLA_ARGS if model == DEEPSEEK else {}))
     if len(rest) > 1:
         from vllm.distributed.kv_transfer import get_kv_transfer_group
 

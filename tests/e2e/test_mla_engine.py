@@ -2,7 +2,8 @@
 
 * With --enable-chunk-cache: served from the latent pool on vLLM 0.32 (exactness: the
   DeepSeek rows of test_chunk_cache_exactness.py); sparse MLA (V3.2) is refused at start-up.
-* Without it: vLLM 0.32 serves it with its CPU_MLA backend and must give what HF
+* Without it: vLLM 0.32 serves it with its CPU_MLA backend (asked for by name: on a CPU
+  with AMX vLLM would pick AMX_MLA, tests/e2e/engine.py) and must give what HF
   transformers gives (greedy tokens, logprobs within the engine tests' tolerance). That is
   the ground a CPU test of the MLA data path stands on. vLLM 0.23 has no MLA on the CPU
   and must say so when asked to start it.
@@ -14,7 +15,7 @@ import pytest
 import torch
 
 from tests.conftest import models_dir
-from tests.e2e.engine import close_llm, make_llm
+from tests.e2e.engine import CPU_MLA_ARGS, close_llm, make_llm
 
 pytestmark = pytest.mark.e2e
 
@@ -49,7 +50,7 @@ def test_the_chunk_cache_serves_mla_where_vllm_has_it_on_the_cpu():
         with pytest.raises(Exception, match="MLA is not supported on CPU"):
             make_llm(MODEL, max_model_len=1024, enable_chunk_cache=True)
         return
-    llm = make_llm(MODEL, max_model_len=1024, enable_chunk_cache=True)
+    llm = make_llm(MODEL, max_model_len=1024, enable_chunk_cache=True, **CPU_MLA_ARGS)
     try:
         prompt = "the system ## a document about the river ## another one on the city ## why"
         out = llm.generate([prompt, prompt], SamplingParams(max_tokens=2, temperature=0),
@@ -70,7 +71,7 @@ def test_vllm_serves_the_tiny_deepseek_as_hf_transformers_computes_it():
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from vllm import SamplingParams
 
-    llm = make_llm(MODEL, max_model_len=1024)
+    llm = make_llm(MODEL, max_model_len=1024, **CPU_MLA_ARGS)
     try:
         out = llm.generate([PROMPT], SamplingParams(max_tokens=8, temperature=0, logprobs=5),
                            use_tqdm=False)[0].outputs[0]

@@ -148,6 +148,11 @@ class LatentWriter:
     # serve on that layer as its weights left it (support.check_attention_layer,
     # once the model is loaded); None: nothing per layer.
     check_layer: Callable[[str, Any], None] | None = None
+    # The platform (vLLM's `device_type`) whose users pick this backend with
+    # --attention-backend: a refused MLA backend's message names these as the
+    # one to start with instead (support._check_latent_layer). None: picked
+    # by its platform itself (vllm-ascend), never suggested.
+    device_type: str | None = None
 
 
 _LATENT_WRITERS: dict[str, LatentWriter] = {}
@@ -156,17 +161,20 @@ _LATENT_WRITERS: dict[str, LatentWriter] = {}
 def register_latent_writer(impl_class_name: str, backend: str, write: LatentWriteFn,
                            read: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
                            k_pe_neox_style: bool | None = None,
-                           check_layer: Callable[[str, Any], None] | None = None) -> None:
+                           check_layer: Callable[[str, Any], None] | None = None,
+                           device_type: str | None = None) -> None:
     _LATENT_WRITERS[impl_class_name] = LatentWriter(backend, write, read, k_pe_neox_style,
-                                                    check_layer)
+                                                    check_layer, device_type)
 
 
 def latent_writer_for(impl: Any) -> LatentWriter | None:
     return _LATENT_WRITERS.get(type(impl).__name__)
 
 
-def supported_latent_backends() -> list[str]:
-    return sorted({w.backend for w in _LATENT_WRITERS.values()})
+def supported_latent_backends(device_type: str | None = None) -> list[str]:
+    """Every registered MLA backend, or those a user of `device_type` picks by name."""
+    return sorted({w.backend for w in _LATENT_WRITERS.values()
+                   if device_type is None or w.device_type == device_type})
 
 
 def _write_latent_via_kv_cache_update(layer, kv_c, k_pe, slot_mapping, kv_cache) -> None:
@@ -195,14 +203,18 @@ def _read_plain_latent(kv_cache: torch.Tensor, slots: torch.Tensor) -> torch.Ten
 # TOKENSPEED_MLA (Blackwell-first; their kernels' use of the cache not
 # checked), ROCm's, every sparse MLA backend (fp8_ds_mla and the indexer
 # cache) and Ascend's.
+# NOTE (issue 59): vLLM 0.32's AMX_MLA (picked on CPUs with AMX tiles unless
+# CPU_MLA is named) is not registered: its cache write (concat_and_cache_mla_cpu)
+# was never run on an AMX machine against a reference, so it is refused by name
+# and the refusal names CPU_MLA (the CPU's device_type below).
 register_latent_writer("CPUMLAImpl", "CPU_MLA", _write_latent_via_kv_cache_update,
-                       _read_plain_latent)
+                       _read_plain_latent, device_type="cpu")
 register_latent_writer("TritonMLAImpl", "TRITON_MLA", _write_latent_via_kv_cache_update,
-                       _read_plain_latent)
+                       _read_plain_latent, device_type="cuda")
 register_latent_writer("FlashAttnMLAImpl", "FLASH_ATTN_MLA", _write_latent_via_kv_cache_update,
-                       _read_plain_latent)
+                       _read_plain_latent, device_type="cuda")
 register_latent_writer("FlashMLAImpl", "FLASHMLA", _write_latent_via_kv_cache_update,
-                       _read_plain_latent)
+                       _read_plain_latent, device_type="cuda")
 
 
 # vLLM 0.23.0 picks, for standard attention on CUDA: FLASH_ATTN, FLASHINFER,

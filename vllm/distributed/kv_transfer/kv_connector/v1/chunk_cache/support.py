@@ -374,9 +374,9 @@ def _check_latent_layer(name: str, layer: Any) -> None:
         raise ValueError(
             f"chunk cache does not support the MLA backend of {name} "
             f"({type(layer.impl).__name__}); supported: "
-            f"{', '.join(supported_latent_backends())} (choose one with "
-            "--attention-backend; the other MLA backends, sparse MLA and Ascend's "
-            "are not built: docs/design/mla.md)"
+            f"{', '.join(supported_latent_backends())} ({_choose_instead(layer)}; "
+            "the other MLA backends, sparse MLA and Ascend's are not built: "
+            "docs/design/mla.md)"
         )
     if getattr(layer, "kv_cache_dtype", "auto") != "auto":
         # NOTE: the capture reads the rows back from the cache (the connector
@@ -387,6 +387,25 @@ def _check_latent_layer(name: str, layer: Any) -> None:
         )
     if writer.check_layer is not None:
         writer.check_layer(name, layer)
+
+
+def _choose_instead(layer: Any) -> str:
+    """Which backend to start with instead of the refused one: the supported MLA
+    backends users of this platform pick by name (issue 59: vLLM 0.32 picks
+    AMX_MLA on CPUs with AMX tiles unless CPU_MLA is asked for)."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.cache_writers import (
+        supported_latent_backends,
+    )
+    from vllm.platforms import current_platform
+
+    backend = getattr(layer, "attn_backend", None)
+    refused = backend.get_name() if backend is not None else type(layer.impl).__name__
+    here = supported_latent_backends(current_platform.device_type)
+    if not here:
+        return "choose one with --attention-backend"
+    return (f"{refused} is not one of them: on this platform "
+            f"({current_platform.device_type}) start with --attention-backend "
+            + " or ".join(here))
 
 
 def check_graph_mode(compilation_config: Any, hooked: dict[str, str]) -> None:
