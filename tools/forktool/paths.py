@@ -18,11 +18,14 @@ class Paths:
     cache: Path
     # The upstream release this invocation works on (`--base`, else FORK_BASE, else 0.23).
     base: Release = field(default_factory=release)
+    # The device the venv is for: "cpu" (.cache/venv) or "cuda" (.cache/venv-cuda); the
+    # trees, series and downloads are the same for both.
+    device: str = "cpu"
 
     @classmethod
-    def default(cls, base: str | None = None) -> "Paths":
+    def default(cls, base: str | None = None, device: str = "cpu") -> "Paths":
         return cls(repo=REPO, cache=Path(os.environ.get("FORK_CACHE", REPO / ".cache")),
-                   base=release(base))
+                   base=release(base), device=device)
 
     def for_base(self, base: Release) -> "Paths":
         return replace(self, base=base)
@@ -41,7 +44,8 @@ class Paths:
 
     @property
     def venv(self) -> Path:
-        return self.cache / f"venv{self.base.suffix}"
+        device = "" if self.device == "cpu" else f"-{self.device}"
+        return self.cache / f"venv{self.base.suffix}{device}"
 
     @property
     def models(self) -> Path:

@@ -20,10 +20,12 @@ class Pin:
     # Exact file name on PyPI; fetch refuses any other file.
     file: str
     sha256: str
+    # Ask pip for exactly this version string (`===`): `==X` also matches a local X+label.
+    exact: bool = False
 
     @property
     def requirement(self) -> str:
-        return f"{self.package}=={self.version}"
+        return f"{self.package}{'===' if self.exact else '=='}{self.version}"
 
 
 def load_pins(path: Path) -> dict[str, Pin]:

