@@ -3,7 +3,7 @@ the question alone on the chunk-cache engine), on a model with Llama-3-8B's shap
 random weights (load_format="dummy": no download; timing does not need trained weights).
 
     python benchmarks/gpu_ttft.py make MODEL_DIR TOKENIZER_DIR
-    python benchmarks/gpu_ttft.py MODE MODEL_DIR     # MODE: stock | prefix | chunk
+    python benchmarks/gpu_ttft.py MODE MODEL_DIR     # MODE: stock | prefix | apc | chunk
 
 Workload, per prompt size S in TTFT_SIZES (default 2048,8192,32768 tokens): documents of
 ~DOC_TOKENS (500) tokens, S / DOC_TOKENS of them per request: system ## documents (all of
@@ -12,6 +12,9 @@ document is seen; the chunk cache and the prefix cache fill); then TTFT_REPS (10
 requests, one at a time, each with a new question and a new order. TTFT = wall time of a
 generate() with max_tokens=1. Default compilation (FULL_AND_PIECEWISE CUDA graphs) unless
 TTFT_EAGER=1. TTFT_DRY_RUN=1: print the plan (sizes, reps, engine arguments) and exit.
+APC-same (mode `apc`, issue 60): vLLM's prefix cache at its best, the honest peer of the
+chunk cache's all-hit request: the prefix-caching engine, every request the same documents
+in the same order (one fixed shuffle per size) and a new question.
 
 Decode (TTFT_DECODE=1, default): 64 requests of ~512 prompt tokens decode 256 tokens each
 (ignore_eos); tokens/s = 64 * 255 / (t(256 tokens) - t(1 token)): run on `prefix` (flag
@@ -74,8 +77,8 @@ def recompute_k(mode: str) -> int:
 
 
 def engine_kwargs(mode: str, model: str, sizes: list[int], eager: bool, k: int = 0) -> dict:
-    if mode not in ("stock", "prefix", "chunk"):
-        raise SystemExit(f"unknown mode {mode!r}: stock | prefix | chunk")
+    if mode not in ("stock", "prefix", "apc", "chunk"):
+        raise SystemExit(f"unknown mode {mode!r}: stock | prefix | apc | chunk")
     kwargs = dict(model=model, load_format="dummy", dtype="bfloat16",
                   max_model_len=max(sizes) + 1024, gpu_memory_utilization=0.85, seed=0,
                   enforce_eager=eager, max_num_seqs=64)
@@ -83,7 +86,7 @@ def engine_kwargs(mode: str, model: str, sizes: list[int], eager: bool, k: int =
         kwargs["compilation_config"] = {"cudagraph_mode": os.environ["TTFT_CUDAGRAPH"]}
     if mode == "stock":
         kwargs["enable_prefix_caching"] = False
-    elif mode == "prefix":
+    elif mode in ("prefix", "apc"):
         kwargs["enable_prefix_caching"] = True
     else:
         kwargs.update(enable_chunk_cache=True, enable_prefix_caching=True)
@@ -136,9 +139,10 @@ def main() -> None:
 
     for size in SIZES:
         docs = [doc() for _ in range(max(1, (size - 64) // DOC_TOKENS))]
+        same = rng.sample(range(len(docs)), len(docs))  # apc: one order for every request
 
         def prompt(question: str) -> str:
-            order = rng.sample(range(len(docs)), len(docs))
+            order = same if mode == "apc" else rng.sample(range(len(docs)), len(docs))
             return sep.join(["answer from the documents", *[docs[i] for i in order],
                              "question: " + question])
 

@@ -70,6 +70,7 @@ harness_main() {
     ' > "$LOGS/install.log" 2>&1
     rc=$?; install_ok=$(( rc == 0 ))
     say "install: rc=$rc ($(elapsed)s) | $(head -1 "$LOGS/install.log") | $(grep -E '^torch ' "$LOGS/install.log" | tail -1) | $(grep -E '^FA3 ' "$LOGS/install.log" | tail -1)"
+    say "  $(grep -E '^install: ' "$LOGS/install.log" | tail -1)"
     ((install_ok)) || { tail -5 "$LOGS/install.log" | cut -c1-200 >> "$summary"; }
   fi
   pack_logs

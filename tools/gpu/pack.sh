@@ -1,74 +1,103 @@
 #!/usr/bin/env bash
 # Packs what a GPU machine without network needs to run this fork (docs/gpu.md, "Next run"):
-#   bash tools/gpu/pack.sh        .gpu/part00, .gpu/part01 (vLLM 0.23.0's CUDA extensions and
-#                                 vLLM's missing Python dependencies) and .gpu/py.tar.xz
-#   bash tools/gpu/pack.sh py     .gpu/py.tar.xz only: the wheel's Python files with this
-#                                 checkout's patched sources over them (./fork apply vllm);
-#                                 rerun it after any change to vllm/ or patches/
-#   bash tools/gpu/pack.sh [py] --dry-run
-#                                 print the steps and check the tools they need; runs nothing
-# The device tool carries 64 MiB a call, working tree included: each part stays <= 60 MiB.
-# Needs Python 3 with pip, unzip, xz, split; nothing else in the system Python: the patched
-# sources come from `./fork apply vllm`, which downloads vLLM's sdist through the fork's venv
-# (pip runs its setup.py: torch, setuptools-rust), so `./fork setup` runs first (idempotent:
-# seconds when the venv exists, ~10 minutes on a fresh machine).
+# the user's artifact itself, the CUDA wheel of `./fork build --device cuda`, byte for byte.
+#   bash tools/gpu/pack.sh [--base 0.23|0.32]
+#       1. ./fork build --device cuda --base B: .cache/dist/vllm-<B>.*+chunkcache.cu<NNN>-*.whl
+#          (PyPI's vLLM CUDA wheel with the series and the overlay; docs/building.md);
+#       2. vLLM's Python dependencies missing from the device image, unpacked and pruned
+#          (deps.tar.xz, ~20 MiB; laid into the site beside the wheel);
+#       3. one tar of the wheel and deps.tar.xz, split into .gpu/part00, part01, ... of at
+#          most $PART_MIB MiB (58) each, and .gpu/MANIFEST: the wheel's name and sha256, each part's sha256.
+#   bash tools/gpu/pack.sh --assemble WHEEL DEPS_TAR_XZ
+#       step 3 alone, for these files (GPU_DIR, default .gpu, is where the parts go; PART_BYTES
+#       overrides the part size: the CPU test of the assembly uses small parts)
+#   bash tools/gpu/pack.sh [--base B] --dry-run
+#       print the steps and check the tools; runs nothing; prints the sha256 of the wheel it
+#       would carry when that wheel exists.
+# On the device, tools/gpu/install.sh reassembles the parts, checks every sha256 and runs
+# `pip install --no-deps` of that wheel (the device has no network: the parts are carried,
+# one a call, each call carrying the working tree too: 64 MiB in all).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-only_py=0 dry=0
-for a in "$@"; do
-  case $a in
-    py) only_py=1 ;;
-    --dry-run) dry=1 ;;
-    *) echo "pack.sh: unknown argument '$a' (py, --dry-run)" >&2; exit 2 ;;
+base=0.23 dry=0 assemble=()
+while [ $# -gt 0 ]; do
+  case $1 in
+    --assemble) [ $# -ge 3 ] || { echo "pack.sh: --assemble WHEEL DEPS_TAR_XZ" >&2; exit 2; }
+      assemble=("$2" "$3"); shift 3 ;;
+    --base) base=${2:-}; shift 2 || { echo "pack.sh: --base needs 0.23 or 0.32" >&2; exit 2; } ;;
+    --base=*) base=${1#*=}; shift ;;
+    --dry-run) dry=1; shift ;;
+    *) echo "pack.sh: unknown argument '$1' (--base 0.23|0.32, --dry-run)" >&2; exit 2 ;;
   esac
 done
+case $base in 0.23|0.32) ;; *) echo "pack.sh: --base takes 0.23 or 0.32, got '$base'" >&2; exit 2 ;; esac
 cache=${FORK_CACHE:-.cache}
-work=.cache/gpu
+work=$cache/gpu
+# NOTE: a call carries 64 MiB in all, the working tree (4.1 MiB on 2026-11-28) included.
+PART_MIB=${PART_MIB:-58}
+tree_mib() {  # what travels besides the carried paths: tracked and untracked-not-ignored files
+  { git ls-files -z; git ls-files -z --others --exclude-standard; } | xargs -0 stat -c %s 2>/dev/null |
+    awk '{s+=$1} END {printf "%.1f", s/1048576}'
+}
+# NOTE: the name `./fork build --device cuda` gives (vllm-0.23.0+chunkcache.cu129-...whl).
+cuda_wheel() { compgen -G "$cache/dist/vllm-$base.*+chunkcache.cu*.whl" | sort | tail -1; }
+
+assemble() {  # assemble WHEEL DEPS_TAR_XZ: one tar (the two and SHA256SUMS), split; MANIFEST
+  local wheel=$1 deps=$2 out=${GPU_DIR:-.gpu} bytes=${PART_BYTES:-$((PART_MIB << 20))} f
+  rm -rf "$work/payload" && mkdir -p "$work/payload" "$out"
+  cp "$wheel" "$work/payload/"
+  cp "$deps" "$work/payload/deps.tar.xz"
+  (cd "$work/payload" && sha256sum "$(basename "$wheel")" deps.tar.xz > SHA256SUMS)
+  tar cf "$work/payload.tar" -C "$work/payload" .
+  rm -f "$out"/part* "$out/MANIFEST" "$out/py.tar.xz"
+  split -b "$bytes" -d "$work/payload.tar" "$out/part"
+  {
+    echo "wheel $(basename "$wheel") $(sha256sum "$wheel" | cut -d' ' -f1)"
+    for f in "$out"/part*; do echo "part $(basename "$f") $(sha256sum "$f" | cut -d' ' -f1)"; done
+  } > "$out/MANIFEST"
+  rm -rf "$work/payload" "$work/payload.tar"
+  ls -l "$out"
+  cat "$out/MANIFEST"
+  for f in "$out"/part*; do
+    [ "$(stat -c %s "$f")" -le "$bytes" ] || { echo "$f is over $bytes bytes" >&2; exit 1; }
+  done
+  echo "$(ls "$out"/part* | wc -l) parts; each call carries the working tree ($(tree_mib) MiB) + one part + MANIFEST (64 MiB at most)"
+}
+if [ ${#assemble[@]} -gt 0 ]; then mkdir -p "$work"; assemble "${assemble[@]}"; exit 0; fi
+
 if ((dry)); then
   missing=0
-  for t in python3 unzip xz split tar; do
+  for t in python3 xz split tar sha256sum unzip; do
     command -v $t >/dev/null || { echo "missing: $t" >&2; missing=1; }
   done
   python3 -m pip --version >/dev/null 2>&1 || { echo "missing: pip for python3" >&2; missing=1; }
-  if [ -x "$cache/venv/bin/python" ]; then echo "1. ./fork setup (venv $cache/venv exists: seconds)"
-  else echo "1. ./fork setup (no venv at $cache/venv yet: builds it, ~10 minutes)"; fi
-  if compgen -G "$work/whl/vllm-0.23.0-*.whl" >/dev/null; then echo "2. vllm 0.23.0 CUDA wheel: cached in $work/whl"
-  else echo "2. pip download vllm==0.23.0 (CUDA wheel, 261 MiB) into $work/whl"; fi
-  ((only_py)) || echo "3. extensions + dependencies -> .gpu/part00, .gpu/part01 (xz -9e, ~8 minutes)"
-  echo "4. ./fork apply vllm --force; the wheel's Python files + $cache/trees/vllm/vllm -> .gpu/py.tar.xz"
+  wheel=$(cuda_wheel || true)
+  if [ -n "$wheel" ]; then
+    echo "1. ./fork build --device cuda --base $base (rebuilds only if the series or the overlay changed)"
+    echo "   wheel: $wheel ($(stat -c %s "$wheel") bytes) sha256 $(sha256sum "$wheel" | cut -d' ' -f1)"
+    parts=$(( ($(stat -c %s "$wheel") + (21 << 20) + (PART_MIB << 20) - 1) / (PART_MIB << 20) ))
+  else
+    echo "1. ./fork build --device cuda --base $base (no CUDA wheel in $cache/dist yet: downloads PyPI's vLLM CUDA wheel, ~260-320 MiB, and builds it)"
+    echo "   wheel: none yet, so no sha256"
+    parts="5-6"
+  fi
+  if compgen -G "$work/deps/*.whl" >/dev/null; then echo "2. dependencies: cached in $work/deps"
+  else echo "2. pip download of vLLM's missing dependencies into $work/deps (~42 MiB of wheels)"; fi
+  echo "3. the wheel + deps.tar.xz -> .gpu/part00.. ($parts parts of <= $PART_MIB MiB) and .gpu/MANIFEST (sha256 of the wheel and of each part)"
+  [ "$base" = 0.23 ] || echo "   NOTE: the dependency list was checked against vLLM 0.23's Requires-Dist only"
+  tree=$(tree_mib)
+  echo "4. one call per part: working tree $tree MiB + a part <= $PART_MIB MiB (+ MANIFEST) of the 64 MiB a call carries"
+  awk -v t="$tree" -v p="$PART_MIB" 'BEGIN {exit !(t + p > 63.5)}' &&
+    { echo "   the working tree is too large for $PART_MIB MiB parts: PART_MIB=$(awk -v t="$tree" 'BEGIN {printf "%d", 63.5 - t}') bash tools/gpu/pack.sh" >&2; missing=1; }
   exit $missing
 fi
+
 mkdir -p "$work" .gpu
-./fork setup
+./fork build --device cuda --base "$base"
+wheel=$(cuda_wheel) || { echo "pack.sh: ./fork build --device cuda wrote no $cache/dist/vllm-$base.*+chunkcache.cu*.whl" >&2; exit 1; }
 plat="--only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64
  --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64
  --platform manylinux_2_24_x86_64 --platform manylinux_2_34_x86_64 --platform any"
-# NOTE: pip skips a file already in the destination (a previous pack's wheel, 261 MiB).
-python3 -m pip download -q --no-deps $plat -d "$work/whl" vllm==0.23.0
-wheel=$(ls "$work"/whl/vllm-0.23.0-*.whl)
-
-python_sources() {
-  rm -rf "$work/py" && mkdir -p "$work/py"
-  (cd "$work/py" && unzip -q "$OLDPWD/$wheel" -x '*.so' 'vllm/vllm-rs' 'vllm/third_party/deep_gemm/*')
-  ./fork apply vllm --force
-  cp -r "$cache/trees/vllm/vllm/." "$work/py/vllm/"   # the fork's patched sources over the wheel's
-  tar cf - -C "$work/py" . | xz -T0 -9 > .gpu/py.tar.xz
-  ls -l .gpu/py.tar.xz
-}
-if ((only_py)); then python_sources; exit 0; fi
-
-# NOTE: the extensions a dense model and MLA need on Hopper (xz -9e sizes in docs/gpu.md):
-# _C and _C_stable_libtorch (cuda.py imports both; reshape_and_cache_flash,
-# concat_and_cache_mla, rms_norm and rotary_embedding live in the latter), FA3 (FLASH_ATTN,
-# FLASH_ATTN_MLA, and the prefill of every MLA backend on SM90), FlashMLA (FLASHMLA),
-# cumem_allocator (sleep mode), spinloop. Left out: FA2 (52 MiB, used on Hopper only with
-# ALiBi or sinks), _moe_C (37 MiB: no MoE model can run), deep_gemm, vllm-rs.
-# So the pack cannot run: FLASHINFER / FLASHINFER_MLA (not carried at all), MoE models,
-# ALiBi or attention sinks on Hopper, CUTLASS_MLA and the fp8 DeepGEMM paths.
-rm -rf "$work/so" && mkdir -p "$work/so"
-(cd "$work/so" && unzip -q "$OLDPWD/$wheel" 'vllm/_C.abi3.so' 'vllm/_C_stable_libtorch.abi3.so' \
-  'vllm/vllm_flash_attn/_vllm_fa3_C.abi3.so' 'vllm/_flashmla_C.abi3.so' \
-  'vllm/_flashmla_extension_C.abi3.so' 'vllm/spinloop.abi3.so' 'vllm/cumem_allocator.abi3.so')
 # NOTE: vLLM's own requirements minus what the device image already has (torch, triton,
 # transformers, numpy, ...) and the CUDA kernel packages a dense model on FLASH_ATTN /
 # TRITON_ATTN never imports (flashinfer, tilelang, cutlass-dsl, quack, ...).
@@ -90,23 +119,14 @@ for p in numpy pillow protobuf pyyaml regex requests setuptools tqdm typing_exte
     apache_tvm_ffi-0.1.9; do
   rm -f "$work"/deps/${p}*.whl
 done
-# The wheels unpacked (what `pip install --no-deps --target` would lay down), so that one xz
-# stream compresses them all and the device needs no pip.
+# NOTE: the dependencies unpacked (what `pip install --no-deps --target` lays down) and pruned
+# of data no run reads (Mistral's tokenizer files, pycountry's translations, tests): 20 MiB
+# of xz instead of 42 MiB of wheels, which keeps 0.23's pack at five parts. The vLLM wheel
+# itself is carried as it is and installed by pip.
 rm -rf "$work/site" && mkdir -p "$work/site"
 for w in "$work"/deps/*.whl; do unzip -q -o "$w" -d "$work/site"; done
-# NOTE: data no run here reads: Mistral's tokenizer files (mistral_common is imported, its
-# tokenizers are never loaded for Llama/DeepSeek tokenizers), pycountry's translations, tests.
 rm -rf "$work"/site/mistral_common/data/tekken_*.json "$work"/site/mistral_common/data/*.model.* \
   "$work/site/pycountry/locales"
 find "$work/site" -type d -name tests -prune -exec rm -rf {} +
-rm -rf "$work/payload" && mkdir -p "$work/payload"
-tar cf - -C "$work/so" . | xz -T2 -9e > "$work/payload/so.tar.xz"
-tar cf - -C "$work/site" . | xz -T2 -9e > "$work/payload/deps.tar.xz"
-tar cf "$work/payload.tar" -C "$work/payload" .
-rm -f .gpu/part*
-split -n 2 -d "$work/payload.tar" .gpu/part
-python_sources
-ls -l "$work/payload" .gpu
-for f in .gpu/part*; do
-  [ "$(stat -c %s "$f")" -le $((60 << 20)) ] || { echo "$f is over 60 MiB" >&2; exit 1; }
-done
+tar cf - -C "$work/site" . | xz -T2 -9e > "$work/deps.tar.xz"
+assemble "$wheel" "$work/deps.tar.xz"

@@ -2,8 +2,10 @@
 benchmarks/gpu_ttft.py printed into the given logs (any order, any other lines
 ignored) and prints, per prompt size, the chunk cache's all-hit median against the
 floor (the question alone on the same engine) and stock vLLM's median against the
-chunk cache's, and `sink+K` against `sink` where a run measured both; each with the
-issue's target. Figures missing from the logs are named as missing.
+chunk cache's, the chunk cache's against APC-same (mode `apc`: vLLM's prefix cache with
+the same documents in the same order, issue 60) where a run measured it, and `sink+K`
+against `sink` where a run measured both; each with the issue's target. Figures missing
+from the logs are named as missing.
 
     python3 tools/gpu/ttft_ratios.py LOG...
 """
@@ -17,6 +19,7 @@ from pathlib import Path
 # size -> (chunk / floor at most, stock / chunk at least): issue 40's targets.
 TARGETS = {8192: (1.3, 10.0), 32768: (2.0, 25.0)}
 K_TARGET = 1.3  # sink+K12 / sink at 8k, at most
+APC_TARGET = 1.2  # chunk / APC-same at 8k and 32k, at most (issue 60)
 
 
 def read_rows(paths: list[str]) -> list[dict]:
@@ -73,6 +76,12 @@ def ratios(rows: list[dict]) -> list[str]:
                 parts.append(f"{r:.1f}x below stock" + (
                     f" (target >= {min_stock}x: {_verdict(r >= min_stock)})"
                     if min_stock else ""))
+        apc = by.get(("apc", size))
+        if apc is not None and chunk is not None:
+            r = chunk["ttft_ms_median"] / apc["ttft_ms_median"]
+            parts.append(f"APC-same {apc['ttft_ms_median']:.2f} ms (cached "
+                         f"{apc.get('cached_tokens_mean', '?')}): chunk {r:.2f}x APC-same"
+                         f" (target <= {APC_TARGET}x: {_verdict(r <= APC_TARGET)})")
         lines.append(parts[0] + " " + "; ".join(parts[1:]))
         for row in with_k:
             mode = row["mode"]
