@@ -97,7 +97,11 @@ def _check(args, server, log: Path, t0: float) -> int:
         body = {"model": "m", "max_tokens": 4, "temperature": 0,
                 "prompt_segments": [system, *[docs[i] for i in order], question]}
         t = time.perf_counter()
-        r = _post(args.port, body)
+        try:
+            r = _post(args.port, body)
+        except (urllib.error.URLError, OSError) as e:  # HTTPError included: the engine died
+            print(f"serve-check: FAIL: documents {order}: {e}; the server's log: {log}")
+            return 1
         ms = 1e3 * (time.perf_counter() - t)
         usage = r.get("usage") or {}
         cached = ((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
