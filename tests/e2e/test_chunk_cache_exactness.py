@@ -66,8 +66,9 @@ SLOW = pytest.mark.slow
 # finding 3): 40 rows makes every load of the `system` run wait for its own step
 # and go through the load buffers in pieces.
 # A seventh, "hook", captures in the attention hook (patch 0004) on every layer, as on a
-# quantized or AMX-packed cache, which no CI machine has (issue 21: elsewhere captures run
-# after the forward from the paged blocks wherever the start-up self-check reads them back).
+# quantized or AMX-packed cache, which the developers' CI machines lack (issue 21; AMX:
+# issue 59, docs/design/capture.md; elsewhere captures run after the forward from the
+# paged blocks wherever the start-up self-check reads them back).
 CONFIGS = [(TINY, "sink", True, 160, 0), (TINY, "none", True, 160, 0),
            (TINY, "sink", True, 160, 0, None, "hook"),
            (TINY, "system", True, 160, 0, 40),
