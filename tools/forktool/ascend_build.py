@@ -8,8 +8,8 @@ written to .cache/dist/npu/, are:
   `+chunkcache`); the user builds it with CANN (`ascend_commands`);
 - the patched vLLM as vLLM's own `VLLM_TARGET_DEVICE=empty` build (Python only: vllm-ascend
   supplies the device code) of the pinned sdist + series + overlay, relabelled
-  `+chunkcache.empty` and tagged py3-none-any (it holds no compiled file; Ascend hosts are
-  often aarch64).
+  `+chunkcache.empty`, tagged py3-none-any (it holds no compiled file; Ascend hosts are
+  often aarch64), with the overlay files setuptools does not package added.
 Trees are materialised under .cache/npu/, never in .cache/trees* (the workflow's trees).
 No CANN, no NPU: nothing here compiles or runs NPU code (docs/ascend.md).
 """
@@ -134,13 +134,13 @@ def changed_files(paths: Paths, base: bases.Base) -> dict[str, bytes | None]:
     return out
 
 
-def materialise(paths: Paths, base: bases.Base, dest: Path) -> Path:
-    """A plain directory (no git) of `base` + series + overlay, replacing `dest`.
+def materialise(base: bases.Base, changed: dict[str, bytes | None], dest: Path) -> Path:
+    """A plain directory (no git) of `base` with `changed` (changed_files), replacing `dest`.
 
     NOTE: not tree.apply's git repository: vLLM's setup.py takes its version from
     setuptools_scm, which in a git checkout without release tags makes a dev version
     (0.1.devN); in a plain directory it reads the sdist's PKG-INFO (the release)."""
-    changed = changed_files(paths, base)
+    changed = dict(changed)
     shutil.rmtree(dest, ignore_errors=True)
     dest.mkdir(parents=True)
     for name, data in base.iter_files():
@@ -240,8 +240,8 @@ def build_empty_wheel(paths: Paths, python: Path, tree: Path, work: Path) -> Pat
                PATH=f"{_no_rust_dir(work)}{os.pathsep}{env.get('PATH', '')}")
     # NOTE: the fork's venv holds every build requirement the empty target uses (torch,
     # setuptools, setuptools-scm, setuptools-rust, packaging); cmake/ninja are for the
-    # device targets only. No isolation: nothing is downloaded.
-    run([python, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
+    # device targets only. No isolation and no index: nothing is downloaded.
+    run([python, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index",
          "--disable-pip-version-check", "-w", raw, tree], env=env, quiet=True)
     wheels = list(raw.glob("vllm-*.whl"))
     if len(wheels) != 1:
@@ -269,17 +269,34 @@ def _check_raw_wheel(names: list[str], read, upstream_version: str) -> str:
     return expected
 
 
-def relabel_wheel(raw: Path, out: Path, upstream_version: str, version: str) -> Path:
+def relabel_wheel(raw: Path, out: Path, upstream_version: str, version: str,
+                  overlay: dict[str, bytes] | None = None) -> Path:
     """`raw` (vLLM's empty build) as `out`: version `version`, tag py3-none-any.
 
     Every member is copied byte for byte but METADATA's Version, WHEEL's tag lines and
-    RECORD (rewritten); the dist-info folder is renamed."""
+    RECORD (rewritten); the dist-info folder is renamed. The `overlay` files the build left
+    out are added.
+
+    NOTE: setuptools packages a package's .py files and its declared package_data only, so
+    an overlay file of another kind (vllm/v1/worker/gather_rotate.c, the CPU load's kernel
+    source) is not in vLLM's own build; the wheel carries the whole overlay, as the CPU
+    wheel does."""
     tmp = out.with_name(out.name + ".tmp")
     new_info = f"vllm-{version}.dist-info"
     records: list[list[str]] = []
     with zipfile.ZipFile(raw) as src, \
             zipfile.ZipFile(tmp, "w", zipfile.ZIP_DEFLATED, compresslevel=6) as dst:
         old_info = _check_raw_wheel(src.namelist(), src.read, upstream_version)
+        names = set(src.namelist())
+        for rel, data in sorted((overlay or {}).items()):
+            if rel in names:
+                if src.read(rel) != data:
+                    raise ToolError(f"the empty build's {rel} differs from the overlay's")
+                continue
+            zi = zipfile.ZipInfo(rel, date_time=(2000, 1, 1, 0, 0, 0))
+            zi.external_attr, zi.compress_type = 0o644 << 16, zipfile.ZIP_DEFLATED
+            dst.writestr(zi, data)
+            records.append([rel, _record_hash(data), str(len(data))])
         for info in src.infolist():
             name = info.filename
             if info.is_dir() or name == f"{old_info}/RECORD":
@@ -339,11 +356,16 @@ def build(paths: Paths) -> list[Path]:
         work = paths.cache / "npu"
         with step(f"writing {art.ascend_sdist.name} (vllm-ascend sdist + series + overlay)"):
             patched_sdist(paths, ascend_base, art.ascend_version, art.ascend_sdist)
+        # NOTE: one read of the series' results and the overlay for the tree and the
+        # files added to the wheel (the repository may change while pip runs).
+        changed = changed_files(paths, vllm_base)
         with step(f"materialising vLLM {vllm_base.path.name} + series + overlay in {work}"):
-            tree = materialise(paths, vllm_base, work / "vllm")
+            tree = materialise(vllm_base, changed, work / "vllm")
         with step("building vLLM with VLLM_TARGET_DEVICE=empty (its setup.py, pip wheel)"):
             raw = build_empty_wheel(paths, python, tree, work)
-        relabel_wheel(raw, art.vllm_wheel, _version(paths, "vllm"), art.vllm_version)
+        relabel_wheel(raw, art.vllm_wheel, _version(paths, "vllm"), art.vllm_version,
+                      {rel: changed[rel] for rel in overlay_files(paths, "vllm")
+                       if changed.get(rel) is not None})
         stamp.write_text(digest)
     for p in done:
         say(f"{p} ({p.stat().st_size / 1e6:.1f} MB)")
