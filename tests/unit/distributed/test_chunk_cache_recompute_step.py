@@ -70,7 +70,11 @@ def test_on_cuda_one_step_is_opt_in_and_elsewhere_refused_by_name(monkeypatch):
         RecomputeSteps.for_config(config(mla=True), _platform("cuda"))
 
 
-def test_on_cuda_the_worker_refuses_other_backends_and_full_graphs_by_name():
+def test_on_cuda_the_worker_refuses_other_backends_full_graph_mode_and_spec_decode_by_name():
+    """Issue 60: only what cannot work is refused; vLLM's default FULL_AND_PIECEWISE
+    (full graphs for uniform decode batches only) and FULL_DECODE_ONLY are accepted,
+    and the start-up line says how a step with runs runs (vLLM's dispatcher itself:
+    tests/unit/v1/worker/test_query_runs_dispatch.py)."""
     from vllm.config.compilation import CUDAGraphMode
     from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.support import (
         check_query_runs,
@@ -79,21 +83,33 @@ def test_on_cuda_the_worker_refuses_other_backends_and_full_graphs_by_name():
     def layer(impl: str):
         return SimpleNamespace(impl=type(impl, (), {})())
 
+    def graphs(mode):
+        return SimpleNamespace(cudagraph_mode=mode, max_cudagraph_capture_size=128)
+
     flash = {"model.layers.0.self_attn.attn": layer("FlashAttentionImpl"),
              "model.layers.1.self_attn.attn": layer("TritonAttentionImpl")}
-    piecewise = SimpleNamespace(cudagraph_mode=CUDAGraphMode.PIECEWISE)
-    check_query_runs(True, flash, piecewise, _platform("cuda"))
-    check_query_runs(True, flash, SimpleNamespace(cudagraph_mode=CUDAGraphMode.NONE),
-                     _platform("cuda"))
+    piecewise = graphs(CUDAGraphMode.PIECEWISE)
+    line = check_query_runs(True, flash, piecewise, _platform("cuda"))
+    assert "runs PIECEWISE (eager above 128 tokens)" in line and "capped" not in line
+    assert "eager (no CUDA graphs)" in check_query_runs(
+        True, flash, graphs(CUDAGraphMode.NONE), _platform("cuda"))
+    default = check_query_runs(True, flash, graphs(CUDAGraphMode.FULL_AND_PIECEWISE),
+                               _platform("cuda"), None, 256)
+    assert "cudagraph_mode=FULL_AND_PIECEWISE: a step with query runs runs PIECEWISE" in default
+    assert "rows capped at 256 per step" in default
+    decode_only = check_query_runs(True, flash, graphs(CUDAGraphMode.FULL_DECODE_ONLY),
+                                   _platform("cuda"), None, 64)
+    assert "runs eager" in decode_only and "rows capped at 128 per step" in decode_only
     # Not asked for, or not CUDA (the CPU backend's rows are its own): nothing to refuse.
     flashinfer = {"model.layers.0.self_attn.attn": layer("FlashInferImpl")}
-    check_query_runs(False, flashinfer, piecewise, _platform("cuda"))
-    check_query_runs(True, {"l": layer("CPUAttentionBackendImpl")},
-                     SimpleNamespace(cudagraph_mode=CUDAGraphMode.FULL), _platform("cpu"))
+    assert check_query_runs(False, flashinfer, piecewise, _platform("cuda")) is None
+    assert check_query_runs(True, {"l": layer("CPUAttentionBackendImpl")},
+                            graphs(CUDAGraphMode.FULL), _platform("cpu")) is None
     with pytest.raises(ValueError, match=r"model\.layers\.0\.self_attn\.attn runs FlashInferImpl"):
         check_query_runs(True, flashinfer, piecewise, _platform("cuda"))
-    for mode in (CUDAGraphMode.FULL_AND_PIECEWISE, CUDAGraphMode.FULL,
-                 CUDAGraphMode.FULL_DECODE_ONLY):
-        with pytest.raises(ValueError, match=f"cudagraph_mode={mode.name}"):
-            check_query_runs(True, flash, SimpleNamespace(cudagraph_mode=mode),
-                             _platform("cuda"))
+    with pytest.raises(ValueError, match="cudagraph_mode=FULL: it replays a full CUDA graph "
+                                         "for mixed prefill-decode batches"):
+        check_query_runs(True, flash, graphs(CUDAGraphMode.FULL), _platform("cuda"))
+    with pytest.raises(ValueError, match="does not support speculative decoding"):
+        check_query_runs(True, flash, graphs(CUDAGraphMode.FULL_AND_PIECEWISE),
+                         _platform("cuda"), object())

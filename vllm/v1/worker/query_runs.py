@@ -19,6 +19,12 @@ request (input ids, sampling, the request's last token); two things change:
 
 vLLM 0.32's `CommonAttentionMetadata.req_idx` already lets several rows
 share one request's KV (prefill context parallelism); the rows here use it.
+
+A step with runs has more attention rows than requests, which a full CUDA
+graph (fixed rows) cannot replay: `check_runs_dispatch` refuses one at run
+time (support.check_query_runs refuses the modes that would at start-up), and
+the runs' host-to-device copies go through reused pinned buffers without a
+sync (`HostStaging`).
 """
 
 from dataclasses import dataclass, fields, replace
@@ -26,6 +32,8 @@ from typing import Any
 
 import numpy as np
 import torch
+
+from vllm.v1.worker.host_staging import HostStaging
 
 QueryRun = tuple[int, int]
 
@@ -114,9 +122,33 @@ def run_rows(query_runs: dict[str, tuple[QueryRun, ...]], req_ids: list[str],
                    np.asarray(slens, dtype=np.int32))
 
 
-def split_rows(common: Any, rows: RunRows) -> Any:
+def check_runs_dispatch(rows: RunRows | None, cudagraph_mode: Any) -> None:
+    """Refuse a step with query runs dispatched to a full CUDA graph: the graph
+    replays the attention rows it was captured with (one per request, padded),
+    not the step's runs. vLLM dispatches full graphs only for uniform-decode
+    batches under FULL_AND_PIECEWISE / FULL_DECODE_ONLY, and a request with runs
+    has at least two scheduled tokens; under FULL every batch may take one
+    (refused at start-up: support.check_query_runs). A raise, not an assert:
+    it must hold under python -O too."""
+    if rows is None or cudagraph_mode is None:
+        return
+    from vllm.config.compilation import CUDAGraphMode
+
+    if cudagraph_mode == CUDAGraphMode.FULL:
+        raise RuntimeError(
+            f"a step with query runs ({rows.num_rows} attention rows for "
+            f"{int(rows.request_index.max()) + 1} requests) was dispatched to "
+            f"cudagraph runtime mode {cudagraph_mode.name}: a full CUDA graph "
+            "replays the rows it was captured with, not the runs'; the chunk "
+            "cache's one-step boundary recompute needs a mode whose mixed batches "
+            "run piecewise or eagerly (FULL_AND_PIECEWISE, PIECEWISE, "
+            "FULL_DECODE_ONLY, NONE)")
+
+
+def split_rows(common: Any, rows: RunRows, staging: HostStaging | None = None) -> Any:
     """`common` (a CommonAttentionMetadata with one row per request, no
-    padding) with one row per run."""
+    padding) with one row per run. `staging`: the runner's host buffers for
+    the rows' device copies (a fresh one, unpinned on the CPU, if None)."""
     names = {f.name for f in fields(common)}
     if common.num_reqs != int(rows.request_index.max()) + 1:
         raise ValueError(
@@ -127,22 +159,27 @@ def split_rows(common: Any, rows: RunRows) -> Any:
         if name in names and getattr(common, name) is not None:
             raise ValueError(f"query runs are not supported with {name} set")
     device = common.query_start_loc.device
+    if staging is None:
+        staging = HostStaging(device)
     index = torch.from_numpy(rows.request_index)
     qsl_cpu = torch.zeros(rows.num_rows + 1, dtype=common.query_start_loc_cpu.dtype)
     qsl_cpu[1:] = torch.from_numpy(np.cumsum(rows.query_lens))
     seq_lens_cpu = torch.from_numpy(rows.seq_lens).to(common.seq_lens.dtype)
     changes: dict[str, Any] = dict(
-        query_start_loc=qsl_cpu.to(device),
+        query_start_loc=staging.to_device("query_start_loc", qsl_cpu),
         query_start_loc_cpu=qsl_cpu,
-        seq_lens=seq_lens_cpu.to(device),
+        seq_lens=staging.to_device("seq_lens", seq_lens_cpu),
         num_reqs=rows.num_rows,
         max_query_len=int(rows.query_lens.max()),
         max_seq_len=int(rows.seq_lens.max()),
     )
+    index_on = {device: staging.to_device("request_index", index)}
     for name in _COPIED_PER_ROW:
         value = getattr(common, name, None) if name in names else None
         if isinstance(value, torch.Tensor):
-            changes[name] = value[index.to(value.device)]
+            if value.device not in index_on:
+                index_on[value.device] = index.to(value.device)
+            changes[name] = value[index_on[value.device]]
         elif isinstance(value, np.ndarray):
             changes[name] = value[rows.request_index]
     if "seq_lens_cpu_upper_bound" in names and common.seq_lens_cpu_upper_bound is not None:

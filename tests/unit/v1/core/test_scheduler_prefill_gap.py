@@ -53,6 +53,14 @@ def scheduler(request, monkeypatch):
     ).create_engine_config()
     config.cache_config.block_size = BLOCK
     config.cache_config.num_gpu_blocks = 10
+    if request.param == "one-full-graphs":
+        # vLLM's default mode on CUDA, with a 4-row FlashAttention 3 buffer
+        # (max(max_num_seqs, largest capture size)): a step's runs must fit it.
+        from vllm.config.compilation import CUDAGraphMode
+
+        config.compilation_config.cudagraph_mode = CUDAGraphMode.FULL_AND_PIECEWISE
+        config.compilation_config.max_cudagraph_capture_size = 4
+        config.scheduler_config.max_num_seqs = 4
     init_none_hash(sha256)
     spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=32,
                              dtype=torch.float32)
@@ -125,4 +133,31 @@ def test_every_head_and_the_question_are_one_step_of_query_runs(scheduler):
     assert out.query_runs == {"a": ((16, K), (56, K), (96, 8))}
     rows = [s.num_rows for load in out.kv_connector_metadata.loads for s in load.stretches]
     assert rows == [16, 38, 38]
+    assert a.num_computed_tokens == sum(LAYOUT)
+
+
+@pytest.mark.parametrize("scheduler", ["one-full-graphs"], indirect=True)
+def test_runs_that_would_overflow_the_attention_rows_wait_for_the_next_step(scheduler):
+    """Issue 60: under full-graph modes a step has at most 4 attention rows here. a's
+    step holds 3 requests (a, b, c: one row each), so a takes 2 of its 3 runs; its
+    question (and the rest loaded before it) comes in the next step."""
+    prompt = list(range(100, 100 + sum(LAYOUT)))
+    a = request("a", prompt, priority=0, layout=LAYOUT)
+    scheduler.add_request(a)
+    step(scheduler)  # a waits; its children spawn
+    step(scheduler)  # the children prefill
+    b = request("b", list(range(300, 308)), priority=0)
+    c = request("c", list(range(400, 408)), priority=0)
+    scheduler.add_request(b)
+    scheduler.add_request(c)
+    out = step(scheduler)
+    assert out.num_scheduled_tokens == {"a": K + K, "b": 8, "c": 8}
+    assert out.query_runs == {"a": ((16, K), (56, K))}
+    rows = len(out.num_scheduled_tokens) + sum(len(r) - 1 for r in out.query_runs.values())
+    assert rows <= 4
+    assert [s.num_rows for load in out.kv_connector_metadata.loads
+            for s in load.stretches] == [16, 38]
+    assert a.num_computed_tokens == 16 + K + 38 + K
+    out = step(scheduler)  # doc2's rest loaded, the question computed: one run
+    assert out.num_scheduled_tokens["a"] == 8 and out.query_runs is None
     assert a.num_computed_tokens == sum(LAYOUT)

@@ -14,10 +14,13 @@ backends assume a run's query tokens are the last tokens of its keys.
 
 Pure arithmetic, no engine: the scheduler's caps (token budget, long-prefill
 threshold, ...) apply to the computed tokens only, and `truncated` drops
-what they cut, loads after the last computed token included.
+what they cut, loads after the last computed token included. A step's runs
+are also capped by the attention rows the backends' fixed buffers hold
+(`RunRowBudget`): the runs left out are taken in a later step.
 """
 
 from dataclasses import dataclass
+from typing import Any
 
 # (first position, number of tokens) of one query run.
 QueryRun = tuple[int, int]
@@ -65,6 +68,20 @@ class PrefillRuns:
             left -= take
         return PrefillRuns(self.first_position, tuple(kept))
 
+    def at_most_runs(self, max_runs: int) -> "PrefillRuns":
+        """The stretches up to the `max_runs`-th computed one (the loads after
+        it dropped: a later step takes them with their runs)."""
+        if max_runs < 1:
+            raise ValueError(f"max_runs must be >= 1, got {max_runs}")
+        kept: list[tuple[int, int]] = []
+        runs = 0
+        for loaded, computed in self.stretches:
+            if runs == max_runs:
+                break
+            kept.append((loaded, computed))
+            runs += computed > 0
+        return PrefillRuns(self.first_position, tuple(kept))
+
     def query_runs(self) -> tuple[QueryRun, ...]:
         """(first position, length) of each computed stretch, in order."""
         runs = []
@@ -81,3 +98,49 @@ class PrefillRuns:
         """Whether the model runner must be told (more than one run: with one,
         its positions already follow from num_computed_tokens)."""
         return len(self.query_runs()) > 1
+
+
+@dataclass
+class RunRowBudget:
+    """How many attention rows a step's query runs may add beyond one per
+    request. `max_rows` None: no bound.
+
+    NOTE: under a CUDA-graph mode with full graphs (vLLM's default
+    FULL_AND_PIECEWISE, FULL_DECODE_ONLY) FlashAttention 3's metadata builder
+    copies its scheduler metadata into a buffer of max(max_num_seqs, largest
+    capture size) rows on every build, piecewise and eager steps included, so a
+    step's rows (its runs) must fit there. The scheduler does not know the
+    backend, so the bound holds for every backend under those modes. Every
+    request of the step takes one row, and a step has at most
+    min(max_num_seqs, requests in the scheduler) requests: what is left of the
+    buffer is the runs' extra rows, handed out in scheduling order. A request
+    whose runs do not fit keeps its first ones (`PrefillRuns.at_most_runs`) and
+    takes the rest in a later step, which is exact (the plan is asked again from
+    its num_computed_tokens)."""
+
+    max_rows: int | None
+    max_num_seqs: int
+    extra_left: int = 0
+
+    @classmethod
+    def of_config(cls, vllm_config: Any) -> "RunRowBudget":
+        max_num_seqs = vllm_config.scheduler_config.max_num_seqs
+        compilation = getattr(vllm_config, "compilation_config", None)
+        mode = getattr(compilation, "cudagraph_mode", None)
+        if mode is None or not mode.has_full_cudagraphs():
+            return cls(None, max_num_seqs)
+        capture = getattr(compilation, "max_cudagraph_capture_size", None) or 0
+        return cls(max(max_num_seqs, capture), max_num_seqs)
+
+    def start_step(self, num_requests: int) -> None:
+        """A new step, with at most `num_requests` requests to schedule."""
+        if self.max_rows is not None:
+            self.extra_left = max(0, self.max_rows - min(self.max_num_seqs, num_requests))
+
+    def take(self, runs: PrefillRuns) -> PrefillRuns:
+        """`runs` with no more query runs than the rows left allow; counts them."""
+        if self.max_rows is None:
+            return runs
+        kept = runs.at_most_runs(1 + self.extra_left)
+        self.extra_left -= max(0, len(kept.query_runs()) - 1)
+        return kept

@@ -18,14 +18,15 @@ every other set-up the multi-step path runs and the start-up line says why.
 measure it side by side); `=1` refuses to start where one step is not
 supported.
 
-On CUDA the one-step path is opt-in (`=1`) and experimental: FLASH_ATTN and
-TRITON_ATTN builders pass the runs' rows through and vLLM's Triton kernel
-attends over them causally by real position (both checked on the CPU:
-tests/unit/v1/worker/test_query_runs_triton_attn.py), but no GPU run has shown
-the outputs exact yet. The worker then refuses, naming it, any other attention
-backend and any CUDA-graph mode with full graphs (a step's rows outnumber its
-requests; the graphs' buffers are sized by requests):
-`support.check_query_runs`.
+On CUDA the one-step path is opt-in (`=1`) until a GPU run shows it exact:
+FLASH_ATTN and TRITON_ATTN builders pass the runs' rows through and vLLM's
+Triton kernel attends over them causally by real position (both checked on the
+CPU: tests/unit/v1/worker/test_query_runs_triton_attn.py). The worker then
+refuses, naming it, any other attention backend, speculative decoding and
+cudagraph_mode FULL (full graphs for mixed batches); vLLM's default
+FULL_AND_PIECEWISE runs a step with runs piecewise or eagerly, with its rows
+capped at what FlashAttention 3's fixed buffer holds (`support.check_query_runs`,
+`prefill_runs.RunRowBudget`).
 """
 
 import os
@@ -75,7 +76,7 @@ def _unsupported(vllm_config: Any, platform: Any, opted_in: bool) -> str | None:
     if platform.is_cuda() and not opted_in:
         return (
             f"on CUDA the one-step path is opt-in ({RECOMPUTE_IN_ONE_STEP}=1: FLASH_ATTN "
-            "or TRITON_ATTN without full CUDA graphs; not yet shown exact on a GPU)"
+            "or TRITON_ATTN, any cudagraph_mode but FULL; not yet shown exact on a GPU)"
         )
     if not (platform.is_cpu() or platform.is_cuda()):
         return (

@@ -443,14 +443,36 @@ CUDA_QUERY_RUN_BACKENDS = ("FlashAttentionImpl", "TritonAttentionImpl")
 
 
 def check_query_runs(one_step: bool, layers: dict[str, Any], compilation_config: Any,
-                     platform: Any) -> None:
-    """Refuse at start-up a one-step boundary recompute (query runs,
-    recompute_step.py) on CUDA over an attention backend or a CUDA-graph mode it
-    was not built for. `layers`: the attention layers by name."""
+                     platform: Any, speculative_config: Any = None,
+                     max_num_seqs: int | None = None) -> str | None:
+    """Refuse at start-up, by name, what a one-step boundary recompute (query
+    runs, recompute_step.py) on CUDA cannot run on: an attention backend other
+    than FLASH_ATTN / TRITON_ATTN, speculative decoding, or a CUDA-graph mode
+    that replays full graphs for mixed batches (FULL). `layers`: the attention
+    layers by name. Returns what the start-up line says on CUDA (None
+    elsewhere).
+
+    NOTE (read in vLLM's CudagraphDispatcher, 0.23 and 0.32; tested with it in
+    tests/unit/v1/worker/test_query_runs_dispatch.py): full graphs are keyed
+    by uniform-decode batches under FULL_AND_PIECEWISE (vLLM's default) and
+    FULL_DECODE_ONLY, and a step with runs has a request with >= 2 scheduled
+    tokens, so it dispatches PIECEWISE (FULL_DECODE_ONLY: eager), or eager above
+    the largest capture size; the model runner refuses a full-graph dispatch of
+    such a step all the same (query_runs.check_runs_dispatch). Under FULL every
+    batch up to the largest capture size replays a full graph."""
     if not one_step or not platform.is_cuda():
-        return
+        return None
     how = ("--chunk-recompute-tokens in one step (CHUNK_CACHE_RECOMPUTE_ONE_STEP=1) on "
            "CUDA")
+    if speculative_config is not None:
+        # NOTE: a runs step of query length 1 + k could be classed as a uniform
+        # decode batch (full graph), and draft tokens are scheduled per request.
+        raise ValueError(
+            f"{how} does not support speculative decoding (--speculative-config): "
+            "draft tokens are scheduled per request and a step of 1 + k tokens per "
+            "request may replay a full CUDA graph; unset CHUNK_CACHE_RECOMPUTE_ONE_STEP "
+            "for one step per chunk head")
+    backends = set()
     for name, layer in layers.items():
         backend = type(getattr(layer, "impl", None)).__name__
         if backend not in CUDA_QUERY_RUN_BACKENDS:
@@ -458,14 +480,31 @@ def check_query_runs(one_step: bool, layers: dict[str, Any], compilation_config:
                 f"{how} needs FLASH_ATTN or TRITON_ATTN: attention layer {name} runs "
                 f"{backend} (choose one with --attention-backend, or unset "
                 "CHUNK_CACHE_RECOMPUTE_ONE_STEP for one step per chunk head)")
+        backends.add(backend)
     mode = getattr(compilation_config, "cudagraph_mode", None)
-    if mode is not None and mode.has_full_cudagraphs():
-        # NOTE: a step's attention rows are its runs, more than its requests; the
-        # full graphs' attention buffers are sized by requests (max_num_seqs).
+    named = ", ".join(sorted(backends)) or "no attention layers"
+    if mode is None or mode.name == "NONE":
+        return f"every head and the question in one step on {named}, eager (no CUDA graphs)"
+    from vllm.config.compilation import CUDAGraphMode
+
+    if mode.mixed_mode() == CUDAGraphMode.FULL:
         raise ValueError(
-            f"{how} does not support cudagraph_mode={mode.name}: a step's query runs "
-            "outnumber its requests, and full CUDA graphs size their attention buffers "
-            "by requests; use -O.cudagraph_mode=PIECEWISE or --enforce-eager")
+            f"{how} does not support cudagraph_mode={mode.name}: it replays a full "
+            "CUDA graph for mixed prefill-decode batches too, whose attention rows "
+            "are fixed at capture (one per request), and a step's query runs "
+            "outnumber its requests; use vLLM's default FULL_AND_PIECEWISE (full "
+            "graphs for decode batches only), PIECEWISE, FULL_DECODE_ONLY or "
+            "--enforce-eager")
+    capture = getattr(compilation_config, "max_cudagraph_capture_size", None)
+    runs_as = "PIECEWISE" if mode.mixed_mode() == CUDAGraphMode.PIECEWISE else "eager"
+    line = (f"every head and the question in one step on {named}, "
+            f"cudagraph_mode={mode.name}: a step with query runs runs {runs_as}"
+            + (f" (eager above {capture} tokens)" if runs_as == "PIECEWISE" else ""))
+    if mode.has_full_cudagraphs():
+        rows = max(max_num_seqs or 0, capture or 0)
+        line += (f"; its attention rows capped at {rows} per step (FlashAttention 3's "
+                 "scheduler-metadata buffer under full graphs: later runs wait a step)")
+    return line
 
 
 # Scheduler classes that replace schedule() but call vLLM's own under some

@@ -253,8 +253,15 @@ class ChunkCacheWorker:
             check_attention_layer(name, layer, max_model_len)
         from vllm.platforms import current_platform
 
-        check_query_runs(RecomputeSteps.for_config(self.vllm_config).one_step, attention,
-                         self.vllm_config.compilation_config, current_platform)
+        one_step_line = check_query_runs(
+            RecomputeSteps.for_config(self.vllm_config).one_step, attention,
+            self.vllm_config.compilation_config, current_platform,
+            getattr(self.vllm_config, "speculative_config", None),
+            self.vllm_config.scheduler_config.max_num_seqs)
+        if one_step_line is not None:
+            # NOTE: the scheduler's line says which path runs and why; on CUDA
+            # this one adds how a step with runs is dispatched and capped.
+            logger.info("Chunk cache: boundary recompute on CUDA: %s", one_step_line)
         total = 0
         for name, kv_cache in kv_caches.items():
             layer = layers.get(name)
