@@ -544,6 +544,29 @@ def _check_against_cache(
         )
 
 
+def load_key_passes(pool: torch.Tensor, src_rows: torch.Tensor, rotation: RopeRotation,
+                    index: torch.Tensor, table: torch.Tensor, out: torch.Tensor,
+                    key32: torch.Tensor | None = None) -> torch.Tensor:
+    """K's CPU load in passes, the one place they are written (the remapper,
+    the one-pass kernel's start-up check and fallback, and the tests call it):
+    `out` [n, heads, head_size] = the rows `src_rows` of `pool`, cast to fp32,
+    rotated in place by vLLM's RoPE op with each row's entry `index` [n] of the
+    cos | sin `table` [entries, rotary_dim], cast back to `out`'s dtype.
+    `key32`: an fp32 buffer of out's shape for a 16-bit pool (a new one if
+    None). Returns `out`."""
+    # NOTE: rows flattened to 2-D: index_select copies whole rows then
+    # (~20% faster on CPU than the 3-D gather).
+    torch.index_select(pool.flatten(1), 0, src_rows, out=out.flatten(1))
+    target = out
+    if out.dtype != torch.float32:
+        target = key32 if key32 is not None else torch.empty(out.shape, dtype=torch.float32)
+        target.copy_(out)
+    rotation.rotate_in_place_indexed(target, index, table)
+    if target is not out:
+        out.copy_(target)
+    return out
+
+
 @dataclass
 class StretchCosSin:
     """fp32 cos/sin [num_stretches, rotary_dim // 2] of a step's stretch
@@ -787,24 +810,21 @@ class PositionRemapper:
             return
         # NOTE: rows flattened to 2-D: index_select copies whole rows then
         # (~20% faster on CPU than the 3-D gather).
-        torch.index_select(pool_key.flatten(1), 0, rows.src_rows, out=key.flatten(1))
         torch.index_select(pool_value.flatten(1), 0, rows.src_rows, out=value.flatten(1))
+        if rotation is not None and rotation.rotates_in_place(key.device):
+            # CPU: the passes (gather, fp32, vLLM's op in place, cast back).
+            if stretches is not None and rows.stretch_index is not None:
+                index, table = rows.stretch_index, stretches.op_table()
+            else:
+                index, table = rotation._table_for(rows.deltas)
+            key32 = (None if key.dtype == torch.float32
+                     else self.scratch.take("key32", key, num_rows, torch.float32))
+            load_key_passes(pool_key, rows.src_rows, rotation, index, table, key, key32)
+            self.write_rows(layer_name, key, value, rows.dst_slots)
+            return
+        torch.index_select(pool_key.flatten(1), 0, rows.src_rows, out=key.flatten(1))
         if rotation is None:
             pass
-        elif rotation.rotates_in_place(key.device):
-            # CPU: rotate the gathered rows in place, one pass (in fp32, as
-            # the module doc says: a 16-bit pool goes through an fp32 buffer).
-            target = key
-            if key.dtype != torch.float32:
-                target = self.scratch.take("key32", key, num_rows, torch.float32)
-                target.copy_(key)
-            if stretches is not None and rows.stretch_index is not None:
-                rotation.rotate_in_place_indexed(target, rows.stretch_index,
-                                                 stretches.op_table())
-            else:
-                rotation.rotate_in_place(target, rows.deltas)
-            if target is not key:
-                key.copy_(target)
         else:
             cos_sin = (None if stretches is None or rows.stretch_index is None
                        else stretches.rows(rows.stretch_index))

@@ -91,7 +91,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.support import (
     check_query_runs,
 )
 from vllm.logger import init_logger
-from vllm.v1.worker.gather_rotate import BuildError, GatherRotate
+from vllm.v1.worker.gather_rotate import GatherRotate
 from vllm.v1.worker.position_remapper import (
     PositionRemapper,
     RemapRows,
@@ -141,10 +141,10 @@ class ChunkCacheWorker:
         self._scratch = RemapScratch(load_scratch_rows(vllm_config))
         self._ropes: dict[str, nn.Module | None] | None = None
         self._rotations: dict[int, RopeRotation] = {}
-        # The CPU's one-pass K load (gather_rotate.py), built at the first
-        # CPU layer; the error that stopped it; and per rotation, what the
-        # start-up log says about it.
-        self._gather_rotate: GatherRotate | BuildError | None = None
+        # The CPU's one-pass K load (gather_rotate.py, shipped in the wheel),
+        # loaded at the first CPU layer; or why it could not be (logged
+        # once); and per rotation, what the start-up log says about it.
+        self._gather_rotate: GatherRotate | str | None = None
         self._one_pass_why: dict[int, str] = {}
         # Layers that load through the fused kernel (GPU, self-checked), and
         # the launches that load them.
@@ -361,18 +361,28 @@ class ChunkCacheWorker:
         if rotation is None or pool_key.device.type != "cpu":
             return None
         if self._gather_rotate is None:
+            # NOTE: anything at all keeps the passes and never stops the
+            # engine (a missing or truncated library, a missing symbol...).
             try:
                 self._gather_rotate = GatherRotate.load()
-            except BuildError as e:
-                self._gather_rotate = e
+            except Exception as e:
+                self._gather_rotate = f"{type(e).__name__}: {e}"
+                logger.warning("Chunk cache: K loaded in passes, the one-pass CPU kernel "
+                               "could not be loaded (%s)", self._gather_rotate)
         kernel = self._gather_rotate
-        why = (str(kernel) if isinstance(kernel, BuildError)
-               else kernel.why_not(rotation, pool_key))
+        if isinstance(kernel, str):
+            why: str | None = "not loaded, see above"
+        else:
+            try:
+                why = kernel.why_not(rotation, pool_key)
+            except Exception as e:
+                why = f"its check failed: {type(e).__name__}: {e}"
         self._one_pass_why[id(rotation)] = (
-            "; K gathered, rotated and cast in one pass (gather_rotate.c, checked "
-            "byte-identical to the passes on this CPU)" if why is None
+            f"; K gathered, rotated and cast in one pass (gather_rotate.c: "
+            f"{kernel.describe()}; checked byte-identical to the passes on this CPU)"
+            if why is None
             else f"; K loaded in passes: the one-pass kernel is not used ({why})")
-        return kernel if why is None else None
+        return None if why is not None else kernel  # type: ignore[return-value]
 
     def _start_store(self) -> None:
         if self.vllm_config.chunk_cache_config.chunk_store is None:
