@@ -367,6 +367,8 @@ def build(paths: Paths) -> list[Path]:
                       {rel: changed[rel] for rel in overlay_files(paths, "vllm")
                        if changed.get(rel) is not None})
         stamp.write_text(digest)
+        # NOTE: the materialised tree (~130 MB) is scratch: CI machines are short of disk.
+        shutil.rmtree(work)
     for p in done:
         say(f"{p} ({p.stat().st_size / 1e6:.1f} MB)")
     say("not built or run here: vllm-ascend's CANN build and anything on an NPU. "
