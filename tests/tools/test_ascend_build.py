@@ -19,7 +19,6 @@ import io
 import json
 import os
 import subprocess
-import sys
 import tarfile
 import time
 import zipfile

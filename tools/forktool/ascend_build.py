@@ -23,7 +23,6 @@ import io
 import os
 import re
 import shutil
-import subprocess
 import sys
 import tarfile
 import zipfile
@@ -126,8 +125,7 @@ def changed_files(paths: Paths, base: bases.Base) -> dict[str, bytes | None]:
                         f"{result.problem}")
     out = dict(result.files)
     overlay = overlay_files(paths, base.tree)
-    upstream = {name for name, _ in base._members()}
-    clash = sorted(set(overlay) & upstream)
+    clash = sorted(base.read_files(set(overlay)))
     if clash:
         raise ToolError(f"overlay files replace upstream files (make them patches): {clash}")
     out.update({rel: f.read_bytes() for rel, f in overlay.items()})
