@@ -512,13 +512,14 @@ def document(rng: random.Random, tokenizer, num_tokens: int = DOC_TOKENS) -> str
 # ------------------------------------------------------------------- host work
 
 
-def host_workload_llm(model: str, max_model_len: int):
+def host_workload_llm(model: str, max_model_len: int, block_size: int | None = None):
     """The in-process engine bench_host.py and profile_host.py measure: dummy bf16 weights
     (compute is not what they time), the chunk cache and prefix caching on, the positions
     stretched to `max_model_len`.
 
     NOTE: in-process engine core (VLLM_ENABLE_V1_MULTIPROCESSING=0): the chunk splitter and
-    the scheduler live in this process, where the benchmarks look at them."""
+    the scheduler live in this process, where the benchmarks look at them. `block_size`:
+    vLLM's KV block size (None: the platform's default, 128 on the CPU)."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "6")
     from vllm import LLM
@@ -526,4 +527,5 @@ def host_workload_llm(model: str, max_model_len: int):
     return LLM(model=model, load_format="dummy", dtype="bfloat16", seed=0,
                max_model_len=max_model_len,
                hf_overrides={"max_position_embeddings": max_model_len},
-               enforce_eager=True, enable_chunk_cache=True, enable_prefix_caching=True)
+               enforce_eager=True, enable_chunk_cache=True, enable_prefix_caching=True,
+               **({} if block_size is None else {"block_size": block_size}))

@@ -18,7 +18,7 @@ there (a garbage collection charged to whatever function allocated) is not a cos
 collector's pauses during the timed requests are counted (gc.callbacks).
 
     OMP_NUM_THREADS=1 .cache/venv/bin/python benchmarks/profile_host.py [--docs 16 64] \
-        [--top 25] [--split-reps 7] [--save PREFIX]
+        [--top 25] [--split-reps 7] [--block-size 32] [--save PREFIX]
 """
 
 from __future__ import annotations
@@ -50,6 +50,9 @@ def main() -> int:
     ap.add_argument("--apc", action="store_true",
                     help="add APC-same to the split: the same documents in one fixed order, "
                          "unsplit, a new question (vLLM's prefix cache at its best)")
+    ap.add_argument("--block-size", type=int, default=None,
+                    help="vLLM's KV block size (default: the platform's, 128 on the CPU; "
+                         "32 is CPU_ATTN's smallest)")
     ap.add_argument("--save", default=None,
                     help="write the single profiled request to SAVE.<docs>.pstats")
     args = ap.parse_args()
@@ -69,7 +72,7 @@ def main() -> int:
     # may gain when tokenized as its own segment.
     max_len = longest + 4 * max(args.docs) + 1024
     # NOTE: in-process engine core: the splitter lives in this process's renderer.
-    llm = host_workload_llm(args.model, max_len)
+    llm = host_workload_llm(args.model, max_len, args.block_size)
     from vllm import SamplingParams
     one = SamplingParams(max_tokens=1, temperature=0.0)
     for num_docs in args.docs:
