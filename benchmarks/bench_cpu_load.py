@@ -6,7 +6,7 @@ One all-hit request of N documents of ~500 tokens on the host workload's shapes 
 `LoadRows.expand` from shuffled pool blocks, then loaded by `PositionRemapper.remap_layer`
 through vLLM's own `cpu_attn_reshape_and_cache` as the worker does, in pieces of
 `--pieces` rows (16384: --max-chunk-load-tokens' default, the worker's pieces before issue 52).
-The pieces are timed interleaved in one run on one thread; medians and the ratio to the
+The pieces are timed interleaved in one run on `--threads` threads (1 by default); medians and the ratio to the
 first. Every variant's cache bytes are checked equal to the first's before timing.
 
 Also printed: each pass alone over all rows (the gather, the casts, the rotation, the write),
@@ -15,7 +15,7 @@ bytes checked equal to the op's first), to show where the time is and what the p
 the alternative change.
 
     OMP_NUM_THREADS=1 .cache/venv/bin/python benchmarks/bench_cpu_load.py [--docs 64] \
-        [--dtype bfloat16] [--pieces 16384 1024 256]
+        [--dtype bfloat16] [--pieces 16384 1024 256] [--threads 2]
 """
 
 from __future__ import annotations
@@ -63,6 +63,8 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--pieces", type=int, nargs="+", default=[16384, 2048, 1024, 512, 256])
     ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch's intra-op threads (the kernel splits its rows over as many)")
     ap.add_argument("--inductor", action="store_true",
                     help="also K's gather, casts and rotation as one loop compiled by "
                          "torch.compile (inductor's C++; compiles for ~30 s)")
@@ -86,7 +88,7 @@ def main() -> None:
         RopeRotation,
     )
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     isa = _get_attn_isa(dtype, BLOCK, HEAD, "auto")
     pool_rows = 4 * args.docs * args.doc_tokens
@@ -121,7 +123,10 @@ def main() -> None:
     remappers = {p: PositionRemapper(rotation, write, RemapScratch(p)) for p in args.pieces}
     # The one-pass K load (gather_rotate.c), at the first piece size, keyed by
     # -pieces so it sits beside the passes in the same loop.
+    # NOTE: the library shipped in the wheel (nothing is compiled here).
     kernel = GatherRotate.load()
+    describe = getattr(kernel, "describe", lambda: str(getattr(kernel, "library", "")))
+    print(f"  one-pass kernel: {describe()}, {torch.get_num_threads()} thread(s)")
     probe = pool_k[0]
     one_pass = kernel if kernel.serves(rotation, probe) else None
     if one_pass is not None:
