@@ -110,7 +110,10 @@ def _bind_openmp(runtime: str) -> str | None:
     """Makes `runtime` global so the threaded library's GOMP_* symbols bind
     to it; None if they would (the global definition is that runtime's),
     else why not."""
-    handle = ctypes.CDLL(runtime, mode=os.RTLD_GLOBAL | os.RTLD_NOLOAD)
+    try:
+        handle = ctypes.CDLL(runtime, mode=os.RTLD_GLOBAL | os.RTLD_NOLOAD)
+    except OSError as e:
+        return f"{Path(runtime).name} cannot be made global ({e})"
     ours, bound = _address(handle, "GOMP_parallel"), _address(ctypes.CDLL(None), "GOMP_parallel")
     if ours is None or ours != bound:
         return (f"GOMP_parallel would bind to another OpenMP runtime than torch's "
