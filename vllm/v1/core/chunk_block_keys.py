@@ -61,12 +61,10 @@ def _starts(layout: tuple[int, ...]) -> tuple[int, ...]:
     return starts
 
 
-def block_extra_keys(layout: tuple[int, ...], start: int, end: int) -> list[ChunkSegmentKey]:
-    """Keys of the block [start, end) of a prompt with segment token counts
-    `layout`: one per segment start inside it, with its offset in the block
-    and its kind (s: the system segment, c: a chunk, q: the question)."""
-    # NOTE: memoised per layout: a request asks once per block, and a prompt
-    # of 500 documents has as many starts.
+def _plain_block_keys(
+    layout: tuple[int, ...], start: int, end: int,
+) -> list[ChunkSegmentKey]:
+    """The keys of [start, end), found by bisecting the layout's starts."""
     starts = _starts(layout)
     last = len(starts) - 1
     keys = []
@@ -77,3 +75,44 @@ def block_extra_keys(layout: tuple[int, ...], start: int, end: int) -> list[Chun
         kind = "s" if i == 0 else "q" if i == last else "c"
         keys.append((_TAG, position - start, kind))
     return keys
+
+
+# The last (layout, block length) asked for and its keys by block start: only
+# the blocks a segment starts in are there.
+_last_blocks: tuple[tuple[int, ...], int, dict[int, tuple[ChunkSegmentKey, ...]]] | None = None
+
+
+def _keys_by_block(layout: tuple[int, ...], length: int
+                   ) -> dict[int, tuple[ChunkSegmentKey, ...]]:
+    """Every aligned block of `length` tokens that a segment starts in, with
+    its keys. NOTE (issue 60): vLLM asks once per block of the prompt (1,022
+    blocks of 32 tokens at 32k) and most blocks hold no start; one pass over
+    the segments here makes each block's question one dict lookup instead of
+    a bisect and a loop."""
+    global _last_blocks
+    last = _last_blocks
+    if last is not None and last[0] is layout and last[1] == length:
+        return last[2]
+    starts = _starts(layout)
+    final = len(starts) - 1
+    table: dict[int, list[ChunkSegmentKey]] = {}
+    for i, position in enumerate(starts):
+        block = position - position % length
+        kind = "s" if i == 0 else "q" if i == final else "c"
+        table.setdefault(block, []).append((_TAG, position - block, kind))
+    frozen = {block: tuple(keys) for block, keys in table.items()}
+    _last_blocks = (layout, length, frozen)
+    return frozen
+
+
+def block_extra_keys(layout: tuple[int, ...], start: int, end: int) -> list[ChunkSegmentKey]:
+    """Keys of the block [start, end) of a prompt with segment token counts
+    `layout`: one per segment start inside it, with its offset in the block
+    and its kind (s: the system segment, c: a chunk, q: the question)."""
+    length = end - start
+    if length <= 0 or start % length:
+        # NOTE: vLLM's blocks are aligned (start = k * length); anything else
+        # is read the plain way.
+        return _plain_block_keys(layout, start, end)
+    keys = _keys_by_block(layout, length).get(start)
+    return [] if keys is None else list(keys)

@@ -119,3 +119,36 @@ def test_layouts_asked_in_turn_each_get_their_own_boundaries():
         for start in range(0, 16, BLOCK):
             assert block_extra_keys(layout, start, start + BLOCK) == expected(
                 layout, start, start + BLOCK)
+
+
+def test_every_block_length_and_offset_gets_the_keys_of_a_plain_reading():
+    """Issue 60: the keys of aligned blocks come from a table per (layout,
+    block length), remembered for the last pair asked for. Random layouts,
+    block lengths asked in turn (one token to longer than the prompt), aligned
+    and unaligned blocks, and the last block cut short: each equals a plain
+    reading of the layout (every segment start in [start, end), its offset
+    and its kind)."""
+    import random
+
+    def expected(layout, start, end):
+        starts = [sum(layout[:i]) for i in range(len(layout))]
+        return [("chunk-segment", p - start, "s" if i == 0 else
+                 "q" if i == len(layout) - 1 else "c")
+                for i, p in enumerate(starts) if start <= p < end]
+
+    rng = random.Random(60)
+    layouts = [tuple(rng.randint(1, 40) for _ in range(rng.randint(2, 12)))
+               for _ in range(20)]
+    checked = 0
+    for _ in range(3):
+        for layout in layouts:
+            total = sum(layout)
+            for length in (1, 3, 16, 32, 128, total + 5):
+                for start in range(0, total, length):
+                    assert block_extra_keys(layout, start, start + length) == expected(
+                        layout, start, start + length)
+                    checked += 1
+                start = rng.randrange(1, total) if total > 1 else 0
+                end = start + rng.randint(1, 50)
+                assert block_extra_keys(layout, start, end) == expected(layout, start, end)
+    assert checked > 1000
