@@ -24,6 +24,7 @@ import hashlib
 import io
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -145,10 +146,11 @@ out = {{"vllm": md.version("vllm"), "vllm_file": vllm.__file__, "torch": torch._
         "connector": ChunkCacheConnector.__module__,
         "config_field": "chunk_cache_config" in VllmConfig.__dataclass_fields__,
         "flag": ChunkCacheConfig().enable_chunk_cache}}
-# NOTE: vLLM's CUDA extension links the NVIDIA driver's libcuda.so.1, which only a driver
-# install provides (no pip package has it): on a machine without the driver it cannot load.
+# NOTE: vLLM's CUDA extension (_C_stable_libtorch: in both bases; 0.32 has no _C) links the
+# NVIDIA driver's libcuda.so.1, which only a driver install provides (no pip package has it):
+# on a machine without the driver it cannot load.
 try:
-    importlib.import_module("vllm._C")
+    importlib.import_module("vllm._C_stable_libtorch")
     out["_C"] = "loaded"
 except ImportError as e:
     out["_C"] = str(e)
@@ -162,6 +164,14 @@ def test_installs_with_pip_and_imports_without_a_gpu(built, tmp_path):
     torch_wheel = fetch.fetch(paths, [torch_pin])[torch_pin]
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    try:
+        _install_and_import(paths, built_path, torch_pin, torch_wheel, venv, tmp_path)
+    finally:
+        # NOTE: ~9 GB a base; pytest would keep it among its last three temporary folders.
+        shutil.rmtree(venv, ignore_errors=True)
+
+
+def _install_and_import(paths, built_path, torch_pin, torch_wheel, venv, tmp_path):
     py = venv / "bin" / "python"
     t0 = time.monotonic()
     # NOTE: the wheel with its own requirements (pip resolves them: a METADATA rewrite that
@@ -185,5 +195,5 @@ def test_installs_with_pip_and_imports_without_a_gpu(built, tmp_path):
     assert out["cuda_available"] is False
     assert out["connector"] == CONNECTOR and out["config_field"] and out["flag"] is False
     assert out["_C"] == "loaded" or "libcuda.so.1" in out["_C"], out["_C"]
-    print(f"[cuda_wheel] {paths.base.name}: pip install {installed:.0f} s; vllm._C: "
+    print(f"[cuda_wheel] {paths.base.name}: pip install {installed:.0f} s; extension: "
           f"{out['_C'][:120]}")
