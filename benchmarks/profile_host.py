@@ -50,6 +50,10 @@ def main() -> int:
     ap.add_argument("--apc", action="store_true",
                     help="add APC-same to the split: the same documents in one fixed order, "
                          "unsplit, a new question (vLLM's prefix cache at its best)")
+    ap.add_argument("--ab", action="store_true",
+                    help="add 'all-hit, before' to the split: the same all-hit requests with "
+                         "issue 60's host-work cuts put back (_BEFORE), interleaved in the "
+                         "same engine, with unprofiled medians of all three")
     ap.add_argument("--block-size", type=int, default=None,
                     help="vLLM's KV block size (default: the platform's, 128 on the CPU; "
                          "32 is CPU_ATTN's smallest)")
@@ -123,7 +127,7 @@ def main() -> int:
                                     "question: " + words(rng, 12)])
 
             _print_split(llm, prompt, lambda: "question: " + words(rng, 12), one,
-                         args.split_reps, same if args.apc else None)
+                         args.split_reps, same if args.apc else None, args.ab)
     return 0
 
 
@@ -171,6 +175,59 @@ _PARTS = (
 )
 
 
+# Inside the host-work rows above (issue 60): vLLM's per-block and per-token work, and the
+# chunk cache's own. Printed apart, not subtracted from anything; cumulative times.
+_DETAILS = (
+    ("  scheduler: vLLM allocate_slots (allocate, evict, cache blocks)",
+     ("core/kv_cache_manager.py", "allocate_slots")),
+    ("  scheduler: chunk admission + plan (get_num_new_matched_tokens)",
+     ("chunk_cache/connector.py", "get_num_new_matched_tokens")),
+    ("  scheduler: chunk connector metadata (build_connector_meta)",
+     ("chunk_cache/scheduler_adapter.py", "build_connector_meta")),
+    ("  hashing: chunk block keys (block_extra_keys)",
+     ("core/chunk_block_keys.py", ("block_extra_keys", "_plain_block_keys"))),
+    ("  model step: InputBatch.add_request (token ids copied)",
+     ("worker/gpu_input_batch.py", "add_request")),
+    ("  else: vLLM free_blocks (request finished)", ("core/block_pool.py", "free_blocks")),
+    ("  else: vLLM validate_token_ids (min/max of the ids)",
+     ("renderers/base.py", "validate_token_ids")),
+    ("  else: chunk front-end check (validate_chunked_request)",
+     ("renderers/chunk_split.py", "validate_chunked_request")),
+    ("  else: chunk on_new_request (ChunkedPrompt, plan)",
+     ("chunk_cache/scheduler_adapter.py", "on_new_request")),
+)
+# The issue's "host work": everything outside the attention op and the chunk load.
+_HOST = ("rest of the model step", "scheduler (schedule)",
+         "block hashing (request_block_hasher)", "front end: split",
+         "everything else (render, tokenize, output, Python)")
+_HOST_LABEL = "HOST WORK (the five rows above the load's: sum)"
+
+# Issue 60's cuts, put back for the "before" rows of `--ab`: (module, attribute, the
+# module's own attribute holding the code before). NOTE: patch 0002 imports
+# block_extra_keys by name into kv_cache_utils, so that name is the one swapped.
+_BEFORE = (
+    ("vllm.v1.core.kv_cache_utils", "block_extra_keys",
+     ("vllm.v1.core.chunk_block_keys", "_plain_block_keys")),
+)
+
+
+class _Before:
+    """Issue 60's cuts undone while inside (the code before them)."""
+
+    def __enter__(self):
+        import importlib
+        self.saved = []
+        for module, attr, (src, src_attr) in _BEFORE:
+            m = importlib.import_module(module)
+            self.saved.append((m, attr, getattr(m, attr)))
+            setattr(m, attr, getattr(importlib.import_module(src), src_attr))
+        return self
+
+    def __exit__(self, *exc):
+        for m, attr, value in self.saved:
+            setattr(m, attr, value)
+
+
 def _parts(prof: cProfile.Profile, wall_ms: float) -> dict[str, float]:
     stats = pstats.Stats(prof).stats  # (file, line, name) -> (cc, nc, tt, ct, callers)
     ms: dict[str, float] = {}
@@ -196,44 +253,76 @@ def _parts(prof: cProfile.Profile, wall_ms: float) -> dict[str, float]:
     counted = sum(v for k, v in ms.items() if not k.startswith("  "))
     ms["everything else (render, tokenize, output, Python)"] = max(0.0, wall_ms - counted)
     ms["whole request (wall, under cProfile)"] = wall_ms
+    ms[_HOST_LABEL] = sum(ms[k] for k in _HOST)
+    for label, (suffix, name) in _DETAILS:
+        names = name if isinstance(name, tuple) else (name,)
+        ms[label] = sum(1e3 * v[3] for (f, _, n), v in stats.items()
+                        if n in names and f.endswith(suffix))
     # Printed in this order: the load's own rest right after its ops.
     order = [label for label, _, _ in _PARTS]
     order.insert(order.index("rest of the model step"), "  rest of the load (Python, dispatch)")
     return {k: ms[k] for k in order + [k for k in ms if k not in order]}
 
 
-def _print_split(llm, prompt, question, params, reps: int, same=None) -> None:
+def _print_split(llm, prompt, question, params, reps: int, same=None, ab: bool = False) -> None:
     """Median parts of `reps` all-hit and floor requests (and APC-same ones with
-    `same`), each profiled alone, interleaved."""
+    `same`, and all-hit ones with issue 60's cuts undone with `ab`), each profiled alone,
+    interleaved; with `ab` also each run once unprofiled per rep."""
     # NOTE: APC-same goes unsplit (as bench_long_context.py's row): vLLM's prefix cache
     # alone; twice first so that its blocks are cached.
     unsplit = {"split_chunks": False}
-    names = ["all-hit", "floor"]
+    names = ["all-hit"] + (["all-hit, before"] if ab else []) + ["floor"]
     if same is not None:
         names.append("APC-same")
         for _ in range(2):
             llm.generate([same()], params, use_tqdm=False, tokenization_kwargs=unsplit)
     runs: dict[str, list[dict[str, float]]] = {name: [] for name in names}
+    walls: dict[str, list[float]] = {name: [] for name in names}
+    make = {"all-hit": prompt, "all-hit, before": prompt, "floor": question, "APC-same": same}
+
+    def one(name: str, profiled: bool) -> None:
+        p = make[name]()
+        kwargs = unsplit if name == "APC-same" else None
+        with _Before() if name == "all-hit, before" else _Nothing():
+            prof = cProfile.Profile() if profiled else None
+            t = time.perf_counter()
+            if prof is not None:
+                prof.enable()
+            llm.generate([p], params, use_tqdm=False, tokenization_kwargs=kwargs)
+            if prof is not None:
+                prof.disable()
+            ms = 1e3 * (time.perf_counter() - t)
+        if prof is not None:
+            runs[name].append(_parts(prof, ms))
+        else:
+            walls[name].append(ms)
+
     for rep in range(reps):
         for name in names if rep % 2 == 0 else names[::-1]:
-            p = {"all-hit": prompt, "floor": question, "APC-same": same}[name]()
-            prof = cProfile.Profile()
-            t = time.perf_counter()
-            prof.enable()
-            llm.generate([p], params, use_tqdm=False,
-                         tokenization_kwargs=unsplit if name == "APC-same" else None)
-            prof.disable()
-            runs[name].append(_parts(prof, 1e3 * (time.perf_counter() - t)))
+            if ab:
+                one(name, profiled=False)
+            one(name, profiled=True)
     print(f"-- split, medians of {reps} requests each profiled alone (ms)")
-    head = f"{'part':<55} {'all-hit':>8} {'floor':>8} {'above':>8}"
-    print(head + (f" {'APC-same':>8}" if same is not None else ""))
+    cols = names[:]
+    head = f"{'part':<66}" + "".join(f" {c:>15}" for c in cols) + f" {'above':>8}"
+    print(head)
     for label in runs["all-hit"][0]:
         med = {name: statistics.median(r[label] for r in runs[name]) for name in names}
-        line = (f"{label:<55} {med['all-hit']:>8.2f} {med['floor']:>8.2f} "
-                f"{med['all-hit'] - med['floor']:>8.2f}")
-        if same is not None:
-            line += f" {med['APC-same']:>8.2f}"
+        line = f"{label:<66}" + "".join(f" {med[c]:>15.2f}" for c in cols)
+        line += f" {med['all-hit'] - med['floor']:>8.2f}"
         print(line, flush=True)
+    if ab:
+        med = {n: statistics.median(walls[n]) for n in names}
+        print("-- unprofiled, medians of " + str(reps) + " interleaved (ms): "
+              + ", ".join(f"{n} {med[n]:.2f}" for n in names), flush=True)
+
+
+class _Nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return None
 
 
 if __name__ == "__main__":
