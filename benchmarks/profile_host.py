@@ -18,7 +18,10 @@ there (a garbage collection charged to whatever function allocated) is not a cos
 collector's pauses during the timed requests are counted (gc.callbacks).
 
     OMP_NUM_THREADS=1 .cache/venv/bin/python benchmarks/profile_host.py [--docs 16 64] \
-        [--top 25] [--split-reps 7] [--block-size 32] [--save PREFIX]
+        [--top 25] [--split-reps 7] [--block-size 32] [--ab] [--save PREFIX]
+
+`--ab` (issue 60): all-hit requests with the host-work cuts undone (`_BEFORE`) beside the
+all-hit ones, in the same engine, interleaved, with a host-work total and its parts.
 """
 
 from __future__ import annotations
