@@ -174,7 +174,10 @@ def _worker(fraction=0.15):
     model = SimpleNamespace(dtype=torch.float32)
     vllm_config = SimpleNamespace(chunk_cache_config=chunk, model_config=model,
                                   cache_config=SimpleNamespace(cache_dtype="auto"),
-                                  compilation_config=SimpleNamespace())
+                                  compilation_config=SimpleNamespace(),
+                                  # NOTE: the start-up reads max_num_seqs (the cap of a
+                                  # step's attention rows under full graphs, issue 60).
+                                  scheduler_config=SimpleNamespace(max_num_seqs=8))
     group = SimpleNamespace(kv_cache_spec=SimpleNamespace(block_size=16))
     return ChunkCacheWorker(vllm_config, SimpleNamespace(kv_cache_groups=[group],
                                                          num_blocks=64))
