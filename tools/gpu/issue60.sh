@@ -33,14 +33,7 @@ ITEMS=(  # name  box(s)  min(s)  what (priority order)
   "exact-fp16-triton 170 120 the same in fp16 on TRITON_ATTN"
 )
 
-half() {  # half ENV...: the half-precision exactness test (tests/e2e) under these settings
-  env CHUNK_HALF_GPU_UTIL=0.3 CHUNK_HALF_EAGER=0 CHUNK_HALF_ISOLATE=1 "$@" \
-    python3 -m pytest -s -q -p no:cacheprovider tests/e2e/test_chunk_cache_half_precision.py -m "" -k within_3x
-}
-ttft() {  # ttft MODE SIZES REPS [ENV...]: benchmarks/gpu_ttft.py on Llama-3-8B shapes
-  local mode=$1 sizes=$2 reps=$3; shift 3
-  env TTFT_SIZES=$sizes TTFT_REPS=$reps TTFT_DECODE=0 "$@" python3 benchmarks/gpu_ttft.py "$mode" $M/llama3-8b
-}
+source "$(dirname "$0")/items.sh"  # half, ttft
 per_size() {  # per_size SIZE: all-hit + floor, stock, APC-same; each engine in its own process
   ttft chunk "$1" 10; ttft stock "$1" 5; ttft apc "$1" 10
 }
