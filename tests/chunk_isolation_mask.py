@@ -78,8 +78,9 @@ class IsolatedSequence:
     # Index of each extended token in the final sequence, -1 for copies [T].
     source_index: torch.Tensor
 
-    def additive_mask(self, dtype: torch.dtype = torch.float32,
-                      window: int | None = None) -> torch.Tensor:
+    def additive_mask(
+        self, dtype: torch.dtype = torch.float32, window: int | None = None
+    ) -> torch.Tensor:
         """[1, 1, T, T]: 0 where allowed, the dtype's min elsewhere (HF);
         `window`: the mask of a sliding-window layer (`windowed`)."""
         allowed = self.allowed if window is None else self.windowed(window)
@@ -123,8 +124,13 @@ def build_isolated_sequence(
     if recompute_tokens < 0:
         raise ValueError(f"recompute_tokens must be >= 0, got {recompute_tokens}")
     if recompute_tokens > 0:
-        return build_lever_sequence(prompt, mode, first_k(prompt, recompute_tokens),
-                                    extra_token_ids, sink_token_id).seq
+        return build_lever_sequence(
+            prompt,
+            mode,
+            first_k(prompt, recompute_tokens),
+            extra_token_ids,
+            sink_token_id,
+        ).seq
     mode = ChunkContextMode(mode)
     if mode == ChunkContextMode.SINK and sink_token_id is None:
         raise ValueError("the sink mode needs the deployment's sink token id")
@@ -145,12 +151,12 @@ def build_isolated_sequence(
         if mode == ChunkContextMode.SINK:
             emit([sink_token_id], span.start - 1, index, False)
         elif mode == ChunkContextMode.SYSTEM:
-            emit(prompt.segment_tokens(0), span.start - system.num_tokens,
-                 index, False)
+            emit(prompt.segment_tokens(0), span.start - system.num_tokens, index, False)
         emit(prompt.segment_tokens(index), span.start, index, True)
     question = prompt.question_span
-    emit(prompt.segment_tokens(len(prompt.spans) - 1), question.start,
-         _OPEN_GROUP, True)
+    emit(
+        prompt.segment_tokens(len(prompt.spans) - 1), question.start, _OPEN_GROUP, True
+    )
     emit(list(extra_token_ids), question.end, _OPEN_GROUP, True)
 
     group = torch.tensor(groups)
@@ -172,12 +178,12 @@ def build_isolated_sequence(
 
 
 class Role(Enum):
-    SYSTEM = "system"      # real, segment 0
-    CONTEXT = "context"    # private copy of the chunk's context (sink / system)
+    SYSTEM = "system"  # real, segment 0
+    CONTEXT = "context"  # private copy of the chunk's context (sink / system)
     ISOLATED = "isolated"  # private isolated copy of a recomputed chunk token
-    CACHED = "cached"      # real chunk token keeping its isolated KV
+    CACHED = "cached"  # real chunk token keeping its isolated KV
     RECOMPUTED = "recomputed"  # real chunk token recomputed with full visibility
-    OPEN = "open"          # question / generated token
+    OPEN = "open"  # question / generated token
 
 
 _PRIVATE = (Role.CONTEXT, Role.ISOLATED)
@@ -211,12 +217,13 @@ def build_lever_sequence(
         raise ValueError("the sink mode needs the deployment's sink token id")
     if len(recompute) != prompt.num_chunks:
         raise ValueError(
-            f"{len(recompute)} recompute sets for {prompt.num_chunks} chunks")
+            f"{len(recompute)} recompute sets for {prompt.num_chunks} chunks"
+        )
     tokens: list[int] = []
     positions: list[int] = []
     roles: list[Role] = []
     groups: list[int] = []  # chunk number for chunk-side tokens, 0 otherwise
-    slots: list[int] = []   # order inside the chunk's isolated computation
+    slots: list[int] = []  # order inside the chunk's isolated computation
     sources: list[int] = []
 
     def emit(tok: int, pos: int, role: Role, group: int, slot: int) -> None:
@@ -235,32 +242,47 @@ def build_lever_sequence(
         chunk = prompt.segment_tokens(index)
         if chosen and (min(chosen) < 0 or max(chosen) >= len(chunk)):
             raise ValueError(f"chunk {index}: recompute index out of range")
-        context = ([sink_token_id] if mode == ChunkContextMode.SINK else
-                   list(system) if mode == ChunkContextMode.SYSTEM else [])
+        context = (
+            [sink_token_id]
+            if mode == ChunkContextMode.SINK
+            else list(system)
+            if mode == ChunkContextMode.SYSTEM
+            else []
+        )
         for j, tok in enumerate(context):
-            emit(tok, span.start - len(context) + j, Role.CONTEXT, index,
-                 j - len(context))
+            emit(
+                tok,
+                span.start - len(context) + j,
+                Role.CONTEXT,
+                index,
+                j - len(context),
+            )
         for j in sorted(chosen):
             emit(chunk[j], span.start + j, Role.ISOLATED, index, j)
         for j, tok in enumerate(chunk):
             role = Role.RECOMPUTED if j in chosen else Role.CACHED
             emit(tok, span.start + j, role, index, j)
     question = prompt.question_span
-    for j, tok in enumerate([*prompt.segment_tokens(len(prompt.spans) - 1),
-                             *extra_token_ids]):
+    for j, tok in enumerate(
+        [*prompt.segment_tokens(len(prompt.spans) - 1), *extra_token_ids]
+    ):
         emit(tok, question.start + j, Role.OPEN, 0, 0)
 
     allowed = _visibility(roles, groups, slots, positions)
     return LeverSequence(
-        IsolatedSequence(token_ids=tokens,
-                         position_ids=torch.tensor(positions, dtype=torch.int64),
-                         allowed=allowed[None, None],
-                         source_index=torch.tensor(sources, dtype=torch.int64)),
-        tuple(roles))
+        IsolatedSequence(
+            token_ids=tokens,
+            position_ids=torch.tensor(positions, dtype=torch.int64),
+            allowed=allowed[None, None],
+            source_index=torch.tensor(sources, dtype=torch.int64),
+        ),
+        tuple(roles),
+    )
 
 
-def _visibility(roles: list[Role], groups: list[int], slots: list[int],
-                positions: list[int]) -> torch.Tensor:
+def _visibility(
+    roles: list[Role], groups: list[int], slots: list[int], positions: list[int]
+) -> torch.Tensor:
     """allowed[q, k] from the rules in the module docstring."""
     role = torch.tensor([list(Role).index(r) for r in roles])
     is_ = {r: role == list(Role).index(r) for r in Role}
@@ -268,16 +290,14 @@ def _visibility(roles: list[Role], groups: list[int], slots: list[int],
     slot = torch.tensor(slots)
     pos = torch.tensor(positions)
     index = torch.arange(len(roles))
-    real = (is_[Role.SYSTEM] | is_[Role.CACHED] | is_[Role.RECOMPUTED]
-            | is_[Role.OPEN])
+    real = is_[Role.SYSTEM] | is_[Role.CACHED] | is_[Role.RECOMPUTED] | is_[Role.OPEN]
     # Real tokens come in the order of the final sequence (positions are
     # unique among them); a query sees keys at or before its own index.
     causal = index[None, :] <= index[:, None]
     # System tokens: earlier system tokens. Recomputed and open tokens: every
     # earlier real token (for the system and recomputed ones, also causal).
     sees_all_real = is_[Role.RECOMPUTED] | is_[Role.OPEN]
-    full = (sees_all_real[:, None] & real[None, :]
-            & (pos[None, :] <= pos[:, None]))
+    full = sees_all_real[:, None] & real[None, :] & (pos[None, :] <= pos[:, None])
     system = is_[Role.SYSTEM][:, None] & is_[Role.SYSTEM][None, :] & causal
     # Chunk-private computation: context copies, isolated copies and cached
     # tokens of one chunk see each other in slot order. A cached token never
@@ -285,8 +305,12 @@ def _visibility(roles: list[Role], groups: list[int], slots: list[int],
     # computed with).
     member = is_[Role.CONTEXT] | is_[Role.ISOLATED] | is_[Role.CACHED]
     same_chunk = (group[:, None] == group[None, :]) & (group[:, None] > 0)
-    private = (member[:, None] & member[None, :] & same_chunk
-               & (slot[None, :] <= slot[:, None]))
+    private = (
+        member[:, None]
+        & member[None, :]
+        & same_chunk
+        & (slot[None, :] <= slot[:, None])
+    )
     return full | system | private
 
 

@@ -27,8 +27,13 @@ def store_plan(manager, spec) -> StorePlan:
     """`spec`: a ChildSpec or FetchSpec the manager handed out."""
     entry = manager.pool.get(spec.chunk_hash)
     assert entry is not None, "a child's entry is pinned by its writer"
-    return StorePlan(spec.request_id, spec.chunk_hash, spec.store_start,
-                     entry.num_tokens, list(entry.block_ids))
+    return StorePlan(
+        spec.request_id,
+        spec.chunk_hash,
+        spec.store_start,
+        entry.num_tokens,
+        list(entry.block_ids),
+    )
 
 
 def is_ready(manager, request_id: str) -> bool:
@@ -55,7 +60,11 @@ def child_finished(manager, child_request_id: str) -> list[str]:
 def report(manager, *, done=(), failed=(), lent=(), rows_returned=()) -> Outcome:
     """A store report naming these fetches (`failed`: rows returned by every
     rank; `lent`: failed with rows still held by some rank)."""
-    failures = tuple(FetchFailure(fid, "error", rows_held=False) for fid in failed) + tuple(
-        FetchFailure(fid, "error", rows_held=True) for fid in lent)
-    return manager.store_report(ReportResult(done=tuple(done), failed=failures,
-                                             rows_returned=tuple(rows_returned)))
+    failures = tuple(
+        FetchFailure(fid, "error", rows_held=False) for fid in failed
+    ) + tuple(FetchFailure(fid, "error", rows_held=True) for fid in lent)
+    return manager.store_report(
+        ReportResult(
+            done=tuple(done), failed=failures, rows_returned=tuple(rows_returned)
+        )
+    )

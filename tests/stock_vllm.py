@@ -23,7 +23,7 @@ def unpack_stock_vllm(root: Path) -> Path:
             if name.endswith(".so"):
                 target = root / name
                 target.parent.mkdir(parents=True, exist_ok=True)
-                target.symlink_to(installed / name[len("vllm/"):])
+                target.symlink_to(installed / name[len("vllm/") :])
             else:
                 wheel.extract(name, root)
     return root

@@ -18,9 +18,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 from forktool.loopback import interfaces  # noqa: E402
 from forktool.mooncake_fleet import (  # noqa: E402
     INSTALL,
-    MooncakeFleet as _Fleet,
     check_installed,
     free_port,
+)
+from forktool.mooncake_fleet import (
+    MooncakeFleet as _Fleet,
 )
 
 __all__ = ["INSTALL", "MooncakeFleet", "check_installed", "free_port"]
@@ -32,10 +34,12 @@ class MooncakeFleet(_Fleet):
         # `./fork test` gives the tests a network namespace with only loopback, so those
         # ports are private to the run. Say so where a run has more than loopback.
         if interfaces() != ["lo"]:
-            warnings.warn(f"the store tests run with interfaces {interfaces()}: Mooncake's "
-                          "transfer-engine ports listen on every one of them (run the tests "
-                          "through ./fork test for a loopback-only network namespace)",
-                          stacklevel=2)
+            warnings.warn(
+                f"the store tests run with interfaces {interfaces()}: Mooncake's "
+                "transfer-engine ports listen on every one of them (run the tests "
+                "through ./fork test for a loopback-only network namespace)",
+                stacklevel=2,
+            )
         return super().__enter__()
 
     def spec(self):

@@ -11,7 +11,6 @@ Prints one JSON line: what the engine did within a bounded number of steps.
 """
 
 import json
-import os
 import sys
 import types
 
@@ -29,32 +28,57 @@ def main(model: str) -> None:
     vllm_ascend.register_connector()  # vllm-ascend's platform patches, then its connectors
     from vllm import LLM, SamplingParams
 
-    llm = LLM(model=model, dtype="float32", enforce_eager=True, max_model_len=1024, seed=0,
-              enable_chunk_cache=True, additional_config={"enable_balance_scheduling": True})
+    llm = LLM(
+        model=model,
+        dtype="float32",
+        enforce_eager=True,
+        max_model_len=1024,
+        seed=0,
+        enable_chunk_cache=True,
+        additional_config={"enable_balance_scheduling": True},
+    )
     engine = llm.llm_engine
     scheduler = engine.engine_core.engine_core.scheduler
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
-    prompts = ["the system prompt ## the first document about rivers ## a second one about "
-               "cities ## the question is", "another system ## the first document about "
-               "rivers ## the question is"]
-    result = {"scheduler": f"{type(scheduler).__module__}.{type(scheduler).__name__}",
-              "balance": scheduler._balance_enabled, "outputs": []}
+    prompts = [
+        "the system prompt ## the first document about rivers ## a second one about "
+        "cities ## the question is",
+        "another system ## the first document about rivers ## the question is",
+    ]
+    result = {
+        "scheduler": f"{type(scheduler).__module__}.{type(scheduler).__name__}",
+        "balance": scheduler._balance_enabled,
+        "outputs": [],
+    }
     for prompt in prompts:  # one at a time: the second one hits the first's chunk
         llm._add_completion_requests(prompts=[prompt], params=params, use_tqdm=False)
         for step in range(MAX_STEPS):
             finished = [o for o in engine.step() if o.finished]
             if finished:
                 out = finished[0].outputs[0]
-                result["outputs"].append({"steps": step + 1, "token_ids": list(out.token_ids),
-                                          "finish_reason": out.finish_reason})
+                result["outputs"].append(
+                    {
+                        "steps": step + 1,
+                        "token_ids": list(out.token_ids),
+                        "finish_reason": out.finish_reason,
+                    }
+                )
                 break
         else:
-            result["outputs"].append({"steps": None, "waiting": len(scheduler.waiting),
-                                      "running": len(scheduler.running)})
+            result["outputs"].append(
+                {
+                    "steps": None,
+                    "waiting": len(scheduler.waiting),
+                    "running": len(scheduler.running),
+                }
+            )
             break
     stats = scheduler.connector.chunk_scheduler.manager.stats()
-    result["stats"] = {"child_computes": stats.child_computes, "hits": stats.hits,
-                       "tokens_loaded": stats.tokens_loaded}
+    result["stats"] = {
+        "child_computes": stats.child_computes,
+        "hits": stats.hits,
+        "tokens_loaded": stats.tokens_loaded,
+    }
     print("RESULT " + json.dumps(result))
 
 

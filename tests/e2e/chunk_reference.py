@@ -38,15 +38,18 @@ class Layout:
         return f" {SEP} ".join([self.system, *self.chunks, self.question])
 
 
-def private_context(reference: "Reference", mode: str):
-    """prompt -> the private context a chunk's child computes after (none, the
+def private_context(reference: Reference, mode: str):
+    """Prompt -> the private context a chunk's child computes after (none, the
     deployment's sink = the tokenizer's BOS, or the system segment)."""
     sink = reference.tokenizer.bos_token_id
 
     def context_of(prompt: ChunkedPrompt) -> list[int]:
         system = prompt.spans[0]
-        return {"none": [], "sink": [sink],
-                "system": prompt.token_ids[system.start:system.end]}[mode]
+        return {
+            "none": [],
+            "sink": [sink],
+            "system": prompt.token_ids[system.start : system.end],
+        }[mode]
 
     return context_of
 
@@ -66,7 +69,9 @@ def layer_windows(config) -> list[int | None]:
         local = {t for t in types if any(w in t for w in ("sliding", "chunk", "local"))}
         unknown = local - {"sliding_attention"}
         if unknown:
-            raise ValueError(f"reference: layer types {sorted(unknown)} are not modelled")
+            raise ValueError(
+                f"reference: layer types {sorted(unknown)} are not modelled"
+            )
         return [window if t == "sliding_attention" else None for t in types]
     if window is not None and getattr(config, "use_sliding_window", True) is not False:
         return [window] * n
@@ -95,25 +100,35 @@ class Reference:
             layers = self.model.model.layers
             assert len(layers) == len(self.windows)
             for i, layer in enumerate(layers):
-                layer.self_attn.register_forward_pre_hook(self._swap_mask(i), with_kwargs=True)
+                layer.self_attn.register_forward_pre_hook(
+                    self._swap_mask(i), with_kwargs=True
+                )
 
     def _swap_mask(self, index: int):
         def hook(module, args, kwargs):
             mask = self._layer_masks[index]
             if mask is not None:
-                assert "attention_mask" in kwargs, "reference: the layer's mask is not a kwarg"
+                assert "attention_mask" in kwargs, (
+                    "reference: the layer's mask is not a kwarg"
+                )
                 kwargs["attention_mask"] = mask
             return args, kwargs
+
         return hook
 
     def _forward(self, seq) -> torch.Tensor:
         """Logits [T, vocab] of the extended sequence, each layer under its mask."""
         mask = seq.additive_mask(torch.float32)
-        self._layer_masks = [None if w is None else seq.additive_mask(torch.float32, w)
-                             for w in self.windows]
+        self._layer_masks = [
+            None if w is None else seq.additive_mask(torch.float32, w)
+            for w in self.windows
+        ]
         try:
-            out = self.model(input_ids=torch.tensor([seq.token_ids]),
-                             position_ids=seq.position_ids[None], attention_mask=mask)
+            out = self.model(
+                input_ids=torch.tensor([seq.token_ids]),
+                position_ids=seq.position_ids[None],
+                attention_mask=mask,
+            )
         finally:
             self._layer_masks = [None] * len(self.windows)
         return out.logits[0]
@@ -131,7 +146,11 @@ class Reference:
 
     @torch.no_grad()
     def next_token_logprobs(
-        self, prompt: ChunkedPrompt, mode: str, generated: list[int], *,
+        self,
+        prompt: ChunkedPrompt,
+        mode: str,
+        generated: list[int],
+        *,
         recompute_tokens: int = 0,
     ) -> torch.Tensor:
         """[len(generated) + 1, vocab] float64 log-probabilities of the token after
@@ -140,9 +159,13 @@ class Reference:
         tokens of every chunk recomputed, see chunk_isolation_mask)."""
         # The deployment's sink: the tokenizer's BOS token (ChunkCacheConfig's
         # default), whatever the prompt starts with.
-        seq = build_isolated_sequence(prompt, mode, extra_token_ids=generated,
-                                      sink_token_id=self.tokenizer.bos_token_id,
-                                      recompute_tokens=recompute_tokens)
+        seq = build_isolated_sequence(
+            prompt,
+            mode,
+            extra_token_ids=generated,
+            sink_token_id=self.tokenizer.bos_token_id,
+            recompute_tokens=recompute_tokens,
+        )
         logits = self._forward(seq).double()
         # Rows of the last prompt token and of every generated token: the
         # last len(generated) + 1 rows (the question and generated tokens
@@ -150,17 +173,19 @@ class Reference:
         rows = logits[len(seq.token_ids) - len(generated) - 1 :]
         return torch.log_softmax(rows, dim=-1)
 
-
     @torch.no_grad()
-    def causal_logprobs(self, prompt: ChunkedPrompt, generated: list[int]) -> torch.Tensor:
+    def causal_logprobs(
+        self, prompt: ChunkedPrompt, generated: list[int]
+    ) -> torch.Tensor:
         """Same rows as next_token_logprobs, under plain causal attention."""
         ids = prompt.token_ids + list(generated)
         logits = self.model(input_ids=torch.tensor([ids])).logits[0].double()
         return torch.log_softmax(logits[len(prompt.token_ids) - 1 :], dim=-1)
 
 
-def compare(ref_logprobs: torch.Tensor, token_ids: list[int], logprobs: list[dict],
-            tol: float) -> dict:
+def compare(
+    ref_logprobs: torch.Tensor, token_ids: list[int], logprobs: list[dict], tol: float
+) -> dict:
     """Check vLLM's greedy tokens and top-k logprobs against the reference.
 
     Returns the largest absolute logprob difference and the number of steps
@@ -173,7 +198,8 @@ def compare(ref_logprobs: torch.Tensor, token_ids: list[int], logprobs: list[dic
         best = float(ref.max())
         assert float(ref[tok]) >= best - tol, (
             f"step {step}: vLLM chose {tok} (ref lp {float(ref[tok]):.6f}), reference "
-            f"argmax {int(ref.argmax())} (lp {best:.6f})")
+            f"argmax {int(ref.argmax())} (lp {best:.6f})"
+        )
         exact_argmax += int(int(ref.argmax()) == tok)
         kth = float(torch.topk(ref, min(5, ref.numel())).values[-1])
         for t, lp in lps.items():
@@ -181,10 +207,12 @@ def compare(ref_logprobs: torch.Tensor, token_ids: list[int], logprobs: list[dic
             max_diff = max(max_diff, diff)
             assert diff <= tol, (
                 f"step {step}: token {t}: vLLM logprob {lp.logprob:.6f} vs "
-                f"reference {float(ref[t]):.6f} (|diff| {diff:.2e} > {tol})")
+                f"reference {float(ref[t]):.6f} (|diff| {diff:.2e} > {tol})"
+            )
             if lp.rank is not None and lp.rank <= 5:
                 assert float(ref[t]) >= kth - tol, (
-                    f"step {step}: vLLM top-5 token {t} is not in the reference top-5")
+                    f"step {step}: vLLM top-5 token {t} is not in the reference top-5"
+                )
     return {"max_diff": max_diff, "exact_argmax": exact_argmax, "steps": len(token_ids)}
 
 
@@ -221,7 +249,9 @@ class ExactnessTally:
             self.seen.update(layout.chunks)
 
     def check(self, layouts: int, min_cold: int, min_warm: int, tol: float) -> None:
-        assert self.layouts == layouts and self.cold >= min_cold and self.warm >= min_warm
+        assert (
+            self.layouts == layouts and self.cold >= min_cold and self.warm >= min_warm
+        )
         assert self.exact >= self.steps - 1
         assert self.max_diff < tol / 10
         assert self.control_min > 10 * tol

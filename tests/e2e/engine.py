@@ -26,8 +26,9 @@ def make_llm(model: str, **kwargs):
         os.environ.setdefault(k, v)
     from vllm import LLM
 
-    args = dict(model=model, dtype="float32", enforce_eager=True, max_model_len=4096,
-                seed=0)
+    args = dict(
+        model=model, dtype="float32", enforce_eager=True, max_model_len=4096, seed=0
+    )
     args.update(kwargs)
     return LLM(**args)
 

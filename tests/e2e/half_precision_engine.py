@@ -42,9 +42,11 @@ def _pool_bytes() -> int:
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
     worker = get_kv_transfer_group()._worker
-    return (sum(t.nbytes for t in worker.pool_key.values())
-            + sum(t.nbytes for t in worker.pool_value.values())
-            + sum(latent.pool.nbytes for latent in worker.latent.values()))
+    return (
+        sum(t.nbytes for t in worker.pool_key.values())
+        + sum(t.nbytes for t in worker.pool_value.values())
+        + sum(latent.pool.nbytes for latent in worker.latent.values())
+    )
 
 
 def _load_buffer_bytes(llm) -> tuple[int, int]:
@@ -56,7 +58,9 @@ def _load_buffer_bytes(llm) -> tuple[int, int]:
     )
 
     buffers = get_kv_transfer_group()._worker._scratch._buffers.values()
-    return load_scratch_bytes(llm.llm_engine.vllm_config), sum(b.nbytes for b in buffers)
+    return load_scratch_bytes(llm.llm_engine.vllm_config), sum(
+        b.nbytes for b in buffers
+    )
 
 
 def _kv_bytes_per_token(llm) -> int:
@@ -84,29 +88,47 @@ def run_engine(request: dict) -> dict:
     role = request["role"]
     kwargs = dict(request["engine_kwargs"])
     if role == "chunk":
-        kwargs.update(enable_chunk_cache=True, chunk_context="sink",
-                      chunk_recompute_tokens=request.get("recompute", 0))
-    params = SamplingParams(max_tokens=request["num_gen"], temperature=0.0, logprobs=5,
-                            ignore_eos=True)
+        kwargs.update(
+            enable_chunk_cache=True,
+            chunk_context="sink",
+            chunk_recompute_tokens=request.get("recompute", 0),
+        )
+    params = SamplingParams(
+        max_tokens=request["num_gen"], temperature=0.0, logprobs=5, ignore_eos=True
+    )
     llm = make_llm(request["model"], **kwargs)
-    result = {"role": role, "pid": os.getpid(), "outputs": [None] * len(request["prompts"])}
+    result = {
+        "role": role,
+        "pid": os.getpid(),
+        "outputs": [None] * len(request["prompts"]),
+    }
     try:
         for batch in request["batches"]:
-            outs = llm.generate([_prompt(role, request["prompts"][i]) for i in batch], params,
-                                use_tqdm=False)
+            outs = llm.generate(
+                [_prompt(role, request["prompts"][i]) for i in batch],
+                params,
+                use_tqdm=False,
+            )
             for i, out in zip(batch, outs):
                 completion = out.outputs[0]
-                row = {"prompt_token_ids": list(out.prompt_token_ids),
-                       "num_cached_tokens": out.num_cached_tokens,
-                       "token_ids": list(completion.token_ids),
-                       "logprobs": [{str(t): lp.logprob for t, lp in step.items()}
-                                    for step in completion.logprobs]}
+                row = {
+                    "prompt_token_ids": list(out.prompt_token_ids),
+                    "num_cached_tokens": out.num_cached_tokens,
+                    "token_ids": list(completion.token_ids),
+                    "logprobs": [
+                        {str(t): lp.logprob for t, lp in step.items()}
+                        for step in completion.logprobs
+                    ],
+                }
                 result["outputs"][i] = row
                 # NOTE: printed now, before anything later (the next batch, the other
                 # engine, the comparison) can fail.
-                print(f"half-precision row: engine={role} prompt={i} prompt_tokens="
-                      f"{len(row['prompt_token_ids'])} cached={row['num_cached_tokens']} "
-                      f"tokens={row['token_ids']}", flush=True)
+                print(
+                    f"half-precision row: engine={role} prompt={i} prompt_tokens="
+                    f"{len(row['prompt_token_ids'])} cached={row['num_cached_tokens']} "
+                    f"tokens={row['token_ids']}",
+                    flush=True,
+                )
         config = llm.llm_engine.vllm_config
         result["kv_blocks"] = config.cache_config.num_gpu_blocks
         # NOTE: 128 tokens on the CPU, 16 for MLA there (CPU_MLA): as the engine chose.
@@ -114,34 +136,47 @@ def run_engine(request: dict) -> dict:
         result["kv_token_bytes"] = _kv_bytes_per_token(llm)
         if role == "chunk":
             result["pool_bytes"] = _pool_bytes()
-            result["scratch_bytes"], result["scratch_allocated"] = _load_buffer_bytes(llm)
+            result["scratch_bytes"], result["scratch_allocated"] = _load_buffer_bytes(
+                llm
+            )
     finally:
         close_llm(llm)
     return result
 
 
-def run_engine_in_subprocess(request: dict, workdir: Path, timeout: float | None = None
-                             ) -> dict:
+def run_engine_in_subprocess(
+    request: dict, workdir: Path, timeout: float | None = None
+) -> dict:
     """`run_engine` in a fresh Python process (this file as a script); its output
     goes to this process's stdout and stderr as it comes."""
     for k, v in ENGINE_ENV.items():  # the child's budget is the one the caller checks
         os.environ.setdefault(k, v)
     workdir.mkdir(parents=True, exist_ok=True)
-    req, res = workdir / f"{request['role']}-request.json", workdir / f"{request['role']}.json"
+    req, res = (
+        workdir / f"{request['role']}-request.json",
+        workdir / f"{request['role']}.json",
+    )
     req.write_text(json.dumps(request))
     res.unlink(missing_ok=True)
     sys.stdout.flush()
-    proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), str(req), str(res)],
-                          cwd=ROOT, timeout=timeout)
+    proc = subprocess.run(
+        [sys.executable, str(Path(__file__).resolve()), str(req), str(res)],
+        cwd=ROOT,
+        timeout=timeout,
+    )
     if proc.returncode != 0 or not res.exists():
-        raise RuntimeError(f"the {request['role']} engine's process failed "
-                           f"(exit status {proc.returncode}); its output is above")
+        raise RuntimeError(
+            f"the {request['role']} engine's process failed "
+            f"(exit status {proc.returncode}); its output is above"
+        )
     return json.loads(res.read_text())
 
 
 def main(argv: list[str]) -> int:
     if len(argv) != 2:
-        print("usage: half_precision_engine.py REQUEST.json RESULT.json", file=sys.stderr)
+        print(
+            "usage: half_precision_engine.py REQUEST.json RESULT.json", file=sys.stderr
+        )
         return 2
     request = json.loads(Path(argv[0]).read_text())
     result = run_engine(request)

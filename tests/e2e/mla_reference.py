@@ -44,8 +44,12 @@ def vllm_rope_for(hf_config):
     params = copy.deepcopy(hf_config.rope_parameters)
     if params["rope_type"] != "default":
         params["rope_type"] = "deepseek_yarn"
-    return get_rope(hf_config.qk_rope_head_dim, max_position=hf_config.max_position_embeddings,
-                    rope_parameters=params, is_neox_style=False)
+    return get_rope(
+        hf_config.qk_rope_head_dim,
+        max_position=hf_config.max_position_embeddings,
+        rope_parameters=params,
+        is_neox_style=False,
+    )
 
 
 def to_vllm_layout(k_pe: torch.Tensor) -> torch.Tensor:
@@ -69,14 +73,22 @@ class LatentCacheEmulation:
         self.layout = LatentRowLayout(config.kv_lora_rank, config.qk_rope_head_dim)
         self.rotation = rotation
         # (context ids, chunk ids) -> per layer latent rows [n, width] (HF layout).
-        self.pool: dict[tuple[tuple[int, ...], tuple[int, ...]], list[torch.Tensor]] = {}
+        self.pool: dict[
+            tuple[tuple[int, ...], tuple[int, ...]], list[torch.Tensor]
+        ] = {}
         self.computed_chunks = 0
 
     @torch.no_grad()
     def _latents(self, ids: list[int], positions: list[int], cache=None):
-        cache = cache if cache is not None else self._cache_cls(config=self.model.config)
-        out = self.model(input_ids=torch.tensor([ids]), position_ids=torch.tensor([positions]),
-                         past_key_values=cache, use_cache=True)
+        cache = (
+            cache if cache is not None else self._cache_cls(config=self.model.config)
+        )
+        out = self.model(
+            input_ids=torch.tensor([ids]),
+            position_ids=torch.tensor([positions]),
+            past_key_values=cache,
+            use_cache=True,
+        )
         return cache, out
 
     def entry(self, context: list[int], chunk: list[int]) -> list[torch.Tensor]:
@@ -84,29 +96,43 @@ class LatentCacheEmulation:
         at positions 0.. (stored_start = len(context)); computed once, then reused."""
         key = (tuple(context), tuple(chunk))
         if key not in self.pool:
-            cache, _ = self._latents(context + chunk, list(range(len(context) + len(chunk))))
-            self.pool[key] = [torch.cat((layer.keys, layer.values), -1)[0, 0, len(context):]
-                              for layer in cache.layers]
+            cache, _ = self._latents(
+                context + chunk, list(range(len(context) + len(chunk)))
+            )
+            self.pool[key] = [
+                torch.cat((layer.keys, layer.values), -1)[0, 0, len(context) :]
+                for layer in cache.layers
+            ]
             self.computed_chunks += 1
         return self.pool[key]
 
     def default_move(self, k_pe: torch.Tensor, deltas: torch.Tensor) -> torch.Tensor:
-        rows = torch.cat((torch.zeros(k_pe.shape[0], self.layout.kv_lora_rank), k_pe), -1)
+        rows = torch.cat(
+            (torch.zeros(k_pe.shape[0], self.layout.kv_lora_rank), k_pe), -1
+        )
         return reposition_latent_rows(self.layout, self.rotation, rows, deltas)[1]
 
     @torch.no_grad()
-    def logprobs(self, prompt: ChunkedPrompt, context_of: Callable[[ChunkedPrompt], list[int]],
-                 generated: list[int], move: MoveKPe | None = None) -> torch.Tensor:
+    def logprobs(
+        self,
+        prompt: ChunkedPrompt,
+        context_of: Callable[[ChunkedPrompt], list[int]],
+        generated: list[int],
+        move: MoveKPe | None = None,
+    ) -> torch.Tensor:
         """[len(generated) + 1, vocab] float64 log-probabilities, rows as the reference's."""
         move = move or self.default_move
         spans = prompt.spans
         ids = prompt.token_ids
-        system = ids[spans[0].start:spans[0].end]
+        system = ids[spans[0].start : spans[0].end]
         system_cache, _ = self._latents(system, list(range(len(system))))
-        rows = [[torch.cat((layer.keys, layer.values), -1)[0, 0]] for layer in system_cache.layers]
+        rows = [
+            [torch.cat((layer.keys, layer.values), -1)[0, 0]]
+            for layer in system_cache.layers
+        ]
         context = context_of(prompt)
         for span in spans[1:-1]:
-            entry = self.entry(context, ids[span.start:span.end])
+            entry = self.entry(context, ids[span.start : span.end])
             deltas = torch.full((span.end - span.start,), span.start - len(context))
             for layer, stored in zip(rows, entry):
                 kv_c, k_pe = self.layout.split(stored)
@@ -117,8 +143,8 @@ class LatentCacheEmulation:
             latent = torch.cat(parts)[None, None]
             kv_c, k_pe = self.layout.split(latent)
             cache.update(kv_c.contiguous(), k_pe.contiguous(), i)
-        tail = ids[spans[-1].start:] + list(generated)
+        tail = ids[spans[-1].start :] + list(generated)
         start = spans[-1].start
         _, out = self._latents(tail, list(range(start, start + len(tail))), cache)
-        logits = out.logits[0, -(len(generated) + 1):].double()
+        logits = out.logits[0, -(len(generated) + 1) :].double()
         return torch.log_softmax(logits, dim=-1)

@@ -53,23 +53,29 @@ from vllm.v1.worker.position_remapper import RopeRotation
 class LayerRows:
     """One layer's cache rows for n tokens, in vLLM's layouts."""
 
-    kv_c: torch.Tensor     # [n, kv_lora_rank]
-    k_pe: torch.Tensor     # [n, qk_rope_head_dim], GPT-J interleaved, rotated
+    kv_c: torch.Tensor  # [n, kv_lora_rank]
+    k_pe: torch.Tensor  # [n, qk_rope_head_dim], GPT-J interleaved, rotated
     index_k: torch.Tensor  # [n, index_head_dim], first qk_rope_head_dim rotated (neox)
 
     @staticmethod
-    def cat(parts: list["LayerRows"]) -> "LayerRows":
-        return LayerRows(*(torch.cat([getattr(p, f) for p in parts])
-                           for f in ("kv_c", "k_pe", "index_k")))
+    def cat(parts: list[LayerRows]) -> LayerRows:
+        return LayerRows(
+            *(
+                torch.cat([getattr(p, f) for p in parts])
+                for f in ("kv_c", "k_pe", "index_k")
+            )
+        )
 
-    def rows(self, start: int, end: int | None = None) -> "LayerRows":
-        return LayerRows(self.kv_c[start:end], self.k_pe[start:end], self.index_k[start:end])
+    def rows(self, start: int, end: int | None = None) -> LayerRows:
+        return LayerRows(
+            self.kv_c[start:end], self.k_pe[start:end], self.index_k[start:end]
+        )
 
 
 @dataclass
 class Forward:
-    logits: torch.Tensor          # [S, vocab] float32
-    rows: list[LayerRows]         # per layer, the S new tokens' rows
+    logits: torch.Tensor  # [S, vocab] float32
+    rows: list[LayerRows]  # per layer, the S new tokens' rows
     selected: list[torch.Tensor]  # per layer [S, P + S] bool: selected and visible
 
 
@@ -83,9 +89,12 @@ def vllm_ropes(config: dict):
     params = copy.deepcopy(config["rope_parameters"])
     if params["rope_type"] != "default":
         params["rope_type"] = "deepseek_yarn"
-    build = lambda neox: get_rope(config["qk_rope_head_dim"],  # noqa: E731
-                                  max_position=config["max_position_embeddings"],
-                                  rope_parameters=copy.deepcopy(params), is_neox_style=neox)
+    build = lambda neox: get_rope(
+        config["qk_rope_head_dim"],  # noqa: E731
+        max_position=config["max_position_embeddings"],
+        rope_parameters=copy.deepcopy(params),
+        is_neox_style=neox,
+    )
     return build(False), build(not config.get("indexer_rope_interleave", False))
 
 
@@ -98,7 +107,7 @@ def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def fp8_ue8m0_roundtrip(x: torch.Tensor) -> torch.Tensor:
-    """x [..., 128] as vLLM's CUDA indexer caches and scores it, dequantized: one scale per
+    """X [..., 128] as vLLM's CUDA indexer caches and scores it, dequantized: one scale per
     128 values, max(amax, 1e-4) / 448 rounded up to a power of two ("ue8m0"), values as
     float8_e4m3fn (`indexer_k_quant_and_cache`, csrc/libtorch_stable/cache_kernels.cu; the
     query's `per_token_group_quant_fp8(..., 128, use_ue8m0=True)` the same but for its
@@ -142,7 +151,7 @@ class SparseDeepseek:
         return self.w[name]
 
     def _rope(self, rope, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """x [n, heads, rope_dim] rotated at `positions` by vLLM's rope object."""
+        """X [n, heads, rope_dim] rotated at `positions` by vLLM's rope object."""
         _, out = rope.forward_native(positions, torch.zeros_like(x), x.clone())
         return out
 
@@ -151,50 +160,84 @@ class SparseDeepseek:
         p = f"model.layers.{i}.self_attn."
         kv = h @ self._p(p + "kv_a_proj_with_mqa.weight").T
         kv_c = _rms(kv[:, : self.rank], self._p(p + "kv_a_layernorm.weight"), 1e-6)
-        k_pe = self._rope(self.mla_rope, positions, kv[:, None, self.rank:])[:, 0]
-        k = F.layer_norm(h @ self._p(p + "indexer.wk.weight").T, (self.index_dim,),
-                         self._p(p + "indexer.k_norm.weight"),
-                         self._p(p + "indexer.k_norm.bias"), 1e-6)
-        k_rot = self._rope(self.indexer_rope, positions, k[:, None, : self.rope_dim])[:, 0]
-        return LayerRows(kv_c, k_pe, torch.cat((k_rot, k[:, self.rope_dim:]), -1))
+        k_pe = self._rope(self.mla_rope, positions, kv[:, None, self.rank :])[:, 0]
+        k = F.layer_norm(
+            h @ self._p(p + "indexer.wk.weight").T,
+            (self.index_dim,),
+            self._p(p + "indexer.k_norm.weight"),
+            self._p(p + "indexer.k_norm.bias"),
+            1e-6,
+        )
+        k_rot = self._rope(self.indexer_rope, positions, k[:, None, : self.rope_dim])[
+            :, 0
+        ]
+        return LayerRows(kv_c, k_pe, torch.cat((k_rot, k[:, self.rope_dim :]), -1))
 
-    def select(self, i: int, h: torch.Tensor, q_resid: torch.Tensor, positions: torch.Tensor,
-               keys: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    def select(
+        self,
+        i: int,
+        h: torch.Tensor,
+        q_resid: torch.Tensor,
+        positions: torch.Tensor,
+        keys: torch.Tensor,
+        allowed: torch.Tensor,
+    ) -> torch.Tensor:
         """[S, T] bool: the top-k of the visible keys each query selects."""
         p = f"model.layers.{i}.self_attn.indexer."
         s = h.shape[0]
-        q = (q_resid @ self._p(p + "wq_b.weight").T).view(s, self.index_heads, self.index_dim)
-        q = torch.cat((self._rope(self.indexer_rope, positions, q[..., : self.rope_dim]),
-                       q[..., self.rope_dim:]), -1)
+        q = (q_resid @ self._p(p + "wq_b.weight").T).view(
+            s, self.index_heads, self.index_dim
+        )
+        q = torch.cat(
+            (
+                self._rope(self.indexer_rope, positions, q[..., : self.rope_dim]),
+                q[..., self.rope_dim :],
+            ),
+            -1,
+        )
         if self.index_quant is not None:
             # NOTE: the cache holds keys quantized when written; quantizing every key at
             # use is the same values (per-key scales), for fresh and loaded keys alike.
             q, keys = self.index_quant(q), self.index_quant(keys)
-        scores = F.relu(torch.einsum("shd,td->sht", q, keys)) * self.index_dim ** -0.5
-        weights = (h @ self._p(p + "weights_proj.weight").T) * self.index_heads ** -0.5
+        scores = F.relu(torch.einsum("shd,td->sht", q, keys)) * self.index_dim**-0.5
+        weights = (h @ self._p(p + "weights_proj.weight").T) * self.index_heads**-0.5
         index = torch.einsum("sh,sht->st", weights, scores)
         index = index.masked_fill(~allowed, float("-inf"))
         k = min(self.topk, index.shape[-1])
-        chosen = torch.zeros_like(allowed).scatter(-1, index.topk(k, dim=-1).indices, True)
+        chosen = torch.zeros_like(allowed).scatter(
+            -1, index.topk(k, dim=-1).indices, True
+        )
         return chosen & allowed
 
-    def attention(self, i: int, h: torch.Tensor, positions: torch.Tensor, past: LayerRows | None,
-                  allowed: torch.Tensor) -> tuple[torch.Tensor, LayerRows, torch.Tensor]:
+    def attention(
+        self,
+        i: int,
+        h: torch.Tensor,
+        positions: torch.Tensor,
+        past: LayerRows | None,
+        allowed: torch.Tensor,
+    ) -> tuple[torch.Tensor, LayerRows, torch.Tensor]:
         p = f"model.layers.{i}.self_attn."
         s = h.shape[0]
         new = self.rows_of(i, h, positions)
         rows = LayerRows.cat([past, new]) if past is not None else new
-        q_resid = _rms(h @ self._p(p + "q_a_proj.weight").T,
-                       self._p(p + "q_a_layernorm.weight"), 1e-6)
+        q_resid = _rms(
+            h @ self._p(p + "q_a_proj.weight").T,
+            self._p(p + "q_a_layernorm.weight"),
+            1e-6,
+        )
         q = (q_resid @ self._p(p + "q_b_proj.weight").T).view(s, self.heads, -1)
         q_nope = q[..., : self.nope]
-        q_pe = self._rope(self.mla_rope, positions, q[..., self.nope:])
+        q_pe = self._rope(self.mla_rope, positions, q[..., self.nope :])
         selected = self.select(i, h, q_resid, positions, rows.index_k, allowed)
-        kv = (rows.kv_c @ self._p(p + "kv_b_proj.weight").T).view(-1, self.heads,
-                                                                  self.nope + self.v_dim)
-        k_nope, v = kv[..., : self.nope], kv[..., self.nope:]
-        logits = (torch.einsum("shd,thd->hst", q_nope, k_nope)
-                  + torch.einsum("shd,td->hst", q_pe, rows.k_pe)) * self.scale
+        kv = (rows.kv_c @ self._p(p + "kv_b_proj.weight").T).view(
+            -1, self.heads, self.nope + self.v_dim
+        )
+        k_nope, v = kv[..., : self.nope], kv[..., self.nope :]
+        logits = (
+            torch.einsum("shd,thd->hst", q_nope, k_nope)
+            + torch.einsum("shd,td->hst", q_pe, rows.k_pe)
+        ) * self.scale
         logits = logits.masked_fill(~selected[None], float("-inf"))
         out = torch.einsum("hst,thd->shd", logits.softmax(-1), v).reshape(s, -1)
         return out @ self._p(p + "o_proj.weight").T, new, selected
@@ -210,8 +253,11 @@ class SparseDeepseek:
         scores = (x @ self._p(p + "gate.weight").T).sigmoid()
         # NOTE: one expert group (n_group 1): the group choice selects every expert.
         assert c["n_group"] == 1
-        choice = (scores + self._p(p + "gate.e_score_correction_bias")).topk(
-            c["num_experts_per_tok"], dim=-1).indices
+        choice = (
+            (scores + self._p(p + "gate.e_score_correction_bias"))
+            .topk(c["num_experts_per_tok"], dim=-1)
+            .indices
+        )
         weights = scores.gather(1, choice)
         if c["norm_topk_prob"]:
             weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
@@ -220,30 +266,43 @@ class SparseDeepseek:
         for e in range(c["n_routed_experts"]):
             rows, slot = torch.where(choice == e)
             if rows.numel():
-                out = out.index_add(0, rows, self._mlp(f"{p}experts.{e}.", x[rows])
-                                    * weights[rows, slot, None])
+                out = out.index_add(
+                    0,
+                    rows,
+                    self._mlp(f"{p}experts.{e}.", x[rows]) * weights[rows, slot, None],
+                )
         return out
 
     @torch.no_grad()
-    def forward(self, ids: list[int], positions: list[int] | torch.Tensor,
-                allowed: torch.Tensor | None = None,
-                past: list[LayerRows] | None = None) -> Forward:
+    def forward(
+        self,
+        ids: list[int],
+        positions: list[int] | torch.Tensor,
+        allowed: torch.Tensor | None = None,
+        past: list[LayerRows] | None = None,
+    ) -> Forward:
         """`ids` at `positions` after `past` rows (per layer, P tokens); `allowed` [S, P + S]
         (None: every past row and causal among the new tokens)."""
         s = len(ids)
         n_past = 0 if past is None else past[0].kv_c.shape[0]
         positions = torch.as_tensor(positions, dtype=torch.int64)
         if allowed is None:
-            allowed = torch.cat((torch.ones(s, n_past, dtype=torch.bool),
-                                 torch.ones(s, s, dtype=torch.bool).tril()), -1)
+            allowed = torch.cat(
+                (
+                    torch.ones(s, n_past, dtype=torch.bool),
+                    torch.ones(s, s, dtype=torch.bool).tril(),
+                ),
+                -1,
+            )
         x = self._p("model.embed_tokens.weight")[torch.tensor(ids)]
         eps = self.config["rms_norm_eps"]
         rows, selected = [], []
         for i in range(self.config["num_hidden_layers"]):
             p = f"model.layers.{i}."
             h = _rms(x, self._p(p + "input_layernorm.weight"), eps)
-            out, new, sel = self.attention(i, h, positions, None if past is None else past[i],
-                                           allowed)
+            out, new, sel = self.attention(
+                i, h, positions, None if past is None else past[i], allowed
+            )
             rows.append(new)
             selected.append(sel)
             x = x + out
@@ -259,15 +318,22 @@ class Tail:
     """The question (and generated tokens) of one request: log-probabilities of their
     last len(generated) + 1 rows, and each layer's selection over the final sequence."""
 
-    logprobs: torch.Tensor        # [len(generated) + 1, vocab] float64
+    logprobs: torch.Tensor  # [len(generated) + 1, vocab] float64
     selected: list[torch.Tensor]  # per layer [len(tail), len(final sequence)] bool
 
 
-def isolation_reference(model: SparseDeepseek, prompt: ChunkedPrompt, mode: str,
-                        generated: list[int], sink: int | None) -> Tail:
+def isolation_reference(
+    model: SparseDeepseek,
+    prompt: ChunkedPrompt,
+    mode: str,
+    generated: list[int],
+    sink: int | None,
+) -> Tail:
     """The definition: one forward over the extended sequence under the 4D isolation mask
     (chunk_isolation_mask), the tail's selections mapped to final-sequence columns."""
-    seq = build_isolated_sequence(prompt, mode, extra_token_ids=generated, sink_token_id=sink)
+    seq = build_isolated_sequence(
+        prompt, mode, extra_token_ids=generated, sink_token_id=sink
+    )
     out = model.forward(seq.token_ids, seq.position_ids, allowed=seq.allowed[0, 0])
     tail = len(prompt.token_ids) - prompt.spans[-1].start + len(generated)
     real = seq.real_rows
@@ -276,8 +342,10 @@ def isolation_reference(model: SparseDeepseek, prompt: ChunkedPrompt, mode: str,
         private = torch.ones(sel.shape[-1], dtype=torch.bool)
         private[real] = False
         assert not sel[-tail:, private].any()
-    logits = out.logits[-(len(generated) + 1):].double()
-    return Tail(torch.log_softmax(logits, -1), [sel[-tail:][:, real] for sel in out.selected])
+    logits = out.logits[-(len(generated) + 1) :].double()
+    return Tail(
+        torch.log_softmax(logits, -1), [sel[-tail:][:, real] for sel in out.selected]
+    )
 
 
 # (rows of one layer for a chunk's entry, deltas [n]) -> the rows written at the real positions.
@@ -287,8 +355,12 @@ MoveRows = Callable[[LayerRows, torch.Tensor], LayerRows]
 class SparseCacheEmulation:
     """One pool of chunk entries (per layer latent and indexer key rows) over the model."""
 
-    def __init__(self, model: SparseDeepseek, mla_rotation: RopeRotation,
-                 indexer_rotation: RopeRotation):
+    def __init__(
+        self,
+        model: SparseDeepseek,
+        mla_rotation: RopeRotation,
+        indexer_rotation: RopeRotation,
+    ):
         self.model = model
         self.mla_rotation, self.indexer_rotation = mla_rotation, indexer_rotation
         self.pool: dict[tuple[tuple[int, ...], tuple[int, ...]], list[LayerRows]] = {}
@@ -308,26 +380,36 @@ class SparseCacheEmulation:
     def move(self, rows: LayerRows, deltas: torch.Tensor) -> LayerRows:
         """The load: kv_c copied, k_pe and the indexer key's rope slice rotated."""
         latent = torch.cat((rows.kv_c, rows.k_pe), -1)
-        kv_c, k_pe = reposition_latent_rows(self.model.latent, self.mla_rotation, latent, deltas)
-        index_k = reposition_indexer_keys(self.model.index_layout, self.indexer_rotation,
-                                          rows.index_k, deltas)
+        kv_c, k_pe = reposition_latent_rows(
+            self.model.latent, self.mla_rotation, latent, deltas
+        )
+        index_k = reposition_indexer_keys(
+            self.model.index_layout, self.indexer_rotation, rows.index_k, deltas
+        )
         return LayerRows(kv_c, k_pe, index_k)
 
-    def run(self, prompt: ChunkedPrompt, context_of: Callable[[ChunkedPrompt], list[int]],
-            generated: list[int], move: MoveRows | None = None) -> Tail:
+    def run(
+        self,
+        prompt: ChunkedPrompt,
+        context_of: Callable[[ChunkedPrompt], list[int]],
+        generated: list[int],
+        move: MoveRows | None = None,
+    ) -> Tail:
         move = move or self.move
         spans, ids = prompt.spans, prompt.token_ids
-        system = ids[spans[0].start:spans[0].end]
-        parts = [[rows] for rows in self.model.forward(system, list(range(len(system)))).rows]
+        system = ids[spans[0].start : spans[0].end]
+        parts = [
+            [rows] for rows in self.model.forward(system, list(range(len(system)))).rows
+        ]
         context = context_of(prompt)
         for span in spans[1:-1]:
-            entry = self.entry(context, ids[span.start:span.end])
+            entry = self.entry(context, ids[span.start : span.end])
             deltas = torch.full((span.end - span.start,), span.start - len(context))
             for layer, stored in zip(parts, entry):
                 layer.append(move(stored, deltas))
         past = [LayerRows.cat(p) for p in parts]
-        tail = ids[spans[-1].start:] + list(generated)
+        tail = ids[spans[-1].start :] + list(generated)
         start = spans[-1].start
         out = self.model.forward(tail, list(range(start, start + len(tail))), past=past)
-        logits = out.logits[-(len(generated) + 1):].double()
+        logits = out.logits[-(len(generated) + 1) :].double()
         return Tail(torch.log_softmax(logits, -1), out.selected)

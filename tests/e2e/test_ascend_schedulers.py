@@ -25,18 +25,28 @@ STUBS = Path(__file__).resolve().parents[1] / "unit" / "ascend" / "stubs"
 
 
 def test_chunked_requests_are_served_under_the_balance_scheduler(ascend_tree: Path):
-    env = {**os.environ, **ENGINE_ENV, "VLLM_LOGGING_LEVEL": "WARNING",
-           "PYTHONPATH": os.pathsep.join([str(STUBS), str(ascend_tree)]),
-           # vLLM stays on its CPU platform (vllm-ascend's needs a real NPU).
-           "VLLM_PLUGINS": "none"}
+    env = {
+        **os.environ,
+        **ENGINE_ENV,
+        "VLLM_LOGGING_LEVEL": "WARNING",
+        "PYTHONPATH": os.pathsep.join([str(STUBS), str(ascend_tree)]),
+        # vLLM stays on its CPU platform (vllm-ascend's needs a real NPU).
+        "VLLM_PLUGINS": "none",
+    }
     script = Path(__file__).with_name("ascend_scheduler_run.py")
-    proc = subprocess.run([sys.executable, str(script), str(models_dir() / "tiny-llama")],
-                          env=env, capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(
+        [sys.executable, str(script), str(models_dir() / "tiny-llama")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     line = next(l for l in proc.stdout.splitlines() if l.startswith("RESULT "))
-    result = json.loads(line[len("RESULT "):])
+    result = json.loads(line[len("RESULT ") :])
     assert result["scheduler"] == (
-        "vllm_ascend.patch.platform.patch_balance_schedule.BalanceScheduler")
+        "vllm_ascend.patch.platform.patch_balance_schedule.BalanceScheduler"
+    )
     assert result["balance"] is True  # its own schedule() ran, not vLLM's
     first = result["outputs"][0]
     assert first["steps"] is not None, f"the chunked request never finished: {first}"

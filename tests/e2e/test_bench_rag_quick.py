@@ -31,8 +31,13 @@ BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_rag.py"
 def quick_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench-quick")
     env = dict(os.environ, FORK_MODELS=str(models_dir()))
-    proc = subprocess.run([sys.executable, str(BENCH), "--quick", "--out", str(out)],
-                          env=env, capture_output=True, text=True, timeout=1200)
+    proc = subprocess.run(
+        [sys.executable, str(BENCH), "--quick", "--out", str(out)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     return out, proc.stdout + proc.stderr
 
@@ -44,7 +49,11 @@ def test_quick_run_writes_the_table_ratios_plots_and_parameters(quick_run):
     configs = {ln.split("|")[4].strip() for ln in rows if ln.count("|") == 11}
     assert {"stock", "prefix", "chunk", "floor (question alone)"} <= configs
     assert "TTFT stock/chunk" in results and "req/s chunk/stock" in results
-    for png in ("ttft_vs_docs.png", "ttft_vs_reuse.png", "throughput_vs_concurrency.png"):
+    for png in (
+        "ttft_vs_docs.png",
+        "ttft_vs_reuse.png",
+        "throughput_vs_concurrency.png",
+    ):
         assert (out / png).stat().st_size > 1000
     params = json.loads((out / "params.json").read_text())
     assert params["machine"]["cores"] >= 1 and params["machine"]["vllm"]

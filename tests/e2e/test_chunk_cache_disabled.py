@@ -30,8 +30,9 @@ def test_no_connector_is_configured(llm):
     assert config.kv_transfer_config is None
 
 
-@pytest.mark.parametrize("text", ["sys ## doc one ## doc two ## question",
-                                  "a plain prompt", "##"])
+@pytest.mark.parametrize(
+    "text", ["sys ## doc one ## doc two ## question", "a plain prompt", "##"]
+)
 def test_outputs_equal_a_plain_causal_forward(llm, text):
     from vllm import SamplingParams
 
@@ -43,24 +44,31 @@ def test_outputs_equal_a_plain_causal_forward(llm, text):
     tokens = list(out.outputs[0].token_ids)
     with torch.no_grad():
         logits = reference.model(input_ids=torch.tensor([ids + tokens])).logits[0]
-    ref = torch.log_softmax(logits.double(), -1)[len(ids) - 1:]
+    ref = torch.log_softmax(logits.double(), -1)[len(ids) - 1 :]
     compare(ref, tokens, out.outputs[0].logprobs, TOL)
 
 
 def test_prompt_logprobs_work_as_usual(llm):
     from vllm import SamplingParams
 
-    out = llm.generate(["sys ## doc ## q"], SamplingParams(max_tokens=1, prompt_logprobs=1),
-                       use_tqdm=False)[0]
+    out = llm.generate(
+        ["sys ## doc ## q"],
+        SamplingParams(max_tokens=1, prompt_logprobs=1),
+        use_tqdm=False,
+    )[0]
     assert out.prompt_logprobs is not None
 
 
 def test_prompt_segments_are_refused_naming_the_flag(llm):
     """A prompt given as segments needs the chunk cache: a validation error
     that says so, not a failure on the missing "prompt"."""
-    from vllm import SamplingParams
     from vllm.exceptions import VLLMValidationError
 
+    from vllm import SamplingParams
+
     with pytest.raises(VLLMValidationError, match="--enable-chunk-cache"):
-        llm.generate([{"prompt_segments": ["sys", "doc", "q"]}],
-                     SamplingParams(max_tokens=1), use_tqdm=False)
+        llm.generate(
+            [{"prompt_segments": ["sys", "doc", "q"]}],
+            SamplingParams(max_tokens=1),
+            use_tqdm=False,
+        )

@@ -37,11 +37,17 @@ def reference():
 @pytest.fixture(scope="module")
 def llm():
     # A small paged KV cache (16 blocks of 128 tokens) so that preemption happens,
-    llm = make_llm(MODEL, enable_chunk_cache=True, chunk_context=MODE,
-                   chunk_pool_size_gib=POOL_GIB, max_num_seqs=8,
-                   num_gpu_blocks_override=16, max_model_len=1024,
-                   # Small step budget: children and parents prefill in pieces.
-                   max_num_batched_tokens=192)
+    llm = make_llm(
+        MODEL,
+        enable_chunk_cache=True,
+        chunk_context=MODE,
+        chunk_pool_size_gib=POOL_GIB,
+        max_num_seqs=8,
+        num_gpu_blocks_override=16,
+        max_model_len=1024,
+        # Small step budget: children and parents prefill in pieces.
+        max_num_batched_tokens=192,
+    )
     yield llm
     close_llm(llm)
 
@@ -56,7 +62,9 @@ def snapshot(sched) -> dict:
 def params(n=3, **kw):
     from vllm import SamplingParams
 
-    return SamplingParams(max_tokens=n, temperature=0.0, logprobs=5, ignore_eos=True, **kw)
+    return SamplingParams(
+        max_tokens=n, temperature=0.0, logprobs=5, ignore_eos=True, **kw
+    )
 
 
 def rendered(llm, prompt: str):
@@ -103,10 +111,14 @@ def test_reuse_after_another_system_prompt_hits_every_chunk(llm, reference):
     assert after["misses"] - before["misses"] == 1
     assert after["child_computes"] - before["child_computes"] == 1
     assert after["tokens_reused"] - before["tokens_reused"] == sum(
-        s.num_tokens for s in prompt.chunk_spans)
+        s.num_tokens for s in prompt.chunk_spans
+    )
     # vLLM's own per-request counter: everything but the question was cached.
     assert out.num_cached_tokens == prompt.question_span.start
-    assert len(out.prompt_token_ids) - out.num_cached_tokens == prompt.question_span.num_tokens
+    assert (
+        len(out.prompt_token_ids) - out.num_cached_tokens
+        == prompt.question_span.num_tokens
+    )
 
 
 def test_repeated_prompt_combines_vllm_prefix_cache_and_chunk_cache(llm, reference):
@@ -123,7 +135,9 @@ def test_repeated_prompt_combines_vllm_prefix_cache_and_chunk_cache(llm, referen
     # vLLM's prefix cache (same layout salt, same tokens) served the full
     # 128-token blocks; the chunk cache loaded only the rest before the question.
     assert again.num_cached_tokens >= prompt.question_span.start
-    assert loaded == prompt.question_span.start - 128 * (prompt.question_span.start // 128)
+    assert loaded == prompt.question_span.start - 128 * (
+        prompt.question_span.start // 128
+    )
 
 
 def test_a_new_question_over_the_same_documents_hits_vllm_prefix_cache(llm, reference):
@@ -134,8 +148,9 @@ def test_a_new_question_over_the_same_documents_hits_vllm_prefix_cache(llm, refe
     docs = [doc(rng, 35), doc(rng, 20)]
     sched = chunk_scheduler(llm)
     first = Layout("sys", docs, "what does the first say")
-    first_prompt = check(reference, first,
-                         llm.generate([first.prompt], params(), use_tqdm=False)[0])
+    first_prompt = check(
+        reference, first, llm.generate([first.prompt], params(), use_tqdm=False)[0]
+    )
     start = first_prompt.question_span.start
     assert start > 128
     before = snapshot(sched)
@@ -160,8 +175,11 @@ def test_cache_salt_isolates_tenants(llm, reference):
 
     def run(salt):
         before = snapshot(sched)
-        out = llm.generate([TextPrompt(prompt=layout.prompt, cache_salt=salt)], params(),
-                           use_tqdm=False)[0]
+        out = llm.generate(
+            [TextPrompt(prompt=layout.prompt, cache_salt=salt)],
+            params(),
+            use_tqdm=False,
+        )[0]
         check(reference, layout, out)
         after = snapshot(sched)
         return after["hits"] - before["hits"], after["misses"] - before["misses"]
@@ -239,7 +257,9 @@ def test_abort_and_preemption_leave_nothing_pinned(llm, reference):
 def test_preempted_requests_reload_their_chunks_and_stay_exact(llm, reference):
     rng = random.Random("preempt")
     docs = [doc(rng, rng.randint(8, 12)) for _ in range(3)]
-    layouts = [Layout("sys", [docs[i % 3], docs[(i + 1) % 3]], f"q {i}") for i in range(8)]
+    layouts = [
+        Layout("sys", [docs[i % 3], docs[(i + 1) % 3]], f"q {i}") for i in range(8)
+    ]
     sched = chunk_scheduler(llm)
     before = snapshot(sched)
     # 8 x ~(120 prompt + 200 generated) tokens need ~24 blocks: the 16-block
@@ -290,14 +310,17 @@ def test_weight_update_and_reset_serve_kv_of_the_new_weights(llm, reference):
         out = llm.generate([layout.prompt], params(), use_tqdm=False)[0]
         check(reference, layout, out)
         snap = snapshot(sched)
-        assert (snap["hits"] - before["hits"], snap["misses"] - before["misses"]) == (0, 3)
+        assert (snap["hits"] - before["hits"], snap["misses"] - before["misses"]) == (
+            0,
+            3,
+        )
     finally:
         update_weights(llm, reference, 0.5)
         llm.reset_prefix_cache(reset_connector=True)
 
 
 def test_sleep_empties_the_pool_and_the_answer_after_wake_up_is_exact(llm, reference):
-    """vLLM's sleep (level >= 1) discards the KV cache memory, the pool's
+    """VLLM's sleep (level >= 1) discards the KV cache memory, the pool's
     included: it resets the caches, the connector's too, so nothing is marked
     resident after it (the CPU worker keeps its memory, but the index must
     not know that). After wake_up the documents are computed again."""
@@ -316,7 +339,8 @@ def test_sleep_empties_the_pool_and_the_answer_after_wake_up_is_exact(llm, refer
 
 
 def test_a_document_that_cannot_be_computed_fails_its_request_with_the_reason(
-        llm, reference):
+    llm, reference
+):
     """A document's child that ends without its rows twice (here: aborted by
     the engine while it waits) refuses its parent. The client reads why in the
     output (the error finish's stop_reason: which document, how its child
@@ -360,7 +384,9 @@ def test_a_document_that_cannot_be_computed_fails_its_request_with_the_reason(
     reason = completion.stop_reason
     assert isinstance(reason, str)
     assert f"document 1 of this request ({num_doc_tokens} tokens" in reason
-    assert "could not be computed (2 attempts, the last ended FINISHED_ABORTED)" in reason
+    assert (
+        "could not be computed (2 attempts, the last ended FINISHED_ABORTED)" in reason
+    )
     assert "retrying the request is safe" in reason
     snap = snapshot(sched)
     assert snap["pinned_entries"] == 0 and snap["live_requests"] == 0
@@ -369,7 +395,8 @@ def test_a_document_that_cannot_be_computed_fails_its_request_with_the_reason(
 
 
 def test_prompt_segments_offline_hit_the_separator_forms_chunks_and_stay_exact(
-        llm, reference):
+    llm, reference
+):
     """LLM.generate({"prompt_segments": [...]}): the documents of a separator
     prompt are hits in another order, as strings and as token-id lists."""
     rng = random.Random("offline segments")
@@ -383,7 +410,7 @@ def test_prompt_segments_offline_hit_the_separator_forms_chunks_and_stay_exact(
     out = llm.generate([{"prompt_segments": segments}], params(), use_tqdm=False)[0]
     check(reference, second, out)
     prompt = reference.chunked_prompt(second)
-    as_ids = [prompt.token_ids[s.start:s.end] for s in prompt.spans]
+    as_ids = [prompt.token_ids[s.start : s.end] for s in prompt.spans]
     out = llm.generate([{"prompt_segments": as_ids}], params(), use_tqdm=False)[0]
     check(reference, second, out)
     snap = snapshot(sched)
@@ -394,7 +421,8 @@ def test_prompt_segments_offline_hit_the_separator_forms_chunks_and_stay_exact(
 RAG_TEMPLATE = (
     "System: {{ messages[0].content }}\n"
     "{% for d in documents %}Document {{ loop.index }}: {{ d.title }}\n{{ d.text }}\n"
-    "{% endfor %}User: {{ messages[-1].content }}\nAssistant:")
+    "{% endfor %}User: {{ messages[-1].content }}\nAssistant:"
+)
 
 
 def test_chat_documents_are_chunks_where_the_template_renders_them(llm, reference):
@@ -405,21 +433,31 @@ def test_chat_documents_are_chunks_where_the_template_renders_them(llm, referenc
     from vllm.v1.core.chunk_structures import ChunkedPrompt
 
     rng = random.Random("chat documents")
-    docs = [{"title": "First", "text": doc(rng, 10)},
-            {"title": "Second", "text": "## " + doc(rng, 8) + " ##"}]
-    messages = [{"role": "system", "content": "Answer briefly."},
-                {"role": "user", "content": "What do they say?"}]
+    docs = [
+        {"title": "First", "text": doc(rng, 10)},
+        {"title": "Second", "text": "## " + doc(rng, 8) + " ##"},
+    ]
+    messages = [
+        {"role": "system", "content": "Answer briefly."},
+        {"role": "user", "content": "What do they say?"},
+    ]
     sched = chunk_scheduler(llm)
     before = snapshot(sched)
-    out = llm.chat(messages, params(), use_tqdm=False, chat_template=RAG_TEMPLATE,
-                   documents=docs)[0]
+    out = llm.chat(
+        messages, params(), use_tqdm=False, chat_template=RAG_TEMPLATE, documents=docs
+    )[0]
     tok = reference.tokenizer
-    plain = tok.apply_chat_template(messages, chat_template=RAG_TEMPLATE, documents=docs,
-                                    tokenize=False)
+    plain = tok.apply_chat_template(
+        messages, chat_template=RAG_TEMPLATE, documents=docs, tokenize=False
+    )
     assert list(out.prompt_token_ids) == tok.encode(plain, add_special_tokens=False)
-    pieces = ["System: Answer briefly.\nDocument 1:",
-              f" First\n{docs[0]['text']}", "\nDocument 2:", f" Second\n{docs[1]['text']}",
-              "\nUser: What do they say?\nAssistant:"]
+    pieces = [
+        "System: Answer briefly.\nDocument 1:",
+        f" First\n{docs[0]['text']}",
+        "\nDocument 2:",
+        f" Second\n{docs[1]['text']}",
+        "\nUser: What do they say?\nAssistant:",
+    ]
     assert "".join(pieces) == plain
     lengths = [len(tok.encode(p, add_special_tokens=False)) for p in pieces]
     prompt = ChunkedPrompt.from_lengths(list(out.prompt_token_ids), lengths)
@@ -429,27 +467,46 @@ def test_chat_documents_are_chunks_where_the_template_renders_them(llm, referenc
     assert snapshot(sched)["misses"] - before["misses"] == 4
     # The second document, sent as a segment of a completion: a hit.
     before = snapshot(sched)
-    llm.generate([{"prompt_segments": ["sys", pieces[3], "q"]}], params(), use_tqdm=False)
+    llm.generate(
+        [{"prompt_segments": ["sys", pieces[3], "q"]}], params(), use_tqdm=False
+    )
     assert snapshot(sched)["hits"] - before["hits"] >= 1
-    assert snapshot(sched)["child_computes"] - before["child_computes"] <= 1  # "sys" only
+    assert (
+        snapshot(sched)["child_computes"] - before["child_computes"] <= 1
+    )  # "sys" only
 
 
 def test_chat_content_parts_marked_chunk_are_chunks_offline(llm, reference):
     from vllm.v1.core.chunk_structures import ChunkedPrompt
 
-    template = ("{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
-                "assistant:")
+    template = (
+        "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}assistant:"
+    )
     rng = random.Random("offline parts")
     docs = [doc(rng, 9), doc(rng, 7)]
-    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": [
-        *({"type": "text", "text": d, "chunk": True} for d in docs),
-        {"type": "text", "text": "And so?"}]}]
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {
+            "role": "user",
+            "content": [
+                *({"type": "text", "text": d, "chunk": True} for d in docs),
+                {"type": "text", "text": "And so?"},
+            ],
+        },
+    ]
     out = llm.chat(messages, params(), use_tqdm=False, chat_template=template)[0]
     # vLLM joins a message's text parts with a newline for such a template.
-    pieces = ["system: Be brief.\nuser:", f" {docs[0]}", "\n", docs[1],
-              "\nAnd so?\nassistant:"]
+    pieces = [
+        "system: Be brief.\nuser:",
+        f" {docs[0]}",
+        "\n",
+        docs[1],
+        "\nAnd so?\nassistant:",
+    ]
     tok = reference.tokenizer
-    assert list(out.prompt_token_ids) == tok.encode("".join(pieces), add_special_tokens=False)
+    assert list(out.prompt_token_ids) == tok.encode(
+        "".join(pieces), add_special_tokens=False
+    )
     lengths = [len(tok.encode(p, add_special_tokens=False)) for p in pieces]
     prompt = ChunkedPrompt.from_lengths(list(out.prompt_token_ids), lengths)
     completion = out.outputs[0]
@@ -463,8 +520,13 @@ def test_chat_documents_with_a_template_that_ignores_them_are_refused(llm):
     template = "System: {{ messages[0].content }}\nUser: {{ messages[-1].content }}"
     messages = [{"role": "system", "content": "s"}, {"role": "user", "content": "q"}]
     with pytest.raises(VLLMValidationError, match="does not render 'documents'"):
-        llm.chat(messages, params(), use_tqdm=False, chat_template=template,
-                 documents=[{"text": "a document"}])
+        llm.chat(
+            messages,
+            params(),
+            use_tqdm=False,
+            chat_template=template,
+            documents=[{"text": "a document"}],
+        )
 
 
 def test_prompt_without_separator_is_plain_vllm(llm, reference):
@@ -476,8 +538,10 @@ def test_prompt_without_separator_is_plain_vllm(llm, reference):
     assert list(out.prompt_token_ids) == ids
     assert out.num_cached_tokens == 0 or out.num_cached_tokens % 128 == 0
     with torch.no_grad():
-        logits = reference.model(input_ids=torch.tensor([ids + list(out.outputs[0].token_ids)])).logits[0]
-    ref = torch.log_softmax(logits.double(), -1)[len(ids) - 1:]
+        logits = reference.model(
+            input_ids=torch.tensor([ids + list(out.outputs[0].token_ids)])
+        ).logits[0]
+    ref = torch.log_softmax(logits.double(), -1)[len(ids) - 1 :]
     compare(ref, list(out.outputs[0].token_ids), out.outputs[0].logprobs, TOL)
 
 
@@ -493,7 +557,9 @@ def test_token_id_prompt_is_split_on_the_separator_ids(llm, reference):
         if i:
             ids += sep
         ids += prompt.segment_tokens(i)
-    out = llm.generate([TokensPrompt(prompt_token_ids=ids)], params(), use_tqdm=False)[0]
+    out = llm.generate([TokensPrompt(prompt_token_ids=ids)], params(), use_tqdm=False)[
+        0
+    ]
     assert list(out.prompt_token_ids) == prompt.token_ids
     assert out.num_cached_tokens == prompt.question_span.start
     completion = out.outputs[0]
@@ -501,11 +567,14 @@ def test_token_id_prompt_is_split_on_the_separator_ids(llm, reference):
     compare(ref, list(completion.token_ids), completion.logprobs, TOL)
 
 
-@pytest.mark.parametrize("prompt,message", [
-    ("sys ## ## question", "segment 1 is empty"),
-    ("##", "segment 1 is empty"),
-    ("sys ## doc ## ", "segment 2 is empty"),
-])
+@pytest.mark.parametrize(
+    "prompt,message",
+    [
+        ("sys ## ## question", "segment 1 is empty"),
+        ("##", "segment 1 is empty"),
+        ("sys ## doc ## ", "segment 2 is empty"),
+    ],
+)
 def test_bad_chunked_prompts_are_refused_with_a_message(llm, prompt, message):
     with pytest.raises(VLLMValidationError, match=message):
         llm.generate([prompt], params(), use_tqdm=False)
@@ -531,5 +600,8 @@ def test_segments_larger_than_the_pool_are_refused_offline_too(llm):
 
 def test_a_prompt_may_not_bring_its_own_layout(llm):
     with pytest.raises(VLLMValidationError, match="may not carry one"):
-        llm.generate([{"prompt_token_ids": [5, 6, 7, 8], "chunk_layout": [1, 2, 1]}],
-                     params(), use_tqdm=False)
+        llm.generate(
+            [{"prompt_token_ids": [5, 6, 7, 8], "chunk_layout": [1, 2, 1]}],
+            params(),
+            use_tqdm=False,
+        )

@@ -28,8 +28,8 @@ from __future__ import annotations
 import random
 
 import pytest
-import vllm
 
+import vllm
 from tests.conftest import models_dir
 from tests.e2e.chunk_reference import (
     ExactnessTally,
@@ -50,8 +50,10 @@ SMOL = str(models_dir() / "SmolLM2-135M-Instruct")
 # (test_mla_engine.py checks that 0.23 refuses it). Asked for by name (CPU_MLA_ARGS): on a
 # CPU with AMX vLLM 0.32 would pick AMX_MLA instead (issue 59, tests/e2e/engine.py).
 DEEPSEEK = str(models_dir() / "tiny-deepseek")
-CPU_MLA = pytest.mark.skipif(vllm.__version__.startswith("0.23"),
-                             reason="vLLM 0.23 has no MLA attention on the CPU")
+CPU_MLA = pytest.mark.skipif(
+    vllm.__version__.startswith("0.23"),
+    reason="vLLM 0.23 has no MLA attention on the CPU",
+)
 BLOCK_SIZE = 128
 TOL = 1e-3
 NUM_GEN = 4
@@ -69,29 +71,34 @@ SLOW = pytest.mark.slow
 # quantized or AMX-packed cache, which the developers' CI machines lack (issue 21; AMX:
 # issue 59, docs/design/capture.md; elsewhere captures run after the forward from the
 # paged blocks wherever the start-up self-check reads them back).
-CONFIGS = [(TINY, "sink", True, 160, 0), (TINY, "none", True, 160, 0),
-           (TINY, "sink", True, 160, 0, None, "hook"),
-           (TINY, "system", True, 160, 0, 40),
-           pytest.param((TINY, "sink", False, 160, 0), marks=SLOW),
-           (SMOL, "sink", True, 60, 0),
-           pytest.param((SMOL, "none", True, 60, 0), marks=SLOW),
-           pytest.param((SMOL, "system", True, 60, 0), marks=SLOW),
-           (TINY, "sink", False, 160, 5),
-           pytest.param((TINY, "none", True, 160, 5), marks=SLOW),
-           pytest.param((TINY, "system", True, 160, 5), marks=SLOW),
-           pytest.param((SMOL, "sink", True, 60, 12), marks=SLOW),
-           # vLLM turns prefix caching off for MLA on the CPU: exact cached-token counts.
-           pytest.param((DEEPSEEK, "sink", False, 160, 0), marks=CPU_MLA),
-           pytest.param((DEEPSEEK, "system", False, 160, 0), marks=CPU_MLA),
-           pytest.param((DEEPSEEK, "sink", False, 160, 5), marks=CPU_MLA),
-           pytest.param((DEEPSEEK, "none", False, 160, 0), marks=[CPU_MLA, SLOW])]
+CONFIGS = [
+    (TINY, "sink", True, 160, 0),
+    (TINY, "none", True, 160, 0),
+    (TINY, "sink", True, 160, 0, None, "hook"),
+    (TINY, "system", True, 160, 0, 40),
+    pytest.param((TINY, "sink", False, 160, 0), marks=SLOW),
+    (SMOL, "sink", True, 60, 0),
+    pytest.param((SMOL, "none", True, 60, 0), marks=SLOW),
+    pytest.param((SMOL, "system", True, 60, 0), marks=SLOW),
+    (TINY, "sink", False, 160, 5),
+    pytest.param((TINY, "none", True, 160, 5), marks=SLOW),
+    pytest.param((TINY, "system", True, 160, 5), marks=SLOW),
+    pytest.param((SMOL, "sink", True, 60, 12), marks=SLOW),
+    # vLLM turns prefix caching off for MLA on the CPU: exact cached-token counts.
+    pytest.param((DEEPSEEK, "sink", False, 160, 0), marks=CPU_MLA),
+    pytest.param((DEEPSEEK, "system", False, 160, 0), marks=CPU_MLA),
+    pytest.param((DEEPSEEK, "sink", False, 160, 5), marks=CPU_MLA),
+    pytest.param((DEEPSEEK, "none", False, 160, 0), marks=[CPU_MLA, SLOW]),
+]
 
 
 def _config_id(c) -> str:
-    return (f"{c[0].rsplit('/', 1)[-1]}-{c[1]}-prefix{int(c[2])}"
-            + (f"-recompute{c[4]}" if c[4] else "")
-            + (f"-cap{c[5]}" if len(c) > 5 and c[5] else "")
-            + ("-hook" if len(c) > 6 else ""))
+    return (
+        f"{c[0].rsplit('/', 1)[-1]}-{c[1]}-prefix{int(c[2])}"
+        + (f"-recompute{c[4]}" if c[4] else "")
+        + (f"-cap{c[5]}" if len(c) > 5 and c[5] else "")
+        + ("-hook" if len(c) > 6 else "")
+    )
 
 
 _REFERENCES: dict[str, Reference] = {}
@@ -104,14 +111,24 @@ def engine(request):
     with pytest.MonkeyPatch.context() as patch:
         if len(rest) > 1:
             # The in-process engine's worker takes its capture path from this check.
-            from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache import capture_path
+            from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache import (
+                capture_path,
+            )
 
-            patch.setattr(capture_path, "self_check",
-                          lambda *args: "forced by the test (the hook path)")
-        llm = make_llm(model, enable_chunk_cache=True, chunk_context=mode,
-                       enable_prefix_caching=prefix_caching,
-                       chunk_recompute_tokens=recompute, max_chunk_load_tokens=cap,
-                       **(CPU_MLA_ARGS if model == DEEPSEEK else {}))
+            patch.setattr(
+                capture_path,
+                "self_check",
+                lambda *args: "forced by the test (the hook path)",
+            )
+        llm = make_llm(
+            model,
+            enable_chunk_cache=True,
+            chunk_context=mode,
+            enable_prefix_caching=prefix_caching,
+            chunk_recompute_tokens=recompute,
+            max_chunk_load_tokens=cap,
+            **(CPU_MLA_ARGS if model == DEEPSEEK else {}),
+        )
     if len(rest) > 1:
         from vllm.distributed.kv_transfer import get_kv_transfer_group
 
@@ -124,7 +141,9 @@ def engine(request):
     close_llm(llm)
 
 
-def _docs(rng: random.Random, reference: Reference, n: int, max_words: int) -> list[str]:
+def _docs(
+    rng: random.Random, reference: Reference, n: int, max_words: int
+) -> list[str]:
     docs = []
     while len(docs) < n:
         text = random_text(rng, rng.randint(5, max_words))
@@ -141,7 +160,9 @@ def _layouts(rng: random.Random, docs: list[str], n: int) -> list[Layout]:
         k = rng.randint(1, min(8, len(docs)))
         chunks = rng.sample(docs, k)
         rng.shuffle(chunks)
-        out.append(Layout(rng.choice(systems), chunks, random_text(rng, rng.randint(1, 12))))
+        out.append(
+            Layout(rng.choice(systems), chunks, random_text(rng, rng.randint(1, 12)))
+        )
     return out
 
 
@@ -151,8 +172,9 @@ def test_random_layouts_match_the_isolation_mask_reference(engine):
     mode, llm, reference, max_words, recompute, prefix_caching = engine
     rng = random.Random(f"exactness-{mode}-{recompute}")
     docs = _docs(rng, reference, 12, max_words)
-    params = SamplingParams(max_tokens=NUM_GEN, temperature=0.0, logprobs=5,
-                            ignore_eos=True)
+    params = SamplingParams(
+        max_tokens=NUM_GEN, temperature=0.0, logprobs=5, ignore_eos=True
+    )
     tally = ExactnessTally()
     # Batches of concurrent requests: the first batch is all cold, later ones
     # mix chunks seen before (warm) with new ones (cold), in shuffled order.
@@ -160,13 +182,16 @@ def test_random_layouts_match_the_isolation_mask_reference(engine):
         # cold; then mixed; then only chunks seen before (warm), reordered.
         pool = docs[:6] if step == 0 else docs if step == 1 else sorted(tally.seen)
         batch = _layouts(rng, pool, 3 if step < 2 else 2)
-        outputs = llm.generate([layout.prompt for layout in batch], params, use_tqdm=False)
+        outputs = llm.generate(
+            [layout.prompt for layout in batch], params, use_tqdm=False
+        )
         for layout, out in zip(batch, outputs):
             prompt = reference.chunked_prompt(layout)
             assert list(out.prompt_token_ids) == prompt.token_ids
             completion = out.outputs[0]
-            ref = reference.next_token_logprobs(prompt, mode, list(completion.token_ids),
-                                                recompute_tokens=recompute)
+            ref = reference.next_token_logprobs(
+                prompt, mode, list(completion.token_ids), recompute_tokens=recompute
+            )
             result = compare(ref, list(completion.token_ids), completion.logprobs, TOL)
             # Only the question (and with K > 0 the chunks' heads) was computed by
             # the parent; vLLM's prefix cache may hold heads of an earlier request.
@@ -180,7 +205,9 @@ def test_random_layouts_match_the_isolation_mask_reference(engine):
             # above does discriminate.
             causal = reference.causal_logprobs(prompt, list(completion.token_ids))
             step0 = completion.logprobs[0]
-            control = max(abs(lp.logprob - float(causal[0][t])) for t, lp in step0.items())
+            control = max(
+                abs(lp.logprob - float(causal[0][t])) for t, lp in step0.items()
+            )
             tally.add(layout, result, control)
         tally.sent(batch)
     print(f"mode={mode}: {tally}")

@@ -53,7 +53,9 @@ def _engine_kwargs(dtype: str) -> dict:
     if os.environ.get("CHUNK_HALF_KV_DTYPE"):  # e.g. fp8 on a GPU (both engines)
         kwargs["kv_cache_dtype"] = os.environ["CHUNK_HALF_KV_DTYPE"]
     if os.environ.get("CHUNK_HALF_CUDAGRAPH"):  # e.g. PIECEWISE (both engines)
-        kwargs["compilation_config"] = {"cudagraph_mode": os.environ["CHUNK_HALF_CUDAGRAPH"]}
+        kwargs["compilation_config"] = {
+            "cudagraph_mode": os.environ["CHUNK_HALF_CUDAGRAPH"]
+        }
     if os.environ.get("CHUNK_HALF_GPU_UTIL"):
         # The two engines one after the other on one GPU.
         kwargs["gpu_memory_utilization"] = float(os.environ["CHUNK_HALF_GPU_UTIL"])
@@ -68,8 +70,13 @@ def _layouts(reference: Reference) -> list[Layout]:
         for _ in range(3):
             chunks = rng.sample(docs[:4] if step == 0 else docs[:4], rng.randint(2, 4))
             rng.shuffle(chunks)
-            out.append(Layout("answer from the documents", chunks,
-                              random_text(rng, rng.randint(3, 10))))
+            out.append(
+                Layout(
+                    "answer from the documents",
+                    chunks,
+                    random_text(rng, rng.randint(3, 10)),
+                )
+            )
     return out
 
 
@@ -102,12 +109,21 @@ def reference():
 
 
 def _label(dtype: str) -> str:
-    return (f"dtype={dtype} eager={EAGER} backend={os.environ.get('CHUNK_HALF_BACKEND', 'default')} "
-            f"kv={os.environ.get('CHUNK_HALF_KV_DTYPE', 'auto')}"
-            + (f" recompute={RECOMPUTE} one_step="
-               f"{os.environ.get('CHUNK_CACHE_RECOMPUTE_ONE_STEP', 'unset')}" if RECOMPUTE else "")
-            + (f" cudagraph={os.environ['CHUNK_HALF_CUDAGRAPH']}"
-               if os.environ.get("CHUNK_HALF_CUDAGRAPH") else ""))
+    return (
+        f"dtype={dtype} eager={EAGER} backend={os.environ.get('CHUNK_HALF_BACKEND', 'default')} "
+        f"kv={os.environ.get('CHUNK_HALF_KV_DTYPE', 'auto')}"
+        + (
+            f" recompute={RECOMPUTE} one_step="
+            f"{os.environ.get('CHUNK_CACHE_RECOMPUTE_ONE_STEP', 'unset')}"
+            if RECOMPUTE
+            else ""
+        )
+        + (
+            f" cudagraph={os.environ['CHUNK_HALF_CUDAGRAPH']}"
+            if os.environ.get("CHUNK_HALF_CUDAGRAPH")
+            else ""
+        )
+    )
 
 
 def _check(reference, dtype: str, isolate: bool, workdir) -> tuple[dict, dict]:
@@ -130,21 +146,33 @@ def _check(reference, dtype: str, isolate: bool, workdir) -> tuple[dict, dict]:
     common = dict(model=MODEL, engine_kwargs=_engine_kwargs(dtype), num_gen=NUM_GEN)
 
     # Cold batch, then warm batch (loads from the pool at new positions).
-    chunk = engine(dict(common, role="chunk", prompts=[layout.prompt for layout in layouts],
-                        batches=[[0, 1, 2], [3, 4, 5]], recompute=RECOMPUTE))
+    chunk = engine(
+        dict(
+            common,
+            role="chunk",
+            prompts=[layout.prompt for layout in layouts],
+            batches=[[0, 1, 2], [3, 4, 5]],
+            recompute=RECOMPUTE,
+        )
+    )
     chunk_worst, chunk_rows = 0.0, []
     for i, (prompt, out) in enumerate(zip(prompts, chunk["outputs"])):
-        ref = reference.next_token_logprobs(prompt, "sink", out["token_ids"],
-                                            recompute_tokens=RECOMPUTE)
+        ref = reference.next_token_logprobs(
+            prompt, "sink", out["token_ids"], recompute_tokens=RECOMPUTE
+        )
         worst = _worst(ref, out["logprobs"])
         chunk_worst = max(chunk_worst, worst)
         chunk_rows.append((i, prompt, out))
-        print(f"half-precision chunk cache prompt {i}: |dlogprob| {worst:.4g} "
-              f"(cached {out['num_cached_tokens']} of {len(out['prompt_token_ids'])})",
-              flush=True)
+        print(
+            f"half-precision chunk cache prompt {i}: |dlogprob| {worst:.4g} "
+            f"(cached {out['num_cached_tokens']} of {len(out['prompt_token_ids'])})",
+            flush=True,
+        )
     # NOTE: the chunk cache's figure is printed before the control starts (which may fail).
-    print(f"{_label(dtype)}: chunk cache worst |dlogprob| {chunk_worst:.4g} (control next)",
-          flush=True)
+    print(
+        f"{_label(dtype)}: chunk cache worst |dlogprob| {chunk_worst:.4g} (control next)",
+        flush=True,
+    )
     for i, prompt, out in chunk_rows:
         assert out["prompt_token_ids"] == prompt.token_ids, i
         if RECOMPUTE:  # the recomputed heads are computed, the rest loaded
@@ -153,16 +181,25 @@ def _check(reference, dtype: str, isolate: bool, workdir) -> tuple[dict, dict]:
         else:
             assert out["num_cached_tokens"] == prompt.question_span.start, i
 
-    stock = engine(dict(common, role="stock", prompts=[p.token_ids for p in prompts],
-                        batches=[list(range(len(prompts)))]))
+    stock = engine(
+        dict(
+            common,
+            role="stock",
+            prompts=[p.token_ids for p in prompts],
+            batches=[list(range(len(prompts)))],
+        )
+    )
     control_worst = 0.0
     for prompt, out in zip(prompts, stock["outputs"]):
         ref = reference.causal_logprobs(prompt, out["token_ids"])
         control_worst = max(control_worst, _worst(ref, out["logprobs"]))
-    print(f"{_label(dtype)}: chunk cache worst |dlogprob| {chunk_worst:.4g}, "
-          f"stock vLLM (control) {control_worst:.4g}, ratio "
-          f"{chunk_worst / max(control_worst, 1e-12):.2f}"
-          f"{' (each engine in a process of its own)' if isolate else ''}", flush=True)
+    print(
+        f"{_label(dtype)}: chunk cache worst |dlogprob| {chunk_worst:.4g}, "
+        f"stock vLLM (control) {control_worst:.4g}, ratio "
+        f"{chunk_worst / max(control_worst, 1e-12):.2f}"
+        f"{' (each engine in a process of its own)' if isolate else ''}",
+        flush=True,
+    )
 
     if os.environ.get("VLLM_CPU_KVCACHE_SPACE") and not _on_gpu():
         # The pool and its load buffers are carved out of VLLM_CPU_KVCACHE_SPACE:
@@ -173,19 +210,23 @@ def _check(reference, dtype: str, isolate: bool, workdir) -> tuple[dict, dict]:
         chunk_kv = chunk["kv_blocks"] * block * kv_token_bytes
         stock_kv = stock["kv_blocks"] * block * kv_token_bytes
         pool_bytes, scratch_bytes = chunk["pool_bytes"], chunk["scratch_bytes"]
-        print(f"KV budget {budget >> 20} MiB: stock paged KV {stock_kv >> 20} MiB; with "
-              f"the chunk cache paged KV {chunk_kv >> 20} MiB + pool {pool_bytes >> 20} MiB "
-              f"+ load buffers {scratch_bytes >> 20} MiB "
-              f"({chunk['scratch_allocated'] >> 20} MiB used)")
+        print(
+            f"KV budget {budget >> 20} MiB: stock paged KV {stock_kv >> 20} MiB; with "
+            f"the chunk cache paged KV {chunk_kv >> 20} MiB + pool {pool_bytes >> 20} MiB "
+            f"+ load buffers {scratch_bytes >> 20} MiB "
+            f"({chunk['scratch_allocated'] >> 20} MiB used)"
+        )
         assert 0 < chunk["scratch_allocated"] <= scratch_bytes
         assert pool_bytes > 0 and chunk_kv + pool_bytes + scratch_bytes <= budget
         assert abs((stock_kv - chunk_kv) - pool_bytes - scratch_bytes) <= (
-            2 * block * kv_token_bytes + (1 << 20))
+            2 * block * kv_token_bytes + (1 << 20)
+        )
 
     assert control_worst > 0.0
     assert chunk_worst <= FACTOR * control_worst, (
         f"{dtype}: chunk cache worst |logprob diff| {chunk_worst:.4g} > {FACTOR}x the "
-        f"stock-vLLM control {control_worst:.4g}")
+        f"stock-vLLM control {control_worst:.4g}"
+    )
     return chunk, stock
 
 
@@ -201,9 +242,12 @@ def test_half_precision_chunk_cache_within_3x_of_stock_vllm(reference, dtype, tm
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(3600)  # four engines one after the other: ~25 minutes on 2 shared cores
-def test_each_engine_in_a_process_of_its_own_twice_in_one_pytest_process(reference,
-                                                                        tmp_path):
+@pytest.mark.timeout(
+    3600
+)  # four engines one after the other: ~25 minutes on 2 shared cores
+def test_each_engine_in_a_process_of_its_own_twice_in_one_pytest_process(
+    reference, tmp_path
+):
     """The GPU form (issue 40): each engine in a fresh process, run twice from one pytest
     process, so that nothing of an engine (device memory, compile state, vLLM's globals)
     outlives its process; both runs give the same rows, from four distinct processes."""
@@ -212,4 +256,6 @@ def test_each_engine_in_a_process_of_its_own_twice_in_one_pytest_process(referen
     pids = {first[0]["pid"], first[1]["pid"], second[0]["pid"], second[1]["pid"]}
     assert len(pids) == 4 and os.getpid() not in pids
     for a, b in zip(first, second):
-        assert [o["token_ids"] for o in a["outputs"]] == [o["token_ids"] for o in b["outputs"]]
+        assert [o["token_ids"] for o in a["outputs"]] == [
+            o["token_ids"] for o in b["outputs"]
+        ]

@@ -37,7 +37,10 @@ TOL = 2e-3  # as in test_chunk_cache_server.py (float32, 30 layers)
 # 0.03 GiB at 45 KiB per token (30 layers x K+V x 3 heads x 64 x fp32) = 699 rows
 # = 43 blocks of 16 rows: the largest soak request fits, the corpus does not (evictions).
 POOL_GIB = 0.03
-TRACEBACK_MARKERS = ("Traceback (most recent call last)", "Exception in ASGI application")
+TRACEBACK_MARKERS = (
+    "Traceback (most recent call last)",
+    "Exception in ASGI application",
+)
 
 
 @pytest.fixture(scope="module")
@@ -45,20 +48,36 @@ def server(tmp_path_factory):
     # Dev mode: the soak resets the caches mid-stream (POST /reset_prefix_cache).
     with pytest.MonkeyPatch.context() as env:
         env.setenv("VLLM_SERVER_DEV_MODE", "1")
-        s = start_server(MODEL, ["--enable-chunk-cache", "--served-model-name", "smollm2",
-                                 "--chunk-context", MODE, "--chunk-pool-size-gib",
-                                 str(POOL_GIB), "--max-chunks", "8", "--seed", "0",
-                                 "--scheduling-policy", "priority"],
-                         tmp_path_factory.mktemp("serve") / "serve.log")
+        s = start_server(
+            MODEL,
+            [
+                "--enable-chunk-cache",
+                "--served-model-name",
+                "smollm2",
+                "--chunk-context",
+                MODE,
+                "--chunk-pool-size-gib",
+                str(POOL_GIB),
+                "--max-chunks",
+                "8",
+                "--seed",
+                "0",
+                "--scheduling-policy",
+                "priority",
+            ],
+            tmp_path_factory.mktemp("serve") / "serve.log",
+        )
     yield s
     s.stop()
 
 
 def reset_caches(server) -> int:
-    """vLLM's cache reset with the connector's, running requests preempted."""
+    """VLLM's cache reset with the connector's, running requests preempted."""
     req = urllib.request.Request(
-        server.url + "/reset_prefix_cache?reset_external=true&reset_running_requests=true",
-        method="POST")
+        server.url
+        + "/reset_prefix_cache?reset_external=true&reset_running_requests=true",
+        method="POST",
+    )
     with urllib.request.urlopen(req, timeout=60) as r:
         return r.status
 
@@ -68,8 +87,11 @@ def reload_weights(server) -> int:
     weights: the soak's answers keep one reference; the engine test checks
     that KV of really different weights is never served after a reset)."""
     request = urllib.request.Request(
-        server.url + "/collective_rpc", data=json.dumps({"method": "reload_weights"}).encode(),
-        headers={"Content-Type": "application/json"}, method="POST")
+        server.url + "/collective_rpc",
+        data=json.dumps({"method": "reload_weights"}).encode(),
+        headers={"Content-Type": "application/json"},
+        method="POST",
+    )
     with urllib.request.urlopen(request, timeout=300) as r:
         return r.status
 
@@ -80,8 +102,15 @@ def reference():
 
 
 def complete(server, prompt, n=3, **extra):
-    body = {"model": "smollm2", "prompt": prompt, "max_tokens": n, "temperature": 0,
-            "logprobs": 5, "return_tokens_as_token_ids": True, "ignore_eos": True}
+    body = {
+        "model": "smollm2",
+        "prompt": prompt,
+        "max_tokens": n,
+        "temperature": 0,
+        "logprobs": 5,
+        "return_tokens_as_token_ids": True,
+        "ignore_eos": True,
+    }
     body.update(extra)
     return server.post("/v1/completions", body)
 
@@ -89,16 +118,24 @@ def complete(server, prompt, n=3, **extra):
 def check_chunked(reference, layout, body):
     choice = body["choices"][0]
     tokens = _ids(choice["logprobs"]["tokens"])
-    top = [{int(k.split(":", 1)[1]): _Lp(v, 1) for k, v in d.items()}
-           for d in choice["logprobs"]["top_logprobs"]]
+    top = [
+        {int(k.split(":", 1)[1]): _Lp(v, 1) for k, v in d.items()}
+        for d in choice["logprobs"]["top_logprobs"]
+    ]
     ref = reference.next_token_logprobs(reference.chunked_prompt(layout), MODE, tokens)
     return compare(ref, tokens, top, TOL)
 
 
 def metrics(server) -> dict[str, float]:
     """The chunk-cache metrics; a counter not incremented yet is not exported."""
-    return {"hits": 0.0, "misses": 0.0, "in_flight_joins": 0.0, "child_computes": 0.0,
-            "evictions": 0.0, **_metrics(server)}
+    return {
+        "hits": 0.0,
+        "misses": 0.0,
+        "in_flight_joins": 0.0,
+        "child_computes": 0.0,
+        "evictions": 0.0,
+        **_metrics(server),
+    }
 
 
 def lookups(m: dict) -> float:
@@ -133,7 +170,9 @@ def test_chunk_prompt_400_logs_no_traceback(server):
     assert not any(m in new_log for m in TRACEBACK_MARKERS), new_log[-3000:]
 
 
-def test_segments_larger_than_the_pool_are_refused_not_served_causally(server, reference):
+def test_segments_larger_than_the_pool_are_refused_not_served_causally(
+    server, reference
+):
     """Finding 3: never a silent change of semantics."""
     rng = random.Random("oversize")
     docs = [random_text(rng, 200) for _ in range(4)]  # ~2000 tokens > 699 pool rows
@@ -147,14 +186,17 @@ def test_segments_larger_than_the_pool_are_refused_not_served_causally(server, r
 
 
 @pytest.mark.parametrize("api", ["completions", "chat"])
-def test_documents_hit_after_a_system_prompt_with_another_first_token(server, reference,
-                                                                       api):
+def test_documents_hit_after_a_system_prompt_with_another_first_token(
+    server, reference, api
+):
     """Finding 10: the sink is a constant of the deployment, not the first token."""
     rng = random.Random(f"sink-{api}")
     a, b = random_text(rng, 30), random_text(rng, 25)
     systems = ["Answer from the documents.", "Be brief."]
-    assert (reference.tokenizer.encode(systems[0])[0]
-            != reference.tokenizer.encode(systems[1])[0])
+    assert (
+        reference.tokenizer.encode(systems[0])[0]
+        != reference.tokenizer.encode(systems[1])[0]
+    )
     for i, system in enumerate(systems):
         before = metrics(server)
         if api == "completions":
@@ -163,10 +205,18 @@ def test_documents_hit_after_a_system_prompt_with_another_first_token(server, re
             assert status == 200, body
             check_chunked(reference, layout, body)
         else:
-            status, body = server.post("/v1/chat/completions", {
-                "model": "smollm2", "max_tokens": 3, "temperature": 0,
-                "messages": [{"role": "system", "content": system},
-                             {"role": "user", "content": f"## {a} ## {b} ## what is it"}]})
+            status, body = server.post(
+                "/v1/chat/completions",
+                {
+                    "model": "smollm2",
+                    "max_tokens": 3,
+                    "temperature": 0,
+                    "messages": [
+                        {"role": "system", "content": system},
+                        {"role": "user", "content": f"## {a} ## {b} ## what is it"},
+                    ],
+                },
+            )
             assert status == 200, body
         after = metrics(server)
         if i == 1:
@@ -186,9 +236,21 @@ SOAK_CONCURRENCY = 16
 
 def _abort_mid_request(server, prompt) -> None:
     conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
-    conn.request("POST", "/v1/completions", json.dumps({
-        "model": "smollm2", "prompt": prompt, "max_tokens": 200, "temperature": 0,
-        "ignore_eos": True, "stream": True}), {"Content-Type": "application/json"})
+    conn.request(
+        "POST",
+        "/v1/completions",
+        json.dumps(
+            {
+                "model": "smollm2",
+                "prompt": prompt,
+                "max_tokens": 200,
+                "temperature": 0,
+                "ignore_eos": True,
+                "stream": True,
+            }
+        ),
+        {"Content-Type": "application/json"},
+    )
     resp = conn.getresponse()
     resp.fp.readline()
     conn.close()
@@ -197,7 +259,11 @@ def _abort_mid_request(server, prompt) -> None:
 def test_soak_keeps_the_server_exact_and_idle_after(server, reference):
     rng = random.Random("soak")
     corpus = [random_text(rng, rng.randint(8, 50)) for _ in range(24)]
-    systems = ["Answer from the documents.", "Be brief.", "You are a helpful assistant."]
+    systems = [
+        "Answer from the documents.",
+        "Be brief.",
+        "You are a helpful assistant.",
+    ]
     jobs = []
     for i in range(SOAK_REQUESTS):
         kind = rng.random()
@@ -208,10 +274,18 @@ def test_soak_keeps_the_server_exact_and_idle_after(server, reference):
         elif kind < 0.08:
             jobs.append(("bad", rng.choice(["sys ## ## q", "##", "a ## " * 12 + "q"])))
         elif kind < 0.16:
-            jobs.append(("abort", Layout(rng.choice(systems), rng.sample(corpus, 2), "go").prompt))
+            jobs.append(
+                (
+                    "abort",
+                    Layout(rng.choice(systems), rng.sample(corpus, 2), "go").prompt,
+                )
+            )
         else:
-            layout = Layout(rng.choice(systems), rng.sample(corpus, rng.randint(1, 3)),
-                            f"question {i}?")
+            layout = Layout(
+                rng.choice(systems),
+                rng.sample(corpus, rng.randint(1, 3)),
+                f"question {i}?",
+            )
             jobs.append(("ok", layout))
     # Priority scheduling: a later, more urgent request preempts running ones.
     priorities = [rng.choice([0, 0, 1, -1]) for _ in jobs]
@@ -240,7 +314,8 @@ def test_soak_keeps_the_server_exact_and_idle_after(server, reference):
     answered = [(p, b) for k, p, s, b in results if k == "ok" and s == 200]
     assert all(s == 400 for k, _, s, _ in results if k == "bad")
     assert len(answered) == sum(1 for k, *_ in results if k == "ok"), [
-        (s, b) for k, _, s, b in results if k == "ok" and s != 200][:3]
+        (s, b) for k, _, s, b in results if k == "ok" and s != 200
+    ][:3]
     for layout, body in random.Random("sample").sample(answered, 12):
         check_chunked(reference, layout, body)
     m = metrics(server)
@@ -254,15 +329,25 @@ def test_soak_keeps_the_server_exact_and_idle_after(server, reference):
         m = metrics(server)
         with urllib.request.urlopen(server.url + "/metrics", timeout=30) as r:
             text = r.read().decode()
-        busy = [ln for ln in text.splitlines()
-                if ln.startswith(("vllm:num_requests_running{", "vllm:num_requests_waiting{"))
-                and float(ln.rsplit(" ", 1)[1]) != 0]
-        if (m["pool_entries_pinned"] == 0 and m["live_requests"] == 0
-                and not busy) or time.monotonic() > deadline:
+        busy = [
+            ln
+            for ln in text.splitlines()
+            if ln.startswith(
+                ("vllm:num_requests_running{", "vllm:num_requests_waiting{")
+            )
+            and float(ln.rsplit(" ", 1)[1]) != 0
+        ]
+        if (
+            m["pool_entries_pinned"] == 0 and m["live_requests"] == 0 and not busy
+        ) or time.monotonic() > deadline:
             break
         time.sleep(1)
-    assert m["pool_entries_pinned"] == 0 and m["live_requests"] == 0 and not busy, (m, busy)
+    assert m["pool_entries_pinned"] == 0 and m["live_requests"] == 0 and not busy, (
+        m,
+        busy,
+    )
     assert server.proc.poll() is None
     log = server.log()
     assert not any(marker in log for marker in TRACEBACK_MARKERS), [
-        ln for ln in log.splitlines() if "Error" in ln][:10]
+        ln for ln in log.splitlines() if "Error" in ln
+    ][:10]

@@ -102,17 +102,33 @@ def _environ(**values: str):
 # NOTE: pipeline parallelism (a pool per stage, unit-tested in
 # test_chunk_pool_pp_stages.py) end to end is in the `slow` tier: two more ranks'
 # start-up on the 2-core CI machine.
-@pytest.fixture(scope="module", params=["tp2", pytest.param("pp2", marks=pytest.mark.slow)])
+@pytest.fixture(
+    scope="module", params=["tp2", pytest.param("pp2", marks=pytest.mark.slow)]
+)
 def server(request, tmp_path_factory):
     name = request.param
-    env = {"VLLM_CPU_OMP_THREADS_BIND": _bind_one_core_per_rank(),
-           "VLLM_CPU_KVCACHE_SPACE": KV_SPACE_GIB}
+    env = {
+        "VLLM_CPU_OMP_THREADS_BIND": _bind_one_core_per_rank(),
+        "VLLM_CPU_KVCACHE_SPACE": KV_SPACE_GIB,
+    }
     with _environ(**env):
-        s = start_server(MODEL, ["--enable-chunk-cache", "--served-model-name", "tiny",
-                                 "--chunk-context", MODE, "--seed", "0",
-                                 "--distributed-executor-backend", "mp",
-                                 "--enable-prompt-tokens-details", *CONFIGS[name]],
-                         tmp_path_factory.mktemp(f"serve-{name}") / "serve.log")
+        s = start_server(
+            MODEL,
+            [
+                "--enable-chunk-cache",
+                "--served-model-name",
+                "tiny",
+                "--chunk-context",
+                MODE,
+                "--seed",
+                "0",
+                "--distributed-executor-backend",
+                "mp",
+                "--enable-prompt-tokens-details",
+                *CONFIGS[name],
+            ],
+            tmp_path_factory.mktemp(f"serve-{name}") / "serve.log",
+        )
     s.config = name
     yield s
     s.stop()
@@ -128,9 +144,18 @@ def metrics(server) -> dict[str, float]:
 
 
 def complete(server, prompt, n=NUM_GEN):
-    return server.post("/v1/completions", {
-        "model": "tiny", "prompt": prompt, "max_tokens": n, "temperature": 0,
-        "logprobs": 5, "return_tokens_as_token_ids": True, "ignore_eos": True})
+    return server.post(
+        "/v1/completions",
+        {
+            "model": "tiny",
+            "prompt": prompt,
+            "max_tokens": n,
+            "temperature": 0,
+            "logprobs": 5,
+            "return_tokens_as_token_ids": True,
+            "ignore_eos": True,
+        },
+    )
 
 
 def check(reference, layout: Layout, status: int, body: dict) -> dict:
@@ -140,15 +165,22 @@ def check(reference, layout: Layout, status: int, body: dict) -> dict:
     prompt = reference.chunked_prompt(layout)
     choice = body["choices"][0]
     tokens = _ids(choice["logprobs"]["tokens"])
-    top = [{int(k.split(":", 1)[1]): _Lp(v, 1) for k, v in d.items()}
-           for d in choice["logprobs"]["top_logprobs"]]
+    top = [
+        {int(k.split(":", 1)[1]): _Lp(v, 1) for k, v in d.items()}
+        for d in choice["logprobs"]["top_logprobs"]
+    ]
     ref = reference.next_token_logprobs(prompt, MODE, tokens)
     result = compare(ref, tokens, top, TOL)
     # Only the question was computed by the request itself.
     assert body["usage"]["prompt_tokens"] == len(prompt.token_ids)
-    assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == prompt.question_span.start
+    assert (
+        body["usage"]["prompt_tokens_details"]["cached_tokens"]
+        == prompt.question_span.start
+    )
     causal = reference.causal_logprobs(prompt, tokens)
-    result["control"] = max(abs(v.logprob - float(causal[0][t])) for t, v in top[0].items())
+    result["control"] = max(
+        abs(v.logprob - float(causal[0][t])) for t, v in top[0].items()
+    )
     return result
 
 
@@ -156,13 +188,17 @@ def _docs(rng: random.Random, n: int, max_words: int = 120) -> list[str]:
     return [random_text(rng, rng.randint(5, max_words)) for _ in range(n)]
 
 
-def _layouts(rng: random.Random, docs: list[str], n: int, max_chunks: int = 5) -> list[Layout]:
+def _layouts(
+    rng: random.Random, docs: list[str], n: int, max_chunks: int = 5
+) -> list[Layout]:
     systems = ["you are a careful assistant", "answer briefly", "sys"]
     out = []
     for _ in range(n):
         chunks = rng.sample(docs, rng.randint(1, min(max_chunks, len(docs))))
         rng.shuffle(chunks)
-        out.append(Layout(rng.choice(systems), chunks, random_text(rng, rng.randint(1, 12))))
+        out.append(
+            Layout(rng.choice(systems), chunks, random_text(rng, rng.randint(1, 12)))
+        )
     return out
 
 
@@ -176,14 +212,20 @@ def test_each_rank_allocates_the_pool_for_its_own_heads_and_layers(server):
     m = re.search(r"Chunk cache: pool of (\d+) blocks x (\d+) rows", log)
     assert m, "scheduler pool line missing"
     rows = int(m.group(1)) * int(m.group(2))
-    lines = re.findall(r"\(Worker_(\w+) pid=\d+\).*Chunk cache pool: (\d+) rows x (\d+) layers, "
-                       r"([0-9.]+) MiB", log)
-    assert sorted(w for w, *_ in lines) == (["TP0", "TP1"] if server.config == "tp2"
-                                            else ["PP0", "PP1"])
+    lines = re.findall(
+        r"\(Worker_(\w+) pid=\d+\).*Chunk cache pool: (\d+) rows x (\d+) layers, "
+        r"([0-9.]+) MiB",
+        log,
+    )
+    assert sorted(w for w, *_ in lines) == (
+        ["TP0", "TP1"] if server.config == "tp2" else ["PP0", "PP1"]
+    )
     config = json.loads((Path(MODEL) / "config.json").read_text())
     heads, layers = config["num_key_value_heads"], config["num_hidden_layers"]
     # TP splits the KV heads, PP the layers, between the 2 ranks.
-    heads, layers = (heads // 2, layers) if server.config == "tp2" else (heads, layers // 2)
+    heads, layers = (
+        (heads // 2, layers) if server.config == "tp2" else (heads, layers // 2)
+    )
     for _, r, n_layers, mib in lines:
         assert int(r) == rows  # every rank's pool has the scheduler allocator's rows
         assert int(n_layers) == layers
@@ -213,14 +255,21 @@ def test_concurrent_requests_are_exact_and_counted_once(server, reference):
     docs: dict[int, str] = {}  # 4 documents of distinct token counts
     while len(docs) < 4:
         text = random_text(rng, rng.randint(20, 60))
-        docs.setdefault(len(reference.tokenizer.encode(text, add_special_tokens=False)), text)
+        docs.setdefault(
+            len(reference.tokenizer.encode(text, add_special_tokens=False)), text
+        )
     # 12 distinct chunk sequences, each after its own system prompt: vLLM's prefix
     # cache (which shares the blocks of common leading segments, issue 20 finding 7)
     # serves none of them from another, whatever the timing of the concurrent requests.
     orders = [list(p) for k in (2, 3) for p in itertools.permutations(docs.values(), k)]
-    layouts = [Layout(f"({i}) You answer from the documents ({server.config}).", chunks,
-                      f"Question {i}: why?")
-               for i, chunks in enumerate(rng.sample(orders, 12))]
+    layouts = [
+        Layout(
+            f"({i}) You answer from the documents ({server.config}).",
+            chunks,
+            f"Question {i}: why?",
+        )
+        for i, chunks in enumerate(rng.sample(orders, 12))
+    ]
     before = metrics(server)
     results = _send(server, layouts)
     after = metrics(server)
@@ -239,14 +288,17 @@ def test_concurrent_requests_are_exact_and_counted_once(server, reference):
     assert delta("hits") + delta("misses") + delta("in_flight_joins") == lookups
     # Every token before a question was copied from the pool into its request once.
     assert delta("tokens_loaded") == sum(
-        reference.chunked_prompt(lay).question_span.start for lay in layouts)
+        reference.chunked_prompt(lay).question_span.start for lay in layouts
+    )
     # NOTE: the gauges are reported by the engine's steps; the last request's
     # answer may reach the client before the step that reports its unpinning
     # (seen on a slower AVX2 machine in CI: 5 pinned). A plain one-token request
     # makes the engine step.
     deadline = time.monotonic() + 60
-    while not (after["pool_entries_pinned"] == 0 and after["live_requests"] == 0) \
-            and time.monotonic() < deadline:
+    while (
+        not (after["pool_entries_pinned"] == 0 and after["live_requests"] == 0)
+        and time.monotonic() < deadline
+    ):
         time.sleep(0.5)
         assert complete(server, "a plain prompt", n=1)[0] == 200
         after = metrics(server)
@@ -256,12 +308,15 @@ def test_concurrent_requests_are_exact_and_counted_once(server, reference):
 
 
 def _engine_metrics(server) -> dict[str, float]:
-    """vLLM's own request gauges and token counters, summed over label sets."""
+    """VLLM's own request gauges and token counters, summed over label sets."""
     out: dict[str, float] = {}
     with urllib.request.urlopen(server.url + "/metrics", timeout=30) as r:
         for ln in r.read().decode().splitlines():
-            m = re.match(r"^(vllm:(?:num_requests_running|num_requests_waiting|"
-                         r"generation_tokens_total))\{[^}]*\} ([0-9.e+-]+)$", ln)
+            m = re.match(
+                r"^(vllm:(?:num_requests_running|num_requests_waiting|"
+                r"generation_tokens_total))\{[^}]*\} ([0-9.e+-]+)$",
+                ln,
+            )
             if m:
                 out[m.group(1)] = out.get(m.group(1), 0.0) + float(m.group(2))
     return out
@@ -274,10 +329,21 @@ def test_client_aborts_leave_nothing_pinned(server, reference):
     generated_before = _engine_metrics(server)["vllm:generation_tokens_total"]
     for read_first in (True, False):  # mid-generation, and before the first token
         conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
-        conn.request("POST", "/v1/completions", json.dumps({
-            "model": "tiny", "prompt": layout.prompt, "max_tokens": max_tokens,
-            "temperature": 0, "ignore_eos": True, "stream": True}),
-            {"Content-Type": "application/json"})
+        conn.request(
+            "POST",
+            "/v1/completions",
+            json.dumps(
+                {
+                    "model": "tiny",
+                    "prompt": layout.prompt,
+                    "max_tokens": max_tokens,
+                    "temperature": 0,
+                    "ignore_eos": True,
+                    "stream": True,
+                }
+            ),
+            {"Content-Type": "application/json"},
+        )
         if read_first:
             resp = conn.getresponse()
             assert resp.status == 200
@@ -289,8 +355,12 @@ def test_client_aborts_leave_nothing_pinned(server, reference):
         # A plain one-token request makes the engine step, which reports the gauges.
         assert complete(server, "a plain prompt", n=1)[0] == 200
         m, e = metrics(server), _engine_metrics(server)
-        idle = (m["pool_entries_pinned"] == 0 and m["live_requests"] == 0
-                and e["vllm:num_requests_running"] == 0 and e["vllm:num_requests_waiting"] == 0)
+        idle = (
+            m["pool_entries_pinned"] == 0
+            and m["live_requests"] == 0
+            and e["vllm:num_requests_running"] == 0
+            and e["vllm:num_requests_waiting"] == 0
+        )
         if idle or time.monotonic() > deadline:
             break
     # The scheduler's chunk-cache manager is the one owner of pins and request state for

@@ -46,9 +46,15 @@ def reference():
 @pytest.fixture(scope="module")
 def llm():
     # Prefix caching off: exact cached-token counts; a small step budget.
-    engine = make_llm(MODEL, enable_chunk_cache=True, chunk_context=MODE,
-                      chunk_recompute_tokens=K, enable_prefix_caching=False,
-                      max_num_batched_tokens=BUDGET, max_model_len=2048)
+    engine = make_llm(
+        MODEL,
+        enable_chunk_cache=True,
+        chunk_context=MODE,
+        chunk_recompute_tokens=K,
+        enable_prefix_caching=False,
+        max_num_batched_tokens=BUDGET,
+        max_model_len=2048,
+    )
     yield engine
     close_llm(engine)
 
@@ -60,7 +66,7 @@ def _params(n=3):
 
 
 def _docs(rng, reference, n, lo=20, hi=40):
-    """n documents longer than K tokens."""
+    """N documents longer than K tokens."""
     docs = []
     while len(docs) < n:
         text = random_text(rng, rng.randint(lo // 4, hi // 4))
@@ -84,8 +90,11 @@ def _run(llm, layout, rid, preempt_after=None):
         steps += 1
         if steps == preempt_after:
             # The engine's id of the request: ours with a suffix.
-            (request,) = [r for key, r in engine.engine_core.engine_core.scheduler
-                          .requests.items() if key.rsplit("-", 1)[0] == rid]
+            (request,) = [
+                r
+                for key, r in engine.engine_core.engine_core.scheduler.requests.items()
+                if key.rsplit("-", 1)[0] == rid
+            ]
             assert 0 < request.num_computed_tokens < request.num_prompt_tokens
             engine.reset_prefix_cache(reset_running_requests=True)
             assert (request.num_preemptions, request.num_computed_tokens) == (1, 0)
@@ -103,8 +112,9 @@ def _check(reference, layout, out, resumed=False):
     prompt = reference.chunked_prompt(layout)
     assert list(out.prompt_token_ids) == prompt.token_ids
     completion = out.outputs[0]
-    ref = reference.next_token_logprobs(prompt, MODE, list(completion.token_ids),
-                                        recompute_tokens=K)
+    ref = reference.next_token_logprobs(
+        prompt, MODE, list(completion.token_ids), recompute_tokens=K
+    )
     compare(ref, list(completion.token_ids), completion.logprobs, TOL)
     loaded = PrefillPlan.for_prompt(prompt, K).num_loaded
     if resumed:

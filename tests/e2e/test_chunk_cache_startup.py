@@ -14,8 +14,9 @@ MODEL = str(models_dir() / "tiny-llama")
 def _config(**kwargs):
     from vllm.engine.arg_utils import EngineArgs
 
-    return EngineArgs(model=MODEL, dtype="float32", enforce_eager=True,
-                      max_model_len=1024, **kwargs).create_engine_config()
+    return EngineArgs(
+        model=MODEL, dtype="float32", enforce_eager=True, max_model_len=1024, **kwargs
+    ).create_engine_config()
 
 
 def test_flag_selects_the_chunk_cache_connector():
@@ -27,9 +28,15 @@ def test_flag_selects_the_chunk_cache_connector():
 def test_another_kv_connector_is_refused():
     from vllm.config import KVTransferConfig
 
-    with pytest.raises(ValueError, match="cannot be combined with --kv-transfer-config"):
-        _config(enable_chunk_cache=True, kv_transfer_config=KVTransferConfig(
-            kv_connector="ExampleConnector", kv_role="kv_both"))
+    with pytest.raises(
+        ValueError, match="cannot be combined with --kv-transfer-config"
+    ):
+        _config(
+            enable_chunk_cache=True,
+            kv_transfer_config=KVTransferConfig(
+                kv_connector="ExampleConnector", kv_role="kv_both"
+            ),
+        )
 
 
 def test_the_chunk_cache_inside_a_multi_connector_is_refused_by_name():
@@ -39,49 +46,74 @@ def test_the_chunk_cache_inside_a_multi_connector_is_refused_by_name():
     from vllm.config import KVTransferConfig
 
     with pytest.raises(ValueError, match="connector 'MultiConnector'"):
-        _config(enable_chunk_cache=True, kv_transfer_config=KVTransferConfig(
-            kv_connector="MultiConnector", kv_role="kv_both",
-            kv_connector_extra_config={"connectors": [
-                {"kv_connector": "ChunkCacheConnector", "kv_role": "kv_both"},
-                {"kv_connector": "ExampleConnector", "kv_role": "kv_both"}]}))
+        _config(
+            enable_chunk_cache=True,
+            kv_transfer_config=KVTransferConfig(
+                kv_connector="MultiConnector",
+                kv_role="kv_both",
+                kv_connector_extra_config={
+                    "connectors": [
+                        {"kv_connector": "ChunkCacheConnector", "kv_role": "kv_both"},
+                        {"kv_connector": "ExampleConnector", "kv_role": "kv_both"},
+                    ]
+                },
+            ),
+        )
 
 
-@pytest.mark.parametrize("given, named", [
-    (dict(kv_load_failure_policy="recompute"), "kv_load_failure_policy"),
-    (dict(kv_connector="ChunkCacheConnector", kv_role="kv_producer"), "kv_role"),
-    (dict(kv_connector="ChunkCacheConnector", kv_role="kv_both",
-          kv_connector_extra_config={"pool": 1}), "kv_connector_extra_config"),
-])
+@pytest.mark.parametrize(
+    "given, named",
+    [
+        (dict(kv_load_failure_policy="recompute"), "kv_load_failure_policy"),
+        (dict(kv_connector="ChunkCacheConnector", kv_role="kv_producer"), "kv_role"),
+        (
+            dict(
+                kv_connector="ChunkCacheConnector",
+                kv_role="kv_both",
+                kv_connector_extra_config={"pool": 1},
+            ),
+            "kv_connector_extra_config",
+        ),
+    ],
+)
 def test_a_kv_transfer_setting_the_chunk_cache_would_drop_is_refused(given, named):
     # The chunk cache writes vLLM's whole KV transfer config itself: a setting given with
     # it would be lost without a word, so it is refused by name.
     from vllm.config import KVTransferConfig
 
-    with pytest.raises(ValueError, match=f"--kv-transfer-config's {named} would be ignored"):
+    with pytest.raises(
+        ValueError, match=f"--kv-transfer-config's {named} would be ignored"
+    ):
         _config(enable_chunk_cache=True, kv_transfer_config=KVTransferConfig(**given))
 
 
 def test_naming_the_chunk_cache_connector_alone_is_accepted():
     from vllm.config import KVTransferConfig
 
-    config = _config(enable_chunk_cache=True, kv_transfer_config=KVTransferConfig(
-        kv_connector="ChunkCacheConnector", kv_role="kv_both"))
+    config = _config(
+        enable_chunk_cache=True,
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="ChunkCacheConnector", kv_role="kv_both"
+        ),
+    )
     assert config.kv_transfer_config.kv_connector == "ChunkCacheConnector"
 
 
 def test_kv_offloading_is_refused():
-    with pytest.raises(ValueError, match="cannot be combined with --kv-offloading-size"):
+    with pytest.raises(
+        ValueError, match="cannot be combined with --kv-offloading-size"
+    ):
         _config(enable_chunk_cache=True, kv_offloading_size=1.0)
 
 
 def test_unsupported_rope_types_are_refused_by_name():
     import torch
+    from vllm.model_executor.layers.rotary_embedding.dual_chunk_rope import (
+        DualChunkRotaryEmbedding,
+    )
 
     from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.layer_ropes import (
         find_layer_ropes,
-    )
-    from vllm.model_executor.layers.rotary_embedding.dual_chunk_rope import (
-        DualChunkRotaryEmbedding,
     )
     from vllm.v1.worker.position_remapper import RopeRotation
 
@@ -99,8 +131,14 @@ def test_speculative_decoding_is_refused_at_start_up():
     # the first step failed with "layer not found", with n-gram the drafts
     # were verified against chunks nobody loaded into the drafter's view.
     with pytest.raises(ValueError, match="does not support speculative decoding"):
-        _config(enable_chunk_cache=True, speculative_config={
-            "method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2})
+        _config(
+            enable_chunk_cache=True,
+            speculative_config={
+                "method": "ngram",
+                "num_speculative_tokens": 2,
+                "prompt_lookup_max": 2,
+            },
+        )
 
 
 def test_a_pooling_runner_is_refused_at_start_up():

@@ -25,6 +25,7 @@ import pytest
 from tests.conftest import models_dir
 from tests.e2e.chunk_reference import Layout, Reference, random_text
 from tests.e2e.engine import chunk_scheduler, close_llm, make_llm
+
 # NOTE: the same exactness check (HF isolation-mask reference, `sink`, 1e-3).
 from tests.e2e.test_chunk_cache_engine import check, params, update_weights
 from tests.store_fleet import MooncakeFleet
@@ -44,7 +45,9 @@ def reference():
 
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory):
-    with MooncakeFleet(tmp_path_factory.mktemp("mooncake"), lookup_timeout_s=5.0) as fleet:
+    with MooncakeFleet(
+        tmp_path_factory.mktemp("mooncake"), lookup_timeout_s=5.0
+    ) as fleet:
         yield fleet
 
 
@@ -52,8 +55,13 @@ def make_replica(fleet):
     # NOTE: reads straight into the pool rows (direct_reads, issue 39 finding 9):
     # the holder-stopped test checks the rows a stuck read holds. Reads through
     # the arena (the default) are the soak's (tests/e2e/test_chunk_store_soak.py).
-    return make_llm(MODEL, enable_chunk_cache=True, chunk_context="sink",
-                    chunk_store=fleet.spec_text + "&direct_reads=1", max_model_len=1024)
+    return make_llm(
+        MODEL,
+        enable_chunk_cache=True,
+        chunk_context="sink",
+        chunk_store=fleet.spec_text + "&direct_reads=1",
+        max_model_len=1024,
+    )
 
 
 def worker_store(llm):
@@ -119,8 +127,9 @@ def read_value(llm, key: str) -> bytes:
     arena = store.get_arena
     start = arena.allocate(1 << 20)
     try:
-        got = store._store().batch_get_into([key], [HostBuffer(arena.ptr + start,
-                                                                1 << 20)])[0]
+        got = store._store().batch_get_into(
+            [key], [HostBuffer(arena.ptr + start, 1 << 20)]
+        )[0]
         assert got > 0, got
         return ctypes.string_at(arena.ptr + start, got)
     finally:
@@ -139,16 +148,19 @@ def replace_value(llm, key: str, value: bytes) -> None:
     # NOTE: Mooncake refuses to remove a key read in the last few seconds (the
     # reader's lease): retry until the lease ran out.
     deadline = time.monotonic() + 30
-    while (code := client.remove(key)) not in (0, StoreCode.ABSENT) \
-            and time.monotonic() < deadline:
+    while (code := client.remove(key)) not in (
+        0,
+        StoreCode.ABSENT,
+    ) and time.monotonic() < deadline:
         time.sleep(0.5)
     assert code in (0, StoreCode.ABSENT), code
     arena = store.put_arena
     start = arena.allocate(len(value))
     try:
         arena.view(start, len(value)).numpy()[:] = memoryview(value)
-        assert client.batch_put_from([key], [HostBuffer(arena.ptr + start,
-                                                        len(value))]) == [0]
+        assert client.batch_put_from(
+            [key], [HostBuffer(arena.ptr + start, len(value))]
+        ) == [0]
     finally:
         arena.free(start)
     assert read_value(llm, key) == value
@@ -209,7 +221,8 @@ def test_corrupted_entry_is_a_miss_recomputed_exactly(replica_b, reference, docs
 
 
 def test_weight_update_reads_no_old_entry_and_rejects_a_forged_key(
-        replica_b, reference, docs):
+    replica_b, reference, docs
+):
     b = replica_b
     old_key = entry_key(b, reference, docs[5])
     layout = Layout("sys", [docs[5]], "old weights")
@@ -236,7 +249,10 @@ def test_weight_update_reads_no_old_entry_and_rejects_a_forged_key(
         layout = Layout("sys", [docs[5]], "forged")
         check(reference, layout, generate(b, [layout])[0])
         after = counters(b)
-        assert after["store_misses_verify_failed"] - before["store_misses_verify_failed"] == 1
+        assert (
+            after["store_misses_verify_failed"] - before["store_misses_verify_failed"]
+            == 1
+        )
         assert after["child_computes"] - before["child_computes"] == 1
     finally:
         update_weights(b, reference, 0.5)
@@ -244,7 +260,8 @@ def test_weight_update_reads_no_old_entry_and_rejects_a_forged_key(
 
 
 def test_segment_holder_stopped_mid_read_is_computed_within_the_read_deadline(
-        replica_b, reference, docs, fleet):
+    replica_b, reference, docs, fleet
+):
     """Issue 39, finding 4: the node's mooncake_client (which holds the
     entries) stopped with SIGSTOP while the master still answers: the lookups
     say HIT, the reads hang. Each read gives way to computing the document
@@ -266,8 +283,14 @@ def test_segment_holder_stopped_mid_read_is_computed_within_the_read_deadline(
     # computed and answered like the stopped holder's. An absolute bound failed
     # on a slower 2-core VM (3.33 s against 3 s) with reads that did give way.
     rng = random.Random("cold baseline")
-    cold = Layout("sys", [random_text(rng, len(docs[0].split())),
-                          random_text(rng, len(docs[1].split()))], "holder stopped")
+    cold = Layout(
+        "sys",
+        [
+            random_text(rng, len(docs[0].split())),
+            random_text(rng, len(docs[1].split())),
+        ],
+        "holder stopped",
+    )
     t0 = time.monotonic()
     check(reference, cold, generate(b, [cold])[0])
     computed = time.monotonic() - t0
@@ -314,18 +337,23 @@ def test_segment_holder_stopped_mid_read_is_computed_within_the_read_deadline(
 
 
 def test_master_killed_and_restarted_mid_stream_every_request_is_served(
-        replica_b, reference, docs, fleet, caplog):
+    replica_b, reference, docs, fleet, caplog
+):
     b = replica_b
     fleet.kill_master()
     try:
         assert b.reset_prefix_cache(reset_connector=True)
         before = counters(b)
-        layouts = [Layout("sys", [docs[i], docs[(i + 1) % 8]], f"down {i}") for i in range(3)]
+        layouts = [
+            Layout("sys", [docs[i], docs[(i + 1) % 8]], f"down {i}") for i in range(3)
+        ]
         for layout, out in zip(layouts, generate(b, layouts)):
             check(reference, layout, out)
         after = counters(b)
-        failures = sum(after[f"store_misses_{c}"] - before[f"store_misses_{c}"]
-                       for c in ("error", "timeout", "absent"))
+        failures = sum(
+            after[f"store_misses_{c}"] - before[f"store_misses_{c}"]
+            for c in ("error", "timeout", "absent")
+        )
         assert failures >= 1
         assert after["store_hits"] == before["store_hits"]
         assert "is not answering" in caplog.text
@@ -346,7 +374,9 @@ def test_master_killed_and_restarted_mid_stream_every_request_is_served(
         if hits == 2:
             break
         drain_puts(b)  # its own request may read entries too: counted apart
-        assert time.monotonic() < deadline, f"{hits} store hits after the master restart"
+        assert time.monotonic() < deadline, (
+            f"{hits} store hits after the master restart"
+        )
     assert counters(b)["pinned_entries"] == 0
     assert "answers again" in caplog.text
 
@@ -360,12 +390,27 @@ def _tp2_server(fleet, tmp_path_factory, name):
         _environ,
     )
 
-    env = {"VLLM_CPU_OMP_THREADS_BIND": _bind_one_core_per_rank(),
-           "VLLM_CPU_KVCACHE_SPACE": KV_SPACE_GIB, "VLLM_SERVER_DEV_MODE": "1"}
-    flags = ["--enable-chunk-cache", "--served-model-name", "tiny", "--chunk-context", "sink",
-             "--seed", "0", "--distributed-executor-backend", "mp",
-             "--enable-prompt-tokens-details", "--tensor-parallel-size", "2",
-             "--chunk-store", fleet.spec_text]
+    env = {
+        "VLLM_CPU_OMP_THREADS_BIND": _bind_one_core_per_rank(),
+        "VLLM_CPU_KVCACHE_SPACE": KV_SPACE_GIB,
+        "VLLM_SERVER_DEV_MODE": "1",
+    }
+    flags = [
+        "--enable-chunk-cache",
+        "--served-model-name",
+        "tiny",
+        "--chunk-context",
+        "sink",
+        "--seed",
+        "0",
+        "--distributed-executor-backend",
+        "mp",
+        "--enable-prompt-tokens-details",
+        "--tensor-parallel-size",
+        "2",
+        "--chunk-store",
+        fleet.spec_text,
+    ]
     with _environ(**env):
         return start_server(MODEL, flags, tmp_path_factory.mktemp(name) / "serve.log")
 
@@ -385,7 +430,9 @@ def _wait_for_puts(server, puts: int) -> None:
 # (tests/unit/distributed/store/test_store_keys.py, test_chunk_store_client.py),
 # so the served form is in the `slow` tier (CI time, 2026-11-26).
 @pytest.mark.slow
-def test_tp2_each_rank_writes_and_reads_its_own_key(fleet, reference, docs, tmp_path_factory):
+def test_tp2_each_rank_writes_and_reads_its_own_key(
+    fleet, reference, docs, tmp_path_factory
+):
     """TP=2, one server (the two-replica form is in the slow tier below): every rank
     writes its own half of the heads under its own key (two puts per entry); with the
     pool emptied by a reset (same weights, so the same keys), the same documents in
@@ -401,18 +448,26 @@ def test_tp2_each_rank_writes_and_reads_its_own_key(fleet, reference, docs, tmp_
         first = Layout("sys", docs[5:8], "one server two ranks first")
         check_served(reference, first, *complete(server, first.prompt))
         _wait_for_puts(server, 8)  # 4 entries (system + 3 documents), one per rank each
-        req = urllib.request.Request(server.url + "/reset_prefix_cache?reset_external=true",
-                                     method="POST")
+        req = urllib.request.Request(
+            server.url + "/reset_prefix_cache?reset_external=true", method="POST"
+        )
         with urllib.request.urlopen(req, timeout=60) as r:
             assert r.status == 200
         before = metrics(server)
         second = Layout("sys", list(reversed(docs[5:8])), "one server two ranks second")
         check_served(reference, second, *complete(server, second.prompt))
         after = metrics(server)
-        diff = {k: after.get(k, 0) - before.get(k, 0)
-                for k in ("hits", "child_computes", "store_hits", "store_gets")}
+        diff = {
+            k: after.get(k, 0) - before.get(k, 0)
+            for k in ("hits", "child_computes", "store_hits", "store_gets")
+        }
         # Pool hits 0: the reset emptied the pool; every entry came from the store.
-        assert diff == {"hits": 0, "child_computes": 0, "store_hits": 4, "store_gets": 8}, diff
+        assert diff == {
+            "hits": 0,
+            "child_computes": 0,
+            "store_hits": 4,
+            "store_gets": 8,
+        }, diff
     finally:
         server.stop()
 
@@ -421,7 +476,8 @@ def test_tp2_each_rank_writes_and_reads_its_own_key(fleet, reference, docs, tmp_
 # 2-core CI machine, so in the `slow` tier (`./fork test -m slow`).
 @pytest.mark.slow
 def test_tp2_replicas_each_rank_reads_and_writes_its_own_key(
-        fleet, reference, docs, tmp_path_factory):
+    fleet, reference, docs, tmp_path_factory
+):
     """TP=2: every rank writes its own half of the heads under its own key; the
     second replica reads both halves (an entry counts only when both ranks
     verified theirs) and computes nothing."""

@@ -74,12 +74,21 @@ def test_a_late_write_never_reaches_a_document_served_from_reused_rows(tmp_path)
     # are back.
     pool_blocks = 2 * x_total
     assert x_total < y_docs <= x_total + x_docs and y_total <= pool_blocks, (
-        x_total, x_docs, y_docs)
-    with MooncakeFleet(tmp_path / "mooncake", lookup_timeout_s=5.0, timeout_s=10.0) as fleet:
-        kwargs = dict(enable_chunk_cache=True, chunk_context="sink",
-                      chunk_store=(fleet.spec_text
-                                   + f"&held_limit={HELD_LIMIT_S:g}&direct_reads=1"),
-                      max_model_len=1024)
+        x_total,
+        x_docs,
+        y_docs,
+    )
+    with MooncakeFleet(
+        tmp_path / "mooncake", lookup_timeout_s=5.0, timeout_s=10.0
+    ) as fleet:
+        kwargs = dict(
+            enable_chunk_cache=True,
+            chunk_context="sink",
+            chunk_store=(
+                fleet.spec_text + f"&held_limit={HELD_LIMIT_S:g}&direct_reads=1"
+            ),
+            max_model_len=1024,
+        )
         w = make_llm(MODEL, **kwargs)
         try:
             from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.setup import (
@@ -91,8 +100,15 @@ def test_a_late_write_never_reaches_a_document_served_from_reused_rows(tmp_path)
             drain_puts(w)
         finally:
             close_llm(w)
-        r = make_llm(MODEL, chunk_pool_size_gib=pool_blocks * POOL_BLOCK * row_bytes
-                     / (1 << 30) * 1.0001, **kwargs)
+        r = make_llm(
+            MODEL,
+            chunk_pool_size_gib=pool_blocks
+            * POOL_BLOCK
+            * row_bytes
+            / (1 << 30)
+            * 1.0001,
+            **kwargs,
+        )
         try:
             assert chunk_scheduler(r).manager.pool.num_blocks == pool_blocks
             assert worker_store(r).reads_into_pool()
@@ -108,10 +124,14 @@ def test_a_late_write_never_reaches_a_document_served_from_reused_rows(tmp_path)
                 manager = chunk_scheduler(r).manager
                 deferred = manager._stats.deferred_requests
                 with ThreadPoolExecutor(1) as thread:
-                    y_first = thread.submit(r.generate, [y.prompt], params(),
-                                            use_tqdm=False)
+                    y_first = thread.submit(
+                        r.generate, [y.prompt], params(), use_tqdm=False
+                    )
                     deadline = time.monotonic() + 30
-                    while not y_first.done() and manager._stats.deferred_requests == deferred:
+                    while (
+                        not y_first.done()
+                        and manager._stats.deferred_requests == deferred
+                    ):
                         assert time.monotonic() < deadline, "Y neither waited nor ran"
                         time.sleep(0.05)
                     fleet.continue_client()
@@ -134,6 +154,9 @@ def test_a_late_write_never_reaches_a_document_served_from_reused_rows(tmp_path)
             check(reference, y, r.generate([y.prompt], params(), use_tqdm=False)[0])
             after = counters(r)
             assert after["child_computes"] == before["child_computes"]
-            assert (after["refused_requests"], after["store_reads_written_off"]) == (0, 0)
+            assert (after["refused_requests"], after["store_reads_written_off"]) == (
+                0,
+                0,
+            )
         finally:
             close_llm(r)

@@ -60,8 +60,13 @@ def _drain_puts(llm, timeout_s: float = 30.0) -> None:
 def _answer(model: str, max_model_len: int, layout: Layout, store: str | None):
     """(text, first-token logprobs, counters) of `layout` on a fresh replica."""
     kwargs = {"chunk_store": store} if store is not None else {}
-    llm = make_llm(model, enable_chunk_cache=True, chunk_context="sink",
-                   max_model_len=max_model_len, **kwargs)
+    llm = make_llm(
+        model,
+        enable_chunk_cache=True,
+        chunk_context="sink",
+        max_model_len=max_model_len,
+        **kwargs,
+    )
     try:
         out = llm.generate([layout.prompt], params(), use_tqdm=False)[0]
         if store is not None:
@@ -76,8 +81,11 @@ def _answer(model: str, max_model_len: int, layout: Layout, store: str | None):
 def test_replicas_that_rotate_differently_share_no_entry(tmp_path):
     model = str(build("phi3", tmp_path / "tiny-phi3", models_dir() / "tiny-llama"))
     rng = random.Random("rotation")
-    layout = Layout("sys", [random_text(rng, rng.randint(20, 40)) for _ in range(4)],
-                    "what is first")
+    layout = Layout(
+        "sys",
+        [random_text(rng, rng.randint(20, 40)) for _ in range(4)],
+        "what is first",
+    )
     with MooncakeFleet(tmp_path / "mooncake", lookup_timeout_s=5.0) as fleet:
         _, _, a = _answer(model, 1024, layout, fleet.spec_text)
         assert a["child_computes"] == 5 and a["store_hits"] == 0
@@ -86,8 +94,10 @@ def test_replicas_that_rotate_differently_share_no_entry(tmp_path):
         _, _, d = _answer(model, 1024, layout, fleet.spec_text)
     text_c, first_c, _ = _answer(model, 2048, layout, None)
     assert d["store_hits"] == 5 and d["child_computes"] == 0, d
-    assert b["store_hits"] == 0, f"replica B (long factors) read {b['store_hits']} " \
+    assert b["store_hits"] == 0, (
+        f"replica B (long factors) read {b['store_hits']} "
         "entries replica A (short factors) wrote"
+    )
     assert b["child_computes"] == 5, b
     assert text_b == text_c
     assert first_b.keys() == first_c.keys()

@@ -66,50 +66,81 @@ class SoakReport:
     def text(self) -> str:
         lat = sorted(self.latencies)
         p99 = lat[min(len(lat) - 1, int(0.99 * len(lat)))] if lat else float("nan")
-        misses = ", ".join(f"{c} {self.counters.get(f'store_misses_{c}', 0):.0f}"
-                           for c in CAUSES)
-        return "\n".join([
-            f"requests {self.requests}, served {self.served}, refused {len(self.refused)}, "
-            f"wrong answers {len(self.wrong)}",
-            f"store hits {self.counters.get('store_hits', 0):.0f}; misses by cause: {misses}; "
-            f"lookups past their deadline {self.counters.get('store_lookup_timeouts', 0):.0f}, "
-            f"reads given up {self.counters.get('store_reads_given_up', 0):.0f}; "
-            f"puts {self.counters.get('store_puts', 0):.0f}, "
-            f"put failures {self.counters.get('store_put_failures', 0):.0f}",
-            f"child computes {self.counters.get('child_computes', 0):.0f}, "
-            f"pool evictions {self.counters.get('evictions', 0):.0f}",
-            f"latency (2 tokens) p50 {statistics.median(lat):.3f} s, p99 {p99:.3f} s"
-            if lat else "no latencies",
-            f"faults ({len(self.faults)}): {', '.join(self.faults)}",
-            f"engine closed mid-read: {self.counters.get('restart_lent_at_close', 0):.0f} "
-            f"bytes still lent to hanging reads at close "
-            f"({self.counters.get('restart_reads_given_up', 0):.0f} reads given up, "
-            f"{self.counters.get('restart_held_at_close', 0):.0f} calls held at close); "
-            f"the next engine served "
-            f"{self.restart_served} of {self.restart_requests} (wrong answers counted above)",
-        ])
+        misses = ", ".join(
+            f"{c} {self.counters.get(f'store_misses_{c}', 0):.0f}" for c in CAUSES
+        )
+        return "\n".join(
+            [
+                f"requests {self.requests}, served {self.served}, refused {len(self.refused)}, "
+                f"wrong answers {len(self.wrong)}",
+                f"store hits {self.counters.get('store_hits', 0):.0f}; misses by cause: {misses}; "
+                f"lookups past their deadline {self.counters.get('store_lookup_timeouts', 0):.0f}, "
+                f"reads given up {self.counters.get('store_reads_given_up', 0):.0f}; "
+                f"puts {self.counters.get('store_puts', 0):.0f}, "
+                f"put failures {self.counters.get('store_put_failures', 0):.0f}",
+                f"child computes {self.counters.get('child_computes', 0):.0f}, "
+                f"pool evictions {self.counters.get('evictions', 0):.0f}",
+                f"latency (2 tokens) p50 {statistics.median(lat):.3f} s, p99 {p99:.3f} s"
+                if lat
+                else "no latencies",
+                f"faults ({len(self.faults)}): {', '.join(self.faults)}",
+                f"engine closed mid-read: {self.counters.get('restart_lent_at_close', 0):.0f} "
+                f"bytes still lent to hanging reads at close "
+                f"({self.counters.get('restart_reads_given_up', 0):.0f} reads given up, "
+                f"{self.counters.get('restart_held_at_close', 0):.0f} calls held at close); "
+                f"the next engine served "
+                f"{self.restart_served} of {self.restart_requests} (wrong answers counted above)",
+            ]
+        )
 
 
 def _replica(fleet: MooncakeFleet, log: Path):
-    return start_server(MODEL, ["--enable-chunk-cache", "--served-model-name", "tiny",
-                                "--chunk-context", MODE, "--chunk-pool-size-gib",
-                                str(POOL_GIB), "--max-chunks", "8", "--seed", "0",
-                                "--chunk-store", fleet.spec_text], log)
+    return start_server(
+        MODEL,
+        [
+            "--enable-chunk-cache",
+            "--served-model-name",
+            "tiny",
+            "--chunk-context",
+            MODE,
+            "--chunk-pool-size-gib",
+            str(POOL_GIB),
+            "--max-chunks",
+            "8",
+            "--seed",
+            "0",
+            "--chunk-store",
+            fleet.spec_text,
+        ],
+        log,
+    )
 
 
 def _complete(server, prompt: str):
     t0 = time.monotonic()
-    status, body = server.post("/v1/completions", {
-        "model": "tiny", "prompt": prompt, "max_tokens": 2, "temperature": 0, "logprobs": 5,
-        "return_tokens_as_token_ids": True, "ignore_eos": True}, timeout=120)
+    status, body = server.post(
+        "/v1/completions",
+        {
+            "model": "tiny",
+            "prompt": prompt,
+            "max_tokens": 2,
+            "temperature": 0,
+            "logprobs": 5,
+            "return_tokens_as_token_ids": True,
+            "ignore_eos": True,
+        },
+        timeout=120,
+    )
     return status, body, time.monotonic() - t0
 
 
 def _wrong(reference: Reference, layout: Layout, body: dict) -> str | None:
     choice = body["choices"][0]
     tokens = _ids(choice["logprobs"]["tokens"])
-    top = [{int(k.split(":", 1)[1]): _Lp(v, 1) for k, v in d.items()}
-           for d in choice["logprobs"]["top_logprobs"]]
+    top = [
+        {int(k.split(":", 1)[1]): _Lp(v, 1) for k, v in d.items()}
+        for d in choice["logprobs"]["top_logprobs"]
+    ]
     ref = reference.next_token_logprobs(reference.chunked_prompt(layout), MODE, tokens)
     try:
         compare(ref, tokens, top, TOL)
@@ -130,8 +161,15 @@ class _Faults(threading.Thread):
     def run(self) -> None:
         f = self.fleet
         while not self.done.wait(self.rng.uniform(1.0, 3.0)):
-            kind = self.rng.choice(["stop-client", "stop-master", "kill-master",
-                                    "kill-client", "segv-client"])
+            kind = self.rng.choice(
+                [
+                    "stop-client",
+                    "stop-master",
+                    "kill-master",
+                    "kill-client",
+                    "segv-client",
+                ]
+            )
             self.report.faults.append(kind)
             if kind == "stop-client":
                 f.stop_client()
@@ -157,12 +195,21 @@ def _layouts(seed: int, requests: int) -> list[Layout]:
     rng = random.Random(seed)
     corpus = [random_text(rng, rng.randint(20, 45)) for _ in range(60)]
     systems = ["Answer from the documents.", "Be brief."]
-    return [Layout(rng.choice(systems), rng.sample(corpus, rng.randint(1, 3)),
-                   f"question {i}?") for i in range(requests)]
+    return [
+        Layout(
+            rng.choice(systems), rng.sample(corpus, rng.randint(1, 3)), f"question {i}?"
+        )
+        for i in range(requests)
+    ]
 
 
-def run_soak(workdir: Path, requests: int, concurrency: int = 8, seed: int = 39,
-             local_client: bool = True) -> SoakReport:
+def run_soak(
+    workdir: Path,
+    requests: int,
+    concurrency: int = 8,
+    seed: int = 39,
+    local_client: bool = True,
+) -> SoakReport:
     reference = Reference(MODEL)
     layouts = _layouts(seed, requests)
     report = SoakReport(requests=requests)
@@ -172,8 +219,12 @@ def run_soak(workdir: Path, requests: int, concurrency: int = 8, seed: int = 39,
     # get arena (the default; `direct_reads=1` would read into the pool rows);
     # the faults hit the segment holder, so reads hang and are given up on, and
     # a get Mooncake then fails in transfer retires its arena span.
-    with MooncakeFleet(workdir / "mooncake", segment_bytes=512 << 20, timeout_s=2.0,
-                       local_client=local_client) as fleet:
+    with MooncakeFleet(
+        workdir / "mooncake",
+        segment_bytes=512 << 20,
+        timeout_s=2.0,
+        local_client=local_client,
+    ) as fleet:
         replicas = []
         try:
             # NOTE: started inside the try: one that fails to start never leaves
@@ -207,25 +258,39 @@ def run_soak(workdir: Path, requests: int, concurrency: int = 8, seed: int = 39,
             deadline = time.monotonic() + 60
             while True:
                 ms = [chunk_metrics(r) for r in replicas]
-                if all(m.get("pool_entries_pinned", 0) == 0 and m.get("live_requests", 0) == 0
-                       for m in ms) or time.monotonic() > deadline:
+                if (
+                    all(
+                        m.get("pool_entries_pinned", 0) == 0
+                        and m.get("live_requests", 0) == 0
+                        for m in ms
+                    )
+                    or time.monotonic() > deadline
+                ):
                     break
                 time.sleep(1)
             for m in ms:
                 for k, v in m.items():
                     report.counters[k] = report.counters.get(k, 0) + v
-            report.counters["replicas_alive"] = sum(r.proc.poll() is None for r in replicas)
-            report.counters["pinned_after"] = sum(m.get("pool_entries_pinned", 0) for m in ms)
+            report.counters["replicas_alive"] = sum(
+                r.proc.poll() is None for r in replicas
+            )
+            report.counters["pinned_after"] = sum(
+                m.get("pool_entries_pinned", 0) for m in ms
+            )
         finally:
             for r in replicas:
                 r.stop()
-        print(f"{time.strftime('%H:%M:%S')} the replicas' soak:\n{report.text()}", flush=True)
+        print(
+            f"{time.strftime('%H:%M:%S')} the replicas' soak:\n{report.text()}",
+            flush=True,
+        )
         _engine_closed_mid_read_in_a_process(fleet, workdir, seed, requests, report)
     return report
 
 
-def _engine_closed_mid_read_in_a_process(fleet: MooncakeFleet, workdir: Path, seed: int,
-                                        requests: int, report: SoakReport) -> None:
+def _engine_closed_mid_read_in_a_process(
+    fleet: MooncakeFleet, workdir: Path, seed: int, requests: int, report: SoakReport
+) -> None:
     """The fault below in a process of its own: a crash there (a late write
     into freed memory aborts the process) is a failed check with its log, not a
     dead test run. It signals the segment holder by pid; this process owns it."""
@@ -239,22 +304,40 @@ def _engine_closed_mid_read_in_a_process(fleet: MooncakeFleet, workdir: Path, se
         fleet.restart_master()
         fleet.start_client()
     out, log = workdir / "engine-restart.json", workdir / "engine-restart.log"
-    cmd = [sys.executable, "-m", "tests.e2e.test_chunk_store_soak", "--engine-restart",
-           fleet.spec_text, str(fleet.client.pid), str(seed), str(requests), str(out)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "tests.e2e.test_chunk_store_soak",
+        "--engine-restart",
+        fleet.spec_text,
+        str(fleet.client.pid),
+        str(seed),
+        str(requests),
+        str(out),
+    ]
     report.faults.append("close-engine-mid-read")
     try:
         with open(log, "wb") as f:
-            rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=1800,
-                                cwd=Path(__file__).resolve().parents[2]).returncode
+            rc = subprocess.run(
+                cmd,
+                stdout=f,
+                stderr=subprocess.STDOUT,
+                timeout=1800,
+                cwd=Path(__file__).resolve().parents[2],
+            ).returncode
     except subprocess.TimeoutExpired:
         rc = "timeout"
     finally:
         fleet.continue_client()
     if rc != 0 or not out.exists():
         tail = log.read_text(errors="replace")[-3000:]
-        report.wrong.append(f"engine restart: its process ended with {rc} ({log}):\n{tail}")
-        print(f"the engine-restart process ended with {rc}; its log's tail:\n{tail}",
-              flush=True)
+        report.wrong.append(
+            f"engine restart: its process ended with {rc} ({log}):\n{tail}"
+        )
+        print(
+            f"the engine-restart process ended with {rc}; its log's tail:\n{tail}",
+            flush=True,
+        )
         return
     got = json.loads(out.read_text())
     report.restart_requests += got["requests"]
@@ -263,7 +346,9 @@ def _engine_closed_mid_read_in_a_process(fleet: MooncakeFleet, workdir: Path, se
     report.counters["restart_lent_at_close"] = got["lent_at_close"]
     report.counters["restart_held_at_close"] = got["held_at_close"]
     report.counters["restart_reads_given_up"] = got["reads_given_up"]
-    report.counters["restart_a_read_returned_while_stopped"] = got["returned_while_stopped"]
+    report.counters["restart_a_read_returned_while_stopped"] = got[
+        "returned_while_stopped"
+    ]
 
 
 class _HolderByPid:
@@ -286,22 +371,32 @@ class _HolderByPid:
         os.kill(self.pid, signal.SIGCONT)
 
 
-def _engine_restart_main(spec_text: str, pid: int, seed: int, requests: int, out: Path) -> None:
+def _engine_restart_main(
+    spec_text: str, pid: int, seed: int, requests: int, out: Path
+) -> None:
     """The fault's process: runs `_engine_closed_mid_read` and writes its
     counts as JSON to `out` (nothing is written if it crashes)."""
     import json
 
     report = SoakReport(requests=0)
-    _engine_closed_mid_read(_HolderByPid(spec_text, pid), Reference(MODEL),
-                            _layouts(seed, requests), report)
-    out.write_text(json.dumps({
-        "requests": report.restart_requests, "served": report.restart_served,
-        "wrong": report.wrong,
-        "lent_at_close": report.counters.get("restart_lent_at_close", 0),
-        "held_at_close": report.counters.get("restart_held_at_close", 0),
-        "reads_given_up": report.counters.get("restart_reads_given_up", 0),
-        "returned_while_stopped": report.counters.get(
-            "restart_a_read_returned_while_stopped", 0)}))
+    _engine_closed_mid_read(
+        _HolderByPid(spec_text, pid), Reference(MODEL), _layouts(seed, requests), report
+    )
+    out.write_text(
+        json.dumps(
+            {
+                "requests": report.restart_requests,
+                "served": report.restart_served,
+                "wrong": report.wrong,
+                "lent_at_close": report.counters.get("restart_lent_at_close", 0),
+                "held_at_close": report.counters.get("restart_held_at_close", 0),
+                "reads_given_up": report.counters.get("restart_reads_given_up", 0),
+                "returned_while_stopped": report.counters.get(
+                    "restart_a_read_returned_while_stopped", 0
+                ),
+            }
+        )
+    )
 
 
 def _stop_holder_at_first_read(fleet: MooncakeFleet, client):
@@ -323,22 +418,28 @@ def _stop_holder_at_first_read(fleet: MooncakeFleet, client):
     return client
 
 
-def _engine_closed_mid_read(fleet, reference: Reference, layouts: list[Layout],
-                            report: SoakReport) -> None:
+def _engine_closed_mid_read(
+    fleet, reference: Reference, layouts: list[Layout], report: SoakReport
+) -> None:
     """Issue 50: engine A, in this process, reads documents the replicas wrote; the
     segment holder is stopped, so its reads hang and are given up on (computed,
     exact) with their calls still running. A is closed then (`del llm`), engine B
     starts in the same process (its pool may lie where A's was), the holder
     resumes while B serves, and the late writes land. Every answer of A and B is
     compared with the reference."""
+    from tests.e2e.engine import close_llm, make_llm
     from vllm import SamplingParams
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
-    from tests.e2e.engine import close_llm, make_llm
-
-    kwargs = dict(enable_chunk_cache=True, chunk_context=MODE, chunk_pool_size_gib=POOL_GIB,
-                  max_chunks=8, chunk_store=fleet.spec_text, served_model_name="tiny",
-                  max_model_len=1024)
+    kwargs = dict(
+        enable_chunk_cache=True,
+        chunk_context=MODE,
+        chunk_pool_size_gib=POOL_GIB,
+        max_chunks=8,
+        chunk_store=fleet.spec_text,
+        served_model_name="tiny",
+        max_model_len=1024,
+    )
     params = SamplingParams(max_tokens=2, temperature=0.0, logprobs=5, ignore_eos=True)
 
     def serve(llm, batch: list[Layout]) -> None:
@@ -348,7 +449,9 @@ def _engine_closed_mid_read(fleet, reference: Reference, layouts: list[Layout],
             report.restart_served += 1
             completion = out.outputs[0]
             tokens = list(completion.token_ids)
-            ref = reference.next_token_logprobs(reference.chunked_prompt(layout), MODE, tokens)
+            ref = reference.next_token_logprobs(
+                reference.chunked_prompt(layout), MODE, tokens
+            )
             try:
                 compare(ref, tokens, completion.logprobs, TOL)
             except AssertionError as e:
@@ -362,7 +465,9 @@ def _engine_closed_mid_read(fleet, reference: Reference, layouts: list[Layout],
         deadline = time.monotonic() + 60
         while store._puts:  # the steps of short requests hand finished puts back
             assert time.monotonic() < deadline, "A's puts did not finish"
-            a.generate(["x ## y ## drain"], SamplingParams(max_tokens=1), use_tqdm=False)
+            a.generate(
+                ["x ## y ## drain"], SamplingParams(max_tokens=1), use_tqdm=False
+            )
             time.sleep(0.05)
         assert a.reset_prefix_cache(reset_connector=True)
         client = _stop_holder_at_first_read(fleet, store._shared.get())
@@ -375,12 +480,16 @@ def _engine_closed_mid_read(fleet, reference: Reference, layouts: list[Layout],
             client.__dict__.pop("batch_get_into", None)
             client.__dict__.pop("batch_get_into_parts", None)
         report.counters["restart_lent_at_close"] = store.lent_bytes()
-        report.counters["restart_reads_given_up"] = store.counters.get("store_reads_given_up", 0)
+        report.counters["restart_reads_given_up"] = store.counters.get(
+            "store_reads_given_up", 0
+        )
     except BaseException:
         fleet.continue_client()
         raise
     close_llm(a)
-    report.counters["restart_held_at_close"] = store.counters.get("store_calls_held_at_close", 0)
+    report.counters["restart_held_at_close"] = store.counters.get(
+        "store_calls_held_at_close", 0
+    )
     del a, store
     try:
         b = make_llm(MODEL, **kwargs)
@@ -424,7 +533,9 @@ def _check_soak(report: SoakReport) -> None:
     assert len(report.faults) >= 5
     assert report.restart_served == report.restart_requests == 43  # 8 + 3 + 4 + 8 + 20
     assert report.counters["restart_reads_given_up"] > 0, "no read of engine A hung"
-    assert report.counters["restart_lent_at_close"] > 0, "no read hung when the engine closed"
+    assert report.counters["restart_lent_at_close"] > 0, (
+        "no read hung when the engine closed"
+    )
 
 
 @pytest.mark.e2e
@@ -437,11 +548,21 @@ def test_fault_soak_client_in_process_no_wrong_answer(tmp_path):
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["--engine-restart"]:
-    _engine_restart_main(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]),
-                         Path(sys.argv[6]))
+    _engine_restart_main(
+        sys.argv[2],
+        int(sys.argv[3]),
+        int(sys.argv[4]),
+        int(sys.argv[5]),
+        Path(sys.argv[6]),
+    )
 elif __name__ == "__main__":
     n = int(sys.argv[1]) if len(sys.argv) > 1 else 500
     # `in-process` as the second argument: Mooncake's client in each replica.
     in_process = len(sys.argv) > 2 and sys.argv[2] == "in-process"
-    print(run_soak(Path(tempfile.mkdtemp(prefix="store-soak-")), requests=n,
-                   local_client=not in_process).text())
+    print(
+        run_soak(
+            Path(tempfile.mkdtemp(prefix="store-soak-")),
+            requests=n,
+            local_client=not in_process,
+        ).text()
+    )

@@ -20,12 +20,23 @@ def test_the_offline_documents_example_serves_the_second_order_from_the_cache():
     import os
 
     out = subprocess.run(
-        [sys.executable, str(REPO / "examples" / "documents_offline.py"),
-         str(models_dir() / "SmolLM2-135M-Instruct")],
-        env={**os.environ, **ENGINE_ENV}, capture_output=True, text=True, timeout=600)
+        [
+            sys.executable,
+            str(REPO / "examples" / "documents_offline.py"),
+            str(models_dir() / "SmolLM2-135M-Instruct"),
+        ],
+        env={**os.environ, **ENGINE_ENV},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
-    served = [tuple(map(int, m.groups())) for m in re.finditer(
-        r"prompt tokens served from caches: (\d+) of (\d+)", out.stdout)]
+    served = [
+        tuple(map(int, m.groups()))
+        for m in re.finditer(
+            r"prompt tokens served from caches: (\d+) of (\d+)", out.stdout
+        )
+    ]
     assert len(served) == 2, out.stdout
     # Both requests load every document token (the first through its children), as the
     # example's docstring says; nothing else is cached.

@@ -34,14 +34,20 @@ def test_sparse_mla_is_refused_at_start_up():
     # DeepSeek-V3.2's indexer keeps keys of its own that the chunk cache does not move yet.
     from vllm.engine.arg_utils import EngineArgs
 
-    args = EngineArgs(model=MODEL, dtype="float32", enforce_eager=True, max_model_len=1024,
-                      enable_chunk_cache=True, hf_overrides={"index_topk": 16})
+    args = EngineArgs(
+        model=MODEL,
+        dtype="float32",
+        enforce_eager=True,
+        max_model_len=1024,
+        enable_chunk_cache=True,
+        hf_overrides={"index_topk": 16},
+    )
     with pytest.raises(ValueError, match=r"does not support sparse MLA attention yet"):
         args.create_engine_config()
 
 
 def test_the_chunk_cache_serves_mla_where_vllm_has_it_on_the_cpu():
-    """vLLM 0.32: an engine with the chunk cache starts on the tiny DeepSeek and serves
+    """VLLM 0.32: an engine with the chunk cache starts on the tiny DeepSeek and serves
     a chunked prompt's documents from its latent pool (exactness: the DeepSeek rows of
     test_chunk_cache_exactness.py). vLLM 0.23: its own refusal, with or without it."""
     from vllm import SamplingParams
@@ -52,9 +58,14 @@ def test_the_chunk_cache_serves_mla_where_vllm_has_it_on_the_cpu():
         return
     llm = make_llm(MODEL, max_model_len=1024, enable_chunk_cache=True, **CPU_MLA_ARGS)
     try:
-        prompt = "the system ## a document about the river ## another one on the city ## why"
-        out = llm.generate([prompt, prompt], SamplingParams(max_tokens=2, temperature=0),
-                           use_tqdm=False)
+        prompt = (
+            "the system ## a document about the river ## another one on the city ## why"
+        )
+        out = llm.generate(
+            [prompt, prompt],
+            SamplingParams(max_tokens=2, temperature=0),
+            use_tqdm=False,
+        )
     finally:
         close_llm(llm)
     for request in out:
@@ -69,22 +80,30 @@ def test_vllm_serves_the_tiny_deepseek_as_hf_transformers_computes_it():
             make_llm(MODEL, max_model_len=1024)
         return
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
     from vllm import SamplingParams
 
     llm = make_llm(MODEL, max_model_len=1024, **CPU_MLA_ARGS)
     try:
-        out = llm.generate([PROMPT], SamplingParams(max_tokens=8, temperature=0, logprobs=5),
-                           use_tqdm=False)[0].outputs[0]
+        out = llm.generate(
+            [PROMPT],
+            SamplingParams(max_tokens=8, temperature=0, logprobs=5),
+            use_tqdm=False,
+        )[0].outputs[0]
     finally:
         close_llm(llm)
-    hf = AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32,
-                                              attn_implementation="eager").eval()
+    hf = AutoModelForCausalLM.from_pretrained(
+        MODEL, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
     prompt_ids = AutoTokenizer.from_pretrained(MODEL).encode(PROMPT)
     generated = list(out.token_ids)
     with torch.no_grad():
         logits = hf(torch.tensor([prompt_ids + generated])).logits[0].double()
-    rows = torch.log_softmax(logits, -1)[len(prompt_ids) - 1:-1]
+    rows = torch.log_softmax(logits, -1)[len(prompt_ids) - 1 : -1]
     assert rows.argmax(-1).tolist() == generated
-    worst = max(abs(lp.logprob - float(rows[step, token]))
-                for step, top in enumerate(out.logprobs) for token, lp in top.items())
+    worst = max(
+        abs(lp.logprob - float(rows[step, token]))
+        for step, top in enumerate(out.logprobs)
+        for token, lp in top.items()
+    )
     assert worst < TOL, worst

@@ -52,10 +52,16 @@ def rotation(rope):
 
 
 def _layouts(rng: random.Random, n: int) -> list[Layout]:
-    return [Layout(system=random_text(rng, rng.randint(3, 8)),
-                   chunks=[random_text(rng, rng.randint(4, 20)) for _ in range(rng.randint(2, 4))],
-                   question=random_text(rng, rng.randint(3, 6)))
-            for _ in range(n)]
+    return [
+        Layout(
+            system=random_text(rng, rng.randint(3, 8)),
+            chunks=[
+                random_text(rng, rng.randint(4, 20)) for _ in range(rng.randint(2, 4))
+            ],
+            question=random_text(rng, rng.randint(3, 6)),
+        )
+        for _ in range(n)
+    ]
 
 
 def _distance(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -79,7 +85,9 @@ def test_latent_rows_moved_by_k_pe_rotation_equal_the_isolation_reference(
             got = emulation.logprobs(prompt, context_of, GENERATED)
             want = reference.next_token_logprobs(prompt, mode, GENERATED)
             worst = max(worst, _distance(got, want))
-            assert emulation.computed_chunks - before == (len(current.chunks) if step == 0 else 0)
+            assert emulation.computed_chunks - before == (
+                len(current.chunks) if step == 0 else 0
+            )
     assert worst < TOL / 10, f"MLA load path vs isolation reference: {worst:.2e}"
 
 
@@ -91,15 +99,23 @@ def test_the_controls_are_far_from_the_reference(reference, rope, rotation):
 
     assert _distance(emulation.logprobs(prompt, context_of, GENERATED), want) < TOL / 10
     causal = reference.causal_logprobs(prompt, GENERATED)
-    not_rotated = emulation.logprobs(prompt, context_of, GENERATED, move=lambda k_pe, d: k_pe)
+    not_rotated = emulation.logprobs(
+        prompt, context_of, GENERATED, move=lambda k_pe, d: k_pe
+    )
 
     def with_the_ropes_own_cos_sin(k_pe, deltas):
         # What a load built on the rope's cos/sin cache would do: mscale applied again.
-        _, moved = rope.forward_native(deltas, torch.zeros_like(k_pe)[:, None],
-                                       k_pe[:, None].clone())
+        _, moved = rope.forward_native(
+            deltas, torch.zeros_like(k_pe)[:, None], k_pe[:, None].clone()
+        )
         return moved[:, 0]
 
-    twice = emulation.logprobs(prompt, context_of, GENERATED, move=with_the_ropes_own_cos_sin)
-    for name, control in (("causal", causal), ("k_pe not rotated", not_rotated),
-                          ("mscale applied twice", twice)):
+    twice = emulation.logprobs(
+        prompt, context_of, GENERATED, move=with_the_ropes_own_cos_sin
+    )
+    for name, control in (
+        ("causal", causal),
+        ("k_pe not rotated", not_rotated),
+        ("mscale applied twice", twice),
+    ):
         assert _distance(control, want) > 10 * TOL, name

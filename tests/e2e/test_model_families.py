@@ -24,8 +24,8 @@ import re
 from pathlib import Path
 
 import pytest
-import vllm
 
+import vllm
 from tests.conftest import REPO, models_dir
 from tests.e2e.chunk_reference import Layout, Reference, compare, random_text
 from tests.e2e.engine import chunk_scheduler, close_llm, make_llm
@@ -52,33 +52,44 @@ _BASE = vllm.__version__
 
 
 def _base_failure(family):
-    return next((error for prefix, error in family.base_fails
-                 if _BASE.startswith(prefix)), None)
+    return next(
+        (error for prefix, error in family.base_fails if _BASE.startswith(prefix)), None
+    )
 
 
 def _refusal(family, base=_BASE):
     """The regex of the family's start-up refusal on `base`, None if served."""
-    return next((regex for prefix, regex in family.base_refused
-                 if base.startswith(prefix)), family.refused)
+    return next(
+        (regex for prefix, regex in family.base_refused if base.startswith(prefix)),
+        family.refused,
+    )
 
 
 def _cases():
     for name, family in FAMILIES.items():
         if _refusal(family) is not None:
-            yield pytest.param((name, None, 0), id=f"{name}-refused",
-                               marks=[] if name in _DEFAULT_REFUSALS else [pytest.mark.slow])
+            yield pytest.param(
+                (name, None, 0),
+                id=f"{name}-refused",
+                marks=[] if name in _DEFAULT_REFUSALS else [pytest.mark.slow],
+            )
             continue
         if _base_failure(family) is not None:
-            yield pytest.param((name, None, 0), id=f"{name}-base-fails",
-                               marks=[pytest.mark.slow])
+            yield pytest.param(
+                (name, None, 0), id=f"{name}-base-fails", marks=[pytest.mark.slow]
+            )
             continue
         for mode in MODES:
             slow = _DEFAULT_MODE.get(name) != mode
-            yield pytest.param((name, mode, 0), id=f"{name}-{mode}",
-                               marks=[pytest.mark.slow] if slow else [])
+            yield pytest.param(
+                (name, mode, 0),
+                id=f"{name}-{mode}",
+                marks=[pytest.mark.slow] if slow else [],
+            )
     for name, mode, k in _RECOMPUTE:
-        yield pytest.param((name, mode, k), id=f"{name}-{mode}-recompute{k}",
-                           marks=[pytest.mark.slow])
+        yield pytest.param(
+            (name, mode, k), id=f"{name}-{mode}-recompute{k}", marks=[pytest.mark.slow]
+        )
 
 
 @pytest.fixture(scope="session")
@@ -90,6 +101,7 @@ def family_dir(tmp_path_factory):
         if name not in built:
             built[name] = build(name, root / name, models_dir() / "tiny-llama")
         return built[name]
+
     return get
 
 
@@ -104,8 +116,13 @@ def family_engine(request, family_dir):
     if mode is None:
         yield name, mode, recompute, None, None
         return
-    llm = make_llm(model, enable_chunk_cache=True, chunk_context=mode,
-                   chunk_recompute_tokens=recompute, **dict(family.engine_args))
+    llm = make_llm(
+        model,
+        enable_chunk_cache=True,
+        chunk_context=mode,
+        chunk_recompute_tokens=recompute,
+        **dict(family.engine_args),
+    )
     if name not in _REFERENCES:
         _REFERENCES.clear()
         _REFERENCES[name] = Reference(model)
@@ -117,8 +134,10 @@ def _layouts(rng: random.Random) -> tuple[list[Layout], list[Layout]]:
     """Three cold layouts of 1-3 chunks (5-25 words: 20-120 tokens, longer than
     the short windows), then the same chunks reordered under other questions."""
     docs = [random_text(rng, rng.randint(5, 25)) for _ in range(5)]
-    cold = [Layout("you are a careful assistant", rng.sample(docs, k), random_text(rng, 6))
-            for k in (3, 2, 1)]
+    cold = [
+        Layout("you are a careful assistant", rng.sample(docs, k), random_text(rng, 6))
+        for k in (3, 2, 1)
+    ]
     warm = []
     for layout in cold:
         chunks = list(reversed(layout.chunks))
@@ -156,15 +175,18 @@ def test_family_is_exact_or_refused(family_engine, family_dir):
     worst, mismatches, controls, longest = 0.0, 0, [], 0
     windowed = any(w is not None and w < 1024 for w in reference.windows)
     for batch in (cold, warm):
-        outputs = llm.generate([layout.prompt for layout in batch], params, use_tqdm=False)
+        outputs = llm.generate(
+            [layout.prompt for layout in batch], params, use_tqdm=False
+        )
         for layout, out in zip(batch, outputs):
             prompt = reference.chunked_prompt(layout)
             assert list(out.prompt_token_ids) == prompt.token_ids
             longest = max(longest, prompt.question_span.start)
             completion = out.outputs[0]
             generated = list(completion.token_ids)
-            ref = reference.next_token_logprobs(prompt, mode, generated,
-                                                recompute_tokens=recompute)
+            ref = reference.next_token_logprobs(
+                prompt, mode, generated, recompute_tokens=recompute
+            )
             result = compare(ref, generated, completion.logprobs, TOL)
             worst = max(worst, result["max_diff"])
             mismatches += result["steps"] - result["exact_argmax"]
@@ -176,12 +198,15 @@ def test_family_is_exact_or_refused(family_engine, family_dir):
                 reference.windows = [None] * len(saved)
                 try:
                     unwindowed = reference.next_token_logprobs(
-                        prompt, mode, generated, recompute_tokens=recompute)
+                        prompt, mode, generated, recompute_tokens=recompute
+                    )
                 finally:
                     reference.windows = saved
                 controls.append(float((unwindowed[0] - ref[0]).abs().max()))
-    print(f"{name} [{mode}, K={recompute}]: worst |dlogprob| {worst:.2e}, mismatches {mismatches}, "
-          f"longest loaded prefix {longest} tokens")
+    print(
+        f"{name} [{mode}, K={recompute}]: worst |dlogprob| {worst:.2e}, mismatches {mismatches}, "
+        f"longest loaded prefix {longest} tokens"
+    )
     assert worst < TOL / 10 and mismatches <= 1
     if name == "mistral-window":
         # Every layer windowed (one SlidingWindowSpec group): a prompt whose loaded
@@ -190,7 +215,9 @@ def test_family_is_exact_or_refused(family_engine, family_dir):
         assert longest > 128 + 24, longest
     if windowed:
         assert max(controls) > 10 * TOL, controls
-        if recompute == 0:  # (recomputed heads after the hit would be computed, not loaded)
+        if (
+            recompute == 0
+        ):  # (recomputed heads after the hit would be computed, not loaded)
             _check_windowed_prefix_hit(llm, reference, name, mode, params)
 
 
@@ -206,15 +233,21 @@ def _check_windowed_prefix_hit(llm, reference, name, mode, params):
     pads them with the null block). Under a FullAttentionSpec (Gemma 2/3 with
     the hybrid manager off) every full block was cached: the same hit."""
     rng = random.Random(f"families-prefix-{name}-{mode}")
-    system, first, question = ("you are a careful assistant", random_text(rng, 45),
-                               random_text(rng, 4))
+    system, first, question = (
+        "you are a careful assistant",
+        random_text(rng, 45),
+        random_text(rng, 4),
+    )
     words = random_text(rng, 90).split()
     for n in range(20, 90):
         layout = Layout(system, [first, " ".join(words[:n])], question)
         prompt = reference.chunked_prompt(layout)
         start = prompt.question_span.start
-        if start > 2 * 128 and start % 128 <= 20 and len(prompt.token_ids) - 1 < 128 * (
-                start // 128 + 1):
+        if (
+            start > 2 * 128
+            and start % 128 <= 20
+            and len(prompt.token_ids) - 1 < 128 * (start // 128 + 1)
+        ):
             break
     else:
         raise AssertionError("no layout puts the question early in a block")
@@ -231,8 +264,10 @@ def _check_windowed_prefix_hit(llm, reference, name, mode, params):
         assert out.num_cached_tokens >= start
         loads.append(sched.stats().tokens_loaded - before)
     hit = start - loads[1]
-    print(f"{name} [{mode}]: repeat of a {start}-token prefix: prefix cache {hit} tokens, "
-          f"chunk cache {loads[1]} (cold: {loads[0]})")
+    print(
+        f"{name} [{mode}]: repeat of a {start}-token prefix: prefix cache {hit} tokens, "
+        f"chunk cache {loads[1]} (cold: {loads[0]})"
+    )
     assert hit == 128 * (start // 128), (hit, start, loads)
 
 
@@ -244,8 +279,12 @@ def test_user_guide_matrix_matches_the_families():
     refused on each base as the engine test above asserts there, and no other
     family is claimed."""
     text = (REPO / "docs" / "user-guide.md").read_text()
-    rows = re.findall(r"^\| `([\w.-]+)` \|[^|]*\| (served|refused|not runnable) \| "
-                      r"(served|refused|not runnable) \|", text, re.M)
+    rows = re.findall(
+        r"^\| `([\w.-]+)` \|[^|]*\| (served|refused|not runnable) \| "
+        r"(served|refused|not runnable) \|",
+        text,
+        re.M,
+    )
     assert rows, "the user guide has no model-family matrix"
     claimed = {name: (on_023, on_032) for name, on_023, on_032 in rows}
 
@@ -256,7 +295,9 @@ def test_user_guide_matrix_matches_the_families():
             return "not runnable"
         return "served"
 
-    expected = {name: (status(f, "0.23"), status(f, "0.32")) for name, f in FAMILIES.items()}
+    expected = {
+        name: (status(f, "0.23"), status(f, "0.32")) for name, f in FAMILIES.items()
+    }
     assert claimed == expected
     # The rows marked (CI) are the default tier's families, no more, no fewer.
     marked = set(re.findall(r"^\| `([\w.-]+)` \|[^\n]*\(CI\)", text, re.M))

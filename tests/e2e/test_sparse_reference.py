@@ -53,7 +53,9 @@ def ropes():
     config = json.loads((MODEL / "config.json").read_text())
     with set_current_vllm_config(VllmConfig()):  # vLLM's ropes are CustomOps
         mla, indexer = vllm_ropes(config)
-    assert type(mla).__name__ == type(indexer).__name__ == "DeepseekScalingRotaryEmbedding"
+    assert (
+        type(mla).__name__ == type(indexer).__name__ == "DeepseekScalingRotaryEmbedding"
+    )
     # MLA's k_pe: GPT-J interleaved; the indexer key's slice: neox (no indexer_rope_interleave).
     assert not mla.is_neox_style and indexer.is_neox_style
     assert abs(mla.mscale - 1.037) < 1e-3 and mla.mscale == indexer.mscale
@@ -72,10 +74,14 @@ def emulation(model, ropes):
 
 
 def _layouts(rng: random.Random, n: int) -> list[Layout]:
-    return [Layout(system=random_text(rng, rng.randint(2, 4)),
-                   chunks=[random_text(rng, rng.randint(2, 6)) for _ in range(3)],
-                   question=random_text(rng, rng.randint(2, 4)))
-            for _ in range(n)]
+    return [
+        Layout(
+            system=random_text(rng, rng.randint(2, 4)),
+            chunks=[random_text(rng, rng.randint(2, 6)) for _ in range(3)],
+            question=random_text(rng, rng.randint(2, 4)),
+        )
+        for _ in range(n)
+    ]
 
 
 def _distance(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -89,9 +95,12 @@ def _differing(a: list[torch.Tensor], b: list[torch.Tensor]) -> int:
 def _hf_selections(reference: Reference, run) -> list[torch.Tensor]:
     """Run `run()` and return what each HF layer's DeepseekV32Indexer returned ([1, S, k])."""
     caught: list[torch.Tensor] = []
-    hooks = [layer.self_attn.indexer.register_forward_hook(
-        lambda module, args, out: caught.append(out[0].long()))
-        for layer in reference.model.model.layers]
+    hooks = [
+        layer.self_attn.indexer.register_forward_hook(
+            lambda module, args, out: caught.append(out[0].long())
+        )
+        for layer in reference.model.model.layers
+    ]
     try:
         run()
     finally:
@@ -104,8 +113,12 @@ def test_pure_torch_forward_equals_hf_deepseek_v32_causal(reference, model):
     ids = reference.tokenizer.encode(random_text(random.Random(3), 12))
     assert len(ids) > 3 * model.topk
     hf_logits = []
-    caught = _hf_selections(reference, lambda: hf_logits.append(
-        reference.model(input_ids=torch.tensor([ids])).logits[0].detach()))
+    caught = _hf_selections(
+        reference,
+        lambda: hf_logits.append(
+            reference.model(input_ids=torch.tensor([ids])).logits[0].detach()
+        ),
+    )
     ours = model.forward(ids, list(range(len(ids))))
     assert _distance(ours.logits, hf_logits[0]) < TOL / 10
     causal = torch.ones(len(ids), len(ids), dtype=torch.bool).tril()
@@ -123,11 +136,15 @@ def test_pure_torch_forward_equals_hf_deepseek_v32_under_the_isolation_mask(
     prompt = reference.chunked_prompt(_layouts(random.Random(5), 1)[0])
     sink = reference.tokenizer.bos_token_id
     want = []
-    caught = _hf_selections(reference, lambda: want.append(
-        reference.next_token_logprobs(prompt, mode, GENERATED)))
+    caught = _hf_selections(
+        reference,
+        lambda: want.append(reference.next_token_logprobs(prompt, mode, GENERATED)),
+    )
     ours = isolation_reference(model, prompt, mode, GENERATED, sink)
     assert _distance(ours.logprobs, want[0]) < TOL / 10
-    seq = build_isolated_sequence(prompt, mode, extra_token_ids=GENERATED, sink_token_id=sink)
+    seq = build_isolated_sequence(
+        prompt, mode, extra_token_ids=GENERATED, sink_token_id=sink
+    )
     full = model.forward(seq.token_ids, seq.position_ids, allowed=seq.allowed[0, 0])
     for layer, (sel, hf) in enumerate(zip(full.selected, caught, strict=True)):
         hf_sel = torch.zeros_like(sel).scatter(-1, hf, True) & seq.allowed[0, 0]
@@ -152,7 +169,9 @@ def test_the_selection_matters_on_the_tiny_model(reference, model):
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_loaded_entries_select_and_attend_as_in_isolation(reference, model, emulation, mode):
+def test_loaded_entries_select_and_attend_as_in_isolation(
+    reference, model, emulation, mode
+):
     context_of = private_context(reference, mode)
     sink = reference.tokenizer.bos_token_id
     rng = random.Random(32)
@@ -168,8 +187,12 @@ def test_loaded_entries_select_and_attend_as_in_isolation(reference, model, emul
             prompt = reference.chunked_prompt(current)
             got = emulation.run(prompt, context_of, GENERATED)
             want = isolation_reference(model, prompt, mode, GENERATED, sink)
-            assert emulation.computed_chunks - before == (len(chunks) if step == 0 else 0)
-            for layer, (a, b) in enumerate(zip(got.selected, want.selected, strict=True)):
+            assert emulation.computed_chunks - before == (
+                len(chunks) if step == 0 else 0
+            )
+            for layer, (a, b) in enumerate(
+                zip(got.selected, want.selected, strict=True)
+            ):
                 assert torch.equal(a, b), f"layer {layer}: the top-k differs"
                 selections += int(b.sum())
             worst = max(worst, _distance(got.logprobs, want.logprobs))
@@ -181,8 +204,9 @@ def test_indexer_key_controls_select_other_tokens(reference, model, emulation, r
     mla_rope, indexer_rope = ropes
     context_of = private_context(reference, "sink")
     prompt = reference.chunked_prompt(_layouts(random.Random(11), 1)[0])
-    want = isolation_reference(model, prompt, "sink", GENERATED,
-                               reference.tokenizer.bos_token_id)
+    want = isolation_reference(
+        model, prompt, "sink", GENERATED, reference.tokenizer.bos_token_id
+    )
     exact = emulation.run(prompt, context_of, GENERATED)
     assert _differing(exact.selected, want.selected) == 0
 
@@ -190,28 +214,33 @@ def test_indexer_key_controls_select_other_tokens(reference, model, emulation, r
         def move(rows: LayerRows, deltas: torch.Tensor) -> LayerRows:
             moved = emulation.move(rows, deltas)
             return LayerRows(moved.kv_c, moved.k_pe, index_k(rows.index_k, deltas))
+
         return move
 
     def own_cos_sin(keys, deltas):
         # A load built on the rope's cos/sin cache: the mscale applied a second time.
-        _, rot = indexer_rope.forward_native(deltas, torch.zeros_like(keys[:, None, :64]),
-                                             keys[:, None, :64].clone())
+        _, rot = indexer_rope.forward_native(
+            deltas, torch.zeros_like(keys[:, None, :64]), keys[:, None, :64].clone()
+        )
         return torch.cat((rot[:, 0], keys[:, 64:]), -1)
 
     gptj = RopeRotation(indexer_rope).with_pairing(False)
     controls = {
         "indexer keys not rotated": lambda keys, deltas: keys,
         "rotated in MLA's GPT-J pairing": lambda keys, deltas: torch.cat(
-            (gptj.rotate(keys[:, None, :64], deltas)[:, 0], keys[:, 64:]), -1),
+            (gptj.rotate(keys[:, None, :64], deltas)[:, 0], keys[:, 64:]), -1
+        ),
         "mscale applied twice": own_cos_sin,
     }
     for name, index_k in controls.items():
         got = emulation.run(prompt, context_of, GENERATED, move=with_index_k(index_k))
         assert _differing(got.selected, want.selected) > 0, name
+
     # And the latent row still matters on its own: k_pe not rotated, indexer keys right.
     def no_k_pe(rows, deltas):
         moved = emulation.move(rows, deltas)
         return LayerRows(moved.kv_c, rows.k_pe, moved.index_k)
+
     got = emulation.run(prompt, context_of, GENERATED, move=no_k_pe)
     assert _distance(got.logprobs, want.logprobs) > 10 * TOL
     assert mla_rope.is_neox_style is False
@@ -228,18 +257,28 @@ def test_a_quantized_indexer_is_not_translation_invariant(reference, model):
     from tests.chunk_isolation_mask import build_isolated_sequence
 
     prompt = reference.chunked_prompt(_layouts(random.Random(8), 1)[0])
-    seq = build_isolated_sequence(prompt, "sink", extra_token_ids=GENERATED,
-                                  sink_token_id=reference.tokenizer.bos_token_id)
+    seq = build_isolated_sequence(
+        prompt,
+        "sink",
+        extra_token_ids=GENERATED,
+        sink_token_id=reference.tokenizer.bos_token_id,
+    )
     rows = len(GENERATED) + 1
 
     def shifted(quant):
         model.index_quant = quant
         try:
-            a, b = (model.forward(seq.token_ids, seq.position_ids + shift,
-                                  allowed=seq.allowed[0, 0]) for shift in (0, 5))
+            a, b = (
+                model.forward(
+                    seq.token_ids, seq.position_ids + shift, allowed=seq.allowed[0, 0]
+                )
+                for shift in (0, 5)
+            )
         finally:
             model.index_quant = None
-        logprobs = [torch.log_softmax(out.logits[-rows:].double(), -1) for out in (a, b)]
+        logprobs = [
+            torch.log_softmax(out.logits[-rows:].double(), -1) for out in (a, b)
+        ]
         return _differing(a.selected, b.selected), _distance(*logprobs)
 
     assert shifted(None)[0] == 0 and shifted(None)[1] < TOL / 10

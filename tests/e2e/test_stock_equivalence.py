@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import models_dir
-from tests.stock_vllm import unpack_stock_vllm
 from tests.e2e.engine import ENGINE_ENV
+from tests.stock_vllm import unpack_stock_vllm
 
 pytestmark = pytest.mark.e2e
 
@@ -30,11 +30,16 @@ SCRIPT = str(Path(__file__).with_name("stock_generate.py"))
 
 def _run(extra_env: dict[str, str]) -> dict:
     env = dict(os.environ, **ENGINE_ENV, **extra_env)
-    proc = subprocess.run([sys.executable, SCRIPT, MODEL], capture_output=True, text=True,
-                          env=env, timeout=900)
+    proc = subprocess.run(
+        [sys.executable, SCRIPT, MODEL],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=900,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     line = next(l for l in proc.stdout.splitlines() if l.startswith("RESULT "))
-    return json.loads(line[len("RESULT "):])
+    return json.loads(line[len("RESULT ") :])
 
 
 @pytest.fixture(scope="module")
@@ -51,4 +56,6 @@ def test_fork_without_the_flag_equals_stock_vllm(stock_dir: Path):
     assert not (Path(stock["vllm_file"]).parent / "config" / "chunk_cache.py").exists()
     # ... and gave identical outputs.
     assert fork["results"] == stock["results"]
-    assert len(fork["results"]) == 4 and all(len(r["token_ids"]) == 8 for r in fork["results"])
+    assert len(fork["results"]) == 4 and all(
+        len(r["token_ids"]) == 8 for r in fork["results"]
+    )

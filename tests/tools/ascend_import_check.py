@@ -24,9 +24,10 @@ def main() -> None:
     conftest, modules = sys.argv[1], sys.argv[2:]
     runpy.run_path(conftest, run_name="vllm_ascend_ut_conftest")
     import torch_npu
+    from vllm_ascend.utils import vllm_version_is
+
     import vllm
     import vllm_ascend
-    from vllm_ascend.utils import vllm_version_is
 
     report = {
         "torch_npu_is_the_mock": getattr(torch_npu.__spec__, "loader", "?") is None
@@ -38,17 +39,21 @@ def main() -> None:
         "vllm_ascend_dist_version": md.version("vllm_ascend"),
         "vllm_version_is_0_23_0": vllm_version_is("0.23.0"),
         "vllm_ascend_general_plugins": sorted(
-            ep.name for ep in md.entry_points(group="vllm.general_plugins")
-            if ep.value.startswith("vllm_ascend")),
+            ep.name
+            for ep in md.entry_points(group="vllm.general_plugins")
+            if ep.value.startswith("vllm_ascend")
+        ),
         "modules": {},
     }
     for name in modules:
         mod = importlib.import_module(name)
         with open(mod.__file__, "rb") as f:
             data = f.read()
-        report["modules"][name] = {"file": mod.__file__,
-                                   "sha256": hashlib.sha256(data).hexdigest(),
-                                   "text": data.decode()}
+        report["modules"][name] = {
+            "file": mod.__file__,
+            "sha256": hashlib.sha256(data).hexdigest(),
+            "text": data.decode(),
+        }
     # vllm-ascend's general plugin (patch 0002 calls the overlay's registration from it):
     # the fork's NPU writers end up in the fork's vLLM registries, from the empty wheel.
     from vllm_ascend.distributed.kv_transfer import register_connector
@@ -61,10 +66,10 @@ def main() -> None:
     latent = cache_writers._LATENT_WRITERS.get("AscendMLAImpl")
     report["registered"] = {
         "cache_writers_file": cache_writers.__file__,
-        "standard_attention_writer_is_the_overlay's":
-            writer is not None and writer.write is chunk_cache_npu.write_rows_npu,
-        "mla_writer_is_the_overlay's":
-            latent is not None and latent.write is chunk_cache_npu.write_latent_npu,
+        "standard_attention_writer_is_the_overlay's": writer is not None
+        and writer.write is chunk_cache_npu.write_rows_npu,
+        "mla_writer_is_the_overlay's": latent is not None
+        and latent.write is chunk_cache_npu.write_latent_npu,
     }
     print("REPORT " + json.dumps(report))
 

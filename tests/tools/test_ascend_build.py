@@ -26,7 +26,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-
 from forktool import ascend_build, bases
 from forktool.paths import Paths
 from forktool.progress import ToolError
@@ -60,11 +59,15 @@ def built(tmp_path_factory) -> Built:
 
 def _series(paths: Paths, tree: str) -> list[Path]:
     d = paths.patches_dir(tree)
-    names = [ln.split("#", 1)[0].strip() for ln in (d / "series").read_text().splitlines()]
+    names = [
+        ln.split("#", 1)[0].strip() for ln in (d / "series").read_text().splitlines()
+    ]
     return [d / n for n in names if n]
 
 
-def _gnu_patched(paths: Paths, tree: str, upstream: dict[str, bytes], tmp: Path) -> dict[str, bytes]:
+def _gnu_patched(
+    paths: Paths, tree: str, upstream: dict[str, bytes], tmp: Path
+) -> dict[str, bytes]:
     """Every file the series touches, patched by GNU patch (no fuzz), from `upstream`."""
     root = tmp / f"gnu-{tree}"
     root.mkdir()
@@ -77,8 +80,11 @@ def _gnu_patched(paths: Paths, tree: str, upstream: dict[str, bytes], tmp: Path)
         (root / rel).parent.mkdir(parents=True, exist_ok=True)
         (root / rel).write_bytes(upstream[rel])
     for p in _series(paths, tree):
-        subprocess.run(["patch", "-p1", "-F0", "-s", "--no-backup-if-mismatch", "-i", str(p)],
-                       cwd=root, check=True)
+        subprocess.run(
+            ["patch", "-p1", "-F0", "-s", "--no-backup-if-mismatch", "-i", str(p)],
+            cwd=root,
+            check=True,
+        )
     return {rel: (root / rel).read_bytes() for rel in touched}
 
 
@@ -94,25 +100,36 @@ def _sdist_members(path: Path) -> dict[str, tuple[str, tarfile.TarInfo, bytes | 
 
 def test_the_artifacts_are_named_by_their_own_versions(built: Built):
     names = [p.name for p in built.files]
-    assert names == ["vllm_ascend-0.23.0.post1+chunkcache.tar.gz",
-                     "vllm-0.23.0+chunkcache.empty-py3-none-any.whl"]
+    assert names == [
+        "vllm_ascend-0.23.0.post1+chunkcache.tar.gz",
+        "vllm-0.23.0+chunkcache.empty-py3-none-any.whl",
+    ]
     assert all(p.parent == built.paths.dist / "npu" for p in built.files)
     # Never the workflow's trees (other work uses them).
     assert not built.paths.trees.exists()
-    print(f"build: {built.seconds:.0f} s; "
-          + ", ".join(f"{p.name} {p.stat().st_size / 1e6:.1f} MB" for p in built.files))
+    print(
+        f"build: {built.seconds:.0f} s; "
+        + ", ".join(f"{p.name} {p.stat().st_size / 1e6:.1f} MB" for p in built.files)
+    )
 
 
-def test_the_ascend_sdist_is_upstream_plus_the_series_and_the_overlay(built: Built,
-                                                                      tmp_path: Path):
+def test_the_ascend_sdist_is_upstream_plus_the_series_and_the_overlay(
+    built: Built, tmp_path: Path
+):
     paths = built.paths
     up = _sdist_members(bases.base_for(paths, "vllm-ascend", "sdist").path)
     ours = _sdist_members(built.files[0])
     top = "vllm_ascend-0.23.0.post1+chunkcache"
     assert {t for t, _, _ in ours.values()} == {top}
-    expected = _gnu_patched(paths, "vllm-ascend",
-                            {rel: d for rel, (_, _, d) in up.items() if d is not None}, tmp_path)
-    overlay = {rel: f.read_bytes() for rel, f in overlay_files(paths, "vllm-ascend").items()}
+    expected = _gnu_patched(
+        paths,
+        "vllm-ascend",
+        {rel: d for rel, (_, _, d) in up.items() if d is not None},
+        tmp_path,
+    )
+    overlay = {
+        rel: f.read_bytes() for rel, f in overlay_files(paths, "vllm-ascend").items()
+    }
     assert overlay and not set(overlay) & set(up)
     assert set(ours) == set(up) | set(overlay)
     for rel, (_, m, data) in ours.items():
@@ -124,19 +141,29 @@ def test_the_ascend_sdist_is_upstream_plus_the_series_and_the_overlay(built: Bui
         if rel in expected:
             assert data == expected[rel] != udata, rel
         elif rel in ("PKG-INFO", "vllm_ascend.egg-info/PKG-INFO"):
-            assert data == udata.replace(b"\nVersion: 0.23.0.post1\n",
-                                         b"\nVersion: 0.23.0.post1+chunkcache\n"), rel
+            assert data == udata.replace(
+                b"\nVersion: 0.23.0.post1\n", b"\nVersion: 0.23.0.post1+chunkcache\n"
+            ), rel
             assert data != udata
         elif rel == "vllm_ascend.egg-info/SOURCES.txt":
-            assert set(data.decode().split()) == set(udata.decode().split()) | set(overlay)
+            assert set(data.decode().split()) == set(udata.decode().split()) | set(
+                overlay
+            )
         else:
             assert data == udata, rel
 
 
-def test_the_vllm_wheel_is_the_patched_sdist_as_pure_python(built: Built, tmp_path: Path):
+def test_the_vllm_wheel_is_the_patched_sdist_as_pure_python(
+    built: Built, tmp_path: Path
+):
     paths = built.paths
-    up = {rel: d for rel, (_, _, d) in _sdist_members(
-        bases.base_for(paths, "vllm", "sdist").path).items() if d is not None}
+    up = {
+        rel: d
+        for rel, (_, _, d) in _sdist_members(
+            bases.base_for(paths, "vllm", "sdist").path
+        ).items()
+        if d is not None
+    }
     expected = _gnu_patched(paths, "vllm", up, tmp_path)
     overlay = {rel: f.read_bytes() for rel, f in overlay_files(paths, "vllm").items()}
     info = "vllm-0.23.0+chunkcache.empty.dist-info"
@@ -153,7 +180,9 @@ def test_the_vllm_wheel_is_the_patched_sdist_as_pure_python(built: Built, tmp_pa
             continue
         want = overlay.get(rel, expected.get(rel, up.get(rel)))
         assert package[rel] == want, rel
-    assert [rel for rel in expected if rel.startswith("vllm/") and expected[rel] != up[rel]]
+    assert [
+        rel for rel in expected if rel.startswith("vllm/") and expected[rel] != up[rel]
+    ]
     for rel, data in package.items():  # data files too: upstream's bytes
         if rel in up and rel not in expected and rel != "vllm/_version.py":
             assert data == up[rel], rel
@@ -162,54 +191,101 @@ def test_the_vllm_wheel_is_the_patched_sdist_as_pure_python(built: Built, tmp_pa
     assert "\nVersion: 0.23.0+chunkcache.empty\n" in metadata
     wheel = members[f"{info}/WHEEL"].decode()
     assert "Root-Is-Purelib: true" in wheel
-    assert [ln for ln in wheel.splitlines() if ln.startswith("Tag:")] == ["Tag: py3-none-any"]
+    assert [ln for ln in wheel.splitlines() if ln.startswith("Tag:")] == [
+        "Tag: py3-none-any"
+    ]
     # RECORD lists every member with its hash.
     rows = list(csv.reader(io.StringIO(members[f"{info}/RECORD"].decode())))
     assert {r[0] for r in rows} == set(members)
     for name, digest, size in rows:
         if name == f"{info}/RECORD":
             continue
-        h = base64.urlsafe_b64encode(hashlib.sha256(members[name]).digest()).rstrip(b"=")
+        h = base64.urlsafe_b64encode(hashlib.sha256(members[name]).digest()).rstrip(
+            b"="
+        )
         assert (digest, size) == (f"sha256={h.decode()}", str(len(members[name]))), name
 
 
-def test_both_install_with_pip_and_import_under_vllm_ascends_mock_torch_npu(built: Built,
-                                                                            tmp_path: Path):
+def test_both_install_with_pip_and_import_under_vllm_ascends_mock_torch_npu(
+    built: Built, tmp_path: Path
+):
     """What the user's pip makes of the artifacts: vllm-ascend's own setup.py builds the
     patched sdist (COMPILE_CUSTOM_KERNELS=0: its kernels need CANN), pip installs both
     wheels into a folder, and a fresh interpreter imports vLLM, vllm-ascend and the fork's
     Ascend modules from there, under vllm-ascend's mock torch_npu."""
     py = str(built.paths.venv_python())
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VLLM_VERSION")}
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VLLM_VERSION")
+    }
     t0 = time.monotonic()
-    subprocess.run([py, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index",
-                    "--disable-pip-version-check", "-q", "-w", str(tmp_path / "w"),
-                    str(built.files[0])], check=True,
-                   env={**env, "SOC_VERSION": "ascend910b1", "COMPILE_CUSTOM_KERNELS": "0"})
+    subprocess.run(
+        [
+            py,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "--no-index",
+            "--disable-pip-version-check",
+            "-q",
+            "-w",
+            str(tmp_path / "w"),
+            str(built.files[0]),
+        ],
+        check=True,
+        env={**env, "SOC_VERSION": "ascend910b1", "COMPILE_CUSTOM_KERNELS": "0"},
+    )
     (ascend_wheel,) = (tmp_path / "w").glob("*.whl")
     assert ascend_wheel.name == "vllm_ascend-0.23.0.post1+chunkcache-py3-none-any.whl"
     target = tmp_path / "site"
-    subprocess.run([py, "-m", "pip", "install", "--no-deps", "--no-index", "--no-compile",
-                    "--disable-pip-version-check", "-q", "--target", str(target),
-                    str(ascend_wheel), str(built.files[1])], check=True, env=env)
+    subprocess.run(
+        [
+            py,
+            "-m",
+            "pip",
+            "install",
+            "--no-deps",
+            "--no-index",
+            "--no-compile",
+            "--disable-pip-version-check",
+            "-q",
+            "--target",
+            str(target),
+            str(ascend_wheel),
+            str(built.files[1]),
+        ],
+        check=True,
+        env=env,
+    )
     installed = time.monotonic() - t0
     with tarfile.open(built.files[0]) as tar:
         top = tar.getnames()[0].split("/")[0]
         tar.extract(f"{top}/tests/ut/conftest.py", tmp_path, filter="data")
     conftest = tmp_path / top / "tests" / "ut" / "conftest.py"
     overlay = overlay_files(built.paths, "vllm-ascend")
-    patched = sorted({line.split(" b/", 1)[1] for p in _series(built.paths, "vllm-ascend")
-                      for line in p.read_text().splitlines()
-                      if line.startswith("diff --git a/")})
+    patched = sorted(
+        {
+            line.split(" b/", 1)[1]
+            for p in _series(built.paths, "vllm-ascend")
+            for line in p.read_text().splitlines()
+            if line.startswith("diff --git a/")
+        }
+    )
     modules = {_module(rel): rel for rel in [*overlay, *patched] if rel.endswith(".py")}
     t1 = time.monotonic()
-    proc = subprocess.run([py, str(HERE / "ascend_import_check.py"), str(conftest), *modules],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=600,
-                          env={**env, "PYTHONPATH": str(target)})
+    proc = subprocess.run(
+        [py, str(HERE / "ascend_import_check.py"), str(conftest), *modules],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**env, "PYTHONPATH": str(target)},
+    )
     imported = time.monotonic() - t1
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     (line,) = [ln for ln in proc.stdout.splitlines() if ln.startswith("REPORT ")]
-    report = json.loads(line[len("REPORT "):])
+    report = json.loads(line[len("REPORT ") :])
 
     assert report["torch_npu_is_the_mock"]
     assert report["vllm_file"] == str(target / "vllm" / "__init__.py")
@@ -221,18 +297,24 @@ def test_both_install_with_pip_and_import_under_vllm_ascends_mock_torch_npu(buil
     assert report["vllm_version_is_0_23_0"] is True
     assert "ascend_kv_connector" in report["vllm_ascend_general_plugins"]
     with tarfile.open(built.files[0]) as tar:
-        in_sdist = {rel: tar.extractfile(f"{top}/{rel}").read() for rel in modules.values()}
+        in_sdist = {
+            rel: tar.extractfile(f"{top}/{rel}").read() for rel in modules.values()
+        }
     for name, rel in modules.items():
         got = report["modules"][name]
         assert got["file"] == str(target / rel), name
         assert got["text"].encode() == in_sdist[rel], name
         if rel in overlay:
             assert got["text"].encode() == overlay[rel].read_bytes(), name
-    assert report["registered"]["cache_writers_file"].startswith(str(target / "vllm") + "/")
+    assert report["registered"]["cache_writers_file"].startswith(
+        str(target / "vllm") + "/"
+    )
     assert report["registered"]["standard_attention_writer_is_the_overlay's"]
     assert report["registered"]["mla_writer_is_the_overlay's"]
-    print(f"vllm_ascend wheel build + pip install: {installed:.0f} s; import check: "
-          f"{imported:.0f} s; modules: {sorted(modules)}")
+    print(
+        f"vllm_ascend wheel build + pip install: {installed:.0f} s; import check: "
+        f"{imported:.0f} s; modules: {sorted(modules)}"
+    )
 
 
 def _module(rel: str) -> str:
@@ -258,13 +340,20 @@ def test_only_the_release_vllm_ascend_pins_builds(tmp_path: Path):
         ascend_build.build(paths)
 
 
-def _fake_empty_wheel(path: Path, version_py: str, extra: dict[str, bytes] = {}) -> Path:
+def _fake_empty_wheel(
+    path: Path, version_py: str, extra: dict[str, bytes] = {}
+) -> Path:
     with zipfile.ZipFile(path, "w") as z:
         z.writestr("vllm/__init__.py", "")
         z.writestr("vllm/_version.py", version_py)
-        z.writestr("vllm-0.23.0+empty.dist-info/METADATA", "Name: vllm\nVersion: 0.23.0+empty\n")
-        z.writestr("vllm-0.23.0+empty.dist-info/WHEEL",
-                   "Wheel-Version: 1.0\nRoot-Is-Purelib: false\nTag: cp311-cp311-linux_x86_64\n")
+        z.writestr(
+            "vllm-0.23.0+empty.dist-info/METADATA",
+            "Name: vllm\nVersion: 0.23.0+empty\n",
+        )
+        z.writestr(
+            "vllm-0.23.0+empty.dist-info/WHEEL",
+            "Wheel-Version: 1.0\nRoot-Is-Purelib: false\nTag: cp311-cp311-linux_x86_64\n",
+        )
         z.writestr("vllm-0.23.0+empty.dist-info/RECORD", "")
         for name, data in extra.items():
             z.writestr(name, data)
@@ -275,17 +364,26 @@ def test_a_labelled_vllm_version_or_a_compiled_file_is_refused(tmp_path: Path):
     """What VLLM_VERSION_OVERRIDE would make (vllm/_version.py with the label, so vllm-ascend
     takes its not-0.23.0 branches) and a wheel with a native library are refused by name;
     upstream's own empty build is relabelled."""
-    good = _fake_empty_wheel(tmp_path / "good.whl", "__version__ = version = '0.23.0'\n")
-    out = ascend_build.relabel_wheel(good, tmp_path / "out.whl", "0.23.0",
-                                     "0.23.0+chunkcache.empty")
+    good = _fake_empty_wheel(
+        tmp_path / "good.whl", "__version__ = version = '0.23.0'\n"
+    )
+    out = ascend_build.relabel_wheel(
+        good, tmp_path / "out.whl", "0.23.0", "0.23.0+chunkcache.empty"
+    )
     with zipfile.ZipFile(out) as z:
-        assert "Version: 0.23.0+chunkcache.empty" in z.read(
-            "vllm-0.23.0+chunkcache.empty.dist-info/METADATA").decode()
-    labelled = _fake_empty_wheel(tmp_path / "l.whl",
-                                 "__version__ = version = '0.23.0+chunkcache.empty'\n")
+        assert (
+            "Version: 0.23.0+chunkcache.empty"
+            in z.read("vllm-0.23.0+chunkcache.empty.dist-info/METADATA").decode()
+        )
+    labelled = _fake_empty_wheel(
+        tmp_path / "l.whl", "__version__ = version = '0.23.0+chunkcache.empty'\n"
+    )
     with pytest.raises(ToolError, match=r"_version.py .* does not say"):
         ascend_build.relabel_wheel(labelled, tmp_path / "x.whl", "0.23.0", "0.23.0+x")
-    native = _fake_empty_wheel(tmp_path / "n.whl", "__version__ = version = '0.23.0'\n",
-                               {"vllm/_C.abi3.so": b"\x7fELF"})
+    native = _fake_empty_wheel(
+        tmp_path / "n.whl",
+        "__version__ = version = '0.23.0'\n",
+        {"vllm/_C.abi3.so": b"\x7fELF"},
+    )
     with pytest.raises(ToolError, match=r"compiled files \['vllm/_C.abi3.so'\]"):
         ascend_build.relabel_wheel(native, tmp_path / "y.whl", "0.23.0", "0.23.0+x")

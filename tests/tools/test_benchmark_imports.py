@@ -33,7 +33,9 @@ def import_graph() -> dict[str, set[str]]:
             elif isinstance(node, ast.ImportFrom):
                 base = node.module or ""
                 if node.level:  # relative: from .x import y
-                    anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    anchor = package.split(".")[
+                        : len(package.split(".")) - node.level + 1
+                    ]
                     base = ".".join([*anchor, base] if base else anchor)
                 targets = [base] + [f"{base}.{a.name}" for a in node.names]
             for target in targets:
@@ -57,7 +59,7 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
         stack.append(node)
         for nxt in sorted(graph[node]):
             if state.get(nxt) == "open":
-                found.append(stack[stack.index(nxt):] + [nxt])
+                found.append(stack[stack.index(nxt) :] + [nxt])
             elif nxt not in state:
                 visit(nxt)
         stack.pop()
@@ -77,7 +79,9 @@ def test_the_graph_sees_the_imports_it_must():
 
 
 def test_the_cycle_finder_finds_a_circle():
-    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == [["a", "b", "c", "a"]]
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == [
+        ["a", "b", "c", "a"]
+    ]
     assert cycles({"a": {"b"}, "b": set()}) == []
 
 
@@ -88,7 +92,13 @@ def test_no_circle_of_imports_in_benchmarks():
 def test_no_benchmark_imports_another():
     """Scripts import common and the quality_eval package only, never each other."""
     graph = import_graph()
-    scripts = {name for name in graph if "." not in name and name not in (SHARED, "quality_eval")}
-    wrong = {name: sorted(graph[name] & scripts) for name in graph if graph[name] & scripts}
+    scripts = {
+        name
+        for name in graph
+        if "." not in name and name not in (SHARED, "quality_eval")
+    }
+    wrong = {
+        name: sorted(graph[name] & scripts) for name in graph if graph[name] & scripts
+    }
     assert wrong == {}
     assert graph[SHARED] == set()

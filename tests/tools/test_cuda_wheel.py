@@ -32,7 +32,6 @@ import zipfile
 from pathlib import Path
 
 import pytest
-
 from forktool import fetch, wheel
 from forktool.paths import Paths
 from forktool.pins import load_pins
@@ -54,25 +53,36 @@ def built(request) -> tuple[Paths, Path, Path]:
     t0 = time.monotonic()
     files = fetch.fetch(paths, wheel.upstream_pins(paths, "cuda"))
     out = wheel.build_wheel(paths, "cuda").path
-    print(f"\n[cuda_wheel] {request.param}: fetch + build {time.monotonic() - t0:.0f} s, "
-          f"{out.name} {out.stat().st_size / 1e6:.0f} MB")
+    print(
+        f"\n[cuda_wheel] {request.param}: fetch + build {time.monotonic() - t0:.0f} s, "
+        f"{out.name} {out.stat().st_size / 1e6:.0f} MB"
+    )
     return paths, files[paths.base.cuda.wheel_pin], out
 
 
-def _git_apply_series(paths: Paths, upstream: zipfile.ZipFile, tmp: Path) -> dict[str, bytes]:
+def _git_apply_series(
+    paths: Paths, upstream: zipfile.ZipFile, tmp: Path
+) -> dict[str, bytes]:
     """The series applied with plain `git apply` (outside any repository), patch by patch, to
     upstream's files it names: the oracle for the patched members."""
     patch_dir = paths.patches_dir("vllm")
-    names = [line.strip() for line in (patch_dir / "series").read_text().splitlines()
-             if line.strip() and not line.startswith("#")]
+    names = [
+        line.strip()
+        for line in (patch_dir / "series").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    ]
     touched = {p for patch in load_patches(patch_dir) for p in patch.touched_paths()}
     root = tmp / "tree"
     for rel in touched:
         (root / rel).parent.mkdir(parents=True, exist_ok=True)
         (root / rel).write_bytes(upstream.read(rel))
     for name in names:
-        done = subprocess.run(["git", "apply", "--whitespace=nowarn", str(patch_dir / name)],
-                              cwd=root, capture_output=True, text=True)
+        done = subprocess.run(
+            ["git", "apply", "--whitespace=nowarn", str(patch_dir / name)],
+            cwd=root,
+            capture_output=True,
+            text=True,
+        )
         assert done.returncode == 0, f"{name}: {done.stderr}"
     return {rel: (root / rel).read_bytes() for rel in touched}
 
@@ -83,10 +93,14 @@ def test_members_are_upstreams_bytes_but_the_series_and_the_overlay(built, tmp_p
     old_info = f"vllm-{version}.dist-info"
     with zipfile.ZipFile(upstream_path) as up, zipfile.ZipFile(built_path) as ours:
         got = {i.filename: i for i in ours.infolist()}
-        new_info = next(n.split("/")[0] for n in got if n.endswith(".dist-info/METADATA"))
+        new_info = next(
+            n.split("/")[0] for n in got if n.endswith(".dist-info/METADATA")
+        )
         assert new_info == f"vllm-{version}+chunkcache.cu130.dist-info"
         patched = _git_apply_series(paths, up, tmp_path)
-        overlay = {rel: f.read_bytes() for rel, f in overlay_files(paths, "vllm").items()}
+        overlay = {
+            rel: f.read_bytes() for rel, f in overlay_files(paths, "vllm").items()
+        }
         seen, identical, by_series = set(), 0, 0
         for info in up.infolist():
             if info.is_dir():
@@ -97,7 +111,9 @@ def test_members_are_upstreams_bytes_but_the_series_and_the_overlay(built, tmp_p
             data = ours.read(name)
             if info.filename in patched:
                 assert data == patched[info.filename], f"{name}: not the series' result"
-                assert data != up.read(info.filename), f"{name}: the series changed nothing"
+                assert data != up.read(info.filename), (
+                    f"{name}: the series changed nothing"
+                )
                 by_series += 1
             elif info.filename == f"{old_info}/METADATA":
                 a, b = up.read(info.filename).decode(), data.decode()
@@ -105,19 +121,26 @@ def test_members_are_upstreams_bytes_but_the_series_and_the_overlay(built, tmp_p
                 # before upstream's first: nothing else changes.
                 first = a.index("Requires-Dist: ")
                 want = (a[:first] + "Requires-Dist: xxhash\n" + a[first:]).replace(
-                    f"\nVersion: {version}\n", f"\nVersion: {version}+chunkcache.cu130\n", 1)
+                    f"\nVersion: {version}\n",
+                    f"\nVersion: {version}+chunkcache.cu130\n",
+                    1,
+                )
                 assert b == want
             elif info.filename == f"{old_info}/RECORD":
                 continue
             else:
-                assert data == up.read(info.filename), f"{name}: bytes differ from upstream"
+                assert data == up.read(info.filename), (
+                    f"{name}: bytes differ from upstream"
+                )
                 identical += 1
         # Every patched file is a member of the wheel (a file the series names but the wheel
         # lacks would be silently unpatched).
         assert set(patched) <= {i.filename for i in up.infolist()}
         extra = set(got) - seen
-        assert extra == set(overlay), f"members upstream lacks, not the overlay: " \
-                                      f"{sorted(extra ^ set(overlay))[:10]}"
+        assert extra == set(overlay), (
+            f"members upstream lacks, not the overlay: "
+            f"{sorted(extra ^ set(overlay))[:10]}"
+        )
         for rel, data in overlay.items():
             assert ours.read(rel) == data, rel
         rows = list(csv.reader(io.StringIO(ours.read(f"{new_info}/RECORD").decode())))
@@ -127,10 +150,16 @@ def test_members_are_upstreams_bytes_but_the_series_and_the_overlay(built, tmp_p
                 assert (digest, size) == ("", "")
                 continue
             data = ours.read(name)
-            want = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+            want = (
+                base64.urlsafe_b64encode(hashlib.sha256(data).digest())
+                .rstrip(b"=")
+                .decode()
+            )
             assert (digest, size) == (f"sha256={want}", str(len(data))), name
-    print(f"[cuda_wheel] {paths.base.name}: {identical} members identical, {by_series} patched "
-          f"by the series, {len(overlay)} overlay files")
+    print(
+        f"[cuda_wheel] {paths.base.name}: {identical} members identical, {by_series} patched "
+        f"by the series, {len(overlay)} overlay files"
+    )
     assert identical > 1000 and by_series == len(patched)
 
 
@@ -176,24 +205,48 @@ def _install_and_import(paths, built_path, torch_pin, torch_wheel, venv, tmp_pat
     t0 = time.monotonic()
     # NOTE: the wheel with its own requirements (pip resolves them: a METADATA rewrite that
     # broke resolution fails here), next to the torch it requires, nothing else.
-    done = subprocess.run([str(py), "-m", "pip", "install", "--no-compile", "--progress-bar",
-                           "off", "--disable-pip-version-check", str(torch_wheel),
-                           str(built_path)], capture_output=True, text=True, timeout=1800)
+    done = subprocess.run(
+        [
+            str(py),
+            "-m",
+            "pip",
+            "install",
+            "--no-compile",
+            "--progress-bar",
+            "off",
+            "--disable-pip-version-check",
+            str(torch_wheel),
+            str(built_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     installed = time.monotonic() - t0
     env = {k: v for k, v in os.environ.items() if not k.startswith(("VLLM_", "FORK_"))}
-    done = subprocess.run([str(py), "-c", IMPORT_CHECK], capture_output=True, text=True,
-                          timeout=600, cwd=tmp_path, env={**env, "CUDA_VISIBLE_DEVICES": ""})
+    done = subprocess.run(
+        [str(py), "-c", IMPORT_CHECK],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=tmp_path,
+        env={**env, "CUDA_VISIBLE_DEVICES": ""},
+    )
     assert done.returncode == 0, done.stderr[-4000:]
     line = next(x for x in done.stdout.splitlines() if x.startswith("RESULT "))
-    out = json.loads(line[len("RESULT "):])
+    out = json.loads(line[len("RESULT ") :])
     version = load_pins(paths.pins_file)[paths.base.cuda.wheel_pin].version
     torch_version = load_pins(paths.pins_file)[torch_pin].version
     assert out["vllm"] == f"{version}+chunkcache.cu130"
     assert out["vllm_file"].startswith(str(venv))
     assert (out["torch"], out["torch_cuda"]) == (f"{torch_version}+cu130", "13.0")
     assert out["cuda_available"] is False
-    assert out["connector"] == CONNECTOR and out["config_field"] and out["flag"] is False
+    assert (
+        out["connector"] == CONNECTOR and out["config_field"] and out["flag"] is False
+    )
     assert out["_C"] == "loaded" or "libcuda.so.1" in out["_C"], out["_C"]
-    print(f"[cuda_wheel] {paths.base.name}: pip install {installed:.0f} s; extension: "
-          f"{out['_C'][:120]}")
+    print(
+        f"[cuda_wheel] {paths.base.name}: pip install {installed:.0f} s; extension: "
+        f"{out['_C'][:120]}"
+    )

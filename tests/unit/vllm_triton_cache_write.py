@@ -30,7 +30,6 @@ def _vllm_triton_module():
     if _module is None:
         import triton
         import triton.language as tl
-
         import vllm.triton_utils as triton_utils
 
         spec = importlib.util.find_spec(_MODULE)
@@ -55,8 +54,13 @@ def _capability():
         torch.cuda.get_device_capability = saved
 
 
-def write_rows(key_cache: torch.Tensor, value_cache: torch.Tensor, key: torch.Tensor,
-               value: torch.Tensor, slots: torch.Tensor) -> None:
+def write_rows(
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    slots: torch.Tensor,
+) -> None:
     """`key`/`value` [n, heads, head] into caches [blocks, block_size, heads, head] (any
     strides with a contiguous head dim: NHD, or FlashInfer's HND transposed)."""
     if key_cache.dtype == torch.float8_e4m3fn:
@@ -64,11 +68,13 @@ def write_rows(key_cache: torch.Tensor, value_cache: torch.Tensor, key: torch.Te
     one = torch.ones(1, dtype=torch.float32)
     with _capability():
         _vllm_triton_module().triton_reshape_and_cache_flash(
-            key, value, key_cache, value_cache, slots, "auto", one, one)
+            key, value, key_cache, value_cache, slots, "auto", one, one
+        )
 
 
-def write_kv(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-             slots: torch.Tensor) -> None:
+def write_kv(
+    kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor
+) -> None:
     """Into a [blocks, 2, block_size, heads, head] cache, split as FlashAttention, FlashInfer
     and Triton's `do_kv_cache_update` split it (`kv_cache.unbind(1)`)."""
     key_cache, value_cache = kv_cache.unbind(1)

@@ -111,8 +111,7 @@ class ChunkCacheConfig:
             )
         if not 0.0 < self.chunk_pool_fraction < 1.0:
             raise ValueError(
-                "chunk_pool_fraction must be in (0, 1), "
-                f"got {self.chunk_pool_fraction}"
+                f"chunk_pool_fraction must be in (0, 1), got {self.chunk_pool_fraction}"
             )
         if self.chunk_recompute_tokens < 0:
             raise ValueError(

@@ -76,7 +76,8 @@ def mark_chunks(
     if documents is not None:
         chat_params = dataclasses.replace(
             chat_params,
-            chat_template_kwargs={**kwargs, "documents": _mark_documents(documents)})
+            chat_template_kwargs={**kwargs, "documents": _mark_documents(documents)},
+        )
         names = [f"documents[{i}]" for i in range(len(documents))]
     out_conversations, marked = [], []
     for messages in conversations:
@@ -90,6 +91,7 @@ def mark_chunks(
 def unmark_conversation(conversation: list[Any]) -> list[Any]:
     """The rendered conversation (what the server echoes) without the markers:
     they are the chunk cache's, never the client's."""
+
     def clean(value: Any) -> Any:
         if isinstance(value, str):
             return _MARKER.sub("", value)
@@ -102,8 +104,9 @@ def unmark_conversation(conversation: list[Any]) -> list[Any]:
     return [clean(message) for message in conversation]
 
 
-def chunks_prompt(prompt: dict, marked: MarkedChunks, tokenizer: Any,
-                  add_special_tokens: bool) -> dict:
+def chunks_prompt(
+    prompt: dict, marked: MarkedChunks, tokenizer: Any, add_special_tokens: bool
+) -> dict:
     """The rendered prompt as token-id segments: system, chunks (and the
     template's text between them), question."""
     pieces = _pieces(prompt, marked)
@@ -125,8 +128,10 @@ async def chunks_prompt_async(
     `encode_async` (the renderer's own, as for the separator form)."""
     pieces = _pieces(prompt, marked)
     *token_lists, whole = await asyncio.gather(
-        *(encode_async(piece, add_special_tokens=add_special_tokens and i == 0)
-          for i, piece in enumerate(pieces)),
+        *(
+            encode_async(piece, add_special_tokens=add_special_tokens and i == 0)
+            for i, piece in enumerate(pieces)
+        ),
         encode_async("".join(pieces), add_special_tokens=add_special_tokens),
     )
     return _segments_prompt(prompt, [list(ids) for ids in token_lists], list(whole))
@@ -138,17 +143,21 @@ def _pieces(prompt: dict, marked: MarkedChunks) -> list[str]:
         raise ChunkPromptError(
             "this model's chat template renders token ids, not text: documents "
             "cannot be placed as chunks; mark them with the chunk separator",
-            parameter="documents")
+            parameter="documents",
+        )
     return _split(text, marked.names)
 
 
-def _segments_prompt(prompt: dict, token_lists: list[list[int]], whole: list[int]) -> dict:
+def _segments_prompt(
+    prompt: dict, token_lists: list[list[int]], whole: list[int]
+) -> dict:
     if list(chain.from_iterable(token_lists)) != whole:
         raise ChunkPromptError(
             "the chat template's text next to a document merges with it into one "
             "token, so the documents cannot be cached apart without changing the "
             "prompt's tokens; mark them with the chunk separator instead",
-            parameter="documents")
+            parameter="documents",
+        )
     out = {k: v for k, v in prompt.items() if k != "prompt"}
     out[SEGMENTS_KEY] = token_lists
     return out
@@ -163,20 +172,29 @@ def _check_text(name: str, text: str) -> None:
         raise ChunkPromptError(
             f"{name} contains a character of U+E000..U+E003, which the chunk "
             "cache uses to find documents in the rendered prompt",
-            parameter=name.split("[", 1)[0])
+            parameter=name.split("[", 1)[0],
+        )
 
 
 def _mark_documents(documents: Any) -> list[dict[str, str]]:
     if not isinstance(documents, list) or not documents:
-        raise ChunkPromptError("'documents' must be a non-empty list of documents",
-                               parameter="documents")
+        raise ChunkPromptError(
+            "'documents' must be a non-empty list of documents", parameter="documents"
+        )
     marked = []
     for i, doc in enumerate(documents):
-        if not isinstance(doc, dict) or not doc or not all(
-                isinstance(k, str) and isinstance(v, str) for k, v in doc.items()):
+        if (
+            not isinstance(doc, dict)
+            or not doc
+            or not all(
+                isinstance(k, str) and isinstance(v, str) for k, v in doc.items()
+            )
+        ):
             raise ChunkPromptError(
                 f"documents[{i}] must be an object of string fields "
-                '(e.g. {"title": "...", "text": "..."})', parameter="documents")
+                '(e.g. {"title": "...", "text": "..."})',
+                parameter="documents",
+            )
         if not any(v for v in doc.values()):
             raise ChunkPromptError(f"documents[{i}] is empty", parameter="documents")
         for v in doc.values():
@@ -193,7 +211,8 @@ def _mark_parts(messages: list[Any], first: int) -> tuple[list[Any], list[str]]:
     for m, message in enumerate(messages):
         content = message.get("content") if isinstance(message, dict) else None
         if not isinstance(content, list) or not any(
-                isinstance(p, dict) and PART_KEY in p for p in content):
+            isinstance(p, dict) and PART_KEY in p for p in content
+        ):
             out.append(message)
             continue
         parts = []
@@ -204,15 +223,17 @@ def _mark_parts(messages: list[Any], first: int) -> tuple[list[Any], list[str]]:
             name = f"messages[{m}].content[{p}]"
             flag = part[PART_KEY]
             if not isinstance(flag, bool):
-                raise ChunkPromptError(f"{name}.{PART_KEY} must be true or false",
-                                       parameter="messages")
+                raise ChunkPromptError(
+                    f"{name}.{PART_KEY} must be true or false", parameter="messages"
+                )
             part = {k: v for k, v in part.items() if k != PART_KEY}
             if flag:
                 text = part.get("text")
                 if part.get("type") != "text" or not isinstance(text, str) or not text:
                     raise ChunkPromptError(
-                        f"{name} is marked as a chunk but is not a non-empty text "
-                        "part", parameter="messages")
+                        f"{name} is marked as a chunk but is not a non-empty text part",
+                        parameter="messages",
+                    )
                 _check_text(name, text)
                 part["text"] = _wrap(first + len(names), text)
                 names.append(name)
@@ -232,22 +253,27 @@ def _split(text: str, names: tuple[str, ...]) -> list[str]:
     if not first:
         raise ChunkPromptError(
             "this model's chat template does not render 'documents'; put the "
-            "documents in the messages (text parts marked \"chunk\": true, or the "
+            'documents in the messages (text parts marked "chunk": true, or the '
             "chunk separator) or use a template that renders them",
-            parameter="documents")
+            parameter="documents",
+        )
     missing = [names[i] for i in range(len(names)) if i not in first]
     if missing:
         raise ChunkPromptError(
             f"the chat template drops {', '.join(missing)}: every document must "
-            "appear in the prompt", parameter="documents")
+            "appear in the prompt",
+            parameter="documents",
+        )
     order = sorted(first, key=first.get)
-    pieces = [text[:first[order[0]]]]
+    pieces = [text[: first[order[0]]]]
     for k, i in enumerate(order):
-        region = text[first[i]:last[i]]
+        region = text[first[i] : last[i]]
         if {int(n) for n in _MARKER.findall(region)} != {i}:
             raise ChunkPromptError(
                 f"the chat template renders {names[i]} around another document: "
-                "documents must each render in one place", parameter="documents")
+                "documents must each render in one place",
+                parameter="documents",
+            )
         # NOTE: a space before a word belongs to the word's token in BPE and
         # SentencePiece vocabularies ("Title: Paris" -> "Title", ":", " Paris"):
         # the spaces that end the text before a chunk go with the chunk.
@@ -255,22 +281,24 @@ def _split(text: str, names: tuple[str, ...]) -> list[str]:
         spaces = len(before) - len(before.rstrip(" "))
         if spaces:
             pieces[-1] = before[:-spaces]
-        pieces.append(before[len(before) - spaces:] + _MARKER.sub("", region))
+        pieces.append(before[len(before) - spaces :] + _MARKER.sub("", region))
         if k + 1 < len(order):
-            between = text[last[i]:first[order[k + 1]]]
+            between = text[last[i] : first[order[k + 1]]]
             if between:
                 pieces.append(between)
-    pieces.append(text[last[order[-1]]:])
+    pieces.append(text[last[order[-1]] :])
     if len(order) != len(names) or any(_PRIVATE.search(piece) for piece in pieces):
         raise ChunkPromptError(
             "the chat messages contain characters of U+E000..U+E003, which the "
             "chunk cache uses to find documents in the rendered prompt",
-            parameter="messages")
+            parameter="messages",
+        )
     if not pieces[0] or not pieces[-1]:
         where = "first" if not pieces[0] else "last"
         raise ChunkPromptError(
             f"the chat template renders a document {where}, with no text "
             f"{'before' if where == 'first' else 'after'} it: the chunk cache needs "
             "a system segment before the documents and a question after them",
-            parameter="documents")
+            parameter="documents",
+        )
     return pieces

@@ -31,11 +31,12 @@ namespace and nothing else).
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from vllm.exceptions import VLLMValidationError
+
 from vllm.renderers.chunk_prompt_parser import ChunkedPromptParser
 from vllm.renderers.segment_token_cache import SegmentText, SegmentTokenCache
 from vllm.v1.core.chunk_structures import ChunkedPrompt
@@ -95,8 +96,13 @@ class ChunkPromptSplitter:
         for seg in self._plan(segments, prompt, params):
             ids = self._known_ids(seg, tokenizer)
             if ids is None:
-                ids = self._tokenized(seg, tokenizer, tokenizer.encode(
-                    seg.text.text, add_special_tokens=seg.text.add_special_tokens))
+                ids = self._tokenized(
+                    seg,
+                    tokenizer,
+                    tokenizer.encode(
+                        seg.text.text, add_special_tokens=seg.text.add_special_tokens
+                    ),
+                )
             token_lists.append(ids)
         return self._mark(prompt, self._parse(lambda: self.parser.build(token_lists)))
 
@@ -120,13 +126,21 @@ class ChunkPromptSplitter:
         async def encode(seg: _Segment) -> list[int]:
             ids = self._known_ids(seg, tokenizer)
             if ids is None:
-                ids = self._tokenized(seg, tokenizer, await encode_async(
-                    seg.text.text, add_special_tokens=seg.text.add_special_tokens))
+                ids = self._tokenized(
+                    seg,
+                    tokenizer,
+                    await encode_async(
+                        seg.text.text, add_special_tokens=seg.text.add_special_tokens
+                    ),
+                )
             return ids
 
         token_lists = await asyncio.gather(
-            *(encode(seg) for seg in self._plan(segments, prompt, params)))
-        return self._mark(prompt, self._parse(lambda: self.parser.build(list(token_lists))))
+            *(encode(seg) for seg in self._plan(segments, prompt, params))
+        )
+        return self._mark(
+            prompt, self._parse(lambda: self.parser.build(list(token_lists)))
+        )
 
     def check_layout(self, prompt: dict) -> None:
         """The engine-facing prompt must still match its layout."""
@@ -151,20 +165,20 @@ class ChunkPromptSplitter:
         assert segments is not None
         return segments
 
-    def _known_ids(self, seg: "_Segment", tokenizer: Any) -> list[int] | None:
+    def _known_ids(self, seg: _Segment, tokenizer: Any) -> list[int] | None:
         """The segment's ids without tokenizing: given, or remembered."""
         if seg.ids is not None:
             return seg.ids
         return self.token_cache.lookup(tokenizer, seg.text) if seg.keep else None
 
-    def _tokenized(self, seg: "_Segment", tokenizer: Any, ids: Any) -> list[int]:
+    def _tokenized(self, seg: _Segment, tokenizer: Any, ids: Any) -> list[int]:
         ids = list(ids)
         if seg.keep:
             self.token_cache.remember(tokenizer, seg.text, ids)
         return ids
 
     @staticmethod
-    def _plan(segments: list, prompt: dict, params: Any) -> list["_Segment"]:
+    def _plan(segments: list, prompt: dict, params: Any) -> list[_Segment]:
         """Each segment as it is tokenized: special tokens on the first one
         only, and only if the request asked for them (chat templates render
         BOS themselves and ask for none); kept in the token cache unless it
@@ -173,9 +187,11 @@ class ChunkPromptSplitter:
         salt = prompt.get("cache_salt")
         last = len(segments) - 1
         return [
-            _Segment(ids=seg, text=None, keep=False) if isinstance(seg, list)
-            else _Segment(ids=None, text=SegmentText(seg, special and i == 0, salt),
-                          keep=i < last)
+            _Segment(ids=seg, text=None, keep=False)
+            if isinstance(seg, list)
+            else _Segment(
+                ids=None, text=SegmentText(seg, special and i == 0, salt), keep=i < last
+            )
             for i, seg in enumerate(segments)
         ]
 
@@ -185,33 +201,42 @@ class ChunkPromptSplitter:
         segments = prompt[SEGMENTS_KEY]
         if LAYOUT_KEY in prompt:
             self._wants_split(prompt, params)  # refuses it
-        others = [k for k in ("prompt", "prompt_token_ids", "prompt_embeds") if k in prompt]
+        others = [
+            k for k in ("prompt", "prompt_token_ids", "prompt_embeds") if k in prompt
+        ]
         if others:
             raise ChunkPromptError(
                 f"'{SEGMENTS_KEY}' gives the whole prompt; it cannot be combined "
-                f"with {', '.join(repr(k) for k in others)}", parameter=SEGMENTS_KEY)
+                f"with {', '.join(repr(k) for k in others)}",
+                parameter=SEGMENTS_KEY,
+            )
         if not getattr(params, "split_chunks", True):
             raise ChunkPromptError(
                 f"'{SEGMENTS_KEY}' marks the segments explicitly; split_chunks=false "
                 "cannot apply to it (send the text as 'prompt' to serve it unsplit)",
-                parameter="split_chunks")
+                parameter="split_chunks",
+            )
         _refuse_truncation(params)
         if not isinstance(segments, list) or len(segments) < 2:
             raise ChunkPromptError(
                 f"'{SEGMENTS_KEY}' must be a list of at least 2 segments (the system "
                 "prompt first, the question last, documents between)",
-                parameter=SEGMENTS_KEY)
+                parameter=SEGMENTS_KEY,
+            )
         texts = all(isinstance(seg, str) for seg in segments)
         ids = all(isinstance(seg, list) and _token_ids(seg) for seg in segments)
         if not (texts or ids):
             raise ChunkPromptError(
                 f"'{SEGMENTS_KEY}' must be a list of strings or a list of token-id "
-                "lists (non-negative integers), not a mix", parameter=SEGMENTS_KEY)
+                "lists (non-negative integers), not a mix",
+                parameter=SEGMENTS_KEY,
+            )
         if texts and tokenizer is None:
             raise ChunkPromptError(
                 f"text '{SEGMENTS_KEY}' need a tokenizer (the server was started "
                 "with --skip-tokenizer-init): send token-id lists",
-                parameter=SEGMENTS_KEY)
+                parameter=SEGMENTS_KEY,
+            )
         self._parse(lambda: self.parser.check_num_chunks(len(segments) - 2))
         return segments
 
@@ -221,12 +246,18 @@ class ChunkPromptSplitter:
         if LAYOUT_KEY in prompt:
             raise ChunkPromptError(
                 f"'{LAYOUT_KEY}' is set by the chunk cache from the separators in "
-                "the prompt; a request may not carry one", parameter=LAYOUT_KEY)
+                "the prompt; a request may not carry one",
+                parameter=LAYOUT_KEY,
+            )
         return getattr(params, "split_chunks", True)
 
     def _text_to_split(self, prompt: dict, params: Any, tokenizer: Any) -> str | None:
         """The text of a separator-marked text prompt, else None."""
-        if tokenizer is None or "prompt_token_ids" in prompt or "prompt_embeds" in prompt:
+        if (
+            tokenizer is None
+            or "prompt_token_ids" in prompt
+            or "prompt_embeds" in prompt
+        ):
             return None
         text = prompt.get("prompt")
         if not isinstance(text, str) or self.parser.separator not in text:
@@ -241,7 +272,9 @@ class ChunkPromptSplitter:
             return prompt
         if self._separator_ids is None:
             self._separator_ids = self.parser.separator_token_ids(tokenizer)
-        chunked = self._parse(lambda: self.parser.parse_token_ids(ids, self._separator_ids))
+        chunked = self._parse(
+            lambda: self.parser.parse_token_ids(ids, self._separator_ids)
+        )
         if chunked is None:
             return prompt
         prompt = dict(prompt)
@@ -270,7 +303,8 @@ def _refuse_truncation(params: Any) -> None:
         raise ChunkPromptError(
             "truncate_prompt_tokens cannot be used with a chunked prompt "
             "(truncation would cut segments of the chunk layout)",
-            parameter="truncate_prompt_tokens")
+            parameter="truncate_prompt_tokens",
+        )
 
 
 def _token_ids(seg: list) -> bool:

@@ -71,7 +71,9 @@ class SegmentTokenCache:
             self._entries.move_to_end(key)
         return entry.token_ids.tolist()
 
-    def remember(self, tokenizer: Any, segment: SegmentText, token_ids: list[int]) -> None:
+    def remember(
+        self, tokenizer: Any, segment: SegmentText, token_ids: list[int]
+    ) -> None:
         if len(token_ids) > self.max_tokens:
             return
         key = (id(tokenizer), segment)

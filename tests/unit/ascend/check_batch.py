@@ -19,15 +19,16 @@ import importlib
 import os
 import sys
 import traceback
-from typing import Callable
+from collections.abc import Callable
 
 BEGIN = "=== check "
 END = "=== exit "
 ARGS = "::"  # separates a batched check's name from its arguments
 
 
-def main(checks: dict[str, Callable], preamble: Callable[[], None],
-         preload: tuple[str, ...]) -> None:
+def main(
+    checks: dict[str, Callable], preamble: Callable[[], None], preload: tuple[str, ...]
+) -> None:
     argv = sys.argv[1:]
     preamble()
     if argv[0] != "--batch":

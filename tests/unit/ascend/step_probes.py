@@ -28,6 +28,7 @@ def cos_sin_formed_without_host_reads() -> Iterator[list[str]]:
     saved = {name: getattr(RopeRotation, name) for name in ("cos_sin", "cos_sin_rows")}
     saved_reads = {name: getattr(torch.Tensor, name) for name in HOST_READS}
     for name, original in saved.items():
+
         def counted(self, deltas, _original=original, _name=name):
             formed.append(_name)
             return _original(self, deltas)

@@ -20,19 +20,26 @@ SCRIPT = "npu_plugin_checks.py"
 LLAMA = str(models_dir() / "tiny-llama")
 
 
-def test_vllm_ascend_plugin_is_harmless_on_a_stock_vllm(ascend_tree: Path, stock_vllm: Path):
+def test_vllm_ascend_plugin_is_harmless_on_a_stock_vllm(
+    ascend_tree: Path, stock_vllm: Path
+):
     """Finding 3: before, every start with vllm-ascend next to a stock vLLM failed
     (the patched register_connector imported the fork's chunk cache first)."""
     run_check(SCRIPT, "check_plugin_on_stock_vllm", ascend_tree, first=stock_vllm)
 
 
 def test_vllm_ascends_runner_serves_a_stock_connector_on_a_stock_vllm(
-        ascend_tree: Path, stock_vllm: Path):
+    ascend_tree: Path, stock_vllm: Path
+):
     """Finding 3, the runner half: before, vllm-ascend's patched initialize_kv_cache
     called the fork's register_model on any KV connector: on a stock vLLM every start
     with one (e.g. PD disaggregation) failed with an AttributeError."""
-    run_check(SCRIPT, "check_npu_runner_serves_a_stock_connector_on_stock_vllm",
-              ascend_tree, first=stock_vllm)
+    run_check(
+        SCRIPT,
+        "check_npu_runner_serves_a_stock_connector_on_stock_vllm",
+        ascend_tree,
+        first=stock_vllm,
+    )
 
 
 BUFFERS = "check_deepseek_load_buffers_allocated_in_register_kv_caches"
@@ -43,10 +50,16 @@ COS_SIN = "check_deepseek_load_step_forms_cos_sin_once_per_frequencies"
 def batch(ascend_tree: Path) -> dict[str, CheckOutcome]:
     """The checks that need no stock vLLM first on the path, as one batch (each in a child
     forked after the imports: check_batch.py)."""
-    return run_checks(SCRIPT, ["check_scheduler_rules", "check_xlite_refused", BUFFERS, COS_SIN],
-                      ascend_tree, args={"check_scheduler_rules": [LLAMA],
-                                         BUFFERS: [str(models_dir())],
-                                         COS_SIN: [str(models_dir())]})
+    return run_checks(
+        SCRIPT,
+        ["check_scheduler_rules", "check_xlite_refused", BUFFERS, COS_SIN],
+        ascend_tree,
+        args={
+            "check_scheduler_rules": [LLAMA],
+            BUFFERS: [str(models_dir())],
+            COS_SIN: [str(models_dir())],
+        },
+    )
 
 
 def test_schedulers_that_replace_schedule_are_refused_with_boundary_recompute(batch):
@@ -64,8 +77,13 @@ def test_xlite_graph_mode_is_refused_at_start_up(batch):
 def dry_run(ascend_tree: Path) -> str:
     """One subprocess for the dry run of the start-up: the models below, then every
     family of the model-family matrix (its imports dominate: one process for both)."""
-    return run_check(SCRIPT, "check_dry_run", ascend_tree, str(models_dir()),
-                     str(REPO / "tests" / "e2e" / "families.py"))
+    return run_check(
+        SCRIPT,
+        "check_dry_run",
+        ascend_tree,
+        str(models_dir()),
+        str(REPO / "tests" / "e2e" / "families.py"),
+    )
 
 
 def test_dry_run_of_the_start_up_on_vllm_ascend(dry_run: str):
@@ -76,7 +94,8 @@ def test_dry_run_of_the_start_up_on_vllm_ascend(dry_run: str):
 
 
 def test_deepseek_on_ascend_mla_allocates_its_latent_load_buffers_in_register_kv_caches(
-        batch):
+    batch,
+):
     """Finding 10, on vllm-ascend's AscendMLAImpl and rope (npu_plugin_checks.py).
     Against the code before 98e9514 (reinstated one part at a time): the lazy allocation
     fails with `AssertionError: {}` (no buffer after register_kv_caches); the K/V sizing
@@ -106,17 +125,25 @@ def test_deepseek_on_ascend_mla_forms_a_steps_cos_sin_once_per_frequencies(batch
 # Ascend's attention naming the layer and the backend (the worker's check runs
 # before the scheduler's); a window of at least max_model_len is full attention; a
 # model without RoPE is refused naming its layers.
-_WINDOW = (r"chunk cache does not support sliding-window attention "
-           r"\(model\.layers\.0\.self_attn\.attn, window {}\) on the attention backend "
-           r"AscendAttentionBackendImpl: windowed layers are shown exact on "
-           r"CPUAttentionBackendImpl, TritonAttentionImpl, FlashAttentionImpl only")
+_WINDOW = (
+    r"chunk cache does not support sliding-window attention "
+    r"\(model\.layers\.0\.self_attn\.attn, window {}\) on the attention backend "
+    r"AscendAttentionBackendImpl: windowed layers are shown exact on "
+    r"CPUAttentionBackendImpl, TritonAttentionImpl, FlashAttentionImpl only"
+)
 # Accepted: the rope found for every layer (class, rotary_dim, neox pairing) from
 # the family's config (head size 32 times its partial rotary factor; GLM-4's GPT-J
 # pairs; Phi-3's LongRoPE is vLLM's own class, which vllm-ascend does not replace).
 _PLAIN = "AscendRotaryEmbedding(base 10000.0, rotary_dim 32, neox True)"
 ASCEND_FAMILIES = {
-    "llama": _PLAIN, "qwen2": _PLAIN, "qwen3": _PLAIN, "qwen3-moe": _PLAIN,
-    "mistral": _PLAIN, "mistral-window-4096": _PLAIN, "olmo2": _PLAIN, "granite": _PLAIN,
+    "llama": _PLAIN,
+    "qwen2": _PLAIN,
+    "qwen3": _PLAIN,
+    "qwen3-moe": _PLAIN,
+    "mistral": _PLAIN,
+    "mistral-window-4096": _PLAIN,
+    "olmo2": _PLAIN,
+    "granite": _PLAIN,
     "phi3": "Phi3LongRoPEScaledRotaryEmbedding(base 10000.0, rotary_dim 16, neox None)",
     "stablelm": "AscendRotaryEmbedding(base 10000.0, rotary_dim 8, neox True)",
     "glm4": "AscendRotaryEmbedding(base 10000.0, rotary_dim 16, neox False)",
@@ -125,7 +152,7 @@ ASCEND_FAMILIES = {
     "gemma2-window-1024": _WINDOW.format(1024),
     "gemma3": _WINDOW.format(24),
     "gpt2": r"attention layer\(s\) \['transformer\.h\.0\.attn\.attn'.*have no "
-            r"rotary embedding",
+    r"rotary embedding",
 }
 
 _REFUSED = {"mistral-window", "gemma2", "gemma2-window-1024", "gemma3", "gpt2"}
@@ -138,7 +165,7 @@ def ascend_families(dry_run: str) -> dict[str, dict]:
     found = {}
     for line in dry_run.splitlines():
         if line.startswith("FAMILY "):
-            result = json.loads(line[len("FAMILY "):])
+            result = json.loads(line[len("FAMILY ") :])
             found[result.pop("name")] = result
     return found
 
@@ -161,7 +188,11 @@ def test_family_starts_or_is_refused_on_vllm_ascend(ascend_families, name):
         assert result["impls"] == ["AscendAttentionBackendImpl"], result
         # A window of max_model_len keeps vLLM's SlidingWindowSpec (every layer
         # windowed), which frees nothing: served as full attention.
-        spec = "SlidingWindowSpec" if name == "mistral-window-4096" else "FullAttentionSpec"
+        spec = (
+            "SlidingWindowSpec"
+            if name == "mistral-window-4096"
+            else "FullAttentionSpec"
+        )
         assert result["specs"] == [spec], result
         assert result["ropes"] == [expected], result
     else:

@@ -10,8 +10,8 @@ import py_compile
 from pathlib import Path
 
 import pytest
-
 from forktool.git import git
+
 from tests.unit.ascend.ascend_checks import CheckOutcome, run_checks
 
 
@@ -64,12 +64,15 @@ def startup_outcomes(ascend_tree: Path) -> dict[str, CheckOutcome]:
 
 
 @pytest.mark.parametrize("check", STUB_CHECKS)
-def test_npu_code_path_against_stubs(stub_outcomes: dict[str, CheckOutcome], check: str):
+def test_npu_code_path_against_stubs(
+    stub_outcomes: dict[str, CheckOutcome], check: str
+):
     stub_outcomes[check].assert_ok(check)
 
 
 @pytest.mark.parametrize("check", STARTUP_CHECKS)
-def test_npu_start_up_against_vllm_ascend(startup_outcomes: dict[str, CheckOutcome],
-                                          check: str):
+def test_npu_start_up_against_vllm_ascend(
+    startup_outcomes: dict[str, CheckOutcome], check: str
+):
     """Issue 29, findings 5, 6, 7, 9, 11: tests/unit/ascend/npu_startup_checks.py."""
     startup_outcomes[check].assert_ok(check)

@@ -22,8 +22,22 @@ def _load(name: str):
 
 def test_cpu_load_runs_every_piece_size_and_each_pass(monkeypatch, capsys):
     bench = _load("bench_cpu_load")
-    monkeypatch.setattr(sys, "argv", ["bench_cpu_load.py", "--docs", "3", "--doc-tokens", "40",
-                                      "--pieces", "64", "16", "--reps", "2"])
+    monkeypatch.setattr(
+        sys,
+        "argv",
+        [
+            "bench_cpu_load.py",
+            "--docs",
+            "3",
+            "--doc-tokens",
+            "40",
+            "--pieces",
+            "64",
+            "16",
+            "--reps",
+            "2",
+        ],
+    )
     bench.main()
     out = capsys.readouterr().out
     assert "3 documents x 40 tokens = 120 rows" in out
@@ -36,19 +50,53 @@ def test_cpu_load_cold_write_runs_its_three_caches(monkeypatch, capsys):
     # The write alone into a cache of just the request's blocks, and into a larger one at
     # the same blocks and at the next blocks every time (issue 52, third pass).
     bench = _load("bench_cpu_load")
-    monkeypatch.setattr(sys, "argv", ["bench_cpu_load.py", "--docs", "3", "--doc-tokens", "40",
-                                      "--pieces", "64", "--reps", "2", "--cold-write", "0.001"])
+    monkeypatch.setattr(
+        sys,
+        "argv",
+        [
+            "bench_cpu_load.py",
+            "--docs",
+            "3",
+            "--doc-tokens",
+            "40",
+            "--pieces",
+            "64",
+            "--reps",
+            "2",
+            "--cold-write",
+            "0.001",
+        ],
+    )
     bench.main()
     out = capsys.readouterr().out
     assert "the write alone, 120 rows x 4 layers" in out
-    assert "(8 blocks a layer)" in out  # 0.001 GiB / (2 x 128 x 64 bf16 values) / 4 layers
+    assert (
+        "(8 blocks a layer)" in out
+    )  # 0.001 GiB / (2 x 128 x 64 bf16 values) / 4 layers
 
 
 def test_block_hashing_runs_each_row(monkeypatch, capsys):
     bench = _load("bench_block_hashing")
-    monkeypatch.setattr(sys, "argv", ["bench_block_hashing.py", "--tokens", "700", "1500",
-                                      "--doc-tokens", "100", "--block", "16", "--reps", "2"])
+    monkeypatch.setattr(
+        sys,
+        "argv",
+        [
+            "bench_block_hashing.py",
+            "--tokens",
+            "700",
+            "1500",
+            "--doc-tokens",
+            "100",
+            "--block",
+            "16",
+            "--reps",
+            "2",
+        ],
+    )
     bench.main()
-    rows = [line.split() for line in capsys.readouterr().out.splitlines()
-            if line.split() and line.split()[0].isdigit()]
+    rows = [
+        line.split()
+        for line in capsys.readouterr().out.splitlines()
+        if line.split() and line.split()[0].isdigit()
+    ]
     assert [r[0] for r in rows] == ["700", "1500"]

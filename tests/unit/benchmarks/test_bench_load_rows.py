@@ -14,11 +14,27 @@ _spec.loader.exec_module(bench)
 
 
 def test_runs_and_prints_a_ratio_per_size(monkeypatch, capsys):
-    monkeypatch.setattr(sys, "argv", ["bench_load_rows.py", "--docs", "2", "5",
-                                      "--doc-tokens", "37", "--block", "16", "--repeats", "2"])
+    monkeypatch.setattr(
+        sys,
+        "argv",
+        [
+            "bench_load_rows.py",
+            "--docs",
+            "2",
+            "5",
+            "--doc-tokens",
+            "37",
+            "--block",
+            "16",
+            "--repeats",
+            "2",
+        ],
+    )
     bench.main()
     lines = capsys.readouterr().out.splitlines()
     # The table's rows (vLLM's log may share stdout).
-    rows = [line.split() for line in lines if line.split() and line.split()[0].isdigit()]
+    rows = [
+        line.split() for line in lines if line.split() and line.split()[0].isdigit()
+    ]
     assert [(r[0], r[1]) for r in rows] == [("2", "74"), ("5", "185")]
     assert all(float(r[4]) > 0 for r in rows)

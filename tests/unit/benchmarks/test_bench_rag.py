@@ -11,6 +11,7 @@ _PATH = Path(__file__).resolve().parents[3] / "benchmarks" / "bench_rag.py"
 # The benchmarks import their shared pieces (benchmarks/common.py) as scripts do.
 sys.path.insert(0, str(_PATH.parent))
 import common  # noqa: E402
+
 _spec = importlib.util.spec_from_file_location("bench_rag", _PATH)
 bench = importlib.util.module_from_spec(_spec)
 sys.modules["bench_rag"] = bench  # dataclasses look their module up by name
@@ -31,7 +32,9 @@ def test_request_stream_is_deterministic_and_reuses_the_hot_set():
     assert 0.8 < share <= 1.0
     for prompt, question in a:
         parts = prompt.split(" ## ")
-        assert parts[0] == "Sys." and parts[-1] == question and len(set(parts[1:-1])) == 4
+        assert (
+            parts[0] == "Sys." and parts[-1] == question and len(set(parts[1:-1])) == 4
+        )
     cold = bench.make_prompts(WORK, bench.Point(4, 0.0, 1), "t")
     assert not any(d in hot for p, _ in cold for d in p.split(" ## ")[1:-1])
 
@@ -44,9 +47,11 @@ def test_percentile_matches_linear_interpolation():
 
 def test_table_has_ratios_from_the_same_run_and_the_floor():
     p = bench.Point(4, 0.5, 1)
-    rows = [bench.Result("stock", p, [0.4, 0.6], 16, 2.0, None),
-            bench.Result("prefix", p, [0.3, 0.3], 16, 2.0, 0.25),
-            bench.Result("chunk", p, [0.1, 0.1], 16, 1.0, 0.5)]
+    rows = [
+        bench.Result("stock", p, [0.4, 0.6], 16, 2.0, None),
+        bench.Result("prefix", p, [0.3, 0.3], 16, 2.0, 0.25),
+        bench.Result("chunk", p, [0.1, 0.1], 16, 1.0, 0.5),
+    ]
     table = bench.write_table(rows, {p: 0.05})
     assert "| 4 | 0.5 | 1 | stock | 500 | 580 | 1.00 | 8.0 | - | 5.00x |" in table
     assert "| prefix | 300 |" in table and "| 25% | 3.00x |" in table
@@ -54,18 +59,27 @@ def test_table_has_ratios_from_the_same_run_and_the_floor():
 
 
 def test_one_factor_sweeps_around_the_base_point():
-    args = bench.parse_args(["--docs", "2,4,8", "--reuse", "0,0.5", "--concurrency", "1,4"])
+    args = bench.parse_args(
+        ["--docs", "2,4,8", "--reuse", "0,0.5", "--concurrency", "1,4"]
+    )
     pts, base = bench.points(args)
     assert base == bench.Point(4, 0.5, 1)
-    assert set(pts) == {bench.Point(2, 0.5, 1), bench.Point(4, 0.5, 1), bench.Point(8, 0.5, 1),
-                        bench.Point(4, 0.0, 1), bench.Point(4, 0.5, 4)}
+    assert set(pts) == {
+        bench.Point(2, 0.5, 1),
+        bench.Point(4, 0.5, 1),
+        bench.Point(8, 0.5, 1),
+        bench.Point(4, 0.0, 1),
+        bench.Point(4, 0.5, 4),
+    }
 
 
 def test_ratios_between_the_three_configurations():
     p = bench.Point(4, 0.5, 1)
-    rows = [bench.Result("stock", p, [0.4, 0.6], 16, 2.0, None),
-            bench.Result("prefix", p, [0.3, 0.3], 16, 2.0, 0.25),
-            bench.Result("chunk", p, [0.1, 0.1], 16, 1.0, 0.5)]
+    rows = [
+        bench.Result("stock", p, [0.4, 0.6], 16, 2.0, None),
+        bench.Result("prefix", p, [0.3, 0.3], 16, 2.0, 0.25),
+        bench.Result("chunk", p, [0.1, 0.1], 16, 1.0, 0.5),
+    ]
     ratios = bench.write_ratios(rows, {p: 0.05})
     # TTFT stock/chunk, prefix/chunk, stock/prefix; req/s chunk/stock, chunk/prefix; floor.
     assert "| 4 | 0.5 | 1 | 5.00x | 3.00x | 1.67x | 2.00x | 2.00x | 2.00x |" in ratios
@@ -109,8 +123,12 @@ def test_verdicts_compare_each_target_with_its_threshold():
         results[("stock", name)] = result("stock", name, 10.0, wall=30.0)
         results[("prefix", name)] = result("prefix", name, 5.0, wall=20.0)
         results[("chunk", name)] = result("chunk", name, 0.3, wall=5.0)
-    found = {v.target: v for v in targets.verdicts(results, {"hit-4": 0.2, "hit-8": 0.1},
-                                                   remap_share=0.6)}
+    found = {
+        v.target: v
+        for v in targets.verdicts(
+            results, {"hit-4": 0.2, "hit-8": 0.1}, remap_share=0.6
+        )
+    }
     assert found["all-hit, 8 docs: TTFT >= 25x lower than stock"].met  # 33x
     assert not found["all-hit, 8 docs: TTFT >= 25x lower than prefix"].met  # 16.7x
     assert found["all-hit, 4 docs: TTFT <= 2x the floor"].met  # 1.5x

@@ -14,11 +14,19 @@ sys.modules["bench_store"] = bench
 _spec.loader.exec_module(bench)
 
 
-@pytest.mark.parametrize("local_client", [False, True], ids=["in-process", "nodes-client"])
+@pytest.mark.parametrize(
+    "local_client", [False, True], ids=["in-process", "nodes-client"]
+)
 def test_small_run_reports_every_rate(local_client):
     rows = bench.run([0.25, 0.5], batch=2, repeats=2, local_client=local_client)
     assert [r["size_mb"] for r in rows] == [0.25, 0.5]
     for r in rows:
-        for k in ("store_GBps", "store_one_GBps", "memcpy_GBps", "tcp_GBps", "xxh3_GBps"):
+        for k in (
+            "store_GBps",
+            "store_one_GBps",
+            "memcpy_GBps",
+            "tcp_GBps",
+            "xxh3_GBps",
+        ):
             assert r[k] > 0, (k, r)
         assert abs(r["ratio"] - r["store_GBps"] / r["memcpy_GBps"]) < 1e-9

@@ -46,11 +46,17 @@ def test_dataset_shape():
     data = build_dataset()
     qs = data.questions
     assert len(qs) >= 200
-    assert sum(q.kind == "single" for q in qs) == sum(q.kind == "two-hop" for q in qs) == 120
+    assert (
+        sum(q.kind == "single" for q in qs)
+        == sum(q.kind == "two-hop" for q in qs)
+        == 120
+    )
     assert len({q.qid for q in qs}) == len(qs)
     for q in qs:
         assert len(q.documents) == 4 and len(set(q.documents)) == 4
-        assert "##" not in "".join(q.segments)  # the separator never occurs in a segment
+        assert "##" not in "".join(
+            q.segments
+        )  # the separator never occurs in a segment
         assert len(q.gold_documents) == (1 if q.kind == "single" else 2)
         # The answer is stated in a gold document.
         assert any(q.answer in q.documents[i] for i in q.gold_documents)
@@ -64,7 +70,9 @@ def test_each_question_needs_its_gold_documents():
         if q.kind == "single" and q.attribute != "year":
             # The person asked about is named in the gold document only.
             name = next(n for n in people if n in q.question)
-            assert [i for i, d in enumerate(q.documents) if name in d] == list(q.gold_documents)
+            assert [i for i, d in enumerate(q.documents) if name in d] == list(
+                q.gold_documents
+            )
         elif q.kind == "two-hop":
             org = next(o for o in orgs.values() if o.name in q.question)
             leader = people[org.leader]
@@ -96,13 +104,16 @@ def test_encoded_question_ids():
 
 def test_levers_reexport_the_overlay_reference():
     from quality_eval import levers
+
     from tests import chunk_isolation_mask as overlay
 
     for name in ("Role", "LeverSequence", "build_lever_sequence", "first_k"):
         assert getattr(levers, name) is getattr(overlay, name)
     lever = build_lever_sequence(PROMPT, "sink", first_k(PROMPT, 2), sink_token_id=SINK)
     assert lever.num_recomputed == 6 and lever.roles.count(Role.ISOLATED) == 6
-    boundary = build_isolated_sequence(PROMPT, "sink", sink_token_id=SINK, recompute_tokens=2)
+    boundary = build_isolated_sequence(
+        PROMPT, "sink", sink_token_id=SINK, recompute_tokens=2
+    )
     assert lever.seq.token_ids == boundary.token_ids
     assert torch.equal(lever.seq.allowed, boundary.allowed)
 
@@ -118,13 +129,19 @@ def test_top_fraction():
     # A CacheBlend selection is a valid lever (non-contiguous recomputed tokens).
     lever = build_lever_sequence(PROMPT, "none", top_fraction(PROMPT, scores, 3 / 9))
     assert [r.value for r in lever.roles[2:6]] == [
-        "isolated", "cached", "cached", "recomputed"]  # chunk 1 recomputes 14 only
+        "isolated",
+        "cached",
+        "cached",
+        "recomputed",
+    ]  # chunk 1 recomputes 14 only
 
 
 def test_context_scale_bias_touches_only_question_rows_toward_real_chunk_tokens():
     import math
 
-    seq = build_isolated_sequence(PROMPT, "sink", extra_token_ids=[30], sink_token_id=SINK)
+    seq = build_isolated_sequence(
+        PROMPT, "sink", extra_token_ids=[30], sink_token_id=SINK
+    )
     bias = context_scale_bias(PROMPT, seq, 2.0)
     src = seq.source_index.tolist()
     for q, row in enumerate(bias.tolist()):
@@ -171,9 +188,9 @@ def test_question_aware_first_tokens_count_inside_the_budget():
 
 def test_question_chunks_spends_the_budget_on_the_most_attended_chunks_heads():
     attention = torch.zeros(13)
-    attention[[0, 11]] = 99.0          # system / question: not a chunk
-    attention[[9, 10]] = 5.0           # chunk 2: mass 10
-    attention[5] = 3.0                 # chunk 1: mass 3; chunk 0: 0
+    attention[[0, 11]] = 99.0  # system / question: not a chunk
+    attention[[9, 10]] = 5.0  # chunk 2: mass 10
+    attention[5] = 3.0  # chunk 1: mass 3; chunk 0: 0
     assert question_chunks(PROMPT, attention, 0.0) == [[], [], []]
     # 5 tokens: chunk 2 whole (2), then chunk 1's first 3.
     assert question_chunks(PROMPT, attention, 5 / 9) == [[], [0, 1, 2], [0, 1]]
@@ -187,10 +204,10 @@ def test_question_chunks_spends_the_budget_on_the_most_attended_chunks_heads():
 
 @pytest.fixture(scope="module")
 def tiny_scorer():
-    from transformers import AutoTokenizer
-
     from quality_eval.prompts import encode
     from quality_eval.reference import ReferenceScorer
+    from transformers import AutoTokenizer
+
     from tests.conftest import models_dir
 
     path = str(models_dir() / "tiny-llama")
@@ -207,15 +224,22 @@ def test_question_attention_is_hf_eager_attention_of_the_question_rows(tiny_scor
     scorer, path, item = tiny_scorer
     prompt = item.prompt
     got = scorer.question_attention(prompt, "sink")
-    eager = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
-                                                 attn_implementation="eager").eval()
+    eager = AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
     seq = build_isolated_sequence(prompt, "sink", sink_token_id=scorer.sink_token_id)
     with torch.inference_mode():
-        out = eager(input_ids=torch.tensor([seq.token_ids]), position_ids=seq.position_ids[None],
-                    attention_mask=seq.additive_mask(), output_attentions=True)
+        out = eager(
+            input_ids=torch.tensor([seq.token_ids]),
+            position_ids=seq.position_ids[None],
+            attention_mask=seq.additive_mask(),
+            output_attentions=True,
+        )
     q = prompt.question_span
     rows = (seq.source_index >= q.start) & (seq.source_index < q.end)
-    per_key = torch.stack([a[0][:, rows].sum(dim=(0, 1)) for a in out.attentions]).sum(0)
+    per_key = torch.stack([a[0][:, rows].sum(dim=(0, 1)) for a in out.attentions]).sum(
+        0
+    )
     real = seq.real_rows
     assert torch.allclose(got[seq.source_index[real]], per_key[real], atol=1e-4)
     # Probabilities: each (layer, head, question row) gives 1 in all, to real tokens only
@@ -229,27 +253,36 @@ def test_question_attention_is_hf_eager_attention_of_the_question_rows(tiny_scor
 
 
 def test_question_aware_lever_ends_are_sink_and_full(tiny_scorer):
-    """r = 0 recomputes nothing (= the `sink` mode) and r = 100% every chunk token
+    """R = 0 recomputes nothing (= the `sink` mode) and r = 100% every chunk token
     (= full causal attention), through the reference's own lever mechanism."""
     from quality_eval.reference import LeverGrid
 
     scorer, _, item = tiny_scorer
-    grid = LeverGrid(modes=("sink",), boundary_k=(), fractions=(),
-                     question_fractions=(0.0, 0.1, 1.0), question_first=(0, 2),
-                     question_chunk_fractions=(0.0, 1.0))
+    grid = LeverGrid(
+        modes=("sink",),
+        boundary_k=(),
+        fractions=(),
+        question_fractions=(0.0, 0.1, 1.0),
+        question_first=(0, 2),
+        question_chunk_fractions=(0.0, 1.0),
+    )
     scores = scorer.evaluate(item, ("sink",), grid)
     chunk_tokens = item.num_chunk_tokens
     assert scores["sink+qa0"].recomputed == 0
-    assert scores["sink+qa0"].gold_logprob == pytest.approx(scores["sink"].gold_logprob,
-                                                            abs=1e-4)
+    assert scores["sink+qa0"].gold_logprob == pytest.approx(
+        scores["sink"].gold_logprob, abs=1e-4
+    )
     assert scores["sink+qa100"].recomputed == chunk_tokens
-    assert scores["sink+qa100"].gold_logprob == pytest.approx(scores["full"].gold_logprob,
-                                                              abs=1e-4)
+    assert scores["sink+qa100"].gold_logprob == pytest.approx(
+        scores["full"].gold_logprob, abs=1e-4
+    )
     assert scores["sink+qa10"].recomputed == round(0.1 * chunk_tokens)
-    assert scores["sink+qchunk0"].gold_logprob == pytest.approx(scores["sink"].gold_logprob,
-                                                                abs=1e-4)
+    assert scores["sink+qchunk0"].gold_logprob == pytest.approx(
+        scores["sink"].gold_logprob, abs=1e-4
+    )
     assert scores["sink+qchunk100"].gold_logprob == pytest.approx(
-        scores["full"].gold_logprob, abs=1e-4)
+        scores["full"].gold_logprob, abs=1e-4
+    )
     # first=2 with r=0: each chunk's first two tokens and nothing else.
     assert scores["sink+qa0+first2"].recomputed == 2 * item.prompt.num_chunks
 
@@ -260,13 +293,20 @@ def test_merge_reference_joins_levers_per_question_and_refuses_mismatches(tmp_pa
     from eval_quality import merge_reference
 
     def score(lp, recomputed=0):
-        return {"gold_logprob": lp, "exact": False, "recomputed": recomputed,
-                "chunk_tokens": 10}
+        return {
+            "gold_logprob": lp,
+            "exact": False,
+            "recomputed": recomputed,
+            "chunk_tokens": 10,
+        }
 
     mine = [{"qid": "s000", "scores": {"full": score(-1.0, 10), "sink": score(-2.0)}}]
     other = tmp_path / "other"
     other.mkdir()
-    row = {"qid": "s000", "scores": {"sink": score(-2.0), "sink+qchunk10": score(-1.5, 1)}}
+    row = {
+        "qid": "s000",
+        "scores": {"sink": score(-2.0), "sink+qchunk10": score(-1.5, 1)},
+    }
     (other / "reference.jsonl").write_text(json.dumps(row) + "\n")
     merged = merge_reference(mine, (str(other),))
     assert list(merged[0]["scores"]) == ["full", "sink", "sink+qchunk10"]
@@ -286,8 +326,17 @@ def test_paired_table_differences_and_gap_interval():
         return {"gold_logprob": lp, "exact": False, "recomputed": 0, "chunk_tokens": 10}
 
     # `half` closes exactly half of every question's gap: its interval is 50% to 50%.
-    rows = [{"qid": q, "scores": {"full": score(-1.0 - d), "sink": score(-3.0 - d),
-                                  "half": score(-2.0 - d)}} for q, d in (("a", 0), ("b", 1))]
+    rows = [
+        {
+            "qid": q,
+            "scores": {
+                "full": score(-1.0 - d),
+                "sink": score(-3.0 - d),
+                "half": score(-2.0 - d),
+            },
+        }
+        for q, d in (("a", 0), ("b", 1))
+    ]
     lines = paired_table(rows, boot=50).splitlines()
     assert lines[2] == "| full | +2.000 +- 0.000 | - |"
     assert lines[3] == "| half | +1.000 +- 0.000 | 50% to 50% |"

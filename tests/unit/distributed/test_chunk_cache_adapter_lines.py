@@ -13,6 +13,9 @@ test (test_chunk_cache_metadata.py).
 
 import random
 
+from vllm.sampling_params import SamplingParams
+from vllm.v1.request import Request, RequestStatus
+
 from tests.unit.distributed.test_chunk_cache_scheduler_adapter import (
     BLOCK,
     FakeBlocks,
@@ -24,8 +27,6 @@ from tests.unit.python_lines import python_lines
 from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.scheduler_adapter import (
     ChunkCacheSchedulerAdapter,
 )
-from vllm.sampling_params import SamplingParams
-from vllm.v1.request import Request, RequestStatus
 
 DOCS = 8
 
@@ -33,8 +34,13 @@ DOCS = 8
 def _request(rid, system, docs, question) -> Request:
     segments = [system, *docs, question]
     ids = [t for seg in segments for t in seg]
-    return Request(rid, ids, SamplingParams(max_tokens=1), None,
-                   chunk_layout=[len(s) for s in segments])
+    return Request(
+        rid,
+        ids,
+        SamplingParams(max_tokens=1),
+        None,
+        chunk_layout=[len(s) for s in segments],
+    )
 
 
 def _all_hit_lines(doc_tokens: int) -> int:
@@ -43,7 +49,9 @@ def _all_hit_lines(doc_tokens: int) -> int:
     docs = [[rng.randrange(2, 1000) for _ in range(doc_tokens)] for _ in range(DOCS)]
     num_tokens = (DOCS + 1) * doc_tokens + 3
     blocks = -(-num_tokens // BLOCK)
-    adapter = ChunkCacheSchedulerAdapter(*make_config(num_kv_blocks=8 * blocks, fraction=0.5))
+    adapter = ChunkCacheSchedulerAdapter(
+        *make_config(num_kv_blocks=8 * blocks, fraction=0.5)
+    )
     warm = _request("warm", system, docs, [5, 6, 7])
     adapter.on_new_request(warm)
     adapter.get_num_new_matched_tokens(warm, 0)
@@ -52,13 +60,17 @@ def _all_hit_lines(doc_tokens: int) -> int:
     finish(adapter, warm, RequestStatus.FINISHED_STOPPED)
     loaded = (DOCS + 1) * doc_tokens
     # Built outside the counted call: the test's own lists are per token.
-    requests = [_request(f"r{i}", system, rng.sample(docs, DOCS), [8, 9, 10]) for i in range(2)]
+    requests = [
+        _request(f"r{i}", system, rng.sample(docs, DOCS), [8, 9, 10]) for i in range(2)
+    ]
 
     def request() -> None:
         r = requests.pop()
         adapter.on_new_request(r)
         assert adapter.get_num_new_matched_tokens(r, 0) == (loaded, False)
-        adapter.update_state_after_alloc(r, FakeBlocks(list(range(1, blocks + 1))), loaded)
+        adapter.update_state_after_alloc(
+            r, FakeBlocks(list(range(1, blocks + 1))), loaded
+        )
         meta = adapter.build_connector_meta(step_output({r.request_id: 3}))
         assert sum(s.num_rows for load in meta.loads for s in load.stretches) == loaded
         finish(adapter, r, RequestStatus.FINISHED_STOPPED)

@@ -24,9 +24,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-import vllm
 from torch import nn
 
+import vllm
 from tests.conftest import models_dir
 from tests.e2e.engine import CPU_MLA_ARGS
 from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.cache_writers import (
@@ -39,8 +39,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.support import (
 MODEL = str(models_dir() / "tiny-deepseek")
 LATENT = 576  # the tiny DeepSeek's latent row: kv_lora_rank 512 + qk_rope_head_dim 64
 ON_023 = vllm.__version__.startswith("0.23")
-ONLY_032 = pytest.mark.skipif(ON_023, reason="vLLM 0.23 has no MLA on the CPU (tested "
-                                             "below: its platform refuses it, AMX or not)")
+ONLY_032 = pytest.mark.skipif(
+    ON_023,
+    reason="vLLM 0.23 has no MLA on the CPU (tested "
+    "below: its platform refuses it, AMX or not)",
+)
 
 
 @pytest.fixture
@@ -58,14 +61,21 @@ def amx(monkeypatch):
 def _config(dtype: str, **kwargs):
     from vllm.engine.arg_utils import EngineArgs
 
-    return EngineArgs(model=MODEL, dtype=dtype, enforce_eager=True, max_model_len=1024,
-                      enable_chunk_cache=True, **kwargs).create_engine_config()
+    return EngineArgs(
+        model=MODEL,
+        dtype=dtype,
+        enforce_eager=True,
+        max_model_len=1024,
+        enable_chunk_cache=True,
+        **kwargs,
+    ).create_engine_config()
 
 
 def _selected(config, dtype: torch.dtype) -> type:
     """The backend class vLLM's own selection gives an MLA layer of this config."""
-    from vllm.config import set_current_vllm_config
     from vllm.v1.attention.selector import get_attn_backend
+
+    from vllm.config import set_current_vllm_config
 
     with set_current_vllm_config(config):
         return get_attn_backend(LATENT, dtype, "auto", use_mla=True)
@@ -91,13 +101,17 @@ def _layer(backend: type):
 @ONLY_032
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_forced_amx_vllm_picks_amx_mla_and_the_chunk_cache_refuses_it_naming_cpu_mla(
-        amx, dtype):
+    amx, dtype
+):
     config = _config(dtype)
     backend = _selected(config, getattr(torch, dtype))
     # vLLM's AMX branch, config and selection alike (issue 59's failing CI run).
     assert backend.get_name() == "AMX_MLA"
     assert config.cache_config.block_size == 128
-    assert latent_writer_for(backend.get_impl_cls().__new__(backend.get_impl_cls())) is None
+    assert (
+        latent_writer_for(backend.get_impl_cls().__new__(backend.get_impl_cls()))
+        is None
+    )
     with pytest.raises(ValueError) as refused:
         check_attention_layer("model.layers.0.self_attn.mla_attn", _layer(backend))
     message = str(refused.value)
@@ -109,7 +123,8 @@ def test_forced_amx_vllm_picks_amx_mla_and_the_chunk_cache_refuses_it_naming_cpu
 @ONLY_032
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_forced_amx_the_mla_tests_arguments_give_cpu_mla_which_the_chunk_cache_serves(
-        amx, dtype):
+    amx, dtype
+):
     config = _config(dtype, **CPU_MLA_ARGS)
     backend = _selected(config, getattr(torch, dtype))
     assert backend.get_name() == "CPU_MLA"
@@ -138,8 +153,12 @@ def test_forced_amx_vllm_023_still_has_no_mla_on_the_cpu(amx):
     from vllm.platforms import current_platform
     from vllm.v1.attention.selector import AttentionSelectorConfig
 
-    selector_config = AttentionSelectorConfig(head_size=LATENT, dtype=torch.bfloat16,
-                                              kv_cache_dtype="auto", block_size=None,
-                                              use_mla=True)
+    selector_config = AttentionSelectorConfig(
+        head_size=LATENT,
+        dtype=torch.bfloat16,
+        kv_cache_dtype="auto",
+        block_size=None,
+        use_mla=True,
+    )
     with pytest.raises(NotImplementedError, match="MLA is not supported on CPU"):
         current_platform.get_attn_backend_cls(None, selector_config)

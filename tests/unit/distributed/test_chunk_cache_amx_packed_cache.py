@@ -40,9 +40,15 @@ def amx(monkeypatch):
 def _layer(block_size: int, dtype: torch.dtype):
     kv_cache = torch.zeros(6, HEADS, block_size, 2 * HEAD, dtype=dtype)
     layer = SimpleNamespace(
-        kv_cache=kv_cache, head_size=HEAD, head_size_v=HEAD, num_kv_heads=HEADS,
-        layer_name="l0", _k_scale_float=1.0, _v_scale_float=1.0,
-        impl=SimpleNamespace(kv_cache_dtype="auto"))
+        kv_cache=kv_cache,
+        head_size=HEAD,
+        head_size_v=HEAD,
+        num_kv_heads=HEADS,
+        layer_name="l0",
+        _k_scale_float=1.0,
+        _v_scale_float=1.0,
+        impl=SimpleNamespace(kv_cache_dtype="auto"),
+    )
     return layer, kv_cache
 
 
@@ -54,17 +60,20 @@ def test_forced_amx_a_packed_bf16_cache_keeps_the_hook_and_is_restored(amx, bloc
     layer, kv_cache = _layer(block_size, torch.bfloat16)
     kv_cache.normal_()
     before = kv_cache.clone()
-    choice = choose_capture({"l0": layer}, {"l0": kv_cache}, {"l0": CPU_WRITER},
-                            torch.bfloat16)
+    choice = choose_capture(
+        {"l0": layer}, {"l0": kv_cache}, {"l0": CPU_WRITER}, torch.bfloat16
+    )
     assert torch.equal(kv_cache, before)
     assert not choice.after_forward
-    assert choice.in_attention["l0"].endswith("bytes read back differ (CPU_ATTN packs "
-                                              "this cache)"), choice.in_attention
+    assert choice.in_attention["l0"].endswith(
+        "bytes read back differ (CPU_ATTN packs this cache)"
+    ), choice.in_attention
 
 
-def test_forced_amx_the_write_really_packs_k_and_the_reader_does_not_know_it(amx,
-                                                                          monkeypatch):
-    """vLLM's write under the forced ISA stores K elsewhere than the "vec" layout the
+def test_forced_amx_the_write_really_packs_k_and_the_reader_does_not_know_it(
+    amx, monkeypatch
+):
+    """VLLM's write under the forced ISA stores K elsewhere than the "vec" layout the
     reader reads (so the self-check above fails for the layout, not for the stand-in),
     and V where the reader finds it; the same rows under vec read back exactly."""
     gen = torch.Generator().manual_seed(5)
@@ -84,8 +93,12 @@ def test_forced_amx_the_write_really_packs_k_and_the_reader_does_not_know_it(amx
     assert not torch.equal(packed, kv_cache)
 
 
-@pytest.mark.parametrize("dtype,block_size", [(torch.float32, 32), (torch.bfloat16, 16)])
-def test_forced_amx_other_caches_keep_a_layout_the_capture_reads(amx, dtype, block_size):
+@pytest.mark.parametrize(
+    "dtype,block_size", [(torch.float32, 32), (torch.bfloat16, 16)]
+)
+def test_forced_amx_other_caches_keep_a_layout_the_capture_reads(
+    amx, dtype, block_size
+):
     """AMX packs bf16 with blocks of a multiple of 32 only: float32 (the e2e suite's
     dtype) and a 16-row block keep the vec layouts, read back after the forward."""
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa

@@ -11,6 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from tests.unit.vllm_triton_cache_write import write_kv
 from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.cache_writers import (
     CacheWriter,
     _read_cpu,
@@ -18,17 +19,18 @@ from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.cache_writers impo
     _write_cpu,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.capture_path import (
-    CaptureChoice,
     choose_capture,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.metadata import (
     ChildStore,
     ChunkCacheMetadata,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.setup import POOL_BLOCK_SIZE
-from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.worker import ChunkCacheWorker
-
-from tests.unit.vllm_triton_cache_write import write_kv
+from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.setup import (
+    POOL_BLOCK_SIZE,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.worker import (
+    ChunkCacheWorker,
+)
 
 HEADS, HEAD = 2, 64
 
@@ -36,9 +38,15 @@ HEADS, HEAD = 2, 64
 def _cpu_layer(block_size: int, dtype: torch.dtype, cache_dtype: str = "auto"):
     kv_cache = torch.zeros(6, HEADS, block_size, 2 * HEAD, dtype=dtype)
     layer = SimpleNamespace(
-        kv_cache=kv_cache, head_size=HEAD, head_size_v=HEAD, num_kv_heads=HEADS,
-        layer_name="l0", _k_scale_float=1.0, _v_scale_float=1.0,
-        impl=SimpleNamespace(kv_cache_dtype=cache_dtype))
+        kv_cache=kv_cache,
+        head_size=HEAD,
+        head_size_v=HEAD,
+        num_kv_heads=HEADS,
+        layer_name="l0",
+        _k_scale_float=1.0,
+        _v_scale_float=1.0,
+        impl=SimpleNamespace(kv_cache_dtype=cache_dtype),
+    )
     return layer, kv_cache
 
 
@@ -60,8 +68,13 @@ def _flash_layer(layout: str, dtype: torch.dtype):
         kv_cache = torch.zeros(6, 2, 16, HEADS, HEAD, dtype=dtype)
     else:
         kv_cache = torch.zeros(6, 2, HEADS, 16, HEAD, dtype=dtype).transpose(2, 3)
-    layer = SimpleNamespace(kv_cache=kv_cache, head_size=HEAD, head_size_v=HEAD,
-                            num_kv_heads=HEADS, impl=SimpleNamespace(kv_cache_dtype="auto"))
+    layer = SimpleNamespace(
+        kv_cache=kv_cache,
+        head_size=HEAD,
+        head_size_v=HEAD,
+        num_kv_heads=HEADS,
+        impl=SimpleNamespace(kv_cache_dtype="auto"),
+    )
     return layer, kv_cache
 
 
@@ -76,8 +89,9 @@ def test_cpu_reader_returns_what_the_cpu_backend_wrote(block_size, dtype):
     if _get_attn_isa(dtype, block_size, HEAD, "auto") not in ("vec", "vec16"):
         # NOTE: an AMX machine packs bf16 K for its tile unit: the reader does
         # not know that layout, and the self-check must say so (next test).
-        assert choose_capture({"l0": layer}, {"l0": kv_cache}, {"l0": CPU_WRITER},
-                              dtype).in_attention
+        assert choose_capture(
+            {"l0": layer}, {"l0": kv_cache}, {"l0": CPU_WRITER}, dtype
+        ).in_attention
         return
     gen = torch.Generator().manual_seed(3)
     key = torch.randn(40, HEADS, HEAD, generator=gen).to(dtype)
@@ -121,13 +135,16 @@ def test_flash_reader_returns_what_vllms_flash_write_put_in(layout, dtype):
     got_key, got_value = _read_flash(layer, kv_cache, slots)
     assert torch.equal(got_key.view(torch.uint8), key.view(torch.uint8))
     assert torch.equal(got_value.view(torch.uint8), value.view(torch.uint8))
-    choice = choose_capture({"l0": layer}, {"l0": kv_cache}, {"l0": _flash_writer()}, dtype)
+    choice = choose_capture(
+        {"l0": layer}, {"l0": kv_cache}, {"l0": _flash_writer()}, dtype
+    )
     assert list(choice.after_forward) == ["l0"], choice.in_attention
 
 
 def test_self_check_keeps_the_hook_and_says_why():
     dtype = torch.float32
     layer, kv_cache = _cpu_layer(32, dtype)
+
     # A reader that gets one layout detail wrong (K read row-major).
     def transposed(layer, kv_cache, slots):
         key, value = _read_cpu(layer, kv_cache, slots)
@@ -140,8 +157,9 @@ def test_self_check_keeps_the_hook_and_says_why():
         "unbound": (_cpu_layer(32, dtype)[0], kv_cache, CPU_WRITER),
     }
     layers = {name: c[0] for name, c in cases.items()}
-    caches = {name: (c[1] if c[1] is not None else c[0].kv_cache)
-              for name, c in cases.items()}
+    caches = {
+        name: (c[1] if c[1] is not None else c[0].kv_cache) for name, c in cases.items()
+    }
     choice = choose_capture(layers, caches, {n: c[2] for n, c in cases.items()}, dtype)
     assert not choice.after_forward
     why = choice.in_attention
@@ -167,20 +185,34 @@ def test_capture_after_forward_copies_the_childs_rows_into_its_pool_rows():
     positions = torch.arange(4, 20)
     child_slots = torch.tensor([3, 1])[positions // 16] * 16 + positions % 16
     write_kv(kv_cache, child_key, child_value, child_slots)
-    choice = choose_capture({"l0": layer}, {"l0": kv_cache}, {"l0": _flash_writer()}, dtype)
+    choice = choose_capture(
+        {"l0": layer}, {"l0": kv_cache}, {"l0": _flash_writer()}, dtype
+    )
     rows = 12 * POOL_BLOCK_SIZE
     worker = SimpleNamespace(
-        _capture=choice, _capture_groups=[], latent={}, device=torch.device("cpu"),
+        _capture=choice,
+        _capture_groups=[],
+        latent={},
+        device=torch.device("cpu"),
         block_size=16,
-        _layers={"l0": layer}, _kv_caches={"l0": kv_cache},
+        _layers={"l0": layer},
+        _kv_caches={"l0": kv_cache},
         pool_key={"l0": torch.zeros(rows, HEADS, HEAD, dtype=dtype)},
-        pool_value={"l0": torch.zeros(rows, HEADS, HEAD, dtype=dtype)})
-    store = ChildStore(block_ids=(3, 1), pool_block_ids=(7, 2), first_position=4,
-                       end_position=20, store_start=1)
+        pool_value={"l0": torch.zeros(rows, HEADS, HEAD, dtype=dtype)},
+    )
+    store = ChildStore(
+        block_ids=(3, 1),
+        pool_block_ids=(7, 2),
+        first_position=4,
+        end_position=20,
+        store_start=1,
+    )
     ChunkCacheWorker.capture_after_forward(worker, ChunkCacheMetadata(stores=[store]))
     entry_rows = positions - 1
-    pool_rows = (torch.tensor([7, 2])[entry_rows // POOL_BLOCK_SIZE] * POOL_BLOCK_SIZE
-                 + entry_rows % POOL_BLOCK_SIZE)
+    pool_rows = (
+        torch.tensor([7, 2])[entry_rows // POOL_BLOCK_SIZE] * POOL_BLOCK_SIZE
+        + entry_rows % POOL_BLOCK_SIZE
+    )
     assert torch.equal(worker.pool_key["l0"][pool_rows], child_key)
     assert torch.equal(worker.pool_value["l0"][pool_rows], child_value)
     untouched = torch.ones(rows, dtype=torch.bool)

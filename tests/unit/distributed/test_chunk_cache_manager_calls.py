@@ -8,9 +8,12 @@ from __future__ import annotations
 
 from collections import Counter
 
-from tests.unit.v1.core.hook_transcript import SchedulerShape, Transcript, make_scheduler
+from tests.unit.v1.core.hook_transcript import (
+    SchedulerShape,
+    Transcript,
+    make_scheduler,
+)
 from tests.unit.v1.core.test_chunk_hook_transcript import D1, D2, SYS, add, q
-
 
 HOOKS = ("get_num_new_matched_tokens", "get_prefill_gap", "update_state_after_alloc")
 
@@ -38,8 +41,9 @@ def counted_step(t: Transcript, rid: str) -> Counter:
     connector = t.connector
     adapter = connector._scheduler
     proxy = CountingProxy(adapter.manager)
-    originals = {hook: getattr(connector, hook)
-                 for hook in HOOKS + ("build_connector_meta",)}
+    originals = {
+        hook: getattr(connector, hook) for hook in HOOKS + ("build_connector_meta",)
+    }
 
     def counted(hook):
         def call(*args):
@@ -49,6 +53,7 @@ def counted_step(t: Transcript, rid: str) -> Counter:
                 return originals[hook](*args)
             finally:
                 proxy.counting = False
+
         return call
 
     adapter.manager = proxy

@@ -18,9 +18,12 @@ CPU = torch.device("cpu")
 def test_rows_follow_the_blocks():
     # Rows 0..5 of an entry in pool blocks (7, 2) of 4 rows, to positions
     # 0..5 of a request in paged blocks (1, 3) of 8 slots.
-    stretch = SegmentStretch(pool_block_ids=(7, 2), first_row=0, num_rows=6,
-                             dst_position=0, delta=3)
-    rows = LoadRows.expand([RequestLoad(block_ids=(1, 3), stretches=(stretch,))], 4, 8, CPU)
+    stretch = SegmentStretch(
+        pool_block_ids=(7, 2), first_row=0, num_rows=6, dst_position=0, delta=3
+    )
+    rows = LoadRows.expand(
+        [RequestLoad(block_ids=(1, 3), stretches=(stretch,))], 4, 8, CPU
+    )
     assert rows.src_rows.tolist() == [28, 29, 30, 31, 8, 9]
     assert rows.dst_slots.tolist() == [8, 9, 10, 11, 12, 13]
 
@@ -28,12 +31,21 @@ def test_rows_follow_the_blocks():
 def test_a_load_expands_to_pool_rows_paged_slots_and_deltas():
     # Rows 2..5 of an entry in pool blocks (3, 1) of 4 rows, loaded at
     # positions 6..9 of a request whose paged blocks are (5, 0, 9) of 4 slots.
-    stretch = SegmentStretch(pool_block_ids=(3, 1), first_row=2, num_rows=4,
-                             dst_position=6, delta=-7)
-    other = SegmentStretch(pool_block_ids=(8,), first_row=0, num_rows=1,
-                           dst_position=0, delta=0)
-    rows = LoadRows.expand([RequestLoad(block_ids=(5, 0, 9), stretches=(stretch,)),
-                            RequestLoad(block_ids=(4,), stretches=(other,))], 4, 4, CPU)
+    stretch = SegmentStretch(
+        pool_block_ids=(3, 1), first_row=2, num_rows=4, dst_position=6, delta=-7
+    )
+    other = SegmentStretch(
+        pool_block_ids=(8,), first_row=0, num_rows=1, dst_position=0, delta=0
+    )
+    rows = LoadRows.expand(
+        [
+            RequestLoad(block_ids=(5, 0, 9), stretches=(stretch,)),
+            RequestLoad(block_ids=(4,), stretches=(other,)),
+        ],
+        4,
+        4,
+        CPU,
+    )
     assert rows.src_rows.tolist() == [14, 15, 4, 5, 32]
     assert rows.dst_slots.tolist() == [2, 3, 36, 37, 16]
     assert rows.deltas.tolist() == [-7, -7, -7, -7, 0]
@@ -42,8 +54,13 @@ def test_a_load_expands_to_pool_rows_paged_slots_and_deltas():
 def test_a_capture_expands_to_paged_slots_and_pool_rows():
     # Positions 3..6 of a child in paged blocks (6, 2) of 4 slots; its entry
     # starts at position 1 (the sink before it) in pool blocks (0, 5).
-    store = ChildStore(block_ids=(6, 2), pool_block_ids=(0, 5), first_position=3,
-                       end_position=7, store_start=1)
+    store = ChildStore(
+        block_ids=(6, 2),
+        pool_block_ids=(0, 5),
+        first_position=3,
+        end_position=7,
+        store_start=1,
+    )
     rows = StoreRows.expand([store], 4, 4, CPU)
     assert rows.src_slots.tolist() == [27, 8, 9, 10]
     assert rows.dst_rows.tolist() == [2, 3, 20, 21]
@@ -67,13 +84,26 @@ def test_stretches_of_one_request_share_its_block_table(monkeypatch):
 
     monkeypatch.setattr(torch, "from_numpy", spy)
     # Two stretches of one request and one of another.
-    a = SegmentStretch(pool_block_ids=(0,), first_row=0, num_rows=2, dst_position=0, delta=1)
-    b = SegmentStretch(pool_block_ids=(1,), first_row=1, num_rows=2, dst_position=2, delta=2)
-    c = SegmentStretch(pool_block_ids=(2,), first_row=0, num_rows=1, dst_position=1, delta=3)
-    rows = LoadRows.expand([RequestLoad(block_ids=(9,), stretches=(a, b)),
-                            RequestLoad(block_ids=(5,), stretches=(c,))], 4, 4, CPU)
+    a = SegmentStretch(
+        pool_block_ids=(0,), first_row=0, num_rows=2, dst_position=0, delta=1
+    )
+    b = SegmentStretch(
+        pool_block_ids=(1,), first_row=1, num_rows=2, dst_position=2, delta=2
+    )
+    c = SegmentStretch(
+        pool_block_ids=(2,), first_row=0, num_rows=1, dst_position=1, delta=3
+    )
+    rows = LoadRows.expand(
+        [
+            RequestLoad(block_ids=(9,), stretches=(a, b)),
+            RequestLoad(block_ids=(5,), stretches=(c,)),
+        ],
+        4,
+        4,
+        CPU,
+    )
     (packed,) = shipped
-    tables = packed[6 * 3:].tolist()
+    tables = packed[6 * 3 :].tolist()
     # Paged tables (9,) and (5,), pool tables (0,), (1,), (2,): each once.
     assert sorted(tables) == [0, 1, 2, 5, 9]
     assert rows.src_rows.tolist() == [0, 1, 5, 6, 8]
@@ -85,17 +115,42 @@ def test_each_row_knows_its_stretch_and_each_stretch_its_delta():
     # Two requests, three stretches: the fused load's cos/sin table has a row per
     # stretch, and row i reads entry stretch_index[i] of it. Expected rows worked out
     # by hand from the blocks (4 rows per pool block, 4 slots per paged block).
-    a = RequestLoad(block_ids=(4, 5), stretches=(
-        SegmentStretch(pool_block_ids=(9,), first_row=0, num_rows=2, dst_position=1, delta=1),
-        SegmentStretch(pool_block_ids=(8,), first_row=1, num_rows=3, dst_position=3, delta=2)))
-    b = RequestLoad(block_ids=(6,), stretches=(
-        SegmentStretch(pool_block_ids=(7,), first_row=0, num_rows=1, dst_position=2, delta=-5),))
+    a = RequestLoad(
+        block_ids=(4, 5),
+        stretches=(
+            SegmentStretch(
+                pool_block_ids=(9,), first_row=0, num_rows=2, dst_position=1, delta=1
+            ),
+            SegmentStretch(
+                pool_block_ids=(8,), first_row=1, num_rows=3, dst_position=3, delta=2
+            ),
+        ),
+    )
+    b = RequestLoad(
+        block_ids=(6,),
+        stretches=(
+            SegmentStretch(
+                pool_block_ids=(7,), first_row=0, num_rows=1, dst_position=2, delta=-5
+            ),
+        ),
+    )
     rows = LoadRows.expand([a, b], 4, 4, torch.device("cpu"))
-    got = list(zip(rows.src_rows.tolist(), rows.dst_slots.tolist(),
-                   rows.stretch_index.tolist(), rows.deltas.tolist()))
-    assert got == [(36, 17, 0, 1), (37, 18, 0, 1),  # pool block 9 -> positions 1, 2
-                   (33, 19, 1, 2), (34, 20, 1, 2), (35, 21, 1, 2),  # block 8 -> 3..5
-                   (28, 26, 2, -5)]  # pool block 7 -> position 2 of block 6
+    got = list(
+        zip(
+            rows.src_rows.tolist(),
+            rows.dst_slots.tolist(),
+            rows.stretch_index.tolist(),
+            rows.deltas.tolist(),
+        )
+    )
+    assert got == [
+        (36, 17, 0, 1),
+        (37, 18, 0, 1),  # pool block 9 -> positions 1, 2
+        (33, 19, 1, 2),
+        (34, 20, 1, 2),
+        (35, 21, 1, 2),  # block 8 -> 3..5
+        (28, 26, 2, -5),
+    ]  # pool block 7 -> position 2 of block 6
     assert rows.stretch_deltas.tolist() == [1, 2, -5]
 
 
@@ -110,11 +165,15 @@ def test_a_stretch_from_a_position_keeps_exactly_the_rows_at_or_after_it():
     blocks = (0, 0, 6, 2)  # two null blocks first: positions 0..7 are skipped
     skipped = _leading_null_blocks(list(blocks)) * 4
     assert skipped == 8 and _leading_null_blocks([3, 0, 5]) == 0
-    stretches = (SegmentStretch((3, 1, 5), first_row=1, num_rows=9, dst_position=2, delta=4),
-                 SegmentStretch((7,), first_row=0, num_rows=3, dst_position=12, delta=-1),
-                 SegmentStretch((9,), first_row=0, num_rows=2, dst_position=5, delta=2))
+    stretches = (
+        SegmentStretch((3, 1, 5), first_row=1, num_rows=9, dst_position=2, delta=4),
+        SegmentStretch((7,), first_row=0, num_rows=3, dst_position=12, delta=-1),
+        SegmentStretch((9,), first_row=0, num_rows=2, dst_position=5, delta=2),
+    )
     full = LoadRows.expand([RequestLoad(blocks, stretches)], 4, 4, CPU)
-    trimmed = [t for t in (s.from_position(skipped) for s in stretches) if t is not None]
+    trimmed = [
+        t for t in (s.from_position(skipped) for s in stretches) if t is not None
+    ]
     assert len(trimmed) == 2  # the last stretch lies entirely in the null blocks
     assert trimmed[1] is stretches[1]  # untouched when nothing is before the position
     rows = LoadRows.expand([RequestLoad(blocks, tuple(trimmed))], 4, 4, CPU)
@@ -134,8 +193,10 @@ from hypothesis import strategies as st
 def _reference_rows(blocks, first, count, block_size):
     """Row by row, the definition: position p of a sequence kept in `blocks`
     lives in block blocks[p // block_size], at offset p % block_size."""
-    return [blocks[p // block_size] * block_size + p % block_size
-            for p in range(first, first + count)]
+    return [
+        blocks[p // block_size] * block_size + p % block_size
+        for p in range(first, first + count)
+    ]
 
 
 @st.composite
@@ -148,8 +209,11 @@ def _load_layouts(draw):
     loads = []
     for _ in range(draw(st.integers(0, 3))):
         num_blocks = draw(st.integers(1, 6))
-        table = tuple(draw(st.lists(st.integers(0, 999), min_size=num_blocks,
-                                    max_size=num_blocks)))
+        table = tuple(
+            draw(
+                st.lists(st.integers(0, 999), min_size=num_blocks, max_size=num_blocks)
+            )
+        )
         capacity = num_blocks * block_size
         stretches = []
         for _ in range(draw(st.integers(0, 4))):
@@ -157,10 +221,16 @@ def _load_layouts(draw):
             dst_position = draw(st.integers(0, capacity))
             num_rows = draw(st.integers(0, capacity - dst_position))
             needed = -(-(first_row + num_rows) // pool_block_size)
-            pool = tuple(draw(st.lists(st.integers(0, 999), min_size=needed,
-                                       max_size=needed + 2)))
-            stretches.append(SegmentStretch(pool, first_row, num_rows, dst_position,
-                                            draw(st.integers(-50, 50))))
+            pool = tuple(
+                draw(
+                    st.lists(st.integers(0, 999), min_size=needed, max_size=needed + 2)
+                )
+            )
+            stretches.append(
+                SegmentStretch(
+                    pool, first_row, num_rows, dst_position, draw(st.integers(-50, 50))
+                )
+            )
         loads.append(RequestLoad(table, tuple(stretches)))
     return loads, pool_block_size, block_size
 
@@ -172,10 +242,15 @@ def test_the_expansion_equals_the_row_by_row_definition(layout):
     src, dst, deltas, index, stretch_deltas = [], [], [], [], []
     for load in loads:
         for stretch in load.stretches:
-            src += _reference_rows(stretch.pool_block_ids, stretch.first_row,
-                                   stretch.num_rows, pool_block_size)
-            dst += _reference_rows(load.block_ids, stretch.dst_position, stretch.num_rows,
-                                   block_size)
+            src += _reference_rows(
+                stretch.pool_block_ids,
+                stretch.first_row,
+                stretch.num_rows,
+                pool_block_size,
+            )
+            dst += _reference_rows(
+                load.block_ids, stretch.dst_position, stretch.num_rows, block_size
+            )
             deltas += [stretch.delta] * stretch.num_rows
             index += [len(stretch_deltas)] * stretch.num_rows
             stretch_deltas.append(stretch.delta)
@@ -197,11 +272,21 @@ def test_a_capture_equals_the_row_by_row_definition(pool_block_size, block_size,
         store_start = data.draw(st.integers(0, 3))
         first = data.draw(st.integers(store_start, store_start + 40))
         end = data.draw(st.integers(first, first + 40))
-        paged = tuple(data.draw(st.lists(st.integers(0, 999), min_size=-(-end // block_size),
-                                         max_size=-(-end // block_size) + 1)))
+        paged = tuple(
+            data.draw(
+                st.lists(
+                    st.integers(0, 999),
+                    min_size=-(-end // block_size),
+                    max_size=-(-end // block_size) + 1,
+                )
+            )
+        )
         needed = -(-(end - store_start) // pool_block_size)
-        pool = tuple(data.draw(st.lists(st.integers(0, 999), min_size=needed,
-                                        max_size=needed + 1)))
+        pool = tuple(
+            data.draw(
+                st.lists(st.integers(0, 999), min_size=needed, max_size=needed + 1)
+            )
+        )
         stores.append(ChildStore(paged, pool, first, end, store_start))
         src += _reference_rows(paged, first, end - first, block_size)
         dst += _reference_rows(pool, first - store_start, end - first, pool_block_size)
@@ -216,13 +301,21 @@ def test_the_expansion_runs_no_python_per_row():
     from tests.unit.python_lines import python_lines
 
     def step(rows_per_stretch):
-        stretches = tuple(SegmentStretch(tuple(range(10 * i, 10 * i + 60)), 3,
-                                         rows_per_stretch, 1 + i * rows_per_stretch, i)
-                          for i in range(4))
+        stretches = tuple(
+            SegmentStretch(
+                tuple(range(10 * i, 10 * i + 60)),
+                3,
+                rows_per_stretch,
+                1 + i * rows_per_stretch,
+                i,
+            )
+            for i in range(4)
+        )
         blocks = tuple(range(200, 200 + 4 * rows_per_stretch // 16 + 2))
         return [RequestLoad(blocks, stretches)]
 
     small, large = step(20), step(800)
     LoadRows.expand(small, 16, 16, CPU)  # first-call imports and caches
-    assert (python_lines(lambda: LoadRows.expand(large, 16, 16, CPU))
-            == python_lines(lambda: LoadRows.expand(small, 16, 16, CPU)))
+    assert python_lines(lambda: LoadRows.expand(large, 16, 16, CPU)) == python_lines(
+        lambda: LoadRows.expand(small, 16, 16, CPU)
+    )

@@ -20,11 +20,11 @@ from __future__ import annotations
 import ast
 import importlib.util
 import inspect
-from types import SimpleNamespace
 
 import pytest
 import torch
 from torch import nn
+from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
 from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.cache_writers import (
     latent_writer_for,
@@ -36,22 +36,35 @@ from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.mla_latent_layers 
 from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.support import (
     check_attention_layer,
 )
-from vllm.v1.attention.backends.registry import AttentionBackendEnum
 from vllm.v1.worker.position_remapper import RemapRows, RopeRotation
 
 # The CUDA MLA backends registered, and the dense/sparse/ROCm ones left refused.
 CUDA_REGISTERED = ["FLASHMLA", "FLASH_ATTN_MLA", "TRITON_MLA"]
-UNREGISTERED = ["FLASHINFER_MLA", "CUTLASS_MLA", "TOKENSPEED_MLA", "FLASHMLA_SPARSE",
-                "FLASHINFER_MLA_SPARSE", "ROCM_AITER_MLA"]
+UNREGISTERED = [
+    "FLASHINFER_MLA",
+    "CUTLASS_MLA",
+    "TOKENSPEED_MLA",
+    "FLASHMLA_SPARSE",
+    "FLASHINFER_MLA_SPARSE",
+    "ROCM_AITER_MLA",
+]
 RANK, ROPE = 512, 64  # DeepSeek-V3's latent row
 BLOCKS, BLOCK_SIZE = 6, 16
-DEEPSEEK_YARN = {"rope_type": "deepseek_yarn", "rope_theta": 10000.0, "factor": 4.0,
-                 "original_max_position_embeddings": 1024, "beta_fast": 32.0,
-                 "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 0.707}
+DEEPSEEK_YARN = {
+    "rope_type": "deepseek_yarn",
+    "rope_theta": 10000.0,
+    "factor": 4.0,
+    "original_max_position_embeddings": 1024,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "mscale": 1.0,
+    "mscale_all_dim": 0.707,
+}
 
 
-def _reference_concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping, kv_cache_dtype,
-                                    scale):
+def _reference_concat_and_cache_mla(
+    kv_c, k_pe, kv_cache, slot_mapping, kv_cache_dtype, scale
+):
     if kv_cache_dtype != "auto":
         raise NotImplementedError("the reference covers kv_cache_dtype 'auto' only")
     assert slot_mapping.dtype == torch.int64  # the kernel reads int64 slots
@@ -79,7 +92,8 @@ def _real_op() -> bool:
 GPU_ONLY = pytest.mark.skipif(
     not (torch.cuda.is_available() and _real_op()),
     reason="GPU-only: the oracle is vLLM's CUDA concat_and_cache_mla (no CPU kernel, no "
-           "Triton twin in vLLM)")
+    "Triton twin in vLLM)",
+)
 
 
 @pytest.fixture(scope="module")
@@ -89,8 +103,10 @@ def concat_and_cache_mla():
         yield torch.ops._C_cache_ops.concat_and_cache_mla
         return
     lib = torch.library.Library("_C_cache_ops", "FRAGMENT")
-    lib.define("concat_and_cache_mla(Tensor kv_c, Tensor k_pe, Tensor! kv_cache, "
-               "Tensor slot_mapping, str kv_cache_dtype, Tensor scale) -> ()")
+    lib.define(
+        "concat_and_cache_mla(Tensor kv_c, Tensor k_pe, Tensor! kv_cache, "
+        "Tensor slot_mapping, str kv_cache_dtype, Tensor scale) -> ()"
+    )
     lib.impl("concat_and_cache_mla", _reference_concat_and_cache_mla, "CPU")
     yield torch.ops._C_cache_ops.concat_and_cache_mla
     lib._destroy()
@@ -123,8 +139,11 @@ def _backend_classes(backend: str) -> tuple[ast.ClassDef, ast.ClassDef]:
     tree = ast.parse(open(importlib.util.find_spec(module).origin).read())
     classes = {node.name: node for node in tree.body if isinstance(node, ast.ClassDef)}
     backend_cls = classes[name]
-    get_impl = next(f for f in backend_cls.body
-                    if isinstance(f, ast.FunctionDef) and f.name == "get_impl_cls")
+    get_impl = next(
+        f
+        for f in backend_cls.body
+        if isinstance(f, ast.FunctionDef) and f.name == "get_impl_cls"
+    )
     returned = next(n.value for n in ast.walk(get_impl) if isinstance(n, ast.Return))
     return backend_cls, classes[returned.id]
 
@@ -134,7 +153,9 @@ def _methods(cls: ast.ClassDef) -> set[str]:
 
 
 def _base_names(cls: ast.ClassDef) -> set[str]:
-    return {ast.unparse(b.value if isinstance(b, ast.Subscript) else b) for b in cls.bases}
+    return {
+        ast.unparse(b.value if isinstance(b, ast.Subscript) else b) for b in cls.bases
+    }
 
 
 # --------------------------------------------------------------- registration
@@ -147,7 +168,8 @@ def test_the_latent_writers_cover_exactly_the_chosen_backends():
 
 @pytest.mark.parametrize("backend", CUDA_REGISTERED)
 def test_each_registered_backend_keeps_a_plain_cache_written_by_concat_and_cache_mla(
-        backend):
+    backend,
+):
     """What the registration assumes, read in the installed vLLM: the impl class
     registered is the backend's; it inherits MLACommonImpl's cache write (no
     override) and the backend MLACommonBackend's cache shape and stride order."""
@@ -159,31 +181,42 @@ def test_each_registered_backend_keeps_a_plain_cache_written_by_concat_and_cache
     assert "MLACommonImpl" in _base_names(impl_cls)
     assert "do_kv_cache_update" not in _methods(impl_cls)
     assert "MLACommonBackend" in _base_names(backend_cls)
-    assert not ({"get_kv_cache_shape", "get_kv_cache_stride_order", "customize_spec"}
-                & _methods(backend_cls))
+    assert not (
+        {"get_kv_cache_shape", "get_kv_cache_stride_order", "customize_spec"}
+        & _methods(backend_cls)
+    )
     if hasattr(MLACommonBackend, "get_kv_cache_shape"):
         # vLLM 0.23. (0.32 derives the shape from the spec, which
         # MLACommonBackend.customize_spec changes only for per-token-head quantization.)
-        assert MLACommonBackend.get_kv_cache_shape(BLOCKS, BLOCK_SIZE, 1, RANK + ROPE) == (
-            BLOCKS, BLOCK_SIZE, RANK + ROPE)
+        assert MLACommonBackend.get_kv_cache_shape(
+            BLOCKS, BLOCK_SIZE, 1, RANK + ROPE
+        ) == (BLOCKS, BLOCK_SIZE, RANK + ROPE)
         assert MLACommonBackend.get_kv_cache_stride_order() == (0, 1, 2)
-    assert "ops.concat_and_cache_mla(" in inspect.getsource(MLAAttentionImpl.do_kv_cache_update)
+    assert "ops.concat_and_cache_mla(" in inspect.getsource(
+        MLAAttentionImpl.do_kv_cache_update
+    )
 
 
 @pytest.mark.parametrize("backend", UNREGISTERED)
 def test_an_unregistered_mla_backend_is_refused_by_name(backend):
     _, impl_cls = _backend_classes(backend)
     impl = type(impl_cls.name, (), {})()
-    with pytest.raises(ValueError, match=(
+    with pytest.raises(
+        ValueError,
+        match=(
             f"MLA backend of l0 \\({impl_cls.name}\\); supported: "
-            "CPU_MLA, FLASHMLA, FLASH_ATTN_MLA, TRITON_MLA")):
+            "CPU_MLA, FLASHMLA, FLASH_ATTN_MLA, TRITON_MLA"
+        ),
+    ):
         check_attention_layer("l0", _mla_layer(impl))
 
 
 def test_a_quantized_latent_cache_stays_refused():
     impl = type("TritonMLAImpl", (), {})()
-    with pytest.raises(ValueError, match="model dtype only; l0 \\(TritonMLAImpl\\) has "
-                                         "--kv-cache-dtype fp8"):
+    with pytest.raises(
+        ValueError,
+        match="model dtype only; l0 \\(TritonMLAImpl\\) has --kv-cache-dtype fp8",
+    ):
         check_attention_layer("l0", _mla_layer(impl, kv_cache_dtype="fp8"))
     check_attention_layer("l0", _mla_layer(impl))  # "auto" passes
 
@@ -194,7 +227,9 @@ def test_a_quantized_latent_cache_stays_refused():
 @GPU_ONLY
 @pytest.mark.parametrize("backend", ["TRITON_MLA", "FLASHMLA"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_the_writer_puts_rows_at_their_slots_and_the_reader_gets_them_back(backend, dtype):
+def test_the_writer_puts_rows_at_their_slots_and_the_reader_gets_them_back(
+    backend, dtype
+):
     """Through vLLM's CUDA `concat_and_cache_mla` (GPU-only, see the module docstring;
     issue 30: before, through the test's own reference of it, written from the same
     reading as the reader)."""
@@ -205,7 +240,9 @@ def test_the_writer_puts_rows_at_their_slots_and_the_reader_gets_them_back(backe
     gen = torch.Generator().manual_seed(0)
     cache = torch.randn(BLOCKS, BLOCK_SIZE, RANK + ROPE, generator=gen).to(dtype).cuda()
     before = cache.clone()
-    slots = torch.randperm(BLOCKS * BLOCK_SIZE, generator=gen)[:23].cuda()  # across blocks
+    slots = torch.randperm(BLOCKS * BLOCK_SIZE, generator=gen)[
+        :23
+    ].cuda()  # across blocks
     kv_c = torch.randn(23, RANK, generator=gen).to(dtype).cuda()
     k_pe = torch.randn(23, ROPE, generator=gen).to(dtype).cuda()
 
@@ -222,22 +259,35 @@ def test_the_writer_puts_rows_at_their_slots_and_the_reader_gets_them_back(backe
 
 
 def test_a_load_moves_k_pe_by_the_delta_through_the_backend_write_and_back(
-        vllm_config_context, concat_and_cache_mla):
+    vllm_config_context, concat_and_cache_mla
+):
     """Capture (read the child's rows) -> pool -> load at +d (kv_c copied, k_pe rotated
     with DeepSeek's YaRN, GPT-J interleaved, through TRITON_MLA's write) -> capture ->
     load at -d: kv_c bit for bit throughout, k_pe at p + d as vLLM's rope computes it,
     and back at p within two bf16 roundings."""
     from vllm.model_executor.layers.rotary_embedding import get_rope
 
-    rope = get_rope(ROPE, max_position=4096, rope_parameters=dict(DEEPSEEK_YARN),
-                    is_neox_style=False, dtype=torch.float32)
+    rope = get_rope(
+        ROPE,
+        max_position=4096,
+        rope_parameters=dict(DEEPSEEK_YARN),
+        is_neox_style=False,
+        dtype=torch.float32,
+    )
     rotation = RopeRotation(rope)
     impl_cls = _impl_class("TRITON_MLA")
     layer = _mla_layer(impl_cls.__new__(impl_cls))
     dtype = torch.bfloat16
     cache = torch.zeros(BLOCKS, BLOCK_SIZE, RANK + ROPE, dtype=dtype)
-    latent = LatentLayer.of("l0", layer, cache, rotation, latent_writer_for(layer.impl),
-                            num_rows=64, dtype=dtype)
+    latent = LatentLayer.of(
+        "l0",
+        layer,
+        cache,
+        rotation,
+        latent_writer_for(layer.impl),
+        num_rows=64,
+        dtype=dtype,
+    )
     gen = torch.Generator().manual_seed(2)
     n = 20
     p = torch.randint(0, 1500, (n,), generator=gen)
@@ -259,8 +309,9 @@ def test_a_load_moves_k_pe_by_the_delta_through_the_backend_write_and_back(
 
     moved = latent.writer.read(cache, real_slots)
     assert torch.equal(moved[:, :RANK], kv_c)
-    torch.testing.assert_close(moved[:, RANK:].float(), k_pe_at(p + d, raw),
-                               atol=3e-2, rtol=0)
+    torch.testing.assert_close(
+        moved[:, RANK:].float(), k_pe_at(p + d, raw), atol=3e-2, rtol=0
+    )
     assert (moved[:, RANK:].float() - k_pe.float()).abs().max() > 0.5  # it did move
     latent.capture(real_slots, torch.arange(n) + n)
     latent.load(RemapRows(torch.arange(n) + n, child_slots, -d), None)

@@ -5,18 +5,21 @@ for and not supported (recompute_step.py)."""
 from types import SimpleNamespace
 
 import pytest
+from vllm.platforms import current_platform
 
 from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.recompute_step import (
     RECOMPUTE_IN_ONE_STEP,
     RecomputeSteps,
 )
-from vllm.platforms import current_platform
 
 
 def config(k=5, speculative=None, mla=False):
-    return SimpleNamespace(chunk_cache_config=SimpleNamespace(chunk_recompute_tokens=k),
-                           model_config=SimpleNamespace(use_mla=mla),
-                           speculative_config=speculative, use_v2_model_runner=False)
+    return SimpleNamespace(
+        chunk_cache_config=SimpleNamespace(chunk_recompute_tokens=k),
+        model_config=SimpleNamespace(use_mla=mla),
+        speculative_config=speculative,
+        use_v2_model_runner=False,
+    )
 
 
 @pytest.mark.skipif(not current_platform.is_cpu(), reason="the CPU platform's rule")
@@ -46,8 +49,9 @@ def test_what_keeps_or_refuses_the_one_step_path_is_named(monkeypatch):
 
 
 def _platform(kind: str):
-    return SimpleNamespace(is_cpu=lambda: kind == "cpu", is_cuda=lambda: kind == "cuda",
-                           device_name=kind)
+    return SimpleNamespace(
+        is_cpu=lambda: kind == "cpu", is_cuda=lambda: kind == "cuda", device_name=kind
+    )
 
 
 def test_on_cuda_one_step_is_opt_in_and_elsewhere_refused_by_name(monkeypatch):
@@ -76,6 +80,7 @@ def test_on_cuda_the_worker_refuses_other_backends_full_graph_mode_and_spec_deco
     and the start-up line says how a step with runs runs (vLLM's dispatcher itself:
     tests/unit/v1/worker/test_query_runs_dispatch.py)."""
     from vllm.config.compilation import CUDAGraphMode
+
     from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.support import (
         check_query_runs,
     )
@@ -86,30 +91,60 @@ def test_on_cuda_the_worker_refuses_other_backends_full_graph_mode_and_spec_deco
     def graphs(mode):
         return SimpleNamespace(cudagraph_mode=mode, max_cudagraph_capture_size=128)
 
-    flash = {"model.layers.0.self_attn.attn": layer("FlashAttentionImpl"),
-             "model.layers.1.self_attn.attn": layer("TritonAttentionImpl")}
+    flash = {
+        "model.layers.0.self_attn.attn": layer("FlashAttentionImpl"),
+        "model.layers.1.self_attn.attn": layer("TritonAttentionImpl"),
+    }
     piecewise = graphs(CUDAGraphMode.PIECEWISE)
     line = check_query_runs(True, flash, piecewise, _platform("cuda"))
     assert "runs PIECEWISE (eager above 128 tokens)" in line and "capped" not in line
     assert "eager (no CUDA graphs)" in check_query_runs(
-        True, flash, graphs(CUDAGraphMode.NONE), _platform("cuda"))
-    default = check_query_runs(True, flash, graphs(CUDAGraphMode.FULL_AND_PIECEWISE),
-                               _platform("cuda"), None, 256)
-    assert "cudagraph_mode=FULL_AND_PIECEWISE: a step with query runs runs PIECEWISE" in default
+        True, flash, graphs(CUDAGraphMode.NONE), _platform("cuda")
+    )
+    default = check_query_runs(
+        True,
+        flash,
+        graphs(CUDAGraphMode.FULL_AND_PIECEWISE),
+        _platform("cuda"),
+        None,
+        256,
+    )
+    assert (
+        "cudagraph_mode=FULL_AND_PIECEWISE: a step with query runs runs PIECEWISE"
+        in default
+    )
     assert "rows capped at 256 per step" in default
-    decode_only = check_query_runs(True, flash, graphs(CUDAGraphMode.FULL_DECODE_ONLY),
-                                   _platform("cuda"), None, 64)
+    decode_only = check_query_runs(
+        True, flash, graphs(CUDAGraphMode.FULL_DECODE_ONLY), _platform("cuda"), None, 64
+    )
     assert "runs eager" in decode_only and "rows capped at 128 per step" in decode_only
     # Not asked for, or not CUDA (the CPU backend's rows are its own): nothing to refuse.
     flashinfer = {"model.layers.0.self_attn.attn": layer("FlashInferImpl")}
     assert check_query_runs(False, flashinfer, piecewise, _platform("cuda")) is None
-    assert check_query_runs(True, {"l": layer("CPUAttentionBackendImpl")},
-                            graphs(CUDAGraphMode.FULL), _platform("cpu")) is None
-    with pytest.raises(ValueError, match=r"model\.layers\.0\.self_attn\.attn runs FlashInferImpl"):
+    assert (
+        check_query_runs(
+            True,
+            {"l": layer("CPUAttentionBackendImpl")},
+            graphs(CUDAGraphMode.FULL),
+            _platform("cpu"),
+        )
+        is None
+    )
+    with pytest.raises(
+        ValueError, match=r"model\.layers\.0\.self_attn\.attn runs FlashInferImpl"
+    ):
         check_query_runs(True, flashinfer, piecewise, _platform("cuda"))
-    with pytest.raises(ValueError, match="cudagraph_mode=FULL: it replays a full CUDA graph "
-                                         "for mixed prefill-decode batches"):
+    with pytest.raises(
+        ValueError,
+        match="cudagraph_mode=FULL: it replays a full CUDA graph "
+        "for mixed prefill-decode batches",
+    ):
         check_query_runs(True, flash, graphs(CUDAGraphMode.FULL), _platform("cuda"))
     with pytest.raises(ValueError, match="does not support speculative decoding"):
-        check_query_runs(True, flash, graphs(CUDAGraphMode.FULL_AND_PIECEWISE),
-                         _platform("cuda"), object())
+        check_query_runs(
+            True,
+            flash,
+            graphs(CUDAGraphMode.FULL_AND_PIECEWISE),
+            _platform("cuda"),
+            object(),
+        )

@@ -8,50 +8,73 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-
-from forktool.paths import Paths
 from forktool.check import overlay_modules
+from forktool.paths import Paths
+from vllm.sampling_params import SamplingParams
+from vllm.v1.request import Request, RequestStatus
 
 from tests.chunk_manager_views import is_ready, load_plan
 from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.scheduler_adapter import (
     ChunkCacheSchedulerAdapter,
 )
-from vllm.sampling_params import SamplingParams
-from vllm.v1.request import Request, RequestStatus
 
 BLOCK = 16  # paged block size of the fake KV cache
 SINK = 1
 
 
-def make_config(num_kv_blocks=64, fraction=0.5, groups=1, recompute=0, scheduler=None,
-                max_load=16384, store=None):
+def make_config(
+    num_kv_blocks=64,
+    fraction=0.5,
+    groups=1,
+    recompute=0,
+    scheduler=None,
+    max_load=16384,
+    store=None,
+):
     from vllm.v1.core.sched.scheduler import Scheduler
 
-    chunk = SimpleNamespace(chunk_context="sink", chunk_sink_token_id=SINK,
-                            chunk_pool_fraction=fraction, chunk_pool_size_gib=None,
-                            chunk_recompute_tokens=recompute,
-                            max_chunk_load_tokens=max_load, chunk_store=store)
+    chunk = SimpleNamespace(
+        chunk_context="sink",
+        chunk_sink_token_id=SINK,
+        chunk_pool_fraction=fraction,
+        chunk_pool_size_gib=None,
+        chunk_recompute_tokens=recompute,
+        max_chunk_load_tokens=max_load,
+        chunk_store=store,
+    )
     vllm_config = SimpleNamespace(
         chunk_cache_config=chunk,
         cache_config=SimpleNamespace(cache_dtype="auto", block_size=BLOCK),
         model_config=SimpleNamespace(model="m", tokenizer="t", dtype="float32"),
-        scheduler_config=SimpleNamespace(get_scheduler_cls=lambda: scheduler or Scheduler),
-        parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1),
+        scheduler_config=SimpleNamespace(
+            get_scheduler_cls=lambda: scheduler or Scheduler
+        ),
+        parallel_config=SimpleNamespace(
+            tensor_parallel_size=1, pipeline_parallel_size=1
+        ),
     )
     from vllm.v1.kv_cache_interface import FullAttentionSpec
 
-    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=8,
-                             dtype=torch.float32)
+    spec = FullAttentionSpec(
+        block_size=BLOCK, num_kv_heads=1, head_size=8, dtype=torch.float32
+    )
     group = SimpleNamespace(kv_cache_spec=spec)
-    kv_cache_config = SimpleNamespace(kv_cache_groups=[group] * groups,
-                                      num_blocks=num_kv_blocks)
+    kv_cache_config = SimpleNamespace(
+        kv_cache_groups=[group] * groups, num_blocks=num_kv_blocks
+    )
     return vllm_config, kv_cache_config
 
 
 def parent(rid, layout, salt=None):
     ids = list(range(10, 10 + sum(layout)))
-    r = Request(rid, ids, SamplingParams(max_tokens=2), None, cache_salt=salt,
-                chunk_layout=layout)
+    r = Request(
+        rid,
+        ids,
+        SamplingParams(max_tokens=2),
+        None,
+        cache_salt=salt,
+        chunk_layout=layout,
+    )
     return r
 
 
@@ -66,11 +89,16 @@ def test_arrival_pins_nothing_and_admission_spawns_children():
     adapter = ChunkCacheSchedulerAdapter(*make_config())
     r = parent("p", [3, 5, 2])
     adapter.on_new_request(r)
-    assert adapter.stats().pinned_entries == 0 and adapter.take_internal_requests() == []
+    assert (
+        adapter.stats().pinned_entries == 0 and adapter.take_internal_requests() == []
+    )
 
     assert adapter.get_num_new_matched_tokens(r, 0) == (None, False)
     children = adapter.take_internal_requests()
-    assert [c.prompt_token_ids for c in children] == [[10, 11, 12], [SINK, 13, 14, 15, 16, 17]]
+    assert [c.prompt_token_ids for c in children] == [
+        [10, 11, 12],
+        [SINK, 13, 14, 15, 16, 17],
+    ]
     assert all(c.chunk_layout is None and c.cache_salt is None for c in children)
     assert adapter.stats().pinned_entries == 2
     for c in children:
@@ -92,19 +120,29 @@ class FakeBlocks:
 
 def loaded(meta):
     """A step's loads as the rows the workers expand them into."""
-    from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.metadata import LoadRows
-    from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.setup import POOL_BLOCK_SIZE
+    from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.metadata import (
+        LoadRows,
+    )
+    from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.setup import (
+        POOL_BLOCK_SIZE,
+    )
 
     rows = LoadRows.expand(meta.loads, POOL_BLOCK_SIZE, BLOCK, torch.device("cpu"))
-    return SimpleNamespace(src=rows.src_rows.tolist(), dst=rows.dst_slots.tolist(),
-                           deltas=rows.deltas.tolist())
+    return SimpleNamespace(
+        src=rows.src_rows.tolist(),
+        dst=rows.dst_slots.tolist(),
+        deltas=rows.deltas.tolist(),
+    )
 
 
 def step_output(num_scheduled_tokens, preempted=None):
     """The parts of a SchedulerOutput the loads read (no child scheduled)."""
-    return SimpleNamespace(scheduled_new_reqs=[], scheduled_cached_reqs=None,
-                           num_scheduled_tokens=num_scheduled_tokens,
-                           preempted_req_ids=preempted)
+    return SimpleNamespace(
+        scheduled_new_reqs=[],
+        scheduled_cached_reqs=None,
+        num_scheduled_tokens=num_scheduled_tokens,
+        preempted_req_ids=preempted,
+    )
 
 
 def test_a_load_of_a_request_preempted_in_the_same_step_is_dropped():
@@ -131,7 +169,7 @@ def test_a_load_of_a_request_preempted_in_the_same_step_is_dropped():
 
 
 def test_a_request_preempted_between_steps_and_resumed_loads_in_its_new_step():
-    """vLLM 0.32 names a request preempted between steps (a cache reset with
+    """VLLM 0.32 names a request preempted between steps (a cache reset with
     running requests) in the next step's preempted ids even when that step
     resumes it: its load belongs to the resumed step and must run (found by the
     e2e preemption row of test_chunk_cache_recompute_steps.py: dropped, the
@@ -171,7 +209,9 @@ def test_connector_reset_forgets_every_segment_and_reports_pinned_ones():
     finish(adapter, again, RequestStatus.FINISHED_ABORTED)
 
 
-def test_boundary_recompute_loads_each_rest_in_the_step_before_its_next_head(monkeypatch):
+def test_boundary_recompute_loads_each_rest_in_the_step_before_its_next_head(
+    monkeypatch,
+):
     """K=2: [sys 3][doc 5][doc 4][question 2] -> load sys, compute doc1[:2],
     load doc1[2:], compute doc2[:2], load doc2[2:], compute the question; each
     stretch's rows land in the request's slots at their real positions. (The
@@ -235,7 +275,9 @@ def test_boundary_recompute_in_one_step_loads_every_rest_before_the_forward():
     gap = adapter.get_prefill_gap(r, 3)
     assert (gap.num_external_tokens, gap.max_new_tokens) == (0, 2)
     assert [(g.num_external_tokens, g.max_new_tokens) for g in gap.next_stretches] == [
-        (3, 2), (2, 2)]
+        (3, 2),
+        (2, 2),
+    ]
     # The scheduler took everything: sys (3) plus the two rests (3 + 2) as external.
     adapter.update_state_after_alloc(r, blocks, 3 + 3 + 2)
     meta = adapter.build_connector_meta(step_output({"p": 6}))
@@ -256,7 +298,8 @@ def test_boundary_recompute_in_one_step_loads_every_rest_before_the_forward():
     gap = adapter.get_prefill_gap(r, 9)
     assert (gap.num_external_tokens, gap.max_new_tokens) == (0, 1)
     assert [(g.num_external_tokens, g.max_new_tokens) for g in gap.next_stretches] == [
-        (2, 2)]
+        (2, 2)
+    ]
     adapter.update_state_after_alloc(r, blocks, 2)
     meta = adapter.build_connector_meta(step_output({"q": 3}))
     assert loaded(meta).dst == [112 + 10, 112 + 11]
@@ -287,8 +330,13 @@ def test_boundary_recompute_refuses_a_scheduler_that_replaces_schedule_at_start_
 
 def test_a_request_without_layout_is_not_touched_whatever_its_salt():
     adapter = ChunkCacheSchedulerAdapter(*make_config())
-    r = Request("plain", list(range(20)), SamplingParams(max_tokens=1), None,
-                cache_salt="vllm-chunk-cache/v1/3,2,15/=tenantB")
+    r = Request(
+        "plain",
+        list(range(20)),
+        SamplingParams(max_tokens=1),
+        None,
+        cache_salt="vllm-chunk-cache/v1/3,2,15/=tenantB",
+    )
     adapter.on_new_request(r)
     assert adapter.get_num_new_matched_tokens(r, 0) == (0, False)
     assert adapter.stats().live_requests == 0
@@ -337,8 +385,12 @@ def test_more_than_one_kv_cache_group_is_refused_at_start_up():
 def test_new_connector_hooks_are_base_class_methods_with_no_op_defaults():
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 
-    for name in ("register_model", "take_internal_requests", "take_failed_requests",
-                 "get_prefill_gap"):
+    for name in (
+        "register_model",
+        "take_internal_requests",
+        "take_failed_requests",
+        "get_prefill_gap",
+    ):
         method = getattr(KVConnectorBase_V1, name)
         assert not getattr(method, "__isabstractmethod__", False), name
     stub = object()  # the defaults use nothing of the instance
@@ -366,14 +418,20 @@ def test_engine_core_connector_does_not_import_front_end_code():
             continue
         seen.add(mod)
         for node in ast.walk(ast.parse(overlay[mod].read_text())):
-            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
-                     [node.module] if isinstance(node, ast.ImportFrom) and node.module else [])
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module]
+                if isinstance(node, ast.ImportFrom) and node.module
+                else []
+            )
             for name in names:
                 if name.startswith(("vllm.renderers", "vllm.entrypoints")):
                     bad.append(f"{mod} imports {name}")
                 todo.extend(m for m in overlay if name == m or name.startswith(m + "."))
     assert len(seen) > 5, seen  # the walk really followed the connector's imports
     assert not bad, bad
+
 
 def test_lora_adapters_are_keyed_in_the_pool_by_name_and_id_as_vllm_loads_them():
     """Issue 50, finding 6: in this engine's pool an adapter is what vLLM loaded for
@@ -392,7 +450,9 @@ def test_lora_adapters_are_keyed_in_the_pool_by_name_and_id_as_vllm_loads_them()
         return adapter.take_internal_requests()
 
     children = with_lora("a", "sql", 1)
-    assert len(children) == 2 and all(c.lora_request.lora_name == "sql" for c in children)
+    assert len(children) == 2 and all(
+        c.lora_request.lora_name == "sql" for c in children
+    )
     for c in children:
         finish(adapter, c, RequestStatus.FINISHED_LENGTH_CAPPED)
     assert with_lora("b", "sql", 1) == []
@@ -439,7 +499,8 @@ def test_loads_past_the_per_step_cap_wait_for_the_next_step():
     adapter.update_state_after_alloc(b, FakeBlocks([2]), 8)
     assert adapter.get_num_new_matched_tokens(c, 0) == (None, False)
     assert loaded(adapter.build_connector_meta(step_output({"p1": 2}))).dst == [
-        32 + p for p in range(8)]
+        32 + p for p in range(8)
+    ]
     assert adapter.get_num_new_matched_tokens(c, 0) == (8, False)
 
 
@@ -476,8 +537,12 @@ def test_a_running_request_whose_stretch_passes_the_cap_computes_nothing_this_st
 
 def stored(meta):
     """A step's captures as the rows the workers expand them into."""
-    from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.metadata import StoreRows
-    from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.setup import POOL_BLOCK_SIZE
+    from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.metadata import (
+        StoreRows,
+    )
+    from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.setup import (
+        POOL_BLOCK_SIZE,
+    )
 
     rows = StoreRows.expand(meta.stores, POOL_BLOCK_SIZE, BLOCK, torch.device("cpu"))
     return rows.src_slots.tolist(), rows.dst_rows.tolist()
@@ -487,7 +552,9 @@ def test_a_child_prefilled_in_pieces_stores_each_piece_as_block_ids():
     """Captures travel as block ids (issue 20, finding 6): per child and step
     its paged blocks, its entry's pool blocks and the positions computed; the
     sink (position 0) is computed, never stored."""
-    from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.metadata import ChildStore
+    from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.metadata import (
+        ChildStore,
+    )
 
     adapter = ChunkCacheSchedulerAdapter(*make_config())
     r = parent("p", [3, 5, 2])
@@ -498,23 +565,40 @@ def test_a_child_prefilled_in_pieces_stores_each_piece_as_block_ids():
     # block 0); the store below must name exactly it.
     pool = (1,)
     # Step 1: the document's child is new, 4 of its 6 tokens in paged block 7.
-    new = SimpleNamespace(req_id=doc_child.request_id, block_ids=([7],),
-                          num_computed_tokens=0)
-    out = SimpleNamespace(scheduled_new_reqs=[new], num_scheduled_tokens={new.req_id: 4},
-                          scheduled_cached_reqs=SimpleNamespace(
-                              req_ids=[], new_block_ids=[], resumed_req_ids=set(),
-                              num_computed_tokens=[]),
-                          preempted_req_ids=None)
+    new = SimpleNamespace(
+        req_id=doc_child.request_id, block_ids=([7],), num_computed_tokens=0
+    )
+    out = SimpleNamespace(
+        scheduled_new_reqs=[new],
+        num_scheduled_tokens={new.req_id: 4},
+        scheduled_cached_reqs=SimpleNamespace(
+            req_ids=[], new_block_ids=[], resumed_req_ids=set(), num_computed_tokens=[]
+        ),
+        preempted_req_ids=None,
+    )
     meta = adapter.build_connector_meta(out)
-    assert meta.stores == [ChildStore(block_ids=(7,), pool_block_ids=pool,
-                                      first_position=1, end_position=4, store_start=1)]
+    assert meta.stores == [
+        ChildStore(
+            block_ids=(7,),
+            pool_block_ids=pool,
+            first_position=1,
+            end_position=4,
+            store_start=1,
+        )
+    ]
     assert stored(meta) == ([7 * BLOCK + 1, 7 * BLOCK + 2, 7 * BLOCK + 3], [16, 17, 18])
     # Step 2: the last 2 tokens, no new block.
-    out = SimpleNamespace(scheduled_new_reqs=[], num_scheduled_tokens={new.req_id: 2},
-                          scheduled_cached_reqs=SimpleNamespace(
-                              req_ids=[new.req_id], new_block_ids=[None],
-                              resumed_req_ids=set(), num_computed_tokens=[4]),
-                          preempted_req_ids=None)
+    out = SimpleNamespace(
+        scheduled_new_reqs=[],
+        num_scheduled_tokens={new.req_id: 2},
+        scheduled_cached_reqs=SimpleNamespace(
+            req_ids=[new.req_id],
+            new_block_ids=[None],
+            resumed_req_ids=set(),
+            num_computed_tokens=[4],
+        ),
+        preempted_req_ids=None,
+    )
     meta = adapter.build_connector_meta(out)
     assert stored(meta) == ([7 * BLOCK + 4, 7 * BLOCK + 5], [19, 20])
 
@@ -530,9 +614,12 @@ def _doc_read_times_out_with_rows_lent(num_kv_blocks=64):
     )
     from vllm.v1.core.chunk_store_probe import StoreAnswer, StoreLookup
 
-    adapter = ChunkCacheSchedulerAdapter(*make_config(
-        num_kv_blocks=num_kv_blocks,
-        store="mooncake://127.0.0.1:1?lookup_timeout=600&local_client=none"))
+    adapter = ChunkCacheSchedulerAdapter(
+        *make_config(
+            num_kv_blocks=num_kv_blocks,
+            store="mooncake://127.0.0.1:1?lookup_timeout=600&local_client=none",
+        )
+    )
 
     class EveryKeyHits:
         def lookup(self, segment_ids, context_ids, namespace):
@@ -545,9 +632,15 @@ def _doc_read_times_out_with_rows_lent(num_kv_blocks=64):
     assert adapter.take_internal_requests() == []  # both segments are read
     sys_fetch, doc_fetch = adapter.store.take_step(epoch=0).fetches
     assert (sys_fetch.pool_block_ids, doc_fetch.pool_block_ids) == ((0,), (1,))
-    adapter.on_store_report(StoreReport(
-        outcomes={sys_fetch.fetch_id: [FETCH_OK], doc_fetch.fetch_id: [CAUSE_TIMEOUT]},
-        rows_lent={doc_fetch.fetch_id: 1}))
+    adapter.on_store_report(
+        StoreReport(
+            outcomes={
+                sys_fetch.fetch_id: [FETCH_OK],
+                doc_fetch.fetch_id: [CAUSE_TIMEOUT],
+            },
+            rows_lent={doc_fetch.fetch_id: 1},
+        )
+    )
     return adapter, r, doc_fetch
 
 
@@ -596,14 +689,20 @@ def test_a_failed_fetch_whose_rows_are_lent_waits_for_them_in_a_full_pool():
 def _scheduled(*children, block_ids=None):
     """A step's output scheduling `children` as new requests, all their tokens, each in
     its own paged block (7, 8, ...)."""
-    new = [SimpleNamespace(req_id=c.request_id, block_ids=([7 + i],), num_computed_tokens=0)
-           for i, c in enumerate(children)]
+    new = [
+        SimpleNamespace(
+            req_id=c.request_id, block_ids=([7 + i],), num_computed_tokens=0
+        )
+        for i, c in enumerate(children)
+    ]
     return SimpleNamespace(
         scheduled_new_reqs=new,
         num_scheduled_tokens={c.request_id: len(c.prompt_token_ids) for c in children},
-        scheduled_cached_reqs=SimpleNamespace(req_ids=[], new_block_ids=[],
-                                              resumed_req_ids=set(), num_computed_tokens=[]),
-        preempted_req_ids=None)
+        scheduled_cached_reqs=SimpleNamespace(
+            req_ids=[], new_block_ids=[], resumed_req_ids=set(), num_computed_tokens=[]
+        ),
+        preempted_req_ids=None,
+    )
 
 
 def _puts_and_writes_are_disjoint(meta):
@@ -613,7 +712,8 @@ def _puts_and_writes_are_disjoint(meta):
     assert not put & written, (
         f"pool block(s) {sorted(put & written)} are both copied into a put and written "
         f"by a child in one step (puts {[p.pool_block_ids for p in meta.store.puts]}, "
-        f"stores {[s.pool_block_ids for s in meta.stores]})")
+        f"stores {[s.pool_block_ids for s in meta.stores]})"
+    )
 
 
 def test_a_put_never_copies_rows_a_child_writes_in_the_same_step():
@@ -625,14 +725,16 @@ def test_a_put_never_copies_rows_a_child_writes_in_the_same_step():
     step's puts read must be out of its writes; the parent is still served."""
     from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store.messages import (
         CAUSE_TIMEOUT,
-        FETCH_OK,
         StoreReport,
     )
     from vllm.v1.core.chunk_store_probe import StoreAnswer, StoreLookup
 
-    adapter = ChunkCacheSchedulerAdapter(*make_config(
-        num_kv_blocks=3,
-        store="mooncake://127.0.0.1:1?lookup_timeout=600&local_client=none"))
+    adapter = ChunkCacheSchedulerAdapter(
+        *make_config(
+            num_kv_blocks=3,
+            store="mooncake://127.0.0.1:1?lookup_timeout=600&local_client=none",
+        )
+    )
     assert adapter.manager.pool.num_blocks == 3
 
     class StoreHoldsDocumentFrom30:
@@ -642,13 +744,20 @@ def test_a_put_never_copies_rows_a_child_writes_in_the_same_step():
             return StoreLookup(StoreAnswer.MISS)
 
     adapter.manager.store_probe = StoreHoldsDocumentFrom30()
-    p1 = parent("p1", [3, 5, 2])                         # system 10-12, document 13-17
-    p2 = Request("p2", [10, 11, 12] + list(range(30, 35)) + [40, 41],
-                 SamplingParams(max_tokens=2), None, chunk_layout=[3, 5, 2])
+    p1 = parent("p1", [3, 5, 2])  # system 10-12, document 13-17
+    p2 = Request(
+        "p2",
+        [10, 11, 12] + list(range(30, 35)) + [40, 41],
+        SamplingParams(max_tokens=2),
+        None,
+        chunk_layout=[3, 5, 2],
+    )
     for p in (p1, p2):
         adapter.on_new_request(p)
         adapter.get_num_new_matched_tokens(p, 0)
-    sys_child, c1 = adapter.take_internal_requests()   # p2 joins the system, reads its doc
+    sys_child, c1 = (
+        adapter.take_internal_requests()
+    )  # p2 joins the system, reads its doc
     meta = adapter.build_connector_meta(_scheduled(sys_child, c1))
     (fetch,) = meta.store.fetches
     assert adapter.manager.pool.num_free_blocks == 0
@@ -658,8 +767,11 @@ def test_a_put_never_copies_rows_a_child_writes_in_the_same_step():
     finish(adapter, p1, RequestStatus.FINISHED_ABORTED)
     finish(adapter, sys_child, RequestStatus.FINISHED_LENGTH_CAPPED)
     finish(adapter, c1, RequestStatus.FINISHED_LENGTH_CAPPED)
-    adapter.on_store_report(StoreReport(outcomes={fetch.fetch_id: [CAUSE_TIMEOUT]},
-                                        rows_lent={fetch.fetch_id: 1}))
+    adapter.on_store_report(
+        StoreReport(
+            outcomes={fetch.fetch_id: [CAUSE_TIMEOUT]}, rows_lent={fetch.fetch_id: 1}
+        )
+    )
     steps = 0
     while not is_ready(adapter.manager, "p2"):
         steps += 1

@@ -35,7 +35,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.metadata import (
     RequestLoad,
     SegmentStretch,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.setup import POOL_BLOCK_SIZE
+from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.setup import (
+    POOL_BLOCK_SIZE,
+)
 
 HEADS, HEAD, BLOCK, BLOCKS, LAYERS = 2, 32, 16, 64, 3
 
@@ -105,21 +107,28 @@ def _engine():
     emulated pool."""
     from vllm.model_executor.layers.rotary_embedding import get_rope
 
-    rope = get_rope(HEAD, 4096, True, {"rope_type": "default", "rope_theta": 10000},
-                    torch.float32)
-    caches = {f"l{i}": torch.zeros(BLOCKS, 2, BLOCK, HEADS, HEAD) for i in range(LAYERS)}
+    rope = get_rope(
+        HEAD, 4096, True, {"rope_type": "default", "rope_theta": 10000}, torch.float32
+    )
+    caches = {
+        f"l{i}": torch.zeros(BLOCKS, 2, BLOCK, HEADS, HEAD) for i in range(LAYERS)
+    }
     layers = {name: _attention(name, cache) for name, cache in caches.items()}
     worker = _worker()
     worker.vllm_config.compilation_config.static_forward_context = layers
-    worker.register_model(nn.ModuleList([Block(rope, layer) for layer in layers.values()]))
+    worker.register_model(
+        nn.ModuleList([Block(rope, layer) for layer in layers.values()])
+    )
     pool = KVCachePool()
     with pool:
         worker.register_kv_caches(caches)
-    return SimpleNamespace(worker=worker, rope=rope, layers=layers, caches=caches, pool=pool)
+    return SimpleNamespace(
+        worker=worker, rope=rope, layers=layers, caches=caches, pool=pool
+    )
 
 
 def _rope_keys(rope, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """vLLM's own RoPE of `keys` [n, heads, head] at `positions`."""
+    """VLLM's own RoPE of `keys` [n, heads, head] at `positions`."""
     flat = keys.reshape(keys.shape[0], -1)
     _, rotated = rope.forward_native(positions, flat.clone(), flat.clone())
     return rotated.view_as(keys)
@@ -131,10 +140,18 @@ def _serve(engine, seed: int) -> None:
     RoPE at the real positions (V copied as is)."""
     worker, rope = engine.worker, engine.rope
     gen = torch.Generator().manual_seed(seed)
-    stretches = [((2, 3), 0, 20, 5, 300), ((6,), 3, 9, 30, -2), ((7, 8), 0, 25, 0, 4000)]
-    loads = [RequestLoad(block_ids=(3, 4, 5), stretches=tuple(
-                 SegmentStretch(*s) for s in stretches[:2])),
-             RequestLoad(block_ids=(9, 10), stretches=(SegmentStretch(*stretches[2]),))]
+    stretches = [
+        ((2, 3), 0, 20, 5, 300),
+        ((6,), 3, 9, 30, -2),
+        ((7, 8), 0, 25, 0, 4000),
+    ]
+    loads = [
+        RequestLoad(
+            block_ids=(3, 4, 5),
+            stretches=tuple(SegmentStretch(*s) for s in stretches[:2]),
+        ),
+        RequestLoad(block_ids=(9, 10), stretches=(SegmentStretch(*stretches[2]),)),
+    ]
     expected = {}
     for name in engine.layers:
         keys, values = {}, {}
@@ -142,33 +159,45 @@ def _serve(engine, seed: int) -> None:
             raw = torch.randn(count, HEADS, HEAD, generator=gen)
             value = torch.randn(count, HEADS, HEAD, generator=gen)
             stored = torch.arange(first, first + count) + 1  # positions the child had
-            pool_rows = torch.tensor([pool_blocks[(first + j) // POOL_BLOCK_SIZE]
-                                      * POOL_BLOCK_SIZE + (first + j) % POOL_BLOCK_SIZE
-                                      for j in range(count)])
+            pool_rows = torch.tensor(
+                [
+                    pool_blocks[(first + j) // POOL_BLOCK_SIZE] * POOL_BLOCK_SIZE
+                    + (first + j) % POOL_BLOCK_SIZE
+                    for j in range(count)
+                ]
+            )
             worker.pool_key[name][pool_rows] = _rope_keys(rope, raw, stored)
             worker.pool_value[name][pool_rows] = value
             keys[i] = _rope_keys(rope, raw, stored + delta)
             values[i] = value
         expected[name] = (keys, values)
     layers = engine.layers
-    worker.start_load_kv(ChunkCacheMetadata(loads=loads),
-                         SimpleNamespace(no_compile_layers=layers, attn_metadata=None))
+    worker.start_load_kv(
+        ChunkCacheMetadata(loads=loads),
+        SimpleNamespace(no_compile_layers=layers, attn_metadata=None),
+    )
     for name, cache in engine.caches.items():
         key_cache, value_cache = cache.unbind(1)
         keys, values = expected[name]
         i = 0
         for load in loads:
             for stretch in load.stretches:
-                positions = torch.arange(stretch.dst_position,
-                                         stretch.dst_position + stretch.num_rows)
+                positions = torch.arange(
+                    stretch.dst_position, stretch.dst_position + stretch.num_rows
+                )
                 blocks = torch.tensor(load.block_ids)[positions // BLOCK]
                 got_k = key_cache[blocks, positions % BLOCK]
                 got_v = value_cache[blocks, positions % BLOCK]
                 # NOTE: vLLM's RoPE takes fp32 angles from its cos/sin cache (~1e-4 at
                 # position 4,000), the load float64 ones; keys at a wrong angle differ by
                 # O(1).
-                torch.testing.assert_close(got_k, keys[i], atol=1e-3, rtol=1e-3,
-                                           msg=lambda m, n=name, i=i: f"{n} stretch {i}: {m}")
+                torch.testing.assert_close(
+                    got_k,
+                    keys[i],
+                    atol=1e-3,
+                    rtol=1e-3,
+                    msg=lambda m, n=name, i=i: f"{n} stretch {i}: {m}",
+                )
                 assert torch.equal(got_v, values[i]), (name, i)
                 i += 1
 
@@ -194,7 +223,9 @@ def _reachable_tensors(root) -> list[torch.Tensor]:
     seen, found, todo = set(), [], [root]
     while todo:
         obj = todo.pop()
-        if id(obj) in seen or isinstance(obj, (str, bytes, int, float, bool, type(None))):
+        if id(obj) in seen or isinstance(
+            obj, (str, bytes, int, float, bool, type(None))
+        ):
             continue
         seen.add(id(obj))
         if isinstance(obj, torch.Tensor):
@@ -218,24 +249,39 @@ def test_the_worker_keeps_nothing_made_in_the_pool_but_pools_buffers_and_caches(
     worker = engine.worker
     # NOTE: by storage (views share it); the pool keeps its tensors alive, so no other
     # storage can have their address. Empty storages hold nothing a sleep could discard.
-    made = {t.untyped_storage().data_ptr() for t in engine.pool.tensors
-            if t.untyped_storage().nbytes()}
-    allowed = {t.untyped_storage().data_ptr() for t in (
-        *worker.pool_key.values(), *worker.pool_value.values(), *engine.caches.values(),
-        *worker._scratch._buffers.values(),
-        *(latent.pool for latent in worker.latent.values()))}
-    kept = [tuple(t.shape) for t in _reachable_tensors(worker)
-            if t.untyped_storage().data_ptr() in made - allowed]
+    made = {
+        t.untyped_storage().data_ptr()
+        for t in engine.pool.tensors
+        if t.untyped_storage().nbytes()
+    }
+    allowed = {
+        t.untyped_storage().data_ptr()
+        for t in (
+            *worker.pool_key.values(),
+            *worker.pool_value.values(),
+            *engine.caches.values(),
+            *worker._scratch._buffers.values(),
+            *(latent.pool for latent in worker.latent.values()),
+        )
+    }
+    kept = [
+        tuple(t.shape)
+        for t in _reachable_tensors(worker)
+        if t.untyped_storage().data_ptr() in made - allowed
+    ]
     assert not kept, kept
 
 
-def test_a_load_after_a_sleep_is_exact_on_the_layer_by_layer_path(vllm_config_context,
-                                                                  monkeypatch):
+def test_a_load_after_a_sleep_is_exact_on_the_layer_by_layer_path(
+    vllm_config_context, monkeypatch
+):
     """The same sleep on the path the layers the fused kernel turns away take (every GPU
     layer whose self-check fails, and MLA's latent rows): the load buffers allocated in
     register_kv_caches are zeroed with the rest, and the next load, which rewrites them
     before it reads them, is exact."""
-    monkeypatch.setenv("TRITON_INTERPRET", "0")  # no fused kernel: every layer per layer
+    monkeypatch.setenv(
+        "TRITON_INTERPRET", "0"
+    )  # no fused kernel: every layer per layer
     engine = _engine()
     assert not engine.worker._fused.layers and engine.worker._scratch.nbytes() > 0
     _serve(engine, seed=4)
@@ -245,14 +291,17 @@ def test_a_load_after_a_sleep_is_exact_on_the_layer_by_layer_path(vllm_config_co
 
 
 def test_the_load_buffers_are_allocated_at_start_up_for_the_layers_that_take_them(
-        vllm_config_context, monkeypatch):
+    vllm_config_context, monkeypatch
+):
     """Issue 30 finding 5, issue 29 finding 10: the buffers are allocated in
     register_kv_caches (inside the KV-cache pool the carve-out counts), for the layers that
     load through them, and a load allocates none. Before: allocated at the first load
     (outside the pool), and for every kind. Fused layers take none."""
     fused = _engine()
     assert fused.worker._fused.layers and fused.worker._scratch.nbytes() == 0
-    monkeypatch.setenv("TRITON_INTERPRET", "0")  # no fused kernel: every layer per layer
+    monkeypatch.setenv(
+        "TRITON_INTERPRET", "0"
+    )  # no fused kernel: every layer per layer
     engine = _engine()
     scratch = engine.worker._scratch
     assert not engine.worker._fused.layers
@@ -261,11 +310,14 @@ def test_the_load_buffers_are_allocated_at_start_up_for_the_layers_that_take_the
     assert sorted(role for role, *_ in buffers) == ["key", "rotated", "value"]
     assert scratch.nbytes() == 64 * 3 * HEADS * HEAD * 4
     _serve(engine, seed=3)
-    assert {key: buffer.data_ptr() for key, buffer in scratch._buffers.items()} == buffers
+    assert {
+        key: buffer.data_ptr() for key, buffer in scratch._buffers.items()
+    } == buffers
 
 
-def test_the_fused_self_check_runs_the_steps_launch_over_every_layer(vllm_config_context,
-                                                                     monkeypatch):
+def test_the_fused_self_check_runs_the_steps_launch_over_every_layer(
+    vllm_config_context, monkeypatch
+):
     """Issue 30 "Also": the self-check covers the launch the step makes: all the layers of
     a group through one table, several stretches. A table whose entries point layer 1 at
     layer 0's pool (a fault of the multi-layer table only) keeps every layer of the group

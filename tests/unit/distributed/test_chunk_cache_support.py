@@ -25,12 +25,23 @@ def _config(model=None, parallel=None, speculative=None):
         chunk_cache_config=ChunkCacheConfig(enable_chunk_cache=True),
         cache_config=SimpleNamespace(kv_offloading_size=None),
         kv_transfer_config=None,
-        model_config=SimpleNamespace(**{"use_mla": False, "is_multimodal_model": False,
-                                        "is_encoder_decoder": False, **(model or {})}),
-        parallel_config=SimpleNamespace(**{"decode_context_parallel_size": 1,
-                                           "prefill_context_parallel_size": 1,
-                                           "enable_dbo": False, "ubatch_size": 0,
-                                           **(parallel or {})}),
+        model_config=SimpleNamespace(
+            **{
+                "use_mla": False,
+                "is_multimodal_model": False,
+                "is_encoder_decoder": False,
+                **(model or {}),
+            }
+        ),
+        parallel_config=SimpleNamespace(
+            **{
+                "decode_context_parallel_size": 1,
+                "prefill_context_parallel_size": 1,
+                "enable_dbo": False,
+                "ubatch_size": 0,
+                **(parallel or {}),
+            }
+        ),
         speculative_config=speculative,
     )
 
@@ -44,7 +55,9 @@ def test_sparse_mla_passes_on_the_npu_only(monkeypatch):
     # worker builds it); vLLM's DSA (CUDA) has none and the CPU no sparse attention.
     from vllm.platforms import current_platform
 
-    sparse = _config(model={"use_mla": True, "hf_config": SimpleNamespace(index_topk=2048)})
+    sparse = _config(
+        model={"use_mla": True, "hf_config": SimpleNamespace(index_topk=2048)}
+    )
     with pytest.raises(ValueError, match="sparse MLA.*DSA on CUDA.*SFA"):
         check_config(sparse)
     monkeypatch.setattr(type(current_platform), "device_name", "npu", raising=False)
@@ -57,25 +70,50 @@ def test_a_dense_mla_config_passes_its_backend_is_checked_by_the_worker():
     check_config(_config(model={"use_mla": True, "hf_config": SimpleNamespace()}))
 
 
-@pytest.mark.parametrize("config, message", [
-    (_config(model={"use_mla": True, "hf_config": SimpleNamespace(index_topk=2048)}),
-     "sparse MLA.*DeepSeek-V3.2's DSA.*vllm-ascend's SFA"),
-    (_config(model={"is_encoder_decoder": True}), "encoder-decoder"),
-    (_config(model={"is_multimodal_model": True}), "multimodal"),
-    # Issue 30, finding 3. Before: accepted; an embedding request with "##" was
-    # split, its children (SamplingParams) spawned on the pooling runner, and
-    # mean pooling covered the question only.
-    (_config(model={"runner_type": "pooling"}), "does not support pooling models"),
-    (_config(model={"hf_config": SimpleNamespace(no_rope_layers=[1, 0])}), "no_rope_layers"),
-    (_config(speculative=SimpleNamespace(method="eagle")), "speculative decoding"),
-    (_config(parallel={"decode_context_parallel_size": 2}),
-     "context parallelism.*--decode-context-parallel-size 2"),
-    (_config(parallel={"prefill_context_parallel_size": 2}),
-     "context parallelism.*--prefill-context-parallel-size 2"),
-    (_config(parallel={"enable_dbo": True}), "dual-batch overlap"),
-    (_config(parallel={"ubatch_size": 2}), "micro-batching"),
-], ids=["sparse-mla", "encoder-decoder", "multimodal", "pooling", "nope-layers", "speculative",
-        "dcp", "pcp", "dbo", "ubatch"])
+@pytest.mark.parametrize(
+    "config, message",
+    [
+        (
+            _config(
+                model={"use_mla": True, "hf_config": SimpleNamespace(index_topk=2048)}
+            ),
+            "sparse MLA.*DeepSeek-V3.2's DSA.*vllm-ascend's SFA",
+        ),
+        (_config(model={"is_encoder_decoder": True}), "encoder-decoder"),
+        (_config(model={"is_multimodal_model": True}), "multimodal"),
+        # Issue 30, finding 3. Before: accepted; an embedding request with "##" was
+        # split, its children (SamplingParams) spawned on the pooling runner, and
+        # mean pooling covered the question only.
+        (_config(model={"runner_type": "pooling"}), "does not support pooling models"),
+        (
+            _config(model={"hf_config": SimpleNamespace(no_rope_layers=[1, 0])}),
+            "no_rope_layers",
+        ),
+        (_config(speculative=SimpleNamespace(method="eagle")), "speculative decoding"),
+        (
+            _config(parallel={"decode_context_parallel_size": 2}),
+            "context parallelism.*--decode-context-parallel-size 2",
+        ),
+        (
+            _config(parallel={"prefill_context_parallel_size": 2}),
+            "context parallelism.*--prefill-context-parallel-size 2",
+        ),
+        (_config(parallel={"enable_dbo": True}), "dual-batch overlap"),
+        (_config(parallel={"ubatch_size": 2}), "micro-batching"),
+    ],
+    ids=[
+        "sparse-mla",
+        "encoder-decoder",
+        "multimodal",
+        "pooling",
+        "nope-layers",
+        "speculative",
+        "dcp",
+        "pcp",
+        "dbo",
+        "ubatch",
+    ],
+)
 def test_unsupported_set_ups_are_refused_by_name(config, message):
     # Before (finding 5): speculative decoding failed at the first step with
     # "layer not found", DCP/DBO while serving, encoder-decoder not at all.
@@ -90,8 +128,11 @@ def _kv_cache_config(*specs):
     from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
 
     return KVCacheConfig(
-        num_blocks=8, kv_cache_tensors=[],
-        kv_cache_groups=[KVCacheGroupSpec([f"l{i}"], spec) for i, spec in enumerate(specs)],
+        num_blocks=8,
+        kv_cache_tensors=[],
+        kv_cache_groups=[
+            KVCacheGroupSpec([f"l{i}"], spec) for i, spec in enumerate(specs)
+        ],
     )
 
 
@@ -121,11 +162,18 @@ def test_windows_kept_as_full_attention_or_on_every_layer_are_served():
     assert kv_cache_block_size(_kv_cache_config(_spec("sliding"))) == 16
 
 
-@pytest.mark.parametrize("specs, message", [
-    ((_spec("chunked"),), r"the KV cache of layer\(s\) l0 is ChunkedLocalAttentionSpec, "
-     r"chunk size 32 \(chunked-local attention restarts at absolute positions"),
-    ((_spec(), _spec("sliding")), "one KV cache group; this model has 2"),
-], ids=["chunked-local", "two-groups"])
+@pytest.mark.parametrize(
+    "specs, message",
+    [
+        (
+            (_spec("chunked"),),
+            r"the KV cache of layer\(s\) l0 is ChunkedLocalAttentionSpec, "
+            r"chunk size 32 \(chunked-local attention restarts at absolute positions",
+        ),
+        ((_spec(), _spec("sliding")), "one KV cache group; this model has 2"),
+    ],
+    ids=["chunked-local", "two-groups"],
+)
 def test_other_kv_cache_layouts_are_refused(specs, message):
     with pytest.raises(ValueError, match=message):
         kv_cache_block_size(_kv_cache_config(*specs))
@@ -154,7 +202,9 @@ def test_kv_sharing_layers_are_refused():
 
 
 # Stand-ins named as the backends' implementations (the checks go by class name).
-CPUAttentionBackendImpl = type("CPUAttentionBackendImpl", (), {"kv_cache_dtype": "auto"})
+CPUAttentionBackendImpl = type(
+    "CPUAttentionBackendImpl", (), {"kv_cache_dtype": "auto"}
+)
 FlashAttentionImpl = type("FlashAttentionImpl", (), {"kv_cache_dtype": "auto"})
 TritonAttentionImpl = type("TritonAttentionImpl", (), {"kv_cache_dtype": "auto"})
 FlashInferImpl = type("FlashInferImpl", (), {"kv_cache_dtype": "auto"})
@@ -168,18 +218,32 @@ def test_sliding_window_layers_are_served_where_shown_exact():
     52: test_query_runs_triton_attn.py) and on TRITON_ATTN and FLASH_ATTN as run
     on an H200 (issue 52, docs/gpu.md), and refused elsewhere, naming the layer
     and the backend."""
-    check_attention_layer("l0", _attention(sliding_window=8, impl=CPUAttentionBackendImpl()), 4096)
-    check_attention_layer("l0", _attention(sliding_window=8, impl=TritonAttentionImpl()), 4096)
-    check_attention_layer("l0", _attention(sliding_window=8, impl=FlashAttentionImpl()), 4096)
-    check_attention_layer("l0", _attention(sliding_window=4096, impl=FlashInferImpl()), 4096)
-    with pytest.raises(ValueError, match=r"sliding-window attention \(l0, window 4095\) on "
-                       "the attention backend FlashInferImpl"):
-        check_attention_layer("l0", _attention(sliding_window=4095, impl=FlashInferImpl()),
-                              4096)
+    check_attention_layer(
+        "l0", _attention(sliding_window=8, impl=CPUAttentionBackendImpl()), 4096
+    )
+    check_attention_layer(
+        "l0", _attention(sliding_window=8, impl=TritonAttentionImpl()), 4096
+    )
+    check_attention_layer(
+        "l0", _attention(sliding_window=8, impl=FlashAttentionImpl()), 4096
+    )
+    check_attention_layer(
+        "l0", _attention(sliding_window=4096, impl=FlashInferImpl()), 4096
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"sliding-window attention \(l0, window 4095\) on "
+        "the attention backend FlashInferImpl",
+    ):
+        check_attention_layer(
+            "l0", _attention(sliding_window=4095, impl=FlashInferImpl()), 4096
+        )
 
 
 def test_non_attention_layers_and_unknown_backends_are_refused():
-    with pytest.raises(ValueError, match="standard attention layers only; l0 is Linear"):
+    with pytest.raises(
+        ValueError, match="standard attention layers only; l0 is Linear"
+    ):
         check_attention_layer("l0", nn.Linear(2, 2))
 
     class OtherImpl:

@@ -11,20 +11,24 @@ import torch
 from torch import nn
 
 from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache import setup
-from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.metadata import (
-    ChildStore,
-    ChunkCacheMetadata,
-)
-from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.setup import POOL_BLOCK_SIZE
-from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.support import (
-    check_graph_mode,
-    check_model_config,
-)
 from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.layer_ropes import (
     find_layer_ropes,
     rope_use,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.worker import ChunkCacheWorker
+from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.metadata import (
+    ChildStore,
+    ChunkCacheMetadata,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.setup import (
+    POOL_BLOCK_SIZE,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.support import (
+    check_graph_mode,
+    check_model_config,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.worker import (
+    ChunkCacheWorker,
+)
 
 
 def _attention(name: str):
@@ -149,7 +153,9 @@ class InputTest(ConditionalRope):
 def test_module_state_decides_only_unambiguous_tests():
     assert rope_use(OlmoHybridStyle("a", True)) == "always"
     assert rope_use(OlmoHybridStyle("a", True, expression=True)) == "always"
-    model = nn.ModuleList([OlmoHybridStyle("l0", True), OlmoHybridStyle("l1", True, True)])
+    model = nn.ModuleList(
+        [OlmoHybridStyle("l0", True), OlmoHybridStyle("l1", True, True)]
+    )
     ropes, orphans = find_layer_ropes(model)
     assert all(ropes[n] is model[i].rotary_emb for i, n in enumerate(("l0", "l1")))
     assert not orphans
@@ -157,7 +163,9 @@ def test_module_state_decides_only_unambiguous_tests():
     # truth, a test on the input.
     for module in (FlagSetInForward("a", True), TensorFlag("a"), InputTest("a", True)):
         assert rope_use(module) == "conditional", type(module).__name__
-        with pytest.raises(ValueError, match=f"cannot tell whether {type(module).__name__}"):
+        with pytest.raises(
+            ValueError, match=f"cannot tell whether {type(module).__name__}"
+        ):
             find_layer_ropes(nn.ModuleList([module]))
 
 
@@ -168,19 +176,27 @@ def test_nope_layer_configs_are_refused():
 
 
 def _worker(fraction=0.15):
-    chunk = SimpleNamespace(chunk_pool_fraction=fraction, chunk_pool_size_gib=None,
-                            max_chunk_load_tokens=64, chunk_store=None,
-                            chunk_recompute_tokens=0)
+    chunk = SimpleNamespace(
+        chunk_pool_fraction=fraction,
+        chunk_pool_size_gib=None,
+        max_chunk_load_tokens=64,
+        chunk_store=None,
+        chunk_recompute_tokens=0,
+    )
     model = SimpleNamespace(dtype=torch.float32)
-    vllm_config = SimpleNamespace(chunk_cache_config=chunk, model_config=model,
-                                  cache_config=SimpleNamespace(cache_dtype="auto"),
-                                  compilation_config=SimpleNamespace(),
-                                  # NOTE: the start-up reads max_num_seqs (the cap of a
-                                  # step's attention rows under full graphs, issue 60).
-                                  scheduler_config=SimpleNamespace(max_num_seqs=8))
+    vllm_config = SimpleNamespace(
+        chunk_cache_config=chunk,
+        model_config=model,
+        cache_config=SimpleNamespace(cache_dtype="auto"),
+        compilation_config=SimpleNamespace(),
+        # NOTE: the start-up reads max_num_seqs (the cap of a
+        # step's attention rows under full graphs, issue 60).
+        scheduler_config=SimpleNamespace(max_num_seqs=8),
+    )
     group = SimpleNamespace(kv_cache_spec=SimpleNamespace(block_size=16))
-    return ChunkCacheWorker(vllm_config, SimpleNamespace(kv_cache_groups=[group],
-                                                         num_blocks=64))
+    return ChunkCacheWorker(
+        vllm_config, SimpleNamespace(kv_cache_groups=[group], num_blocks=64)
+    )
 
 
 class _NoRopeAttention(nn.Module):
@@ -203,8 +219,11 @@ def test_a_model_on_the_transformers_backend_is_refused_by_name():
     without RoPE" (a different reason) nor be served unrotated."""
     worker = _worker()
     model = _no_rope_model("vllm.model_executor.models.transformers.causal")
-    with pytest.raises(ValueError, match=r"Transformers modeling backend "
-                       r"\(TransformersForCausalLM\).*unsupported model implementation"):
+    with pytest.raises(
+        ValueError,
+        match=r"Transformers modeling backend "
+        r"\(TransformersForCausalLM\).*unsupported model implementation",
+    ):
         worker.register_model(model)
     # The same layers in a model of vLLM's own: refused as a model without RoPE.
     with pytest.raises(ValueError, match=r"\['l0', 'l1'\] have no rotary embedding"):
@@ -227,30 +246,45 @@ def test_graph_modes_constrain_only_layers_captured_in_the_attention_hook():
     for mode in (CUDAGraphMode.FULL, CUDAGraphMode.FULL_AND_PIECEWISE):
         check_graph_mode(SimpleNamespace(cudagraph_mode=mode, splitting_ops=[]), {})
     check_graph_mode(SimpleNamespace(cudagraph_mode=CUDAGraphMode.NONE), hooked)
-    check_graph_mode(SimpleNamespace(cudagraph_mode=CUDAGraphMode.PIECEWISE,
-                                     splitting_ops=attn), hooked)
+    check_graph_mode(
+        SimpleNamespace(cudagraph_mode=CUDAGraphMode.PIECEWISE, splitting_ops=attn),
+        hooked,
+    )
     with pytest.raises(ValueError, match=r"FULL.*l3.*fp8"):
-        check_graph_mode(SimpleNamespace(cudagraph_mode=CUDAGraphMode.FULL,
-                                         splitting_ops=attn), hooked)
+        check_graph_mode(
+            SimpleNamespace(cudagraph_mode=CUDAGraphMode.FULL, splitting_ops=attn),
+            hooked,
+        )
     with pytest.raises(ValueError, match="splitting_ops"):
-        check_graph_mode(SimpleNamespace(cudagraph_mode=CUDAGraphMode.PIECEWISE,
-                                         splitting_ops=[]), hooked)
+        check_graph_mode(
+            SimpleNamespace(cudagraph_mode=CUDAGraphMode.PIECEWISE, splitting_ops=[]),
+            hooked,
+        )
 
 
-@pytest.mark.parametrize("cache_dtype,hooked", [("auto", False), ("bfloat16", False),
-                                                ("fp8", True), ("fp8_e4m3", True)])
+@pytest.mark.parametrize(
+    "cache_dtype,hooked",
+    [("auto", False), ("bfloat16", False), ("fp8", True), ("fp8_e4m3", True)],
+)
 def test_full_graphs_stay_unless_the_cache_is_quantized(cache_dtype, hooked):
-    """vLLM's default FULL_AND_PIECEWISE stays where captures run after the
+    """VLLM's default FULL_AND_PIECEWISE stays where captures run after the
     forward; a quantized cache keeps the hook, so PIECEWISE (logged), and an
     explicit FULL is refused there."""
-    from vllm.config import ChunkCacheConfig
     from vllm.config.compilation import CUDAGraphMode
 
+    from vllm.config import ChunkCacheConfig
+
     cfg = SimpleNamespace(
-        chunk_cache_config=ChunkCacheConfig(enable_chunk_cache=True, chunk_context="none"),
+        chunk_cache_config=ChunkCacheConfig(
+            enable_chunk_cache=True, chunk_context="none"
+        ),
         cache_config=SimpleNamespace(kv_offloading_size=None, cache_dtype=cache_dtype),
-        compilation_config=SimpleNamespace(cudagraph_mode=CUDAGraphMode.FULL_AND_PIECEWISE),
-        kv_transfer_config=None, model_config=None)
+        compilation_config=SimpleNamespace(
+            cudagraph_mode=CUDAGraphMode.FULL_AND_PIECEWISE
+        ),
+        kv_transfer_config=None,
+        model_config=None,
+    )
     setup.configure_chunk_cache_connector(cfg)
     extra = cfg.kv_transfer_config.kv_connector_extra_config
     assert extra == {"capture_in_attention": hooked}
@@ -260,7 +294,8 @@ def test_full_graphs_stay_unless_the_cache_is_quantized(cache_dtype, hooked):
 
     assert ChunkCacheConnector.requires_piecewise_for_cudagraph(extra) is hooked
     assert cfg.compilation_config.cudagraph_mode == (
-        CUDAGraphMode.PIECEWISE if hooked else CUDAGraphMode.FULL_AND_PIECEWISE)
+        CUDAGraphMode.PIECEWISE if hooked else CUDAGraphMode.FULL_AND_PIECEWISE
+    )
     cfg.compilation_config.cudagraph_mode = CUDAGraphMode.FULL_DECODE_ONLY
     cfg.kv_transfer_config = None
     if hooked:
@@ -283,9 +318,11 @@ class _Model(SimpleNamespace):
 
 def _sizing_config(cache_dtype="auto", fraction=0.15, size_gib=None):
     return SimpleNamespace(
-        chunk_cache_config=SimpleNamespace(chunk_pool_fraction=fraction,
-                                           chunk_pool_size_gib=size_gib,
-                                           max_chunk_load_tokens=4096),
+        chunk_cache_config=SimpleNamespace(
+            chunk_pool_fraction=fraction,
+            chunk_pool_size_gib=size_gib,
+            max_chunk_load_tokens=4096,
+        ),
         model_config=_Model(dtype=torch.bfloat16),
         cache_config=SimpleNamespace(cache_dtype=cache_dtype),
         parallel_config=None,
@@ -334,8 +371,10 @@ def test_a_pool_larger_than_the_budget_is_refused():
 
 
 def test_pool_device_is_the_paged_cache_device_for_tensor_and_pair_caches():
-    """vLLM's backends keep one tensor per layer, vllm-ascend a (key, value) pair."""
-    from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.worker import cache_device
+    """VLLM's backends keep one tensor per layer, vllm-ascend a (key, value) pair."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.worker import (
+        cache_device,
+    )
 
     one = torch.zeros(2, 3, device="meta")
     assert cache_device(one) == torch.device("meta")
@@ -353,8 +392,11 @@ def test_sparse_mla_is_refused_at_start_up():
         chunk_cache_config=ChunkCacheConfig(enable_chunk_cache=True),
         cache_config=SimpleNamespace(kv_offloading_size=None),
         kv_transfer_config=None,
-        model_config=SimpleNamespace(use_mla=True, is_multimodal_model=False,
-                                     hf_config=SimpleNamespace(index_topk=2048)),
+        model_config=SimpleNamespace(
+            use_mla=True,
+            is_multimodal_model=False,
+            hf_config=SimpleNamespace(index_topk=2048),
+        ),
     )
     with pytest.raises(ValueError, match="sparse MLA.*vllm-ascend's SFA"):
         configure_chunk_cache_connector(config)
@@ -367,8 +409,13 @@ def test_capture_indices_read_nothing_back_to_the_host(monkeypatch):
     of a tensor's value, and a slot missing from the batch still raises."""
     # A child of blocks (2, 0) of 4 slots computes positions 1..4 (slots 9,
     # 10, 11, 0) and stores them from position 1 on: rows 0..3 of pool block 10.
-    store = ChildStore(block_ids=(2, 0), pool_block_ids=(10,), first_position=1,
-                       end_position=5, store_start=1)
+    store = ChildStore(
+        block_ids=(2, 0),
+        pool_block_ids=(10,),
+        first_position=1,
+        end_position=5,
+        store_start=1,
+    )
     worker = SimpleNamespace(block_size=4)
     slot_mapping = torch.tensor([7, 9, 10, 11, 0, 13], dtype=torch.int32)
 
@@ -379,15 +426,22 @@ def test_capture_indices_read_nothing_back_to_the_host(monkeypatch):
         for name in ("__bool__", "item", "tolist", "__int__", "__float__"):
             m.setattr(torch.Tensor, name, host_read)
         rows, dst = ChunkCacheWorker._capture_indices(
-            worker, ChunkCacheMetadata(stores=[store]), slot_mapping)
+            worker, ChunkCacheMetadata(stores=[store]), slot_mapping
+        )
     first = 10 * POOL_BLOCK_SIZE
     assert rows.tolist() == [1, 2, 3, 4]
     assert dst.tolist() == [first, first + 1, first + 2, first + 3]
-    missing = ChildStore(block_ids=(1,), pool_block_ids=(0,), first_position=0,
-                         end_position=1, store_start=0)  # slot 4: not in the batch
+    missing = ChildStore(
+        block_ids=(1,),
+        pool_block_ids=(0,),
+        first_position=0,
+        end_position=1,
+        store_start=0,
+    )  # slot 4: not in the batch
     with pytest.raises(RuntimeError, match="not in this step's batch"):
         ChunkCacheWorker._capture_indices(
-            worker, ChunkCacheMetadata(stores=[missing]), slot_mapping)
+            worker, ChunkCacheMetadata(stores=[missing]), slot_mapping
+        )
 
 
 def test_an_mla_pool_token_is_one_latent_row_per_layer():
@@ -407,6 +461,7 @@ def test_a_rope_narrower_than_the_key_heads_is_refused(vllm_config_context):
     """A rope built for part of a head (non-MLA DeepSeek attention puts k_pe at the end of
     a 192-wide head) would be turned at the head's start: refused at start-up, by name."""
     from vllm.model_executor.layers.rotary_embedding import get_rope
+
     from vllm.v1.worker.position_remapper import RopeRotation
 
     class CPUAttentionBackendImpl:  # the name the CPU writer is registered under
@@ -422,7 +477,9 @@ def test_a_rope_narrower_than_the_key_heads_is_refused(vllm_config_context):
     worker.vllm_config.compilation_config.static_forward_context = {"l0": layer}
     worker._ropes = {"l0": rope}
     worker._rotations = {id(rope): RopeRotation(rope, use_cpu_kernel=False)}
-    with pytest.raises(ValueError, match=r"l0 rotates heads of 64 values but its keys have 192"):
+    with pytest.raises(
+        ValueError, match=r"l0 rotates heads of 64 values but its keys have 192"
+    ):
         worker.register_kv_caches({"l0": torch.zeros(4, 1, 16, 2 * 192)})
 
 
@@ -439,10 +496,19 @@ def _two_hooked_layers_and_a_child_step():
     for name in ("l0", "l1"):
         worker.pool_key[name] = torch.zeros(64, 1, 2)
         worker.pool_value[name] = torch.zeros(64, 1, 2)
-    store = ChildStore(block_ids=(2,), pool_block_ids=(1,), first_position=0,
-                       end_position=4, store_start=0)
-    return (worker, ChunkCacheMetadata(stores=[store]), torch.tensor([8, 9, 10, 11]),
-            torch.arange(8.0).view(4, 1, 2))
+    store = ChildStore(
+        block_ids=(2,),
+        pool_block_ids=(1,),
+        first_position=0,
+        end_position=4,
+        store_start=0,
+    )
+    return (
+        worker,
+        ChunkCacheMetadata(stores=[store]),
+        torch.tensor([8, 9, 10, 11]),
+        torch.arange(8.0).view(4, 1, 2),
+    )
 
 
 def test_a_step_with_captures_fails_if_a_hooked_layer_never_captured():
@@ -454,7 +520,9 @@ def test_a_step_with_captures_fails_if_a_hooked_layer_never_captured():
 
     worker.start_load_kv(meta, None)
     worker.save_kv_layer(meta, "l0", slot_mapping, rows, rows + 1)
-    with pytest.raises(RuntimeError, match=r"layer\(s\) \['l1'\] \(1 of 2\) never reached"):
+    with pytest.raises(
+        RuntimeError, match=r"layer\(s\) \['l1'\] \(1 of 2\) never reached"
+    ):
         worker.capture_after_forward(meta)
     # Every hooked layer captured: the step goes on; a step without captures
     # checks nothing.
@@ -462,13 +530,15 @@ def test_a_step_with_captures_fails_if_a_hooked_layer_never_captured():
     for name in ("l0", "l1"):
         worker.save_kv_layer(meta, name, slot_mapping, rows, rows + 1)
     worker.capture_after_forward(meta)
-    assert torch.equal(worker.pool_key["l1"][POOL_BLOCK_SIZE:POOL_BLOCK_SIZE + 4], rows)
+    assert torch.equal(
+        worker.pool_key["l1"][POOL_BLOCK_SIZE : POOL_BLOCK_SIZE + 4], rows
+    )
     worker.start_load_kv(ChunkCacheMetadata(), None)
     worker.capture_after_forward(ChunkCacheMetadata())
 
 
 def test_the_hooks_captures_count_when_the_step_starts_its_loads_after_the_forward():
-    """vLLM 0.32 calls start_load_kv after the forward in a step without
+    """VLLM 0.32 calls start_load_kv after the forward in a step without
     synchronous loads (kv_connector_model_runner_mixin: start_after_forward).
     Before: start_load_kv forgot the hook's captures and every such step with
     captures failed ("4 of 4 never reached the capture hook", CI on 0.32). The
@@ -478,7 +548,9 @@ def test_the_hooks_captures_count_when_the_step_starts_its_loads_after_the_forwa
         worker.save_kv_layer(meta, name, slot_mapping, rows, rows + 1)
     worker.start_load_kv(meta, None)  # after the forward, as 0.32 orders it
     worker.capture_after_forward(meta)
-    assert torch.equal(worker.pool_value["l0"][POOL_BLOCK_SIZE:POOL_BLOCK_SIZE + 4], rows + 1)
+    assert torch.equal(
+        worker.pool_value["l0"][POOL_BLOCK_SIZE : POOL_BLOCK_SIZE + 4], rows + 1
+    )
     # The next step's metadata starts with nothing captured.
     nxt = ChunkCacheMetadata(stores=meta.stores)
     worker.save_kv_layer(nxt, "l0", slot_mapping, rows, rows + 1)
@@ -521,8 +593,14 @@ def test_an_isinstance_test_of_the_rope_is_decided_for_the_layers_rope():
     layer's rope is read as unconditional, the other one as dead; a class the
     forward's module does not name stays undecided."""
     assert rope_use(TypeTestedRope("a", _Rope())) == "always"
-    assert rope_use(TypeTestedRope("a", _OtherRope())) == "always"  # mentioned, not called
+    assert (
+        rope_use(TypeTestedRope("a", _OtherRope())) == "always"
+    )  # mentioned, not called
     assert rope_use(UnknownTypeTested("a", _Rope())) == "conditional"
-    model = nn.ModuleList([TypeTestedRope("l0", _Rope()), TypeTestedRope("l1", _Rope())])
+    model = nn.ModuleList(
+        [TypeTestedRope("l0", _Rope()), TypeTestedRope("l1", _Rope())]
+    )
     ropes, orphans = find_layer_ropes(model)
-    assert ropes == {"l0": model[0].rotary_emb, "l1": model[1].rotary_emb} and not orphans
+    assert (
+        ropes == {"l0": model[0].rotary_emb, "l1": model[1].rotary_emb} and not orphans
+    )

@@ -27,8 +27,9 @@ def _config(model_config, pp_size: int, rank: int, size_gib, fraction=0.15):
     parallel = ParallelConfig(pipeline_parallel_size=pp_size)
     parallel.rank = rank  # what each worker's copy of the config holds
     return SimpleNamespace(
-        chunk_cache_config=SimpleNamespace(chunk_pool_fraction=fraction,
-                                           chunk_pool_size_gib=size_gib),
+        chunk_cache_config=SimpleNamespace(
+            chunk_pool_fraction=fraction, chunk_pool_size_gib=size_gib
+        ),
         model_config=model_config,
         cache_config=SimpleNamespace(cache_dtype="auto"),
         parallel_config=parallel,
@@ -42,18 +43,24 @@ def tiny():
     return ModelConfig(model=str(models_dir() / "tiny-llama"), dtype="float32")
 
 
-@pytest.mark.parametrize("partition,pp_size", [("1,3", 2), ("3,1", 2), (None, 2),
-                                               ("1,1,2", 3)])
+@pytest.mark.parametrize(
+    "partition,pp_size", [("1,3", 2), ("3,1", 2), (None, 2), ("1,1,2", 3)]
+)
 @pytest.mark.parametrize("size_gib", [0.001, None])
-def test_every_stage_gets_the_schedulers_pool_rows(tiny, monkeypatch, partition, pp_size,
-                                                   size_gib):
+def test_every_stage_gets_the_schedulers_pool_rows(
+    tiny, monkeypatch, partition, pp_size, size_gib
+):
     if partition is None:
         monkeypatch.delenv("VLLM_PP_LAYER_PARTITION", raising=False)
     else:
         monkeypatch.setenv("VLLM_PP_LAYER_PARTITION", partition)
     num_kv_blocks, block_size = 1000, 128
-    rows = [setup._pool_blocks(_config(tiny, pp_size, r, size_gib), num_kv_blocks, block_size)
-            for r in range(pp_size)]
+    rows = [
+        setup._pool_blocks(
+            _config(tiny, pp_size, r, size_gib), num_kv_blocks, block_size
+        )
+        for r in range(pp_size)
+    ]
     assert len(set(rows)) == 1, rows
     if size_gib is not None:
         # No stage's pool is larger than asked for: the biggest stage fills it.

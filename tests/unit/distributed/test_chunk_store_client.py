@@ -21,20 +21,38 @@ from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store.messages imp
     StoreReport,
 )
 from vllm.v1.core.chunk_hash_index import ChunkNamespace
-from vllm.v1.core.chunk_store_probe import FetchFailure, FetchSpec, ReportResult, StoreAnswer
+from vllm.v1.core.chunk_store_probe import (
+    FetchFailure,
+    FetchSpec,
+    ReportResult,
+    StoreAnswer,
+)
 
 
 def client(tp: int, lookup_timeout: float = 600) -> StoreClient:
     config = SimpleNamespace(
-        chunk_cache_config=SimpleNamespace(chunk_store=f"mooncake://127.0.0.1:1?lookup_timeout={lookup_timeout}&local_client=none"),
-        parallel_config=SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=1))
+        chunk_cache_config=SimpleNamespace(
+            chunk_store=f"mooncake://127.0.0.1:1?lookup_timeout={lookup_timeout}&local_client=none"
+        ),
+        parallel_config=SimpleNamespace(
+            tensor_parallel_size=tp, pipeline_parallel_size=1
+        ),
+    )
     return StoreClient(config)
 
 
 def identity(rank: int, epoch: int = 0) -> RankIdentity:
-    return RankIdentity(epoch=epoch, tp_rank=rank, pp_rank=0, model="m",
-                        weights_version="w", kv_dtype="f32", kv_layout="l", rope="r",
-                        compute="c")
+    return RankIdentity(
+        epoch=epoch,
+        tp_rank=rank,
+        pp_rank=0,
+        model="m",
+        weights_version="w",
+        kv_dtype="f32",
+        kv_layout="l",
+        rope="r",
+        compute="c",
+    )
 
 
 def fetch(c: StoreClient, fid: str) -> None:
@@ -46,13 +64,18 @@ def test_a_fetch_counts_only_when_every_rank_reported():
     fetch(c, "f-ok")
     fetch(c, "f-bad")
     # Rank 0 finishes both in one step, rank 1 in a later one.
-    assert c.on_report(StoreReport(outcomes={"f-ok": [FETCH_OK], "f-bad": [FETCH_OK]})) == (
-        ReportResult())
+    assert c.on_report(
+        StoreReport(outcomes={"f-ok": [FETCH_OK], "f-bad": [FETCH_OK]})
+    ) == (ReportResult())
     result = c.on_report(
         StoreReport(outcomes={"f-ok": [FETCH_OK]}).aggregate(
-            StoreReport(outcomes={"f-bad": [CAUSE_VERIFY_FAILED]})))
-    assert result == ReportResult(done=("f-ok",), failed=(
-        FetchFailure("f-bad", CAUSE_VERIFY_FAILED, rows_held=False),))
+            StoreReport(outcomes={"f-bad": [CAUSE_VERIFY_FAILED]})
+        )
+    )
+    assert result == ReportResult(
+        done=("f-ok",),
+        failed=(FetchFailure("f-bad", CAUSE_VERIFY_FAILED, rows_held=False),),
+    )
     counters = c.counters.take()
     assert counters["store_hits"] == 1 and counters["store_misses_verify_failed"] == 1
     assert "store_hits" not in c.counters.take()  # increments: nothing new

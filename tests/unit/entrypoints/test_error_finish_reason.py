@@ -8,18 +8,21 @@ from __future__ import annotations
 import importlib
 
 import pytest
-
 from vllm.entrypoints.openai.chat_completion.serving import OpenAIServingChat
 from vllm.entrypoints.openai.completion.serving import OpenAIServingCompletion
 
-REASON = ("chunk cache: document 2 of this request (37 tokens, chunk key 0123) could "
-          "not be computed (2 attempts); ... retrying the request is safe.")
+REASON = (
+    "chunk cache: document 2 of this request (37 tokens, chunk key 0123) could "
+    "not be computed (2 attempts); ... retrying the request is safe."
+)
 
 
 def create_error_response(exc: Exception):
     # NOTE: the module moved between the two bases.
-    for name in ("vllm.entrypoints.serve.utils.error_response",
-                 "vllm.entrypoints.serve.exception_handling.error_response"):
+    for name in (
+        "vllm.entrypoints.serve.utils.error_response",
+        "vllm.entrypoints.serve.exception_handling.error_response",
+    ):
         try:
             return importlib.import_module(name).create_error_response(exc)
         except ModuleNotFoundError:
@@ -27,8 +30,9 @@ def create_error_response(exc: Exception):
     raise AssertionError("no create_error_response in this vLLM")
 
 
-@pytest.fixture(params=[OpenAIServingCompletion, OpenAIServingChat],
-                ids=["completions", "chat"])
+@pytest.fixture(
+    params=[OpenAIServingCompletion, OpenAIServingChat], ids=["completions", "chat"]
+)
 def serving(request):
     # _raise_if_error reads no state: an instance without its engine will do.
     return object.__new__(request.param)
@@ -53,7 +57,9 @@ def test_an_error_without_a_reason_is_unchanged(serving):
     assert str(raised(serving, "error", "cmpl-1", None)) == "Internal server error"
 
 
-@pytest.mark.parametrize("finish_reason, stop_reason",
-                         [("stop", 2), ("stop", "###"), ("length", None), (None, None)])
+@pytest.mark.parametrize(
+    "finish_reason, stop_reason",
+    [("stop", 2), ("stop", "###"), ("length", None), (None, None)],
+)
 def test_other_finishes_raise_nothing(serving, finish_reason, stop_reason):
     serving._raise_if_error(finish_reason, "cmpl-1", stop_reason)

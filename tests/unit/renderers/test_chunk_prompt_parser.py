@@ -31,8 +31,9 @@ def test_no_separator_is_not_a_chunked_prompt(toy_tokenizer):
 
 def test_each_segment_tokenized_alone_bos_only_first(toy_tokenizer):
     parser = make_parser()
-    prompt = parser.parse_text("You are helpful.##Paris doc##Berlin doc##Q?",
-                               toy_tokenizer)
+    prompt = parser.parse_text(
+        "You are helpful.##Paris doc##Berlin doc##Q?", toy_tokenizer
+    )
     enc = toy_tokenizer.encode
     expected = [
         enc("You are helpful.", add_special_tokens=True),
@@ -61,7 +62,11 @@ def test_same_document_same_tokens_anywhere(toy_tokenizer):
 
 @pytest.mark.parametrize(
     "spaced",
-    ["sys ## doc one ## q", "sys  ##\n doc one \t##  q", "sys\u3000##\u00a0doc one\n##q"],
+    [
+        "sys ## doc one ## q",
+        "sys  ##\n doc one \t##  q",
+        "sys\u3000##\u00a0doc one\n##q",
+    ],
 )
 def test_whitespace_next_to_separator_is_stripped(toy_tokenizer, spaced):
     parser = make_parser()
@@ -138,8 +143,11 @@ def test_max_chunks(toy_tokenizer):
 
 def test_max_chunk_tokens_names_segment_and_limit(toy_tokenizer):
     parser = make_parser(max_chunk_tokens=4)
-    with pytest.raises(ValueError, match=r"segment 1 has 5 tokens, more than "
-                                         r"max_chunk_tokens=4"):
+    with pytest.raises(
+        ValueError,
+        match=r"segment 1 has 5 tokens, more than "
+        r"max_chunk_tokens=4",
+    ):
         parser.parse_token_ids([1, 9, 2, 3, 4, 5, 6, 9, 7], [9])
     with pytest.raises(ValueError, match=r"segment 0 has \d+ tokens"):
         parser.parse_text("a long system prompt here##d##q", toy_tokenizer)
@@ -221,11 +229,15 @@ def test_text_and_token_level_agree(toy_tokenizer):
 
 # ------------------------------------------------------------ properties
 
-_SEGMENT_TEXT = st.text(
-    alphabet=st.characters(blacklist_characters="#", blacklist_categories=("Cs",)),
-    min_size=1,
-    max_size=12,
-).map(str.strip).filter(bool)
+_SEGMENT_TEXT = (
+    st.text(
+        alphabet=st.characters(blacklist_characters="#", blacklist_categories=("Cs",)),
+        min_size=1,
+        max_size=12,
+    )
+    .map(str.strip)
+    .filter(bool)
+)
 
 
 @settings(max_examples=150, deadline=None)
@@ -237,8 +249,11 @@ def test_text_round_trip(segments):
 
 @settings(max_examples=60, deadline=None)
 @given(
-    st.lists(st.text(alphabet="abc xyz", min_size=1, max_size=8)
-             .map(str.strip).filter(bool), min_size=2, max_size=5),
+    st.lists(
+        st.text(alphabet="abc xyz", min_size=1, max_size=8).map(str.strip).filter(bool),
+        min_size=2,
+        max_size=5,
+    ),
     st.lists(st.sampled_from(["", " ", "  ", "\n", "\t "]), min_size=10, max_size=10),
 )
 def test_whitespace_around_separator_never_changes_tokens(
@@ -256,8 +271,9 @@ def test_whitespace_around_separator_never_changes_tokens(
 
 @settings(max_examples=150, deadline=None)
 @given(
-    st.lists(st.lists(st.integers(0, 6), min_size=1, max_size=10),
-             min_size=2, max_size=8),
+    st.lists(
+        st.lists(st.integers(0, 6), min_size=1, max_size=10), min_size=2, max_size=8
+    ),
     st.sampled_from([[7], [7, 8], [8, 7, 8]]),
 )
 def test_token_round_trip(segments, sep):

@@ -7,9 +7,10 @@ import asyncio
 from types import SimpleNamespace
 
 import pytest
-
-from vllm.config import ChunkCacheConfig
 from vllm.exceptions import VLLMValidationError
+
+from tests.unit.conftest import build_toy_tokenizer
+from vllm.config import ChunkCacheConfig
 from vllm.renderers.chunk_split import (
     LAYOUT_KEY,
     SEGMENTS_KEY,
@@ -18,11 +19,12 @@ from vllm.renderers.chunk_split import (
     make_splitter,
     validate_chunked_request,
 )
-from tests.unit.conftest import build_toy_tokenizer
 
 
 def _config(**kw):
-    return SimpleNamespace(chunk_cache_config=ChunkCacheConfig(enable_chunk_cache=True, **kw))
+    return SimpleNamespace(
+        chunk_cache_config=ChunkCacheConfig(enable_chunk_cache=True, **kw)
+    )
 
 
 def _splitter(**kw):
@@ -35,8 +37,11 @@ class _Params(SimpleNamespace):
 
 
 def _params(add_special_tokens=True, truncate=None, split_chunks=True):
-    return _Params(add_special_tokens=add_special_tokens, truncate_prompt_tokens=truncate,
-                   split_chunks=split_chunks)
+    return _Params(
+        add_special_tokens=add_special_tokens,
+        truncate_prompt_tokens=truncate,
+        split_chunks=split_chunks,
+    )
 
 
 class _CountingAsyncTokenizer:
@@ -63,12 +68,19 @@ class _NoSyncTokenizer:
 def test_text_split_tokenizes_per_segment_with_special_tokens_first_only():
     tok = build_toy_tokenizer()
     out = _splitter().split({"prompt": "system ## doc one ## question"}, _params(), tok)
-    expected = (tok.encode("system") + tok.encode("doc one", add_special_tokens=False)
-                + tok.encode("question", add_special_tokens=False))
+    expected = (
+        tok.encode("system")
+        + tok.encode("doc one", add_special_tokens=False)
+        + tok.encode("question", add_special_tokens=False)
+    )
     assert out["prompt_token_ids"] == expected
-    assert out[LAYOUT_KEY] == [len(tok.encode("system")), len(expected) - len(
-        tok.encode("system")) - len(tok.encode("question", add_special_tokens=False)),
-        len(tok.encode("question", add_special_tokens=False))]
+    assert out[LAYOUT_KEY] == [
+        len(tok.encode("system")),
+        len(expected)
+        - len(tok.encode("system"))
+        - len(tok.encode("question", add_special_tokens=False)),
+        len(tok.encode("question", add_special_tokens=False)),
+    ]
     assert "cache_salt" not in out
     # A chat template renders its own special tokens: none are added then.
     out = _splitter().split({"prompt": "system ## q"}, _params(False), tok)
@@ -79,11 +91,18 @@ def test_async_split_uses_the_async_tokenizer_and_gives_the_same_prompt():
     tok = build_toy_tokenizer()
     prompt = {"prompt": "system ## doc one ## doc two ## question", "cache_salt": "t"}
     async_tok = _CountingAsyncTokenizer(tok)
-    out = asyncio.run(_splitter().split_async(prompt, _params(), _NoSyncTokenizer(tok),
-                                              async_tok.encode))
+    out = asyncio.run(
+        _splitter().split_async(
+            prompt, _params(), _NoSyncTokenizer(tok), async_tok.encode
+        )
+    )
     assert out == _splitter().split(prompt, _params(), tok)
-    assert [kw["add_special_tokens"] for _, kw in async_tok.calls] == [True, False, False,
-                                                                     False]
+    assert [kw["add_special_tokens"] for _, kw in async_tok.calls] == [
+        True,
+        False,
+        False,
+        False,
+    ]
     assert out["cache_salt"] == "t"  # the user's salt, untouched
 
 
@@ -99,27 +118,39 @@ def test_a_request_can_opt_out_of_splitting():
     tok = build_toy_tokenizer()
     prompt = {"prompt": "# Title ## Section ## more"}
     assert _splitter().split(prompt, _params(split_chunks=False), tok) is prompt
-    out = asyncio.run(_splitter().split_async(prompt, _params(split_chunks=False), tok,
-                                              _CountingAsyncTokenizer(tok).encode))
+    out = asyncio.run(
+        _splitter().split_async(
+            prompt,
+            _params(split_chunks=False),
+            tok,
+            _CountingAsyncTokenizer(tok).encode,
+        )
+    )
     assert out is prompt
 
 
 def test_token_ids_split_on_the_separator_ids():
     tok = build_toy_tokenizer()
     sep = tok.encode("##", add_special_tokens=False)
-    out = _splitter().split({"prompt_token_ids": [5, 6] + sep + [7] + sep + [8]},
-                            _params(), tok)
+    out = _splitter().split(
+        {"prompt_token_ids": [5, 6] + sep + [7] + sep + [8]}, _params(), tok
+    )
     assert out["prompt_token_ids"] == [5, 6, 7, 8]
     assert out[LAYOUT_KEY] == [2, 1, 1]
 
 
-@pytest.mark.parametrize("prompt,message", [
-    ("a ## ## b", "segment 1 is empty"),
-    ("a ## b ## c ## d", "more than max_chunks=1"),
-])
+@pytest.mark.parametrize(
+    "prompt,message",
+    [
+        ("a ## ## b", "segment 1 is empty"),
+        ("a ## b ## c ## d", "more than max_chunks=1"),
+    ],
+)
 def test_bad_prompts_raise_a_validation_error(prompt, message):
     with pytest.raises(ChunkPromptError, match=message) as e:
-        _splitter(max_chunks=1).split({"prompt": prompt}, _params(), build_toy_tokenizer())
+        _splitter(max_chunks=1).split(
+            {"prompt": prompt}, _params(), build_toy_tokenizer()
+        )
     # vLLM's own validation-error type: HTTP 400 through its handler, no traceback.
     assert isinstance(e.value, VLLMValidationError)
 
@@ -128,16 +159,30 @@ def test_given_segments_equal_the_separator_split_of_the_same_text():
     """Same tokens and layout (so the same chunk keys) as the separator form,
     sync and async; the `prompt_segments` key is consumed."""
     tok = build_toy_tokenizer()
-    by_separator = _splitter().split({"prompt": "system ## doc one ## question"},
-                                     _params(), tok)
+    by_separator = _splitter().split(
+        {"prompt": "system ## doc one ## question"}, _params(), tok
+    )
     prompt = {SEGMENTS_KEY: ["system", "doc one", "question"], "cache_salt": "t"}
     out = _splitter().split(prompt, _params(), tok)
-    assert out == {"prompt_token_ids": by_separator["prompt_token_ids"],
-                   LAYOUT_KEY: by_separator[LAYOUT_KEY], "cache_salt": "t"}
+    assert out == {
+        "prompt_token_ids": by_separator["prompt_token_ids"],
+        LAYOUT_KEY: by_separator[LAYOUT_KEY],
+        "cache_salt": "t",
+    }
     async_tok = _CountingAsyncTokenizer(tok)
-    assert asyncio.run(_splitter().split_async(prompt, _params(), _NoSyncTokenizer(tok),
-                                               async_tok.encode)) == out
-    assert [kw["add_special_tokens"] for _, kw in async_tok.calls] == [True, False, False]
+    assert (
+        asyncio.run(
+            _splitter().split_async(
+                prompt, _params(), _NoSyncTokenizer(tok), async_tok.encode
+            )
+        )
+        == out
+    )
+    assert [kw["add_special_tokens"] for _, kw in async_tok.calls] == [
+        True,
+        False,
+        False,
+    ]
 
 
 def test_given_segments_keep_any_text_and_token_ids_as_given():
@@ -147,42 +192,74 @@ def test_given_segments_keep_any_text_and_token_ids_as_given():
     out = _splitter().split({SEGMENTS_KEY: ["sys", doc, "q"]}, _params(), tok)
     assert out[LAYOUT_KEY][1] == len(tok.encode(doc, add_special_tokens=False))
     out = _splitter().split({SEGMENTS_KEY: [[5, 6], [7], [8, 9, 10]]}, _params(), tok)
-    assert out["prompt_token_ids"] == [5, 6, 7, 8, 9, 10] and out[LAYOUT_KEY] == [2, 1, 3]
-    out = asyncio.run(_splitter().split_async({SEGMENTS_KEY: [[5, 6], [7], [8]]}, _params(),
-                                              tok, _CountingAsyncTokenizer(tok).encode))
+    assert out["prompt_token_ids"] == [5, 6, 7, 8, 9, 10] and out[LAYOUT_KEY] == [
+        2,
+        1,
+        3,
+    ]
+    out = asyncio.run(
+        _splitter().split_async(
+            {SEGMENTS_KEY: [[5, 6], [7], [8]]},
+            _params(),
+            tok,
+            _CountingAsyncTokenizer(tok).encode,
+        )
+    )
     assert out[LAYOUT_KEY] == [2, 1, 1]
 
 
-@pytest.mark.parametrize("prompt,params,message", [
-    ({SEGMENTS_KEY: []}, {}, "at least 2 segments"),
-    ({SEGMENTS_KEY: ["only one"]}, {}, "at least 2 segments"),
-    ({SEGMENTS_KEY: "sys ## q"}, {}, "at least 2 segments"),
-    ({SEGMENTS_KEY: ["sys", 3, "q"]}, {}, "strings or a list of token-id lists"),
-    ({SEGMENTS_KEY: ["sys", [5], "q"]}, {}, "not a mix"),
-    ({SEGMENTS_KEY: [[5], [-1], [6]]}, {}, "non-negative"),
-    ({SEGMENTS_KEY: ["sys", "", "q"]}, {}, "segment 1 is empty"),
-    ({SEGMENTS_KEY: ["sys", "a", "b", "c", "q"]}, {}, "3 chunks .* more than max_chunks=2"),
-    ({SEGMENTS_KEY: ["sys", "word " * 50, "q"]}, {}, "more than max_chunk_tokens=20"),
-    ({SEGMENTS_KEY: ["sys", "q"], "prompt": "x"}, {}, "cannot be combined with 'prompt'"),
-    ({SEGMENTS_KEY: ["sys", "q"]}, {"split_chunks": False}, "split_chunks=false"),
-    ({SEGMENTS_KEY: ["sys", "q"]}, {"truncate": 5}, "truncate_prompt_tokens"),
-    ({SEGMENTS_KEY: ["sys", "q"], LAYOUT_KEY: [1, 1]}, {}, "may not carry one"),
-])
-def test_bad_segments_are_refused_naming_the_field_and_the_limit(prompt, params, message):
+@pytest.mark.parametrize(
+    "prompt,params,message",
+    [
+        ({SEGMENTS_KEY: []}, {}, "at least 2 segments"),
+        ({SEGMENTS_KEY: ["only one"]}, {}, "at least 2 segments"),
+        ({SEGMENTS_KEY: "sys ## q"}, {}, "at least 2 segments"),
+        ({SEGMENTS_KEY: ["sys", 3, "q"]}, {}, "strings or a list of token-id lists"),
+        ({SEGMENTS_KEY: ["sys", [5], "q"]}, {}, "not a mix"),
+        ({SEGMENTS_KEY: [[5], [-1], [6]]}, {}, "non-negative"),
+        ({SEGMENTS_KEY: ["sys", "", "q"]}, {}, "segment 1 is empty"),
+        (
+            {SEGMENTS_KEY: ["sys", "a", "b", "c", "q"]},
+            {},
+            "3 chunks .* more than max_chunks=2",
+        ),
+        (
+            {SEGMENTS_KEY: ["sys", "word " * 50, "q"]},
+            {},
+            "more than max_chunk_tokens=20",
+        ),
+        (
+            {SEGMENTS_KEY: ["sys", "q"], "prompt": "x"},
+            {},
+            "cannot be combined with 'prompt'",
+        ),
+        ({SEGMENTS_KEY: ["sys", "q"]}, {"split_chunks": False}, "split_chunks=false"),
+        ({SEGMENTS_KEY: ["sys", "q"]}, {"truncate": 5}, "truncate_prompt_tokens"),
+        ({SEGMENTS_KEY: ["sys", "q"], LAYOUT_KEY: [1, 1]}, {}, "may not carry one"),
+    ],
+)
+def test_bad_segments_are_refused_naming_the_field_and_the_limit(
+    prompt, params, message
+):
     splitter = _splitter(max_chunks=2, max_chunk_tokens=20)
     tok = build_toy_tokenizer()
     with pytest.raises(ChunkPromptError, match=message) as e:
         splitter.split(prompt, _params(**params), tok)
     assert isinstance(e.value, VLLMValidationError)
     with pytest.raises(ChunkPromptError, match=message):
-        asyncio.run(splitter.split_async(prompt, _params(**params), tok,
-                                         _CountingAsyncTokenizer(tok).encode))
+        asyncio.run(
+            splitter.split_async(
+                prompt, _params(**params), tok, _CountingAsyncTokenizer(tok).encode
+            )
+        )
 
 
 def test_a_prompt_may_not_bring_its_own_layout():
     tok = build_toy_tokenizer()
-    for prompt in ({"prompt": "a ## b", LAYOUT_KEY: [1, 1]},
-                   {"prompt_token_ids": [5, 6, 7], LAYOUT_KEY: [1, 1, 1]}):
+    for prompt in (
+        {"prompt": "a ## b", LAYOUT_KEY: [1, 1]},
+        {"prompt_token_ids": [5, 6, 7], LAYOUT_KEY: [1, 1, 1]},
+    ):
         with pytest.raises(ChunkPromptError, match="may not carry one"):
             _splitter().split(prompt, _params(), tok)
 
@@ -201,14 +278,18 @@ def test_truncation_prompt_logprobs_and_an_oversized_pool_request_are_refused():
     config = _config(chunk_context="sink")
     config.cache_config = SimpleNamespace(num_gpu_blocks=None, block_size=16)
     with pytest.raises(ChunkPromptError, match="prompt_logprobs"):
-        validate_chunked_request(config, SimpleNamespace(prompt_logprobs=1), [1, 2], [1, 1])
+        validate_chunked_request(
+            config, SimpleNamespace(prompt_logprobs=1), [1, 2], [1, 1]
+        )
     # Pool: 15% of 8 blocks x 16 tokens = 19 rows = 1 block of 16 rows.
     config.cache_config.num_gpu_blocks = 8
-    validate_chunked_request(config, SimpleNamespace(prompt_logprobs=None),
-                             list(range(20)), [16, 4])
+    validate_chunked_request(
+        config, SimpleNamespace(prompt_logprobs=None), list(range(20)), [16, 4]
+    )
     with pytest.raises(ChunkPromptError, match="need 2 chunk pool blocks .* has 1 "):
-        validate_chunked_request(config, SimpleNamespace(prompt_logprobs=None),
-                                 list(range(21)), [16, 1, 4])
+        validate_chunked_request(
+            config, SimpleNamespace(prompt_logprobs=None), list(range(21)), [16, 1, 4]
+        )
 
 
 def test_disabled_chunk_cache_has_no_splitter():
@@ -220,7 +301,9 @@ def test_token_id_segments_are_non_negative_ints_and_nothing_else(bad):
     # bool is an int subclass and 6.0 == 6: both refused, as a JSON client's
     # true or 6.0 would be.
     with pytest.raises(ChunkPromptError, match="non-negative"):
-        _splitter().split({SEGMENTS_KEY: [[1], bad, [2]]}, _params(), build_toy_tokenizer())
+        _splitter().split(
+            {SEGMENTS_KEY: [[1], bad, [2]]}, _params(), build_toy_tokenizer()
+        )
 
 
 def test_token_id_segments_run_no_python_per_token():

@@ -19,7 +19,9 @@ class _Params(SimpleNamespace):
         return prompt
 
 
-PARAMS = _Params(add_special_tokens=True, truncate_prompt_tokens=None, split_chunks=True)
+PARAMS = _Params(
+    add_special_tokens=True, truncate_prompt_tokens=None, split_chunks=True
+)
 
 
 class _Counting:
@@ -37,7 +39,9 @@ class _Counting:
 
 
 def _splitter():
-    config = SimpleNamespace(chunk_cache_config=ChunkCacheConfig(enable_chunk_cache=True))
+    config = SimpleNamespace(
+        chunk_cache_config=ChunkCacheConfig(enable_chunk_cache=True)
+    )
     return ChunkPromptSplitter(config)
 
 
@@ -56,14 +60,22 @@ def _segments_of(out):
 def test_a_repeated_document_is_tokenized_once_and_gives_the_tokenizers_ids():
     tok = build_toy_tokenizer()
     counting, splitter = _Counting(tok), _splitter()
-    first = splitter.split({"prompt": "system ## doc one ## doc two ## q one"}, PARAMS, counting)
+    first = splitter.split(
+        {"prompt": "system ## doc one ## doc two ## q one"}, PARAMS, counting
+    )
     assert counting.texts == ["system", "doc one", "doc two", "q one"]
     counting.texts.clear()
     # Another order and question: only the new question is tokenized.
-    out = splitter.split({"prompt": "system ## doc two ## doc one ## q two"}, PARAMS, counting)
+    out = splitter.split(
+        {"prompt": "system ## doc two ## doc one ## q two"}, PARAMS, counting
+    )
     assert counting.texts == ["q two"]
-    assert _segments_of(out) == _expected(tok, ["system", "doc two", "doc one", "q two"])
-    assert _segments_of(first) == _expected(tok, ["system", "doc one", "doc two", "q one"])
+    assert _segments_of(out) == _expected(
+        tok, ["system", "doc two", "doc one", "q two"]
+    )
+    assert _segments_of(first) == _expected(
+        tok, ["system", "doc one", "doc two", "q one"]
+    )
     # The question is not kept: asked again, it is tokenized again.
     counting.texts.clear()
     splitter.split({"prompt": "system ## doc one ## q one"}, PARAMS, counting)
@@ -74,12 +86,16 @@ def test_given_segments_and_the_async_path_share_the_entries():
     tok = build_toy_tokenizer()
     counting, splitter = _Counting(tok), _splitter()
     segments = ["system", "doc one", "the question"]
-    out = asyncio.run(splitter.split_async({"prompt_segments": segments}, PARAMS, counting,
-                                           counting.encode_async))
+    out = asyncio.run(
+        splitter.split_async(
+            {"prompt_segments": segments}, PARAMS, counting, counting.encode_async
+        )
+    )
     assert _segments_of(out) == _expected(tok, segments)
     counting.texts.clear()
-    out = splitter.split({"prompt_segments": ["system", "doc one", "another"]}, PARAMS,
-                         counting)
+    out = splitter.split(
+        {"prompt_segments": ["system", "doc one", "another"]}, PARAMS, counting
+    )
     assert counting.texts == ["another"]
     assert _segments_of(out) == _expected(tok, ["system", "doc one", "another"])
 
@@ -90,8 +106,9 @@ def test_special_tokens_are_part_of_the_key():
     splitter.split({"prompt": "system ## doc ## q"}, PARAMS, counting)
     counting.texts.clear()
     # A chat template renders BOS itself and asks for no special tokens.
-    no_special = _Params(add_special_tokens=False, truncate_prompt_tokens=None,
-                         split_chunks=True)
+    no_special = _Params(
+        add_special_tokens=False, truncate_prompt_tokens=None, split_chunks=True
+    )
     out = splitter.split({"prompt": "system ## doc ## q"}, no_special, counting)
     assert counting.texts == ["system", "q"]
     assert _segments_of(out)[0] == tok.encode("system", add_special_tokens=False)
@@ -100,12 +117,18 @@ def test_special_tokens_are_part_of_the_key():
 def test_tenants_and_tokenizers_never_share_an_entry():
     tok = build_toy_tokenizer()
     counting, splitter = _Counting(tok), _splitter()
-    splitter.split({"prompt": "system ## doc ## q", "cache_salt": "tenant-a"}, PARAMS, counting)
+    splitter.split(
+        {"prompt": "system ## doc ## q", "cache_salt": "tenant-a"}, PARAMS, counting
+    )
     counting.texts.clear()
-    splitter.split({"prompt": "system ## doc ## q", "cache_salt": "tenant-b"}, PARAMS, counting)
+    splitter.split(
+        {"prompt": "system ## doc ## q", "cache_salt": "tenant-b"}, PARAMS, counting
+    )
     assert counting.texts == ["system", "doc", "q"]
     other = _Counting(build_toy_tokenizer())
-    splitter.split({"prompt": "system ## doc ## q", "cache_salt": "tenant-b"}, PARAMS, other)
+    splitter.split(
+        {"prompt": "system ## doc ## q", "cache_salt": "tenant-b"}, PARAMS, other
+    )
     assert other.texts == ["system", "doc", "q"]
 
 
@@ -119,7 +142,9 @@ def test_least_recently_used_segments_go_first_within_the_bound():
     assert cache.lookup(tok, b) is None
     assert cache.lookup(tok, a) == [1, 2, 3, 4] and cache.lookup(tok, c) == [9, 10, 11]
     assert (len(cache), cache.num_tokens) == (2, 7)
-    cache.remember(tok, SegmentText("big", False, None), list(range(11)))  # over the bound
+    cache.remember(
+        tok, SegmentText("big", False, None), list(range(11))
+    )  # over the bound
     assert (len(cache), cache.num_tokens) == (2, 7)
 
 

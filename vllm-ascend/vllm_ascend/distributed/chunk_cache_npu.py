@@ -72,7 +72,6 @@ import importlib.util
 from typing import Any
 
 import torch
-
 from vllm.logger import init_logger
 
 logger = init_logger(__name__)
@@ -109,7 +108,7 @@ def write_rows_npu(
 
 
 def deinterleave_rope(k_pe: torch.Tensor) -> torch.Tensor:
-    """vLLM's GPT-J row (pairs at 2i, 2i+1) -> Ascend's stored row (i, i+half)."""
+    """VLLM's GPT-J row (pairs at 2i, 2i+1) -> Ascend's stored row (i, i+half)."""
     return torch.cat((k_pe[..., 0::2], k_pe[..., 1::2]), dim=-1)
 
 
@@ -129,15 +128,21 @@ def mla_cache_parts(kv_cache: Any) -> tuple[torch.Tensor, torch.Tensor]:
         parts = len(kv_cache) if isinstance(kv_cache, (tuple, list)) else "one tensor"
         raise ValueError(
             "chunk cache: an Ascend MLA cache is (latent, rope) caches, got "
-            f"{parts} (an indexer or C8 cache is not supported)")
+            f"{parts} (an indexer or C8 cache is not supported)"
+        )
     latent, rope = kv_cache
     for part in (latent, rope):
-        if part.dim() != 4 or part.shape[2] != 1 or not part.dtype.is_floating_point \
-                or part.element_size() < 2:
+        if (
+            part.dim() != 4
+            or part.shape[2] != 1
+            or not part.dtype.is_floating_point
+            or part.element_size() < 2
+        ):
             raise ValueError(
                 "chunk cache: Ascend MLA caches must be [blocks, block_size, 1, dim] in "
                 f"the model dtype, got {tuple(part.shape)} {part.dtype} (a quantized "
-                "latent cache, fa_quant or C8, is not supported)")
+                "latent cache, fa_quant or C8, is not supported)"
+            )
     if latent.shape[:2] != rope.shape[:2] or latent.dtype != rope.dtype:
         raise ValueError("chunk cache: Ascend MLA latent and rope caches do not match")
     # NOTE: FRACTAL_NZ decode writes (enable_kv_nz) write the cache with
@@ -159,18 +164,29 @@ def check_mla_layer(name: str, layer: Any) -> None:
     bf16 checkpoint. Also refused: a layer with fa_quant (a quantized latent
     cache) or the NZ cache."""
     impl = layer.impl
-    for flag, what in (("enable_mlapo", "MLAPO's fused decode write (W8A8 MLA "
-                        "checkpoints with VLLM_ASCEND_ENABLE_MLAPO=1, the default; "
-                        "set it to 0)"),
-                       ("fa_quant_layer", "fa_quant (an int8/fp8 latent cache)"),
-                       ("enable_kv_nz", "enable_kv_nz (FRACTAL_NZ decode writes)")):
+    for flag, what in (
+        (
+            "enable_mlapo",
+            "MLAPO's fused decode write (W8A8 MLA "
+            "checkpoints with VLLM_ASCEND_ENABLE_MLAPO=1, the default; "
+            "set it to 0)",
+        ),
+        ("fa_quant_layer", "fa_quant (an int8/fp8 latent cache)"),
+        ("enable_kv_nz", "enable_kv_nz (FRACTAL_NZ decode writes)"),
+    ):
         if getattr(impl, flag, False):
-            raise ValueError(f"chunk cache does not support Ascend MLA layer {name} "
-                             f"with {what}")
+            raise ValueError(
+                f"chunk cache does not support Ascend MLA layer {name} with {what}"
+            )
 
 
-def write_latent_npu(layer: Any, kv_c: torch.Tensor, k_pe: torch.Tensor,
-                     slots: torch.Tensor, kv_cache: Any) -> None:
+def write_latent_npu(
+    layer: Any,
+    kv_c: torch.Tensor,
+    k_pe: torch.Tensor,
+    slots: torch.Tensor,
+    kv_cache: Any,
+) -> None:
     """Write latent rows (kv_c [n, rank], k_pe [n, rope_dim] in vLLM's GPT-J
     layout, already rotated) at paged `slots` [n] of an AscendMLAImpl cache."""
     from vllm_ascend.device import device_op
@@ -197,7 +213,9 @@ def read_latent_npu(kv_cache: Any, slots: torch.Tensor) -> torch.Tensor:
     return torch.cat((kv_c, interleave_rope(k_pe)), dim=-1)
 
 
-def sfa_cache_parts(kv_cache: Any) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...]]:
+def sfa_cache_parts(
+    kv_cache: Any,
+) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...]]:
     """(latent, rope, indexer parts) caches of an AscendSFAImpl layer: indexer parts ()
     on a layer without an indexer (skip_topk), (key,) in the model dtype, or (key,
     scale) with enable_sparse_li_c8; ValueError naming what the chunk cache cannot
@@ -206,23 +224,31 @@ def sfa_cache_parts(kv_cache: Any) -> tuple[torch.Tensor, torch.Tensor, tuple[to
         parts = len(kv_cache) if isinstance(kv_cache, (tuple, list)) else "one tensor"
         raise ValueError(
             "chunk cache: an Ascend SFA cache is (latent, rope[, indexer key[, scale]]) "
-            f"caches, got {parts} (enable_sparse_sfa_c8's packed latent is not supported)")
+            f"caches, got {parts} (enable_sparse_sfa_c8's packed latent is not supported)"
+        )
     latent, rope = mla_cache_parts(tuple(kv_cache[:2]))
     index = tuple(kv_cache[2:])
     for part in index:
         if part.dim() != 4 or part.shape[:3] != latent.shape[:3]:
             raise ValueError(
                 "chunk cache: Ascend SFA indexer caches must be [blocks, block_size, 1, dim], "
-                f"got {tuple(part.shape)}")
+                f"got {tuple(part.shape)}"
+            )
     if len(index) == 1 and index[0].dtype != latent.dtype:
         raise ValueError(
             "chunk cache: an Ascend SFA indexer key cache without its scale part must be in "
-            f"the latent's dtype, got {index[0].dtype}")
+            f"the latent's dtype, got {index[0].dtype}"
+        )
     return latent, rope, index
 
 
-def write_sfa_latent_npu(layer: Any, kv_c: torch.Tensor, k_pe: torch.Tensor,
-                         slots: torch.Tensor, kv_cache: Any) -> None:
+def write_sfa_latent_npu(
+    layer: Any,
+    kv_c: torch.Tensor,
+    k_pe: torch.Tensor,
+    slots: torch.Tensor,
+    kv_cache: Any,
+) -> None:
     """MLA's latent write (write_latent_npu) on an SFA cache's first two parts."""
     latent, rope, _ = sfa_cache_parts(kv_cache)
     write_latent_npu(layer, kv_c, k_pe, slots, (latent, rope))
@@ -237,12 +263,14 @@ def _scatter_rows(cache: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) 
     import torch_npu
 
     width = rows.shape[-1]
-    torch_npu.npu_scatter_nd_update_(cache.view(-1, width), slots.view(-1, 1),
-                                     rows.to(cache.dtype).view(-1, width))
+    torch_npu.npu_scatter_nd_update_(
+        cache.view(-1, width), slots.view(-1, 1), rows.to(cache.dtype).view(-1, width)
+    )
 
 
-def write_indexer_key_npu(layer: Any, keys: torch.Tensor, slots: torch.Tensor,
-                          kv_cache: Any) -> None:
+def write_indexer_key_npu(
+    layer: Any, keys: torch.Tensor, slots: torch.Tensor, kv_cache: Any
+) -> None:
     """Indexer keys [n, index_head_dim], already rotated at their real positions, at
     paged `slots` [n], as `AscendSFAImpl.forward` writes `k_li` (sfa_v1.py, the
     `npu_scatter_nd_update_` path): as is into part 2; with enable_sparse_li_c8
@@ -260,7 +288,9 @@ def write_indexer_key_npu(layer: Any, keys: torch.Tensor, slots: torch.Tensor,
         _scatter_rows(index[0], slots, keys)
 
 
-def read_indexer_key_npu(layer: Any, kv_cache: Any, slots: torch.Tensor) -> torch.Tensor | None:
+def read_indexer_key_npu(
+    layer: Any, kv_cache: Any, slots: torch.Tensor
+) -> torch.Tensor | None:
     """The indexer keys written at `slots` this step, before any quantization. In the
     plain configuration from the cache (bf16, no Hadamard transform: that comes with C8
     only); with enable_sparse_li_c8 from the seam of patch 0003 (the step's key before
@@ -280,8 +310,11 @@ def read_indexer_key_npu(layer: Any, kv_cache: Any, slots: torch.Tensor) -> torc
     # NOTE: the capture asks only for slots its child wrote this step (capture
     # path), so every slot is found; no device assertion (docs/ascend.md).
     order = torch.argsort(step_slots)
-    found = order[torch.searchsorted(step_slots[order], slots.to(torch.int64))
-                  .clamp(max=order.numel() - 1)]
+    found = order[
+        torch.searchsorted(step_slots[order], slots.to(torch.int64)).clamp(
+            max=order.numel() - 1
+        )
+    ]
     return keys.view(-1, keys.shape[-1]).index_select(0, found)
 
 
@@ -303,33 +336,52 @@ def check_sfa_layer(name: str, layer: Any) -> None:
 
     impl = layer.impl
     for flag, what in (
-        ("enable_sparse_sfa_c8", "enable_sparse_sfa_c8 (the packed 656-byte latent cache)"),
+        (
+            "enable_sparse_sfa_c8",
+            "enable_sparse_sfa_c8 (the packed 656-byte latent cache)",
+        ),
         ("enable_dsa_cp", "DSA context parallelism (enable_dsa_cp)"),
-        ("enable_mlapo", "MLAPO's fused write (VLLM_ASCEND_ENABLE_MLAPO=1; set it to 0)"),
+        (
+            "enable_mlapo",
+            "MLAPO's fused write (VLLM_ASCEND_ENABLE_MLAPO=1; set it to 0)",
+        ),
         ("enable_sfa_prolog_v3", "SFA prolog v3's fused decode write"),
         ("enable_kv_nz", "enable_kv_nz (FRACTAL_NZ writes)"),
-        ("use_torch_npu_lightning_indexer", "torch_npu's lightning indexer (glm_moe_dsa)"),
+        (
+            "use_torch_npu_lightning_indexer",
+            "torch_npu's lightning indexer (glm_moe_dsa)",
+        ),
     ):
         if getattr(impl, flag, False):
-            raise ValueError(f"chunk cache does not support Ascend SFA layer {name} with {what}")
-    if getattr(impl, "has_indexer", False) and not getattr(impl, "is_rope_neox_style", True):
+            raise ValueError(
+                f"chunk cache does not support Ascend SFA layer {name} with {what}"
+            )
+    if getattr(impl, "has_indexer", False) and not getattr(
+        impl, "is_rope_neox_style", True
+    ):
         raise ValueError(
             f"chunk cache does not support Ascend SFA layer {name} with an interleaved "
-            "indexer rope (glm_moe_dsa: its Triton and torch paths pair differently)")
+            "indexer rope (glm_moe_dsa: its Triton and torch paths pair differently)"
+        )
     if getattr(get_ascend_config(), "c8_enable_reshape_optim", False):
         raise ValueError(
             f"chunk cache does not support Ascend SFA layer {name} with "
-            "c8_enable_reshape_optim (store_kv_block writes the indexer cache)")
+            "c8_enable_reshape_optim (store_kv_block writes the indexer cache)"
+        )
     if getattr(impl, "enable_sparse_li_c8", False) and not ACCEPT_QUANTIZED_INDEXER:
         raise ValueError(
             f"chunk cache does not support Ascend SFA layer {name} with enable_sparse_li_c8: "
             "an indexer key quantized after the rope is not translation-invariant, so a "
             "loaded chunk's top-k is the isolation semantics' only up to quantization "
-            "flips (docs/design/sparse.md)")
-    if getattr(impl, "enable_sparse_li_c8", False) and not hasattr(impl, "quantize_indexer_key"):
+            "flips (docs/design/sparse.md)"
+        )
+    if getattr(impl, "enable_sparse_li_c8", False) and not hasattr(
+        impl, "quantize_indexer_key"
+    ):
         raise ValueError(
             f"chunk cache: Ascend SFA layer {name} has enable_sparse_li_c8 but vllm-ascend "
-            "lacks the fork's seam (patch 0003: quantize_indexer_key, chunk_cache_k_li)")
+            "lacks the fork's seam (patch 0003: quantize_indexer_key, chunk_cache_k_li)"
+        )
 
 
 def prepare_sfa_indexer_layer(name: str, layer: Any) -> None:
@@ -379,6 +431,7 @@ def register_ascend_ropes() -> None:
         RotaryEmbedding,
         YaRNScalingRotaryEmbedding,
     )
+
     from vllm.v1.worker.position_remapper import (
         register_rope_rule,
         yarn_from_inv_freq_buffer,
@@ -394,21 +447,29 @@ def register_ascend_ropes() -> None:
         # NOTE: the safe direction: unregistered ropes are refused at start-up
         # (by name) only where the chunk cache is on; this runs in every
         # process, so it must not break one that does not use it.
-        logger.warning("chunk cache: vllm-ascend's rope classes not registered (%s); "
-                       "models using them will be refused", e)
+        logger.warning(
+            "chunk cache: vllm-ascend's rope classes not registered (%s); "
+            "models using them will be refused",
+            e,
+        )
         return
 
     register_rope_rule(AscendRotaryEmbedding, RotaryEmbedding)
     register_rope_rule(AscendYaRNRotaryEmbedding, YaRNScalingRotaryEmbedding)
-    register_rope_rule(AscendDeepseekScalingRotaryEmbedding, yarn_from_inv_freq_buffer,
-                       stored_neox_style=_always_halves)
+    register_rope_rule(
+        AscendDeepseekScalingRotaryEmbedding,
+        yarn_from_inv_freq_buffer,
+        stored_neox_style=_always_halves,
+    )
 
 
 # The fork's chunk cache in vLLM; absent from a stock vLLM.
 _CHUNK_CACHE_PACKAGE = "vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache"
 # vllm-ascend's balance scheduler (patch_balance_schedule rebinds vLLM's
 # Scheduler to it in every process that applies its platform patches).
-_BALANCE_SCHEDULER = "vllm_ascend.patch.platform.patch_balance_schedule.BalanceScheduler"
+_BALANCE_SCHEDULER = (
+    "vllm_ascend.patch.platform.patch_balance_schedule.BalanceScheduler"
+)
 
 
 def _balance_scheduler_runs_vllm_schedule(vllm_config: Any) -> bool:
@@ -419,8 +480,10 @@ def _balance_scheduler_runs_vllm_schedule(vllm_config: Any) -> bool:
     its module is already imported."""
     from vllm_ascend.patch.platform import patch_balance_schedule as balance
 
-    return not (balance._balance_scheduling_enabled(vllm_config)
-                or balance._disable_preemption_on_prefill_node(vllm_config))
+    return not (
+        balance._balance_scheduling_enabled(vllm_config)
+        or balance._disable_preemption_on_prefill_node(vllm_config)
+    )
 
 
 def register_npu_chunk_cache() -> None:
@@ -437,27 +500,46 @@ def register_npu_chunk_cache() -> None:
         register_delegating_scheduler,
     )
 
-    register_delegating_scheduler(_BALANCE_SCHEDULER, _balance_scheduler_runs_vllm_schedule)
+    register_delegating_scheduler(
+        _BALANCE_SCHEDULER, _balance_scheduler_runs_vllm_schedule
+    )
     register_cache_writer("AscendAttentionBackendImpl", ASCEND_BACKEND, write_rows_npu)
     # NOTE: AscendMlaCPImpl (context parallel) and AscendDSAImpl are not
     # registered: refused by name. k_pe: Ascend's MLA rotates it
     # interleaved in every path (npu_interleave_rope, npu_kv_rmsnorm_rope_cache)
     # whatever the rope's style, and read_latent_npu returns it re-interleaved:
     # GPT-J pairs in the pool.
-    register_latent_writer("AscendMLAImpl", ASCEND_MLA_BACKEND, write_latent_npu,
-                           read_latent_npu, k_pe_neox_style=False,
-                           check_layer=check_mla_layer)
+    register_latent_writer(
+        "AscendMLAImpl",
+        ASCEND_MLA_BACKEND,
+        write_latent_npu,
+        read_latent_npu,
+        k_pe_neox_style=False,
+        check_layer=check_mla_layer,
+    )
     # SFA: the same latent write on its first two parts (its k_pe is rotated
     # interleaved by npu_kv_rmsnorm_rope_cache as MLA's), and the indexer key.
-    register_latent_writer("AscendSFAImpl", ASCEND_SFA_BACKEND, write_sfa_latent_npu,
-                           read_sfa_latent_npu, k_pe_neox_style=False,
-                           check_layer=check_sfa_layer)
+    register_latent_writer(
+        "AscendSFAImpl",
+        ASCEND_SFA_BACKEND,
+        write_sfa_latent_npu,
+        read_sfa_latent_npu,
+        k_pe_neox_style=False,
+        check_layer=check_sfa_layer,
+    )
     from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.indexer_keys_layers import (
         IndexerWriter,
         register_indexer_writer,
     )
 
-    register_indexer_writer("AscendSFAImpl", IndexerWriter(
-        ASCEND_SFA_BACKEND, write_indexer_key_npu, read_indexer_key_npu, _sfa_neox_style,
-        check_layer=prepare_sfa_indexer_layer))
+    register_indexer_writer(
+        "AscendSFAImpl",
+        IndexerWriter(
+            ASCEND_SFA_BACKEND,
+            write_indexer_key_npu,
+            read_indexer_key_npu,
+            _sfa_neox_style,
+            check_layer=prepare_sfa_indexer_layer,
+        ),
+    )
     register_ascend_ropes()

@@ -62,7 +62,9 @@ def _starts(layout: tuple[int, ...]) -> tuple[int, ...]:
 
 
 def _plain_block_keys(
-    layout: tuple[int, ...], start: int, end: int,
+    layout: tuple[int, ...],
+    start: int,
+    end: int,
 ) -> list[ChunkSegmentKey]:
     """The keys of [start, end), found by bisecting the layout's starts."""
     starts = _starts(layout)
@@ -79,11 +81,14 @@ def _plain_block_keys(
 
 # The last (layout, block length) asked for and its keys by block start: only
 # the blocks a segment starts in are there.
-_last_blocks: tuple[tuple[int, ...], int, dict[int, tuple[ChunkSegmentKey, ...]]] | None = None
+_last_blocks: (
+    tuple[tuple[int, ...], int, dict[int, tuple[ChunkSegmentKey, ...]]] | None
+) = None
 
 
-def _keys_by_block(layout: tuple[int, ...], length: int
-                   ) -> dict[int, tuple[ChunkSegmentKey, ...]]:
+def _keys_by_block(
+    layout: tuple[int, ...], length: int
+) -> dict[int, tuple[ChunkSegmentKey, ...]]:
     """Every aligned block of `length` tokens that a segment starts in, with
     its keys. NOTE (issue 60): vLLM asks once per block of the prompt (1,022
     blocks of 32 tokens at 32k) and most blocks hold no start; one pass over
@@ -105,7 +110,9 @@ def _keys_by_block(layout: tuple[int, ...], length: int
     return frozen
 
 
-def block_extra_keys(layout: tuple[int, ...], start: int, end: int) -> list[ChunkSegmentKey]:
+def block_extra_keys(
+    layout: tuple[int, ...], start: int, end: int
+) -> list[ChunkSegmentKey]:
     """Keys of the block [start, end) of a prompt with segment token counts
     `layout`: one per segment start inside it, with its offset in the block
     and its kind (s: the system segment, c: a chunk, q: the question)."""

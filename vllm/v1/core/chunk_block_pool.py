@@ -160,8 +160,12 @@ class ChunkBlockPool:
     def is_published(self, chunk_hash: ChunkHash) -> bool:
         return chunk_hash in self._index
 
-    def find(self, chunk_hash: ChunkHash, token_ids: Sequence[int],
-             context_ids: Sequence[int]) -> Residence:
+    def find(
+        self,
+        chunk_hash: ChunkHash,
+        token_ids: Sequence[int],
+        context_ids: Sequence[int],
+    ) -> Residence:
         """Whether `chunk_hash` is published with exactly these tokens."""
         if chunk_hash not in self._index:
             return Residence.ABSENT
@@ -169,7 +173,9 @@ class ChunkBlockPool:
             return Residence.COLLISION
         return Residence.RESIDENT
 
-    def find_bytes(self, chunk_hash: ChunkHash, tokens: bytes, context: bytes) -> Residence:
+    def find_bytes(
+        self, chunk_hash: ChunkHash, tokens: bytes, context: bytes
+    ) -> Residence:
         """`find` of ids already serialised by `token_bytes` (issue 52)."""
         if chunk_hash not in self._index:
             return Residence.ABSENT
@@ -217,8 +223,9 @@ class ChunkBlockPool:
         self._entries[chunk_hash] = entry
         return PoolAllocation(entry=entry, evicted=evicted)
 
-    def reserve(self, pins: Sequence[ChunkHash],
-                allocations: Sequence[tuple[ChunkHash, int]]) -> Reservation | None:
+    def reserve(
+        self, pins: Sequence[ChunkHash], allocations: Sequence[tuple[ChunkHash, int]]
+    ) -> Reservation | None:
         """Pin every entry of `pins` once and allocate an entry of each
         (key, num_tokens) of `allocations`, evicting LRU entries as `allocate`
         does; or, if the allocations do not fit once the pinned entries are
@@ -226,18 +233,26 @@ class ChunkBlockPool:
         needed = sum(self.blocks_needed(n) for _, n in allocations)
         # NOTE: entries about to be pinned leave the LRU first, so their blocks
         # are no room for the allocations (as when pinned one by one before).
-        leaving = sum(len(self._entries[h].block_ids) for h in set(pins)
-                      if h in self._lru)
+        leaving = sum(
+            len(self._entries[h].block_ids) for h in set(pins) if h in self._lru
+        )
         if needed > len(self._free_blocks) + self._evictable_blocks - leaving:
             return None
         for h in pins:
             self.pin(h)
         made = [self.allocate(h, n) for h, n in allocations]
-        return Reservation(entries=tuple(a.entry for a in made),
-                           evicted=tuple(v for a in made for v in a.evicted))
+        return Reservation(
+            entries=tuple(a.entry for a in made),
+            evicted=tuple(v for a in made for v in a.evicted),
+        )
 
-    def publish(self, chunk_hash: ChunkHash, token_ids: Sequence[int],
-                context_ids: Sequence[int], keep_pin: bool = False) -> bool:
+    def publish(
+        self,
+        chunk_hash: ChunkHash,
+        token_ids: Sequence[int],
+        context_ids: Sequence[int],
+        keep_pin: bool = False,
+    ) -> bool:
         """The entry's writer finished: file it under its key and tokens, so
         that `find` answers RESIDENT, and drop the writer's pin, or, with
         `keep_pin`, hand it to the caller (to drop with `unpin`). A retired
@@ -274,8 +289,9 @@ class ChunkBlockPool:
             self._lru[chunk_hash] = None
             self._evictable_blocks += len(entry.block_ids)
 
-    def unpin_all(self, chunk_hashes: Sequence[ChunkHash],
-                  free: ChunkHash | None = None) -> None:
+    def unpin_all(
+        self, chunk_hashes: Sequence[ChunkHash], free: ChunkHash | None = None
+    ) -> None:
         """Unpin each key in order (a key once per pin to drop), then drop
         `free` if it is still there (an entry whose writer never finished; a
         retired one went with its last pin)."""
@@ -383,8 +399,9 @@ class ChunkBlockPool:
             raise KeyError(f"chunk {chunk_hash.hex()} is not in the pool")
         return entry
 
-    def _take_blocks(self, num_blocks: int
-                     ) -> tuple[list[PoolBlockId], tuple[ChunkHash, ...]]:
+    def _take_blocks(
+        self, num_blocks: int
+    ) -> tuple[list[PoolBlockId], tuple[ChunkHash, ...]]:
         """`num_blocks` free blocks, evicting LRU entries for room (those
         evicted, oldest first); raises ValueError, changing nothing, if they
         cannot fit even after evicting every unpinned entry."""

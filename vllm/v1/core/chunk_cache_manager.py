@@ -57,13 +57,13 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from vllm.v1.core.chunk_block_pool import ChunkBlockPool, Residence
-from vllm.v1.core.chunk_prefill_plan import PrefillPlan
 from vllm.v1.core.chunk_hash_index import (
     TOKEN_ID_BYTES,
     ChunkNamespace,
     chunk_hash_of_bytes,
     token_bytes,
 )
+from vllm.v1.core.chunk_prefill_plan import PrefillPlan
 from vllm.v1.core.chunk_step_decision import ChildPut, Outcome, StepDecision
 from vllm.v1.core.chunk_store_probe import (
     FETCH_ID_PREFIX,
@@ -238,7 +238,10 @@ class ChunkCacheManager:
     # ------------------------------------------------------------ parents
 
     def add_request(
-        self, request_id: str, prompt: ChunkedPrompt, namespace: ChunkNamespace,
+        self,
+        request_id: str,
+        prompt: ChunkedPrompt,
+        namespace: ChunkNamespace,
         origin: object = None,
     ) -> None:
         """A chunked request arrived (nothing is pinned until `admit`).
@@ -276,7 +279,9 @@ class ChunkCacheManager:
         ns_digest = namespace.digest()
         keyed = self._segment_keys(prompt, namespace, ns_digest)
         distinct = {k.chunk_hash: k for k in keyed}
-        needed = sum(self.pool.blocks_needed(len(k.segment_ids)) for k in distinct.values())
+        needed = sum(
+            self.pool.blocks_needed(len(k.segment_ids)) for k in distinct.values()
+        )
         if needed > self.pool.num_blocks:
             return self._refuse(
                 request_id,
@@ -298,7 +303,9 @@ class ChunkCacheManager:
                 )
             status_of[h] = status
 
-        missing = [distinct[h] for h, s in status_of.items() if s == SegmentStatus.MISSING]
+        missing = [
+            distinct[h] for h, s in status_of.items() if s == SegmentStatus.MISSING
+        ]
         store_hits = self._probe_store(missing, namespace)
         if store_hits is None:
             # NOTE: an existence query is still in flight: wait a step (not
@@ -308,7 +315,8 @@ class ChunkCacheManager:
         # entries are allocated, so that those allocations cannot evict them.
         reservation = self.pool.reserve(
             [h for h, s in status_of.items() if s != SegmentStatus.MISSING],
-            [(k.chunk_hash, len(k.segment_ids)) for k in missing])
+            [(k.chunk_hash, len(k.segment_ids)) for k in missing],
+        )
         if reservation is None:
             return self._defer(request_id, parent)
 
@@ -317,7 +325,8 @@ class ChunkCacheManager:
         for key in missing:
             if key.chunk_hash in store_hits:
                 fetches.append(
-                    self._start_fetch(key, store_hits[key.chunk_hash], parent.origin))
+                    self._start_fetch(key, store_hits[key.chunk_hash], parent.origin)
+                )
             else:
                 children.append(self._new_child(key, 1, parent.origin))
             self.pool.pin(key.chunk_hash)  # the parent's own pin, besides the writer's
@@ -333,15 +342,22 @@ class ChunkCacheManager:
             for index, key in enumerate(keyed)
         )
         parent.pinned = list(status_of)
-        parent.waiting_on = {h for h, s in status_of.items() if s != SegmentStatus.RESIDENT}
+        parent.waiting_on = {
+            h for h, s in status_of.items() if s != SegmentStatus.RESIDENT
+        }
         for h in parent.waiting_on:
             self._children[self._child_by_hash[h]].waiters.add(request_id)
         parent.reason = AdmitReason.ADMITTED
         parent.epoch = self._epoch
         del self._queued[request_id]
         self._count_admission(status_of, parent.segments)
-        return ChunkAdmission(request_id, AdmitReason.ADMITTED, parent.segments,
-                              children=tuple(children), fetches=tuple(fetches))
+        return ChunkAdmission(
+            request_id,
+            AdmitReason.ADMITTED,
+            parent.segments,
+            children=tuple(children),
+            fetches=tuple(fetches),
+        )
 
     def decide(self, request_id: str, admit: bool = True) -> StepDecision | None:
         """The parent's decision for this scheduler step (None: not a chunked
@@ -360,7 +376,11 @@ class ChunkCacheManager:
         fetches: tuple[FetchSpec, ...] = ()
         if admit:
             admission = self.admit(request_id)
-            reason, children, fetches = admission.reason, admission.children, admission.fetches
+            reason, children, fetches = (
+                admission.reason,
+                admission.children,
+                admission.fetches,
+            )
         else:
             reason = parent.reason or AdmitReason.DEFERRED
         # NOTE: the one definition of ready: admitted, every segment resident.
@@ -378,8 +398,9 @@ class ChunkCacheManager:
                 )
                 for seg in parent.segments
             )
-        return StepDecision(request_id, reason, ready, parent.plan, segments,
-                            children, fetches)
+        return StepDecision(
+            request_id, reason, ready, parent.plan, segments, children, fetches
+        )
 
     def record_load(self, plan: ChunkLoadPlan) -> None:
         """Count a plan whose rows were sent to the workers (a decision's
@@ -417,7 +438,9 @@ class ChunkCacheManager:
 
     # ----------------------------------------------------------- children
 
-    def finish_child(self, child_request_id: str, stored: bool, ended: str = "") -> Outcome:
+    def finish_child(
+        self, child_request_id: str, stored: bool, ended: str = ""
+    ) -> Outcome:
         """A child request ended, with its rows stored or without (`ended`:
         how): the parents now ready, its retry, and (with a store) its entry
         to write, unless a reset retired it (computed with weights that may
@@ -458,10 +481,12 @@ class ChunkCacheManager:
             # NOTE: a fetch read and verified into its rows by every worker
             # ends as a child that stored them (no put: the store has it).
             ready += self._child_finished(fetch, put=False).ready
-        started += [self._fetch_failed(f.fetch_id, rows_lent=f.rows_held)
-                    for f in result.failed]
-        return Outcome(children=tuple(c for c in started if c is not None),
-                       ready=tuple(ready))
+        started += [
+            self._fetch_failed(f.fetch_id, rows_lent=f.rows_held) for f in result.failed
+        ]
+        return Outcome(
+            children=tuple(c for c in started if c is not None), ready=tuple(ready)
+        )
 
     def write_off_held(self) -> Outcome:
         """Once per scheduler step: failed fetches whose rows a store call has
@@ -477,11 +502,16 @@ class ChunkCacheManager:
         if not self._held_since:
             return Outcome()
         now = self.clock()
-        expired = [f for f, since in self._held_since.items()
-                   if now - since >= self.held_limit_s]
+        expired = [
+            f
+            for f, since in self._held_since.items()
+            if now - since >= self.held_limit_s
+        ]
         started = [self._rows_written_off(fetch_id) for fetch_id in expired]
-        return Outcome(children=tuple(c for c in started if c is not None),
-                       written_off=tuple(expired))
+        return Outcome(
+            children=tuple(c for c in started if c is not None),
+            written_off=tuple(expired),
+        )
 
     def _child_finished(self, child: _Child, put: bool) -> Outcome:
         """The child's rows are in the pool: the parents now ready and, with
@@ -503,9 +533,17 @@ class ChunkCacheManager:
         self._put_pins.append(h)
         spec = child.spec
         assert spec.namespace is not None
-        return Outcome(ready=tuple(ready), put=ChildPut(
-            tuple(spec.token_ids), spec.store_start, spec.namespace.cache_salt,
-            spec.namespace.lora_name, spec.pool_block_ids, self._epoch))
+        return Outcome(
+            ready=tuple(ready),
+            put=ChildPut(
+                tuple(spec.token_ids),
+                spec.store_start,
+                spec.namespace.cache_salt,
+                spec.namespace.lora_name,
+                spec.pool_block_ids,
+                self._epoch,
+            ),
+        )
 
     def _child_failed(self, child: _Child, ended: str) -> Outcome:
         """The child ended without storing (`ended`: how, for the message):
@@ -516,14 +554,24 @@ class ChunkCacheManager:
         """
         self._stats.failed_children += 1
         if child.attempt < MAX_CHILD_ATTEMPTS:
-            return Outcome(children=(self._new_child(
-                self._key_of(child), child.attempt + 1, child.spec.origin, child.waiters),))
+            return Outcome(
+                children=(
+                    self._new_child(
+                        self._key_of(child),
+                        child.attempt + 1,
+                        child.spec.origin,
+                        child.waiters,
+                    ),
+                )
+            )
         h = child.spec.chunk_hash
         how = f", the last ended {ended}" if ended else ""
         unpins = self._refuse_waiters(
-            child, f"({len(child.segment_ids)} tokens, chunk key {h.hex()[:16]}) could "
+            child,
+            f"({len(child.segment_ids)} tokens, chunk key {h.hex()[:16]}) could "
             f"not be computed ({MAX_CHILD_ATTEMPTS} attempts{how}); the request is "
-            "refused rather than served with another attention")
+            "refused rather than served with another attention",
+        )
         # NOTE: the entry's own pins (its waiters' and the writer's) drop
         # last, and the entry with them: nothing of it was stored.
         self.pool.unpin_all(unpins + [h] * (len(child.waiters) + 1), free=h)
@@ -535,7 +583,9 @@ class ChunkCacheManager:
     def epoch(self) -> int:
         return self._epoch
 
-    def _fetch_failed(self, fetch_id: str, *, rows_lent: bool = False) -> ChildSpec | None:
+    def _fetch_failed(
+        self, fetch_id: str, *, rows_lent: bool = False
+    ) -> ChildSpec | None:
         """A worker's read failed (absent, corrupt, timeout, error): the
         entry is computed by a normal child instead, with the same pins;
         never served from the store.
@@ -595,11 +645,15 @@ class ChunkCacheManager:
         entry = self.pool.get(h)
         assert entry is not None
         fetch = self._pop_child(fetch_id)
-        self.pool.unpin_all(self._refuse_waiters(
-            fetch, "was being read from the chunk store, whose call never returned the "
-            f"pool rows it was given; those {len(entry.block_ids)} pool block(s) are "
-            "written off, and the pool has no other room to compute it now, so the "
-            "request is refused rather than kept waiting"))
+        self.pool.unpin_all(
+            self._refuse_waiters(
+                fetch,
+                "was being read from the chunk store, whose call never returned the "
+                f"pool rows it was given; those {len(entry.block_ids)} pool block(s) are "
+                "written off, and the pool has no other room to compute it now, so the "
+                "request is refused rather than kept waiting",
+            )
+        )
         self.pool.detach(h, holder=fetch_id)
         self.pool.write_off(fetch_id)
         return None
@@ -625,8 +679,9 @@ class ChunkCacheManager:
                 hits[key.chunk_hash] = found.content_hash
         return None if pending else hits
 
-    def _start_fetch(self, key: "_SegmentKey", content_hash: int, origin: object
-                     ) -> FetchSpec:
+    def _start_fetch(
+        self, key: "_SegmentKey", content_hash: int, origin: object
+    ) -> FetchSpec:
         # NOTE: registered as an in-flight child (same pins, waiters and
         # joins), but handed out as a fetch, never as a vLLM request.
         spec = self._register(FETCH_ID_PREFIX, key, origin, content_hash=content_hash)
@@ -646,15 +701,20 @@ class ChunkCacheManager:
             pinned_entries=usage.num_entries - usage.num_evictable,
             live_requests=len(self._parents) + len(self._children),
             # NOTE (finding 4): a fetch waiting for its lent rows holds its own.
-            pool_blocks_held=usage.blocks_held + sum(
+            pool_blocks_held=usage.blocks_held
+            + sum(
                 len(self.pool.get(self._children[f].spec.chunk_hash).block_ids)
-                for f in self._waiting_for_rows),
+                for f in self._waiting_for_rows
+            ),
         )
 
     # ----------------------------------------------------------- internal
 
     def _segment_keys(
-        self, prompt: ChunkedPrompt, namespace: ChunkNamespace, ns_digest: bytes,
+        self,
+        prompt: ChunkedPrompt,
+        namespace: ChunkNamespace,
+        ns_digest: bytes,
     ) -> list[_SegmentKey]:
         """Every cached segment's key. The prompt's cached ids are serialised
         once (issue 52): each key hashes its slice of those bytes, and
@@ -673,14 +733,16 @@ class ChunkCacheManager:
                 # whatever segment_context returns.
                 context_ids, context = ids, token_bytes(ids)
             tokens = data[TOKEN_ID_BYTES * span.start : TOKEN_ID_BYTES * span.end]
-            keys.append(_SegmentKey(
-                chunk_hash=chunk_hash_of_bytes(tokens, context, ns_digest),
-                segment_ids=segment_ids,
-                context_ids=ids,
-                namespace=namespace,
-                tokens=tokens,
-                context=context,
-            ))
+            keys.append(
+                _SegmentKey(
+                    chunk_hash=chunk_hash_of_bytes(tokens, context, ns_digest),
+                    segment_ids=segment_ids,
+                    context_ids=ids,
+                    namespace=namespace,
+                    tokens=tokens,
+                    context=context,
+                )
+            )
         return keys
 
     def _classify(self, key: _SegmentKey) -> SegmentStatus | None:
@@ -707,8 +769,9 @@ class ChunkCacheManager:
             return SegmentStatus.RESIDENT
         return SegmentStatus.MISSING
 
-    def _let_go(self, request_id: str, parent: _Parent,
-                skip: ChunkHash | None = None) -> list[ChunkHash]:
+    def _let_go(
+        self, request_id: str, parent: _Parent, skip: ChunkHash | None = None
+    ) -> list[ChunkHash]:
         """The parent stops waiting for its children; its pins to drop, in
         prompt order (except on `skip`)."""
         for h in parent.waiting_on - {skip}:
@@ -751,13 +814,23 @@ class ChunkCacheManager:
         unpins: list[ChunkHash] = []
         for parent_id in sorted(child.waiters):
             parent = self._parents[parent_id]
-            where = ", ".join("the system segment" if s.segment_index == 0
-                              else f"document {s.segment_index}"
-                              for s in parent.segments if s.chunk_hash == h) or "a segment"
+            where = (
+                ", ".join(
+                    "the system segment"
+                    if s.segment_index == 0
+                    else f"document {s.segment_index}"
+                    for s in parent.segments
+                    if s.chunk_hash == h
+                )
+                or "a segment"
+            )
             unpins += self._let_go(parent_id, parent, skip=h)
-            self._refuse(parent_id, AdmitReason.CHILD_FAILED,
-                         f"chunk cache: {where} of this request {what}. Nothing of it "
-                         "was cached: retrying the request is safe.")
+            self._refuse(
+                parent_id,
+                AdmitReason.CHILD_FAILED,
+                f"chunk cache: {where} of this request {what}. Nothing of it "
+                "was cached: retrying the request is safe.",
+            )
         return unpins
 
     def _internal_id(self, prefix: str, h: ChunkHash) -> str:
@@ -767,16 +840,27 @@ class ChunkCacheManager:
         self._num_children_created += 1
         return rid
 
-    def _new_child(self, key: _SegmentKey, attempt: int, origin: object,
-                   waiters: set[str] | None = None) -> ChildSpec:
+    def _new_child(
+        self,
+        key: _SegmentKey,
+        attempt: int,
+        origin: object,
+        waiters: set[str] | None = None,
+    ) -> ChildSpec:
         spec = self._register(CHILD_REQUEST_PREFIX, key, origin, attempt, waiters)
         self._stats.child_computes += 1
         self._stats.child_tokens += len(spec.token_ids)
         return spec
 
-    def _register(self, prefix: str, key: _SegmentKey, origin: object, attempt: int = 1,
-                  waiters: set[str] | None = None, content_hash: int | None = None
-                  ) -> ChildSpec:
+    def _register(
+        self,
+        prefix: str,
+        key: _SegmentKey,
+        origin: object,
+        attempt: int = 1,
+        waiters: set[str] | None = None,
+        content_hash: int | None = None,
+    ) -> ChildSpec:
         """A new in-flight writer of `key`'s entry: a child, or with a
         `content_hash` a store fetch."""
         h = key.chunk_hash
@@ -789,9 +873,19 @@ class ChunkCacheManager:
             namespace=key.namespace,
             origin=origin,
         )
-        fetch = None if content_hash is None else FetchSpec(
-            spec.request_id, h, spec.token_ids, spec.store_start, content_hash,
-            self._epoch, spec.pool_block_ids)
+        fetch = (
+            None
+            if content_hash is None
+            else FetchSpec(
+                spec.request_id,
+                h,
+                spec.token_ids,
+                spec.store_start,
+                content_hash,
+                self._epoch,
+                spec.pool_block_ids,
+            )
+        )
         self._children[spec.request_id] = _Child(
             spec=spec,
             segment_ids=key.segment_ids,
@@ -816,9 +910,7 @@ class ChunkCacheManager:
             else:
                 self._stats.misses += 1
         self._stats.tokens_reused += sum(
-            s.span.num_tokens
-            for s in segments
-            if s.status == SegmentStatus.RESIDENT
+            s.span.num_tokens for s in segments if s.status == SegmentStatus.RESIDENT
         )
 
     def _pool_blocks(self, h: ChunkHash) -> tuple[PoolBlockId, ...]:
@@ -832,8 +924,12 @@ class ChunkCacheManager:
     @staticmethod
     def _key_of(child: _Child) -> _SegmentKey:
         assert child.spec.namespace is not None
-        return _SegmentKey(child.spec.chunk_hash, child.segment_ids, child.context_ids,
-                           child.spec.namespace)
+        return _SegmentKey(
+            child.spec.chunk_hash,
+            child.segment_ids,
+            child.context_ids,
+            child.spec.namespace,
+        )
 
     def _pop_child(self, child_request_id: str) -> _Child:
         child = self._require_child(child_request_id)
@@ -854,8 +950,9 @@ class ChunkCacheManager:
         return child
 
 
-def segment_context(prompt: ChunkedPrompt, index: int, mode: ChunkContextMode,
-                    sink_token_id: int | None) -> list[int]:
+def segment_context(
+    prompt: ChunkedPrompt, index: int, mode: ChunkContextMode, sink_token_id: int | None
+) -> list[int]:
     """What segment `index` is computed after, which its key includes: a
     segment's entry is one per distinct (context, tokens)."""
     if index == 0 or mode == ChunkContextMode.NONE:
@@ -880,7 +977,10 @@ def pool_blocks_for(
     (one constant for every chunk: the same keys are distinct)."""
     mode = ChunkContextMode(context_mode)
     distinct = {
-        (tuple(segment_context(prompt, index, mode, 0)), tuple(prompt.segment_tokens(index)))
+        (
+            tuple(segment_context(prompt, index, mode, 0)),
+            tuple(prompt.segment_tokens(index)),
+        )
         for index in range(len(prompt.cached_spans))
     }
     return sum(-(-len(tokens) // block_size) for _, tokens in distinct)

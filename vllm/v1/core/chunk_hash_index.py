@@ -106,8 +106,9 @@ def compute_chunk_hash(
     namespace_digest: bytes,
 ) -> ChunkHash:
     """Position-independent key of one segment (see module docstring)."""
-    return chunk_hash_of_bytes(token_bytes(token_ids), token_bytes(context_ids),
-                               namespace_digest)
+    return chunk_hash_of_bytes(
+        token_bytes(token_ids), token_bytes(context_ids), namespace_digest
+    )
 
 
 def chunk_hash_of_bytes(
@@ -118,10 +119,20 @@ def chunk_hash_of_bytes(
     verifies each segment's slice of it)."""
     # NOTE: one-shot over the joined parts: the same digest as updating a
     # hasher part by part, without a hasher's state (half the time).
-    return ChunkHash(xxhash.xxh3_128_digest(b"".join((
-        _KEY_VERSION, namespace_digest,
-        (len(context) // TOKEN_ID_BYTES).to_bytes(8, "little"), context,
-        (len(tokens) // TOKEN_ID_BYTES).to_bytes(8, "little"), tokens))))
+    return ChunkHash(
+        xxhash.xxh3_128_digest(
+            b"".join(
+                (
+                    _KEY_VERSION,
+                    namespace_digest,
+                    (len(context) // TOKEN_ID_BYTES).to_bytes(8, "little"),
+                    context,
+                    (len(tokens) // TOKEN_ID_BYTES).to_bytes(8, "little"),
+                    tokens,
+                )
+            )
+        )
+    )
 
 
 @dataclass(frozen=True)

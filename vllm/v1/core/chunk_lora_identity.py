@@ -22,7 +22,7 @@ from typing import Any
 
 
 def lora_identity(lora_request: Any | None) -> str:
-    """"" without an adapter, else "<name>#<int id>"."""
+    """ "" without an adapter, else "<name>#<int id>"."""
     if lora_request is None:
         return ""
     return f"{lora_request.lora_name}#{int(lora_request.lora_int_id)}"

@@ -62,8 +62,13 @@ class StepDecision:
             if skip == 0 and stop == seg.num_tokens:
                 loads.append(seg)  # the whole segment (the all-hit case)
                 continue
-            loads.append(replace(seg, first_row=skip,
-                                 end_row=None if stop == seg.num_tokens else stop))
+            loads.append(
+                replace(
+                    seg,
+                    first_row=skip,
+                    end_row=None if stop == seg.num_tokens else stop,
+                )
+            )
         return ChunkLoadPlan(request_id=self.request_id, segments=tuple(loads))
 
 

@@ -84,7 +84,9 @@ class ChunkedPrompt:
             )
 
     @classmethod
-    def from_lengths(cls, token_ids: list[int], lengths: "Sequence[int]") -> "ChunkedPrompt":
+    def from_lengths(
+        cls, token_ids: list[int], lengths: "Sequence[int]"
+    ) -> "ChunkedPrompt":
         """The prompt whose consecutive segments have these token counts."""
         spans, start = [], 0
         for length in lengths:

@@ -43,7 +43,9 @@ import torch
 try:
     import triton
     import triton.language as tl
-except ImportError:  # no Triton: the fused load is unavailable (the caller keeps today's path)
+except (
+    ImportError
+):  # no Triton: the fused load is unavailable (the caller keeps today's path)
     triton = None
 
 
@@ -78,9 +80,14 @@ class LaunchGeometry:
             if value is not None and (value < 1 or value & (value - 1)):
                 raise ValueError(f"{name} must be a power of two, got {value}")
 
-    def grid(self, num_rows: int, num_heads: int, num_layers: int) -> tuple[int, int, int]:
-        return (-(-num_rows // self.rows_per_program),
-                -(-num_heads // self.heads_per_program), num_layers)
+    def grid(
+        self, num_rows: int, num_heads: int, num_layers: int
+    ) -> tuple[int, int, int]:
+        return (
+            -(-num_rows // self.rows_per_program),
+            -(-num_heads // self.heads_per_program),
+            num_layers,
+        )
 
     def options(self) -> dict:
         """The launch's keyword arguments for this geometry."""
@@ -99,8 +106,12 @@ class LaunchGeometry:
 # run's 11 geometries: 45.1%; one row of one head: 29%), the capture 86.1% with
 # 8 rows of one head (that earlier default: 68.1%). Every geometry wrote the
 # same bytes (per-element arithmetic; the CPU tests check it under several).
-DEFAULT_LOAD_GEOMETRY = LaunchGeometry(rows_per_program=4, heads_per_program=2, num_warps=2)
-DEFAULT_CAPTURE_GEOMETRY = LaunchGeometry(rows_per_program=8, heads_per_program=1, num_warps=2)
+DEFAULT_LOAD_GEOMETRY = LaunchGeometry(
+    rows_per_program=4, heads_per_program=2, num_warps=2
+)
+DEFAULT_CAPTURE_GEOMETRY = LaunchGeometry(
+    rows_per_program=8, heads_per_program=1, num_warps=2
+)
 # The geometry before 2026-11-26 (one row of one head, Triton's default warps),
 # kept as the sweep's baseline.
 ONE_ROW_GEOMETRY = LaunchGeometry()
@@ -135,7 +146,9 @@ if triton is not None:
         return (rounded.to(tl.uint32, bitcast=True) | sign).to(tl.float32, bitcast=True)
 
     @triton.jit
-    def _store(cache_ptr, offsets, x, mask, scale, MODEL: tl.constexpr, FP8: tl.constexpr):
+    def _store(
+        cache_ptr, offsets, x, mask, scale, MODEL: tl.constexpr, FP8: tl.constexpr
+    ):
         # Round to the model's dtype first, as the rows reach the backend's
         # cache write in that dtype today (MODEL: 0 fp32, 1 bf16, 2 fp16).
         x = x.to(tl.float32)
@@ -146,7 +159,9 @@ if triton is not None:
         if FP8:
             y = x.to(tl.float32) / scale
             y = tl.minimum(tl.maximum(y, -448.0), 448.0)  # saturating (SATFINITE)
-            tl.store(cache_ptr + offsets, _round_to_e4m3_grid(y).to(tl.float8e4nv), mask=mask)
+            tl.store(
+                cache_ptr + offsets, _round_to_e4m3_grid(y).to(tl.float8e4nv), mask=mask
+            )
         else:
             tl.store(cache_ptr + offsets, x, mask=mask)
 
@@ -162,14 +177,34 @@ if triton is not None:
 
     @triton.jit
     def _fused_load_kernel(
-        tables_ptr, num_layers, num_rows, num_heads, src_rows_ptr, dst_slots_ptr,
-        delta_index_ptr, cos_ptr, sin_ptr,
-        scale_stride, pool_row_stride, pool_head_stride, block_stride, page_stride,
-        head_stride, block_size,
-        HEAD_SIZE: tl.constexpr, ROT_HALF: tl.constexpr, BLOCK_D: tl.constexpr,
-        BLOCK_HALF: tl.constexpr, IS_NEOX: tl.constexpr, ROTATE: tl.constexpr,
-        MODEL: tl.constexpr, FP8: tl.constexpr, POOL_DTYPE: tl.constexpr,
-        CACHE_DTYPE: tl.constexpr, ROWS: tl.constexpr, HEADS: tl.constexpr,
+        tables_ptr,
+        num_layers,
+        num_rows,
+        num_heads,
+        src_rows_ptr,
+        dst_slots_ptr,
+        delta_index_ptr,
+        cos_ptr,
+        sin_ptr,
+        scale_stride,
+        pool_row_stride,
+        pool_head_stride,
+        block_stride,
+        page_stride,
+        head_stride,
+        block_size,
+        HEAD_SIZE: tl.constexpr,
+        ROT_HALF: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+        BLOCK_HALF: tl.constexpr,
+        IS_NEOX: tl.constexpr,
+        ROTATE: tl.constexpr,
+        MODEL: tl.constexpr,
+        FP8: tl.constexpr,
+        POOL_DTYPE: tl.constexpr,
+        CACHE_DTYPE: tl.constexpr,
+        ROWS: tl.constexpr,
+        HEADS: tl.constexpr,
     ):
         # A [ROWS * HEADS, BLOCK_D] tile of one layer (LaunchGeometry); the
         # arithmetic is per element, so the tile's shape does not change a bit.
@@ -179,27 +214,37 @@ if triton is not None:
         # pool V, key cache, value cache, k scale, v scale).
         pool_key_ptr = tl.load(tables_ptr + layer).to(tl.pointer_type(POOL_DTYPE))
         pool_value_ptr = tl.load(tables_ptr + num_layers + layer).to(
-            tl.pointer_type(POOL_DTYPE))
+            tl.pointer_type(POOL_DTYPE)
+        )
         key_cache_ptr = tl.load(tables_ptr + 2 * num_layers + layer).to(
-            tl.pointer_type(CACHE_DTYPE))
+            tl.pointer_type(CACHE_DTYPE)
+        )
         value_cache_ptr = tl.load(tables_ptr + 3 * num_layers + layer).to(
-            tl.pointer_type(CACHE_DTYPE))
+            tl.pointer_type(CACHE_DTYPE)
+        )
         src = tl.load(src_rows_ptr + entry, mask=live, other=0)
         slot = tl.load(dst_slots_ptr + entry, mask=live, other=0)
         src_base = (src * pool_row_stride + head * pool_head_stride)[:, None]
-        dst_base = ((slot // block_size) * block_stride + (slot % block_size) * page_stride
-                    + head * head_stride)[:, None]
+        dst_base = (
+            (slot // block_size) * block_stride
+            + (slot % block_size) * page_stride
+            + head * head_stride
+        )[:, None]
         k_scale = 1.0
         v_scale = 1.0
         if FP8:
             k_scale_ptr = tl.load(tables_ptr + 4 * num_layers + layer).to(
-                tl.pointer_type(tl.float32))
+                tl.pointer_type(tl.float32)
+            )
             v_scale_ptr = tl.load(tables_ptr + 5 * num_layers + layer).to(
-                tl.pointer_type(tl.float32))
-            k_scale = tl.load(k_scale_ptr + head * scale_stride, mask=live,
-                              other=1.0)[:, None]
-            v_scale = tl.load(v_scale_ptr + head * scale_stride, mask=live,
-                              other=1.0)[:, None]
+                tl.pointer_type(tl.float32)
+            )
+            k_scale = tl.load(k_scale_ptr + head * scale_stride, mask=live, other=1.0)[
+                :, None
+            ]
+            v_scale = tl.load(v_scale_ptr + head * scale_stride, mask=live, other=1.0)[
+                :, None
+            ]
 
         d = tl.arange(0, BLOCK_D)[None, :]
         in_head = live[:, None] & (d < HEAD_SIZE)
@@ -234,13 +279,25 @@ if triton is not None:
             key = tl.load(pool_key_ptr + src_base + d, mask=in_head)
             _store(key_cache_ptr, dst_base + d, key, in_head, k_scale, MODEL, FP8)
 
-
     @triton.jit
     def _fused_capture_kernel(
-        tables_ptr, num_layers, num_rows, num_heads, src_slots_ptr, dst_rows_ptr,
-        pool_row_stride, pool_head_stride, block_stride, page_stride, head_stride,
-        block_size, HEAD_SIZE: tl.constexpr, BLOCK_D: tl.constexpr, DTYPE: tl.constexpr,
-        ROWS: tl.constexpr, HEADS: tl.constexpr,
+        tables_ptr,
+        num_layers,
+        num_rows,
+        num_heads,
+        src_slots_ptr,
+        dst_rows_ptr,
+        pool_row_stride,
+        pool_head_stride,
+        block_stride,
+        page_stride,
+        head_stride,
+        block_size,
+        HEAD_SIZE: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+        DTYPE: tl.constexpr,
+        ROWS: tl.constexpr,
+        HEADS: tl.constexpr,
     ):
         # The load's inverse, a plain copy: paged slots -> pool rows, K and V
         # of a [ROWS * HEADS, BLOCK_D] tile of one layer per program (same
@@ -248,27 +305,44 @@ if triton is not None:
         entry, head, live = _tile(num_rows, num_heads, ROWS, HEADS)
         layer = tl.program_id(2)
         pool_key_ptr = tl.load(tables_ptr + layer).to(tl.pointer_type(DTYPE))
-        pool_value_ptr = tl.load(tables_ptr + num_layers + layer).to(tl.pointer_type(DTYPE))
-        key_cache_ptr = tl.load(tables_ptr + 2 * num_layers + layer).to(tl.pointer_type(DTYPE))
+        pool_value_ptr = tl.load(tables_ptr + num_layers + layer).to(
+            tl.pointer_type(DTYPE)
+        )
+        key_cache_ptr = tl.load(tables_ptr + 2 * num_layers + layer).to(
+            tl.pointer_type(DTYPE)
+        )
         value_cache_ptr = tl.load(tables_ptr + 3 * num_layers + layer).to(
-            tl.pointer_type(DTYPE))
+            tl.pointer_type(DTYPE)
+        )
         slot = tl.load(src_slots_ptr + entry, mask=live, other=0)
         dst = tl.load(dst_rows_ptr + entry, mask=live, other=0)
-        src_base = ((slot // block_size) * block_stride + (slot % block_size) * page_stride
-                    + head * head_stride)[:, None]
+        src_base = (
+            (slot // block_size) * block_stride
+            + (slot % block_size) * page_stride
+            + head * head_stride
+        )[:, None]
         dst_base = (dst * pool_row_stride + head * pool_head_stride)[:, None]
         d = tl.arange(0, BLOCK_D)[None, :]
         in_head = live[:, None] & (d < HEAD_SIZE)
-        tl.store(pool_key_ptr + dst_base + d, tl.load(key_cache_ptr + src_base + d,
-                                                      mask=in_head), mask=in_head)
-        tl.store(pool_value_ptr + dst_base + d, tl.load(value_cache_ptr + src_base + d,
-                                                        mask=in_head), mask=in_head)
+        tl.store(
+            pool_key_ptr + dst_base + d,
+            tl.load(key_cache_ptr + src_base + d, mask=in_head),
+            mask=in_head,
+        )
+        tl.store(
+            pool_value_ptr + dst_base + d,
+            tl.load(value_cache_ptr + src_base + d, mask=in_head),
+            mask=in_head,
+        )
 
 
 # The pool's (model's) dtype as the kernel's MODEL code, and as Triton's type.
 _MODEL_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-_TL_DTYPES = ({torch.float32: tl.float32, torch.bfloat16: tl.bfloat16,
-               torch.float16: tl.float16} if triton is not None else {})
+_TL_DTYPES = (
+    {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+    if triton is not None
+    else {}
+)
 
 
 def available(device: torch.device | None = None) -> bool:
@@ -310,51 +384,88 @@ class FusedGroup:
     tensors: tuple
 
     @classmethod
-    def of(cls, pool_keys: list[torch.Tensor], pool_values: list[torch.Tensor],
-           layers: list[PagedLayer]) -> "FusedGroup":
+    def of(
+        cls,
+        pool_keys: list[torch.Tensor],
+        pool_values: list[torch.Tensor],
+        layers: list[PagedLayer],
+    ) -> FusedGroup:
         first_k, first = pool_keys[0], layers[0]
         _, num_heads, head_size = first_k.shape
         fp8 = first.key_cache.dtype == torch.float8_e4m3fn
         for k, v, layer in zip(pool_keys, pool_values, layers):
             if k.stride(2) != 1 or v.stride() != k.stride() or k.shape != v.shape:
-                raise ValueError("pool K/V must share one shape and layout, heads contiguous")
-            if (k.stride() != first_k.stride() or k.dtype != first_k.dtype
-                    or k.shape[1:] != first_k.shape[1:]):
-                raise ValueError("a fused group's pools must share shape, strides and dtype")
+                raise ValueError(
+                    "pool K/V must share one shape and layout, heads contiguous"
+                )
+            if (
+                k.stride() != first_k.stride()
+                or k.dtype != first_k.dtype
+                or k.shape[1:] != first_k.shape[1:]
+            ):
+                raise ValueError(
+                    "a fused group's pools must share shape, strides and dtype"
+                )
             for cache in (layer.key_cache, layer.value_cache):
                 if cache.stride() != first.key_cache.stride() or cache.stride(3) != 1:
-                    raise ValueError("paged K/V caches must share strides, head contiguous")
-                if cache.shape != first.key_cache.shape or cache.dtype != first.key_cache.dtype:
-                    raise ValueError("a fused group's caches must share shape and dtype")
+                    raise ValueError(
+                        "paged K/V caches must share strides, head contiguous"
+                    )
+                if (
+                    cache.shape != first.key_cache.shape
+                    or cache.dtype != first.key_cache.dtype
+                ):
+                    raise ValueError(
+                        "a fused group's caches must share shape and dtype"
+                    )
             if not fp8 and layer.key_cache.dtype != k.dtype:
                 raise ValueError(
-                    f"cache dtype {layer.key_cache.dtype} is neither the pool's nor fp8 e4m3")
+                    f"cache dtype {layer.key_cache.dtype} is neither the pool's nor fp8 e4m3"
+                )
             if fp8 and (layer.k_scale is None or layer.v_scale is None):
                 raise ValueError("an fp8 cache needs k_scale and v_scale")
         scales: list[torch.Tensor] = []
         if fp8:
-            scales = [s.to(torch.float32).contiguous()
-                      for layer in layers for s in (layer.k_scale, layer.v_scale)]
+            scales = [
+                s.to(torch.float32).contiguous()
+                for layer in layers
+                for s in (layer.k_scale, layer.v_scale)
+            ]
             sizes = {s.numel() for s in scales}
             if sizes - {1, num_heads} or len(sizes) > 1:
-                raise ValueError(f"k/v scales must be [1] or [num_heads], got sizes {sizes}")
+                raise ValueError(
+                    f"k/v scales must be [1] or [num_heads], got sizes {sizes}"
+                )
         addresses = [
             [k.data_ptr() for k in pool_keys],
             [v.data_ptr() for v in pool_values],
             [layer.key_cache.data_ptr() for layer in layers],
             [layer.value_cache.data_ptr() for layer in layers],
-            [s.data_ptr() for s in scales[0::2]] if fp8 else [k.data_ptr() for k in pool_keys],
-            [s.data_ptr() for s in scales[1::2]] if fp8 else [k.data_ptr() for k in pool_keys],
+            [s.data_ptr() for s in scales[0::2]]
+            if fp8
+            else [k.data_ptr() for k in pool_keys],
+            [s.data_ptr() for s in scales[1::2]]
+            if fp8
+            else [k.data_ptr() for k in pool_keys],
         ]
         tables = torch.tensor(addresses, dtype=torch.int64).to(first_k.device)
         return cls(
-            tables=tables, num_layers=len(layers), num_heads=num_heads, head_size=head_size,
-            pool_dtype=first_k.dtype, fp8=fp8,
+            tables=tables,
+            num_layers=len(layers),
+            num_heads=num_heads,
+            head_size=head_size,
+            pool_dtype=first_k.dtype,
+            fp8=fp8,
             scale_stride=0 if not fp8 or scales[0].numel() == 1 else 1,
             pool_strides=(first_k.stride(0), first_k.stride(1)),
             cache_strides=tuple(first.key_cache.stride()[:3]),
             block_size=first.key_cache.shape[1],
-            tensors=(tuple(pool_keys), tuple(pool_values), tuple(layers), tuple(scales)),
+            tensors=(
+                tuple(pool_keys),
+                tuple(pool_values),
+                tuple(layers),
+                tuple(scales),
+            ),
         )
 
 
@@ -389,21 +500,42 @@ def fused_load(
         rot_half = 1
     tl_pool = _TL_DTYPES[group.pool_dtype]
     _fused_load_kernel[geometry.grid(num_rows, group.num_heads, group.num_layers)](
-        group.tables, group.num_layers, num_rows, group.num_heads, src_rows, dst_slots,
-        delta_index, cos, sin,
-        group.scale_stride, *group.pool_strides, *group.cache_strides, group.block_size,
-        HEAD_SIZE=group.head_size, ROT_HALF=rot_half,
+        group.tables,
+        group.num_layers,
+        num_rows,
+        group.num_heads,
+        src_rows,
+        dst_slots,
+        delta_index,
+        cos,
+        sin,
+        group.scale_stride,
+        *group.pool_strides,
+        *group.cache_strides,
+        group.block_size,
+        HEAD_SIZE=group.head_size,
+        ROT_HALF=rot_half,
         BLOCK_D=triton.next_power_of_2(group.head_size),
-        BLOCK_HALF=triton.next_power_of_2(rot_half), IS_NEOX=is_neox_style, ROTATE=rotate,
-        MODEL=_MODEL_CODES[group.pool_dtype], FP8=group.fp8, POOL_DTYPE=tl_pool,
+        BLOCK_HALF=triton.next_power_of_2(rot_half),
+        IS_NEOX=is_neox_style,
+        ROTATE=rotate,
+        MODEL=_MODEL_CODES[group.pool_dtype],
+        FP8=group.fp8,
+        POOL_DTYPE=tl_pool,
         CACHE_DTYPE=tl.float8e4nv if group.fp8 else tl_pool,
         # NOTE: no FMA contraction: today's rotation rounds each product.
-        enable_fp_fusion=False, **geometry.options(),
+        enable_fp_fusion=False,
+        **geometry.options(),
     )
 
 
-def fused_capture(group: FusedGroup, src_slots: torch.Tensor, dst_rows: torch.Tensor, *,
-                  geometry: LaunchGeometry = DEFAULT_CAPTURE_GEOMETRY) -> None:
+def fused_capture(
+    group: FusedGroup,
+    src_slots: torch.Tensor,
+    dst_rows: torch.Tensor,
+    *,
+    geometry: LaunchGeometry = DEFAULT_CAPTURE_GEOMETRY,
+) -> None:
     """One launch: the rows at paged slots `src_slots` [n] of every layer of
     `group` into pool rows `dst_rows` [n], K and V as they are (the capture
     after the forward; caches in the pool's dtype only)."""
@@ -415,8 +547,17 @@ def fused_capture(group: FusedGroup, src_slots: torch.Tensor, dst_rows: torch.Te
     if num_rows == 0:
         return
     _fused_capture_kernel[geometry.grid(num_rows, group.num_heads, group.num_layers)](
-        group.tables, group.num_layers, num_rows, group.num_heads, src_slots, dst_rows,
-        *group.pool_strides, *group.cache_strides, group.block_size, HEAD_SIZE=group.head_size,
-        BLOCK_D=triton.next_power_of_2(group.head_size), DTYPE=_TL_DTYPES[group.pool_dtype],
+        group.tables,
+        group.num_layers,
+        num_rows,
+        group.num_heads,
+        src_slots,
+        dst_rows,
+        *group.pool_strides,
+        *group.cache_strides,
+        group.block_size,
+        HEAD_SIZE=group.head_size,
+        BLOCK_D=triton.next_power_of_2(group.head_size),
+        DTYPE=_TL_DTYPES[group.pool_dtype],
         **geometry.options(),
     )

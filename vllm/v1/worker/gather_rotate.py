@@ -67,8 +67,12 @@ class LoadError(RuntimeError):
 
 
 class _DlInfo(ctypes.Structure):
-    _fields_ = [("dli_fname", ctypes.c_char_p), ("dli_fbase", ctypes.c_void_p),
-                ("dli_sname", ctypes.c_char_p), ("dli_saddr", ctypes.c_void_p)]
+    _fields_ = [
+        ("dli_fname", ctypes.c_char_p),
+        ("dli_fbase", ctypes.c_void_p),
+        ("dli_sname", ctypes.c_char_p),
+        ("dli_saddr", ctypes.c_void_p),
+    ]
 
 
 def _address(handle: ctypes.CDLL, symbol: str) -> int | None:
@@ -89,11 +93,18 @@ def torch_openmp_runtime() -> str | None:
     its own. Read from the dynamic loader: libtorch_cpu's binding, not a name."""
     try:
         with open("/proc/self/maps") as f:
-            libtorch = sorted({line.split(None, 5)[5].strip() for line in f
-                               if "libtorch_cpu" in line and len(line.split(None, 5)) == 6})
+            libtorch = sorted(
+                {
+                    line.split(None, 5)[5].strip()
+                    for line in f
+                    if "libtorch_cpu" in line and len(line.split(None, 5)) == 6
+                }
+            )
         if not libtorch:
             return None
-        address = _address(ctypes.CDLL(libtorch[0], mode=os.RTLD_NOLOAD), "GOMP_parallel")
+        address = _address(
+            ctypes.CDLL(libtorch[0], mode=os.RTLD_NOLOAD), "GOMP_parallel"
+        )
         if address is None:
             return None
         info = _DlInfo()
@@ -114,10 +125,15 @@ def _bind_openmp(runtime: str) -> str | None:
         handle = ctypes.CDLL(runtime, mode=os.RTLD_GLOBAL | os.RTLD_NOLOAD)
     except OSError as e:
         return f"{Path(runtime).name} cannot be made global ({e})"
-    ours, bound = _address(handle, "GOMP_parallel"), _address(ctypes.CDLL(None), "GOMP_parallel")
+    ours, bound = (
+        _address(handle, "GOMP_parallel"),
+        _address(ctypes.CDLL(None), "GOMP_parallel"),
+    )
     if ours is None or ours != bound:
-        return (f"GOMP_parallel would bind to another OpenMP runtime than torch's "
-                f"{Path(runtime).name}")
+        return (
+            f"GOMP_parallel would bind to another OpenMP runtime than torch's "
+            f"{Path(runtime).name}"
+        )
     return None
 
 
@@ -132,13 +148,16 @@ def _check_digest(library: Path) -> None:
     try:
         expected = json.loads(digests_file.read_text())[library.name]
     except (OSError, ValueError, KeyError, TypeError) as e:
-        raise LoadError(f"no digest of {library.name} in {digests_file} "
-                        f"({type(e).__name__}: {e})") from None
+        raise LoadError(
+            f"no digest of {library.name} in {digests_file} ({type(e).__name__}: {e})"
+        ) from None
     actual = hashlib.sha256(library.read_bytes()).hexdigest()
     if actual != expected:
-        raise LoadError(f"{library.name} is not the file the wheel was built with "
-                        f"(sha256 {actual[:16]}..., expected {str(expected)[:16]}...; "
-                        "truncated or replaced)")
+        raise LoadError(
+            f"{library.name} is not the file the wheel was built with "
+            f"(sha256 {actual[:16]}..., expected {str(expected)[:16]}...; "
+            "truncated or replaced)"
+        )
 
 
 @dataclass(frozen=True)
@@ -175,13 +194,17 @@ class GatherRotate:
         self.openmp_runtime = openmp_runtime
         try:
             if not library.is_file():
-                raise LoadError(f"{library} not found (a wheel built without the CPU kernel?)")
+                raise LoadError(
+                    f"{library} not found (a wheel built without the CPU kernel?)"
+                )
             _check_digest(library)
             lib = ctypes.CDLL(str(library))
             lib.gather_rotate_abi.restype = _INT
             abi = lib.gather_rotate_abi()
             if abi != ABI:
-                raise LoadError(f"{library.name} has interface {abi}, this vLLM needs {ABI}")
+                raise LoadError(
+                    f"{library.name} has interface {abi}, this vLLM needs {ABI}"
+                )
             lib.gather_rotate_isa.restype = ctypes.c_char_p
             self.isa: str = lib.gather_rotate_isa().decode()
             lib.gather_rotate_use_isa.restype = _INT
@@ -191,16 +214,35 @@ class GatherRotate:
             for dtype, name in _ENTRIES.items():
                 entry = getattr(lib, name)
                 entry.restype = _I
-                entry.argtypes = [_P, _I, _P, _P, _I, _P, _I, _I, _I, _I, _INT, _INT, _INT, _P]
+                entry.argtypes = [
+                    _P,
+                    _I,
+                    _P,
+                    _P,
+                    _I,
+                    _P,
+                    _I,
+                    _I,
+                    _I,
+                    _I,
+                    _INT,
+                    _INT,
+                    _INT,
+                    _P,
+                ]
                 self._entries[dtype] = entry
         except LoadError:
             raise
-        except Exception as e:  # OSError (missing, truncated), AttributeError (symbol), ...
-            raise LoadError(f"cannot load {library.name}: {type(e).__name__}: {e}") from None
+        except (
+            Exception
+        ) as e:  # OSError (missing, truncated), AttributeError (symbol), ...
+            raise LoadError(
+                f"cannot load {library.name}: {type(e).__name__}: {e}"
+            ) from None
         self._verdicts: dict[_Shape, str | None] = {}
 
     @classmethod
-    def load(cls, directory: Path | None = None) -> "GatherRotate":
+    def load(cls, directory: Path | None = None) -> GatherRotate:
         """The library shipped in `directory` (default: next to this file):
         threaded on torch's OpenMP runtime where the process holds one, else
         the serial one. Never compiles, never touches a cache directory;
@@ -214,8 +256,11 @@ class GatherRotate:
         return cls(directory / LIBRARY.name, runtime)
 
     def describe(self) -> str:
-        threads = (f"threads of {Path(self.openmp_runtime).name}" if self.openmp_runtime
-                   else "one thread")
+        threads = (
+            f"threads of {Path(self.openmp_runtime).name}"
+            if self.openmp_runtime
+            else "one thread"
+        )
         return f"{self.library.name}, {self.isa} body, {threads}"
 
     def use_isa(self, which: int) -> bool:
@@ -224,72 +269,134 @@ class GatherRotate:
         return bool(self._lib.gather_rotate_use_isa(which))
 
     @staticmethod
-    def _checked(pool: torch.Tensor, src_rows: torch.Tensor, index: torch.Tensor,
-                 table: torch.Tensor, rotation: RopeRotation,
-                 out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _checked(
+        pool: torch.Tensor,
+        src_rows: torch.Tensor,
+        index: torch.Tensor,
+        table: torch.Tensor,
+        rotation: RopeRotation,
+        out: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Every shape, dtype, device, length and overlap the C code relies
         on, checked before a pointer reaches it: ValueError naming what is
         wrong. Returns src_rows and index as contiguous int64."""
-        names = {"pool": pool, "src_rows": src_rows, "index": index, "table": table, "out": out}
+        names = {
+            "pool": pool,
+            "src_rows": src_rows,
+            "index": index,
+            "table": table,
+            "out": out,
+        }
         for name, t in names.items():
             if not isinstance(t, torch.Tensor):
-                raise ValueError(f"gather_rotate: {name} is not a tensor ({type(t).__name__})")
+                raise ValueError(
+                    f"gather_rotate: {name} is not a tensor ({type(t).__name__})"
+                )
             if t.device.type != "cpu":
                 raise ValueError(f"gather_rotate: {name} is on {t.device}, not the CPU")
         if pool.dim() != 3 or out.dim() != 3:
-            raise ValueError(f"gather_rotate: pool {tuple(pool.shape)} and out "
-                             f"{tuple(out.shape)} must be [rows, heads, head_size]")
+            raise ValueError(
+                f"gather_rotate: pool {tuple(pool.shape)} and out "
+                f"{tuple(out.shape)} must be [rows, heads, head_size]"
+            )
         if pool.dtype not in _ENTRIES:
-            raise ValueError(f"gather_rotate: pool dtype {pool.dtype} is not supported "
-                             f"({', '.join(map(str, _ENTRIES))})")
+            raise ValueError(
+                f"gather_rotate: pool dtype {pool.dtype} is not supported "
+                f"({', '.join(map(str, _ENTRIES))})"
+            )
         if out.dtype != pool.dtype:
-            raise ValueError(f"gather_rotate: out dtype {out.dtype} differs from the "
-                             f"pool's {pool.dtype}")
+            raise ValueError(
+                f"gather_rotate: out dtype {out.dtype} differs from the "
+                f"pool's {pool.dtype}"
+            )
         if not (pool.is_contiguous() and out.is_contiguous()):
             raise ValueError("gather_rotate: pool and out must be contiguous")
         n, heads, head_size = out.shape
         if tuple(pool.shape[1:]) != (heads, head_size):
-            raise ValueError(f"gather_rotate: pool rows {tuple(pool.shape[1:])} and out rows "
-                             f"{(heads, head_size)} differ in row shape")
+            raise ValueError(
+                f"gather_rotate: pool rows {tuple(pool.shape[1:])} and out rows "
+                f"{(heads, head_size)} differ in row shape"
+            )
         if head_size != rotation.head_size:
-            raise ValueError(f"gather_rotate: head_size {head_size} is not the rotation's "
-                             f"{rotation.head_size}")
+            raise ValueError(
+                f"gather_rotate: head_size {head_size} is not the rotation's "
+                f"{rotation.head_size}"
+            )
         rotary_dim = rotation.rotary_dim
         if not (0 < rotary_dim <= head_size and rotary_dim % 2 == 0):
-            raise ValueError(f"gather_rotate: rotary_dim {rotary_dim} must be even and in "
-                             f"(0, head_size {head_size}]")
+            raise ValueError(
+                f"gather_rotate: rotary_dim {rotary_dim} must be even and in "
+                f"(0, head_size {head_size}]"
+            )
         for name, t in (("src_rows", src_rows), ("index", index)):
             if t.dim() != 1 or t.shape[0] != n:
-                raise ValueError(f"gather_rotate: {name} {tuple(t.shape)} must hold one "
-                                 f"entry per output row ({n})")
+                raise ValueError(
+                    f"gather_rotate: {name} {tuple(t.shape)} must hold one "
+                    f"entry per output row ({n})"
+                )
             if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
-                raise ValueError(f"gather_rotate: {name} dtype {t.dtype} is not an integer")
+                raise ValueError(
+                    f"gather_rotate: {name} dtype {t.dtype} is not an integer"
+                )
         if table.dim() != 2 or table.shape[1] != rotary_dim:
-            raise ValueError(f"gather_rotate: table {tuple(table.shape)} must be "
-                             f"[entries, rotary_dim {rotary_dim}]")
+            raise ValueError(
+                f"gather_rotate: table {tuple(table.shape)} must be "
+                f"[entries, rotary_dim {rotary_dim}]"
+            )
         if table.dtype != torch.float32 or not table.is_contiguous():
-            raise ValueError(f"gather_rotate: table must be contiguous float32, got "
-                             f"{table.dtype}{'' if table.is_contiguous() else ', strided'}")
+            raise ValueError(
+                f"gather_rotate: table must be contiguous float32, got "
+                f"{table.dtype}{'' if table.is_contiguous() else ', strided'}"
+            )
         src_rows = src_rows.to(torch.int64).contiguous()
         index = index.to(torch.int64).contiguous()
-        for name, t in (("pool", pool), ("src_rows", src_rows), ("index", index),
-                        ("table", table)):
+        for name, t in (
+            ("pool", pool),
+            ("src_rows", src_rows),
+            ("index", index),
+            ("table", table),
+        ):
             if _overlap(out, t):
                 raise ValueError(f"gather_rotate: out overlaps {name} in memory")
         return src_rows, index
 
-    def _run(self, pool: torch.Tensor, src_rows: torch.Tensor, index: torch.Tensor,
-             table: torch.Tensor, rotation: RopeRotation, out: torch.Tensor) -> int:
+    def _run(
+        self,
+        pool: torch.Tensor,
+        src_rows: torch.Tensor,
+        index: torch.Tensor,
+        table: torch.Tensor,
+        rotation: RopeRotation,
+        out: torch.Tensor,
+    ) -> int:
         """The entry's status on checked arguments (0, row + 1, or -1)."""
         n, heads, head_size = out.shape
         return self._entries[pool.dtype](
-            pool.data_ptr(), pool.shape[0], src_rows.data_ptr(), index.data_ptr(), n,
-            table.data_ptr(), table.shape[0], heads, head_size, rotation.rotary_dim,
-            int(rotation.is_neox_style), int(rotation.rounding is Rounding.ADDCMUL),
-            torch.get_num_threads(), out.data_ptr())
+            pool.data_ptr(),
+            pool.shape[0],
+            src_rows.data_ptr(),
+            index.data_ptr(),
+            n,
+            table.data_ptr(),
+            table.shape[0],
+            heads,
+            head_size,
+            rotation.rotary_dim,
+            int(rotation.is_neox_style),
+            int(rotation.rounding is Rounding.ADDCMUL),
+            torch.get_num_threads(),
+            out.data_ptr(),
+        )
 
-    def __call__(self, pool: torch.Tensor, src_rows: torch.Tensor, index: torch.Tensor,
-                 table: torch.Tensor, rotation: RopeRotation, out: torch.Tensor) -> None:
+    def __call__(
+        self,
+        pool: torch.Tensor,
+        src_rows: torch.Tensor,
+        index: torch.Tensor,
+        table: torch.Tensor,
+        rotation: RopeRotation,
+        out: torch.Tensor,
+    ) -> None:
         """out[r] = pool[src_rows[r]] rotated by table[index[r]] (cos | sin of
         rotary_dim, fp32), in the pool's dtype. `pool` [rows, heads, head_size]
         and `out` [n, heads, head_size] contiguous on the CPU, not overlapping."""
@@ -303,9 +410,11 @@ class GatherRotate:
         if bad == _NONFINITE:
             load_key_passes(pool, src_rows, rotation, index, table, out)
         elif bad:
-            raise IndexError(f"gather_rotate: row {bad - 1} reads pool row "
-                             f"{int(src_rows[bad - 1])} of {pool.shape[0]} or table entry "
-                             f"{int(index[bad - 1])} of {table.shape[0]}")
+            raise IndexError(
+                f"gather_rotate: row {bad - 1} reads pool row "
+                f"{int(src_rows[bad - 1])} of {pool.shape[0]} or table entry "
+                f"{int(index[bad - 1])} of {table.shape[0]}"
+            )
 
     def serves(self, rotation: RopeRotation, pool: torch.Tensor) -> bool:
         """Whether loads of `pool` rotated by `rotation` go through the kernel:
@@ -319,38 +428,59 @@ class GatherRotate:
             return "not vLLM's CPU RoPE op path"
         if pool.dtype not in self._entries:
             return f"no kernel for {pool.dtype}"
-        shape = _Shape(rotation.frequency_key, rotation.is_neox_style, rotation.rotary_dim,
-                       rotation.head_size, rotation.rounding, pool.dtype)
+        shape = _Shape(
+            rotation.frequency_key,
+            rotation.is_neox_style,
+            rotation.rotary_dim,
+            rotation.head_size,
+            rotation.rounding,
+            pool.dtype,
+        )
         if shape not in self._verdicts:
             try:
                 self._verdicts[shape] = self._check(rotation, pool.shape[1], pool.dtype)
             except Exception as e:  # a check that cannot run refuses, never stops
-                self._verdicts[shape] = f"its start-up check failed: {type(e).__name__}: {e}"
+                self._verdicts[shape] = (
+                    f"its start-up check failed: {type(e).__name__}: {e}"
+                )
         return self._verdicts[shape]
 
-    def _check(self, rotation: RopeRotation, heads: int, dtype: torch.dtype) -> str | None:
+    def _check(
+        self, rotation: RopeRotation, heads: int, dtype: torch.dtype
+    ) -> str | None:
         """The kernel against the passes (`load_key_passes`) on a sample: finite
         rows (normal, subnormal and large values) byte for byte with the
         kernel's own result; rows with NaN, Inf or a rotation that overflows
         reported by the kernel (and loaded by the passes)."""
         finite, nonfinite = start_up_sample(rotation, heads, dtype)
         for label, (pool, src, index, table), status in (
-                ("finite", finite, 0), ("NaN/Inf", nonfinite, _NONFINITE)):
-            expected = load_key_passes(pool, src, rotation, index, table,
-                                       torch.empty(src.shape[0], heads, rotation.head_size,
-                                                   dtype=dtype))
+            ("finite", finite, 0),
+            ("NaN/Inf", nonfinite, _NONFINITE),
+        ):
+            expected = load_key_passes(
+                pool,
+                src,
+                rotation,
+                index,
+                table,
+                torch.empty(src.shape[0], heads, rotation.head_size, dtype=dtype),
+            )
             got = torch.empty_like(expected)
             src, index = self._checked(pool, src, index, table, rotation, got)
             bad = self._run(pool, src, index, table, rotation, got)
             if bad != status:
-                return (f"it answered {bad} on the start-up sample's {label} rows, not "
-                        f"{status}")
+                return (
+                    f"it answered {bad} on the start-up sample's {label} rows, not "
+                    f"{status}"
+                )
             if status == _NONFINITE:
                 self(pool, src, index, table, rotation, got)
             differ = int((got.view(torch.uint8) != expected.view(torch.uint8)).sum())
             if differ:
-                return (f"its bytes differ from the passes' in {differ} of "
-                        f"{expected.nbytes} sampled bytes ({label} rows) on this CPU")
+                return (
+                    f"its bytes differ from the passes' in {differ} of "
+                    f"{expected.nbytes} sampled bytes ({label} rows) on this CPU"
+                )
         return None
 
 
@@ -367,8 +497,13 @@ def start_up_sample(rotation: RopeRotation, heads: int, dtype: torch.dtype):
     scales = [4.0] * 6 + [float(info.tiny) * 4, float(info.tiny) / 64, large, 1.0]
     # Clamped: no Inf in the pool's finite rows (2 * bound still fits fp32).
     bound = min(float(info.max), 1e38) / 2
-    rows = [(s * torch.randn(8, heads, head_size, generator=generator, dtype=torch.float64))
-            .clamp(-bound, bound) for s in scales]
+    rows = [
+        (
+            s
+            * torch.randn(8, heads, head_size, generator=generator, dtype=torch.float64)
+        ).clamp(-bound, bound)
+        for s in scales
+    ]
     pool = torch.cat(rows).to(dtype)
     src = torch.randperm(pool.shape[0], generator=generator)
     deltas = torch.tensor([0, 1, -1, 7, -513, 4099, 31000, -99991], dtype=torch.int64)
@@ -378,9 +513,11 @@ def start_up_sample(rotation: RopeRotation, heads: int, dtype: torch.dtype):
 
     bad = pool[:24].clone()
     raw = bad.view(torch.int16 if dtype != torch.float32 else torch.int32)
-    nan_patterns = {torch.bfloat16: [0x7fc0, -0x0040, 0x7f81, 0x7fff],
-                    torch.float16: [0x7e00, -0x0200, 0x7c01, 0x7fff],
-                    torch.float32: [0x7fc00000, -0x00400000, 0x7f800001, 0x7fffffff]}[dtype]
+    nan_patterns = {
+        torch.bfloat16: [0x7FC0, -0x0040, 0x7F81, 0x7FFF],
+        torch.float16: [0x7E00, -0x0200, 0x7C01, 0x7FFF],
+        torch.float32: [0x7FC00000, -0x00400000, 0x7F800001, 0x7FFFFFFF],
+    }[dtype]
     for r, pattern in enumerate(nan_patterns):  # in the rotated part and past it
         raw[r, 0, 0] = pattern
         raw[4 + r, -1, -1] = pattern
@@ -389,6 +526,8 @@ def start_up_sample(rotation: RopeRotation, heads: int, dtype: torch.dtype):
     bad[10, -1, -1] = float("inf")
     bad[11] = float(info.max)  # overflows fp32 (16-bit types: Inf rows then)
     nonfinite_src = torch.arange(bad.shape[0], dtype=torch.int64)
-    nonfinite_index = torch.zeros(bad.shape[0], dtype=torch.int64)  # delta 0: Inf * sin 0
+    nonfinite_index = torch.zeros(
+        bad.shape[0], dtype=torch.int64
+    )  # delta 0: Inf * sin 0
     nonfinite_index[1::2] = 4
     return finite, (bad, nonfinite_src, nonfinite_index, table)

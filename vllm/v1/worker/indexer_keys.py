@@ -43,12 +43,14 @@ class IndexerKeyLayout:
         if not 0 < self.rope_dim <= self.head_dim or self.rope_dim % 2:
             raise ValueError(
                 f"an indexer key of {self.head_dim} values cannot carry a rope slice of "
-                f"{self.rope_dim} (even, at most the row)")
+                f"{self.rope_dim} (even, at most the row)"
+            )
 
     def check(self, keys: torch.Tensor) -> None:
         if keys.shape[-1] != self.head_dim:
             raise ValueError(
-                f"indexer key rows are {self.head_dim} wide, got {keys.shape[-1]}")
+                f"indexer key rows are {self.head_dim} wide, got {keys.shape[-1]}"
+            )
 
 
 def check_indexer_rope(layout: IndexerKeyLayout, rotation: RopeRotation) -> None:
@@ -56,7 +58,8 @@ def check_indexer_rope(layout: IndexerKeyLayout, rotation: RopeRotation) -> None
     if rotation.head_size != layout.rope_dim or rotation.rotary_dim != layout.rope_dim:
         raise ValueError(
             f"the indexer rope rotates {rotation.rotary_dim} of {rotation.head_size} "
-            f"values, the indexer key's rope slice has {layout.rope_dim}")
+            f"values, the indexer key's rope slice has {layout.rope_dim}"
+        )
 
 
 def reposition_indexer_keys(

@@ -44,7 +44,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 import torch
-
 from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
 from vllm.model_executor.layers.rotary_embedding.deepseek_scaling_rope import (
     DeepseekScalingRotaryEmbedding,
@@ -70,6 +69,7 @@ from vllm.model_executor.layers.rotary_embedding.phi3_long_rope_scaled_rope impo
 from vllm.model_executor.layers.rotary_embedding.yarn_scaling_rope import (
     YaRNScalingRotaryEmbedding,
 )
+
 from vllm.v1.core.chunk_structures import ChunkLoadPlan
 
 if TYPE_CHECKING:
@@ -135,7 +135,9 @@ def _dynamic_ntk_alpha(rope: DynamicNTKAlphaRotaryEmbedding) -> _Frequencies:
     return _Frequencies(rope._compute_inv_freq(base), 1.0, rope.cos_sin_cache, 0)
 
 
-def _yarn(rope: YaRNScalingRotaryEmbedding | DeepseekScalingRotaryEmbedding) -> _Frequencies:
+def _yarn(
+    rope: YaRNScalingRotaryEmbedding | DeepseekScalingRotaryEmbedding,
+) -> _Frequencies:
     # NOTE: DeepSeek's YaRN (MLA's k_pe, V3.2's indexer keys) has the same
     # rule: mscale / mscale_all_dim * attn_factor baked into its cos/sin.
     inv_freq = rope._compute_inv_freq(rope.scaling_factor)
@@ -186,8 +188,9 @@ def yarn_from_inv_freq_buffer(rope: torch.nn.Module) -> _Frequencies:
     (vllm-ascend's DeepSeek YaRN computes them in its own fp32 torch code,
     which ignores `extrapolation_factor`: the buffer is what it rotated
     with, vLLM's `_compute_inv_freq` is not)."""
-    return _Frequencies(rope.inv_freq.detach().float().cpu(), float(rope.mscale),
-                        rope.cos_sin_cache, 0)
+    return _Frequencies(
+        rope.inv_freq.detach().float().cpu(), float(rope.mscale), rope.cos_sin_cache, 0
+    )
 
 
 def register_rope_rule(
@@ -254,7 +257,9 @@ def _stored_neox_style(rope: torch.nn.Module) -> bool:
     # The pairing of the stored keys: the rope's style, unless its type
     # was registered with another (register_rope_rule).
     pairing = _STORED_PAIRING.get(type(rope))
-    return bool(pairing(rope) if pairing is not None else getattr(rope, "is_neox_style", True))
+    return bool(
+        pairing(rope) if pairing is not None else getattr(rope, "is_neox_style", True)
+    )
 
 
 def rotation_identity(rope: torch.nn.Module) -> dict[str, object]:
@@ -276,7 +281,9 @@ def rotation_identity(rope: torch.nn.Module) -> dict[str, object]:
         "head_size": int(rope.head_size),
         "rotary_dim": int(rope.rotary_dim),
         "neox": _stored_neox_style(rope),
-        "inv_freq": hashlib.blake2b(inv_freq.numpy().tobytes(), digest_size=16).hexdigest(),
+        "inv_freq": hashlib.blake2b(
+            inv_freq.numpy().tobytes(), digest_size=16
+        ).hexdigest(),
         # float.hex: exact, a repr of a rounded print could merge two magnitudes.
         "magnitude": float(freqs.magnitude).hex(),
         "cache_offset": int(freqs.cache_offset),
@@ -311,7 +318,9 @@ class RopeRotation:
         # (deltas, row -> table index, table, deltas' version) of the last
         # rows rotated in place: one load plan per step, the same for every
         # layer.
-        self._delta_table: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int] | None = None
+        self._delta_table: (
+            tuple[torch.Tensor, torch.Tensor, torch.Tensor, int] | None
+        ) = None
 
     def with_pairing(self, neox_style: bool) -> "RopeRotation":
         """This rotation for rows whose pairs are laid out otherwise (halves
@@ -330,9 +339,7 @@ class RopeRotation:
             other.rounding = Rounding.PRODUCTS
         return other
 
-    def cos_sin(
-        self, deltas: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def cos_sin(self, deltas: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """fp32 cos/sin [n, rotary_dim // 2] of the angle of each delta.
 
         Unit magnitude: the rope's mscale is not applied (see module doc).
@@ -340,9 +347,7 @@ class RopeRotation:
         angles = deltas.to("cpu", torch.float64)[:, None] * self.inv_freq.double()
         return angles.cos().float(), angles.sin().float()
 
-    def cos_sin_rows(
-        self, deltas: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def cos_sin_rows(self, deltas: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """fp32 cos/sin [n, 1, rotary_dim // 2] of each row's delta, on the
         deltas' device, formed on the host (`cos_sin`).
 
@@ -352,11 +357,14 @@ class RopeRotation:
         """
         device = deltas.device
         cos, sin = self.cos_sin(deltas.cpu())
-        return (cos.to(device, non_blocking=True)[:, None],
-                sin.to(device, non_blocking=True)[:, None])
+        return (
+            cos.to(device, non_blocking=True)[:, None],
+            sin.to(device, non_blocking=True)[:, None],
+        )
 
-    def stretch_cos_sin(self, stretch_deltas: torch.Tensor,
-                        device: torch.device) -> "StretchCosSin":
+    def stretch_cos_sin(
+        self, stretch_deltas: torch.Tensor, device: torch.device
+    ) -> "StretchCosSin":
         """fp32 cos/sin of each stretch's delta (`stretch_deltas` [s], on the
         host), formed on the host and copied to `device` in one transfer each."""
         if stretch_deltas.device.type != "cpu":
@@ -397,10 +405,21 @@ class RopeRotation:
         # Pair (x1[i], x2[i]) rotates by angle i: halves in neox style,
         # adjacent elements in GPT-J style.
         if self.is_neox_style:
-            pairs, res = source.unflatten(-1, (2, half)), result.unflatten(-1, (2, half))
-            x1, x2, o1, o2 = pairs[..., 0, :], pairs[..., 1, :], res[..., 0, :], res[..., 1, :]
+            pairs, res = (
+                source.unflatten(-1, (2, half)),
+                result.unflatten(-1, (2, half)),
+            )
+            x1, x2, o1, o2 = (
+                pairs[..., 0, :],
+                pairs[..., 1, :],
+                res[..., 0, :],
+                res[..., 1, :],
+            )
         else:
-            pairs, res = source.unflatten(-1, (half, 2)), result.unflatten(-1, (half, 2))
+            pairs, res = (
+                source.unflatten(-1, (half, 2)),
+                result.unflatten(-1, (half, 2)),
+            )
             x1, x2, o1, o2 = pairs[..., 0], pairs[..., 1], res[..., 0], res[..., 1]
         if self.rounding is Rounding.ADDCMUL:
             # fma(-x2, sin, x1 * cos) where PyTorch's CPU kernel fuses the
@@ -425,7 +444,6 @@ class RopeRotation:
             out[..., self.rotary_dim :].copy_(key[..., self.rotary_dim :])
         return out
 
-
     # ------------------------------------------------ CPU in-place kernel
 
     def rotates_in_place(self, device: torch.device) -> bool:
@@ -448,8 +466,10 @@ class RopeRotation:
         if device.type != "cpu":
             return f"generic fp32 rotation on {device.type}"
         if self.rotates_in_place(device):
-            return ("vLLM's CPU RoPE op in place (checked bit-identical to the "
-                    f"generic rotation with {self.rounding.value} on this CPU)")
+            return (
+                "vLLM's CPU RoPE op in place (checked bit-identical to the "
+                f"generic rotation with {self.rounding.value} on this CPU)"
+            )
         return f"generic fp32 rotation: {self._cpu_kernel_reason}"
 
     def rotate_in_place(self, key: torch.Tensor, deltas: torch.Tensor) -> None:
@@ -460,12 +480,17 @@ class RopeRotation:
         index, table = self._table_for(deltas)
         self.rotate_in_place_indexed(key, index, table)
 
-    def rotate_in_place_indexed(self, key: torch.Tensor, index: torch.Tensor,
-                                table: torch.Tensor) -> None:
+    def rotate_in_place_indexed(
+        self, key: torch.Tensor, index: torch.Tensor, table: torch.Tensor
+    ) -> None:
         """`rotate_in_place` with each row's entry `index` [n] (int64) of a
         cos/sin `table` [entries, rotary_dim] (`StretchCosSin.op_table`)."""
         torch.ops._C.rotary_embedding(
-            index, key.view(key.shape[0], -1), None, self.head_size, table,
+            index,
+            key.view(key.shape[0], -1),
+            None,
+            self.head_size,
+            table,
             self.is_neox_style,
         )
 
@@ -544,9 +569,15 @@ def _check_against_cache(
         )
 
 
-def load_key_passes(pool: torch.Tensor, src_rows: torch.Tensor, rotation: RopeRotation,
-                    index: torch.Tensor, table: torch.Tensor, out: torch.Tensor,
-                    key32: torch.Tensor | None = None) -> torch.Tensor:
+def load_key_passes(
+    pool: torch.Tensor,
+    src_rows: torch.Tensor,
+    rotation: RopeRotation,
+    index: torch.Tensor,
+    table: torch.Tensor,
+    out: torch.Tensor,
+    key32: torch.Tensor | None = None,
+) -> torch.Tensor:
     """K's CPU load in passes, the one place they are written (the remapper,
     the one-pass kernel's start-up check and fallback, and the tests call it):
     `out` [n, heads, head_size] = the rows `src_rows` of `pool`, cast to fp32,
@@ -559,7 +590,9 @@ def load_key_passes(pool: torch.Tensor, src_rows: torch.Tensor, rotation: RopeRo
     torch.index_select(pool.flatten(1), 0, src_rows, out=out.flatten(1))
     target = out
     if out.dtype != torch.float32:
-        target = key32 if key32 is not None else torch.empty(out.shape, dtype=torch.float32)
+        target = (
+            key32 if key32 is not None else torch.empty(out.shape, dtype=torch.float32)
+        )
         target.copy_(out)
     rotation.rotate_in_place_indexed(target, index, table)
     if target is not out:
@@ -585,8 +618,10 @@ class StretchCosSin:
         """Each row's cos/sin [n, 1, rotary_dim // 2], gathered on the device
         by `stretch_index` [n]."""
         if self._rows is None or self._rows[0] is not stretch_index:
-            self._rows = (stretch_index, (self.cos[stretch_index][:, None],
-                                          self.sin[stretch_index][:, None]))
+            self._rows = (
+                stretch_index,
+                (self.cos[stretch_index][:, None], self.sin[stretch_index][:, None]),
+            )
         return self._rows[1]
 
     def op_table(self) -> torch.Tensor:
@@ -619,11 +654,15 @@ class RemapRows:
     def pieces(self, max_rows: int) -> list["RemapRows"]:
         """The rows in order, in pieces of at most `max_rows` (views)."""
         return [
-            RemapRows(self.src_rows[i : i + max_rows], self.dst_slots[i : i + max_rows],
-                      self.deltas[i : i + max_rows],
-                      None if self.stretch_index is None
-                      else self.stretch_index[i : i + max_rows],
-                      self.stretch_deltas)
+            RemapRows(
+                self.src_rows[i : i + max_rows],
+                self.dst_slots[i : i + max_rows],
+                self.deltas[i : i + max_rows],
+                None
+                if self.stretch_index is None
+                else self.stretch_index[i : i + max_rows],
+                self.stretch_deltas,
+            )
             for i in range(0, self.num_rows, max_rows)
         ]
 
@@ -649,11 +688,14 @@ class RemapRows:
                     f"{seg.dst_start + seg.row_end} beyond the "
                     f"{dst_slots.shape[0]} slots given"
                 )
-        load = RequestLoad(block_ids=tuple(dst_slots.tolist()),
-                           stretches=tuple(SegmentStretch.of(s) for s in plan.segments))
+        load = RequestLoad(
+            block_ids=tuple(dst_slots.tolist()),
+            stretches=tuple(SegmentStretch.of(s) for s in plan.segments),
+        )
         rows = LoadRows.expand([load], pool_block_size, 1, dst_slots.device)
-        return cls(src_rows=rows.src_rows, dst_slots=rows.dst_slots,
-                   deltas=rows.deltas.cpu())
+        return cls(
+            src_rows=rows.src_rows, dst_slots=rows.dst_slots, deltas=rows.deltas.cpu()
+        )
 
 
 class RemapScratch:
@@ -676,12 +718,22 @@ class RemapScratch:
     # Buffers a load takes per row, by model kind: (role, in fp32 (else the
     # pool's dtype; fp32 ones only for a 16-bit pool), part of the row).
     # Standard attention (the generic path's worst case): parts "k", "v".
-    STANDARD = (("key", False, "k"), ("value", False, "v"), ("rotated", False, "k"),
-                ("key32", True, "k"), ("rotated32", True, "k"))
+    STANDARD = (
+        ("key", False, "k"),
+        ("value", False, "v"),
+        ("rotated", False, "k"),
+        ("key32", True, "k"),
+        ("rotated32", True, "k"),
+    )
     # MLA: kv_c ("c") and k_pe ("r") gathered apart, contiguous as the latent
     # writers take them, k_pe rotated through fp32.
-    LATENT = (("kv_c", False, "c"), ("k_pe", False, "r"), ("k_pe32", True, "r"),
-              ("k_pe_rotated32", True, "r"), ("k_pe_rotated", False, "r"))
+    LATENT = (
+        ("kv_c", False, "c"),
+        ("k_pe", False, "r"),
+        ("k_pe32", True, "r"),
+        ("k_pe_rotated32", True, "r"),
+        ("k_pe_rotated", False, "r"),
+    )
 
     def __init__(self, max_rows: int | None = None) -> None:
         self.max_rows = max_rows
@@ -692,19 +744,33 @@ class RemapScratch:
         return not (fp32 and dtype == torch.float32)
 
     @classmethod
-    def row_bytes(cls, roles: tuple, elements: dict[str, int], dtype: torch.dtype) -> int:
+    def row_bytes(
+        cls, roles: tuple, elements: dict[str, int], dtype: torch.dtype
+    ) -> int:
         """Bytes per row of the buffers `roles` for parts of `elements` values."""
-        return sum(elements[part] * (4 if fp32 else dtype.itemsize)
-                   for _, fp32, part in roles if cls._needed(fp32, dtype))
+        return sum(
+            elements[part] * (4 if fp32 else dtype.itemsize)
+            for _, fp32, part in roles
+            if cls._needed(fp32, dtype)
+        )
 
     @classmethod
-    def bytes_per_row(cls, key_elements: int, value_elements: int, dtype: torch.dtype) -> int:
+    def bytes_per_row(
+        cls, key_elements: int, value_elements: int, dtype: torch.dtype
+    ) -> int:
         """Bytes per row of every buffer `remap_layer` may take, for one
         K/V shape and pool dtype (the fp32 ones only for a 16-bit pool)."""
-        return cls.row_bytes(cls.STANDARD, {"k": key_elements, "v": value_elements}, dtype)
+        return cls.row_bytes(
+            cls.STANDARD, {"k": key_elements, "v": value_elements}, dtype
+        )
 
-    def prepare(self, roles: tuple, shapes: dict[str, tuple[int, ...]], dtype: torch.dtype,
-                device: torch.device) -> None:
+    def prepare(
+        self,
+        roles: tuple,
+        shapes: dict[str, tuple[int, ...]],
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
         """Allocate now the buffers of `roles` (parts of `shapes` per row) at
         `max_rows` rows, as `take` will ask for them."""
         assert self.max_rows is not None, "prepare needs max_rows"
@@ -714,8 +780,9 @@ class RemapScratch:
             buffer_dtype = torch.float32 if fp32 else dtype
             key = (role, buffer_dtype, device, tuple(shapes[part]))
             if key not in self._buffers:
-                self._buffers[key] = torch.empty((self.max_rows, *shapes[part]),
-                                                 dtype=buffer_dtype, device=device)
+                self._buffers[key] = torch.empty(
+                    (self.max_rows, *shapes[part]), dtype=buffer_dtype, device=device
+                )
 
     def nbytes(self) -> int:
         return sum(b.nbytes for b in self._buffers.values())
@@ -748,8 +815,13 @@ class RemapScratch:
             self._buffers[key] = buffer
         return buffer[:num_rows]
 
-    def rotated(self, rotate: Callable[[torch.Tensor, torch.Tensor], object],
-                source: torch.Tensor, out: torch.Tensor, roles: tuple[str, str]) -> torch.Tensor:
+    def rotated(
+        self,
+        rotate: Callable[[torch.Tensor, torch.Tensor], object],
+        source: torch.Tensor,
+        out: torch.Tensor,
+        roles: tuple[str, str],
+    ) -> torch.Tensor:
         """`out` after `rotate(rows, into)` ran in fp32 (module doc): on `source`
         itself if it is fp32, else through the fp32 buffers `roles` (the rows'
         copy, the result), cast back once into `out`."""
@@ -803,28 +875,52 @@ class PositionRemapper:
         rotation = self.rotation
         # NOTE: rows flattened to 2-D: index_select copies whole rows then
         # (~20% faster on CPU than the 3-D gather). V needs no rotation.
-        torch.index_select(pool_value.flatten(1), 0, rows.src_rows, out=value.flatten(1))
-        if (self.gather_rotate is not None and rotation is not None
-                and stretches is not None and rows.stretch_index is not None):
-            self.gather_rotate(pool_key, rows.src_rows, rows.stretch_index,
-                               stretches.op_table(), rotation, key)
+        torch.index_select(
+            pool_value.flatten(1), 0, rows.src_rows, out=value.flatten(1)
+        )
+        if (
+            self.gather_rotate is not None
+            and rotation is not None
+            and stretches is not None
+            and rows.stretch_index is not None
+        ):
+            self.gather_rotate(
+                pool_key,
+                rows.src_rows,
+                rows.stretch_index,
+                stretches.op_table(),
+                rotation,
+                key,
+            )
         elif rotation is not None and rotation.rotates_in_place(key.device):
             # CPU: the passes (gather, fp32, vLLM's op in place, cast back).
             if stretches is not None and rows.stretch_index is not None:
                 index, table = rows.stretch_index, stretches.op_table()
             else:
                 index, table = rotation._table_for(rows.deltas)
-            key32 = (None if key.dtype == torch.float32
-                     else self.scratch.take("key32", key, num_rows, torch.float32))
+            key32 = (
+                None
+                if key.dtype == torch.float32
+                else self.scratch.take("key32", key, num_rows, torch.float32)
+            )
             load_key_passes(pool_key, rows.src_rows, rotation, index, table, key, key32)
         else:
-            torch.index_select(pool_key.flatten(1), 0, rows.src_rows, out=key.flatten(1))
+            torch.index_select(
+                pool_key.flatten(1), 0, rows.src_rows, out=key.flatten(1)
+            )
             if rotation is not None:
-                cos_sin = (None if stretches is None or rows.stretch_index is None
-                           else stretches.rows(rows.stretch_index))
+                cos_sin = (
+                    None
+                    if stretches is None or rows.stretch_index is None
+                    else stretches.rows(rows.stretch_index)
+                )
                 rotated = self.scratch.take("rotated", pool_key, num_rows)
                 key = self.scratch.rotated(
-                    lambda rows32, into: rotation.rotate(rows32, rows.deltas, cos_sin,
-                                                         out=into),
-                    key, rotated, ("key32", "rotated32"))
+                    lambda rows32, into: rotation.rotate(
+                        rows32, rows.deltas, cos_sin, out=into
+                    ),
+                    key,
+                    rotated,
+                    ("key32", "rotated32"),
+                )
         self.write_rows(layer_name, key, value, rows.dst_slots)

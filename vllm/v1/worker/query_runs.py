@@ -42,8 +42,11 @@ QueryRun = tuple[int, int]
 _COPIED_PER_ROW = ("block_table_tensor", "is_prefilling", "req_idx", "causal")
 # Per-row fields with no meaning for a split row: refused when set.
 _REFUSED_PER_ROW = (
-    "encoder_seq_lens", "dcp_local_seq_lens", "rswa_prefix_lens",
-    "replayssm_decode_base_cpu", "mm_req_doc_ranges",
+    "encoder_seq_lens",
+    "dcp_local_seq_lens",
+    "rswa_prefix_lens",
+    "replayssm_decode_base_cpu",
+    "mm_req_doc_ranges",
 )
 
 
@@ -61,8 +64,11 @@ class RunRows:
         return len(self.request_index)
 
 
-def _runs_by_index(query_runs: dict[str, tuple[QueryRun, ...]], req_ids: list[str],
-                   num_scheduled: np.ndarray) -> dict[int, tuple[QueryRun, ...]]:
+def _runs_by_index(
+    query_runs: dict[str, tuple[QueryRun, ...]],
+    req_ids: list[str],
+    num_scheduled: np.ndarray,
+) -> dict[int, tuple[QueryRun, ...]]:
     out = {}
     for i, rid in enumerate(req_ids):
         runs = query_runs.get(rid)
@@ -77,9 +83,12 @@ def _runs_by_index(query_runs: dict[str, tuple[QueryRun, ...]], req_ids: list[st
     return out
 
 
-def position_offsets(query_runs: dict[str, tuple[QueryRun, ...]] | None,
-                     req_ids: list[str], num_scheduled: np.ndarray,
-                     num_computed: np.ndarray) -> np.ndarray | None:
+def position_offsets(
+    query_runs: dict[str, tuple[QueryRun, ...]] | None,
+    req_ids: list[str],
+    num_scheduled: np.ndarray,
+    num_computed: np.ndarray,
+) -> np.ndarray | None:
     """Real position minus the runner's position (`num_computed + i`) of
     every scheduled token, in batch order; None when no request has runs."""
     if not query_runs:
@@ -98,12 +107,16 @@ def position_offsets(query_runs: dict[str, tuple[QueryRun, ...]] | None,
                 f"request {req_ids[i]}: its last query run ends at {real[-1] + 1}, "
                 f"not at its sequence length {naive[-1] + 1}"
             )
-        offsets[starts[i]:starts[i] + len(real)] = real - naive
+        offsets[starts[i] : starts[i] + len(real)] = real - naive
     return offsets
 
 
-def run_rows(query_runs: dict[str, tuple[QueryRun, ...]], req_ids: list[str],
-             num_scheduled: np.ndarray, seq_lens: np.ndarray) -> RunRows:
+def run_rows(
+    query_runs: dict[str, tuple[QueryRun, ...]],
+    req_ids: list[str],
+    num_scheduled: np.ndarray,
+    seq_lens: np.ndarray,
+) -> RunRows:
     """One row per run of a request with runs, one per other request."""
     by_index = _runs_by_index(query_runs, req_ids, num_scheduled)
     index, qlens, slens = [], [], []
@@ -118,8 +131,11 @@ def run_rows(query_runs: dict[str, tuple[QueryRun, ...]], req_ids: list[str],
             index.append(i)
             qlens.append(n)
             slens.append(p + n)
-    return RunRows(np.asarray(index, dtype=np.int64), np.asarray(qlens, dtype=np.int32),
-                   np.asarray(slens, dtype=np.int32))
+    return RunRows(
+        np.asarray(index, dtype=np.int64),
+        np.asarray(qlens, dtype=np.int32),
+        np.asarray(slens, dtype=np.int32),
+    )
 
 
 def check_runs_dispatch(rows: RunRows | None, cudagraph_mode: Any) -> None:
@@ -142,7 +158,8 @@ def check_runs_dispatch(rows: RunRows | None, cudagraph_mode: Any) -> None:
             "replays the rows it was captured with, not the runs'; the chunk "
             "cache's one-step boundary recompute needs a mode whose mixed batches "
             "run piecewise or eagerly (FULL_AND_PIECEWISE, PIECEWISE, "
-            "FULL_DECODE_ONLY, NONE)")
+            "FULL_DECODE_ONLY, NONE)"
+        )
 
 
 def split_rows(common: Any, rows: RunRows, staging: HostStaging | None = None) -> Any:
@@ -182,13 +199,20 @@ def split_rows(common: Any, rows: RunRows, staging: HostStaging | None = None) -
             changes[name] = value[index_on[value.device]]
         elif isinstance(value, np.ndarray):
             changes[name] = value[rows.request_index]
-    if "seq_lens_cpu_upper_bound" in names and common.seq_lens_cpu_upper_bound is not None:
+    if (
+        "seq_lens_cpu_upper_bound" in names
+        and common.seq_lens_cpu_upper_bound is not None
+    ):
         changes["seq_lens_cpu_upper_bound"] = seq_lens_cpu
     if "_seq_lens_cpu" in names and common._seq_lens_cpu is not None:
         changes["_seq_lens_cpu"] = seq_lens_cpu
-    if "_num_computed_tokens_cpu" in names and common._num_computed_tokens_cpu is not None:
+    if (
+        "_num_computed_tokens_cpu" in names
+        and common._num_computed_tokens_cpu is not None
+    ):
         changes["_num_computed_tokens_cpu"] = seq_lens_cpu - torch.from_numpy(
-            rows.query_lens).to(seq_lens_cpu.dtype)
+            rows.query_lens
+        ).to(seq_lens_cpu.dtype)
     for cache in ("_num_computed_tokens_cache", "_token_to_req_indices_cache"):
         if cache in names:
             changes[cache] = None

@@ -44,8 +44,9 @@ while True:
 
 @pytest.fixture
 def listener():
-    proc = subprocess.Popen([sys.executable, "-c", LISTENER], stdout=subprocess.PIPE,
-                            text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", LISTENER], stdout=subprocess.PIPE, text=True
+    )
     port = int(proc.stdout.readline())
     yield proc, port
     os.kill(proc.pid, signal.SIGKILL)
@@ -54,8 +55,9 @@ def listener():
 
 def test_the_probe_needs_the_peers_answer(listener):
     proc, port = listener
-    shared = SharedStore(f"mooncake://127.0.0.1:{port}?timeout={TIMEOUT_S:g}"
-                         "&local_client=none")
+    shared = SharedStore(
+        f"mooncake://127.0.0.1:{port}?timeout={TIMEOUT_S:g}&local_client=none"
+    )
     shared._probe()  # running: it answers (closes)
     os.kill(proc.pid, signal.SIGSTOP)
     with pytest.raises(OSError, match="did not answer"):
@@ -65,8 +67,9 @@ def test_the_probe_needs_the_peers_answer(listener):
 def test_a_stopped_master_never_stalls_the_engines_calls(listener):
     proc, port = listener
     os.kill(proc.pid, signal.SIGSTOP)
-    shared = SharedStore(f"mooncake://127.0.0.1:{port}?timeout={TIMEOUT_S:g}"
-                         "&local_client=none")
+    shared = SharedStore(
+        f"mooncake://127.0.0.1:{port}?timeout={TIMEOUT_S:g}&local_client=none"
+    )
     worst = 0.0
     shared.start_connecting()
     stop = threading.Event()
@@ -85,4 +88,5 @@ def test_a_stopped_master_never_stalls_the_engines_calls(listener):
     assert shared.connect_failures >= 2, "the connect thread made no second try in 60 s"
     assert worst < TIMEOUT_S / 2, (
         f"an engine-side call took {worst:.2f} s while the store's master was stopped "
-        f"(timeout {TIMEOUT_S:g} s): the connect thread held the GIL")
+        f"(timeout {TIMEOUT_S:g} s): the connect thread held the GIL"
+    )

@@ -55,7 +55,9 @@ def test_a_timed_out_call_keeps_its_memory_until_it_returns():
     assert released.n == 0  # still running: its memory is not the caller's
     # A call meanwhile is refused at once (and its memory is returned at once).
     refused = Counter()
-    assert lane.call(lambda: 1, 0.1, refused).status is CallStatus.BUSY and refused.n == 1
+    assert (
+        lane.call(lambda: 1, 0.1, refused).status is CallStatus.BUSY and refused.n == 1
+    )
     go.set()
     assert lane.wait_idle(5)
     deadline = time.monotonic() + 5
@@ -106,7 +108,9 @@ def test_reads_and_lookups_do_not_wait_behind_a_stuck_put():
     store = MooncakeChunkStore(spec, client)
     buf = HostBuffer(0, 64)
     put_done = []
-    t = threading.Thread(target=lambda: put_done.append(store.batch_put_from(["k"], [buf])))
+    t = threading.Thread(
+        target=lambda: put_done.append(store.batch_put_from(["k"], [buf]))
+    )
     t.start()
     time.sleep(0.1)
     t0 = time.monotonic()

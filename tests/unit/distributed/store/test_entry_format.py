@@ -4,7 +4,9 @@ import numpy as np
 import pytest
 import xxhash
 
-from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store import entry_format as ef
+from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store import (
+    entry_format as ef,
+)
 
 TOKENS = [1, 17, 4095, 2**31 + 5, 0, 42, 7]
 START = 1234
@@ -22,7 +24,9 @@ def _verify(buf, tokens=TOKENS, start=START, payload_nbytes=4096):
 
 def test_round_trip():
     buf, header = _entry()
-    assert header.checksum == xxhash.xxh3_64_intdigest(bytes(buf[ef.header_nbytes(7):]))
+    assert header.checksum == xxhash.xxh3_64_intdigest(
+        bytes(buf[ef.header_nbytes(7) :])
+    )
     assert _verify(buf) == ef.VerifyResult(True, "ok")
     assert ef.decode_header(memoryview(buf)) == header
     assert len(buf) == ef.entry_nbytes(len(TOKENS), 4096)
@@ -108,14 +112,18 @@ def test_token_ids_beyond_32_bits_are_refused():
 def _scattered(buf, cuts):
     head = ef.header_nbytes(len(TOKENS))
     edges = [head, *(head + c for c in cuts), len(buf)]
-    return memoryview(buf)[:head], [memoryview(buf)[a:b] for a, b in zip(edges, edges[1:])]
+    return memoryview(buf)[:head], [
+        memoryview(buf)[a:b] for a, b in zip(edges, edges[1:])
+    ]
 
 
 @pytest.mark.parametrize("cuts", [[], [1], [1000, 1001, 3000], [4095]])
 def test_a_scattered_value_verifies_as_the_whole_one(cuts):
     buf, _ = _entry()
     header, parts = _scattered(buf, cuts)
-    assert ef.verify_parts(header, parts, TOKENS, START, 4096) == ef.VerifyResult(True, "ok")
+    assert ef.verify_parts(header, parts, TOKENS, START, 4096) == ef.VerifyResult(
+        True, "ok"
+    )
 
 
 @pytest.mark.parametrize("where", [0, 1000, 1001, 4095])
@@ -133,6 +141,10 @@ def test_scattered_parts_of_another_length_are_caught():
     header, parts = _scattered(buf, [1000])
     assert ef.verify_parts(header, parts[:1], TOKENS, START, 4096).cause == ef.TRUNCATED
     longer = [*parts, memoryview(b"\0")]
-    assert ef.verify_parts(header, longer, TOKENS, START, 4096).cause == ef.HEADER_MISMATCH
+    assert (
+        ef.verify_parts(header, longer, TOKENS, START, 4096).cause == ef.HEADER_MISMATCH
+    )
     buf[ef.FIXED_NBYTES + 4] ^= 0x10  # a stored token
-    assert ef.verify_parts(header, parts, TOKENS, START, 4096).cause == ef.TOKEN_MISMATCH
+    assert (
+        ef.verify_parts(header, parts, TOKENS, START, 4096).cause == ef.TOKEN_MISMATCH
+    )

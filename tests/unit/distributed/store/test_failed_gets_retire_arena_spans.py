@@ -29,6 +29,7 @@ import ctypes
 import time
 
 import torch
+from vllm.v1.request import RequestStatus
 
 from tests.unit.distributed.store.test_held_rows_limit import (
     DocumentHits,
@@ -68,13 +69,16 @@ from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store.messages imp
 from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store.spec import (
     parse_store_spec,
 )
-from vllm.v1.request import RequestStatus
 
 LIMIT_S = 30.0
 # The defaults but the deadlines: no direct_reads.
-IN_PROCESS = "mooncake://127.0.0.1:1?read_timeout=0.05&timeout=0.05&arena=1MB&local_client=none"
-NODE_CLIENT = ("mooncake://127.0.0.1:1?read_timeout=0.5&timeout=0.5&arena=1MB"
-               "&local_client=127.0.0.1:2")
+IN_PROCESS = (
+    "mooncake://127.0.0.1:1?read_timeout=0.05&timeout=0.05&arena=1MB&local_client=none"
+)
+NODE_CLIENT = (
+    "mooncake://127.0.0.1:1?read_timeout=0.5&timeout=0.5&arena=1MB"
+    "&local_client=127.0.0.1:2"
+)
 
 
 class ArenaClient(FailedThenLateClient):
@@ -88,8 +92,9 @@ class ArenaClient(FailedThenLateClient):
     def batch_get_into(self, keys, ptrs, sizes):
         if self.block_first:
             self.spans = list(zip(ptrs, sizes))
-        return self.batch_get_into_multi_buffers(keys, [[p] for p in ptrs],
-                                                 [[n] for n in sizes])
+        return self.batch_get_into_multi_buffers(
+            keys, [[p] for p in ptrs], [[n] for n in sizes]
+        )
 
 
 class NodeClient(ArenaClient):
@@ -116,10 +121,13 @@ def _landed_late(client, spans) -> None:
     assert client.landed.wait(10)
     for ptr, nbytes in spans:
         assert ctypes.string_at(ptr, nbytes) == bytes([LATE]) * nbytes, (
-            "the late write did not land where the failed get was given")
+            "the late write did not land where the failed get was given"
+        )
 
 
-def test_a_get_failed_in_transfer_lends_no_pool_rows_and_the_pool_keeps_its_size(monkeypatch):
+def test_a_get_failed_in_transfer_lends_no_pool_rows_and_the_pool_keeps_its_size(
+    monkeypatch,
+):
     """In process, default spec, a full pool (2 blocks): the document's read
     hangs, is given up on, then Mooncake fails it (TRANSFER_FAIL) and its
     transport writes late. The scheduler must see no rows lent: the document
@@ -127,10 +135,13 @@ def test_a_get_failed_in_transfer_lends_no_pool_rows_and_the_pool_keeps_its_size
     written off (the pool keeps its 2 blocks), and the late write reaches no
     pool row."""
     monkeypatch.setattr(mooncake, "_RETIRED", [], raising=False)
-    adapter = ChunkCacheSchedulerAdapter(*make_config(
-        num_kv_blocks=2,
-        store=f"mooncake://127.0.0.1:1?lookup_timeout=600&held_limit={LIMIT_S:g}"
-              "&local_client=none"))
+    adapter = ChunkCacheSchedulerAdapter(
+        *make_config(
+            num_kv_blocks=2,
+            store=f"mooncake://127.0.0.1:1?lookup_timeout=600&held_limit={LIMIT_S:g}"
+            "&local_client=none",
+        )
+    )
     now = [1000.0]
     adapter.manager.clock = lambda: now[0]
     adapter.manager.store_probe = DocumentHits()
@@ -168,7 +179,8 @@ def test_a_get_failed_in_transfer_lends_no_pool_rows_and_the_pool_keeps_its_size
         adapter.on_store_report(report)
     assert store.stats.gets_retired == 1
     assert seen.rows_lent == {} and worker._rows_held == {}, (
-        f"a failed get's pool rows were lent to the store: rows_lent {seen.rows_lent}")
+        f"a failed get's pool rows were lent to the store: rows_lent {seen.rows_lent}"
+    )
     for name, t in pool.items():
         assert torch.equal(t, before[name]), f"the late write reached the pool ({name})"
 
@@ -183,7 +195,8 @@ def test_a_get_failed_in_transfer_lends_no_pool_rows_and_the_pool_keeps_its_size
     stats = adapter.stats()
     assert adapter.take_failed_requests() == {}
     assert (stats.pool_blocks_total, stats.pool_blocks_held) == (2, 0), (
-        f"the pool shrank: {stats}")
+        f"the pool shrank: {stats}"
+    )
     assert adapter.manager.pool.num_blocks == 2
     finish(adapter, p, RequestStatus.FINISHED_ABORTED)
     adapter.store.close()
@@ -230,7 +243,8 @@ def test_a_failed_gets_span_is_not_reused_through_the_nodes_client(monkeypatch):
     for name in got:
         assert torch.equal(got[name], want[name]), (
             f"{name}: a failed get's late write reached a later read's rows "
-            f"({(got[name].view(torch.uint8) == LATE).float().mean():.0%} of bytes 0x7f)")
+            f"({(got[name].view(torch.uint8) == LATE).float().mean():.0%} of bytes 0x7f)"
+        )
     assert store.stats.gets_retired == 1
     untouched = rows_of(small_pool(seed=2), (5, 6), 30)
     for name, rows in rows_of(dst, (5, 6), 30).items():
@@ -260,7 +274,9 @@ def test_an_arena_exhausted_by_retired_gets_is_a_counted_miss(monkeypatch):
     big = entry([1] + list(range(100, 164)))  # 64 rows: the largest entry
     outcomes = []
     for i in range(200):
-        reader.on_step(StoreStep(epoch=0, fetches=[EntryFetch(f"f{i}", big, (0, 1, 2, 3))]))
+        reader.on_step(
+            StoreStep(epoch=0, fetches=[EntryFetch(f"f{i}", big, (0, 1, 2, 3))])
+        )
         outcomes.append(step_until(reader, f"f{i}"))
         if reader.counters.get("store_reads_no_room"):
             break

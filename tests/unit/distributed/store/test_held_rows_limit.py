@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 
 import torch
+from vllm.v1.request import RequestStatus
 
 from tests.unit.distributed.store.test_store_transfers import (
     BlockingScatterStore,
@@ -31,7 +32,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store.messages imp
     StoreStep,
 )
 from vllm.v1.core.chunk_store_probe import StoreAnswer, StoreLookup
-from vllm.v1.request import RequestStatus
 
 LIMIT_S = 30.0
 
@@ -49,27 +49,38 @@ def _scheduled_nothing():
     from types import SimpleNamespace
 
     return SimpleNamespace(
-        scheduled_new_reqs=[], num_scheduled_tokens={}, preempted_req_ids=None,
-        scheduled_cached_reqs=SimpleNamespace(req_ids=[], new_block_ids=[],
-                                              resumed_req_ids=set(), num_computed_tokens=[]))
+        scheduled_new_reqs=[],
+        num_scheduled_tokens={},
+        preempted_req_ids=None,
+        scheduled_cached_reqs=SimpleNamespace(
+            req_ids=[], new_block_ids=[], resumed_req_ids=set(), num_computed_tokens=[]
+        ),
+    )
 
 
 def _stuck_read(num_kv_blocks: int):
     """Parent [3, 5, 2]: the system is computed by a child, the document read from
     the store by a worker whose call blocks. Returns once the scheduler took the
     read's TIMEOUT (rows lent) from the worker's report."""
-    adapter = ChunkCacheSchedulerAdapter(*make_config(
-        num_kv_blocks=num_kv_blocks,
-        store=f"mooncake://127.0.0.1:1?lookup_timeout=600&held_limit={LIMIT_S:g}"
-              "&local_client=none"))
+    adapter = ChunkCacheSchedulerAdapter(
+        *make_config(
+            num_kv_blocks=num_kv_blocks,
+            store=f"mooncake://127.0.0.1:1?lookup_timeout=600&held_limit={LIMIT_S:g}"
+            "&local_client=none",
+        )
+    )
     now = [1000.0]
     adapter.manager.clock = lambda: now[0]
     adapter.manager.store_probe = DocumentHits()
     store = BlockingScatterStore()
     pool = small_pool(seed=3)
     # NOTE: reads into the pool rows (direct_reads): only those lend rows.
-    worker = transfers("mooncake://127.0.0.1:1?read_timeout=0.05&timeout=0.05&arena=1MB"
-                       "&local_client=none&direct_reads=1", pool, store=store)
+    worker = transfers(
+        "mooncake://127.0.0.1:1?read_timeout=0.05&timeout=0.05&arena=1MB"
+        "&local_client=none&direct_reads=1",
+        pool,
+        store=store,
+    )
     wait_identity(worker)
     p = parent("p", [3, 5, 2])
     adapter.on_new_request(p)
@@ -115,13 +126,17 @@ def test_a_fetch_waiting_for_rows_that_never_return_is_refused_at_the_limit():
     shrinks, a counter and a log line say so), and the parent, with no other room
     for its document, is refused with a message saying why. The call's late return
     gives nothing back."""
-    adapter, now, store, worker, pool, p, sys_child, fetch = _stuck_read(num_kv_blocks=2)
+    adapter, now, store, worker, pool, p, sys_child, fetch = _stuck_read(
+        num_kv_blocks=2
+    )
     assert adapter.manager.pool.num_blocks == 2
     assert adapter.take_internal_requests() == []  # waits: no room for other blocks
     assert adapter.stats().pool_blocks_held == 1, "the waiting fetch's blocks are held"
     now[0] += LIMIT_S - 1
     adapter.build_connector_meta(_scheduled_nothing())
-    assert adapter.take_failed_requests() == {} and adapter.stats().pool_blocks_held == 1
+    assert (
+        adapter.take_failed_requests() == {} and adapter.stats().pool_blocks_held == 1
+    )
 
     now[0] += 1
     adapter.build_connector_meta(_scheduled_nothing())
@@ -151,7 +166,9 @@ def test_rows_held_past_the_limit_after_the_document_was_computed_elsewhere_leav
     """Room in the pool (3 blocks): the document is computed in other blocks at
     once and the parent served; the lent blocks are held, then written off at the
     limit, and never handed out again, not even after the call's late return."""
-    adapter, now, store, worker, pool, p, sys_child, fetch = _stuck_read(num_kv_blocks=3)
+    adapter, now, store, worker, pool, p, sys_child, fetch = _stuck_read(
+        num_kv_blocks=3
+    )
     (doc_child,) = adapter.take_internal_requests()
     assert adapter.manager.pool.held_by(fetch.fetch_id) == fetch.pool_block_ids
     for c in (sys_child, doc_child):
@@ -176,11 +193,15 @@ def test_rows_held_past_the_limit_are_written_off_on_a_step_without_a_worker_rep
     held rows (a full pool) sent none, and the rows were never written off
     (test_chunk_store_late_write.py hung there once Mooncake's failed gets were
     retired)."""
-    adapter, now, store, worker, pool, p, sys_child, fetch = _stuck_read(num_kv_blocks=2)
+    adapter, now, store, worker, pool, p, sys_child, fetch = _stuck_read(
+        num_kv_blocks=2
+    )
     assert adapter.take_internal_requests() == []  # waits: no room for other blocks
     now[0] += LIMIT_S - 1
     adapter.build_connector_meta(_scheduled_nothing())
-    assert adapter.take_failed_requests() == {} and adapter.stats().pool_blocks_held == 1
+    assert (
+        adapter.take_failed_requests() == {} and adapter.stats().pool_blocks_held == 1
+    )
 
     now[0] += 1
     worker.on_step(StoreStep(epoch=0))
@@ -189,7 +210,8 @@ def test_rows_held_past_the_limit_are_written_off_on_a_step_without_a_worker_rep
     failed = adapter.take_failed_requests()
     assert list(failed) == ["p"] and "written off" in failed["p"], (
         "held rows past held_limit not written off on a step without a report: "
-        f"refused {failed}, pool {adapter.stats()}")
+        f"refused {failed}, pool {adapter.stats()}"
+    )
     stats = adapter.stats()
     assert (stats.pool_blocks_total, stats.pool_blocks_held) == (1, 0)
     assert adapter.store.counters.take().get("store_reads_written_off") == 1

@@ -50,8 +50,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store.spec import 
 
 _TRANSFER_FAIL = -800
 # NOTE: reads into the pool rows (direct_reads): what these tests are about.
-SPEC = ("mooncake://127.0.0.1:1?read_timeout=0.05&timeout=0.05&arena=1MB&local_client=none"
-        "&direct_reads=1")
+SPEC = (
+    "mooncake://127.0.0.1:1?read_timeout=0.05&timeout=0.05&arena=1MB&local_client=none"
+    "&direct_reads=1"
+)
 LATE = 0x7F
 
 
@@ -106,7 +108,7 @@ class FailedThenLateClient:
                 continue
             off = 0
             for p, n in zip(ps, ns):
-                ctypes.memmove(p, v[off:off + n], n)
+                ctypes.memmove(p, v[off : off + n], n)
                 off += n
             out.append(len(v))
         return out
@@ -138,7 +140,9 @@ def _reader_with_a_failed_read(monkeypatch):
     return client, store, reader, dst, a
 
 
-def test_a_closed_engines_pool_outlives_a_failed_gets_late_transport_writes(monkeypatch):
+def test_a_closed_engines_pool_outlives_a_failed_gets_late_transport_writes(
+    monkeypatch,
+):
     """The engine is closed while its read hangs; Mooncake then returns the
     get as failed, and its transport writes into the pool afterwards. Before,
     the call's return released the pool (the lease's last hold): it was freed
@@ -155,12 +159,15 @@ def test_a_closed_engines_pool_outlives_a_failed_gets_late_transport_writes(monk
     gc.collect()
     assert pool() is not None, (
         "the pool was freed when the failed get returned, while Mooncake's transport "
-        "may still write into it")
+        "may still write into it"
+    )
     client.land.set()
     assert client.landed.wait(10)
     late = pool()
     assert late is not None
-    assert (late.view(torch.uint8)[5 * 16:5 * 16 + 30] == LATE).all()  # landed in the pool
+    assert (
+        late.view(torch.uint8)[5 * 16 : 5 * 16 + 30] == LATE
+    ).all()  # landed in the pool
     del late
     assert store.stats.gets_retired == 1
     time.sleep(0.2)
@@ -177,7 +184,9 @@ def test_a_failed_gets_rows_are_never_returned(monkeypatch):
     untouched = rows_of(dst, (1, 2), 30)
     client.go.set()
     assert store.wait_idle(10)
-    assert _reports(reader, 3).rows_returned == {}, "rows returned while the transport writes"
+    assert _reports(reader, 3).rows_returned == {}, (
+        "rows returned while the transport writes"
+    )
     client.land.set()
     assert client.landed.wait(10)
     late = rows_of(dst, (5, 6), 30)
@@ -203,8 +212,15 @@ def test_a_get_that_transferred_everything_is_released_when_it_returns(monkeypat
     drain_puts(writer)
     reader = transfers(SPEC, small_pool(seed=2), store=store)
     wait_identity(reader)
-    reader.on_step(StoreStep(epoch=0, fetches=[EntryFetch("f", a, (1, 2)),
-                                               EntryFetch("g", entry([1, 5, 6, 7]), (3,))]))
+    reader.on_step(
+        StoreStep(
+            epoch=0,
+            fetches=[
+                EntryFetch("f", a, (1, 2)),
+                EntryFetch("g", entry([1, 5, 6, 7]), (3,)),
+            ],
+        )
+    )
     assert step_until(reader, "f") is FetchOutcome.OK
     _reports(reader, 2)
     assert reader.lent_bytes() == 0 and store.stats.gets_retired == 0

@@ -14,6 +14,11 @@ import shutil
 import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
+from vllm.lora.lora_model import LoRAModel
+from vllm.lora.lora_weights import LoRALayerWeights
+from vllm.lora.request import LoRARequest
+from vllm.sampling_params import SamplingParams
+from vllm.v1.request import Request, RequestStatus
 
 from tests.unit.distributed.store.test_store_transfers import (
     LateScatterStore,
@@ -22,7 +27,10 @@ from tests.unit.distributed.store.test_store_transfers import (
     small_pool,
     wait_identity,
 )
-from tests.unit.distributed.test_chunk_cache_scheduler_adapter import finish, make_config
+from tests.unit.distributed.test_chunk_cache_scheduler_adapter import (
+    finish,
+    make_config,
+)
 from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.scheduler_adapter import (
     ChunkCacheSchedulerAdapter,
 )
@@ -35,25 +43,30 @@ from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store.messages imp
 from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store.transfers import (
     StoreTransfers,
 )
-from vllm.lora.lora_model import LoRAModel
-from vllm.lora.lora_weights import LoRALayerWeights
-from vllm.lora.request import LoRARequest
-from vllm.sampling_params import SamplingParams
 from vllm.v1.core.chunk_store_probe import StoreAnswer, StoreLookup
-from vllm.v1.request import Request, RequestStatus
 
 WEIGHTS = "adapter_model.safetensors"
 
 
 def write_adapter(path, seed: int) -> None:
     path.mkdir(parents=True, exist_ok=True)
-    (path / "adapter_config.json").write_text(json.dumps(
-        {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj"], "peft_type": "LORA"}))
+    (path / "adapter_config.json").write_text(
+        json.dumps(
+            {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj"], "peft_type": "LORA"}
+        )
+    )
     g = torch.Generator().manual_seed(seed)
-    save_file({"base_model.model.layers.0.self_attn.q_proj.lora_A.weight":
-               torch.randn(4, 64, generator=g),
-               "base_model.model.layers.0.self_attn.q_proj.lora_B.weight":
-               torch.randn(64, 4, generator=g)}, str(path / WEIGHTS))
+    save_file(
+        {
+            "base_model.model.layers.0.self_attn.q_proj.lora_A.weight": torch.randn(
+                4, 64, generator=g
+            ),
+            "base_model.model.layers.0.self_attn.q_proj.lora_B.weight": torch.randn(
+                64, 4, generator=g
+            ),
+        },
+        str(path / WEIGHTS),
+    )
 
 
 def load_adapter(path, lora_id: int) -> LoRAModel:
@@ -93,11 +106,16 @@ def test_the_store_names_an_adapter_by_what_the_worker_loaded(tmp_path):
     model = Model()
     shared = SharedStore("mooncake://127.0.0.1:1?arena=1MB&local_client=none")
     shared.use(store)
-    worker = StoreTransfers(rank(), shared, model, small_pool(), "f32",
-                            fingerprint=lambda m: "w")
+    worker = StoreTransfers(
+        rank(), shared, model, small_pool(), "f32", fingerprint=lambda m: "w"
+    )
     wait_identity(worker)
-    adapter = ChunkCacheSchedulerAdapter(*make_config(
-        num_kv_blocks=64, store="mooncake://127.0.0.1:1?lookup_timeout=600&local_client=none"))
+    adapter = ChunkCacheSchedulerAdapter(
+        *make_config(
+            num_kv_blocks=64,
+            store="mooncake://127.0.0.1:1?lookup_timeout=600&local_client=none",
+        )
+    )
     adapter.manager.store_probe = AlwaysMiss()
     path = tmp_path / "sql"
     write_adapter(path, seed=1)
@@ -108,8 +126,13 @@ def test_the_store_names_an_adapter_by_what_the_worker_loaded(tmp_path):
     def put_identity(rid: str, first: int, lora_id: int) -> str:
         """A request whose document is new; its child computed and finished: the
         adapter identity its store entry is written under."""
-        r = Request(rid, list(range(first, first + 10)), SamplingParams(max_tokens=2), None,
-                    chunk_layout=[3, 5, 2])
+        r = Request(
+            rid,
+            list(range(first, first + 10)),
+            SamplingParams(max_tokens=2),
+            None,
+            chunk_layout=[3, 5, 2],
+        )
         r.lora_request = LoRARequest("sql", lora_id, str(path))
         adapter.on_new_request(r)
         adapter.get_num_new_matched_tokens(r, 0)
@@ -148,8 +171,13 @@ def test_the_store_names_an_adapter_by_what_the_worker_loaded(tmp_path):
     # A put queued under v1 after the worker reloaded id 1 with other weights (an
     # eviction, then a load of the rewritten files) is not written.
     step = StoreStep(epoch=0)
-    r = Request("e", list(range(500, 510)), SamplingParams(max_tokens=2), None,
-                chunk_layout=[3, 5, 2])
+    r = Request(
+        "e",
+        list(range(500, 510)),
+        SamplingParams(max_tokens=2),
+        None,
+        chunk_layout=[3, 5, 2],
+    )
     r.lora_request = LoRARequest("sql", 1, str(path))
     adapter.on_new_request(r)
     adapter.get_num_new_matched_tokens(r, 0)

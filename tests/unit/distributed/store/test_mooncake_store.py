@@ -13,7 +13,9 @@ import numpy as np
 import pytest
 
 from tests.store_fleet import MooncakeFleet, free_port
-from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store import entry_format as ef
+from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store import (
+    entry_format as ef,
+)
 from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store.base import (
     HostBuffer,
     Presence,
@@ -33,9 +35,20 @@ from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store.spec import 
 TIMEOUT_S = 2.0  # the fleet's per-call deadline
 # A call may finish a little after its deadline (thread wake-up, a loaded CI machine).
 SLACK_S = 1.5
-NS = StoreNamespace(model="tiny-llama", weights_version="0", kv_dtype="float32",
-                    kv_layout="L4xH2x32:kv", rope="neox", compute="cpu", tp_rank=0, tp_size=1,
-                    pp_rank=0, pp_size=1, cache_salt=None, lora=None)
+NS = StoreNamespace(
+    model="tiny-llama",
+    weights_version="0",
+    kv_dtype="float32",
+    kv_layout="L4xH2x32:kv",
+    rope="neox",
+    compute="cpu",
+    tp_rank=0,
+    tp_size=1,
+    pp_rank=0,
+    pp_size=1,
+    cache_salt=None,
+    lora=None,
+)
 
 
 class Pinned:
@@ -78,13 +91,14 @@ def test_put_on_one_connection_get_exact_bytes_on_another(pair):
     offsets = [0, 4096]
     values = [rng.integers(0, 256, n, dtype=np.uint8) for n in (4096, (1 << 20) + 3)]
     for off, v in zip(offsets, values):
-        abuf.array[off:off + v.size] = v
-    assert a.batch_put_from(keys, [abuf.span(o, v.size) for o, v in zip(offsets, values)]) \
-        == [0, 0]
+        abuf.array[off : off + v.size] = v
+    assert a.batch_put_from(
+        keys, [abuf.span(o, v.size) for o, v in zip(offsets, values)]
+    ) == [0, 0]
     got = b.batch_get_into(keys, [bbuf.span(0, 8192), bbuf.span(8192, 2 << 20)])
     assert got == [values[0].size, values[1].size]
-    assert np.array_equal(bbuf.array[:values[0].size], values[0])
-    assert np.array_equal(bbuf.array[8192:8192 + values[1].size], values[1])
+    assert np.array_equal(bbuf.array[: values[0].size], values[0])
+    assert np.array_equal(bbuf.array[8192 : 8192 + values[1].size], values[1])
 
 
 def test_exists_present_and_absent(pair):
@@ -101,7 +115,9 @@ def test_absent_key_and_too_small_buffer_have_their_codes(pair):
     k = _key(0)
     assert a.batch_put_from([k], [abuf.span(0, 1000)]) == [0]
     assert b.batch_get_into([_key(1), k], [bbuf.span(0, 100), bbuf.span(100, 10)]) == [
-        StoreCode.ABSENT, StoreCode.TOO_LARGE]
+        StoreCode.ABSENT,
+        StoreCode.TOO_LARGE,
+    ]
 
 
 def test_a_put_of_an_existing_key_keeps_the_first_value(pair):
@@ -124,13 +140,18 @@ def test_a_verified_entry_round_trips_and_a_corrupted_one_is_caught(pair):
     header = ef.encode_header(ef.make_header(7, tokens, payload))
     entry = np.frombuffer(header + payload.tobytes(), dtype=np.uint8)
     good, bad = _key(0), _key(1)
-    abuf.array[:entry.size] = entry
+    abuf.array[: entry.size] = entry
     assert a.batch_put_from([good], [abuf.span(0, entry.size)]) == [0]
     abuf.array[len(header) + 5] ^= 0xFF  # one payload byte flipped, header kept
     assert a.batch_put_from([bad], [abuf.span(0, entry.size)]) == [0]
-    n = b.batch_get_into([good, bad], [bbuf.span(0, 1 << 20), bbuf.span(1 << 20, 1 << 20)])
+    n = b.batch_get_into(
+        [good, bad], [bbuf.span(0, 1 << 20), bbuf.span(1 << 20, 1 << 20)]
+    )
     assert n == [entry.size, entry.size]
-    views = [memoryview(bbuf.array[0:n[0]]), memoryview(bbuf.array[1 << 20:(1 << 20) + n[1]])]
+    views = [
+        memoryview(bbuf.array[0 : n[0]]),
+        memoryview(bbuf.array[1 << 20 : (1 << 20) + n[1]]),
+    ]
     assert ef.decode_and_verify(views[0], tokens, 7, payload.size).ok
     assert ef.decode_and_verify(views[1], tokens, 7, payload.size).cause == ef.CHECKSUM
 
@@ -152,14 +173,17 @@ def test_an_entry_outlives_its_writer(fleet, pair):
 
 def test_connect_to_no_master_fails_in_bounded_time_naming_it():
     spec = parse_store_spec(
-        f"mooncake://127.0.0.1:{free_port()}?timeout={TIMEOUT_S}&local_client=none")
+        f"mooncake://127.0.0.1:{free_port()}?timeout={TIMEOUT_S}&local_client=none"
+    )
     t0 = time.monotonic()
     with pytest.raises(RuntimeError, match=f"Mooncake master at {spec.master_address}"):
         MooncakeChunkStore.connect(spec)
     assert time.monotonic() - t0 < 15
 
 
-def test_no_node_client_is_computed_locally_without_a_client_per_try(monkeypatch, caplog):
+def test_no_node_client_is_computed_locally_without_a_client_per_try(
+    monkeypatch, caplog
+):
     """Through the node's client (the flag's default) with none answering: the
     connection (on its own thread) stays absent, every try is logged naming
     that client's address, and no Mooncake client is made per try (the
@@ -167,16 +191,22 @@ def test_no_node_client_is_computed_locally_without_a_client_per_try(monkeypatch
     keeps retrying on a thread of its own even after close())."""
     import logging
 
-    from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store import connection
+    from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store import (
+        connection,
+    )
 
     made = []
     real = MooncakeChunkStore.connect.__func__
-    monkeypatch.setattr(MooncakeChunkStore, "connect",
-                        classmethod(lambda cls, *a, **k: made.append(a) or real(cls, *a, **k)))
+    monkeypatch.setattr(
+        MooncakeChunkStore,
+        "connect",
+        classmethod(lambda cls, *a, **k: made.append(a) or real(cls, *a, **k)),
+    )
     monkeypatch.setattr(connection, "RECONNECT_S", 0.2)
     node = f"127.0.0.1:{free_port()}"
     shared = connection.SharedStore(
-        f"mooncake://127.0.0.1:{free_port()}?timeout={TIMEOUT_S}&local_client={node}")
+        f"mooncake://127.0.0.1:{free_port()}?timeout={TIMEOUT_S}&local_client={node}"
+    )
     with caplog.at_level(logging.WARNING):
         assert not shared.wait_connected(1.0)
     assert shared.get() is None
@@ -187,8 +217,11 @@ def test_no_node_client_is_computed_locally_without_a_client_per_try(monkeypatch
 
 def test_fleet_without_the_package_says_what_to_install(monkeypatch, tmp_path):
     monkeypatch.setattr(sys, "executable", str(tmp_path / "python"))
-    with pytest.raises(RuntimeError, match="pip install mooncake-transfer-engine-non-cuda"
-                                           r"==0\.3\.13\.post1.*libibverbs1 libnuma1"):
+    with pytest.raises(
+        RuntimeError,
+        match="pip install mooncake-transfer-engine-non-cuda"
+        r"==0\.3\.13\.post1.*libibverbs1 libnuma1",
+    ):
         MooncakeFleet(tmp_path)
 
 
@@ -219,10 +252,12 @@ def test_master_killed_calls_fail_within_the_deadline(own_fleet):
     k = _key(0)
     assert store.batch_put_from([k], [buf.span(0, 128)]) == [0]
     fleet.kill_master()
-    for call in (lambda: store.batch_exists([k]),
-                 lambda: store.batch_get_into([k], [buf.span(4096, 128)]),
-                 lambda: store.batch_put_from([_key(1)], [buf.span(0, 128)]),
-                 lambda: store.batch_get_into([k], [buf.span(4096, 128)])):
+    for call in (
+        lambda: store.batch_exists([k]),
+        lambda: store.batch_get_into([k], [buf.span(4096, 128)]),
+        lambda: store.batch_put_from([_key(1)], [buf.span(0, 128)]),
+        lambda: store.batch_get_into([k], [buf.span(4096, 128)]),
+    ):
         codes, took = _timed(call)
         assert _all_failed(codes) and took < TIMEOUT_S + SLACK_S, (codes, took)
 
@@ -233,8 +268,10 @@ def test_master_hung_calls_time_out_then_recover(own_fleet):
     assert store.batch_put_from([k], [buf.span(0, 128)]) == [0]
     fleet.stop_master()
     try:
-        for call in (lambda: store.batch_exists([k]),
-                     lambda: store.batch_get_into([k], [buf.span(4096, 128)])):
+        for call in (
+            lambda: store.batch_exists([k]),
+            lambda: store.batch_get_into([k], [buf.span(4096, 128)]),
+        ):
             codes, took = _timed(call)
             assert _all_failed(codes) and took < TIMEOUT_S + SLACK_S, (codes, took)
     finally:
@@ -283,6 +320,7 @@ def test_calls_from_two_threads_each_keep_their_own_deadline(own_fleet):
         took[name] = (store.batch_exists([k]), time.monotonic() - t0)
 
     import threading
+
     threads = [threading.Thread(target=call, args=(i,)) for i in range(2)]
     try:
         for t in threads:
@@ -317,9 +355,15 @@ def test_a_timed_out_get_keeps_its_buffer_until_mooncake_returns(tmp_path, monke
         released = threading.Event()
         fleet.stop_client()
         try:
-            codes, took = _timed(lambda: store.batch_get_into(
-                [k], [buf.span(8192, 4096)], on_release=released.set))
-            assert codes == [StoreCode.TIMEOUT] and took < TIMEOUT_S + SLACK_S, (codes, took)
+            codes, took = _timed(
+                lambda: store.batch_get_into(
+                    [k], [buf.span(8192, 4096)], on_release=released.set
+                )
+            )
+            assert codes == [StoreCode.TIMEOUT] and took < TIMEOUT_S + SLACK_S, (
+                codes,
+                took,
+            )
             assert store._lanes["get"].busy(), "Mooncake returned with the deadline"
             for _ in range(20):
                 assert not released.is_set(), "released while Mooncake is in the call"
@@ -332,7 +376,9 @@ def test_a_timed_out_get_keeps_its_buffer_until_mooncake_returns(tmp_path, monke
         store.close()
 
 
-def test_mooncake_keeps_its_own_timeouts_after_setup_restored_the_environment(own_fleet):
+def test_mooncake_keeps_its_own_timeouts_after_setup_restored_the_environment(
+    own_fleet,
+):
     """Issue 39, finding 12: the MC_* timeouts are set for setup only (no other
     Mooncake user of the process sees them), and Mooncake still applies them:
     a call to a stopped master returns inside Mooncake within about the
@@ -368,8 +414,10 @@ def _dummy_buffers(store, nbytes):
     ptrs = [store.alloc_host(nbytes) for _ in range(2)]
     for p in ptrs:
         store.register_buffer(HostBuffer(p, nbytes))
-    return [(p, np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(p)))
-            for p in ptrs]
+    return [
+        (p, np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(p)))
+        for p in ptrs
+    ]
 
 
 def test_through_the_nodes_client_exact_bytes_and_a_client_crash_is_a_miss(dummy_fleet):
@@ -389,15 +437,20 @@ def test_through_the_nodes_client_exact_bytes_and_a_client_crash_is_a_miss(dummy
     assert store.batch_get_into([k], [HostBuffer(dst_ptr, dst.size)]) == [src.size]
     assert np.array_equal(src, dst)
     # Another process's kind of connection (the client in process) reads it too.
-    inproc = MooncakeChunkStore.connect(parse_store_spec(
-        spec.to_url().split("&local_client=")[0] + "&local_client=none"))
+    inproc = MooncakeChunkStore.connect(
+        parse_store_spec(
+            spec.to_url().split("&local_client=")[0] + "&local_client=none"
+        )
+    )
     buf = Pinned(inproc, 4 << 20)
     assert inproc.batch_get_into([k], [buf.span(0, 2 << 20)]) == [src.size]
-    assert np.array_equal(buf.array[:src.size], src)
+    assert np.array_equal(buf.array[: src.size], src)
     inproc.close()
     os.kill(dummy_fleet.client.pid, signal.SIGSEGV)
     dummy_fleet.client.wait(30)
-    codes, took = _timed(lambda: store.batch_get_into([k], [HostBuffer(dst_ptr, dst.size)]))
+    codes, took = _timed(
+        lambda: store.batch_get_into([k], [HostBuffer(dst_ptr, dst.size)])
+    )
     assert _all_failed(codes) and took < TIMEOUT_S + SLACK_S, (codes, took)
     assert store.batch_exists([k]) in ([Presence.ERROR], [Presence.ABSENT])
     store.close()  # NOTE: else its dummy client keeps trying to reconnect (and logs it)

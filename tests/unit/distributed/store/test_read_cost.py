@@ -44,12 +44,33 @@ def test_a_read_slower_than_the_compute_is_skipped_but_explored():
 
 def test_the_client_turns_a_hit_slower_than_computing_into_a_miss():
     config = SimpleNamespace(
-        chunk_cache_config=SimpleNamespace(chunk_store="mooncake://127.0.0.1:1?lookup_timeout=60&local_client=none"),
-        parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1))
+        chunk_cache_config=SimpleNamespace(
+            chunk_store="mooncake://127.0.0.1:1?lookup_timeout=60&local_client=none"
+        ),
+        parallel_config=SimpleNamespace(
+            tensor_parallel_size=1, pipeline_parallel_size=1
+        ),
+    )
     c = StoreClient(config)
-    c.on_report(StoreReport(identities=[RankIdentity(
-        epoch=0, tp_rank=0, pp_rank=0, model="m", weights_version="w", kv_dtype="f32",
-        kv_layout="l", rope="r", compute="c", row_bytes=1 << 20)], read_bytes_per_s=1e6))
+    c.on_report(
+        StoreReport(
+            identities=[
+                RankIdentity(
+                    epoch=0,
+                    tp_rank=0,
+                    pp_rank=0,
+                    model="m",
+                    weights_version="w",
+                    kv_dtype="f32",
+                    kv_layout="l",
+                    rope="r",
+                    compute="c",
+                    row_bytes=1 << 20,
+                )
+            ],
+            read_bytes_per_s=1e6,
+        )
+    )
     c.note_child_computed(100, 0.01)
     ns = ChunkNamespace(model="m", kv_dtype="f32", tokenizer="t", weights_epoch=0)
     segment = list(range(5, 105))
@@ -57,9 +78,14 @@ def test_the_client_turns_a_hit_slower_than_computing_into_a_miss():
     (lookup_id,) = c._asked
     c._asked.clear()
     import time
-    c._answers[lookup_id] = _Answer(StoreLookup(StoreAnswer.HIT, lookup_id[1]),
-                                    time.monotonic(), None, "")
+
+    c._answers[lookup_id] = _Answer(
+        StoreLookup(StoreAnswer.HIT, lookup_id[1]), time.monotonic(), None, ""
+    )
     assert c.lookup(segment, [1], ns).answer is StoreAnswer.MISS
     assert c.counters.store_reads_skipped_slower == 1
-    assert c.counters.store_expected_read_seconds > c.counters.store_expected_compute_seconds
+    assert (
+        c.counters.store_expected_read_seconds
+        > c.counters.store_expected_compute_seconds
+    )
     c.close()

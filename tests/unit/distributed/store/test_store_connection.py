@@ -44,7 +44,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store.transfers im
     StoreTransfers,
 )
 
-
 # An address no other test's store uses (nothing listens: _probe is patched).
 MASTER = "127.0.0.1:47231"
 
@@ -91,8 +90,10 @@ class Client(ChunkStore):
         if self.memory is not None:
             base = ctypes.addressof(self.memory)
             return base <= b.ptr and b.ptr + b.nbytes <= base + len(self.memory)
-        return any(r.ptr <= b.ptr and b.ptr + b.nbytes <= r.ptr + r.nbytes
-                   for r in self.registered)
+        return any(
+            r.ptr <= b.ptr and b.ptr + b.nbytes <= r.ptr + r.nbytes
+            for r in self.registered
+        )
 
     def batch_exists(self, keys):
         return [Presence.PRESENT if k in self.values else Presence.ABSENT for k in keys]
@@ -113,7 +114,7 @@ class Client(ChunkStore):
             else:
                 off = 0
                 for b in buffers:
-                    ctypes.memmove(b.ptr, value[off:off + b.nbytes], b.nbytes)
+                    ctypes.memmove(b.ptr, value[off : off + b.nbytes], b.nbytes)
                     off += b.nbytes
                 out.append(len(value))
         on_release()
@@ -131,14 +132,20 @@ class Client(ChunkStore):
         return out
 
 
-@pytest.mark.parametrize("local_client", [False, True], ids=["in-process", "node-client"])
-def test_a_connect_that_failed_half_way_leaves_nothing_of_its_client(monkeypatch,
-                                                                     local_client):
+@pytest.mark.parametrize(
+    "local_client", [False, True], ids=["in-process", "node-client"]
+)
+def test_a_connect_that_failed_half_way_leaves_nothing_of_its_client(
+    monkeypatch, local_client
+):
     values: dict = {}
     shared_bytes = 8 << 20 if local_client else 0
     # The first client's second register_buffer fails (the put arena, after the
     # get arena was registered with it).
-    clients = [Client(values, shared_bytes, fail_register=2), Client(values, shared_bytes)]
+    clients = [
+        Client(values, shared_bytes, fail_register=2),
+        Client(values, shared_bytes),
+    ]
     made = []
 
     def connect(spec, shared_pool_bytes=0):
@@ -155,20 +162,26 @@ def test_a_connect_that_failed_half_way_leaves_nothing_of_its_client(monkeypatch
     monkeypatch.setattr(SharedStore, "_probe", lambda self: None)  # no network
     monkeypatch.setattr(connection, "RECONNECT_S", 0.01)
 
-    spec = f"mooncake://{MASTER}?arena=1MB" + ("" if local_client else "&local_client=none")
+    spec = f"mooncake://{MASTER}?arena=1MB" + (
+        "" if local_client else "&local_client=none"
+    )
     shared = SharedStore(spec)
     from torch import nn
 
     from tests.unit.distributed.store.test_store_transfers import rank
 
     src = small_pool(seed=1)
-    t = StoreTransfers(rank(), shared, nn.Linear(1, 1), src, "f32", fingerprint=lambda m: "w")
+    t = StoreTransfers(
+        rank(), shared, nn.Linear(1, 1), src, "f32", fingerprint=lambda m: "w"
+    )
     assert t.shared_ready(10)
     wait_identity(t)
     assert made == clients and shared.connect_failures == 1
     # Everything this process uses with the second client is that client's.
-    assert all(clients[1]._reaches(HostBuffer(a.ptr, a.nbytes))
-               for a in (t.get_arena, t.put_arena)), "an arena the client cannot reach"
+    assert all(
+        clients[1]._reaches(HostBuffer(a.ptr, a.nbytes))
+        for a in (t.get_arena, t.put_arena)
+    ), "an arena the client cannot reach"
 
     a = entry([1] + list(range(10, 40)))
     t.on_step(StoreStep(epoch=0, puts=[EntryPut(a, (0, 1))]))

@@ -10,25 +10,46 @@ from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store.keys import 
     store_key,
 )
 
-NS = StoreNamespace(model="/models/SmolLM2-135M-Instruct", weights_version="epoch-0",
-                    kv_dtype="float32", kv_layout="L30xH3x64:kv", rope="neox:theta=100000",
-                    compute='{"backends": ["CPU_ATTN"], "device": "cpu"}',
-                    tp_rank=0, tp_size=2, pp_rank=0, pp_size=2, cache_salt=None, lora=None)
+NS = StoreNamespace(
+    model="/models/SmolLM2-135M-Instruct",
+    weights_version="epoch-0",
+    kv_dtype="float32",
+    kv_layout="L30xH3x64:kv",
+    rope="neox:theta=100000",
+    compute='{"backends": ["CPU_ATTN"], "device": "cpu"}',
+    tp_rank=0,
+    tp_size=2,
+    pp_rank=0,
+    pp_size=2,
+    cache_salt=None,
+    lora=None,
+)
 H = 0x0123456789ABCDEF0011223344556677
 
 # One changed value per field (the test below checks every field is listed).
 CHANGED = {
-    "model": "/models/other", "weights_version": "epoch-1", "kv_dtype": "bfloat16",
-    "kv_layout": "L30xH3x64:k", "rope": "neox:theta=10000",
-    "compute": '{"backends": ["FLASH_ATTN"], "device": "cuda:NVIDIA H100"}', "tp_rank": 1, "tp_size": 4,
-    "pp_rank": 1, "pp_size": 4, "cache_salt": "tenant-a", "lora": "adapter-1",
+    "model": "/models/other",
+    "weights_version": "epoch-1",
+    "kv_dtype": "bfloat16",
+    "kv_layout": "L30xH3x64:k",
+    "rope": "neox:theta=10000",
+    "compute": '{"backends": ["FLASH_ATTN"], "device": "cuda:NVIDIA H100"}',
+    "tp_rank": 1,
+    "tp_size": 4,
+    "pp_rank": 1,
+    "pp_size": 4,
+    "cache_salt": "tenant-a",
+    "lora": "adapter-1",
 }
 
 
 def test_key_shape():
     key = store_key(NS, H)
-    assert re.fullmatch(r"chunkcache/v1/SmolLM2-135M-Instruct/[0-9a-f]{32}/"
-                        r"0123456789abcdef0011223344556677", key), key
+    assert re.fullmatch(
+        r"chunkcache/v1/SmolLM2-135M-Instruct/[0-9a-f]{32}/"
+        r"0123456789abcdef0011223344556677",
+        key,
+    ), key
     assert store_key(NS, H) == key  # deterministic
     assert store_key(NS, 1).endswith("/" + "0" * 31 + "1")
 
@@ -45,8 +66,9 @@ def test_each_field_changes_the_key(field):
 
 @pytest.mark.parametrize("field", ["cache_salt", "lora"])
 def test_none_and_empty_string_differ(field):
-    assert (store_key(dataclasses.replace(NS, **{field: ""}), H)
-            != store_key(dataclasses.replace(NS, **{field: None}), H))
+    assert store_key(dataclasses.replace(NS, **{field: ""}), H) != store_key(
+        dataclasses.replace(NS, **{field: None}), H
+    )
 
 
 def test_the_content_hash_changes_the_key():
@@ -60,11 +82,14 @@ def test_bad_hash_is_refused(bad):
         store_key(NS, bad)
 
 
-@pytest.mark.parametrize("change, message", [
-    ({"model": ""}, "model must be a non-empty string"),
-    ({"tp_rank": 2}, "0 <= tp_rank < tp_size"),
-    ({"pp_rank": -1}, "0 <= pp_rank < pp_size"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"model": ""}, "model must be a non-empty string"),
+        ({"tp_rank": 2}, "0 <= tp_rank < tp_size"),
+        ({"pp_rank": -1}, "0 <= pp_rank < pp_size"),
+    ],
+)
 def test_bad_namespace_is_refused(change, message):
     with pytest.raises(ValueError, match=message):
         dataclasses.replace(NS, **change)

@@ -26,14 +26,20 @@ from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store.keys import 
     StoreNamespace,
     store_key,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store.rank import StoreRank
+from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store.rank import (
+    StoreRank,
+)
 
 HEAD = 64
 ORIGINAL, MAX_POS = 512, 4096
 SHORT = [1.0 + 0.01 * i for i in range(HEAD // 2)]
 LONG = [1.0 + 0.5 * i for i in range(HEAD // 2)]
-HF_SCALING = {"type": "longrope", "short_factor": SHORT, "long_factor": LONG,
-              "original_max_position_embeddings": ORIGINAL}
+HF_SCALING = {
+    "type": "longrope",
+    "short_factor": SHORT,
+    "long_factor": LONG,
+    "original_max_position_embeddings": ORIGINAL,
+}
 
 
 class Block(nn.Module):
@@ -51,27 +57,34 @@ def _config(max_model_len: int):
     from vllm.config import VllmConfig
 
     config = VllmConfig()
-    hf = types.SimpleNamespace(rope_theta=10000.0, rope_scaling=dict(HF_SCALING),
-                               rope_parameters=None, partial_rotary_factor=None,
-                               max_position_embeddings=MAX_POS)
+    hf = types.SimpleNamespace(
+        rope_theta=10000.0,
+        rope_scaling=dict(HF_SCALING),
+        rope_parameters=None,
+        partial_rotary_factor=None,
+        max_position_embeddings=MAX_POS,
+    )
     config.model_config = types.SimpleNamespace(
-        max_model_len=max_model_len, hf_text_config=hf, served_model_name="tiny-phi3")
+        max_model_len=max_model_len, hf_text_config=hf, served_model_name="tiny-phi3"
+    )
     config.chunk_cache_config = types.SimpleNamespace(max_chunk_tokens=256)
     return config
 
 
 def _longrope(max_model_len: int):
-    """vLLM's LongRoPE as its Phi-3 model builds it under `--max-model-len`.
+    """VLLM's LongRoPE as its Phi-3 model builds it under `--max-model-len`.
     NOTE: built directly, not through get_rope, whose cache (keyed by the rope
     parameters, not max_model_len) would hand back the first one built."""
-    from vllm.config import set_current_vllm_config
     from vllm.model_executor.layers.rotary_embedding.phi3_long_rope_scaled_rope import (
         Phi3LongRoPEScaledRotaryEmbedding,
     )
 
+    from vllm.config import set_current_vllm_config
+
     with set_current_vllm_config(_config(max_model_len)):
         return Phi3LongRoPEScaledRotaryEmbedding(
-            HEAD, HEAD, MAX_POS, ORIGINAL, 10000.0, True, torch.float32, SHORT, LONG)
+            HEAD, HEAD, MAX_POS, ORIGINAL, 10000.0, True, torch.float32, SHORT, LONG
+        )
 
 
 @pytest.fixture
@@ -88,8 +101,9 @@ def _engine(max_model_len: int, layers: int = 2):
     from vllm.config import set_current_vllm_config
 
     rope = _longrope(max_model_len)
-    model = nn.ModuleList([Block(rope, _attention(f"model.layers.{i}.attn"))
-                           for i in range(layers)])
+    model = nn.ModuleList(
+        [Block(rope, _attention(f"model.layers.{i}.attn")) for i in range(layers)]
+    )
     config = _config(max_model_len)
     config.parallel_config.tensor_parallel_size = 1
     config.parallel_config.pipeline_parallel_size = 1
@@ -98,15 +112,25 @@ def _engine(max_model_len: int, layers: int = 2):
 
 
 def _key(rank: StoreRank) -> str:
-    ns = StoreNamespace(model=rank.model, weights_version="w", kv_dtype="float32",
-                        kv_layout="l", rope=rank.rope, compute=rank.compute,
-                        tp_rank=rank.tp_rank, tp_size=rank.tp_size, pp_rank=rank.pp_rank,
-                        pp_size=rank.pp_size, cache_salt=None, lora=None)
+    ns = StoreNamespace(
+        model=rank.model,
+        weights_version="w",
+        kv_dtype="float32",
+        kv_layout="l",
+        rope=rank.rope,
+        compute=rank.compute,
+        tp_rank=rank.tp_rank,
+        tp_size=rank.tp_size,
+        pp_rank=rank.pp_rank,
+        pp_size=rank.pp_size,
+        cache_salt=None,
+        lora=None,
+    )
     return store_key(ns, 0x1234)
 
 
 def _rotated(rope) -> torch.Tensor:
-    """vLLM's rope applied to fixed raw keys at positions 0..255 (what a child
+    """VLLM's rope applied to fixed raw keys at positions 0..255 (what a child
     computed there would store)."""
     gen = torch.Generator().manual_seed(0)
     key = torch.randn(256, HEAD, generator=gen)
@@ -115,8 +139,10 @@ def _rotated(rope) -> torch.Tensor:
     return out
 
 
-@pytest.mark.parametrize("a, b", [(512, 4096), (256, 32768), (512, 513),
-                                  (2048, 4096), (513, 32768), (128, 512)])
+@pytest.mark.parametrize(
+    "a, b",
+    [(512, 4096), (256, 32768), (512, 513), (2048, 4096), (513, 32768), (128, 512)],
+)
 def test_the_key_differs_exactly_when_the_rotation_does(one_rank, a, b):
     rank_a, rope_a = _engine(a)
     rank_b, rope_b = _engine(b)
@@ -126,7 +152,8 @@ def test_the_key_differs_exactly_when_the_rotation_does(one_rank, a, b):
     assert same_k == ((a > ORIGINAL) == (b > ORIGINAL))
     assert (_key(rank_a) == _key(rank_b)) == same_k, (
         f"max_model_len {a} vs {b}: vLLM's rope gives {'the same' if same_k else 'other'} "
-        f"K, but the store keys are {'equal' if _key(rank_a) == _key(rank_b) else 'different'}")
+        f"K, but the store keys are {'equal' if _key(rank_a) == _key(rank_b) else 'different'}"
+    )
 
 
 def test_rope_names_the_factors_magnitude_and_cache_half_used(one_rank):
@@ -135,8 +162,10 @@ def test_rope_names_the_factors_magnitude_and_cache_half_used(one_rank):
     short, short_rope = _engine(512)
     long, long_rope = _engine(4096)
     assert not short_rope.use_long_rope and long_rope.use_long_rope
-    for rank, rope, offset, mscale in ((short, short_rope, 0, short_rope.short_mscale),
-                                       (long, long_rope, ORIGINAL, long_rope.long_mscale)):
+    for rank, rope, offset, mscale in (
+        (short, short_rope, 0, short_rope.short_mscale),
+        (long, long_rope, ORIGINAL, long_rope.long_mscale),
+    ):
         built = json.loads(rank.rope)["built"]
         assert len(built["ropes"]) == 1  # both layers share the rope
         assert built["layers"] == {"model.layers.0.attn": 0, "model.layers.1.attn": 0}
@@ -158,8 +187,12 @@ def test_which_rope_each_layer_used_is_in_the_key(one_rank):
     config.parallel_config.pipeline_parallel_size = 1
 
     def rank_of(ropes):
-        model = nn.ModuleList([Block(r, _attention(f"model.layers.{i}.attn"))
-                               for i, r in enumerate(ropes)])
+        model = nn.ModuleList(
+            [
+                Block(r, _attention(f"model.layers.{i}.attn"))
+                for i, r in enumerate(ropes)
+            ]
+        )
         with set_current_vllm_config(config):
             return StoreRank.from_engine(config, model)
 
@@ -167,15 +200,15 @@ def test_which_rope_each_layer_used_is_in_the_key(one_rank):
     assert _key(rank_of([short, long])) == _key(rank_of([short, long]))
 
 
-
 def test_compute_names_the_backend_each_layer_was_given(one_rank):
     """`compute` captures the effective configuration too: the attention backend
     vLLM gave the layers (what computed the KV), read from the built layers, not
     from a flag. The oracle is the backend classes attached to the layers: engines
     whose layers run other backends never share keys, engines with the same do."""
-    from vllm.config import set_current_vllm_config
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
     from vllm.v1.attention.backends.flex_attention import FlexAttentionBackend
+
+    from vllm.config import set_current_vllm_config
 
     rope = _longrope(512)
     config = _config(512)
@@ -198,4 +231,6 @@ def test_compute_names_the_backend_each_layer_was_given(one_rank):
     assert _key(cpu) != _key(flex)
     assert _key(cpu) == _key(rank_with(CPUAttentionBackend, CPUAttentionBackend))
     assert _key(rank_with(CPUAttentionBackend, FlexAttentionBackend)) not in (
-        _key(cpu), _key(flex))
+        _key(cpu),
+        _key(flex),
+    )

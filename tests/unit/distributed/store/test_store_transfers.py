@@ -22,7 +22,9 @@ import torch
 from torch import nn
 
 from tests.store_fleet import MooncakeFleet
-from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.setup import POOL_BLOCK_SIZE
+from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.setup import (
+    POOL_BLOCK_SIZE,
+)
 from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store import entry_format
 from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store.base import (
     ChunkStore,
@@ -41,32 +43,57 @@ from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store.messages imp
     StoreReport,
     StoreStep,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store.rank import StoreRank
+from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store.rank import (
+    StoreRank,
+)
 from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store.transfers import (
     StoreTransfers,
 )
 
 
 def rank(max_chunk_tokens: int = 64) -> StoreRank:
-    return StoreRank(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, model="m", rope="r",
-                     compute="c", max_chunk_tokens=max_chunk_tokens)
+    return StoreRank(
+        tp_rank=0,
+        tp_size=1,
+        pp_rank=0,
+        pp_size=1,
+        model="m",
+        rope="r",
+        compute="c",
+        max_chunk_tokens=max_chunk_tokens,
+    )
 
 
 def small_pool(blocks: int = 8, seed: int = 0) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    return {f"layers.{i}.{kv}": torch.randn(blocks * POOL_BLOCK_SIZE, 2, 8, generator=g)
-            for i in range(2) for kv in "kv"}
+    return {
+        f"layers.{i}.{kv}": torch.randn(blocks * POOL_BLOCK_SIZE, 2, 8, generator=g)
+        for i in range(2)
+        for kv in "kv"
+    }
 
 
-def transfers(spec_text: str, tensors, *, store: ChunkStore | None = None,
-              max_chunk_tokens: int = 64, fingerprint=lambda model: "w") -> StoreTransfers:
+def transfers(
+    spec_text: str,
+    tensors,
+    *,
+    store: ChunkStore | None = None,
+    max_chunk_tokens: int = 64,
+    fingerprint=lambda model: "w",
+) -> StoreTransfers:
     # NOTE: a SharedStore of its own per test (not SharedStore.of): arenas and
     # connection are per test.
     shared = SharedStore(spec_text)
     if store is not None:
         shared.use(store)
-    return StoreTransfers(rank(max_chunk_tokens), shared, nn.Linear(1, 1), tensors, "f32",
-                          fingerprint=fingerprint)
+    return StoreTransfers(
+        rank(max_chunk_tokens),
+        shared,
+        nn.Linear(1, 1),
+        tensors,
+        "f32",
+        fingerprint=fingerprint,
+    )
 
 
 def wait_identity(t: StoreTransfers) -> None:
@@ -77,17 +104,25 @@ def wait_identity(t: StoreTransfers) -> None:
 
 
 def entry(tokens: list[int], start: int = 1) -> EntryRef:
-    return EntryRef(content_hash=hash(tuple(tokens)) & ((1 << 128) - 1),
-                    token_ids=tuple(tokens), virtual_start=start, cache_salt=None, lora="")
+    return EntryRef(
+        content_hash=hash(tuple(tokens)) & ((1 << 128) - 1),
+        token_ids=tuple(tokens),
+        virtual_start=start,
+        cache_salt=None,
+        lora="",
+    )
 
 
 def rows_of(tensors, blocks, n):
-    idx = torch.tensor([b * POOL_BLOCK_SIZE + r for b in blocks
-                        for r in range(POOL_BLOCK_SIZE)])[:n]
+    idx = torch.tensor(
+        [b * POOL_BLOCK_SIZE + r for b in blocks for r in range(POOL_BLOCK_SIZE)]
+    )[:n]
     return {name: t.index_select(0, idx).clone() for name, t in tensors.items()}
 
 
-def step_until(t: StoreTransfers, fetch_id: str, timeout_s: float = 30.0) -> FetchOutcome:
+def step_until(
+    t: StoreTransfers, fetch_id: str, timeout_s: float = 30.0
+) -> FetchOutcome:
     deadline = time.monotonic() + timeout_s
     while True:
         t.on_step(StoreStep(epoch=0))
@@ -179,15 +214,25 @@ def _read(buf: HostBuffer) -> bytes:
 def test_a_read_given_up_keeps_its_span_until_the_call_returns():
     store = LateStore()
     src = small_pool(seed=1)
-    writer = transfers("mooncake://127.0.0.1:1?read_timeout=0.05&arena=1MB&local_client=none", src, store=store)
+    writer = transfers(
+        "mooncake://127.0.0.1:1?read_timeout=0.05&arena=1MB&local_client=none",
+        src,
+        store=store,
+    )
     wait_identity(writer)
     a, b = entry([1] + list(range(10, 40))), entry([1] + list(range(50, 90)))
-    writer.on_step(StoreStep(epoch=0, puts=[EntryPut(a, (0, 1)), EntryPut(b, (2, 3, 4))]))
+    writer.on_step(
+        StoreStep(epoch=0, puts=[EntryPut(a, (0, 1)), EntryPut(b, (2, 3, 4))])
+    )
     drain_puts(writer)
     assert len(store.values) == 2
 
     dst = small_pool(seed=2)
-    reader = transfers("mooncake://127.0.0.1:1?read_timeout=0.05&arena=1MB&local_client=none", dst, store=store)
+    reader = transfers(
+        "mooncake://127.0.0.1:1?read_timeout=0.05&arena=1MB&local_client=none",
+        dst,
+        store=store,
+    )
     wait_identity(reader)
     # The first read is stuck: the step gives up on it (the document is computed).
     reader.on_step(StoreStep(epoch=0, fetches=[EntryFetch("f1", a, (5, 6))]))
@@ -225,7 +270,7 @@ class LateScatterStore(LateStore):
                 continue
             off = 0
             for b in buffers:
-                _write(b, v[off:off + b.nbytes])
+                _write(b, v[off : off + b.nbytes])
                 off += b.nbytes
             out.append(len(v))
         on_release()
@@ -249,16 +294,25 @@ def test_a_read_into_pool_rows_given_up_holds_them_until_the_call_returns():
     gives them to no one), and returned once the store's call has."""
     store = LateScatterStore()
     src = small_pool(seed=1)
-    writer = transfers("mooncake://127.0.0.1:1?read_timeout=0.05&arena=1MB&local_client=none",
-                       src, store=store)
+    writer = transfers(
+        "mooncake://127.0.0.1:1?read_timeout=0.05&arena=1MB&local_client=none",
+        src,
+        store=store,
+    )
     wait_identity(writer)
     a, b = entry([1] + list(range(10, 40))), entry([1] + list(range(50, 90)))
-    writer.on_step(StoreStep(epoch=0, puts=[EntryPut(a, (0, 1)), EntryPut(b, (2, 3, 4))]))
+    writer.on_step(
+        StoreStep(epoch=0, puts=[EntryPut(a, (0, 1)), EntryPut(b, (2, 3, 4))])
+    )
     drain_puts(writer)
 
     dst = small_pool(seed=2)
-    reader = transfers("mooncake://127.0.0.1:1?read_timeout=0.05&arena=1MB&local_client=none"
-                       "&direct_reads=1", dst, store=store)
+    reader = transfers(
+        "mooncake://127.0.0.1:1?read_timeout=0.05&arena=1MB&local_client=none"
+        "&direct_reads=1",
+        dst,
+        store=store,
+    )
     wait_identity(reader)
     assert reader.reads_into_pool()
     spans = []
@@ -275,7 +329,10 @@ def test_a_read_into_pool_rows_given_up_holds_them_until_the_call_returns():
     reader.on_step(StoreStep(epoch=0, fetches=[EntryFetch("f2", b, (1, 2, 3))]))
     assert step_until(reader, "f2") is FetchOutcome.OK
     assert reader.counters["store_gets_into_pool"] == 1
-    assert spans == [entry_format.header_nbytes(31) + 16, entry_format.header_nbytes(41) + 16]
+    assert spans == [
+        entry_format.header_nbytes(31) + 16,
+        entry_format.header_nbytes(41) + 16,
+    ]
     got, want = rows_of(dst, (1, 2, 3), 40), rows_of(src, (2, 3, 4), 40)
     for name in got:
         assert torch.equal(got[name], want[name]), name
@@ -286,7 +343,9 @@ def test_a_read_into_pool_rows_given_up_holds_them_until_the_call_returns():
     late = rows_of(dst, (5, 6), 30)
     assert all((v.view(torch.uint8) == 0x7F).all() for v in late.values())
     for name, rows in rows_of(dst, (1, 2, 3), 40).items():
-        assert torch.equal(rows, want[name]), name  # the late write touched only its own
+        assert torch.equal(rows, want[name]), (
+            name
+        )  # the late write touched only its own
     assert reader.get_arena.in_use() == 0 and reader.lent_bytes() == 0
 
 
@@ -295,9 +354,13 @@ def test_a_read_given_up_after_its_call_returned_lends_nothing():
     scheduler may compute the entry into them at once."""
     store = LateScatterStore()
     store.stuck_first_get = False
-    reader = transfers("mooncake://127.0.0.1:1?local_client=none", small_pool(), store=store)
+    reader = transfers(
+        "mooncake://127.0.0.1:1?local_client=none", small_pool(), store=store
+    )
     wait_identity(reader)
-    reader.on_step(StoreStep(epoch=0, fetches=[EntryFetch("gone", entry([1, 2, 3]), (0,))]))
+    reader.on_step(
+        StoreStep(epoch=0, fetches=[EntryFetch("gone", entry([1, 2, 3]), (0,))])
+    )
     assert step_until(reader, "gone") is FetchOutcome.ABSENT
     assert _reports(reader, 2).rows_lent == {} and reader._rows_held == {}
 
@@ -314,7 +377,9 @@ def test_a_put_span_is_not_reused_while_its_call_runs():
             return [StoreCode.TIMEOUT] * len(keys)
 
     store = SlowPutStore()
-    t = transfers("mooncake://127.0.0.1:1?arena=1MB&local_client=none", small_pool(), store=store)
+    t = transfers(
+        "mooncake://127.0.0.1:1?arena=1MB&local_client=none", small_pool(), store=store
+    )
     wait_identity(t)
     t.on_step(StoreStep(epoch=0, puts=[EntryPut(entry([1, 2, 3]), (0,))]))
     drain_puts(t)
@@ -335,8 +400,12 @@ def test_the_weights_fingerprint_never_runs_on_the_step():
         return "w"
 
     store = LateStore()
-    t = transfers("mooncake://127.0.0.1:1?arena=1MB&local_client=none", small_pool(), store=store,
-                  fingerprint=slow_fingerprint)
+    t = transfers(
+        "mooncake://127.0.0.1:1?arena=1MB&local_client=none",
+        small_pool(),
+        store=store,
+        fingerprint=slow_fingerprint,
+    )
     t0 = time.monotonic()
     t.on_step(StoreStep(epoch=0, puts=[EntryPut(entry([1, 2, 3]), (0,))]))
     t.on_step(StoreStep(epoch=1))
@@ -371,16 +440,23 @@ def test_weights_loaded_without_a_reset_stop_puts_and_reads_until_the_next_epoch
     model = Model()
     shared = SharedStore("mooncake://127.0.0.1:1?arena=1MB&local_client=none")
     shared.use(store)
-    t = StoreTransfers(rank(), shared, model, small_pool(), "f32",
-                       fingerprint=lambda m: str(float(m.w.sum())))
+    t = StoreTransfers(
+        rank(),
+        shared,
+        model,
+        small_pool(),
+        "f32",
+        fingerprint=lambda m: str(float(m.w.sum())),
+    )
     wait_identity(t)
     a, b = entry([1, 2, 3]), entry([1, 4, 5])
     t.on_step(StoreStep(epoch=0, puts=[EntryPut(a, (0,))]))
     drain_puts(t)
     assert len(store.values) == 1
     assert model.load_weights([("w", torch.ones(4))]) == {"w"}
-    t.on_step(StoreStep(epoch=0, puts=[EntryPut(b, (1,))],
-                        fetches=[EntryFetch("f", a, (2,))]))
+    t.on_step(
+        StoreStep(epoch=0, puts=[EntryPut(b, (1,))], fetches=[EntryFetch("f", a, (2,))])
+    )
     drain_puts(t)
     assert len(store.values) == 1 and t.counters["store_puts_skipped"] == 1
     assert t.take_report().outcomes == {"f": [FetchOutcome.ERROR]}
@@ -398,8 +474,9 @@ def test_weights_loaded_without_a_reset_stop_puts_and_reads_until_the_next_epoch
 
 def _big_fleet(tmp_path, local_client: bool):
     # One 8B entry of 4096 tokens is 512 MiB; the client lends room for it.
-    return MooncakeFleet(tmp_path, segment_bytes=1200 << 20, timeout_s=30.0,
-                         local_client=local_client)
+    return MooncakeFleet(
+        tmp_path, segment_bytes=1200 << 20, timeout_s=30.0, local_client=local_client
+    )
 
 
 @pytest.fixture(scope="module")
@@ -425,14 +502,21 @@ def _round_trip_8b(big_fleet) -> None:
     blocks = -(-max_tokens // POOL_BLOCK_SIZE)
     g = torch.Generator().manual_seed(8)
     # Llama-3-8B per rank: 32 layers, K and V of 8 heads x 128, bf16.
-    pool = {f"model.layers.{i}.self_attn.attn.{kv}":
-            torch.randn(blocks * POOL_BLOCK_SIZE, 8, 128, generator=g).to(torch.bfloat16)
-            for i in range(32) for kv in "kv"}
+    pool = {
+        f"model.layers.{i}.self_attn.attn.{kv}": torch.randn(
+            blocks * POOL_BLOCK_SIZE, 8, 128, generator=g
+        ).to(torch.bfloat16)
+        for i in range(32)
+        for kv in "kv"
+    }
     # NOTE: the read is given all the time it needs: this test is about size
     # (how long a read may take is test_a_read_given_up_keeps_its_span...).
     # direct_reads: in process the read lands in the pool's rows (finding 9).
-    t = transfers(f"{big_fleet.spec_text}&read_timeout=120&direct_reads=1", pool,
-                  max_chunk_tokens=max_tokens)
+    t = transfers(
+        f"{big_fleet.spec_text}&read_timeout=120&direct_reads=1",
+        pool,
+        max_chunk_tokens=max_tokens,
+    )
     assert t.row_bytes == 128 << 10
     assert t.shared_ready(60)
     wait_identity(t)
@@ -459,18 +543,25 @@ def _round_trip_8b(big_fleet) -> None:
         best = min(best, time.perf_counter() - t0)
     memcpy = nbytes / best
     read = nbytes / t.counters["store_get_seconds"]
-    print(f"8B entry of {max_tokens} tokens ({big_fleet.spec().local_client or 'in process'}): "
-          f"read at {read / 2**30:.2f} GiB/s, host memcpy {memcpy / 2**30:.2f} GiB/s "
-          f"({100 * read / memcpy:.0f}%)")
-    assert t.counters["store_get_bytes"] == entry_format.header_nbytes(len(tokens)) \
-        + max_tokens * (128 << 10) + 16
+    print(
+        f"8B entry of {max_tokens} tokens ({big_fleet.spec().local_client or 'in process'}): "
+        f"read at {read / 2**30:.2f} GiB/s, host memcpy {memcpy / 2**30:.2f} GiB/s "
+        f"({100 * read / memcpy:.0f}%)"
+    )
+    assert (
+        t.counters["store_get_bytes"]
+        == entry_format.header_nbytes(len(tokens)) + max_tokens * (128 << 10) + 16
+    )
     # In process (direct_reads) the read lands in the pool's rows (finding 9);
     # through the node's client only its shared memory can be written: the arena.
     assert t.counters.get("store_gets_into_pool", 0) == (
-        0 if big_fleet.spec().local_client else 1)
+        0 if big_fleet.spec().local_client else 1
+    )
 
 
-def test_an_authenticated_entry_reads_back_only_with_the_fleets_secret(big_fleet, tmp_path):
+def test_an_authenticated_entry_reads_back_only_with_the_fleets_secret(
+    big_fleet, tmp_path
+):
     secret, other = tmp_path / "fleet.key", tmp_path / "other.key"
     secret.write_bytes(b"s" * 32)
     other.write_bytes(b"o" * 32)
@@ -484,8 +575,11 @@ def test_an_authenticated_entry_reads_back_only_with_the_fleets_secret(big_fleet
     drain_puts(writer)
     assert writer.counters.get("store_puts") == 1
     outcomes = {}
-    for name, spec in (("secret", f"{base}&key_file={secret}"),
-                       ("other", f"{base}&key_file={other}"), ("none", base)):
+    for name, spec in (
+        ("secret", f"{base}&key_file={secret}"),
+        ("other", f"{base}&key_file={other}"),
+        ("none", base),
+    ):
         dst = small_pool(seed=4)
         reader = transfers(f"{spec}&direct_reads=1", dst)
         assert reader.shared_ready(60)
@@ -499,8 +593,11 @@ def test_an_authenticated_entry_reads_back_only_with_the_fleets_secret(big_fleet
         # NOTE: otherwise the rows hold the writer's bytes, unverified: the
         # read landed in them. A failed fetch's rows are never served (the
         # scheduler computes the entry into them before anyone reads it).
-    assert outcomes == {"secret": FetchOutcome.OK, "other": FetchOutcome.VERIFY_FAILED,
-                        "none": FetchOutcome.VERIFY_FAILED}
+    assert outcomes == {
+        "secret": FetchOutcome.OK,
+        "other": FetchOutcome.VERIFY_FAILED,
+        "none": FetchOutcome.VERIFY_FAILED,
+    }
 
 
 class RegistryStore(LateScatterStore):
@@ -513,7 +610,9 @@ class RegistryStore(LateScatterStore):
         self.busy = False
 
     def register_buffer(self, b):
-        if any(r.ptr < b.ptr + b.nbytes and b.ptr < r.ptr + r.nbytes for r in self.ranges):
+        if any(
+            r.ptr < b.ptr + b.nbytes and b.ptr < r.ptr + r.nbytes for r in self.ranges
+        ):
             raise RuntimeError("registering failed (ok, -600)")
         self.ranges.add(b)
 
@@ -526,7 +625,8 @@ class RegistryStore(LateScatterStore):
 
 @pytest.mark.parametrize("earlier_call_running", [False, True])
 def test_a_later_engines_pool_in_an_earlier_ones_memory_is_registered_again(
-        earlier_call_running):
+    earlier_call_running,
+):
     """A second engine of the process whose pool lies where the first one's
     was (freed with it): the stale registration goes, the new pool reads in
     place; unless a call of the store may still write there (then its reads
@@ -538,19 +638,26 @@ def test_a_later_engines_pool_in_an_earlier_ones_memory_is_registered_again(
 
     def pool(offset):
         n = 8 * POOL_BLOCK_SIZE * 16
-        return {f"layers.0.{kv}": memory[offset + i * n:offset + (i + 1) * n].view(-1, 2, 8)
-                for i, kv in enumerate("kv")}
+        return {
+            f"layers.0.{kv}": memory[offset + i * n : offset + (i + 1) * n].view(
+                -1, 2, 8
+            )
+            for i, kv in enumerate("kv")
+        }
 
-    first = StoreTransfers(rank(), shared, nn.Linear(1, 1), pool(0), "f32",
-                           fingerprint=lambda m: "w")
+    first = StoreTransfers(
+        rank(), shared, nn.Linear(1, 1), pool(0), "f32", fingerprint=lambda m: "w"
+    )
     arenas = set(store.ranges) - set(first._pool_buffers)  # the get and put arenas
     assert first.reads_into_pool() and store.ranges == arenas | set(first._pool_buffers)
     store.busy = earlier_call_running
-    second = StoreTransfers(rank(), shared, nn.Linear(1, 1), pool(16), "f32",
-                            fingerprint=lambda m: "w")
+    second = StoreTransfers(
+        rank(), shared, nn.Linear(1, 1), pool(16), "f32", fingerprint=lambda m: "w"
+    )
     assert second.reads_into_pool() is (not earlier_call_running)
-    assert store.ranges == arenas | set(first._pool_buffers if earlier_call_running
-                                        else second._pool_buffers)
+    assert store.ranges == arenas | set(
+        first._pool_buffers if earlier_call_running else second._pool_buffers
+    )
 
 
 # -- issue 50, finding 9: the MAC covers the header; the fingerprint backlog ------
@@ -574,32 +681,44 @@ def test_an_authenticated_entry_whose_header_tokens_were_rewritten_is_a_miss(tmp
     a = entry(tokens)
     writer.on_step(StoreStep(epoch=0, puts=[EntryPut(a, (0, 1))]))
     drain_puts(writer)
-    (key, value), = store.values.items()
+    ((key, value),) = store.values.items()
 
     # The forgery: other tokens of the same length under the same key (a
     # content-hash collision), everything else as written by the fleet.
     forged_tokens = [1] + list(range(110, 140))
-    header = bytearray(value[:entry_format.header_nbytes(len(tokens))])
+    header = bytearray(value[: entry_format.header_nbytes(len(tokens))])
     off = entry_format.FIXED_NBYTES
-    header[off:off + 4 * len(tokens)] = b"".join(t.to_bytes(4, "little")
-                                                 for t in forged_tokens)
-    store.values[key] = bytes(header) + value[len(header):]
-    collision = EntryRef(content_hash=a.content_hash, token_ids=tuple(forged_tokens),
-                         virtual_start=a.virtual_start, cache_salt=None, lora="")
+    header[off : off + 4 * len(tokens)] = b"".join(
+        t.to_bytes(4, "little") for t in forged_tokens
+    )
+    store.values[key] = bytes(header) + value[len(header) :]
+    collision = EntryRef(
+        content_hash=a.content_hash,
+        token_ids=tuple(forged_tokens),
+        virtual_start=a.virtual_start,
+        cache_salt=None,
+        lora="",
+    )
 
     for direct in (True, False):
-        reader = transfers(spec + ("&direct_reads=1" if direct else ""), small_pool(seed=2),
-                           store=store)
+        reader = transfers(
+            spec + ("&direct_reads=1" if direct else ""),
+            small_pool(seed=2),
+            store=store,
+        )
         wait_identity(reader)
         assert reader.reads_into_pool() is direct
         # The genuine entry still reads back; the forged header does not.
         store.values[key] = value
         reader.on_step(StoreStep(epoch=0, fetches=[EntryFetch("genuine", a, (2, 3))]))
         assert step_until(reader, "genuine") is FetchOutcome.OK
-        store.values[key] = bytes(header) + value[len(header):]
-        reader.on_step(StoreStep(epoch=0, fetches=[EntryFetch("forged", collision, (4, 5))]))
+        store.values[key] = bytes(header) + value[len(header) :]
+        reader.on_step(
+            StoreStep(epoch=0, fetches=[EntryFetch("forged", collision, (4, 5))])
+        )
         assert step_until(reader, "forged") is FetchOutcome.VERIFY_FAILED, (
-            f"a header rewritten without the secret was served (direct={direct})")
+            f"a header rewritten without the secret was served (direct={direct})"
+        )
 
 
 def test_superseded_fingerprints_are_cancelled():
@@ -616,8 +735,12 @@ def test_superseded_fingerprints_are_cancelled():
         return "w"
 
     store = LateStore()
-    t = transfers("mooncake://127.0.0.1:1?arena=1MB&local_client=none", small_pool(),
-                  store=store, fingerprint=slow_fingerprint)
+    t = transfers(
+        "mooncake://127.0.0.1:1?arena=1MB&local_client=none",
+        small_pool(),
+        store=store,
+        fingerprint=slow_fingerprint,
+    )
     deadline = time.monotonic() + 10
     while not calls:  # epoch 0's hash runs
         assert time.monotonic() < deadline
@@ -675,14 +798,22 @@ class BlockingScatterStore(LateScatterStore):
 
 def _blocking_reader(store: BlockingScatterStore):
     src = small_pool(seed=1)
-    writer = transfers("mooncake://127.0.0.1:1?arena=1MB&local_client=none", src, store=store)
+    writer = transfers(
+        "mooncake://127.0.0.1:1?arena=1MB&local_client=none", src, store=store
+    )
     wait_identity(writer)
     a, b = entry([1] + list(range(10, 40))), entry([1] + list(range(50, 90)))
-    writer.on_step(StoreStep(epoch=0, puts=[EntryPut(a, (0, 1)), EntryPut(b, (2, 3, 4))]))
+    writer.on_step(
+        StoreStep(epoch=0, puts=[EntryPut(a, (0, 1)), EntryPut(b, (2, 3, 4))])
+    )
     drain_puts(writer)
     dst = small_pool(seed=2)
-    reader = transfers("mooncake://127.0.0.1:1?read_timeout=0.05&timeout=0.05&arena=1MB"
-                       "&local_client=none&direct_reads=1", dst, store=store)
+    reader = transfers(
+        "mooncake://127.0.0.1:1?read_timeout=0.05&timeout=0.05&arena=1MB"
+        "&local_client=none&direct_reads=1",
+        dst,
+        store=store,
+    )
     wait_identity(reader)
     assert reader.reads_into_pool()
     return reader, dst, a, b
@@ -759,7 +890,9 @@ def test_a_read_whose_deadline_passed_in_the_queue_is_not_started():
     assert store.gets == 1, "a read past its deadline was started"
     merged = _reports(reader, 2)
     assert {k: v[0] for k, v in merged.outcomes.items()} == {
-        "f1": FetchOutcome.TIMEOUT, "f2": FetchOutcome.TIMEOUT}
+        "f1": FetchOutcome.TIMEOUT,
+        "f2": FetchOutcome.TIMEOUT,
+    }
     assert merged.rows_lent == {}
     for name, rows in rows_of(dst, (1, 2, 3), 40).items():
         assert torch.equal(rows, untouched[name]), name
@@ -773,21 +906,27 @@ def test_verification_makes_no_torch_view_on_the_get_thread():
     store = LateScatterStore()
     store.stuck_first_get = False
     src = small_pool(seed=1)
-    writer = transfers("mooncake://127.0.0.1:1?arena=1MB&local_client=none", src, store=store)
+    writer = transfers(
+        "mooncake://127.0.0.1:1?arena=1MB&local_client=none", src, store=store
+    )
     wait_identity(writer)
     a = entry([1] + list(range(10, 40)))
     writer.on_step(StoreStep(epoch=0, puts=[EntryPut(a, (0, 1))]))
     drain_puts(writer)
     for direct in (True, False):
-        reader = transfers("mooncake://127.0.0.1:1?arena=1MB&local_client=none"
-                           + ("&direct_reads=1" if direct else ""), small_pool(seed=2),
-                           store=store)
+        reader = transfers(
+            "mooncake://127.0.0.1:1?arena=1MB&local_client=none"
+            + ("&direct_reads=1" if direct else ""),
+            small_pool(seed=2),
+            store=store,
+        )
         wait_identity(reader)
         assert reader.reads_into_pool() is direct
         threads = []
         view = reader.get_arena.view
         reader.get_arena.view = lambda *args: threads.append(
-            threading.current_thread().name) or view(*args)
+            threading.current_thread().name
+        ) or view(*args)
         reader.on_step(StoreStep(epoch=0, fetches=[EntryFetch("f", a, (2, 3))]))
         assert step_until(reader, "f") is FetchOutcome.OK
         assert not [n for n in threads if n.startswith("chunk-store-get")], threads
@@ -801,15 +940,22 @@ def _pool_reader_with_a_stuck_read(seed: int = 2):
     call still holds them (LateScatterStore: TIMEOUT now, the write later)."""
     store = LateScatterStore()
     src = small_pool(seed=1)
-    writer = transfers("mooncake://127.0.0.1:1?read_timeout=0.05&arena=1MB&local_client=none",
-                       src, store=store)
+    writer = transfers(
+        "mooncake://127.0.0.1:1?read_timeout=0.05&arena=1MB&local_client=none",
+        src,
+        store=store,
+    )
     wait_identity(writer)
     a = entry([1] + list(range(10, 40)))
     writer.on_step(StoreStep(epoch=0, puts=[EntryPut(a, (0, 1))]))
     drain_puts(writer)
     dst = small_pool(seed=seed)
-    reader = transfers("mooncake://127.0.0.1:1?read_timeout=0.05&arena=1MB&local_client=none"
-                       "&direct_reads=1", dst, store=store)
+    reader = transfers(
+        "mooncake://127.0.0.1:1?read_timeout=0.05&arena=1MB&local_client=none"
+        "&direct_reads=1",
+        dst,
+        store=store,
+    )
     wait_identity(reader)
     assert reader.reads_into_pool()
     reader.on_step(StoreStep(epoch=0, fetches=[EntryFetch("f1", a, (5, 6))]))
@@ -831,7 +977,9 @@ def test_a_closed_engines_pool_stays_allocated_until_a_late_read_into_it_returns
     pool = weakref.ref(dst["layers.0.k"])
     del reader, dst  # the engine goes (no close: `del llm` without a shutdown)
     gc.collect()
-    assert pool() is not None, "the pool was freed while a store call may still write into it"
+    assert pool() is not None, (
+        "the pool was freed while a store call may still write into it"
+    )
     # The call writes (into memory still the pool's), then returns: its
     # on_release is the last hold on the pool.
     store.land_late(fill=0x7F)
@@ -853,7 +1001,9 @@ def test_closing_waits_for_the_calls_in_flight_and_frees_their_memory():
     assert reader.get_arena.in_use() == 0 and reader.put_arena.in_use() == 0
     assert reader.lent_bytes() == 0
     # A closed engine starts no calls.
-    reader.on_step(StoreStep(epoch=0, fetches=[EntryFetch("late", entry([1, 2, 3]), (0,))]))
+    reader.on_step(
+        StoreStep(epoch=0, fetches=[EntryFetch("late", entry([1, 2, 3]), (0,))])
+    )
     assert store.late == [] and reader._reads == {}
 
 
@@ -877,7 +1027,7 @@ def test_closing_under_a_call_that_does_not_return_accounts_for_it():
 
 
 def test_the_connectors_shutdown_closes_the_store_path():
-    """vLLM's worker shutdown calls the connector's `shutdown`: the store's
+    """VLLM's worker shutdown calls the connector's `shutdown`: the store's
     calls in flight are waited for (a store deadline) and accounted for."""
     from types import SimpleNamespace
 
@@ -891,6 +1041,8 @@ def test_the_connectors_shutdown_closes_the_store_path():
     connector._scheduler, connector._worker = None, SimpleNamespace(store=reader)
     connector.shutdown()
     assert reader.counters.get("store_calls_held_at_close") == 1
-    reader.on_step(StoreStep(epoch=0, fetches=[EntryFetch("late", entry([1, 2, 3]), (0,))]))
+    reader.on_step(
+        StoreStep(epoch=0, fetches=[EntryFetch("late", entry([1, 2, 3]), (0,))])
+    )
     assert reader._reads == {}
     store.land_late(fill=0)

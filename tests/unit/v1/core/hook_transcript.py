@@ -51,10 +51,9 @@ class SchedulerShape:
 
 
 def make_scheduler(shape: SchedulerShape, monkeypatch) -> Any:
-    """vLLM's Scheduler with the chunk cache connector (as vLLM's
+    """VLLM's Scheduler with the chunk cache connector (as vLLM's
     tests/v1/core/utils.py builds one: an engine config, a KV cache config, no model)."""
     import torch
-
     from vllm.engine.arg_utils import EngineArgs
     from vllm.utils.hashing import sha256
     from vllm.v1.core.kv_cache_utils import init_none_hash
@@ -74,44 +73,73 @@ def make_scheduler(shape: SchedulerShape, monkeypatch) -> Any:
     if shape.max_batched is not None:
         extra["max_num_batched_tokens"] = shape.max_batched
     config = EngineArgs(
-        model=str(models_dir() / "tiny-llama"), dtype="float32", enforce_eager=True,
-        max_model_len=1024, enable_chunk_cache=True, chunk_recompute_tokens=shape.recompute,
-        enable_prefix_caching=True, chunk_pool_fraction=shape.pool_fraction,
+        model=str(models_dir() / "tiny-llama"),
+        dtype="float32",
+        enforce_eager=True,
+        max_model_len=1024,
+        enable_chunk_cache=True,
+        chunk_recompute_tokens=shape.recompute,
+        enable_prefix_caching=True,
+        chunk_pool_fraction=shape.pool_fraction,
         max_chunk_load_tokens=shape.max_load,
-        scheduling_policy="priority" if shape.priority else "fcfs", **extra,
+        scheduling_policy="priority" if shape.priority else "fcfs",
+        **extra,
     ).create_engine_config()
     config.cache_config.block_size = BLOCK
     config.cache_config.num_gpu_blocks = shape.num_gpu_blocks
     init_none_hash(sha256)
     common = dict(block_size=BLOCK, num_kv_heads=2, head_size=32, dtype=torch.float32)
-    spec = (SlidingWindowSpec(sliding_window=shape.sliding_window, **common)
-            if shape.sliding_window else FullAttentionSpec(**common))
-    kv_cache_config = KVCacheConfig(num_blocks=shape.num_gpu_blocks, kv_cache_tensors=[],
-                                    kv_cache_groups=[KVCacheGroupSpec(["l0"], spec)])
-    return Scheduler(config, kv_cache_config, StructuredOutputManager(config),
-                     block_size=BLOCK, log_stats=False)
+    spec = (
+        SlidingWindowSpec(sliding_window=shape.sliding_window, **common)
+        if shape.sliding_window
+        else FullAttentionSpec(**common)
+    )
+    kv_cache_config = KVCacheConfig(
+        num_blocks=shape.num_gpu_blocks,
+        kv_cache_tensors=[],
+        kv_cache_groups=[KVCacheGroupSpec(["l0"], spec)],
+    )
+    return Scheduler(
+        config,
+        kv_cache_config,
+        StructuredOutputManager(config),
+        block_size=BLOCK,
+        log_stats=False,
+    )
 
 
-def make_request(rid: str, token_ids: list[int], layout=None, priority: int = 0,
-                 max_tokens: int = 1):
+def make_request(
+    rid: str, token_ids: list[int], layout=None, priority: int = 0, max_tokens: int = 1
+):
     from vllm.sampling_params import SamplingParams
     from vllm.utils.hashing import sha256
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher
     from vllm.v1.request import Request
 
-    return Request(rid, token_ids, SamplingParams(max_tokens=max_tokens, ignore_eos=True),
-                   None, priority=priority, chunk_layout=layout,
-                   block_hasher=get_request_block_hasher(BLOCK, sha256))
+    return Request(
+        rid,
+        token_ids,
+        SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+        None,
+        priority=priority,
+        chunk_layout=layout,
+        block_hasher=get_request_block_hasher(BLOCK, sha256),
+    )
 
 
 def _plain(value: Any) -> Any:
     """JSON-able form of hook values (dataclasses, tuples, enums, bytes)."""
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+        return {
+            f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)
+        }
     if isinstance(value, (list, tuple)):
         return [_plain(v) for v in value]
     if isinstance(value, dict):
-        return {str(k): _plain(v) for k, v in sorted(value.items(), key=lambda kv: str(kv[0]))}
+        return {
+            str(k): _plain(v)
+            for k, v in sorted(value.items(), key=lambda kv: str(kv[0]))
+        }
     if isinstance(value, (set, frozenset)):
         return sorted(_plain(v) for v in value)
     if isinstance(value, bytes):
@@ -131,8 +159,11 @@ def engine_step(scheduler) -> Any:
     from vllm.v1.outputs import ModelRunnerOutput
 
     # NOTE: EngineCore's own method, on the two attributes it reads.
-    EngineCore._add_internal_requests(types.SimpleNamespace(
-        _internal_request_connector=scheduler.connector, scheduler=scheduler))
+    EngineCore._add_internal_requests(
+        types.SimpleNamespace(
+            _internal_request_connector=scheduler.connector, scheduler=scheduler
+        )
+    )
     out = scheduler.schedule()
     ids = list(out.num_scheduled_tokens)
     sampled = []
@@ -140,18 +171,31 @@ def engine_step(scheduler) -> Any:
         r = scheduler.requests[rid]
         done = r.num_computed_tokens >= r.num_prompt_tokens  # advanced by schedule()
         sampled.append([5] if done else [])
-    scheduler.update_from_output(out, ModelRunnerOutput(
-        req_ids=ids, req_id_to_index={rid: i for i, rid in enumerate(ids)},
-        sampled_token_ids=sampled))
+    scheduler.update_from_output(
+        out,
+        ModelRunnerOutput(
+            req_ids=ids,
+            req_id_to_index={rid: i for i, rid in enumerate(ids)},
+            sampled_token_ids=sampled,
+        ),
+    )
     return out
 
 
 class Transcript:
     """Records the connector hooks of one scheduler, step by step."""
 
-    HOOKS = ("get_num_new_matched_tokens", "get_prefill_gap", "update_state_after_alloc",
-             "build_connector_meta", "request_finished", "take_internal_requests",
-             "take_failed_requests", "update_connector_output", "reset_cache")
+    HOOKS = (
+        "get_num_new_matched_tokens",
+        "get_prefill_gap",
+        "update_state_after_alloc",
+        "build_connector_meta",
+        "request_finished",
+        "take_internal_requests",
+        "take_failed_requests",
+        "update_connector_output",
+        "reset_cache",
+    )
 
     def __init__(self, scheduler):
         self.scheduler = scheduler
@@ -160,7 +204,9 @@ class Transcript:
         self._events: list[Any] = []
         self._names: dict[str, str] = {}
         for hook in self.HOOKS:
-            setattr(self.connector, hook, self._wrap(hook, getattr(self.connector, hook)))
+            setattr(
+                self.connector, hook, self._wrap(hook, getattr(self.connector, hook))
+            )
         # NOTE: vLLM 0.32's update_from_output takes the scheduler side's stats
         # itself (0.23's does not): every take of a step is kept and summed as
         # vLLM sums them (counters added, the latest gauges), so both bases
@@ -181,6 +227,7 @@ class Transcript:
     def _rename(self, text: str) -> str:
         def sub(m: re.Match) -> str:
             return self._names.setdefault(m.group(0), f"#{len(self._names)}")
+
         return _HEX16.sub(sub, text)
 
     def _norm(self, value: Any) -> Any:
@@ -199,6 +246,7 @@ class Transcript:
             out = fn(*args, **kwargs)
             self._events.append(self._norm([hook, *self._describe(hook, args, out)]))
             return out
+
         return recorded
 
     def _describe(self, hook: str, args: tuple, out: Any) -> list[Any]:
@@ -212,18 +260,36 @@ class Transcript:
             meta = out
             store = None
             if meta.store is not None:
-                store = {"epoch": meta.store.epoch, "fetches": _plain(meta.store.fetches),
-                         "puts": _plain(meta.store.puts)}
-            return [{"loads": _plain(meta.loads), "stores": _plain(meta.stores),
-                     "store": store}]
+                store = {
+                    "epoch": meta.store.epoch,
+                    "fetches": _plain(meta.store.fetches),
+                    "puts": _plain(meta.store.puts),
+                }
+            return [
+                {
+                    "loads": _plain(meta.loads),
+                    "stores": _plain(meta.stores),
+                    "store": store,
+                }
+            ]
         if hook == "request_finished":
             request, _ = args
             return [request.request_id, request.status.name, _plain(out)]
         if hook == "take_internal_requests":
-            return [[{"id": r.request_id, "prompt": list(r.prompt_token_ids),
-                      "priority": r.priority, "salt": r.cache_salt,
-                      "lora": None if r.lora_request is None else r.lora_request.lora_name}
-                     for r in out]]
+            return [
+                [
+                    {
+                        "id": r.request_id,
+                        "prompt": list(r.prompt_token_ids),
+                        "priority": r.priority,
+                        "salt": r.cache_salt,
+                        "lora": None
+                        if r.lora_request is None
+                        else r.lora_request.lora_name,
+                    }
+                    for r in out
+                ]
+            ]
         if hook == "take_failed_requests":
             return [_plain(out)] if out else []
         if hook == "reset_cache":
@@ -245,19 +311,23 @@ class Transcript:
         report = on_step(out) if on_step is not None else None
         if report is not None:
             sched.connector.update_connector_output(
-                types.SimpleNamespace(kv_connector_worker_meta=report))
+                types.SimpleNamespace(kv_connector_worker_meta=report)
+            )
         stats = type(sched.connector.get_kv_connector_stats())(data={})
         for taken in self._stats_taken:  # in the order taken: later gauges win
             stats.aggregate(type(stats)(data=taken))
         self._stats_taken = []
-        data = {k: v for k, v in stats.data.items()
-                if not k.endswith("_seconds") and v}
-        self.steps.append(self._norm({
-            "scheduled": _plain(dict(out.num_scheduled_tokens)),
-            "preempted": sorted(out.preempted_req_ids or ()),
-            "hooks": _finishes_sorted(self._events),
-            "stats": _plain(data),
-        }))
+        data = {k: v for k, v in stats.data.items() if not k.endswith("_seconds") and v}
+        self.steps.append(
+            self._norm(
+                {
+                    "scheduled": _plain(dict(out.num_scheduled_tokens)),
+                    "preempted": sorted(out.preempted_req_ids or ()),
+                    "hooks": _finishes_sorted(self._events),
+                    "stats": _plain(data),
+                }
+            )
+        )
         self._events = []
         return out
 
@@ -290,8 +360,9 @@ def check_golden(path: Path, transcript: list[dict[str, Any]], update: bool) -> 
     if update or not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)
-        raise AssertionError(f"wrote {path}: review it, then rerun without "
-                             "CHUNK_TRANSCRIPT_UPDATE")
+        raise AssertionError(
+            f"wrote {path}: review it, then rerun without CHUNK_TRANSCRIPT_UPDATE"
+        )
     want = json.loads(path.read_text())
     got = json.loads(text)
     for i, (w, g) in enumerate(zip(want, got)):

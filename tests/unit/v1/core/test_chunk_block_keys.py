@@ -6,18 +6,20 @@ leading segments share those blocks and nothing else does."""
 from __future__ import annotations
 
 import pytest
-
 from vllm.sampling_params import SamplingParams
-from vllm.v1.core.chunk_block_keys import block_extra_keys
 from vllm.v1.request import Request
+
+from vllm.v1.core.chunk_block_keys import block_extra_keys
 
 BLOCK = 4
 
 
 def test_keys_name_each_boundary_in_the_block_with_its_kind():
     layout = (3, 5, 4, 2)  # system 0-2, chunk 3-7, chunk 8-11, question 12-13
-    assert block_extra_keys(layout, 0, 4) == [("chunk-segment", 0, "s"),
-                                              ("chunk-segment", 3, "c")]
+    assert block_extra_keys(layout, 0, 4) == [
+        ("chunk-segment", 0, "s"),
+        ("chunk-segment", 3, "c"),
+    ]
     assert block_extra_keys(layout, 4, 8) == []
     assert block_extra_keys(layout, 8, 12) == [("chunk-segment", 0, "c")]
     assert block_extra_keys(layout, 12, 16) == [("chunk-segment", 0, "q")]
@@ -41,9 +43,14 @@ def _block_hashes(layout, token_ids):
     from vllm.utils.hashing import sha256
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher
 
-    request = Request("r", token_ids, SamplingParams(max_tokens=1), None,
-                      block_hasher=get_request_block_hasher(BLOCK, sha256),
-                      chunk_layout=layout)
+    request = Request(
+        "r",
+        token_ids,
+        SamplingParams(max_tokens=1),
+        None,
+        block_hasher=get_request_block_hasher(BLOCK, sha256),
+        chunk_layout=layout,
+    )
     return request.block_hashes
 
 
@@ -65,7 +72,11 @@ def test_requests_share_the_blocks_of_their_common_leading_segments():
 @pytest.mark.parametrize("layout", [(1, 1, 1, 1), (16,), (4, 4, 4, 4)])
 def test_block_edges_and_single_token_segments(layout):
     total = sum(layout)
-    keys = [k for s in range(0, total, BLOCK) for k in block_extra_keys(layout, s, s + BLOCK)]
+    keys = [
+        k
+        for s in range(0, total, BLOCK)
+        for k in block_extra_keys(layout, s, s + BLOCK)
+    ]
     assert len(keys) == len(layout)
     assert keys[0] == ("chunk-segment", 0, "s")
     assert keys[-1][2] == ("q" if len(layout) > 1 else "s")
@@ -87,9 +98,15 @@ def test_no_client_salt_shares_a_block_with_a_chunked_prompt(algo):
     system = list(range(100, 100 + BLOCK))  # block 0: all system prompt
 
     def hashes(layout, salt):
-        request = Request("r", system + [7] * 6, SamplingParams(max_tokens=1), None,
-                          block_hasher=get_request_block_hasher(BLOCK, hash_fn),
-                          cache_salt=salt, chunk_layout=layout)
+        request = Request(
+            "r",
+            system + [7] * 6,
+            SamplingParams(max_tokens=1),
+            None,
+            block_hasher=get_request_block_hasher(BLOCK, hash_fn),
+            cache_salt=salt,
+            chunk_layout=layout,
+        )
         return request.block_hashes
 
     chunked = hashes((BLOCK, 4, 2), None)
@@ -107,18 +124,26 @@ def test_layouts_asked_in_turn_each_get_their_own_boundaries():
     for. Interleaved layouts, equal ones as distinct objects and a layout asked
     again after another all give the keys of a plain reading of the layout
     (each segment start's offset in the block, and its kind)."""
+
     def expected(layout, start, end):
         starts = [sum(layout[:i]) for i in range(len(layout))]
-        return [("chunk-segment", p - start, "s" if i == 0 else
-                 "q" if i == len(layout) - 1 else "c")
-                for i, p in enumerate(starts) if start <= p < end]
+        return [
+            (
+                "chunk-segment",
+                p - start,
+                "s" if i == 0 else "q" if i == len(layout) - 1 else "c",
+            )
+            for i, p in enumerate(starts)
+            if start <= p < end
+        ]
 
     a, b = (3, 5, 4, 2), (2, 2, 2, 2, 6)
     a_again = tuple(list(a))  # equal content, another object
     for layout in (a, b, a, a_again, b, b, a_again):
         for start in range(0, 16, BLOCK):
             assert block_extra_keys(layout, start, start + BLOCK) == expected(
-                layout, start, start + BLOCK)
+                layout, start, start + BLOCK
+            )
 
 
 def test_every_block_length_and_offset_gets_the_keys_of_a_plain_reading():
@@ -132,13 +157,20 @@ def test_every_block_length_and_offset_gets_the_keys_of_a_plain_reading():
 
     def expected(layout, start, end):
         starts = [sum(layout[:i]) for i in range(len(layout))]
-        return [("chunk-segment", p - start, "s" if i == 0 else
-                 "q" if i == len(layout) - 1 else "c")
-                for i, p in enumerate(starts) if start <= p < end]
+        return [
+            (
+                "chunk-segment",
+                p - start,
+                "s" if i == 0 else "q" if i == len(layout) - 1 else "c",
+            )
+            for i, p in enumerate(starts)
+            if start <= p < end
+        ]
 
     rng = random.Random(60)
-    layouts = [tuple(rng.randint(1, 40) for _ in range(rng.randint(2, 12)))
-               for _ in range(20)]
+    layouts = [
+        tuple(rng.randint(1, 40) for _ in range(rng.randint(2, 12))) for _ in range(20)
+    ]
     checked = 0
     for _ in range(3):
         for layout in layouts:
@@ -146,9 +178,12 @@ def test_every_block_length_and_offset_gets_the_keys_of_a_plain_reading():
             for length in (1, 3, 16, 32, 128, total + 5):
                 for start in range(0, total, length):
                     assert block_extra_keys(layout, start, start + length) == expected(
-                        layout, start, start + length)
+                        layout, start, start + length
+                    )
                     checked += 1
                 start = rng.randrange(1, total) if total > 1 else 0
                 end = start + rng.randint(1, 50)
-                assert block_extra_keys(layout, start, end) == expected(layout, start, end)
+                assert block_extra_keys(layout, start, end) == expected(
+                    layout, start, end
+                )
     assert checked > 1000

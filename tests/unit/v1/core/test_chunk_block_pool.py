@@ -225,7 +225,12 @@ def test_reserve_pins_and_allocates_all_or_nothing():
     got = pool.reserve([key(0), key(1)], [(key(5), 2), (key(6), 1)])
     assert isinstance(got, Reservation) and got.evicted == (key(2),)
     assert [e.chunk_hash for e in got.entries] == [key(5), key(6)]
-    assert [pool.get(k).pin_count for k in (key(0), key(1), key(5), key(6))] == [1, 1, 1, 1]
+    assert [pool.get(k).pin_count for k in (key(0), key(1), key(5), key(6))] == [
+        1,
+        1,
+        1,
+        1,
+    ]
     assert pool.lru_order() == []
 
 

@@ -5,7 +5,13 @@ import dataclasses
 
 import pytest
 
-from tests.chunk_manager_views import StorePlan, child_finished, is_ready, load_plan, store_plan
+from tests.chunk_manager_views import (
+    StorePlan,
+    child_finished,
+    is_ready,
+    load_plan,
+    store_plan,
+)
 from vllm.v1.core.chunk_cache_manager import (
     CHILD_REQUEST_PREFIX,
     MAX_CHILD_ATTEMPTS,
@@ -49,7 +55,9 @@ def child_id(n: int, key: bytes) -> str:
 
 
 def Manager(num_pool_blocks, block_size, context_mode=ChunkContextMode.SINK):
-    return ChunkCacheManager(num_pool_blocks, block_size, context_mode, sink_token_id=SINK)
+    return ChunkCacheManager(
+        num_pool_blocks, block_size, context_mode, sink_token_id=SINK
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,13 +97,22 @@ def test_first_request_misses_everything_then_loads():
     assert adm.reason == AdmitReason.ADMITTED and not is_ready(m, "r1")
     assert [s.status for s in adm.segments] == [SegmentStatus.MISSING] * 3
     assert [c.request_id for c in adm.new_children] == [
-        child_id(0, hs), child_id(1, ha), child_id(2, hb)
+        child_id(0, hs),
+        child_id(1, ha),
+        child_id(2, hb),
     ]
     # System alone; chunks behind a private copy of the first token (sink).
-    assert [c.token_ids for c in adm.new_children] == [SYS, [BOS] + DOC_A, [BOS] + DOC_B]
+    assert [c.token_ids for c in adm.new_children] == [
+        SYS,
+        [BOS] + DOC_A,
+        [BOS] + DOC_B,
+    ]
     assert [c.store_start for c in adm.new_children] == [0, 1, 1]
     assert store_plan(m, adm.new_children[1]) == StorePlan(
-        request_id=child_id(1, ha), chunk_hash=ha, src_start=1, num_tokens=5,
+        request_id=child_id(1, ha),
+        chunk_hash=ha,
+        src_start=1,
+        num_tokens=5,
         pool_block_ids=[1, 2],
     )
 
@@ -144,7 +161,9 @@ def test_reset_forgets_resident_segments_they_are_computed_again():
     assert [s.status for s in adm.segments] == [SegmentStatus.MISSING] * 2
     assert len(adm.new_children) == 2
     assert adm.segments[0].chunk_hash != h(SYS, [])
-    assert adm.segments[0].chunk_hash == h(SYS, [], dataclasses.replace(NS, weights_epoch=1))
+    assert adm.segments[0].chunk_hash == h(
+        SYS, [], dataclasses.replace(NS, weights_epoch=1)
+    )
     stats = m.stats()
     assert (stats.hits, stats.misses, stats.evictions) == (0, 4, 0)
 
@@ -160,7 +179,10 @@ def test_reset_with_running_and_waiting_parents():
     finish_children(m, admit(m, "run", running))
     assert is_ready(m, "run")
     old = admit(m, "wait", make_prompt(SYS, DOC_B, [31]))
-    assert [s.status for s in old.segments] == [SegmentStatus.RESIDENT, SegmentStatus.MISSING]
+    assert [s.status for s in old.segments] == [
+        SegmentStatus.RESIDENT,
+        SegmentStatus.MISSING,
+    ]
     assert m.reset() is False
     # "run" may still read its retired rows.
     assert load_plan(m, "run").num_rows_to_copy == 8
@@ -187,7 +209,9 @@ def test_reordered_chunks_after_another_system_prompt_hit():
     sys2 = [BOS, 5]
     adm = admit(m, "r2", make_prompt(sys2, DOC_B, DOC_A, [31, 32]), NS)
     assert [s.status for s in adm.segments] == [
-        SegmentStatus.MISSING, SegmentStatus.RESIDENT, SegmentStatus.RESIDENT
+        SegmentStatus.MISSING,
+        SegmentStatus.RESIDENT,
+        SegmentStatus.RESIDENT,
     ]
     h2 = h(sys2, [])
     assert [c.request_id for c in adm.new_children] == [child_id(3, h2)]
@@ -223,7 +247,9 @@ def test_concurrent_duplicate_misses_share_one_child():
     assert [c.chunk_hash for c in a1.new_children] == [hs, ha, hb]
     # r2 joins r1's children for SYS and DOC_B; only DOC_C is new.
     assert [s.status for s in a2.segments] == [
-        SegmentStatus.IN_FLIGHT, SegmentStatus.IN_FLIGHT, SegmentStatus.MISSING
+        SegmentStatus.IN_FLIGHT,
+        SegmentStatus.IN_FLIGHT,
+        SegmentStatus.MISSING,
     ]
     assert [c.request_id for c in a2.new_children] == [child_id(3, hc)]
     # Writer pin + one pin per parent.
@@ -280,17 +306,25 @@ def test_failed_child_is_retried_once_then_its_waiters_are_refused():
     assert m.take_refusals() == []
 
     # Second failure: refused, never served otherwise; pins and entry gone.
-    assert m.finish_child(retry.request_id, stored=False,
-                          ended="FINISHED_ABORTED").children == ()
+    assert (
+        m.finish_child(
+            retry.request_id, stored=False, ended="FINISHED_ABORTED"
+        ).children
+        == ()
+    )
     assert ha not in m.pool
     refusals = m.take_refusals()
     assert [(r.request_id, r.reason) for r in refusals] == [
-        ("r1", AdmitReason.CHILD_FAILED), ("r2", AdmitReason.CHILD_FAILED)]
+        ("r1", AdmitReason.CHILD_FAILED),
+        ("r2", AdmitReason.CHILD_FAILED),
+    ]
     # The client is told which segment, how it ended and that a retry is safe.
     for r in refusals:
-        assert f"document 1 of this request ({len(DOC_A)} tokens, chunk key " \
-            f"{ha.hex()[:16]}) could not be computed (2 attempts, the last " \
+        assert (
+            f"document 1 of this request ({len(DOC_A)} tokens, chunk key "
+            f"{ha.hex()[:16]}) could not be computed (2 attempts, the last "
             "ended FINISHED_ABORTED)" in r.message
+        )
         assert "retrying the request is safe" in r.message
     assert not is_ready(m, "r1")
     assert m.admit("r1").reason == AdmitReason.CHILD_FAILED
@@ -337,7 +371,11 @@ def test_pool_pinned_full_defers_and_keeps_pins_of_others():
     assert ha not in m.pool and not m.pool.is_published(ha)
     assert store_plan(m, a2.new_children[0]).pool_block_ids == [3, 1, 2]
     stats = m.stats()
-    assert (stats.evictions, stats.deferred_requests, stats.refused_requests) == (1, 1, 0)
+    assert (stats.evictions, stats.deferred_requests, stats.refused_requests) == (
+        1,
+        1,
+        0,
+    )
 
 
 def test_nothing_is_pinned_before_admission():
@@ -385,7 +423,9 @@ def test_sink_is_the_deployment_constant_not_the_first_token():
     finish_all(m, admit(m, "r1", make_prompt([7, 8], DOC_A, [30])))
     adm = admit(m, "r2", make_prompt([9], DOC_A, [31]))  # another first token
     assert [s.status for s in adm.segments] == [
-        SegmentStatus.MISSING, SegmentStatus.RESIDENT]
+        SegmentStatus.MISSING,
+        SegmentStatus.RESIDENT,
+    ]
     assert adm.segments[1].chunk_hash == h(DOC_A, [SINK])
     with pytest.raises(ValueError, match="sink token"):
         ChunkCacheManager(4, 4, ChunkContextMode.SINK, sink_token_id=None)

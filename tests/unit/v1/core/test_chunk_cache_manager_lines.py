@@ -12,8 +12,8 @@ execute more; hashing, verification and block lists are C-level work.
 
 import random
 
-from tests.unit.python_lines import python_lines
 from tests.chunk_manager_views import child_finished
+from tests.unit.python_lines import python_lines
 from vllm.v1.core.chunk_cache_manager import ChunkCacheManager
 from vllm.v1.core.chunk_hash_index import ChunkNamespace
 from vllm.v1.core.chunk_structures import ChunkContextMode, ChunkedPrompt, SegmentSpan
@@ -38,8 +38,9 @@ def _all_hit_lines(doc_tokens: int) -> int:
     rng = random.Random(doc_tokens)
     system = [BOS] + [rng.randrange(2, 1000) for _ in range(doc_tokens)]
     docs = [[rng.randrange(2, 1000) for _ in range(doc_tokens)] for _ in range(DOCS)]
-    manager = ChunkCacheManager(4 * DOCS * (doc_tokens // 16 + 2), 16,
-                                ChunkContextMode.SINK, sink_token_id=BOS)
+    manager = ChunkCacheManager(
+        4 * DOCS * (doc_tokens // 16 + 2), 16, ChunkContextMode.SINK, sink_token_id=BOS
+    )
     manager.add_request("warm", _prompt(system, docs, [5, 6, 7]), NS)
     for child in manager.admit("warm").children:
         child_finished(manager, child.request_id)
@@ -52,7 +53,9 @@ def _all_hit_lines(doc_tokens: int) -> int:
         decision = manager.decide("r")
         assert decision.ready, "every segment resident"
         plan = decision.load_plan(0, decision.plan.num_tokens)
-        assert sum(s.num_tokens for s in plan.segments) == len(system) + DOCS * doc_tokens
+        assert (
+            sum(s.num_tokens for s in plan.segments) == len(system) + DOCS * doc_tokens
+        )
         manager.release("r")
 
     request()  # first-call imports and caches

@@ -7,7 +7,13 @@ holds the old ones until they are returned."""
 
 import pytest
 
-from tests.chunk_manager_views import child_finished, is_ready, load_plan, report, store_plan
+from tests.chunk_manager_views import (
+    child_finished,
+    is_ready,
+    load_plan,
+    report,
+    store_plan,
+)
 from vllm.v1.core.chunk_cache_manager import ChunkCacheManager
 from vllm.v1.core.chunk_hash_index import ChunkNamespace
 from vllm.v1.core.chunk_store_probe import FETCH_ID_PREFIX, StoreAnswer, StoreLookup
@@ -145,8 +151,9 @@ def test_without_a_probe_nothing_is_asked():
 
 
 def small_manager(probe, num_blocks: int) -> ChunkCacheManager:
-    return ChunkCacheManager(num_blocks, 4, ChunkContextMode.SINK, sink_token_id=1,
-                             store=probe)
+    return ChunkCacheManager(
+        num_blocks, 4, ChunkContextMode.SINK, sink_token_id=1, store=probe
+    )
 
 
 def test_failed_fetch_with_lent_rows_computes_into_new_blocks_and_holds_the_old():
@@ -173,7 +180,11 @@ def test_failed_fetch_with_lent_rows_computes_into_new_blocks_and_holds_the_old(
     assert m.pool.held_by(fetch.request_id) == (2, 3)
     assert m.pool.lru_order() == [] and m.pool.num_published == 1  # only SYS is left
     stats = m.stats()
-    assert (stats.evictions, stats.pool_blocks_held, stats.pool_blocks_used) == (1, 2, 5)
+    assert (stats.evictions, stats.pool_blocks_held, stats.pool_blocks_used) == (
+        1,
+        2,
+        5,
+    )
     assert m.pool.get(fetch.chunk_hash).pin_count == 2  # writer + parent, as before
     assert child_finished(m, child.request_id) == ["p"]
     assert [s.pool_block_ids for s in load_plan(m, "p").segments] == [[0], [4, 1]]

@@ -29,8 +29,10 @@ def test_serialisation_is_fixed_width_little_endian_with_lengths():
     data = (
         b"vllm-chunk-cache-key-v1"
         + d
-        + struct.pack("<Q", 1) + struct.pack("<I", 5)
-        + struct.pack("<Q", 2) + struct.pack("<2I", 258, 70000)
+        + struct.pack("<Q", 1)
+        + struct.pack("<I", 5)
+        + struct.pack("<Q", 2)
+        + struct.pack("<2I", 258, 70000)
     )
     assert compute_chunk_hash([258, 70000], [5], d) == xxhash.xxh3_128(data).digest()
     assert token_bytes([1, 256]) == b"\x01\x00\x00\x00\x00\x01\x00\x00"
@@ -50,9 +52,7 @@ def test_context_and_token_boundary_is_unambiguous():
 
 def test_context_changes_the_key():
     d = NS.digest()
-    keys = {
-        compute_chunk_hash([10, 11], ctx, d) for ctx in ([], [1], [2], [1, 5, 6])
-    }
+    keys = {compute_chunk_hash([10, 11], ctx, d) for ctx in ([], [1], [2], [1, 5, 6])}
     assert len(keys) == 4
 
 
@@ -115,8 +115,9 @@ def test_hash_of_serialised_ids_is_the_key_of_the_ids():
 
     d = NS.digest()
     for tokens, context in (([1, 2, 3], [0]), ([2**32 - 1], []), ([], [5, 6])):
-        assert chunk_hash_of_bytes(token_bytes(tokens), token_bytes(context), d) == \
-            compute_chunk_hash(tokens, context, d)
+        assert chunk_hash_of_bytes(
+            token_bytes(tokens), token_bytes(context), d
+        ) == compute_chunk_hash(tokens, context, d)
 
 
 def test_lookup_bytes_verifies_tokens_and_context_exactly():

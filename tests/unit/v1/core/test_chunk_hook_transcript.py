@@ -15,7 +15,6 @@ import os
 from pathlib import Path
 
 import pytest
-from vllm import __version__ as vllm_version
 
 from tests.unit.v1.core.hook_transcript import (
     BLOCK,
@@ -26,6 +25,7 @@ from tests.unit.v1.core.hook_transcript import (
     make_request,
     make_scheduler,
 )
+from vllm import __version__ as vllm_version
 
 # NOTE: one set per base: vLLM 0.32's block pool hands out other block ids (its
 # free queue's order), so the same hooks carry other paged block ids there.
@@ -46,8 +46,9 @@ def prompt(*parts: list[int]) -> tuple[list[int], tuple[int, ...]]:
     return [t for p in parts for t in p], tuple(len(p) for p in parts)
 
 
-def add(t: Transcript, rid: str, *parts: list[int], priority: int = 0,
-        max_tokens: int = 1):
+def add(
+    t: Transcript, rid: str, *parts: list[int], priority: int = 0, max_tokens: int = 1
+):
     ids, layout = prompt(*parts)
     if len(parts) == 1:
         layout = None  # a plain request
@@ -61,8 +62,9 @@ def run_until_idle(t: Transcript, max_steps: int = 30, on_step=None) -> None:
         t.step(on_step)
         if not t.scheduler.requests:
             return
-    raise AssertionError(f"still running after {max_steps} steps: "
-                         f"{list(t.scheduler.requests)}")
+    raise AssertionError(
+        f"still running after {max_steps} steps: {list(t.scheduler.requests)}"
+    )
 
 
 def children(t: Transcript) -> list[str]:
@@ -101,8 +103,9 @@ def fifo_deferral_on_a_full_pool(t: Transcript, monkeypatch) -> None:
 
 
 def refusals(t: Transcript, monkeypatch) -> None:
-    from vllm.v1.core import chunk_cache_manager
     from vllm.v1.request import RequestStatus
+
+    from vllm.v1.core import chunk_cache_manager
 
     # Oversized: four documents need 13 blocks of a pool of 8.
     add(t, "big", SYS, D1, D2, D3, list(range(700, 740)), q(0))
@@ -179,8 +182,12 @@ def reset_with_work_in_flight(t: Transcript, monkeypatch) -> None:
     add(t, "a", SYS, D1, q(0))
     t.step()  # a waits; its children are made, not yet scheduled
     t.note("reset")
-    assert t.scheduler.reset_prefix_cache(reset_running_requests=True,
-                                          reset_connector=True) is not None
+    assert (
+        t.scheduler.reset_prefix_cache(
+            reset_running_requests=True, reset_connector=True
+        )
+        is not None
+    )
     run_until_idle(t)
     add(t, "b", SYS, D1, D2, q(1), max_tokens=4)
     t.step()
@@ -213,8 +220,12 @@ class PresenceStore:
             Presence,
         )
 
-        return [Presence.PRESENT if int(k.rsplit("/", 1)[1], 16) in self.present
-                else Presence.ABSENT for k in keys]
+        return [
+            Presence.PRESENT
+            if int(k.rsplit("/", 1)[1], 16) in self.present
+            else Presence.ABSENT
+            for k in keys
+        ]
 
 
 class InlineExecutor:
@@ -243,8 +254,10 @@ def _store_spec(port: int, monkeypatch, present: list[list[int]]) -> str:
 
     spec = f"mooncake://127.0.0.1:{port}?lookup_timeout=600&local_client=none"
     monkeypatch.setattr(lookups, "ThreadPoolExecutor", InlineExecutor)
-    hashes = {lookups.store_content_hash(seg, [SINK] if seg is not SYS else [], None, "")
-              for seg in present}
+    hashes = {
+        lookups.store_content_hash(seg, [SINK] if seg is not SYS else [], None, "")
+        for seg in present
+    }
     SharedStore.of(spec).use(PresenceStore(hashes))
     return spec
 
@@ -255,9 +268,21 @@ def identities():
         StoreReport,
     )
 
-    return StoreReport(identities=[RankIdentity(
-        epoch=0, tp_rank=0, pp_rank=0, model="m", weights_version="w", kv_dtype="f32",
-        kv_layout="l", rope="r", compute="c")])
+    return StoreReport(
+        identities=[
+            RankIdentity(
+                epoch=0,
+                tp_rank=0,
+                pp_rank=0,
+                model="m",
+                weights_version="w",
+                kv_dtype="f32",
+                kv_layout="l",
+                rope="r",
+                compute="c",
+            )
+        ]
+    )
 
 
 class ScriptedWorkers:
@@ -284,7 +309,7 @@ class ScriptedWorkers:
                 del self.returns[fid]
         meta = out.kv_connector_metadata
         for fetch in meta.store.fetches if meta.store is not None else ():
-            segment = list(fetch.entry.token_ids[fetch.entry.virtual_start:])
+            segment = list(fetch.entry.token_ids[fetch.entry.virtual_start :])
             outcomes[fetch.fetch_id] = [self.outcome(segment)]
             if segment in self.lent:
                 lent[fetch.fetch_id] = 1
@@ -307,6 +332,7 @@ def _ok_or_timeout(timed_out):
         if segment == D3:
             return CAUSE_VERIFY_FAILED
         return FETCH_OK
+
     return outcome
 
 
@@ -338,30 +364,50 @@ def _worker_meta(report):
 SCENARIOS = {
     "cold_then_warm": (cold_then_warm, SchedulerShape(), None),
     "two_parents_share_a_child_in_flight": (
-        two_parents_share_a_child_in_flight, SchedulerShape(), None),
+        two_parents_share_a_child_in_flight,
+        SchedulerShape(),
+        None,
+    ),
     "fifo_deferral_on_a_full_pool": (
-        fifo_deferral_on_a_full_pool, SchedulerShape(num_gpu_blocks=40, pool_fraction=1 / 6),
-        None),
-    "refusals": (refusals, SchedulerShape(num_gpu_blocks=40, pool_fraction=1 / 6,
-                                           max_batched=32), None),
+        fifo_deferral_on_a_full_pool,
+        SchedulerShape(num_gpu_blocks=40, pool_fraction=1 / 6),
+        None,
+    ),
+    "refusals": (
+        refusals,
+        SchedulerShape(num_gpu_blocks=40, pool_fraction=1 / 6, max_batched=32),
+        None,
+    ),
     "recompute_k12_one_step": (_recompute, SchedulerShape(recompute=12), None),
-    "recompute_k12_multi_step": (_recompute, SchedulerShape(recompute=12, one_step=False),
-                                 None),
+    "recompute_k12_multi_step": (
+        _recompute,
+        SchedulerShape(recompute=12, one_step=False),
+        None,
+    ),
     "small_load_cap": (small_load_cap, SchedulerShape(max_load=100), None),
     "preempted_in_the_allocating_step": (
         preempted_in_the_allocating_step,
-        SchedulerShape(recompute=2, one_step=False, num_gpu_blocks=10, priority=True), None),
+        SchedulerShape(recompute=2, one_step=False, num_gpu_blocks=10, priority=True),
+        None,
+    ),
     "reset_with_work_in_flight": (reset_with_work_in_flight, SchedulerShape(), None),
     "windowed_null_blocks": (
         windowed_null_blocks,
-        SchedulerShape(recompute=2, one_step=False, sliding_window=32), None),
+        SchedulerShape(recompute=2, one_step=False, sliding_window=32),
+        None,
+    ),
     "store_hit_miss_pending": (store_hit_miss_pending, SchedulerShape(), [D1, D3]),
     "store_failed_fetch_rows_lent_with_room": (
-        store_failed_fetch_rows_lent, SchedulerShape(), [SYS, D1]),
+        store_failed_fetch_rows_lent,
+        SchedulerShape(),
+        [SYS, D1],
+    ),
     # A pool of 4 blocks: no room to compute D1 elsewhere while its rows are lent.
     "store_failed_fetch_rows_lent_without_room": (
         store_failed_fetch_rows_lent,
-        SchedulerShape(num_gpu_blocks=40, pool_fraction=4 / 44), [SYS, D1]),
+        SchedulerShape(num_gpu_blocks=40, pool_fraction=4 / 44),
+        [SYS, D1],
+    ),
 }
 
 
@@ -370,8 +416,9 @@ def test_hook_transcript(name, monkeypatch):
     scenario, shape, present = SCENARIOS[name]
     if present is not None:
         port = 47300 + list(SCENARIOS).index(name)
-        shape = SchedulerShape(**{**shape.__dict__,
-                                  "store": _store_spec(port, monkeypatch, present)})
+        shape = SchedulerShape(
+            **{**shape.__dict__, "store": _store_spec(port, monkeypatch, present)}
+        )
     scheduler = make_scheduler(shape, monkeypatch)
     t = Transcript(scheduler)
     t.steps.append({"pool_blocks": pool_blocks(t)})

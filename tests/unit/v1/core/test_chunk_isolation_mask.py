@@ -4,15 +4,15 @@ import math
 import pytest
 import torch
 
-from tests.chunk_manager_views import child_finished, load_plan
-from vllm.v1.core.chunk_cache_manager import ChunkCacheManager
-from vllm.v1.core.chunk_hash_index import ChunkNamespace
 from tests.chunk_isolation_mask import (
     Role,
     build_isolated_sequence,
     build_lever_sequence,
     first_k,
 )
+from tests.chunk_manager_views import child_finished, load_plan
+from vllm.v1.core.chunk_cache_manager import ChunkCacheManager
+from vllm.v1.core.chunk_hash_index import ChunkNamespace
 from vllm.v1.core.chunk_structures import ChunkContextMode, ChunkedPrompt, SegmentSpan
 
 
@@ -67,7 +67,9 @@ def test_sliding_window_hand_worked():
         ".....11.",
         "......11",  # the question (5): e (4) and itself, the last 2 real keys
     ]
-    assert torch.equal(seq.windowed(6), seq.allowed)  # a window over the prompt: no change
+    assert torch.equal(
+        seq.windowed(6), seq.allowed
+    )  # a window over the prompt: no change
     additive = seq.additive_mask(torch.float32, window=2)
     assert torch.equal(additive == 0, seq.windowed(2))
 
@@ -122,10 +124,9 @@ def attend(q, k, v, allowed):
 
 
 @pytest.mark.parametrize("mode", list(ChunkContextMode))
-def test_reference_mask_equals_structural_child_computation(
-    vllm_config_context, mode
-):
+def test_reference_mask_equals_structural_child_computation(vllm_config_context, mode):
     from vllm.model_executor.layers.rotary_embedding import get_rope
+
     from vllm.v1.worker.position_remapper import RopeRotation
 
     rope = get_rope(HEAD, 256, True, {"rope_type": "default"}, torch.float32)
@@ -139,8 +140,9 @@ def test_reference_mask_equals_structural_child_computation(
         shape = (-1, HEADS, HEAD)
         return q.view(shape), k.view(shape), (x @ wv).view(shape)
 
-    prompt = make_prompt([1, 2, 3], [10, 11, 12, 13], [20, 21], [10, 11, 12, 13],
-                         [30, 31, 32])
+    prompt = make_prompt(
+        [1, 2, 3], [10, 11, 12, 13], [20, 21], [10, 11, 12, 13], [30, 31, 32]
+    )
 
     # Reference: one forward over the extended sequence with the mask.
     seq = build_isolated_sequence(prompt, mode, sink_token_id=7)
@@ -148,8 +150,9 @@ def test_reference_mask_equals_structural_child_computation(
     ref = attend(q, k, v, seq.allowed[0, 0])[seq.real_rows]
 
     # Structural: children at child positions, then load + question.
-    manager = ChunkCacheManager(num_pool_blocks=64, block_size=4, context_mode=mode,
-                                sink_token_id=7)
+    manager = ChunkCacheManager(
+        num_pool_blocks=64, block_size=4, context_mode=mode, sink_token_id=7
+    )
     manager.add_request("r", prompt, ChunkNamespace("m", "f32", "t"))
     admission = manager.admit("r")
     stored, child_out = {}, {}
@@ -173,11 +176,13 @@ def test_reference_mask_equals_structural_child_computation(
         torch.testing.assert_close(
             child_out[seg.chunk_hash],
             ref[seg.dst_start : seg.dst_start + seg.num_tokens],
-            atol=1e-5, rtol=1e-5,
+            atol=1e-5,
+            rtol=1e-5,
         )
     question = prompt.question_span
-    qq, qk, qv = project(prompt.segment_tokens(-1),
-                         torch.arange(question.start, question.end))
+    qq, qk, qv = project(
+        prompt.segment_tokens(-1), torch.arange(question.start, question.end)
+    )
     all_k = torch.cat(keys + [qk])
     all_v = torch.cat(values + [qv])
     allowed = torch.ones(question.num_tokens, question.end, dtype=torch.bool)
@@ -204,25 +209,42 @@ def assert_same(a, b):
 
 @pytest.mark.parametrize("mode", ["none", "sink", "system"])
 def test_no_recompute_is_the_isolation_mask(mode):
-    lever = build_lever_sequence(LEVER_PROMPT, mode, [[], [], []],
-                                 extra_token_ids=[30, 31], sink_token_id=SINK)
-    ref = build_isolated_sequence(LEVER_PROMPT, mode, extra_token_ids=[30, 31],
-                                  sink_token_id=SINK)
+    lever = build_lever_sequence(
+        LEVER_PROMPT, mode, [[], [], []], extra_token_ids=[30, 31], sink_token_id=SINK
+    )
+    ref = build_isolated_sequence(
+        LEVER_PROMPT, mode, extra_token_ids=[30, 31], sink_token_id=SINK
+    )
     assert_same(lever.seq, ref)
     assert lever.num_recomputed == 0
     # recompute_tokens=0 is the default, i.e. the isolation mask itself.
-    assert_same(build_isolated_sequence(LEVER_PROMPT, mode, extra_token_ids=[30, 31],
-                                        sink_token_id=SINK, recompute_tokens=0), ref)
+    assert_same(
+        build_isolated_sequence(
+            LEVER_PROMPT,
+            mode,
+            extra_token_ids=[30, 31],
+            sink_token_id=SINK,
+            recompute_tokens=0,
+        ),
+        ref,
+    )
 
 
 @pytest.mark.parametrize("mode", ["none", "sink", "system"])
 def test_full_recompute_is_causal_attention(mode):
-    lever = build_lever_sequence(LEVER_PROMPT, mode, first_k(LEVER_PROMPT, 100),
-                                 extra_token_ids=[30], sink_token_id=SINK)
+    lever = build_lever_sequence(
+        LEVER_PROMPT,
+        mode,
+        first_k(LEVER_PROMPT, 100),
+        extra_token_ids=[30],
+        sink_token_id=SINK,
+    )
     seq = lever.seq
     real = seq.real_rows
     assert [seq.token_ids[i] for i in real] == LEVER_PROMPT.token_ids + [30]
-    assert seq.position_ids[real].tolist() == list(range(len(LEVER_PROMPT.token_ids) + 1))
+    assert seq.position_ids[real].tolist() == list(
+        range(len(LEVER_PROMPT.token_ids) + 1)
+    )
     sub = seq.allowed[0, 0][real][:, real]
     assert torch.equal(sub, torch.ones_like(sub).tril())
     # No real token sees a private copy.
@@ -232,17 +254,69 @@ def test_full_recompute_is_causal_attention(mode):
 
 def test_partial_recompute_hand_worked():
     # Sink mode; chunk 1 recomputes its 2nd token (13), chunk 3 its 2nd (20).
-    lever = build_lever_sequence(LEVER_PROMPT, "sink", [[1], [], [1]], sink_token_id=SINK)
+    lever = build_lever_sequence(
+        LEVER_PROMPT, "sink", [[1], [], [1]], sink_token_id=SINK
+    )
     assert [r.value for r in lever.roles] == [
-        "system", "system",
-        "context", "isolated", "cached", "recomputed", "cached",
-        "context", "cached", "cached", "cached", "cached",
-        "context", "isolated", "cached", "recomputed",
-        "open", "open"]
-    assert lever.seq.token_ids == [10, 11, 7, 13, 12, 13, 14, 7, 15, 16, 17, 18, 7, 20, 19,
-                                   20, 21, 22]
-    assert lever.seq.position_ids.tolist() == [0, 1, 1, 3, 2, 3, 4, 4, 5, 6, 7, 8, 8, 10, 9,
-                                               10, 11, 12]
+        "system",
+        "system",
+        "context",
+        "isolated",
+        "cached",
+        "recomputed",
+        "cached",
+        "context",
+        "cached",
+        "cached",
+        "cached",
+        "cached",
+        "context",
+        "isolated",
+        "cached",
+        "recomputed",
+        "open",
+        "open",
+    ]
+    assert lever.seq.token_ids == [
+        10,
+        11,
+        7,
+        13,
+        12,
+        13,
+        14,
+        7,
+        15,
+        16,
+        17,
+        18,
+        7,
+        20,
+        19,
+        20,
+        21,
+        22,
+    ]
+    assert lever.seq.position_ids.tolist() == [
+        0,
+        1,
+        1,
+        3,
+        2,
+        3,
+        4,
+        4,
+        5,
+        6,
+        7,
+        8,
+        8,
+        10,
+        9,
+        10,
+        11,
+        12,
+    ]
     assert as_rows(lever.seq.allowed) == [
         "1.................",
         "11................",
@@ -290,13 +364,34 @@ SINK_ID = 50
 
 
 def test_boundary_recompute_sink_hand_worked():
-    seq = build_isolated_sequence(K_PROMPT, "sink", extra_token_ids=[60],
-                                  sink_token_id=SINK_ID, recompute_tokens=2)
+    seq = build_isolated_sequence(
+        K_PROMPT,
+        "sink",
+        extra_token_ids=[60],
+        sink_token_id=SINK_ID,
+        recompute_tokens=2,
+    )
     # a b | s 3' 4' 3 4 5 | s 6' 7' 6 7 8 | 9 g   (x' = private isolated copy of x)
     assert seq.token_ids == [1, 2, 50, 3, 4, 3, 4, 5, 50, 6, 7, 6, 7, 8, 9, 60]
     assert seq.position_ids.tolist() == [0, 1, 1, 2, 3, 2, 3, 4, 4, 5, 6, 5, 6, 7, 8, 9]
-    assert seq.source_index.tolist() == [0, 1, -1, -1, -1, 2, 3, 4, -1, -1, -1, 5, 6, 7,
-                                         8, 9]
+    assert seq.source_index.tolist() == [
+        0,
+        1,
+        -1,
+        -1,
+        -1,
+        2,
+        3,
+        4,
+        -1,
+        -1,
+        -1,
+        5,
+        6,
+        7,
+        8,
+        9,
+    ]
     assert as_rows(seq.allowed) == [
         "1...............",
         "11..............",
@@ -324,19 +419,71 @@ def test_boundary_recompute_none_and_system_modes():
     assert none.token_ids == [1, 2, 3, 4, 3, 4, 5, 6, 7, 6, 7, 8, 9]
     assert none.position_ids.tolist() == [0, 1, 2, 3, 2, 3, 4, 5, 6, 5, 6, 7, 8]
     allowed = none.allowed[0, 0]
-    assert allowed[6].tolist() == [False, False, True, True, False, False, True]+[False] * 6
-    assert allowed[9, :9].tolist() == [True] * 2 + [False] * 2 + [True] * 3 + [False] * 2
+    assert (
+        allowed[6].tolist()
+        == [False, False, True, True, False, False, True] + [False] * 6
+    )
+    assert (
+        allowed[9, :9].tolist() == [True] * 2 + [False] * 2 + [True] * 3 + [False] * 2
+    )
     assert allowed[11].tolist() == [False] * 7 + [True, True, False, False, True, False]
-    assert allowed[12].tolist() == [True, True, False, False, True, True, True, False,
-                                    False, True, True, True, True]
+    assert allowed[12].tolist() == [
+        True,
+        True,
+        False,
+        False,
+        True,
+        True,
+        True,
+        False,
+        False,
+        True,
+        True,
+        True,
+        True,
+    ]
 
     system = build_isolated_sequence(K_PROMPT, "system", recompute_tokens=2)
     # a b | a' b' 3' 4' 3 4 5 | a' b' 6' 7' 6 7 8 | 9
     assert system.token_ids == [1, 2, 1, 2, 3, 4, 3, 4, 5, 1, 2, 6, 7, 6, 7, 8, 9]
-    assert system.position_ids.tolist() == [0, 1, 0, 1, 2, 3, 2, 3, 4, 3, 4, 5, 6, 5, 6,
-                                            7, 8]
-    assert system.source_index.tolist() == [0, 1, -1, -1, -1, -1, 2, 3, 4, -1, -1, -1,
-                                            -1, 5, 6, 7, 8]
+    assert system.position_ids.tolist() == [
+        0,
+        1,
+        0,
+        1,
+        2,
+        3,
+        2,
+        3,
+        4,
+        3,
+        4,
+        5,
+        6,
+        5,
+        6,
+        7,
+        8,
+    ]
+    assert system.source_index.tolist() == [
+        0,
+        1,
+        -1,
+        -1,
+        -1,
+        -1,
+        2,
+        3,
+        4,
+        -1,
+        -1,
+        -1,
+        -1,
+        5,
+        6,
+        7,
+        8,
+    ]
     allowed = system.allowed[0, 0]
     # 3 (recomputed) sees the real system, not chunk 1's system copy.
     assert allowed[6, :2].all() and not allowed[6, 2:6].any() and allowed[6, 6]
@@ -353,8 +500,9 @@ def test_boundary_recompute_none_and_system_modes():
 @pytest.mark.parametrize("mode", ["none", "sink", "system"])
 @pytest.mark.parametrize("k", [3, 4, 100])
 def test_boundary_recompute_of_whole_chunks_is_causal(mode, k):
-    seq = build_isolated_sequence(K_PROMPT, mode, extra_token_ids=[60],
-                                  sink_token_id=SINK_ID, recompute_tokens=k)
+    seq = build_isolated_sequence(
+        K_PROMPT, mode, extra_token_ids=[60], sink_token_id=SINK_ID, recompute_tokens=k
+    )
     real = seq.real_rows
     assert [seq.token_ids[i] for i in real] == K_PROMPT.token_ids + [60]
     assert seq.position_ids[real].tolist() == list(range(10))
@@ -362,20 +510,35 @@ def test_boundary_recompute_of_whole_chunks_is_causal(mode, k):
     assert torch.equal(sub, torch.ones_like(sub).tril())
     # Every chunk is recomputed whole: no real token sees any private copy.
     assert not seq.allowed[0, 0][real][:, seq.source_index < 0].any()
-    assert_same(seq, build_isolated_sequence(K_PROMPT, mode, extra_token_ids=[60],
-                                             sink_token_id=SINK_ID, recompute_tokens=3))
+    assert_same(
+        seq,
+        build_isolated_sequence(
+            K_PROMPT,
+            mode,
+            extra_token_ids=[60],
+            sink_token_id=SINK_ID,
+            recompute_tokens=3,
+        ),
+    )
 
 
 @pytest.mark.parametrize("mode", ["none", "sink", "system"])
 @pytest.mark.parametrize("k", [1, 2, 3])
 def test_boundary_recompute_is_the_first_k_lever(mode, k):
-    lever = build_lever_sequence(LEVER_PROMPT, mode, first_k(LEVER_PROMPT, k),
-                                 extra_token_ids=[30], sink_token_id=SINK)
-    seq = build_isolated_sequence(LEVER_PROMPT, mode, extra_token_ids=[30],
-                                  sink_token_id=SINK, recompute_tokens=k)
+    lever = build_lever_sequence(
+        LEVER_PROMPT,
+        mode,
+        first_k(LEVER_PROMPT, k),
+        extra_token_ids=[30],
+        sink_token_id=SINK,
+    )
+    seq = build_isolated_sequence(
+        LEVER_PROMPT, mode, extra_token_ids=[30], sink_token_id=SINK, recompute_tokens=k
+    )
     assert_same(seq, lever.seq)
-    assert lever.num_recomputed == sum(min(k, s.num_tokens)
-                                       for s in LEVER_PROMPT.chunk_spans)
+    assert lever.num_recomputed == sum(
+        min(k, s.num_tokens) for s in LEVER_PROMPT.chunk_spans
+    )
     assert lever.roles.count(Role.ISOLATED) == lever.num_recomputed
 
 
@@ -389,22 +552,27 @@ def test_boundary_recompute_equals_structural_two_layer_computation(mode):
     gen = torch.Generator().manual_seed(0)
     dim, layers = HEADS * HEAD, 2
     emb = torch.randn(64, dim, generator=gen)
-    weights = [[torch.randn(dim, dim, generator=gen) / 4 for _ in range(3)]
-               for _ in range(layers)]
+    weights = [
+        [torch.randn(dim, dim, generator=gen) / 4 for _ in range(3)]
+        for _ in range(layers)
+    ]
     inv_freq = 1.0 / (100.0 ** (torch.arange(0, HEAD, 2).float() / HEAD))
 
     def rope(x, positions):  # [n, HEADS, HEAD], rotate-half RoPE
         angle = positions.float()[:, None] * inv_freq[None, :]
         cos = torch.cat([angle.cos()] * 2, -1)[:, None]
         sin = torch.cat([angle.sin()] * 2, -1)[:, None]
-        half = torch.cat([-x[..., HEAD // 2:], x[..., :HEAD // 2]], -1)
+        half = torch.cat([-x[..., HEAD // 2 :], x[..., : HEAD // 2]], -1)
         return x * cos + half * sin
 
     def qkv(layer, h, positions):
         wq, wk, wv = weights[layer]
         shape = (-1, HEADS, HEAD)
-        return (rope((h @ wq).view(shape), positions),
-                rope((h @ wk).view(shape), positions), (h @ wv).view(shape))
+        return (
+            rope((h @ wq).view(shape), positions),
+            rope((h @ wk).view(shape), positions),
+            (h @ wv).view(shape),
+        )
 
     def forward(token_ids, positions, allowed):
         """Per layer: hidden input and K/V of every token; final hidden states."""
@@ -427,8 +595,13 @@ def test_boundary_recompute_equals_structural_two_layer_computation(mode):
     cached_kv = [[None] * n for _ in range(layers)]
     cached_out = {}
     for index, span in enumerate(prompt.chunk_spans, start=1):
-        context = ([7] if mode == ChunkContextMode.SINK else
-                   system if mode == ChunkContextMode.SYSTEM else [])
+        context = (
+            [7]
+            if mode == ChunkContextMode.SINK
+            else system
+            if mode == ChunkContextMode.SYSTEM
+            else []
+        )
         ids = context + prompt.segment_tokens(index)
         pos = torch.arange(span.start - len(context), span.end)
         m = len(ids)
@@ -437,8 +610,10 @@ def test_boundary_recompute_equals_structural_two_layer_computation(mode):
             if j >= k_rec:  # cached: the child's K/V and output are kept
                 for layer in range(layers):
                     k, v = kv[layer]
-                    cached_kv[layer][span.start + j] = (k[len(context) + j],
-                                                        v[len(context) + j])
+                    cached_kv[layer][span.start + j] = (
+                        k[len(context) + j],
+                        v[len(context) + j],
+                    )
                 cached_out[span.start + j] = h[len(context) + j]
 
     # The request: every other token computed, attending causally to all.
@@ -471,28 +646,47 @@ def test_levers_on_a_tiny_model():
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(
-        vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-        attn_implementation="eager")).eval()
+    model = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=40,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=64,
+            attn_implementation="eager",
+        )
+    ).eval()
 
     def run(seq):
-        logits = model(input_ids=torch.tensor([seq.token_ids]),
-                       position_ids=seq.position_ids[None],
-                       attention_mask=seq.additive_mask(torch.float32)).logits[0]
+        logits = model(
+            input_ids=torch.tensor([seq.token_ids]),
+            position_ids=seq.position_ids[None],
+            attention_mask=seq.additive_mask(torch.float32),
+        ).logits[0]
         return logits[seq.real_rows]
 
     causal = model(input_ids=torch.tensor([LEVER_PROMPT.token_ids])).logits[0]
-    full = run(build_isolated_sequence(LEVER_PROMPT, "sink", sink_token_id=SINK,
-                                       recompute_tokens=100))
+    full = run(
+        build_isolated_sequence(
+            LEVER_PROMPT, "sink", sink_token_id=SINK, recompute_tokens=100
+        )
+    )
     torch.testing.assert_close(full, causal, atol=1e-5, rtol=1e-5)
-    none = run(build_lever_sequence(LEVER_PROMPT, "sink", first_k(LEVER_PROMPT, 0),
-                                    sink_token_id=SINK).seq)
+    none = run(
+        build_lever_sequence(
+            LEVER_PROMPT, "sink", first_k(LEVER_PROMPT, 0), sink_token_id=SINK
+        ).seq
+    )
     iso = run(build_isolated_sequence(LEVER_PROMPT, "sink", sink_token_id=SINK))
     torch.testing.assert_close(none, iso)
     assert not torch.allclose(none[-1], causal[-1], atol=1e-3)  # isolation matters here
     # Boundary recompute lies in between: neither isolation nor causal attention.
-    k2 = run(build_isolated_sequence(LEVER_PROMPT, "sink", sink_token_id=SINK,
-                                     recompute_tokens=2))
+    k2 = run(
+        build_isolated_sequence(
+            LEVER_PROMPT, "sink", sink_token_id=SINK, recompute_tokens=2
+        )
+    )
     assert not torch.allclose(k2[-1], iso[-1], atol=1e-4)
     assert not torch.allclose(k2[-1], causal[-1], atol=1e-4)

@@ -63,8 +63,14 @@ class ManagerMachine(RuleBasedStateMachine):
     def __init__(self):
         super().__init__()
         self.probe = Probe()
-        self.m = ChunkCacheManager(10, 4, ChunkContextMode.SINK, sink_token_id=1,
-                                   store=self.probe, held_limit_s=HELD_LIMIT_S)
+        self.m = ChunkCacheManager(
+            10,
+            4,
+            ChunkContextMode.SINK,
+            sink_token_id=1,
+            store=self.probe,
+            held_limit_s=HELD_LIMIT_S,
+        )
         self.now = 0.0
         self.m.clock = lambda: self.now
         self.held_since: dict[str, float] = {}  # lent or waiting -> when it failed
@@ -106,13 +112,16 @@ class ManagerMachine(RuleBasedStateMachine):
 
     # -------------------------------------------------------------- rules
 
-    @rule(system=st.sampled_from(range(len(SYSTEMS))),
-          docs=st.lists(st.sampled_from(range(len(DOCS))), min_size=1, max_size=3))
+    @rule(
+        system=st.sampled_from(range(len(SYSTEMS))),
+        docs=st.lists(st.sampled_from(range(len(DOCS))), min_size=1, max_size=3),
+    )
     def new_parent(self, system, docs):
         rid = f"p{self.n}"
         self.n += 1
-        self.m.add_request(rid, prompt([SYSTEMS[system]] + [DOCS[d] for d in docs] + [[9]]),
-                           NS)
+        self.m.add_request(
+            rid, prompt([SYSTEMS[system]] + [DOCS[d] for d in docs] + [[9]]), NS
+        )
         self.parents[rid] = set()
         self._admit(rid)
 
@@ -176,7 +185,11 @@ class ManagerMachine(RuleBasedStateMachine):
         store's held limit are written off (issue 50, finding 4), those only."""
         self.now += seconds
         outcome = self.m.write_off_held()
-        due = {f for f, since in self.held_since.items() if self.now - since >= HELD_LIMIT_S}
+        due = {
+            f
+            for f, since in self.held_since.items()
+            if self.now - since >= HELD_LIMIT_S
+        }
         assert set(outcome.written_off) == due
         self._children_of(outcome)
         for fid in due:
@@ -227,8 +240,11 @@ class ManagerMachine(RuleBasedStateMachine):
 
     @invariant()
     def every_pin_and_held_block_has_a_live_owner(self):
-        writers = list(self.children.values()) + list(self.fetches.values()) + list(
-            self.waiting.values())
+        writers = (
+            list(self.children.values())
+            + list(self.fetches.values())
+            + list(self.waiting.values())
+        )
         assert len(writers) == len(set(writers)), "one writer per key"
         expected: dict[ChunkHash, int] = {}
         for keys in self.parents.values():
@@ -243,11 +259,13 @@ class ManagerMachine(RuleBasedStateMachine):
             assert got == expected.get(h, 0), (h.hex()[:8], got, expected.get(h, 0))
         usage = pool.usage()
         assert usage.num_entries - usage.num_evictable == sum(
-            1 for n in expected.values() if n)
+            1 for n in expected.values() if n
+        )
         held = sum(len(pool.held_by(fid)) for fid in self.lent)
         assert usage.blocks_held == held, "held blocks belong to lent fetches only"
 
 
 TestManagerMachine = ManagerMachine.TestCase
-TestManagerMachine.settings = settings(max_examples=150, stateful_step_count=40,
-                                       deadline=None)
+TestManagerMachine.settings = settings(
+    max_examples=150, stateful_step_count=40, deadline=None
+)

@@ -65,17 +65,28 @@ def test_negative_k_is_an_error():
 def test_steps_from_walks_every_stretch_to_the_question_in_one_call():
     # system [0,5), chunk [5,13), chunk [13,19), question [19,22); K = 2.
     plan = PrefillPlan.for_prompt(prompt(5, 8, 6, 3), 2)
-    assert plan.steps_from(0) == (PrefillStep(5, 2), PrefillStep(6, 2), PrefillStep(4, 3))
+    assert plan.steps_from(0) == (
+        PrefillStep(5, 2),
+        PrefillStep(6, 2),
+        PrefillStep(4, 3),
+    )
     # From inside a head (a step budget cut it): finish it, then the rest.
-    assert plan.steps_from(6) == (PrefillStep(0, 1), PrefillStep(6, 2), PrefillStep(4, 3))
+    assert plan.steps_from(6) == (
+        PrefillStep(0, 1),
+        PrefillStep(6, 2),
+        PrefillStep(4, 3),
+    )
     assert plan.steps_from(20) == (PrefillStep(0, 2),)
 
 
 def test_loaded_from_skips_the_computed_heads_between_loaded_stretches():
     plan = PrefillPlan.for_prompt(prompt(5, 8, 6, 3), 2)
     assert plan.loaded_from(0, 5) == (SegmentSpan(0, 5),)
-    assert plan.loaded_from(0, 15) == (SegmentSpan(0, 5), SegmentSpan(7, 13),
-                                       SegmentSpan(15, 19))
+    assert plan.loaded_from(0, 15) == (
+        SegmentSpan(0, 5),
+        SegmentSpan(7, 13),
+        SegmentSpan(15, 19),
+    )
     # A prefix-cache hit ending inside a rest; a budget that stops after a rest.
     assert plan.loaded_from(10, 7) == (SegmentSpan(10, 13), SegmentSpan(15, 19))
     assert plan.loaded_from(6, 6) == (SegmentSpan(7, 13),)

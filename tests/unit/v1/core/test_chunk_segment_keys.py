@@ -9,7 +9,11 @@ import pytest
 from tests.chunk_manager_views import child_finished
 from vllm.v1.core import chunk_cache_manager
 from vllm.v1.core.chunk_cache_manager import ChunkCacheManager, segment_context
-from vllm.v1.core.chunk_hash_index import ChunkNamespace, compute_chunk_hash, token_bytes
+from vllm.v1.core.chunk_hash_index import (
+    ChunkNamespace,
+    compute_chunk_hash,
+    token_bytes,
+)
 from vllm.v1.core.chunk_structures import (
     AdmitReason,
     ChunkContextMode,
@@ -28,8 +32,9 @@ DOC_C = [40, 41, 2**31 + 7, 43, 44, 45, 46, 47, 48]
 
 
 def prompt(*segments) -> ChunkedPrompt:
-    return ChunkedPrompt.from_lengths([t for s in segments for t in s],
-                                      [len(s) for s in segments])
+    return ChunkedPrompt.from_lengths(
+        [t for s in segments for t in s], [len(s) for s in segments]
+    )
 
 
 def manager(mode=ChunkContextMode.SINK) -> ChunkCacheManager:
@@ -48,15 +53,21 @@ def test_keys_are_each_segments_own_key_in_every_mode(mode):
     adm, _ = admit(manager(mode), "r", p)
     assert adm.reason == AdmitReason.ADMITTED
     # The oracle: each segment's ids as lists, hashed one by one.
-    want = [compute_chunk_hash(p.segment_tokens(i),
-                               segment_context(p, i, mode, SINK), NS.digest())
-            for i in range(len(p.cached_spans))]
+    want = [
+        compute_chunk_hash(
+            p.segment_tokens(i), segment_context(p, i, mode, SINK), NS.digest()
+        )
+        for i in range(len(p.cached_spans))
+    ]
     assert [s.chunk_hash for s in adm.segments] == want
     assert want[1] == want[3] and len(set(want)) == 4
 
 
-def _colliding(monkeypatch, victim: tuple[list[int], list[int]],
-               impostor: tuple[list[int], list[int]]) -> None:
+def _colliding(
+    monkeypatch,
+    victim: tuple[list[int], list[int]],
+    impostor: tuple[list[int], list[int]],
+) -> None:
     """The manager's hash files `impostor` (tokens, context) under `victim`'s key."""
     real = chunk_cache_manager.chunk_hash_of_bytes
     victim_bytes = tuple(map(token_bytes, victim))
@@ -85,7 +96,11 @@ def test_other_tokens_under_a_resident_key_are_refused(monkeypatch):
     adm, children = admit(m, "clash", prompt(SYS, DOC_C, [6]))
     assert adm.reason == AdmitReason.COLLISION and children == ()
     stats = m.stats()
-    assert (stats.hash_collisions, stats.refused_requests, stats.pinned_entries) == (1, 1, 0)
+    assert (stats.hash_collisions, stats.refused_requests, stats.pinned_entries) == (
+        1,
+        1,
+        0,
+    )
 
 
 def test_another_context_under_a_resident_key_is_refused(monkeypatch):

@@ -9,9 +9,10 @@ from vllm.v1.core.chunk_structures import (
 
 
 def test_chunked_prompt_views():
-    prompt = ChunkedPrompt([1, 2, 3, 4, 5, 6],
-                           (SegmentSpan(0, 2), SegmentSpan(2, 3), SegmentSpan(3, 5),
-                            SegmentSpan(5, 6)))
+    prompt = ChunkedPrompt(
+        [1, 2, 3, 4, 5, 6],
+        (SegmentSpan(0, 2), SegmentSpan(2, 3), SegmentSpan(3, 5), SegmentSpan(5, 6)),
+    )
     assert prompt.num_segments == 4 and prompt.num_chunks == 2
     assert prompt.system_span == SegmentSpan(0, 2)
     assert prompt.chunk_spans == (SegmentSpan(2, 3), SegmentSpan(3, 5))
@@ -37,7 +38,8 @@ def test_chunked_prompt_rejects_bad_spans(token_ids, spans, match):
 def test_stats_ratios():
     empty = ChunkCacheStats()
     assert empty.hit_rate == 0.0 and empty.pool_usage == 0.0
-    stats = ChunkCacheStats(hits=3, misses=1, in_flight_joins=0,
-                            pool_blocks_used=5, pool_blocks_total=20)
+    stats = ChunkCacheStats(
+        hits=3, misses=1, in_flight_joins=0, pool_blocks_used=5, pool_blocks_total=20
+    )
     assert stats.lookups == 4
     assert stats.hit_rate == 0.75 and stats.pool_usage == 0.25

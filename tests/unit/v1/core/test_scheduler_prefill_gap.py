@@ -11,12 +11,10 @@ the prefix cache, where the next request with the same prompt would hit unwritte
 
 from __future__ import annotations
 
-
 import pytest
 
-from tests.unit.v1.core.hook_transcript import engine_step
-
 from tests.conftest import models_dir
+from tests.unit.v1.core.hook_transcript import engine_step
 
 BLOCK = 16
 K = 2  # --chunk-recompute-tokens
@@ -27,10 +25,13 @@ LAYOUT = (16, 40, 40, 8)
 
 @pytest.fixture(params=["steps"])
 def scheduler(request, monkeypatch):
-    """vLLM's Scheduler with the chunk cache; `request.param` "steps": one
+    """VLLM's Scheduler with the chunk cache; `request.param` "steps": one
     computed stretch per step (the path on every platform but the CPU backend),
     "one": every stretch in one step (query runs, docs/design/boundary-recompute.md)."""
-    monkeypatch.setenv("CHUNK_CACHE_RECOMPUTE_ONE_STEP", "0" if request.param == "steps" else "1")
+    monkeypatch.setenv(
+        "CHUNK_CACHE_RECOMPUTE_ONE_STEP", "0" if request.param == "steps" else "1"
+    )
+    import torch
     from vllm.engine.arg_utils import EngineArgs
     from vllm.utils.hashing import sha256
     from vllm.v1.core.kv_cache_utils import init_none_hash
@@ -42,12 +43,15 @@ def scheduler(request, monkeypatch):
     )
     from vllm.v1.structured_output import StructuredOutputManager
 
-    import torch
-
     config = EngineArgs(
-        model=str(models_dir() / "tiny-llama"), dtype="float32", enforce_eager=True,
-        max_model_len=1024, enable_chunk_cache=True, chunk_recompute_tokens=K,
-        scheduling_policy="priority", enable_prefix_caching=True,
+        model=str(models_dir() / "tiny-llama"),
+        dtype="float32",
+        enforce_eager=True,
+        max_model_len=1024,
+        enable_chunk_cache=True,
+        chunk_recompute_tokens=K,
+        scheduling_policy="priority",
+        enable_prefix_caching=True,
         # Room in the chunk pool (carved out of the KV budget) for the three segments.
         chunk_pool_fraction=0.5,
     ).create_engine_config()
@@ -62,13 +66,22 @@ def scheduler(request, monkeypatch):
         config.compilation_config.max_cudagraph_capture_size = 4
         config.scheduler_config.max_num_seqs = 4
     init_none_hash(sha256)
-    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=32,
-                             dtype=torch.float32)
+    spec = FullAttentionSpec(
+        block_size=BLOCK, num_kv_heads=2, head_size=32, dtype=torch.float32
+    )
     # 10 blocks: the null block and 9 for requests (see the test).
-    kv_cache_config = KVCacheConfig(num_blocks=10, kv_cache_tensors=[],
-                                    kv_cache_groups=[KVCacheGroupSpec(["l0"], spec)])
-    return Scheduler(config, kv_cache_config, StructuredOutputManager(config),
-                     block_size=BLOCK, log_stats=False)
+    kv_cache_config = KVCacheConfig(
+        num_blocks=10,
+        kv_cache_tensors=[],
+        kv_cache_groups=[KVCacheGroupSpec(["l0"], spec)],
+    )
+    return Scheduler(
+        config,
+        kv_cache_config,
+        StructuredOutputManager(config),
+        block_size=BLOCK,
+        log_stats=False,
+    )
 
 
 def request(rid, token_ids, priority, layout=None):
@@ -77,9 +90,15 @@ def request(rid, token_ids, priority, layout=None):
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher
     from vllm.v1.request import Request
 
-    return Request(rid, token_ids, SamplingParams(max_tokens=8, ignore_eos=True), None,
-                   priority=priority, chunk_layout=layout,
-                   block_hasher=get_request_block_hasher(BLOCK, sha256))
+    return Request(
+        rid,
+        token_ids,
+        SamplingParams(max_tokens=8, ignore_eos=True),
+        None,
+        priority=priority,
+        chunk_layout=layout,
+        block_hasher=get_request_block_hasher(BLOCK, sha256),
+    )
 
 
 step = engine_step
@@ -100,7 +119,9 @@ def test_a_gap_dropped_by_a_preemption_leaves_no_hashed_block_unwritten(schedule
     scheduler.add_request(b)
     out = step(scheduler)  # a: doc1's rest loaded, doc2's head computed; b prefills
     assert out.num_scheduled_tokens == {"a": K, "b": 2 * BLOCK}
-    assert [load.stretches[0].num_rows for load in out.kv_connector_metadata.loads] == [38]
+    assert [load.stretches[0].num_rows for load in out.kv_connector_metadata.loads] == [
+        38
+    ]
     written = 16 + K + 38 + K  # every position of a whose KV exists now
     assert a.num_computed_tokens == written
 
@@ -114,7 +135,8 @@ def test_a_gap_dropped_by_a_preemption_leaves_no_hashed_block_unwritten(schedule
     again = request("again", prompt, priority=0, layout=LAYOUT)
     num_hit = scheduler.kv_cache_manager.get_computed_blocks(again)[1]  # tokens hit
     assert num_hit == written // BLOCK * BLOCK, (
-        f"prefix-cache hit of {num_hit} tokens; only {written} were ever written")
+        f"prefix-cache hit of {num_hit} tokens; only {written} were ever written"
+    )
 
 
 @pytest.mark.parametrize("scheduler", ["one"], indirect=True)
@@ -131,7 +153,9 @@ def test_every_head_and_the_question_are_one_step_of_query_runs(scheduler):
     out = step(scheduler)
     assert out.num_scheduled_tokens == {"a": K + K + 8}
     assert out.query_runs == {"a": ((16, K), (56, K), (96, 8))}
-    rows = [s.num_rows for load in out.kv_connector_metadata.loads for s in load.stretches]
+    rows = [
+        s.num_rows for load in out.kv_connector_metadata.loads for s in load.stretches
+    ]
     assert rows == [16, 38, 38]
     assert a.num_computed_tokens == sum(LAYOUT)
 
@@ -153,10 +177,13 @@ def test_runs_that_would_overflow_the_attention_rows_wait_for_the_next_step(sche
     out = step(scheduler)
     assert out.num_scheduled_tokens == {"a": K + K, "b": 8, "c": 8}
     assert out.query_runs == {"a": ((16, K), (56, K))}
-    rows = len(out.num_scheduled_tokens) + sum(len(r) - 1 for r in out.query_runs.values())
+    rows = len(out.num_scheduled_tokens) + sum(
+        len(r) - 1 for r in out.query_runs.values()
+    )
     assert rows <= 4
-    assert [s.num_rows for load in out.kv_connector_metadata.loads
-            for s in load.stretches] == [16, 38]
+    assert [
+        s.num_rows for load in out.kv_connector_metadata.loads for s in load.stretches
+    ] == [16, 38]
     assert a.num_computed_tokens == 16 + K + 38 + K
     out = step(scheduler)  # doc2's rest loaded, the question computed: one run
     assert out.num_scheduled_tokens["a"] == 8 and out.query_runs is None

@@ -12,8 +12,6 @@ with and without skip_special_tokens, every step's text must be the same.
 import random
 
 import pytest
-
-from tests.conftest import REPO, models_dir
 from vllm.sampling_params import SamplingParams
 from vllm.v1.engine import EngineCoreRequest
 from vllm.v1.engine.detokenizer import (
@@ -21,13 +19,25 @@ from vllm.v1.engine.detokenizer import (
     FastIncrementalDetokenizer,
 )
 
+from tests.conftest import REPO, models_dir
 
-def _request(prompt: list[int], chunk_layout, skip_special_tokens: bool) -> EngineCoreRequest:
+
+def _request(
+    prompt: list[int], chunk_layout, skip_special_tokens: bool
+) -> EngineCoreRequest:
     params = SamplingParams(max_tokens=32, skip_special_tokens=skip_special_tokens)
     return EngineCoreRequest(
-        request_id="r", prompt_token_ids=prompt, mm_features=None, sampling_params=params,
-        pooling_params=None, arrival_time=0.0, lora_request=None, cache_salt=None,
-        data_parallel_rank=None, chunk_layout=chunk_layout)
+        request_id="r",
+        prompt_token_ids=prompt,
+        mm_features=None,
+        sampling_params=params,
+        pooling_params=None,
+        arrival_time=0.0,
+        lora_request=None,
+        cache_salt=None,
+        data_parallel_rank=None,
+        chunk_layout=chunk_layout,
+    )
 
 
 def _texts(tokenizer, prompt, generated, chunk_layout, skip) -> list[str]:
@@ -40,22 +50,25 @@ def test_a_chunked_prompt_decodes_the_same_text_as_when_fully_primed(model):
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(models_dir() / model))
-    text = (REPO / "README.md").read_text() + (REPO / "docs" / "user-guide.md").read_text()
+    text = (REPO / "README.md").read_text() + (
+        REPO / "docs" / "user-guide.md"
+    ).read_text()
     ids = tokenizer(text)["input_ids"]
     rng = random.Random(model)
     vocab = len(tokenizer)
     for case in range(120):
         start = rng.randrange(len(ids) - 700)
-        prompt = ids[start:start + rng.randint(CHUNKED_PROMPT_PRIME_TOKENS + 1, 600)]
+        prompt = ids[start : start + rng.randint(CHUNKED_PROMPT_PRIME_TOKENS + 1, 600)]
         if case % 3 == 0:
             generated = [rng.randrange(vocab) for _ in range(16)]
         else:
             at = rng.randrange(len(ids) - 16)
-            generated = ids[at:at + 16]
+            generated = ids[at : at + 16]
         layout = [len(prompt) // 2, len(prompt) - len(prompt) // 2]
         for skip in (True, False):
-            assert (_texts(tokenizer, prompt, generated, layout, skip)
-                    == _texts(tokenizer, prompt, generated, None, skip)), (case, skip)
+            assert _texts(tokenizer, prompt, generated, layout, skip) == _texts(
+                tokenizer, prompt, generated, None, skip
+            ), (case, skip)
 
 
 def test_only_the_tail_primes_a_chunked_prompt(monkeypatch):
@@ -66,10 +79,15 @@ def test_only_the_tail_primes_a_chunked_prompt(monkeypatch):
 
     primed = []
     real = tokenizers.decoders.DecodeStream
-    monkeypatch.setattr(tokenizers.decoders, "DecodeStream",
-                        lambda ids=None, **kw: primed.append(list(ids)) or real(ids=ids, **kw))
+    monkeypatch.setattr(
+        tokenizers.decoders,
+        "DecodeStream",
+        lambda ids=None, **kw: primed.append(list(ids)) or real(ids=ids, **kw),
+    )
     tokenizer = AutoTokenizer.from_pretrained(str(models_dir() / "tiny-llama"))
     prompt = tokenizer("word " * 300)["input_ids"]
-    FastIncrementalDetokenizer(tokenizer, _request(prompt, [150, len(prompt) - 150], True))
+    FastIncrementalDetokenizer(
+        tokenizer, _request(prompt, [150, len(prompt) - 150], True)
+    )
     FastIncrementalDetokenizer(tokenizer, _request(prompt, None, True))
     assert primed == [prompt[-CHUNKED_PROMPT_PRIME_TOKENS:], prompt]

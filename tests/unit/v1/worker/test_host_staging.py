@@ -17,9 +17,13 @@ def test_staged_copies_go_through_one_reused_buffer_per_name():
     # The same host buffer, written again; the first copy is its own tensor.
     assert staging._buffers["positions"].data_ptr() == buffer.data_ptr()
     assert first.tolist() == [3, -7, 0] and second.tolist() == [9, 9]
-    assert first.data_ptr() != buffer.data_ptr() and second.data_ptr() != buffer.data_ptr()
+    assert (
+        first.data_ptr() != buffer.data_ptr() and second.data_ptr() != buffer.data_ptr()
+    )
     # Another name, another buffer (a step's copies do not overwrite each other).
-    lens = staging.staged("seq_lens", torch.tensor([[41, 7], [15, 22]], dtype=torch.int32))
+    lens = staging.staged(
+        "seq_lens", torch.tensor([[41, 7], [15, 22]], dtype=torch.int32)
+    )
     assert lens.shape == (2, 2) and lens.dtype == torch.int32
     assert lens.tolist() == [[41, 7], [15, 22]]
     assert staging._buffers["seq_lens"].data_ptr() != buffer.data_ptr()

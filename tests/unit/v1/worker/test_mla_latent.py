@@ -10,32 +10,46 @@ test_position_remapper.py: atol 2e-3 on O(1) entries at positions < 3200.
 
 import pytest
 import torch
-
 from vllm.model_executor.layers.rotary_embedding import get_rope
+
 from vllm.v1.worker.mla_latent import LatentRowLayout, reposition_latent_rows
 from vllm.v1.worker.position_remapper import RopeRotation
 
 # DeepSeek-V3's widths are 512 + 64 (the tiny DeepSeek's too); a narrower row is checked too.
 LAYOUTS = [LatentRowLayout(512, 64), LatentRowLayout(32, 16)]
-TINY_DEEPSEEK_ROPE = {"rope_type": "deepseek_yarn", "rope_theta": 10000.0, "factor": 4.0,
-                      "original_max_position_embeddings": 1024, "beta_fast": 32.0,
-                      "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 0.707}
+TINY_DEEPSEEK_ROPE = {
+    "rope_type": "deepseek_yarn",
+    "rope_theta": 10000.0,
+    "factor": 4.0,
+    "original_max_position_embeddings": 1024,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "mscale": 1.0,
+    "mscale_all_dim": 0.707,
+}
 ATOL = 2e-3
 
 
 def make_rope(rope_dim: int, neox: bool = False):
-    return get_rope(rope_dim, max_position=4096, rope_parameters=dict(TINY_DEEPSEEK_ROPE),
-                    is_neox_style=neox, dtype=torch.float32)
+    return get_rope(
+        rope_dim,
+        max_position=4096,
+        rope_parameters=dict(TINY_DEEPSEEK_ROPE),
+        is_neox_style=neox,
+        dtype=torch.float32,
+    )
 
 
 def k_pe_at(rope, positions: torch.Tensor, raw: torch.Tensor) -> torch.Tensor:
-    """vLLM's own k_pe [n, rope_dim] of unrotated `raw` at `positions`."""
+    """VLLM's own k_pe [n, rope_dim] of unrotated `raw` at `positions`."""
     key = raw[:, None].clone()
     _, out = rope.forward_native(positions, torch.zeros_like(key), key)
     return out[:, 0]
 
 
-@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda l: f"{l.kv_lora_rank}+{l.rope_dim}")
+@pytest.mark.parametrize(
+    "layout", LAYOUTS, ids=lambda l: f"{l.kv_lora_rank}+{l.rope_dim}"
+)
 @pytest.mark.parametrize("neox", [False, True], ids=["gptj", "neox"])
 def test_load_copies_kv_c_and_rotates_k_pe_to_the_real_position(
     vllm_config_context, layout, neox
@@ -57,7 +71,7 @@ def test_load_copies_kv_c_and_rotates_k_pe_to_the_real_position(
     truth = k_pe_at(rope, p + d, raw)
     torch.testing.assert_close(moved_k_pe, truth, atol=ATOL, rtol=0)
     # The test would notice a missing rotation, and mscale applied twice.
-    assert (stored[:, layout.kv_lora_rank:] - truth).abs().max() > 0.1
+    assert (stored[:, layout.kv_lora_rank :] - truth).abs().max() > 0.1
     assert (moved_k_pe * rope.mscale - truth).abs().max() > 10 * ATOL
 
 
@@ -70,11 +84,17 @@ def test_bf16_rows_keep_kv_c_and_round_k_pe_once(vllm_config_context):
     kv_c, k_pe = reposition_latent_rows(layout, rotation, rows, deltas)
     assert kv_c.dtype == k_pe.dtype == torch.bfloat16
     assert torch.equal(kv_c, rows[:, : layout.kv_lora_rank])
-    expected = rotation.rotate(rows[:, None, layout.kv_lora_rank:].float(), deltas)[:, 0]
-    assert torch.equal(k_pe, expected.to(torch.bfloat16))  # rotated in fp32, one rounding
+    expected = rotation.rotate(rows[:, None, layout.kv_lora_rank :].float(), deltas)[
+        :, 0
+    ]
+    assert torch.equal(
+        k_pe, expected.to(torch.bfloat16)
+    )  # rotated in fp32, one rounding
     # A zero delta leaves the row as it was.
-    _, same = reposition_latent_rows(layout, rotation, rows, torch.zeros(16, dtype=torch.long))
-    assert torch.equal(same, rows[:, layout.kv_lora_rank:])
+    _, same = reposition_latent_rows(
+        layout, rotation, rows, torch.zeros(16, dtype=torch.long)
+    )
+    assert torch.equal(same, rows[:, layout.kv_lora_rank :])
 
 
 def test_rows_and_ropes_of_other_widths_are_refused(vllm_config_context):
@@ -83,4 +103,6 @@ def test_rows_and_ropes_of_other_widths_are_refused(vllm_config_context):
         layout.split(torch.zeros(2, 40))
     other = RopeRotation(make_rope(64))
     with pytest.raises(ValueError, match="rotates 64 of 64 .* k_pe has 16"):
-        reposition_latent_rows(layout, other, torch.zeros(2, 48), torch.zeros(2, dtype=torch.long))
+        reposition_latent_rows(
+            layout, other, torch.zeros(2, 48), torch.zeros(2, dtype=torch.long)
+        )

@@ -14,9 +14,6 @@ import math
 
 import pytest
 import torch
-from tests.chunk_manager_views import child_finished, load_plan, store_plan
-import vllm
-
 from vllm.model_executor.layers.rotary_embedding import get_rope
 from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
 from vllm.model_executor.layers.rotary_embedding.deepseek_scaling_rope import (
@@ -28,6 +25,9 @@ from vllm.model_executor.layers.rotary_embedding.dual_chunk_rope import (
 from vllm.model_executor.layers.rotary_embedding.linear_scaling_rope import (
     LinearScalingRotaryEmbedding,
 )
+
+import vllm
+from tests.chunk_manager_views import child_finished, load_plan, store_plan
 from vllm.v1.core.chunk_cache_manager import ChunkCacheManager
 from vllm.v1.core.chunk_hash_index import ChunkNamespace
 from vllm.v1.core.chunk_structures import (
@@ -55,33 +55,85 @@ _SHORT = [1.0 + 0.01 * i for i in range(32)]
 # (name, rope_parameters, styles); rotary_dim 32 (partial) where noted.
 SUPPORTED = [
     ("default", {"rope_type": "default", "rope_theta": 10000}, (True, False)),
-    ("partial", {"rope_type": "default", "partial_rotary_factor": 0.5},
-     (True, False)),
+    ("partial", {"rope_type": "default", "partial_rotary_factor": 0.5}, (True, False)),
     ("linear", {"rope_type": "linear", "factor": 2.0}, (True, False)),
     ("ntk", {"rope_type": "ntk", "factor": 2.0}, (True, False)),
-    ("dynamic", {"rope_type": "dynamic", "factor": 2.0,
-                 "max_trained_positions": 2048}, (True, False)),
+    (
+        "dynamic",
+        {"rope_type": "dynamic", "factor": 2.0, "max_trained_positions": 2048},
+        (True, False),
+    ),
     ("dynamic_alpha", {"rope_type": "dynamic", "alpha": 2.5}, (True, False)),
-    ("llama3", {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                "high_freq_factor": 4.0, "original_max_position_embeddings": 512,
-                "rope_theta": 500000}, (True, False)),
-    ("yarn", {"rope_type": "yarn", "factor": 4.0, "attn_factor": 1.3,
-              "original_max_position_embeddings": 1024}, (True, False)),
-    ("yarn_partial", {"rope_type": "yarn", "factor": 4.0, "rope_dim": 32,
-                      "original_max_position_embeddings": 1024}, (True, False)),
+    (
+        "llama3",
+        {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 512,
+            "rope_theta": 500000,
+        },
+        (True, False),
+    ),
+    (
+        "yarn",
+        {
+            "rope_type": "yarn",
+            "factor": 4.0,
+            "attn_factor": 1.3,
+            "original_max_position_embeddings": 1024,
+        },
+        (True, False),
+    ),
+    (
+        "yarn_partial",
+        {
+            "rope_type": "yarn",
+            "factor": 4.0,
+            "rope_dim": 32,
+            "original_max_position_embeddings": 1024,
+        },
+        (True, False),
+    ),
     # DeepSeek's YaRN (MLA's k_pe; GPT-J style in DeepSeek-V2/V3, neox in V3.2's
     # indexer), with mscale != mscale_all_dim: magnitude ~1.037, not 1.
-    ("deepseek_yarn", {"rope_type": "deepseek_yarn", "factor": 4.0, "mscale": 1.0,
-                       "mscale_all_dim": 0.707, "beta_fast": 32, "beta_slow": 1,
-                       "original_max_position_embeddings": 1024}, (True, False)),
+    (
+        "deepseek_yarn",
+        {
+            "rope_type": "deepseek_yarn",
+            "factor": 4.0,
+            "mscale": 1.0,
+            "mscale_all_dim": 0.707,
+            "beta_fast": 32,
+            "beta_slow": 1,
+            "original_max_position_embeddings": 1024,
+        },
+        (True, False),
+    ),
     # LongRoPE is neox-only in vLLM; max_model_len 2048 > 1024 -> long factors.
-    ("longrope_long", {"rope_type": "longrope", "short_factor": _SHORT,
-                       "long_factor": _LONG,
-                       "original_max_position_embeddings": 1024}, (True,)),
+    (
+        "longrope_long",
+        {
+            "rope_type": "longrope",
+            "short_factor": _SHORT,
+            "long_factor": _LONG,
+            "original_max_position_embeddings": 1024,
+        },
+        (True,),
+    ),
     # original 4096 >= max_model_len 2048 -> short factors, mscale != 1.
-    ("longrope_short", {"rope_type": "longrope", "short_factor": _SHORT,
-                        "long_factor": _LONG, "short_mscale": 1.25,
-                        "original_max_position_embeddings": 4096}, (True,)),
+    (
+        "longrope_short",
+        {
+            "rope_type": "longrope",
+            "short_factor": _SHORT,
+            "long_factor": _LONG,
+            "short_mscale": 1.25,
+            "original_max_position_embeddings": 4096,
+        },
+        (True,),
+    ),
 ]
 CASES = [(name, params, neox) for name, params, styles in SUPPORTED for neox in styles]
 
@@ -100,8 +152,11 @@ def apply_rope(rope, positions, key):
     return out.reshape(-1, NUM_HEADS, HEAD_SIZE)
 
 
-@pytest.mark.parametrize("name, params, neox", CASES,
-                         ids=[f"{c[0]}-{'neox' if c[2] else 'gptj'}" for c in CASES])
+@pytest.mark.parametrize(
+    "name, params, neox",
+    CASES,
+    ids=[f"{c[0]}-{'neox' if c[2] else 'gptj'}" for c in CASES],
+)
 def test_rotate_by_delta_equals_rope_at_shifted_position(
     vllm_config_context, name, params, neox
 ):
@@ -124,9 +179,13 @@ def test_rotate_by_delta_equals_rope_at_shifted_position(
 def test_magnitude_is_applied_once(vllm_config_context):
     # NOTE: vLLM 0.23 scales YaRN's magnitude by `attn_factor`; 0.32 takes HF's
     # `attention_factor` as the whole magnitude. Both give (0.1 ln 4 + 1) * 1.3 here.
-    params = {"rope_type": "yarn", "factor": 4.0, "attn_factor": 1.3,
-              "attention_factor": (0.1 * math.log(4.0) + 1) * 1.3,
-              "original_max_position_embeddings": 1024}
+    params = {
+        "rope_type": "yarn",
+        "factor": 4.0,
+        "attn_factor": 1.3,
+        "attention_factor": (0.1 * math.log(4.0) + 1) * 1.3,
+        "original_max_position_embeddings": 1024,
+    }
     rope = make_rope(params, True)
     rotation = RopeRotation(rope)
     assert rotation.magnitude == pytest.approx(rope.mscale)
@@ -135,8 +194,9 @@ def test_magnitude_is_applied_once(vllm_config_context):
     # The delta rotation is pure: unit magnitude, zero delta is identity.
     torch.testing.assert_close(cos**2 + sin**2, torch.ones_like(cos))
     key = torch.randn(3, NUM_HEADS, HEAD_SIZE)
-    torch.testing.assert_close(rotation.rotate(key, torch.zeros(3, dtype=torch.long)),
-                               key)
+    torch.testing.assert_close(
+        rotation.rotate(key, torch.zeros(3, dtype=torch.long)), key
+    )
 
 
 def test_bf16_cache_rows_rotate_within_bf16_rounding(vllm_config_context):
@@ -155,22 +215,50 @@ def test_bf16_cache_rows_rotate_within_bf16_rounding(vllm_config_context):
 @pytest.mark.parametrize(
     "kwargs, type_name",
     [
-        ({"rope_parameters": {"rope_type": "default", "mrope_section": [16, 8, 8]}},
-         "MRotaryEmbedding"),
+        (
+            {"rope_parameters": {"rope_type": "default", "mrope_section": [16, 8, 8]}},
+            "MRotaryEmbedding",
+        ),
         # DeepSeek-V4 rotates the *last* rotary_dim values and keeps an fp32 cache.
-        ({"rope_parameters": {"rope_type": "deepseek_yarn", "factor": 4.0,
-                              "is_deepseek_v4": True,
-                              "original_max_position_embeddings": 1024}},
-         "DeepseekV4ScalingRotaryEmbedding"),
-        ({"rope_parameters": {"rope_type": "default", "use_fope": True,
-                              "num_key_value_heads": 2, "num_inv_freq": 16,
-                              "fope_sep_head": True, "fope_init_factor": 0.1}},
-         "FourierRotaryEmbedding"),
+        (
+            {
+                "rope_parameters": {
+                    "rope_type": "deepseek_yarn",
+                    "factor": 4.0,
+                    "is_deepseek_v4": True,
+                    "original_max_position_embeddings": 1024,
+                }
+            },
+            "DeepseekV4ScalingRotaryEmbedding",
+        ),
+        (
+            {
+                "rope_parameters": {
+                    "rope_type": "default",
+                    "use_fope": True,
+                    "num_key_value_heads": 2,
+                    "num_inv_freq": 16,
+                    "fope_sep_head": True,
+                    "fope_init_factor": 0.1,
+                }
+            },
+            "FourierRotaryEmbedding",
+        ),
         ({"rope_parameters": {"rope_type": "proportional"}}, "Gemma4RotaryEmbedding"),
-        ({"rope_parameters": {"rope_type": "xdrope", "alpha": 2.0,
-                              "xdrope_section": [8, 8, 8, 8]}}, "XDRotaryEmbedding"),
-        ({"rope_parameters": {"rope_type": "telechat3-yarn", "factor": 2.0}},
-         "TeleChat3RoPEScaledRotaryEmbedding"),
+        (
+            {
+                "rope_parameters": {
+                    "rope_type": "xdrope",
+                    "alpha": 2.0,
+                    "xdrope_section": [8, 8, 8, 8],
+                }
+            },
+            "XDRotaryEmbedding",
+        ),
+        (
+            {"rope_parameters": {"rope_type": "telechat3-yarn", "factor": 2.0}},
+            "TeleChat3RoPEScaledRotaryEmbedding",
+        ),
     ],
 )
 def test_unsupported_rope_types_are_refused_by_name(
@@ -231,10 +319,13 @@ class PagedCache:
 
 
 def test_from_load_plan_expands_rows_slots_and_deltas():
-    plan = ChunkLoadPlan("r", (
-        SegmentLoad(b"s" * 16, 0, [5], 2, stored_start=0, dst_start=0),
-        SegmentLoad(b"a" * 16, 1, [2, 7], 5, stored_start=1, dst_start=2),
-    ))
+    plan = ChunkLoadPlan(
+        "r",
+        (
+            SegmentLoad(b"s" * 16, 0, [5], 2, stored_start=0, dst_start=0),
+            SegmentLoad(b"a" * 16, 1, [2, 7], 5, stored_start=1, dst_start=2),
+        ),
+    )
     dst_slots = torch.arange(100, 110)
     rows = RemapRows.from_load_plan(plan, pool_block_size=4, dst_slots=dst_slots)
     assert rows.src_rows.tolist() == [20, 21, 8, 9, 10, 11, 28]
@@ -256,8 +347,10 @@ def test_manager_plan_through_remapper_lands_rope_at_real_positions(
     pool_v = torch.zeros_like(pool_k)
 
     system, doc, question = [1, 2, 3], [10, 11, 12, 13, 14], [30]
-    prompt = ChunkedPrompt(system + doc + question,
-                           (SegmentSpan(0, 3), SegmentSpan(3, 8), SegmentSpan(8, 9)))
+    prompt = ChunkedPrompt(
+        system + doc + question,
+        (SegmentSpan(0, 3), SegmentSpan(3, 8), SegmentSpan(8, 9)),
+    )
     gen = torch.Generator().manual_seed(1)
     raw_k = {t: torch.randn(NUM_HEADS * HEAD_SIZE, generator=gen) for t in range(40)}
     raw_v = {t: torch.randn(NUM_HEADS, HEAD_SIZE, generator=gen) for t in range(40)}
@@ -267,13 +360,15 @@ def test_manager_plan_through_remapper_lands_rope_at_real_positions(
         # What the worker does on store: K after RoPE at child positions.
         store = store_plan(manager, child)
         positions = torch.arange(len(child.token_ids))
-        k = apply_rope(rope, positions,
-                       torch.stack([raw_k[t] for t in child.token_ids]))
+        k = apply_rope(
+            rope, positions, torch.stack([raw_k[t] for t in child.token_ids])
+        )
         v = torch.stack([raw_v[t] for t in child.token_ids])
-        rows = torch.tensor([b * block + i for b in store.pool_block_ids
-                             for i in range(block)])[: store.num_tokens]
-        pool_k[rows] = k[store.src_start:]
-        pool_v[rows] = v[store.src_start:]
+        rows = torch.tensor(
+            [b * block + i for b in store.pool_block_ids for i in range(block)]
+        )[: store.num_tokens]
+        pool_k[rows] = k[store.src_start :]
+        pool_v[rows] = v[store.src_start :]
         child_finished(manager, child.request_id)
 
     plan = load_plan(manager, "r")
@@ -284,12 +379,14 @@ def test_manager_plan_through_remapper_lands_rope_at_real_positions(
     remapper.remap_layer("layers.0.attn", pool_k, pool_v, rows)
 
     cached = prompt.token_ids[: prompt.question_span.start]
-    truth_k = apply_rope(rope, torch.arange(len(cached)),
-                         torch.stack([raw_k[t] for t in cached]))
+    truth_k = apply_rope(
+        rope, torch.arange(len(cached)), torch.stack([raw_k[t] for t in cached])
+    )
     slots = dst_slots[: len(cached)]
     torch.testing.assert_close(paged.key[slots], truth_k, atol=ATOL, rtol=0)
-    torch.testing.assert_close(paged.value[slots],
-                               torch.stack([raw_v[t] for t in cached]))
+    torch.testing.assert_close(
+        paged.value[slots], torch.stack([raw_v[t] for t in cached])
+    )
     assert paged.calls == ["layers.0.attn"]
     assert paged.key[:16].abs().sum() == 0  # nothing written elsewhere
 
@@ -299,8 +396,11 @@ def test_layer_without_rope_copies_and_zero_delta_skips_rotation(
 ):
     pool_k = torch.randn(8, NUM_HEADS, HEAD_SIZE)
     pool_v = torch.randn(8, NUM_HEADS, HEAD_SIZE)
-    rows = RemapRows(src_rows=torch.tensor([3, 1]), dst_slots=torch.tensor([0, 5]),
-                     deltas=torch.tensor([7, 7]))
+    rows = RemapRows(
+        src_rows=torch.tensor([3, 1]),
+        dst_slots=torch.tensor([0, 5]),
+        deltas=torch.tensor([7, 7]),
+    )
     paged = PagedCache(num_slots=6)
     PositionRemapper(None, paged.write_rows).remap_layer("l", pool_k, pool_v, rows)
     torch.testing.assert_close(paged.key[[0, 5]], pool_k[[3, 1]], atol=0, rtol=0)
@@ -308,36 +408,58 @@ def test_layer_without_rope_copies_and_zero_delta_skips_rotation(
 
     # Zero deltas (the system segment) are copied bit for bit, no rotation.
     rotation = RopeRotation(make_rope({"rope_type": "default"}, True))
-    zero = RemapRows(src_rows=torch.tensor([2]), dst_slots=torch.tensor([4]),
-                     deltas=torch.tensor([0]))
+    zero = RemapRows(
+        src_rows=torch.tensor([2]),
+        dst_slots=torch.tensor([4]),
+        deltas=torch.tensor([0]),
+    )
     PositionRemapper(rotation, paged.write_rows).remap_layer("l", pool_k, pool_v, zero)
     assert torch.equal(paged.key[4], pool_k[2])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_reused_buffers_give_each_layer_and_step_its_own_rows(vllm_config_context, dtype):
+def test_reused_buffers_give_each_layer_and_step_its_own_rows(
+    vllm_config_context, dtype
+):
     """Two layers and two steps of different sizes through one shared scratch:
     every write equals the rotation of its own rows (a buffer reused too early, or
     sliced to another step's size, would hand a layer another layer's rows)."""
     rotation = RopeRotation(make_rope({"rope_type": "default"}, True))
-    pools = {name: (torch.randn(32, NUM_HEADS, HEAD_SIZE).to(dtype),
-                    torch.randn(32, NUM_HEADS, HEAD_SIZE).to(dtype)) for name in ("a", "b")}
+    pools = {
+        name: (
+            torch.randn(32, NUM_HEADS, HEAD_SIZE).to(dtype),
+            torch.randn(32, NUM_HEADS, HEAD_SIZE).to(dtype),
+        )
+        for name in ("a", "b")
+    }
     written: list[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor]] = []
 
     def write_rows(name, key, value, slots):
         written.append((name, key.clone(), value.clone(), slots.clone()))
 
     scratch = RemapScratch()
-    remappers = {name: PositionRemapper(rotation, write_rows, scratch) for name in pools}
-    steps = [RemapRows(src_rows=torch.tensor([5, 9, 2, 30, 17]),
-                       dst_slots=torch.arange(5), deltas=torch.tensor([3, 3, 3, 40, 40])),
-             RemapRows(src_rows=torch.tensor([1, 4]), dst_slots=torch.tensor([7, 8]),
-                       deltas=torch.tensor([-1, 12]))]
+    remappers = {
+        name: PositionRemapper(rotation, write_rows, scratch) for name in pools
+    }
+    steps = [
+        RemapRows(
+            src_rows=torch.tensor([5, 9, 2, 30, 17]),
+            dst_slots=torch.arange(5),
+            deltas=torch.tensor([3, 3, 3, 40, 40]),
+        ),
+        RemapRows(
+            src_rows=torch.tensor([1, 4]),
+            dst_slots=torch.tensor([7, 8]),
+            deltas=torch.tensor([-1, 12]),
+        ),
+    ]
     for rows in steps:
         for name, (pool_k, pool_v) in pools.items():
             remappers[name].remap_layer(name, pool_k, pool_v, rows)
     assert [w[0] for w in written] == ["a", "b", "a", "b"]
-    for (name, key, value, slots), rows in zip(written, [steps[0]] * 2 + [steps[1]] * 2):
+    for (name, key, value, slots), rows in zip(
+        written, [steps[0]] * 2 + [steps[1]] * 2
+    ):
         pool_k, pool_v = pools[name]
         expected = rotation.rotate(pool_k[rows.src_rows], rows.deltas)
         assert key.dtype == dtype and key.shape[0] == rows.src_rows.shape[0]
@@ -350,8 +472,11 @@ def test_reused_buffers_give_each_layer_and_step_its_own_rows(vllm_config_contex
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("name, params, neox", CASES,
-                         ids=[f"{c[0]}-{'neox' if c[2] else 'gptj'}" for c in CASES])
+@pytest.mark.parametrize(
+    "name, params, neox",
+    CASES,
+    ids=[f"{c[0]}-{'neox' if c[2] else 'gptj'}" for c in CASES],
+)
 def test_cpu_kernel_path_equals_generic_path_bit_for_bit(
     vllm_config_context, name, params, neox, dtype
 ):
@@ -370,8 +495,11 @@ def test_cpu_kernel_path_equals_generic_path_bit_for_bit(
     pool_k = (4 * torch.randn(96, NUM_HEADS, HEAD_SIZE, generator=gen)).to(dtype)
     pool_v = torch.randn(96, NUM_HEADS, HEAD_SIZE, generator=gen).to(dtype)
     deltas = torch.tensor([0, 3, -700, 2900, 40000]).repeat_interleave(12)
-    rows = RemapRows(src_rows=torch.randperm(96, generator=gen)[:60],
-                     dst_slots=torch.arange(60), deltas=deltas)
+    rows = RemapRows(
+        src_rows=torch.randperm(96, generator=gen)[:60],
+        dst_slots=torch.arange(60),
+        deltas=deltas,
+    )
     written = {}
     for label, rotation in (("fast", fast), ("generic", generic)):
         paged = PagedCache(num_slots=60, dtype=dtype)
@@ -383,7 +511,9 @@ def test_cpu_kernel_path_equals_generic_path_bit_for_bit(
     assert torch.equal(written["fast"].value, written["generic"].value)
     # Which path ran is a property of this machine (vLLM's op rounds like
     # rotate() on some x86 CPUs, not on others): reported, never asserted.
-    print(f"{name}-{'neox' if neox else 'gptj'}: {fast.describe_path(torch.device('cpu'))}")
+    print(
+        f"{name}-{'neox' if neox else 'gptj'}: {fast.describe_path(torch.device('cpu'))}"
+    )
 
 
 def test_cpu_rope_op_is_a_rotation_by_the_delta_on_every_cpu(vllm_config_context):
@@ -448,7 +578,9 @@ def test_cpu_kernel_rotates_tensors_made_under_inference_mode(vllm_config_contex
     torch.testing.assert_close(rotated, expected, atol=1e-5, rtol=1e-6)
 
 
-def test_fixed_scratch_never_grows_and_pieces_cover_every_row_in_order(vllm_config_context):
+def test_fixed_scratch_never_grows_and_pieces_cover_every_row_in_order(
+    vllm_config_context,
+):
     """Issue 20, finding 3: the worker's load buffers are allocated once at
     the per-step cap's size (counted in the carve-out); a longer load goes
     through them in pieces and writes exactly what one pass writes."""
@@ -456,8 +588,11 @@ def test_fixed_scratch_never_grows_and_pieces_cover_every_row_in_order(vllm_conf
     gen = torch.Generator().manual_seed(3)
     pool_k = torch.randn(50, NUM_HEADS, HEAD_SIZE, generator=gen)
     pool_v = torch.randn(50, NUM_HEADS, HEAD_SIZE, generator=gen)
-    rows = RemapRows(src_rows=torch.randperm(50, generator=gen)[:23],
-                     dst_slots=torch.arange(23), deltas=torch.arange(23) * 37 - 400)
+    rows = RemapRows(
+        src_rows=torch.randperm(50, generator=gen)[:23],
+        dst_slots=torch.arange(23),
+        deltas=torch.arange(23) * 37 - 400,
+    )
     assert [p.num_rows for p in rows.pieces(8)] == [8, 8, 7]
     assert torch.equal(torch.cat([p.deltas for p in rows.pieces(8)]), rows.deltas)
     written = {}
@@ -512,20 +647,39 @@ class DeinterleavingRope(DeepseekScalingRotaryEmbedding):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.register_buffer(
-            "inv_freq", self._compute_inv_freq(self.scaling_factor), persistent=False)
+            "inv_freq", self._compute_inv_freq(self.scaling_factor), persistent=False
+        )
 
     def forward_native(self, positions, query, key, offsets=None):
         if not self.is_neox_style:
             query = torch.cat((query[..., 0::2], query[..., 1::2]), -1)
             key = torch.cat((key[..., 0::2], key[..., 1::2]), -1)
-        return self.forward_static(positions, query, key, self.head_size, self.rotary_dim,
-                                   self.cos_sin_cache, True)
+        return self.forward_static(
+            positions,
+            query,
+            key,
+            self.head_size,
+            self.rotary_dim,
+            self.cos_sin_cache,
+            True,
+        )
 
 
 def _platform_rope(cls, neox):
     if issubclass(cls, DeepseekScalingRotaryEmbedding):
-        return cls(HEAD_SIZE, HEAD_SIZE, 1024, 10000, neox, 4.0, torch.float32,
-                   beta_fast=32, beta_slow=1, mscale=1.0, mscale_all_dim=0.707)
+        return cls(
+            HEAD_SIZE,
+            HEAD_SIZE,
+            1024,
+            10000,
+            neox,
+            4.0,
+            torch.float32,
+            beta_fast=32,
+            beta_slow=1,
+            mscale=1.0,
+            mscale_all_dim=0.707,
+        )
     return cls(HEAD_SIZE, HEAD_SIZE, MAX_POS, 10000, neox, torch.float32)
 
 
@@ -562,7 +716,9 @@ def test_platform_subclass_refused_until_registered_then_rotates_as_its_parent(
         RopeRotation(_platform_rope(PlatformRopeVariant, neox))
 
 
-def test_registered_subclass_still_faces_the_cache_self_check(vllm_config_context, rope_rules):
+def test_registered_subclass_still_faces_the_cache_self_check(
+    vllm_config_context, rope_rules
+):
     rope = _platform_rope(PlatformRope, True)
     rope.cos_sin_cache = rope.cos_sin_cache * 1.5  # another magnitude than the rule's
     rope_rules.register_rope_rule(PlatformRope, RotaryEmbedding)
@@ -582,8 +738,11 @@ def test_stored_pairing_override_rotates_keys_as_the_forward_lays_them_out(
     vllm_config_context, rope_rules, neox
 ):
     rope = _platform_rope(DeinterleavingRope, neox)
-    rope_rules.register_rope_rule(DeinterleavingRope, rope_rules.yarn_from_inv_freq_buffer,
-                                  stored_neox_style=lambda r: True)
+    rope_rules.register_rope_rule(
+        DeinterleavingRope,
+        rope_rules.yarn_from_inv_freq_buffer,
+        stored_neox_style=lambda r: True,
+    )
     rotation = RopeRotation(rope)
     assert rotation.is_neox_style is True
     assert rotation.magnitude == pytest.approx(float(rope.mscale))
@@ -595,11 +754,17 @@ def test_stored_pairing_override_rotates_keys_as_the_forward_lays_them_out(
         assert gptj.is_neox_style is False and rotation.is_neox_style is True
         assert (gptj.rotate(stored, d) - truth).abs().max() > 0.1
         # Re-interleaved rows (what Ascend's MLA reader returns) need GPT-J.
-        inter = torch.stack((stored[..., :HEAD_SIZE // 2], stored[..., HEAD_SIZE // 2:]),
-                            -1).flatten(-2)
-        truth_inter = torch.stack((truth[..., :HEAD_SIZE // 2], truth[..., HEAD_SIZE // 2:]),
-                                  -1).flatten(-2)
-        torch.testing.assert_close(gptj.rotate(inter, d), truth_inter, atol=ATOL, rtol=0)
+        inter = torch.stack(
+            (stored[..., : HEAD_SIZE // 2], stored[..., HEAD_SIZE // 2 :]), -1
+        ).flatten(-2)
+        truth_inter = torch.stack(
+            (truth[..., : HEAD_SIZE // 2], truth[..., HEAD_SIZE // 2 :]), -1
+        ).flatten(-2)
+        torch.testing.assert_close(
+            gptj.rotate(inter, d), truth_inter, atol=ATOL, rtol=0
+        )
     # Unregistered again without an override: the rope's style.
-    rope_rules.register_rope_rule(DeinterleavingRope, rope_rules.yarn_from_inv_freq_buffer)
+    rope_rules.register_rope_rule(
+        DeinterleavingRope, rope_rules.yarn_from_inv_freq_buffer
+    )
     assert RopeRotation(rope).is_neox_style is neox

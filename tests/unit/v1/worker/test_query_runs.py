@@ -8,8 +8,8 @@ Truth: the runs' real positions written out by hand, and vLLM's own
 import numpy as np
 import pytest
 import torch
-
 from vllm.v1.attention.backend import CommonAttentionMetadata
+
 from vllm.v1.worker.query_runs import position_offsets, run_rows, split_rows
 
 # Batch: "a" decodes (1 token at 40), "b" runs heads [5,7) and [13,15) and the
@@ -23,16 +23,22 @@ RUNS = {"b": ((5, 2), (13, 2), (19, 3))}
 
 def test_offsets_move_earlier_runs_back_to_their_positions():
     offsets = position_offsets(RUNS, REQ_IDS, NUM_SCHEDULED, NUM_COMPUTED)
-    naive = np.concatenate([np.arange(n, n + s) for n, s in zip(NUM_COMPUTED, NUM_SCHEDULED)])
+    naive = np.concatenate(
+        [np.arange(n, n + s) for n, s in zip(NUM_COMPUTED, NUM_SCHEDULED)]
+    )
     assert (naive + offsets).tolist() == [40, 5, 6, 13, 14, 19, 20, 21, 10, 11, 12, 13]
     assert position_offsets(None, REQ_IDS, NUM_SCHEDULED, NUM_COMPUTED) is None
-    assert position_offsets({"gone": ((0, 1),)}, REQ_IDS, NUM_SCHEDULED, NUM_COMPUTED) is None
+    assert (
+        position_offsets({"gone": ((0, 1),)}, REQ_IDS, NUM_SCHEDULED, NUM_COMPUTED)
+        is None
+    )
 
 
 def test_runs_that_do_not_end_at_the_sequence_end_are_refused():
     with pytest.raises(ValueError, match="last query run ends at 21"):
-        position_offsets({"b": ((5, 2), (13, 2), (18, 3))}, REQ_IDS, NUM_SCHEDULED,
-                         NUM_COMPUTED)
+        position_offsets(
+            {"b": ((5, 2), (13, 2), (18, 3))}, REQ_IDS, NUM_SCHEDULED, NUM_COMPUTED
+        )
     with pytest.raises(ValueError, match="do not cover"):
         position_offsets({"b": ((5, 2), (19, 3))}, REQ_IDS, NUM_SCHEDULED, NUM_COMPUTED)
 
@@ -42,9 +48,15 @@ def _common() -> CommonAttentionMetadata:
     seq_lens = torch.tensor([41, 22, 14], dtype=torch.int32)
     table = torch.tensor([[7, 0], [3, 4], [9, 0]], dtype=torch.int32)
     return CommonAttentionMetadata(
-        query_start_loc=qsl, query_start_loc_cpu=qsl.clone(), seq_lens=seq_lens,
-        num_reqs=3, num_actual_tokens=12, max_query_len=7, max_seq_len=41,
-        block_table_tensor=table, slot_mapping=torch.arange(12),
+        query_start_loc=qsl,
+        query_start_loc_cpu=qsl.clone(),
+        seq_lens=seq_lens,
+        num_reqs=3,
+        num_actual_tokens=12,
+        max_query_len=7,
+        max_seq_len=41,
+        block_table_tensor=table,
+        slot_mapping=torch.arange(12),
         is_prefilling=torch.tensor([False, True, True]),
         seq_lens_cpu_upper_bound=seq_lens.clone(),
     )
@@ -68,6 +80,8 @@ def test_each_run_is_a_row_over_its_request_block_table():
 
 
 def test_padded_rows_are_refused():
-    rows = run_rows(RUNS, REQ_IDS[:2], NUM_SCHEDULED[:2], (NUM_COMPUTED + NUM_SCHEDULED)[:2])
+    rows = run_rows(
+        RUNS, REQ_IDS[:2], NUM_SCHEDULED[:2], (NUM_COMPUTED + NUM_SCHEDULED)[:2]
+    )
     with pytest.raises(ValueError, match="unpadded"):
         split_rows(_common(), rows)

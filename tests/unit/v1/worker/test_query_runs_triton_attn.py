@@ -33,15 +33,15 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-
 from vllm.v1.attention.backend import CommonAttentionMetadata
+
 from vllm.v1.worker.query_runs import run_rows, split_rows
 
 triton_attn = pytest.importorskip("vllm.v1.attention.backends.triton_attn")
 
 
 def _vllm_triton_modules(*names: str):
-    """vLLM's kernel modules executed afresh, in order, with the real `triton` in place of
+    """VLLM's kernel modules executed afresh, in order, with the real `triton` in place of
     the placeholder vLLM binds without a GPU driver (as tests/unit/vllm_triton_cache_write.py;
     the source is vLLM's, unchanged); a later module imports the fresh earlier ones. The
     process's own modules are put back afterwards."""
@@ -50,7 +50,6 @@ def _vllm_triton_modules(*names: str):
 
     import triton
     import triton.language as tl
-
     import vllm.triton_utils as triton_utils
 
     saved = triton_utils.triton, triton_utils.tl
@@ -73,8 +72,10 @@ def _vllm_triton_modules(*names: str):
     return fresh
 
 
-_, unified = _vllm_triton_modules("vllm.v1.attention.ops.triton_attention_helpers",
-                                  "vllm.v1.attention.ops.triton_unified_attention")
+_, unified = _vllm_triton_modules(
+    "vllm.v1.attention.ops.triton_attention_helpers",
+    "vllm.v1.attention.ops.triton_unified_attention",
+)
 
 BLOCK, HEAD, Q_HEADS, KV_HEADS = 16, 32, 4, 2
 # "a": a plain prefill of 3 tokens after 6 cached (no runs); "b": heads [5,7) and
@@ -91,9 +92,15 @@ def _split() -> CommonAttentionMetadata:
     qsl = torch.tensor([0, 3, 10], dtype=torch.int32)
     seq_lens = torch.tensor(SEQ_LENS, dtype=torch.int32)
     common = CommonAttentionMetadata(
-        query_start_loc=qsl, query_start_loc_cpu=qsl.clone(), seq_lens=seq_lens,
-        num_reqs=2, num_actual_tokens=10, max_query_len=7, max_seq_len=33,
-        block_table_tensor=TABLE.clone(), slot_mapping=torch.arange(10),
+        query_start_loc=qsl,
+        query_start_loc_cpu=qsl.clone(),
+        seq_lens=seq_lens,
+        num_reqs=2,
+        num_actual_tokens=10,
+        max_query_len=7,
+        max_seq_len=33,
+        block_table_tensor=TABLE.clone(),
+        slot_mapping=torch.arange(10),
         is_prefilling=torch.tensor([True, True]),
         seq_lens_cpu_upper_bound=seq_lens.clone(),
     )
@@ -117,10 +124,15 @@ def _triton_metadata(split):
     # scratch), so the kernel below takes the 2D path over exactly these rows.
     builder = _bare_builder(
         triton_attn.TritonAttentionMetadataBuilder,
-        seq_threshold_3D=None, num_par_softmax_segments=None, softmax_segm_output=None,
-        softmax_segm_max=None, softmax_segm_expsum=None,
+        seq_threshold_3D=None,
+        num_par_softmax_segments=None,
+        softmax_segm_output=None,
+        softmax_segm_max=None,
+        softmax_segm_expsum=None,
         max_seqs_64_segments=0,  # 0.32: the 64-segment layout is SM120 only
-        rswa_window=None, persistent_rswa_prefix_lens=None)  # 0.32: R-SWA off
+        rswa_window=None,
+        persistent_rswa_prefix_lens=None,
+    )  # 0.32: R-SWA off
     return builder.build(0, split)
 
 
@@ -157,13 +169,22 @@ def test_flash_attn_gets_the_same_rows():
     flash = pytest.importorskip("vllm.v1.attention.backends.flash_attn")
     builder = _bare_builder(
         flash.FlashAttentionMetadataBuilder,
-        aot_schedule=False, aot_sliding_window=(-1, -1), use_full_cuda_graph=False,
-        max_cudagraph_size=None, max_num_splits=0, dcp_world_size=1,
-        cache_config=SimpleNamespace(cache_dtype="auto"), kv_cache_dtype=torch.bfloat16,
+        aot_schedule=False,
+        aot_sliding_window=(-1, -1),
+        use_full_cuda_graph=False,
+        max_cudagraph_size=None,
+        max_num_splits=0,
+        dcp_world_size=1,
+        cache_config=SimpleNamespace(cache_dtype="auto"),
+        kv_cache_dtype=torch.bfloat16,
         # 0.32: R-SWA and the multimodal-prefix staging buffers off
-        rswa_window=None, persistent_rswa_prefix_lens=None,
-        persistent_rswa_window_tensor=None, mm_prefix_query_ranges_cpu=None,
-        mm_prefix_query_ranges_np=None, mm_prefix_query_ranges_gpu=None)
+        rswa_window=None,
+        persistent_rswa_prefix_lens=None,
+        persistent_rswa_window_tensor=None,
+        mm_prefix_query_ranges_cpu=None,
+        mm_prefix_query_ranges_np=None,
+        mm_prefix_query_ranges_gpu=None,
+    )
     meta = builder.build(0, _split())
     assert meta.query_start_loc.tolist() == [0, 3, 5, 7, 10]
     assert meta.seq_lens.tolist() == [9, 7, 19, 33]
@@ -182,21 +203,34 @@ def _positions() -> list[tuple[int, int]]:
 
 
 def _attend(meta, dtype, window: int | None = None):
-    """vLLM's kernel over `meta`'s rows; `window`: a sliding window of that many keys,
+    """VLLM's kernel over `meta`'s rows; `window`: a sliding window of that many keys,
     passed as vLLM's TritonAttentionImpl passes a layer's (`(window - 1, 0)`)."""
     gen = torch.Generator().manual_seed(40)
     num_blocks = 8
     key_cache = torch.randn(num_blocks, BLOCK, KV_HEADS, HEAD, generator=gen).to(dtype)
-    value_cache = torch.randn(num_blocks, BLOCK, KV_HEADS, HEAD, generator=gen).to(dtype)
+    value_cache = torch.randn(num_blocks, BLOCK, KV_HEADS, HEAD, generator=gen).to(
+        dtype
+    )
     query = torch.randn(10, Q_HEADS, HEAD, generator=gen).to(dtype)
     out = torch.full_like(query, float("nan"))
     unified.unified_attention(
-        q=query, k=key_cache, v=value_cache, out=out, cu_seqlens_q=meta.query_start_loc,
-        max_seqlen_q=meta.max_query_len, seqused_k=meta.seq_lens,
-        max_seqlen_k=meta.max_seq_len, softmax_scale=HEAD ** -0.5, causal=True,
+        q=query,
+        k=key_cache,
+        v=value_cache,
+        out=out,
+        cu_seqlens_q=meta.query_start_loc,
+        max_seqlen_q=meta.max_query_len,
+        seqused_k=meta.seq_lens,
+        max_seqlen_k=meta.max_seq_len,
+        softmax_scale=HEAD**-0.5,
+        causal=True,
         window_size=(-1, -1) if window is None else (window - 1, 0),
-        block_table=meta.block_table, softcap=0, q_descale=None,
-        k_descale=None, v_descale=None)
+        block_table=meta.block_table,
+        softcap=0,
+        q_descale=None,
+        k_descale=None,
+        v_descale=None,
+    )
     return key_cache, value_cache, query, out
 
 
@@ -214,7 +248,9 @@ def _oracle(key_cache, value_cache, query, window: int | None = None) -> torch.T
         k = key_cache[blocks, slots % BLOCK].double()  # [keys, kv heads, head]
         v = value_cache[blocks, slots % BLOCK].double()
         for h in range(Q_HEADS):
-            w = torch.softmax(k[:, h // group] @ query[t, h].double() * HEAD ** -0.5, dim=0)
+            w = torch.softmax(
+                k[:, h // group] @ query[t, h].double() * HEAD**-0.5, dim=0
+            )
             want[t, h] = w @ v[:, h // group]
     return want
 
@@ -223,9 +259,11 @@ def _oracle(key_cache, value_cache, query, window: int | None = None) -> torch.T
 # values of ~1e8 (garbage, not rounding; not investigated). The kernel's arithmetic per
 # dtype is the GPU's business; what is checked here is which keys each row sees.
 
-_KERNEL_TESTS = ("test_triton_unified_attention_over_the_runs_is_causal_over_the_real_positions",
-                 "test_without_the_split_the_heads_would_see_the_wrong_keys",
-                 "test_a_sliding_window_applies_by_real_position_over_the_runs")
+_KERNEL_TESTS = (
+    "test_triton_unified_attention_over_the_runs_is_causal_over_the_real_positions",
+    "test_without_the_split_the_heads_would_see_the_wrong_keys",
+    "test_a_sliding_window_applies_by_real_position_over_the_runs",
+)
 
 
 @functools.cache
@@ -233,10 +271,21 @@ def _fresh_process_output() -> str:
     """Both kernel tests in one new pytest process, Triton imported under
     TRITON_INTERPRET=1 there: its output."""
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-rA", "-p", "no:randomly",
-         *(f"{__file__}::{name}" for name in _KERNEL_TESTS)],
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-rA",
+            "-p",
+            "no:randomly",
+            *(f"{__file__}::{name}" for name in _KERNEL_TESTS),
+        ],
         env={**os.environ, "TRITON_INTERPRET": "1"},
-        capture_output=True, text=True, timeout=600)
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     return proc.stdout + proc.stderr
 
 
@@ -255,14 +304,20 @@ def _ran_in_a_fresh_process(test: str) -> bool:
     if type(tl.zeros).__name__ != "JITFunction":
         return False
     out = _fresh_process_output()
-    assert re.search(rf"^PASSED \S*{Path(__file__).name}::{test}\s*$", out, re.M), out[-6000:]
+    assert re.search(rf"^PASSED \S*{Path(__file__).name}::{test}\s*$", out, re.M), out[
+        -6000:
+    ]
     return True
 
 
 def test_triton_unified_attention_over_the_runs_is_causal_over_the_real_positions():
-    if _ran_in_a_fresh_process("test_triton_unified_attention_over_the_runs_is_causal_over_the_real_positions"):
+    if _ran_in_a_fresh_process(
+        "test_triton_unified_attention_over_the_runs_is_causal_over_the_real_positions"
+    ):
         return
-    key_cache, value_cache, query, out = _attend(_triton_metadata(_split()), torch.float32)
+    key_cache, value_cache, query, out = _attend(
+        _triton_metadata(_split()), torch.float32
+    )
     want = _oracle(key_cache, value_cache, query)
     assert not torch.isnan(out).any()  # every query token of every run was written
     assert torch.allclose(out.double(), want, atol=1e-5, rtol=1e-5)
@@ -271,17 +326,29 @@ def test_triton_unified_attention_over_the_runs_is_causal_over_the_real_position
 def test_without_the_split_the_heads_would_see_the_wrong_keys():
     """The oracle tells the rows apart: b as one row of 7 queries ending at 33 puts its
     heads at positions 26..29 (the question's 30..32 stay right)."""
-    if _ran_in_a_fresh_process("test_without_the_split_the_heads_would_see_the_wrong_keys"):
+    if _ran_in_a_fresh_process(
+        "test_without_the_split_the_heads_would_see_the_wrong_keys"
+    ):
         return
-    unsplit = _triton_metadata(CommonAttentionMetadata(
-        query_start_loc=torch.tensor([0, 3, 10], dtype=torch.int32),
-        query_start_loc_cpu=torch.tensor([0, 3, 10], dtype=torch.int32),
-        seq_lens=torch.tensor(SEQ_LENS, dtype=torch.int32), num_reqs=2,
-        num_actual_tokens=10, max_query_len=7, max_seq_len=33,
-        block_table_tensor=TABLE.clone(), slot_mapping=torch.arange(10)))
+    unsplit = _triton_metadata(
+        CommonAttentionMetadata(
+            query_start_loc=torch.tensor([0, 3, 10], dtype=torch.int32),
+            query_start_loc_cpu=torch.tensor([0, 3, 10], dtype=torch.int32),
+            seq_lens=torch.tensor(SEQ_LENS, dtype=torch.int32),
+            num_reqs=2,
+            num_actual_tokens=10,
+            max_query_len=7,
+            max_seq_len=33,
+            block_table_tensor=TABLE.clone(),
+            slot_mapping=torch.arange(10),
+        )
+    )
     key_cache, value_cache, query, out = _attend(unsplit, torch.float32)
     want = _oracle(key_cache, value_cache, query)
-    close = [torch.allclose(out[t].double(), want[t], atol=1e-5, rtol=1e-5) for t in range(10)]
+    close = [
+        torch.allclose(out[t].double(), want[t], atol=1e-5, rtol=1e-5)
+        for t in range(10)
+    ]
     assert close == [True] * 3 + [False] * 4 + [True] * 3
 
 
@@ -295,13 +362,19 @@ def test_a_sliding_window_applies_by_real_position_over_the_runs():
     rests and earlier runs included, through the request's block table. The windowed
     oracle tells the window apart: without it every token at a position >= 4 would see
     more keys."""
-    if _ran_in_a_fresh_process("test_a_sliding_window_applies_by_real_position_over_the_runs"):
+    if _ran_in_a_fresh_process(
+        "test_a_sliding_window_applies_by_real_position_over_the_runs"
+    ):
         return
-    key_cache, value_cache, query, out = _attend(_triton_metadata(_split()), torch.float32,
-                                                 window=WINDOW)
+    key_cache, value_cache, query, out = _attend(
+        _triton_metadata(_split()), torch.float32, window=WINDOW
+    )
     want = _oracle(key_cache, value_cache, query, window=WINDOW)
     assert not torch.isnan(out).any()
     assert torch.allclose(out.double(), want, atol=1e-5, rtol=1e-5)
     full = _oracle(key_cache, value_cache, query)
-    assert not any(torch.allclose(out[t].double(), full[t], atol=1e-5, rtol=1e-5)
-                   for t, (_, pos) in enumerate(_positions()) if pos >= WINDOW)
+    assert not any(
+        torch.allclose(out[t].double(), full[t], atol=1e-5, rtol=1e-5)
+        for t, (_, pos) in enumerate(_positions())
+        if pos >= WINDOW
+    )

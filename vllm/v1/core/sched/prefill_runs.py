@@ -39,10 +39,14 @@ class PrefillRuns:
     def of_gap(cls, position: int, gap, num_left: int) -> "PrefillRuns":
         """Every stretch a connector's `PrefillGap` offers at `position`, for a
         request with `num_left` tokens to compute there (loads included)."""
-        first = (gap.num_external_tokens,
-                 min(num_left - gap.num_external_tokens, gap.max_new_tokens))
-        rest = tuple((g.num_external_tokens, g.max_new_tokens)
-                     for g in getattr(gap, "next_stretches", ()))
+        first = (
+            gap.num_external_tokens,
+            min(num_left - gap.num_external_tokens, gap.max_new_tokens),
+        )
+        rest = tuple(
+            (g.num_external_tokens, g.max_new_tokens)
+            for g in getattr(gap, "next_stretches", ())
+        )
         return cls(position, (first,) + rest)
 
     @property
@@ -135,7 +139,9 @@ class RunRowBudget:
     def start_step(self, num_requests: int) -> None:
         """A new step, with at most `num_requests` requests to schedule."""
         if self.max_rows is not None:
-            self.extra_left = max(0, self.max_rows - min(self.max_num_seqs, num_requests))
+            self.extra_left = max(
+                0, self.max_rows - min(self.max_num_seqs, num_requests)
+            )
 
     def take(self, runs: PrefillRuns) -> PrefillRuns:
         """`runs` with no more query runs than the rows left allow; counts them."""

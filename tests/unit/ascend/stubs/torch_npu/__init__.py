@@ -66,8 +66,9 @@ def _npu_reshape_and_cache(*, key, value, key_cache, value_cache, slot_indices):
     _scatter(value, value_cache, slot_indices)
 
 
-def npu_scatter_pa_kv_cache(*, key, value, key_cache, value_cache, slot_mapping,
-                            cache_mode="Norm"):
+def npu_scatter_pa_kv_cache(
+    *, key, value, key_cache, value_cache, slot_mapping, cache_mode="Norm"
+):
     """A5: the same write ("Norm" layout only)."""
     if cache_mode != "Norm":
         raise NotImplementedError(f"cache_mode={cache_mode!r} has no CPU stub")
@@ -75,10 +76,23 @@ def npu_scatter_pa_kv_cache(*, key, value, key_cache, value_cache, slot_mapping,
     _scatter(value, value_cache, slot_mapping)
 
 
-def npu_kv_rmsnorm_rope_cache(kv, gamma, cos, sin, index, k_cache, ckv_cache, *,
-                              k_rope_scale=None, c_kv_scale=None, k_rope_offset=None,
-                              c_kv_offset=None, epsilon=1e-5, cache_mode="Norm",
-                              is_output_kv=False):
+def npu_kv_rmsnorm_rope_cache(
+    kv,
+    gamma,
+    cos,
+    sin,
+    index,
+    k_cache,
+    ckv_cache,
+    *,
+    k_rope_scale=None,
+    c_kv_scale=None,
+    k_rope_offset=None,
+    c_kv_offset=None,
+    epsilon=1e-5,
+    cache_mode="Norm",
+    is_output_kv=False,
+):
     """MLA, "PA" mode: kv [n, 1, 1, rank + rope] -> RMSNorm(kv[..., :rank]) * gamma
     into ckv_cache and the interleaved rope of kv[..., rank:] (evens then odds,
     rotated neox-style with cos/sin [n, 1, 1, rope]) into k_cache, at slots
@@ -92,7 +106,9 @@ def npu_kv_rmsnorm_rope_cache(kv, gamma, cos, sin, index, k_cache, ckv_cache, *,
     kv_c = c * torch.rsqrt(c.pow(2).mean(-1, keepdim=True) + epsilon) * gamma.float()
     r = x[..., rank:]
     x1, x2 = r[..., 0::2], r[..., 1::2]
-    k_pe = (torch.cat((x1, x2), -1) * cos.float() + torch.cat((-x2, x1), -1) * sin.float())
+    k_pe = (
+        torch.cat((x1, x2), -1) * cos.float() + torch.cat((-x2, x1), -1) * sin.float()
+    )
     n = kv.shape[0]
     kv_c = kv_c.reshape(n, 1, rank).to(kv.dtype)
     k_pe = k_pe.reshape(n, 1, -1).to(kv.dtype)
@@ -103,12 +119,16 @@ def npu_kv_rmsnorm_rope_cache(kv, gamma, cos, sin, index, k_cache, ckv_cache, *,
     return k_cache, ckv_cache, None, None
 
 
-def _npu_rotary_embedding(positions, query, key, head_size, cos_sin_cache, is_neox_style):
-    """vLLM's `rotary_embedding` semantics, in place: query/key [n, heads *
+def _npu_rotary_embedding(
+    positions, query, key, head_size, cos_sin_cache, is_neox_style
+):
+    """VLLM's `rotary_embedding` semantics, in place: query/key [n, heads *
     head_size] (rows of `head_size`, the first len(cos_sin_cache[0]) values
     rotated), cos_sin_cache [positions, cos | sin]; pairs (i, i + half) if
     is_neox_style, else (2i, 2i + 1)."""
-    cos, sin = cos_sin_cache.index_select(0, positions.flatten()).float().chunk(2, dim=-1)
+    cos, sin = (
+        cos_sin_cache.index_select(0, positions.flatten()).float().chunk(2, dim=-1)
+    )
     rot = 2 * cos.shape[-1]
     for x in (query, key):
         if x is None:
@@ -121,7 +141,11 @@ def _npu_rotary_embedding(positions, query, key, head_size, cos_sin_cache, is_ne
             x1, x2 = r[..., 0::2], r[..., 1::2]
         c, s = cos[:, None], sin[:, None]
         o1, o2 = x1 * c - x2 * s, x2 * c + x1 * s
-        out = torch.cat((o1, o2), -1) if is_neox_style else torch.stack((o1, o2), -1).flatten(-2)
+        out = (
+            torch.cat((o1, o2), -1)
+            if is_neox_style
+            else torch.stack((o1, o2), -1).flatten(-2)
+        )
         rows[..., :rot] = out.to(x.dtype)
 
 
@@ -133,7 +157,7 @@ def npu_scatter_nd_update_(self, indices, updates):
 
 
 def npu_rotary_mul(x, r1, r2, rotary_mode="half"):
-    """x * cos + rotate_half(x) * sin ("half" mode: pairs (i, i + half)), computed in
+    """X * cos + rotate_half(x) * sin ("half" mode: pairs (i, i + half)), computed in
     fp32 and cast to x's dtype; cos/sin `r1`/`r2` broadcast against x."""
     if rotary_mode != "half":
         raise NotImplementedError(f"rotary_mode={rotary_mode!r} has no CPU stub")
@@ -165,7 +189,9 @@ def npu_dynamic_quant(x, smooth_scales=None, *, dst_type=torch.int8):
 def npu_format_cast(tensor, acl_format):
     """The plain ND format (ACL_FORMAT_FRACTAL_ND = 2) only: the tensor as it is."""
     if acl_format != 2:
-        raise NotImplementedError(f"npu_format_cast to format {acl_format}: no CPU stub")
+        raise NotImplementedError(
+            f"npu_format_cast to format {acl_format}: no CPU stub"
+        )
     return tensor
 
 

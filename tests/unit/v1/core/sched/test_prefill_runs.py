@@ -2,14 +2,16 @@
 """Several computed stretches of one prompt in one step: what the scheduler takes."""
 
 import pytest
-
 from vllm.distributed.kv_transfer.kv_connector.v1.base import PrefillGap
+
 from vllm.v1.core.sched.prefill_runs import PrefillRuns
 
 
 def gap(*stretches: tuple[int, int]) -> PrefillGap:
     (loaded, computed), *rest = stretches
-    return PrefillGap(loaded, computed, next_stretches=tuple(PrefillGap(*s) for s in rest))
+    return PrefillGap(
+        loaded, computed, next_stretches=tuple(PrefillGap(*s) for s in rest)
+    )
 
 
 def test_one_stretch_is_the_single_gap_rule():
@@ -57,19 +59,28 @@ def _budget(mode_name: str, max_num_seqs: int, capture: int):
     from types import SimpleNamespace
 
     from vllm.config.compilation import CUDAGraphMode
+
     from vllm.v1.core.sched.prefill_runs import RunRowBudget
 
-    return RunRowBudget.of_config(SimpleNamespace(
-        scheduler_config=SimpleNamespace(max_num_seqs=max_num_seqs),
-        compilation_config=SimpleNamespace(cudagraph_mode=CUDAGraphMode[mode_name],
-                                           max_cudagraph_capture_size=capture)))
+    return RunRowBudget.of_config(
+        SimpleNamespace(
+            scheduler_config=SimpleNamespace(max_num_seqs=max_num_seqs),
+            compilation_config=SimpleNamespace(
+                cudagraph_mode=CUDAGraphMode[mode_name],
+                max_cudagraph_capture_size=capture,
+            ),
+        )
+    )
 
 
 def test_at_most_runs_keeps_the_first_runs_and_no_load_after_them():
     runs = PrefillRuns.of_gap(0, gap((5, 2), (6, 2), (4, 3)), num_left=22)
     two = runs.at_most_runs(2)
     assert two.query_runs() == ((5, 2), (13, 2))
-    assert (two.num_external_tokens, two.num_new_tokens) == (11, 4)  # not the 4 before 19
+    assert (two.num_external_tokens, two.num_new_tokens) == (
+        11,
+        4,
+    )  # not the 4 before 19
     one = runs.at_most_runs(1)
     assert one.query_runs() == ((5, 2),) and not one.is_split
     assert runs.at_most_runs(3) == runs == runs.at_most_runs(9)

@@ -22,7 +22,9 @@ if TYPE_CHECKING:
     from vllm.forward_context import ForwardContext
 
 # (layer, key rows, value rows, paged slot per row, forward context) -> None
-WriteFn = Callable[[Any, torch.Tensor, torch.Tensor, torch.Tensor, "ForwardContext"], None]
+WriteFn = Callable[
+    [Any, torch.Tensor, torch.Tensor, torch.Tensor, "ForwardContext"], None
+]
 # (layer, the layer's paged cache, paged slot per row [n]) -> (key rows
 # [n, num_kv_heads, head_size], value rows [n, num_kv_heads, head_size_v]).
 ReadFn = Callable[[Any, Any, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
@@ -46,8 +48,9 @@ class CacheWriter:
 _WRITERS: dict[str, CacheWriter] = {}
 
 
-def register_cache_writer(impl_class_name: str, backend: str, write: WriteFn,
-                          read: ReadFn | None = None) -> None:
+def register_cache_writer(
+    impl_class_name: str, backend: str, write: WriteFn, read: ReadFn | None = None
+) -> None:
     _WRITERS[impl_class_name] = CacheWriter(backend, write, read)
 
 
@@ -59,15 +62,18 @@ def supported_backends() -> list[str]:
     return sorted({w.backend for w in _WRITERS.values()})
 
 
-def _write_via_kv_cache_update(layer, key, value, slot_mapping, forward_context) -> None:
+def _write_via_kv_cache_update(
+    layer, key, value, slot_mapping, forward_context
+) -> None:
     # FlashAttention / FlashInfer / Triton: reshape_and_cache_flash (or the
     # backend's own variant), quantizing with the layer's k/v scale for fp8.
     layer.impl.do_kv_cache_update(layer, key, value, layer.kv_cache, slot_mapping)
 
 
 def _write_cpu(layer, key, value, slot_mapping, forward_context) -> None:
-    from vllm import _custom_ops as ops
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    from vllm import _custom_ops as ops
 
     kv_cache = layer.kv_cache
     num_blocks, num_kv_heads, block_size, _ = kv_cache.size()
@@ -75,7 +81,9 @@ def _write_cpu(layer, key, value, slot_mapping, forward_context) -> None:
     key_cache, value_cache = paged.chunk(2, dim=2)
     isa = _step_isa(forward_context, layer.layer_name)
     if isa is None:
-        isa = _get_attn_isa(key.dtype, block_size, layer.head_size, layer.impl.kv_cache_dtype)
+        isa = _get_attn_isa(
+            key.dtype, block_size, layer.head_size, layer.impl.kv_cache_dtype
+        )
     ops.cpu_attn_reshape_and_cache(
         key.contiguous(),
         value.contiguous(),
@@ -121,12 +129,16 @@ def _read_cpu(layer, kv_cache, slots) -> tuple[torch.Tensor, torch.Tensor]:
     keys = paged[:, :, 0].view(num_blocks, num_heads, head_size, block_size)
     values = paged[:, :, 1].view(num_blocks, num_heads, block_size, head_size)
     blocks, offsets = slots // block_size, slots % block_size
-    return keys.permute(0, 3, 1, 2)[blocks, offsets], values.transpose(1, 2)[blocks, offsets]
+    return keys.permute(0, 3, 1, 2)[blocks, offsets], values.transpose(1, 2)[
+        blocks, offsets
+    ]
 
 
 # MLA: (layer, kv_c [n, kv_lora_rank], k_pe [n, rope_dim], slots, the layer's
 # latent cache) -> None, through the backend's own latent cache write.
-LatentWriteFn = Callable[[Any, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
+LatentWriteFn = Callable[
+    [Any, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None
+]
 
 
 @dataclass(frozen=True)
@@ -158,13 +170,18 @@ class LatentWriter:
 _LATENT_WRITERS: dict[str, LatentWriter] = {}
 
 
-def register_latent_writer(impl_class_name: str, backend: str, write: LatentWriteFn,
-                           read: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-                           k_pe_neox_style: bool | None = None,
-                           check_layer: Callable[[str, Any], None] | None = None,
-                           device_type: str | None = None) -> None:
-    _LATENT_WRITERS[impl_class_name] = LatentWriter(backend, write, read, k_pe_neox_style,
-                                                    check_layer, device_type)
+def register_latent_writer(
+    impl_class_name: str,
+    backend: str,
+    write: LatentWriteFn,
+    read: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    k_pe_neox_style: bool | None = None,
+    check_layer: Callable[[str, Any], None] | None = None,
+    device_type: str | None = None,
+) -> None:
+    _LATENT_WRITERS[impl_class_name] = LatentWriter(
+        backend, write, read, k_pe_neox_style, check_layer, device_type
+    )
 
 
 def latent_writer_for(impl: Any) -> LatentWriter | None:
@@ -173,18 +190,30 @@ def latent_writer_for(impl: Any) -> LatentWriter | None:
 
 def supported_latent_backends(device_type: str | None = None) -> list[str]:
     """Every registered MLA backend, or those a user of `device_type` picks by name."""
-    return sorted({w.backend for w in _LATENT_WRITERS.values()
-                   if device_type is None or w.device_type == device_type})
+    return sorted(
+        {
+            w.backend
+            for w in _LATENT_WRITERS.values()
+            if device_type is None or w.device_type == device_type
+        }
+    )
 
 
-def _write_latent_via_kv_cache_update(layer, kv_c, k_pe, slot_mapping, kv_cache) -> None:
+def _write_latent_via_kv_cache_update(
+    layer, kv_c, k_pe, slot_mapping, kv_cache
+) -> None:
     # The call the MLA layer itself makes (unified_mla_kv_cache_update), k_pe
     # as [n, 1, rope_dim] as it hands it over: CPU_MLA indexes its cache, the
     # CUDA impls below inherit MLAAttentionImpl's, which runs
     # concat_and_cache_mla: laid out as for freshly computed tokens.
-    layer.impl.do_kv_cache_update(kv_c_normed=kv_c, k_pe=k_pe.unsqueeze(1), kv_cache=kv_cache,
-                                  slot_mapping=slot_mapping,
-                                  kv_cache_dtype=layer.kv_cache_dtype, k_scale=layer._k_scale)
+    layer.impl.do_kv_cache_update(
+        kv_c_normed=kv_c,
+        k_pe=k_pe.unsqueeze(1),
+        kv_cache=kv_cache,
+        slot_mapping=slot_mapping,
+        kv_cache_dtype=layer.kv_cache_dtype,
+        k_scale=layer._k_scale,
+    )
 
 
 def _read_plain_latent(kv_cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
@@ -207,22 +236,46 @@ def _read_plain_latent(kv_cache: torch.Tensor, slots: torch.Tensor) -> torch.Ten
 # CPU_MLA is named) is not registered: its cache write (concat_and_cache_mla_cpu)
 # was never run on an AMX machine against a reference, so it is refused by name
 # and the refusal names CPU_MLA (the CPU's device_type below).
-register_latent_writer("CPUMLAImpl", "CPU_MLA", _write_latent_via_kv_cache_update,
-                       _read_plain_latent, device_type="cpu")
-register_latent_writer("TritonMLAImpl", "TRITON_MLA", _write_latent_via_kv_cache_update,
-                       _read_plain_latent, device_type="cuda")
-register_latent_writer("FlashAttnMLAImpl", "FLASH_ATTN_MLA", _write_latent_via_kv_cache_update,
-                       _read_plain_latent, device_type="cuda")
-register_latent_writer("FlashMLAImpl", "FLASHMLA", _write_latent_via_kv_cache_update,
-                       _read_plain_latent, device_type="cuda")
+register_latent_writer(
+    "CPUMLAImpl",
+    "CPU_MLA",
+    _write_latent_via_kv_cache_update,
+    _read_plain_latent,
+    device_type="cpu",
+)
+register_latent_writer(
+    "TritonMLAImpl",
+    "TRITON_MLA",
+    _write_latent_via_kv_cache_update,
+    _read_plain_latent,
+    device_type="cuda",
+)
+register_latent_writer(
+    "FlashAttnMLAImpl",
+    "FLASH_ATTN_MLA",
+    _write_latent_via_kv_cache_update,
+    _read_plain_latent,
+    device_type="cuda",
+)
+register_latent_writer(
+    "FlashMLAImpl",
+    "FLASHMLA",
+    _write_latent_via_kv_cache_update,
+    _read_plain_latent,
+    device_type="cuda",
+)
 
 
 # vLLM 0.23.0 picks, for standard attention on CUDA: FLASH_ATTN, FLASHINFER,
 # TRITON_ATTN, then FLEX_ATTENTION (FlashInfer first on Blackwell); on CPU:
 # CPU_ATTN. FLEX_ATTENTION (and ROCm, MLA) are not registered: refused.
-register_cache_writer("FlashAttentionImpl", "FLASH_ATTN", _write_via_kv_cache_update,
-                      _read_flash)
-register_cache_writer("FlashInferImpl", "FLASHINFER", _write_via_kv_cache_update, _read_flash)
-register_cache_writer("TritonAttentionImpl", "TRITON_ATTN", _write_via_kv_cache_update,
-                      _read_flash)
+register_cache_writer(
+    "FlashAttentionImpl", "FLASH_ATTN", _write_via_kv_cache_update, _read_flash
+)
+register_cache_writer(
+    "FlashInferImpl", "FLASHINFER", _write_via_kv_cache_update, _read_flash
+)
+register_cache_writer(
+    "TritonAttentionImpl", "TRITON_ATTN", _write_via_kv_cache_update, _read_flash
+)
 register_cache_writer("CPUAttentionBackendImpl", "CPU_ATTN", _write_cpu, _read_cpu)

@@ -57,12 +57,19 @@ class CaptureChoice:
 
     def summary(self) -> str:
         if not self.in_attention:
-            return (f"after the forward from the child's paged blocks on all "
-                    f"{len(self.after_forward)} layer(s)")
+            return (
+                f"after the forward from the child's paged blocks on all "
+                f"{len(self.after_forward)} layer(s)"
+            )
         why = "; ".join(sorted(set(self.in_attention.values()))[:3])
-        head = (f"after the forward on {len(self.after_forward)} layer(s), "
-                if self.after_forward else "")
-        return f"{head}in the attention hook on {len(self.in_attention)} layer(s): {why}"
+        head = (
+            f"after the forward on {len(self.after_forward)} layer(s), "
+            if self.after_forward
+            else ""
+        )
+        return (
+            f"{head}in the attention hook on {len(self.in_attention)} layer(s): {why}"
+        )
 
 
 def quantized_reason(cache_dtype: str) -> str | None:
@@ -86,17 +93,22 @@ def capture_hook_reason(vllm_config: Any) -> str | None:
 
     device_type = getattr(current_platform, "device_type", "cpu")
     if device_type not in ("cuda", "cpu"):
-        return (f"the {device_type} platform's standard attention has no cache reader, "
-                "so its captures run in the attention hook")
+        return (
+            f"the {device_type} platform's standard attention has no cache reader, "
+            "so its captures run in the attention hook"
+        )
     cache_dtype = str(vllm_config.cache_config.cache_dtype)
     if quantized_reason(cache_dtype) is not None:
-        return (f"the capture of a quantized cache (--kv-cache-dtype {cache_dtype}) "
-                "runs in the attention hook")
+        return (
+            f"the capture of a quantized cache (--kv-cache-dtype {cache_dtype}) "
+            "runs in the attention hook"
+        )
     return None
 
 
-def self_check(layer: Any, kv_cache: Any, writer: CacheWriter,
-               dtype: torch.dtype) -> str | None:
+def self_check(
+    layer: Any, kv_cache: Any, writer: CacheWriter, dtype: torch.dtype
+) -> str | None:
     """None if rows written through `writer.write` come back bit for bit
     through `writer.read`; else why not. Leaves `kv_cache` as it was."""
     if writer.read is None:
@@ -104,7 +116,10 @@ def self_check(layer: Any, kv_cache: Any, writer: CacheWriter,
     reason = quantized_reason(getattr(layer.impl, "kv_cache_dtype", "auto"))
     if reason is not None:
         return reason
-    if not isinstance(kv_cache, torch.Tensor) or getattr(layer, "kv_cache", None) is not kv_cache:
+    if (
+        not isinstance(kv_cache, torch.Tensor)
+        or getattr(layer, "kv_cache", None) is not kv_cache
+    ):
         # NOTE: the backend's write goes to the layer's bound cache; only a
         # check on the very tensor the reader reads proves anything.
         return "the layer's bound cache is not the registered one"
@@ -114,8 +129,12 @@ def self_check(layer: Any, kv_cache: Any, writer: CacheWriter,
     if rows <= 0:
         return "no free block for the self-check"
     device = kv_cache.device
-    key = random_rows((rows, layer.num_kv_heads, layer.head_size), dtype, device, seed=1)
-    value = random_rows((rows, layer.num_kv_heads, layer.head_size_v), dtype, device, seed=2)
+    key = random_rows(
+        (rows, layer.num_kv_heads, layer.head_size), dtype, device, seed=1
+    )
+    value = random_rows(
+        (rows, layer.num_kv_heads, layer.head_size_v), dtype, device, seed=2
+    )
     slots = sample_slots(kv_cache, rows)
     try:
         with restored([kv_cache], rows):
@@ -125,13 +144,19 @@ def self_check(layer: Any, kv_cache: Any, writer: CacheWriter,
     except Exception as e:  # noqa: BLE001 - any failure keeps the hook
         return f"self-check failed ({type(e).__name__}: {e})"
     if differ:
-        return (f"self-check: {differ} of {2 * key.numel() * key.element_size()} bytes "
-                f"read back differ ({writer.backend} packs this cache)")
+        return (
+            f"self-check: {differ} of {2 * key.numel() * key.element_size()} bytes "
+            f"read back differ ({writer.backend} packs this cache)"
+        )
     return None
 
 
-def choose_capture(layers: dict[str, Any], kv_caches: dict[str, Any],
-                   writers: dict[str, CacheWriter], dtype: torch.dtype) -> CaptureChoice:
+def choose_capture(
+    layers: dict[str, Any],
+    kv_caches: dict[str, Any],
+    writers: dict[str, CacheWriter],
+    dtype: torch.dtype,
+) -> CaptureChoice:
     """Per layer: after the forward where self-checked, else the hook, and why."""
     choice = CaptureChoice()
     for name, kv_cache in kv_caches.items():

@@ -22,6 +22,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
     PrefillGap,
 )
+
 from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.metadata import (
     ChunkCacheMetadata,
 )
@@ -39,13 +40,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.support import (
 
 if TYPE_CHECKING:
     import torch
-
-    from vllm.config import VllmConfig
     from vllm.forward_context import ForwardContext
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
+
+    from vllm.config import VllmConfig
 
 
 class ChunkCacheConnector(KVConnectorBase_V1):
@@ -97,7 +98,9 @@ class ChunkCacheConnector(KVConnectorBase_V1):
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
-        return self.chunk_scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+        return self.chunk_scheduler.get_num_new_matched_tokens(
+            request, num_computed_tokens
+        )
 
     def get_prefill_gap(
         self, request: Request, num_computed_tokens: int
@@ -107,9 +110,13 @@ class ChunkCacheConnector(KVConnectorBase_V1):
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
-        self.chunk_scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+        self.chunk_scheduler.update_state_after_alloc(
+            request, blocks, num_external_tokens
+        )
 
-    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+    def build_connector_meta(
+        self, scheduler_output: SchedulerOutput
+    ) -> KVConnectorMetadata:
         return self.chunk_scheduler.build_connector_meta(scheduler_output)
 
     def request_finished(
@@ -127,7 +134,7 @@ class ChunkCacheConnector(KVConnectorBase_V1):
         return self._scheduler.reset()
 
     def shutdown(self) -> None:
-        """vLLM's worker shutdown (an engine closed, `del llm`): the store's
+        """VLLM's worker shutdown (an engine closed, `del llm`): the store's
         calls that hold this engine's memory get a store deadline to return.
         NOTE (issue 50, finding 1): one that does not keeps that memory (the
         pool tensors, arena spans) allocated until it does (StoreTransfers.close),
@@ -210,8 +217,10 @@ class ChunkCacheConnector(KVConnectorBase_V1):
         except BaseException:
             from vllm.distributed.kv_transfer import kv_transfer_state
 
-            if (kv_transfer_state.has_kv_transfer_group()
-                    and kv_transfer_state.get_kv_transfer_group() is self):
+            if (
+                kv_transfer_state.has_kv_transfer_group()
+                and kv_transfer_state.get_kv_transfer_group() is self
+            ):
                 kv_transfer_state.ensure_kv_transfer_shutdown()
             raise
 

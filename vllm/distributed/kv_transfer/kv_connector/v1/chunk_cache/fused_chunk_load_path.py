@@ -74,7 +74,9 @@ _SAMPLE_DELTAS = (0, 3, -700, 2900, 40000, -1)
 
 # (layer, key rows, value rows, kv_cache, slots) -> None: the backend's write
 # into the given cache (the layer's `impl.do_kv_cache_update` on a GPU).
-ReferenceWrite = Callable[[Any, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
+ReferenceWrite = Callable[
+    [Any, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None
+]
 
 
 @dataclass
@@ -98,7 +100,9 @@ class FusedLayers:
         these tensors."""
         from vllm.v1.worker.fused_chunk_load import FusedGroup
 
-        return FusedGroup.of(list(self.pool_keys), list(self.pool_values), list(self.paged))
+        return FusedGroup.of(
+            list(self.pool_keys), list(self.pool_values), list(self.paged)
+        )
 
     @property
     def group(self) -> Any:
@@ -124,13 +128,20 @@ class FusedLoadChoice:
         if not self.reasons and not self.layers:
             return "no standard attention layer (nothing for the fused kernel)"
         if not self.reasons:
-            return (f"the fused Triton load kernel on all {len(self.layers)} layers "
-                    "(self-check: bytes identical to the backend's cache write)")
+            return (
+                f"the fused Triton load kernel on all {len(self.layers)} layers "
+                "(self-check: bytes identical to the backend's cache write)"
+            )
         why = sorted(set(self.reasons.values()))
-        head = (f"the fused Triton load kernel on {len(self.layers)} layer(s), "
-                if self.layers else "")
-        return (f"{head}gather + rotation + the backend's cache write on "
-                f"{len(self.reasons)} layer(s): " + "; ".join(why[:3]))
+        head = (
+            f"the fused Triton load kernel on {len(self.layers)} layer(s), "
+            if self.layers
+            else ""
+        )
+        return (
+            f"{head}gather + rotation + the backend's cache write on "
+            f"{len(self.reasons)} layer(s): " + "; ".join(why[:3])
+        )
 
 
 def group_fused_layers(
@@ -144,14 +155,25 @@ def group_fused_layers(
     buckets: dict[tuple, list[str]] = {}
     for name, paged in choice.layers.items():
         key, cache = pool_key[name], paged.key_cache
-        bucket = (id(rotations[name]), tuple(key.shape[1:]), key.stride(), key.dtype,
-                  tuple(cache.shape), cache.stride(), cache.dtype,
-                  None if paged.k_scale is None else paged.k_scale.numel())
+        bucket = (
+            id(rotations[name]),
+            tuple(key.shape[1:]),
+            key.stride(),
+            key.dtype,
+            tuple(cache.shape),
+            cache.stride(),
+            cache.dtype,
+            None if paged.k_scale is None else paged.k_scale.numel(),
+        )
         buckets.setdefault(bucket, []).append(name)
     return [
-        FusedLayers(tuple(names), rotations[names[0]], tuple(pool_key[n] for n in names),
-                    tuple(pool_value[n] for n in names),
-                    tuple(choice.layers[n] for n in names))
+        FusedLayers(
+            tuple(names),
+            rotations[names[0]],
+            tuple(pool_key[n] for n in names),
+            tuple(pool_value[n] for n in names),
+            tuple(choice.layers[n] for n in names),
+        )
         for names in buckets.values()
     ]
 
@@ -168,6 +190,7 @@ def fused_load_expected(vllm_config: Any) -> bool:
     writes. The start-up self-check decides per layer (`choose_fused_layers`);
     a layer it turns away loads through the buffers all the same."""
     from vllm.platforms import current_platform
+
     from vllm.v1.worker import fused_chunk_load
 
     if getattr(current_platform, "device_type", "cpu") != "cuda":
@@ -181,7 +204,10 @@ def fused_load_expected(vllm_config: Any) -> bool:
     if cache_dtype not in UNQUANTIZED_KV_CACHE_DTYPES and cache_dtype not in _FP8:
         return False
     backend = getattr(getattr(vllm_config, "attention_config", None), "backend", None)
-    return backend is None or getattr(backend, "name", str(backend)) in _FUSED_BACKEND_NAMES
+    return (
+        backend is None
+        or getattr(backend, "name", str(backend)) in _FUSED_BACKEND_NAMES
+    )
 
 
 def paged_layer(layer: Any, kv_cache: torch.Tensor):
@@ -224,7 +250,9 @@ def self_check_launch(
 
     names = launch.names
     caches = [kv_caches[n] for n in names]
-    rows = min([sample_rows(c) for c in caches] + [k.shape[0] for k in launch.pool_keys])
+    rows = min(
+        [sample_rows(c) for c in caches] + [k.shape[0] for k in launch.pool_keys]
+    )
     if rows < len(_SAMPLE_DELTAS):
         return "no free block for the self-check"
     device = caches[0].device
@@ -241,27 +269,45 @@ def self_check_launch(
             for i, (key, value) in enumerate(zip(launch.pool_keys, launch.pool_values)):
                 # Other rows per layer: a table entry pointing at another
                 # layer's tensors is a difference.
-                key[:rows] = random_rows((rows, *key.shape[1:]), pool_dtype, device, 2 * i)
-                value[:rows] = random_rows((rows, *value.shape[1:]), pool_dtype, device,
-                                           2 * i + 1)
-            stretches = None if rotation is None else rotation.stretch_cos_sin(deltas, device)
+                key[:rows] = random_rows(
+                    (rows, *key.shape[1:]), pool_dtype, device, 2 * i
+                )
+                value[:rows] = random_rows(
+                    (rows, *value.shape[1:]), pool_dtype, device, 2 * i + 1
+                )
+            stretches = (
+                None if rotation is None else rotation.stretch_cos_sin(deltas, device)
+            )
             with restored(caches, rows):
-                for name, key, value in zip(names, launch.pool_keys, launch.pool_values):
+                for name, key, value in zip(
+                    names, launch.pool_keys, launch.pool_values
+                ):
                     moved, plain = key[src_rows], value[src_rows]
                     if rotation is not None:
-                        moved = rotation.rotate(moved.float(), deltas[stretch_index.cpu()],
-                                                stretches.rows(stretch_index)).to(pool_dtype)
+                        moved = rotation.rotate(
+                            moved.float(),
+                            deltas[stretch_index.cpu()],
+                            stretches.rows(stretch_index),
+                        ).to(pool_dtype)
                     reference_write(layers[name], moved, plain, kv_caches[name], slots)
-                    want[name] = kv_caches[name][touched_blocks(kv_caches[name], rows)].clone()
+                    want[name] = kv_caches[name][
+                        touched_blocks(kv_caches[name], rows)
+                    ].clone()
             with restored(caches, rows):
                 # The table the first load builds (then dropped: see module doc).
-                fused_load(launch.build(), src_rows, slots,
-                           None if rotation is None else stretch_index,
-                           None if rotation is None else (stretches.cos, stretches.sin),
-                           rotation is None or rotation.is_neox_style,
-                           0 if rotation is None else rotation.rotary_dim)
+                fused_load(
+                    launch.build(),
+                    src_rows,
+                    slots,
+                    None if rotation is None else stretch_index,
+                    None if rotation is None else (stretches.cos, stretches.sin),
+                    rotation is None or rotation.is_neox_style,
+                    0 if rotation is None else rotation.rotary_dim,
+                )
                 for name in names:
-                    got[name] = kv_caches[name][touched_blocks(kv_caches[name], rows)].clone()
+                    got[name] = kv_caches[name][
+                        touched_blocks(kv_caches[name], rows)
+                    ].clone()
     except Exception as e:  # noqa: BLE001 - any failure keeps today's path
         return f"self-check failed ({type(e).__name__}: {e})"
     for name in names:
@@ -294,9 +340,11 @@ def choose_fused_layers(
         if not fused_chunk_load.available(kv_cache.device):
             # NOTE: the CPU backend packs its cache per ISA: its own op
             # writes (Triton runs on CPU tensors only in its interpreter).
-            candidates.reasons[name] = ("the CPU backend's own cache write"
-                                        if kv_cache.device.type == "cpu"
-                                        else "Triton is not installed")
+            candidates.reasons[name] = (
+                "the CPU backend's own cache write"
+                if kv_cache.device.type == "cpu"
+                else "Triton is not installed"
+            )
             continue
         paged = paged_layer(layers[name], kv_cache)
         if isinstance(paged, str):
@@ -304,13 +352,20 @@ def choose_fused_layers(
             continue
         candidates.layers[name] = paged
     if pool_key is None or pool_value is None:
-        pool_key = {n: torch.zeros((SAMPLE_ROWS, layers[n].num_kv_heads, layers[n].head_size),
-                                   dtype=pool_dtype, device=kv_caches[n].device)
-                    for n in candidates.layers}
+        pool_key = {
+            n: torch.zeros(
+                (SAMPLE_ROWS, layers[n].num_kv_heads, layers[n].head_size),
+                dtype=pool_dtype,
+                device=kv_caches[n].device,
+            )
+            for n in candidates.layers
+        }
         pool_value = {n: torch.zeros_like(k) for n, k in pool_key.items()}
     choice = FusedLoadChoice(reasons=dict(candidates.reasons))
     for launch in group_fused_layers(candidates, pool_key, pool_value, rotations):
-        reason = self_check_launch(launch, layers, kv_caches, pool_dtype, reference_write)
+        reason = self_check_launch(
+            launch, layers, kv_caches, pool_dtype, reference_write
+        )
         if reason is None:
             choice.layers.update(zip(launch.names, launch.paged))
             choice.launches.append(launch)

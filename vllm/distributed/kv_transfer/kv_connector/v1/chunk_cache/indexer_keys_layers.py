@@ -63,5 +63,8 @@ def supported_indexer_backends() -> list[str]:
 def uses_indexer(layer: Any) -> bool:
     """Whether an MLA layer is sparse (vLLM's MLAAttention `use_sparse`, or an
     indexer on the layer or its implementation)."""
-    return bool(getattr(layer, "use_sparse", False) or getattr(layer, "indexer", None)
-                is not None or getattr(getattr(layer, "impl", None), "has_indexer", False))
+    return bool(
+        getattr(layer, "use_sparse", False)
+        or getattr(layer, "indexer", None) is not None
+        or getattr(getattr(layer, "impl", None), "has_indexer", False)
+    )

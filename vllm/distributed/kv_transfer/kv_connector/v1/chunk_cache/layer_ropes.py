@@ -56,8 +56,18 @@ def rope_use(owner: nn.Module) -> str:
             uses.append(conditional)
         nested = conditional or isinstance(
             node,
-            (ast.If, ast.IfExp, ast.For, ast.While, ast.Try, ast.BoolOp,
-             ast.Match, ast.Lambda, ast.FunctionDef, ast.comprehension),
+            (
+                ast.If,
+                ast.IfExp,
+                ast.For,
+                ast.While,
+                ast.Try,
+                ast.BoolOp,
+                ast.Match,
+                ast.Lambda,
+                ast.FunctionDef,
+                ast.comprehension,
+            ),
         )
         for child in ast.iter_child_nodes(node):
             # The test of an `if` is evaluated unconditionally, but a
@@ -83,8 +93,12 @@ def rope_use(owner: nn.Module) -> str:
 
 
 def _is_self_rope(node: ast.AST) -> bool:
-    return (isinstance(node, ast.Attribute) and node.attr == "rotary_emb"
-            and isinstance(node.value, ast.Name) and node.value.id == "self")
+    return (
+        isinstance(node, ast.Attribute)
+        and node.attr == "rotary_emb"
+        and isinstance(node.value, ast.Name)
+        and node.value.id == "self"
+    )
 
 
 _UNDECIDED = object()
@@ -106,10 +120,13 @@ def _forward_tree(cls: type):
         func = tree.body[0]
         if isinstance(func, (ast.FunctionDef, ast.AsyncFunctionDef)):
             assigned = {
-                target.attr for node in ast.walk(func)
+                target.attr
+                for node in ast.walk(func)
                 for target in _assign_targets(node)
-                if isinstance(target, ast.Attribute) and isinstance(target.value, ast.Name)
-                and target.value.id == "self"}
+                if isinstance(target, ast.Attribute)
+                and isinstance(target.value, ast.Name)
+                and target.value.id == "self"
+            }
             result = (func, getattr(forward, "__globals__", {}), assigned)
     except (OSError, TypeError, SyntaxError):
         result = None
@@ -188,10 +205,14 @@ def _state_value(test: ast.AST, owner: object, names: dict, assigned: set[str]):
             compare = {ast.Eq: lambda a, b: a == b, ast.NotEq: lambda a, b: a != b}
             fn = compare.get(type(op))
             return _UNDECIDED if fn is None else fn(left, value)
-        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
-                and node.func.id == "isinstance"
-                and names.get("isinstance", isinstance) is isinstance
-                and len(node.args) == 2 and not node.keywords):
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id == "isinstance"
+            and names.get("isinstance", isinstance) is isinstance
+            and len(node.args) == 2
+            and not node.keywords
+        ):
             subject = attribute(node.args[0])
             classes = _resolve_classes(node.args[1], names)
             if subject is _UNDECIDED or classes is None:
@@ -200,8 +221,11 @@ def _state_value(test: ast.AST, owner: object, names: dict, assigned: set[str]):
         return _UNDECIDED
 
     value = evaluate(test)
-    if value is _UNDECIDED or isinstance(test, ast.Compare) or isinstance(
-            test, ast.Call):
+    if (
+        value is _UNDECIDED
+        or isinstance(test, ast.Compare)
+        or isinstance(test, ast.Call)
+    ):
         return value
     # A bare value decides the branch by its truth: a plain constant only.
     return value if isinstance(value, _PLAIN) else _UNDECIDED
@@ -265,8 +289,9 @@ def find_layer_ropes(
         rope = getattr(module, "rotary_emb", None)
         if not isinstance(rope, nn.Module):
             rope = None
-        attentions = [c for c in module.children()
-                      if isinstance(c, (Attention, MLAAttention))]
+        attentions = [
+            c for c in module.children() if isinstance(c, (Attention, MLAAttention))
+        ]
         if rope is not None and attentions:
             cls = type(module)
             # NOTE: per module, not per class: a forward's test may read the

@@ -14,8 +14,8 @@ from typing import Any
 
 import numpy as np
 import torch
-
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
 from vllm.v1.core.chunk_structures import SegmentLoad
 
 
@@ -53,8 +53,13 @@ class SegmentStretch:
             return None
         if skip == 0:
             return self
-        return SegmentStretch(self.pool_block_ids, self.first_row + skip,
-                              self.num_rows - skip, self.dst_position + skip, self.delta)
+        return SegmentStretch(
+            self.pool_block_ids,
+            self.first_row + skip,
+            self.num_rows - skip,
+            self.dst_position + skip,
+            self.delta,
+        )
 
 
 @dataclass(frozen=True)
@@ -81,17 +86,33 @@ class LoadRows:
     stretch_deltas: torch.Tensor
 
     @classmethod
-    def expand(cls, loads: list[RequestLoad], pool_block_size: int, block_size: int,
-               device: torch.device) -> "LoadRows":
+    def expand(
+        cls,
+        loads: list[RequestLoad],
+        pool_block_size: int,
+        block_size: int,
+        device: torch.device,
+    ) -> "LoadRows":
         copies = [
-            _Copy(src_blocks=s.pool_block_ids, src_first=s.first_row,
-                  dst_blocks=load.block_ids, dst_first=s.dst_position,
-                  count=s.num_rows, delta=s.delta)
-            for load in loads for s in load.stretches
+            _Copy(
+                src_blocks=s.pool_block_ids,
+                src_first=s.first_row,
+                dst_blocks=load.block_ids,
+                dst_first=s.dst_position,
+                count=s.num_rows,
+                delta=s.delta,
+            )
+            for load in loads
+            for s in load.stretches
         ]
         rows = _expand(copies, pool_block_size, block_size, device)
-        return cls(rows.src, rows.dst, rows.copy_deltas[rows.copy_index], rows.copy_index,
-                   rows.host_deltas)
+        return cls(
+            rows.src,
+            rows.dst,
+            rows.copy_deltas[rows.copy_index],
+            rows.copy_index,
+            rows.host_deltas,
+        )
 
 
 @dataclass(frozen=True)
@@ -118,12 +139,22 @@ class StoreRows:
     dst_rows: torch.Tensor
 
     @classmethod
-    def expand(cls, stores: list[ChildStore], pool_block_size: int, block_size: int,
-               device: torch.device) -> "StoreRows":
+    def expand(
+        cls,
+        stores: list[ChildStore],
+        pool_block_size: int,
+        block_size: int,
+        device: torch.device,
+    ) -> "StoreRows":
         copies = [
-            _Copy(src_blocks=s.block_ids, src_first=s.first_position,
-                  dst_blocks=s.pool_block_ids, dst_first=s.first_position - s.store_start,
-                  count=s.end_position - s.first_position, delta=0)
+            _Copy(
+                src_blocks=s.block_ids,
+                src_first=s.first_position,
+                dst_blocks=s.pool_block_ids,
+                dst_first=s.first_position - s.store_start,
+                count=s.end_position - s.first_position,
+                delta=0,
+            )
             for s in stores
         ]
         rows = _expand(copies, block_size, pool_block_size, device)
@@ -156,8 +187,9 @@ class _Rows:
     host_deltas: torch.Tensor
 
 
-def _expand(copies: list[_Copy], src_block_size: int, dst_block_size: int,
-            device: torch.device) -> _Rows:
+def _expand(
+    copies: list[_Copy], src_block_size: int, dst_block_size: int, device: torch.device
+) -> _Rows:
     """The rows of `copies`, expanded on `device`.
 
     NOTE: the host packs only block tables and six integers per copy (a
@@ -183,16 +215,28 @@ def _expand(copies: list[_Copy], src_block_size: int, dst_block_size: int,
         return tables[id(blocks)]
 
     per_copy = np.array(
-        [(offset_of(c.src_blocks), c.src_first, offset_of(c.dst_blocks), c.dst_first,
-          c.count, c.delta) for c in copies], dtype=np.int64,
+        [
+            (
+                offset_of(c.src_blocks),
+                c.src_first,
+                offset_of(c.dst_blocks),
+                c.dst_first,
+                c.count,
+                c.delta,
+            )
+            for c in copies
+        ],
+        dtype=np.int64,
     ).T
     total = int(per_copy[4].sum())
     packed = torch.from_numpy(np.concatenate([per_copy.reshape(-1)] + flat))
     if device.type != "cpu":
         packed = packed.pin_memory().to(device, non_blocking=True)
     num = len(copies)
-    src_off, src_first, dst_off, dst_first, count, delta = packed[:6 * num].view(6, num)
-    blocks = packed[6 * num:]
+    src_off, src_first, dst_off, dst_first, count, delta = packed[: 6 * num].view(
+        6, num
+    )
+    blocks = packed[6 * num :]
     which = torch.repeat_interleave(
         torch.arange(num, device=device), count, output_size=total
     )
@@ -200,10 +244,26 @@ def _expand(copies: list[_Copy], src_block_size: int, dst_block_size: int,
     # from which both sides' rows are one add away (see _side_rows).
     row_offset = torch.cumsum(count, 0) - count
     steps = torch.arange(total, device=device)
-    src_rows = _side_rows(blocks, src_off, src_first, count, row_offset, steps,
-                          _pieces(per_copy[1], per_copy[4], src_block_size), src_block_size)
-    dst_rows = _side_rows(blocks, dst_off, dst_first, count, row_offset, steps,
-                          _pieces(per_copy[3], per_copy[4], dst_block_size), dst_block_size)
+    src_rows = _side_rows(
+        blocks,
+        src_off,
+        src_first,
+        count,
+        row_offset,
+        steps,
+        _pieces(per_copy[1], per_copy[4], src_block_size),
+        src_block_size,
+    )
+    dst_rows = _side_rows(
+        blocks,
+        dst_off,
+        dst_first,
+        count,
+        row_offset,
+        steps,
+        _pieces(per_copy[3], per_copy[4], dst_block_size),
+        dst_block_size,
+    )
     # The deltas stay on the host too (a copy, not part of what is shipped).
     return _Rows(src_rows, dst_rows, which, delta, torch.tensor(per_copy[5]))
 
@@ -215,9 +275,16 @@ def _pieces(first: np.ndarray, count: np.ndarray, block_size: int) -> int:
     return int(np.where(count > 0, spanned, 0).sum())
 
 
-def _side_rows(blocks: torch.Tensor, table_off: torch.Tensor, first: torch.Tensor,
-               count: torch.Tensor, row_offset: torch.Tensor, steps: torch.Tensor,
-               num_pieces: int, block_size: int) -> torch.Tensor:
+def _side_rows(
+    blocks: torch.Tensor,
+    table_off: torch.Tensor,
+    first: torch.Tensor,
+    count: torch.Tensor,
+    row_offset: torch.Tensor,
+    steps: torch.Tensor,
+    num_pieces: int,
+    block_size: int,
+) -> torch.Tensor:
     """One side's flat rows of every copied position, in step order.
 
     NOTE: the block arithmetic runs once per piece (the part of a copy inside
@@ -227,18 +294,29 @@ def _side_rows(blocks: torch.Tensor, table_off: torch.Tensor, first: torch.Tenso
     """
     num = first.numel()
     end = first + count
-    spanned = torch.where(count > 0, (end - 1) // block_size - first // block_size + 1, 0)
-    copy = torch.repeat_interleave(torch.arange(num, device=blocks.device), spanned,
-                                   output_size=num_pieces)
-    nth = (torch.arange(num_pieces, device=blocks.device)
-           - (torch.cumsum(spanned, 0) - spanned)[copy])
+    spanned = torch.where(
+        count > 0, (end - 1) // block_size - first // block_size + 1, 0
+    )
+    copy = torch.repeat_interleave(
+        torch.arange(num, device=blocks.device), spanned, output_size=num_pieces
+    )
+    nth = (
+        torch.arange(num_pieces, device=blocks.device)
+        - (torch.cumsum(spanned, 0) - spanned)[copy]
+    )
     block = first[copy] // block_size + nth
     start = torch.maximum(first[copy], block * block_size)
     stop = torch.minimum(end[copy], (block + 1) * block_size)
-    first_row = blocks[table_off[copy] + block] * block_size + (start - block * block_size)
+    first_row = blocks[table_off[copy] + block] * block_size + (
+        start - block * block_size
+    )
     first_step = row_offset[copy] + (start - first[copy])
-    return torch.repeat_interleave(first_row - first_step, stop - start,
-                                   output_size=steps.numel()) + steps
+    return (
+        torch.repeat_interleave(
+            first_row - first_step, stop - start, output_size=steps.numel()
+        )
+        + steps
+    )
 
 
 @dataclass

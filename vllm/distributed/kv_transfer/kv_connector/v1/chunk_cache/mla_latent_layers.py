@@ -47,11 +47,14 @@ from vllm.v1.worker.position_remapper import (
     StretchCosSin,
 )
 
-
 # Load buffers of a sparse layer's indexer key ("i": index_head_dim values per
 # row), beside RemapScratch.LATENT's: gathered, rotated through fp32.
-INDEXER_SCRATCH = (("index_k", False, "i"), ("index_k32", True, "i"),
-                   ("index_k_rotated32", True, "i"), ("index_k_rotated", False, "i"))
+INDEXER_SCRATCH = (
+    ("index_k", False, "i"),
+    ("index_k32", True, "i"),
+    ("index_k_rotated32", True, "i"),
+    ("index_k_rotated", False, "i"),
+)
 
 
 @dataclass(frozen=True)
@@ -87,9 +90,17 @@ class LatentLayer:
     indexer: IndexerPart | None = None
 
     @classmethod
-    def of(cls, name: str, layer: Any, kv_cache: Any, rotation: RopeRotation | None,
-           writer: LatentWriter, num_rows: int, dtype: torch.dtype,
-           scratch: RemapScratch | None = None) -> "LatentLayer":
+    def of(
+        cls,
+        name: str,
+        layer: Any,
+        kv_cache: Any,
+        rotation: RopeRotation | None,
+        writer: LatentWriter,
+        num_rows: int,
+        dtype: torch.dtype,
+        scratch: RemapScratch | None = None,
+    ) -> LatentLayer:
         layout = LatentRowLayout(layer.kv_lora_rank, layer.qk_rope_head_dim)
         # NOTE: the latent cache is one tensor (vLLM) or a tuple of parts
         # (vllm-ascend: latent and rope caches): its reader says how wide the
@@ -101,12 +112,14 @@ class LatentLayer:
         if width != layout.width:
             raise ValueError(
                 f"chunk cache: {name}'s latent cache rows are {width} wide, "
-                f"not kv_lora_rank + rope_dim = {layout.width}")
+                f"not kv_lora_rank + rope_dim = {layout.width}"
+            )
         if rotation is None and layout.rope_dim > 0:
             # k_pe carries the position: loading it unrotated would be wrong.
             raise ValueError(
                 f"chunk cache: the rope of MLA layer {name} was not found, so its "
-                f"k_pe ({layout.rope_dim} values) could not be re-rotated")
+                f"k_pe ({layout.rope_dim} values) could not be re-rotated"
+            )
         if rotation is not None:
             check_latent_rope(layout, rotation)
         indexer = cls._indexer_part(name, layer, kv_cache, layout, rotation, no_slots)
@@ -116,22 +129,39 @@ class LatentLayer:
             rotation = rotation.with_pairing(writer.k_pe_neox_style)
         width = layout.width + (0 if indexer is None else indexer.layout.head_dim)
         pool = torch.zeros((num_rows, width), dtype=dtype, device=device)
-        return cls(name, layer, kv_cache, layout, rotation, writer, pool,
-                   scratch if scratch is not None else RemapScratch(), indexer)
+        return cls(
+            name,
+            layer,
+            kv_cache,
+            layout,
+            rotation,
+            writer,
+            pool,
+            scratch if scratch is not None else RemapScratch(),
+            indexer,
+        )
 
     @staticmethod
-    def _indexer_part(name: str, layer: Any, kv_cache: Any, layout: LatentRowLayout,
-                      rotation: RopeRotation | None,
-                      no_slots: torch.Tensor) -> IndexerPart | None:
+    def _indexer_part(
+        name: str,
+        layer: Any,
+        kv_cache: Any,
+        layout: LatentRowLayout,
+        rotation: RopeRotation | None,
+        no_slots: torch.Tensor,
+    ) -> IndexerPart | None:
         if not uses_indexer(layer):
             return None
         writer = indexer_writer_for(layer.impl)
         if writer is None:
-            supported = ", ".join(supported_indexer_backends()) or "none on this platform"
+            supported = (
+                ", ".join(supported_indexer_backends()) or "none on this platform"
+            )
             raise ValueError(
                 f"chunk cache does not support the sparse MLA backend of {name} "
                 f"({type(layer.impl).__name__}): its indexer key cache has no registered "
-                f"writer (supported: {supported}; docs/design/sparse.md)")
+                f"writer (supported: {supported}; docs/design/sparse.md)"
+            )
         if writer.check_layer is not None:
             writer.check_layer(name, layer)
         keys = writer.read(layer, kv_cache, no_slots)
@@ -140,7 +170,8 @@ class LatentLayer:
         if rotation is None:
             raise ValueError(
                 f"chunk cache: the rope of sparse MLA layer {name} was not found, so its "
-                "indexer keys could not be re-rotated")
+                "indexer keys could not be re-rotated"
+            )
         index_layout = IndexerKeyLayout(keys.shape[-1], layout.rope_dim)
         # NOTE: the indexer's rope has the latent rope's frequencies (vLLM builds
         # both from the same rope_parameters; vllm-ascend rotates the indexer key
@@ -179,31 +210,46 @@ class LatentLayer:
         torch.index_select(pool_c, 0, rows.src_rows, out=kv_c)
         torch.index_select(pool_r, 0, rows.src_rows, out=k_pe)
         if self.rotation is not None:
-            cos_sin = (None if stretches is None or rows.stretch_index is None
-                       else stretches.rows(rows.stretch_index))
+            cos_sin = (
+                None
+                if stretches is None or rows.stretch_index is None
+                else stretches.rows(rows.stretch_index)
+            )
             rotation = self.rotation
             # [n, 1, rope_dim]: k_pe is one head shared by every query head.
             k_pe = self.scratch.rotated(
-                lambda rows32, into: rotation.rotate(rows32[:, None], rows.deltas, cos_sin,
-                                                     out=into[:, None]),
-                k_pe, self.scratch.take("k_pe_rotated", pool_r, n), ("k_pe32", "k_pe_rotated32"))
+                lambda rows32, into: rotation.rotate(
+                    rows32[:, None], rows.deltas, cos_sin, out=into[:, None]
+                ),
+                k_pe,
+                self.scratch.take("k_pe_rotated", pool_r, n),
+                ("k_pe32", "k_pe_rotated32"),
+            )
         self.writer.write(self.layer, kv_c, k_pe, rows.dst_slots, self.kv_cache)
         if self.indexer is not None:
             self._load_indexer_keys(rows, stretches)
 
-    def _load_indexer_keys(self, rows: RemapRows, stretches: StretchCosSin | None) -> None:
+    def _load_indexer_keys(
+        self, rows: RemapRows, stretches: StretchCosSin | None
+    ) -> None:
         """The entry's indexer keys to their slots, the rope slice rotated by each
         row's delta (the same cos/sin as k_pe's: same frequencies), the rest copied."""
         part = self.indexer
         n = rows.num_rows
-        pool_i = self.pool[:, self.layout.width:]
+        pool_i = self.pool[:, self.layout.width :]
         keys = self.scratch.take("index_k", pool_i, n)
         torch.index_select(pool_i, 0, rows.src_rows, out=keys)
-        cos_sin = (None if stretches is None or rows.stretch_index is None
-                   else stretches.rows(rows.stretch_index))
+        cos_sin = (
+            None
+            if stretches is None or rows.stretch_index is None
+            else stretches.rows(rows.stretch_index)
+        )
         out = self.scratch.rotated(
-            lambda rows32, into: reposition_indexer_keys(part.layout, part.rotation, rows32,
-                                                         rows.deltas, cos_sin, out=into),
-            keys, self.scratch.take("index_k_rotated", pool_i, n),
-            ("index_k32", "index_k_rotated32"))
+            lambda rows32, into: reposition_indexer_keys(
+                part.layout, part.rotation, rows32, rows.deltas, cos_sin, out=into
+            ),
+            keys,
+            self.scratch.take("index_k_rotated", pool_i, n),
+            ("index_k32", "index_k_rotated32"),
+        )
         part.writer.write(self.layer, out, rows.dst_slots, self.kv_cache)

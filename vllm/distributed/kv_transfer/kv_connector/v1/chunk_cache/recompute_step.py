@@ -33,7 +33,6 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-
 # Environment variable: "1" (require), "0" (never), unset or "" (where supported).
 RECOMPUTE_IN_ONE_STEP = "CHUNK_CACHE_RECOMPUTE_ONE_STEP"
 

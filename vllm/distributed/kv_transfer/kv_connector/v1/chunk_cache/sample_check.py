@@ -10,8 +10,8 @@ check writes (the pool's first rows) is put back as it was.
 
 from __future__ import annotations
 
-from contextlib import contextmanager
 from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 
 import torch
 
@@ -30,8 +30,9 @@ def sample_slots(kv_cache: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.arange(block_size, block_size + rows, device=kv_cache.device)
 
 
-def random_rows(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
-                seed: int) -> torch.Tensor:
+def random_rows(
+    shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, seed: int
+) -> torch.Tensor:
     """Random values of a K/V row's size (|x| up to ~16), in `dtype`."""
     gen = torch.Generator().manual_seed(seed)
     return (4 * torch.randn(shape, generator=gen)).to(dtype).to(device)
@@ -43,8 +44,9 @@ def touched_blocks(kv_cache: torch.Tensor, rows: int) -> slice:
 
 
 @contextmanager
-def restored(caches: Sequence[torch.Tensor], rows: int,
-             others: Sequence[torch.Tensor] = ()) -> Iterator[None]:
+def restored(
+    caches: Sequence[torch.Tensor], rows: int, others: Sequence[torch.Tensor] = ()
+) -> Iterator[None]:
     """Puts back, on exit, the blocks of `caches` the sample's `rows` slots
     touch and the first `rows` rows of each of `others`."""
     saved = []
@@ -65,4 +67,8 @@ def bytes_differ(got: torch.Tensor, want: torch.Tensor) -> int:
     dtype differs)."""
     if got.shape != want.shape or got.dtype != want.dtype:
         return want.numel() * want.element_size()
-    return int((got.contiguous().view(torch.uint8) != want.contiguous().view(torch.uint8)).sum())
+    return int(
+        (
+            got.contiguous().view(torch.uint8) != want.contiguous().view(torch.uint8)
+        ).sum()
+    )

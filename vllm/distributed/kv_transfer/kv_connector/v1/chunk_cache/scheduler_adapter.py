@@ -38,6 +38,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import PrefillGap
+from vllm.logger import init_logger
+
 from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.metadata import (
     ChildStore,
     ChunkCacheMetadata,
@@ -51,15 +53,16 @@ from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.setup import (
     POOL_BLOCK_SIZE,
     pool_num_blocks,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.stats import (
+    ChunkCacheConnectorStats,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.step_loads import (
+    StepLoads,
+)
 from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.support import (
     check_scheduler,
     kv_cache_block_size,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.stats import (
-    ChunkCacheConnectorStats,
-)
-from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.step_loads import StepLoads
-from vllm.logger import init_logger
 from vllm.v1.core.chunk_cache_manager import ChunkCacheManager
 from vllm.v1.core.chunk_hash_index import ChunkNamespace
 from vllm.v1.core.chunk_lora_identity import lora_identity
@@ -74,14 +77,15 @@ from vllm.v1.core.chunk_structures import (
 )
 
 if TYPE_CHECKING:
-    from vllm.config import VllmConfig
-    from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store.lookups import (
-        StoreClient,
-    )
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
+
+    from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store.lookups import (
+        StoreClient,
+    )
 
 logger = init_logger(__name__)
 
@@ -149,8 +153,11 @@ class ChunkCacheSchedulerAdapter:
         # This step's decisions, reports and allocations (step_loads.py).
         self._loads = StepLoads(cfg.max_chunk_load_tokens)
         if cfg.chunk_recompute_tokens:
-            logger.info("Chunk cache: --chunk-recompute-tokens %d: %s",
-                        cfg.chunk_recompute_tokens, self._steps.reason)
+            logger.info(
+                "Chunk cache: --chunk-recompute-tokens %d: %s",
+                cfg.chunk_recompute_tokens,
+                self._steps.reason,
+            )
         logger.info(
             "Chunk cache: pool of %d blocks x %d rows, chunk_context=%s",
             num_pool_blocks,
@@ -176,9 +183,14 @@ class ChunkCacheSchedulerAdapter:
         # NOTE: the child carries its parent's salt, so its blocks in vLLM's
         # prefix cache (plain causal KV of `context + segment`) stay in the
         # tenant's namespace.
-        origin = _ChildOrigin(request.client_index, request.arrival_time,
-                              request.lora_request, request.cache_salt, request.priority,
-                              request._block_hasher)
+        origin = _ChildOrigin(
+            request.client_index,
+            request.arrival_time,
+            request.lora_request,
+            request.cache_salt,
+            request.priority,
+            request._block_hasher,
+        )
         self.manager.add_request(request.request_id, prompt, namespace, origin)
 
     def get_num_new_matched_tokens(
@@ -200,7 +212,9 @@ class ChunkCacheSchedulerAdapter:
             return None, False
         return self._loads.matched_tokens(rid, num_computed_tokens), False
 
-    def get_prefill_gap(self, request: Request, num_computed_tokens: int) -> PrefillGap | None:
+    def get_prefill_gap(
+        self, request: Request, num_computed_tokens: int
+    ) -> PrefillGap | None:
         rid = request.request_id
         if request.chunk_layout is None:
             return None
@@ -219,18 +233,20 @@ class ChunkCacheSchedulerAdapter:
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
-        self._loads.allocated(request.request_id, list(blocks.get_block_ids()[0]),
-                              num_external_tokens)
+        self._loads.allocated(
+            request.request_id, list(blocks.get_block_ids()[0]), num_external_tokens
+        )
 
     def reset(self) -> bool:
-        """vLLM's cache reset (`reset_prefix_cache(reset_connector=True)`,
+        """VLLM's cache reset (`reset_prefix_cache(reset_connector=True)`,
         `pause_generation(clear_cache=True)`, sleep level >= 1)."""
         stats = self.manager.stats()
         complete = self.manager.reset()
         logger.info(
             "chunk cache reset: %d pool blocks dropped, %d entries still pinned by "
             "running requests are retired (freed when they finish)",
-            stats.pool_blocks_used, stats.pinned_entries,
+            stats.pool_blocks_used,
+            stats.pinned_entries,
         )
         return complete
 
@@ -242,8 +258,11 @@ class ChunkCacheSchedulerAdapter:
         """Refused parents -> the error message their client gets."""
         failed = {}
         for refusal in self.manager.take_refusals():
-            logger.warning("chunk cache: request %s refused: %s",
-                           refusal.request_id, refusal.message)
+            logger.warning(
+                "chunk cache: request %s refused: %s",
+                refusal.request_id,
+                refusal.message,
+            )
             failed[refusal.request_id] = refusal.message
         return failed
 
@@ -253,19 +272,26 @@ class ChunkCacheSchedulerAdapter:
         rid = request.request_id
         slots = self._children.pop(rid, None)
         if slots is not None:
-            stored = request.status in (
-                RequestStatus.FINISHED_STOPPED,
-                RequestStatus.FINISHED_LENGTH_CAPPED,
-            ) and request.num_computed_tokens >= request.num_prompt_tokens
+            stored = (
+                request.status
+                in (
+                    RequestStatus.FINISHED_STOPPED,
+                    RequestStatus.FINISHED_LENGTH_CAPPED,
+                )
+                and request.num_computed_tokens >= request.num_prompt_tokens
+            )
             if stored and self.store is not None and slots.first_scheduled is not None:
                 self.store.note_child_computed(
-                    len(slots.spec.token_ids), time.monotonic() - slots.first_scheduled)
+                    len(slots.spec.token_ids), time.monotonic() - slots.first_scheduled
+                )
             outcome = self.manager.finish_child(rid, stored, ended=request.status.name)
             if not stored:
                 logger.warning(
                     "chunk cache: child %s ended without its rows (%s); %s",
-                    rid, request.status.name,
-                    f"retrying as {outcome.children[0].request_id}" if outcome.children
+                    rid,
+                    request.status.name,
+                    f"retrying as {outcome.children[0].request_id}"
+                    if outcome.children
                     else "giving up",
                 )
             self._hand_out(outcome.children, put=outcome)
@@ -275,7 +301,9 @@ class ChunkCacheSchedulerAdapter:
 
     # --------------------------------------------------------------- meta
 
-    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> ChunkCacheMetadata:
+    def build_connector_meta(
+        self, scheduler_output: SchedulerOutput
+    ) -> ChunkCacheMetadata:
         meta = ChunkCacheMetadata()
         self._add_loads(meta, scheduler_output)
         self._add_stores(meta, scheduler_output)
@@ -308,14 +336,19 @@ class ChunkCacheSchedulerAdapter:
             # written (docs/design/sliding-window.md).
             skipped = _leading_null_blocks(pending.block_ids) * self.block_size
             if skipped:
-                stretches = [t for t in (s.from_position(skipped) for s in stretches)
-                             if t is not None]
+                stretches = [
+                    t
+                    for t in (s.from_position(skipped) for s in stretches)
+                    if t is not None
+                ]
             if not stretches:
                 continue
-            meta.loads.append(RequestLoad(
-                block_ids=tuple(pending.block_ids),
-                stretches=tuple(stretches),
-            ))
+            meta.loads.append(
+                RequestLoad(
+                    block_ids=tuple(pending.block_ids),
+                    stretches=tuple(stretches),
+                )
+            )
 
     def _add_stores(self, meta: ChunkCacheMetadata, out: SchedulerOutput) -> None:
         if not self._children:
@@ -350,13 +383,15 @@ class ChunkCacheSchedulerAdapter:
             hi = min(start + num_scheduled.get(rid, 0), len(spec.token_ids))
             if lo >= hi:
                 continue
-            stores.append(ChildStore(
-                block_ids=tuple(child.block_ids),
-                pool_block_ids=spec.pool_block_ids,
-                first_position=lo,
-                end_position=hi,
-                store_start=spec.store_start,
-            ))
+            stores.append(
+                ChildStore(
+                    block_ids=tuple(child.block_ids),
+                    pool_block_ids=spec.pool_block_ids,
+                    first_position=lo,
+                    end_position=hi,
+                    store_start=spec.store_start,
+                )
+            )
 
     # -------------------------------------------------------------- stats
 
@@ -389,8 +424,11 @@ class ChunkCacheSchedulerAdapter:
             return
         outcome = self.manager.store_report(self.store.on_report(report))
         for spec in outcome.children:
-            logger.info("chunk store: computing %s as %s (its read failed)",
-                        spec.chunk_hash.hex()[:16], spec.request_id)
+            logger.info(
+                "chunk store: computing %s as %s (its read failed)",
+                spec.chunk_hash.hex()[:16],
+                spec.request_id,
+            )
         self._hand_out(outcome.children)
 
     def _write_off_held(self) -> None:
@@ -400,14 +438,22 @@ class ChunkCacheSchedulerAdapter:
         for fetch_id in outcome.written_off:
             self.store.write_off(fetch_id)
         for spec in outcome.children:
-            logger.info("chunk store: computing %s as %s (the rows its read was given "
-                        "are written off)", spec.chunk_hash.hex()[:16], spec.request_id)
+            logger.info(
+                "chunk store: computing %s as %s (the rows its read was given "
+                "are written off)",
+                spec.chunk_hash.hex()[:16],
+                spec.request_id,
+            )
         self._hand_out(outcome.children)
 
     # ----------------------------------------------------------- internal
 
-    def _hand_out(self, children: tuple[ChildSpec, ...],
-                  fetches: tuple[FetchSpec, ...] = (), put: Outcome | None = None) -> None:
+    def _hand_out(
+        self,
+        children: tuple[ChildSpec, ...],
+        fetches: tuple[FetchSpec, ...] = (),
+        put: Outcome | None = None,
+    ) -> None:
         """The one place specs become vLLM requests, store fetches and puts."""
         for spec in children:
             self._new_children.append(self._make_child(spec))
@@ -417,8 +463,14 @@ class ChunkCacheSchedulerAdapter:
             self.store.start_fetch(fetch, list(fetch.pool_block_ids))
         entry = None if put is None else put.put
         if entry is not None:
-            self.store.queue_put(list(entry.token_ids), entry.store_start, entry.cache_salt,
-                                 entry.lora, list(entry.pool_block_ids), entry.epoch)
+            self.store.queue_put(
+                list(entry.token_ids),
+                entry.store_start,
+                entry.cache_salt,
+                entry.lora,
+                list(entry.pool_block_ids),
+                entry.epoch,
+            )
 
     def _make_child(self, spec: ChildSpec) -> Request:
         from vllm.v1.request import Request

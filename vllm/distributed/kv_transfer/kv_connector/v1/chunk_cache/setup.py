@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
+from vllm.logger import init_logger
 
 from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.capture_path import (
     capture_hook_reason,
@@ -15,11 +16,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.support import (
     CONNECTOR_NAME,
     check_config,
 )
-from vllm.logger import init_logger
 
 if TYPE_CHECKING:
-    from vllm.config import VllmConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig
+
+    from vllm.config import VllmConfig
 
 logger = init_logger(__name__)
 
@@ -41,7 +42,8 @@ def configure_chunk_cache_connector(vllm_config: VllmConfig) -> None:
     vllm_config.chunk_cache_config.resolve_sink_token_id(_bos_token_id(vllm_config))
     logger.info("Chunk cache enabled: %s", vllm_config.chunk_cache_config.describe())
     vllm_config.kv_transfer_config = KVTransferConfig(
-        kv_connector=CONNECTOR_NAME, kv_role="kv_both",
+        kv_connector=CONNECTOR_NAME,
+        kv_role="kv_both",
         kv_connector_extra_config={CAPTURE_IN_ATTENTION: hooked},
     )
 
@@ -64,8 +66,11 @@ def _resolve_cudagraph_mode(vllm_config: VllmConfig, reason: str) -> None:
     if mode is None or not mode.has_full_cudagraphs():
         return
     if mode == CUDAGraphMode.FULL_AND_PIECEWISE:
-        logger.info("Chunk cache: cudagraph_mode FULL_AND_PIECEWISE -> PIECEWISE (%s, "
-                    "outside the graphs)", reason)
+        logger.info(
+            "Chunk cache: cudagraph_mode FULL_AND_PIECEWISE -> PIECEWISE (%s, "
+            "outside the graphs)",
+            reason,
+        )
         compilation_config.cudagraph_mode = CUDAGraphMode.PIECEWISE
         return
     raise ValueError(
@@ -80,7 +85,9 @@ def pool_num_blocks(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> 
     groups = kv_cache_config.kv_cache_groups
     if not groups:
         return 0
-    return _pool_blocks(vllm_config, kv_cache_config.num_blocks, groups[0].kv_cache_spec.block_size)
+    return _pool_blocks(
+        vllm_config, kv_cache_config.num_blocks, groups[0].kv_cache_spec.block_size
+    )
 
 
 def pool_num_blocks_from_config(vllm_config: VllmConfig) -> int | None:
@@ -140,7 +147,9 @@ def carve_chunk_pool(vllm_config: VllmConfig, available_bytes: int) -> int:
         left / (1 << 30),
         pool / (1 << 30),
         scratch / (1 << 20),
-        f", {padding / (1 << 20):.0f} MiB for the KV tensors' alignment" if padding else "",
+        f", {padding / (1 << 20):.0f} MiB for the KV tensors' alignment"
+        if padding
+        else "",
     )
     return left
 
@@ -170,7 +179,11 @@ def kv_allocation_padding_bytes(vllm_config: VllmConfig) -> int:
     # per layer, each its own aligned tensor (`_allocate_kv_cache_tensors`'s
     # dsa_k_tensor); counted on every layer, an upper bound where a layer
     # reuses another's top-k and has none. C8 variants (a 4th tensor) are refused.
-    parts = 3 if getattr(model_config, "use_mla", False) and _index_head_dim(model_config) else 2
+    parts = (
+        3
+        if getattr(model_config, "use_mla", False) and _index_head_dim(model_config)
+        else 2
+    )
     return parts * layers * NPU_KV_TENSOR_ALIGNMENT
 
 
@@ -213,6 +226,7 @@ def load_scratch_bytes(vllm_config: VllmConfig) -> int:
             from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.mla_latent_layers import (
                 INDEXER_SCRATCH,
             )
+
             roles, parts = roles + INDEXER_SCRATCH, {**parts, "i": index}
     else:
         key = model_config.get_num_kv_heads(vllm_config.parallel_config) * head
@@ -278,8 +292,12 @@ def _max_stage_layers(model_config, parallel_config) -> int:
     from vllm.distributed.utils import get_pp_indices
 
     total = model_config.get_total_num_hidden_layers()
-    return max(end - start for start, end in
-               (get_pp_indices(total, rank, pp_size) for rank in range(pp_size)))
+    return max(
+        end - start
+        for start, end in (
+            get_pp_indices(total, rank, pp_size) for rank in range(pp_size)
+        )
+    )
 
 
 def _as_dtype(dtype: torch.dtype | str) -> torch.dtype:

@@ -13,13 +13,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from vllm.v1.core.chunk_structures import ChunkCacheStats
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorPromMetrics,
     KVConnectorStats,
     PromMetric,
     PromMetricT,
 )
+
+from vllm.v1.core.chunk_structures import ChunkCacheStats
 
 # Monotonic counters (reported as increments) and their help text; the names
 # are fields of ChunkCacheStats, whose one owner is ChunkCacheManager.
@@ -43,35 +44,27 @@ COUNTERS: dict[str, str] = {
 STORE_COUNTERS: dict[str, str] = {
     "store_hits": "Missing segments read from the chunk store (every rank verified)",
     "store_misses_absent": "Store lookups or reads that found no entry (computed instead)",
-    "store_misses_verify_failed":
-        "Store reads whose header, tokens or checksum did not verify (computed instead)",
+    "store_misses_verify_failed": "Store reads whose header, tokens or checksum did not verify (computed instead)",
     "store_misses_error": "Store lookups or reads that failed (computed instead)",
     "store_misses_timeout": "Store lookups or reads past their deadline (computed instead)",
-    "store_lookup_timeouts":
-        "Store lookups not answered within the lookup deadline (computed instead)",
+    "store_lookup_timeouts": "Store lookups not answered within the lookup deadline (computed instead)",
     "store_reads_given_up": "Store reads that missed their read deadline (computed instead)",
-    "store_reads_never_started":
-        "Store reads dropped before their call started, queued past their deadline behind "
-        "another store call (computed instead; nothing lent)",
+    "store_reads_never_started": "Store reads dropped before their call started, queued past their deadline behind "
+    "another store call (computed instead; nothing lent)",
     "store_reads_no_room": "Store reads refused for lack of read-arena room (computed instead)",
-    "store_reads_skipped_slower":
-        "Store hits computed instead: the read was expected to take longer than the compute",
-    "store_expected_read_seconds":
-        "Expected store read time of the hits decided with both estimates (sum)",
-    "store_expected_compute_seconds":
-        "Expected compute time of the same hits (sum): compare with the read time",
+    "store_reads_skipped_slower": "Store hits computed instead: the read was expected to take longer than the compute",
+    "store_expected_read_seconds": "Expected store read time of the hits decided with both estimates (sum)",
+    "store_expected_compute_seconds": "Expected compute time of the same hits (sum): compare with the read time",
     "store_fetch_seconds": "Seconds from a store hit to every rank's entry in the pool (sum)",
     "store_gets": "Entries read, verified and written into the pool by a worker rank",
     "store_get_bytes": "Bytes read from the store by worker ranks",
     "store_get_seconds": "Seconds worker ranks spent in store reads (one call per step, summed)",
     "store_puts_queued": "Children's entries queued for writing to the store",
-    "store_reads_written_off":
-        "Failed store reads whose pool rows stayed lent past held_limit (written off)",
+    "store_reads_written_off": "Failed store reads whose pool rows stayed lent past held_limit (written off)",
     "store_puts": "Entries written to the store by a worker rank",
     "store_put_bytes": "Bytes written to the store by worker ranks",
     "store_put_failures": "Entry writes the store refused or failed",
-    "store_puts_skipped":
-        "Entry writes skipped (no write-arena room, or weights loaded since the last reset)",
+    "store_puts_skipped": "Entry writes skipped (no write-arena room, or weights loaded since the last reset)",
 }
 # Gauges (last value wins).
 GAUGES: dict[str, str] = {
@@ -79,8 +72,7 @@ GAUGES: dict[str, str] = {
     "pool_blocks_total": "Chunk pool blocks in total",
     "pool_entries_pinned": "Chunk pool entries pinned by requests in flight",
     "live_requests": "Chunked requests and child requests the chunk cache tracks",
-    "pool_blocks_held":
-        "Chunk pool blocks still lent to a failed store read's unfinished call",
+    "pool_blocks_held": "Chunk pool blocks still lent to a failed store read's unfinished call",
 }
 
 # Gauge name -> the ChunkCacheStats field it reports.
@@ -116,7 +108,8 @@ class ChunkCacheConnectorStats(KVConnectorStats):
         """
         data = {k: getattr(now, k) - getattr(last, k) for k in COUNTERS}
         if any(data.values()) or any(
-            getattr(now, attr) != getattr(last, attr) for attr in _GAUGE_SOURCES.values()
+            getattr(now, attr) != getattr(last, attr)
+            for attr in _GAUGE_SOURCES.values()
         ):
             for gauge, attr in _GAUGE_SOURCES.items():
                 data[gauge] = getattr(now, attr)
@@ -141,14 +134,19 @@ class ChunkCacheConnectorStats(KVConnectorStats):
                 out[k] = int(self.data[k])
         for k in STORE_COUNTERS:
             if k in self.data:
-                out[k] = round(float(self.data[k]), 4) if k.endswith("seconds") else int(
-                    self.data[k])
+                out[k] = (
+                    round(float(self.data[k]), 4)
+                    if k.endswith("seconds")
+                    else int(self.data[k])
+                )
         return out
 
     def is_empty(self) -> bool:
-        return not any(self.data.get(k) for k in COUNTERS) and not any(
-            k in self.data for k in GAUGES
-        ) and not any(self.data.get(k) for k in STORE_COUNTERS)
+        return (
+            not any(self.data.get(k) for k in COUNTERS)
+            and not any(k in self.data for k in GAUGES)
+            and not any(self.data.get(k) for k in STORE_COUNTERS)
+        )
 
 
 class ChunkCachePromMetrics(KVConnectorPromMetrics):
@@ -162,7 +160,9 @@ class ChunkCachePromMetrics(KVConnectorPromMetrics):
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         self._counters = {
             name: self._counter_cls(
-                name=f"vllm:chunk_cache_{name}", documentation=doc, labelnames=labelnames
+                name=f"vllm:chunk_cache_{name}",
+                documentation=doc,
+                labelnames=labelnames,
             )
             for name, doc in (COUNTERS | STORE_COUNTERS).items()
         }

@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import PrefillGap
+
 from vllm.v1.core.chunk_prefill_plan import PrefillStep
 from vllm.v1.core.chunk_step_decision import StepDecision
 from vllm.v1.core.chunk_structures import ChunkLoadPlan
@@ -68,8 +69,10 @@ class PendingLoad:
     def load_plan(self) -> ChunkLoadPlan:
         """The decision's rows for every loaded stretch."""
         plans = [self.decision.load_plan(start, end) for start, end in self.spans]
-        return ChunkLoadPlan(request_id=self.decision.request_id,
-                             segments=tuple(seg for p in plans for seg in p.segments))
+        return ChunkLoadPlan(
+            request_id=self.decision.request_id,
+            segments=tuple(seg for p in plans for seg in p.segments),
+        )
 
 
 class StepLoads:
@@ -124,11 +127,16 @@ class StepLoads:
             num_external_tokens=first.num_loaded,
             max_new_tokens=first.max_computed,
             next_stretches=tuple(
-                PrefillGap(num_external_tokens=s.num_loaded, max_new_tokens=s.max_computed)
-                for s in later),
+                PrefillGap(
+                    num_external_tokens=s.num_loaded, max_new_tokens=s.max_computed
+                )
+                for s in later
+            ),
         )
 
-    def allocated(self, rid: str, block_ids: list[int], num_external_tokens: int) -> None:
+    def allocated(
+        self, rid: str, block_ids: list[int], num_external_tokens: int
+    ) -> None:
         """The scheduler allocated `num_external_tokens` external tokens."""
         now = self._requests.get(rid)
         first = None if now is None else now.drop_report()
@@ -140,8 +148,9 @@ class StepLoads:
         # From `first` on, the first `num_external_tokens` loaded tokens of the
         # plan (computed heads skipped).
         spans = now.decision.plan.loaded_from(first, num_external_tokens)
-        self._pending[rid] = PendingLoad(block_ids, tuple((s.start, s.end) for s in spans),
-                                         now.decision)
+        self._pending[rid] = PendingLoad(
+            block_ids, tuple((s.start, s.end) for s in spans), now.decision
+        )
         self._rows += num_external_tokens
 
     def pending(self) -> dict[str, PendingLoad]:

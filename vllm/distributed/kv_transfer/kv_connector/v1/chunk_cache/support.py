@@ -22,8 +22,9 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from vllm.config import VllmConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig
+
+    from vllm.config import VllmConfig
 
 CONNECTOR_NAME = "ChunkCacheConnector"
 # kv_connector_extra_config key: whether captures may run in the attention
@@ -31,7 +32,14 @@ CONNECTOR_NAME = "ChunkCacheConnector"
 CAPTURE_IN_ATTENTION = "capture_in_attention"
 # --kv-cache-dtype values that keep K/V in a model dtype (not quantized): the
 # cache's bytes are the rows, so they can be read back and written as is.
-UNQUANTIZED_KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32", "half", "float")
+UNQUANTIZED_KV_CACHE_DTYPES = (
+    "auto",
+    "bfloat16",
+    "float16",
+    "float32",
+    "half",
+    "float",
+)
 
 # Config keys of models that skip RoPE on some layers (NoPE layers).
 _NOPE_CONFIG_KEYS = ("no_rope_layers", "use_rope_layers", "nope_layer_interval")
@@ -82,10 +90,12 @@ def _check_ascend_options(vllm_config: VllmConfig) -> None:
             f"--enable-chunk-cache does not support vllm-ascend's xlite graph mode "
             f"(additional_config xlite_graph_config.enabled, {mode} mode): xlite "
             "computes attention in its own runtime, outside vLLM's attention layers, "
-            "so the chunk cache could neither capture nor load a segment's KV")
+            "so the chunk cache could neither capture nor load a segment's KV"
+        )
     hamming = additional.get("hamming_sparse") or {}
     if additional.get("enable_hamming_sparse") or (
-            isinstance(hamming, dict) and hamming.get("enabled")):
+        isinstance(hamming, dict) and hamming.get("enabled")
+    ):
         # NOTE: kvcomp keeps a hash of every key block, written by the
         # attention forward (reshape_and_cache_kvcomp); decode picks its top-k
         # blocks by those hashes. Rows the load writes get none: stale hashes.
@@ -93,22 +103,29 @@ def _check_ascend_options(vllm_config: VllmConfig) -> None:
             "--enable-chunk-cache does not support vllm-ascend's hamming sparse "
             "attention (additional_config hamming_sparse / enable_hamming_sparse): "
             "decode picks key blocks by hashes the attention forward writes, and "
-            "loaded rows get none, so it would select blocks by stale hashes")
-    pp = getattr(getattr(vllm_config, "parallel_config", None),
-                 "pipeline_parallel_size", 1) or 1
+            "loaded rows get none, so it would select blocks by stale hashes"
+        )
+    pp = (
+        getattr(
+            getattr(vllm_config, "parallel_config", None), "pipeline_parallel_size", 1
+        )
+        or 1
+    )
     if pp > 1:
         raise ValueError(
             f"--enable-chunk-cache does not support pipeline parallelism on Ascend NPUs "
             f"(--pipeline-parallel-size {pp}): its KV connector role (kv_both) makes "
             "vllm-ascend's model runner take a PD producer's branch and skip the "
-            "async-scheduling broadcast of sampled tokens to the other stages")
+            "async-scheduling broadcast of sampled tokens to the other stages"
+        )
     quant = getattr(vllm_config, "quant_config", None)
     if getattr(quant, "enable_fa_quant", False):
         raise ValueError(
             "--enable-chunk-cache does not support checkpoints with vllm-ascend's "
             "fa_quant (fa_quant_type): as a KV consumer (kv_both) vllm-ascend keeps an "
             "int8/fp8 latent cache, which the chunk cache can neither read back nor "
-            "write")
+            "write"
+        )
     description = getattr(quant, "quant_description", None)
     description = description if isinstance(description, dict) else {}
     if any(value == "W8A8_MIX" for value in description.values()):
@@ -116,7 +133,8 @@ def _check_ascend_options(vllm_config: VllmConfig) -> None:
             "--enable-chunk-cache does not support vllm-ascend's W8A8_MIX (PD-mix) "
             "checkpoints: as a KV consumer (kv_both) they would switch to the decode "
             "node's static quantization for every token, unlike the same model served "
-            "without the chunk cache")
+            "without the chunk cache"
+        )
 
 
 def _sparse_mla_platform() -> bool:
@@ -149,8 +167,10 @@ def _check_kv_transfer_config(current: Any) -> None:
             f"(connector {current.kv_connector!r}): the chunk cache uses vLLM's "
             "single KV connector slot"
         )
-    if (current.kv_connector == CONNECTOR_NAME
-            and CAPTURE_IN_ATTENTION in current.kv_connector_extra_config):
+    if (
+        current.kv_connector == CONNECTOR_NAME
+        and CAPTURE_IN_ATTENTION in current.kv_connector_extra_config
+    ):
         # NOTE: the config the chunk cache wrote (it always sets this key),
         # checked again where the config is built anew. Its defaults may not
         # be today's: kv_buffer_device's follows the platform.
@@ -158,9 +178,12 @@ def _check_kv_transfer_config(current: Any) -> None:
     import dataclasses
 
     default = type(current)()
-    given = [f.name for f in dataclasses.fields(current)
-             if f.name not in ("kv_connector", "kv_role", "engine_id")
-             and getattr(current, f.name) != getattr(default, f.name)]
+    given = [
+        f.name
+        for f in dataclasses.fields(current)
+        if f.name not in ("kv_connector", "kv_role", "engine_id")
+        and getattr(current, f.name) != getattr(default, f.name)
+    ]
     if current.kv_role not in (None, "kv_both"):
         given.append("kv_role")
     if given:
@@ -186,9 +209,11 @@ def _check_model_kind(model_config: Any) -> None:
             "compute"
         )
     hf_config = getattr(model_config, "hf_config", None)
-    if getattr(model_config, "use_mla", False) and (
-        getattr(hf_config, "index_topk", None) is not None
-    ) and not _sparse_mla_platform():
+    if (
+        getattr(model_config, "use_mla", False)
+        and (getattr(hf_config, "index_topk", None) is not None)
+        and not _sparse_mla_platform()
+    ):
         # NOTE: only vllm-ascend's SFA has indexer key writers (its overlay);
         # there each layer is checked when the worker builds it (LatentLayer.of,
         # chunk_cache_npu.check_sfa_layer). Elsewhere: vLLM's DSA keeps the
@@ -218,8 +243,10 @@ def _check_model_kind(model_config: Any) -> None:
 def _check_parallelism(parallel_config: Any) -> None:
     if parallel_config is None:
         return
-    for name, flag in (("decode_context_parallel_size", "--decode-context-parallel-size"),
-                       ("prefill_context_parallel_size", "--prefill-context-parallel-size")):
+    for name, flag in (
+        ("decode_context_parallel_size", "--decode-context-parallel-size"),
+        ("prefill_context_parallel_size", "--prefill-context-parallel-size"),
+    ):
         if (getattr(parallel_config, name, 1) or 1) > 1:
             # NOTE: each rank then holds every n-th token of a request; a load
             # writes whole segments into one rank's blocks.
@@ -228,9 +255,10 @@ def _check_parallelism(parallel_config: Any) -> None:
                 f"({flag} {getattr(parallel_config, name)}): a request's KV is "
                 "split across ranks by token, a cached segment is not"
             )
-    if getattr(parallel_config, "enable_dbo", False) or (
-        getattr(parallel_config, "ubatch_size", 1) or 1
-    ) > 1:
+    if (
+        getattr(parallel_config, "enable_dbo", False)
+        or (getattr(parallel_config, "ubatch_size", 1) or 1) > 1
+    ):
         raise ValueError(
             "--enable-chunk-cache does not support dual-batch overlap / micro-batching "
             "(--enable-dbo, --ubatch-size): a step's loads and captures are planned "
@@ -286,15 +314,21 @@ def kv_cache_block_size(kv_cache_config: KVCacheConfig) -> int:
     chunked = getattr(spec, "attention_chunk_size", None)
     # MLA's latent cache is full attention too (one latent row per token);
     # its layers are checked by the worker (cache_writers' latent writers).
-    if chunked is not None or not (
-            type(spec) in (FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec)):
+    if chunked is not None or type(spec) not in (
+        FullAttentionSpec,
+        MLAAttentionSpec,
+        SlidingWindowSpec,
+    ):
         detail = f", chunk size {chunked}" if chunked is not None else ""
-        reason = ("chunked-local attention restarts at absolute positions"
-                  if chunked is not None else
-                  "attention-sink, state-space or other layers")
+        reason = (
+            "chunked-local attention restarts at absolute positions"
+            if chunked is not None
+            else "attention-sink, state-space or other layers"
+        )
         layers = groups[0].layer_names
-        named = ", ".join(layers[:2]) + (f" and {len(layers) - 2} more" if len(layers) > 2
-                                         else "")
+        named = ", ".join(layers[:2]) + (
+            f" and {len(layers) - 2} more" if len(layers) > 2 else ""
+        )
         raise ValueError(
             "--enable-chunk-cache supports full and sliding-window attention; the KV "
             f"cache of layer(s) {named} is {type(spec).__name__}{detail} ({reason})"
@@ -314,18 +348,25 @@ def kv_cache_block_size(kv_cache_config: KVCacheConfig) -> int:
 # the HF windowed isolation reference 0.0200 and 0.0180, within 1.01x and 0.93x of
 # stock vLLM against the HF causal forward (docs/gpu.md). Compiled graphs were not
 # run windowed; the kernel's window mask is the same there.
-WINDOWED_BACKENDS = ("CPUAttentionBackendImpl", "TritonAttentionImpl", "FlashAttentionImpl")
+WINDOWED_BACKENDS = (
+    "CPUAttentionBackendImpl",
+    "TritonAttentionImpl",
+    "FlashAttentionImpl",
+)
 
 
-def check_attention_layer(name: str, layer: Any, max_model_len: int | None = None) -> None:
+def check_attention_layer(
+    name: str, layer: Any, max_model_len: int | None = None
+) -> None:
     """Refuse an attention layer whose keys the chunk cache cannot load. A
     sliding window of at least `max_model_len` keys is full attention."""
+    from vllm.model_executor.layers.attention.attention import Attention
+    from vllm.model_executor.layers.attention.mla_attention import MLAAttention
+
     from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.cache_writers import (
         supported_backends,
         writer_for,
     )
-    from vllm.model_executor.layers.attention.attention import Attention
-    from vllm.model_executor.layers.attention.mla_attention import MLAAttention
 
     if isinstance(layer, MLAAttention):
         _check_latent_layer(name, layer)
@@ -393,19 +434,22 @@ def _choose_instead(layer: Any) -> str:
     """Which backend to start with instead of the refused one: the supported MLA
     backends users of this platform pick by name (issue 59: vLLM 0.32 picks
     AMX_MLA on CPUs with AMX tiles unless CPU_MLA is asked for)."""
+    from vllm.platforms import current_platform
+
     from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.cache_writers import (
         supported_latent_backends,
     )
-    from vllm.platforms import current_platform
 
     backend = getattr(layer, "attn_backend", None)
     refused = backend.get_name() if backend is not None else type(layer.impl).__name__
     here = supported_latent_backends(current_platform.device_type)
     if not here:
         return "choose one with --attention-backend"
-    return (f"{refused} is not one of them: on this platform "
-            f"({current_platform.device_type}) start with --attention-backend "
-            + " or ".join(here))
+    return (
+        f"{refused} is not one of them: on this platform "
+        f"({current_platform.device_type}) start with --attention-backend "
+        + " or ".join(here)
+    )
 
 
 def check_graph_mode(compilation_config: Any, hooked: dict[str, str]) -> None:
@@ -418,8 +462,10 @@ def check_graph_mode(compilation_config: Any, hooked: dict[str, str]) -> None:
     mode = getattr(compilation_config, "cudagraph_mode", None)
     if not hooked or mode is None or mode == CUDAGraphMode.NONE:
         return
-    which = (f"layer(s) {sorted(hooked)[:3]} capture in the attention hook "
-             f"({next(iter(hooked.values()))})")
+    which = (
+        f"layer(s) {sorted(hooked)[:3]} capture in the attention hook "
+        f"({next(iter(hooked.values()))})"
+    )
     if mode.has_full_cudagraphs():
         raise ValueError(
             f"chunk cache does not support cudagraph_mode={mode.name} here: {which}, "
@@ -442,9 +488,14 @@ def check_graph_mode(compilation_config: Any, hooked: dict[str, str]) -> None:
 CUDA_QUERY_RUN_BACKENDS = ("FlashAttentionImpl", "TritonAttentionImpl")
 
 
-def check_query_runs(one_step: bool, layers: dict[str, Any], compilation_config: Any,
-                     platform: Any, speculative_config: Any = None,
-                     max_num_seqs: int | None = None) -> str | None:
+def check_query_runs(
+    one_step: bool,
+    layers: dict[str, Any],
+    compilation_config: Any,
+    platform: Any,
+    speculative_config: Any = None,
+    max_num_seqs: int | None = None,
+) -> str | None:
     """Refuse at start-up, by name, what a one-step boundary recompute (query
     runs, recompute_step.py) on CUDA cannot run on: an attention backend other
     than FLASH_ATTN / TRITON_ATTN, speculative decoding, or a CUDA-graph mode
@@ -462,8 +513,10 @@ def check_query_runs(one_step: bool, layers: dict[str, Any], compilation_config:
     batch up to the largest capture size replays a full graph."""
     if not one_step or not platform.is_cuda():
         return None
-    how = ("--chunk-recompute-tokens in one step (CHUNK_CACHE_RECOMPUTE_ONE_STEP=1) on "
-           "CUDA")
+    how = (
+        "--chunk-recompute-tokens in one step (CHUNK_CACHE_RECOMPUTE_ONE_STEP=1) on "
+        "CUDA"
+    )
     if speculative_config is not None:
         # NOTE: a runs step of query length 1 + k could be classed as a uniform
         # decode batch (full graph), and draft tokens are scheduled per request.
@@ -471,7 +524,8 @@ def check_query_runs(one_step: bool, layers: dict[str, Any], compilation_config:
             f"{how} does not support speculative decoding (--speculative-config): "
             "draft tokens are scheduled per request and a step of 1 + k tokens per "
             "request may replay a full CUDA graph; unset CHUNK_CACHE_RECOMPUTE_ONE_STEP "
-            "for one step per chunk head")
+            "for one step per chunk head"
+        )
     backends = set()
     for name, layer in layers.items():
         backend = type(getattr(layer, "impl", None)).__name__
@@ -479,7 +533,8 @@ def check_query_runs(one_step: bool, layers: dict[str, Any], compilation_config:
             raise ValueError(
                 f"{how} needs FLASH_ATTN or TRITON_ATTN: attention layer {name} runs "
                 f"{backend} (choose one with --attention-backend, or unset "
-                "CHUNK_CACHE_RECOMPUTE_ONE_STEP for one step per chunk head)")
+                "CHUNK_CACHE_RECOMPUTE_ONE_STEP for one step per chunk head)"
+            )
         backends.add(backend)
     mode = getattr(compilation_config, "cudagraph_mode", None)
     named = ", ".join(sorted(backends)) or "no attention layers"
@@ -494,16 +549,21 @@ def check_query_runs(one_step: bool, layers: dict[str, Any], compilation_config:
             "are fixed at capture (one per request), and a step's query runs "
             "outnumber its requests; use vLLM's default FULL_AND_PIECEWISE (full "
             "graphs for decode batches only), PIECEWISE, FULL_DECODE_ONLY or "
-            "--enforce-eager")
+            "--enforce-eager"
+        )
     capture = getattr(compilation_config, "max_cudagraph_capture_size", None)
     runs_as = "PIECEWISE" if mode.mixed_mode() == CUDAGraphMode.PIECEWISE else "eager"
-    line = (f"every head and the question in one step on {named}, "
-            f"cudagraph_mode={mode.name}: a step with query runs runs {runs_as}"
-            + (f" (eager above {capture} tokens)" if runs_as == "PIECEWISE" else ""))
+    line = (
+        f"every head and the question in one step on {named}, "
+        f"cudagraph_mode={mode.name}: a step with query runs runs {runs_as}"
+        + (f" (eager above {capture} tokens)" if runs_as == "PIECEWISE" else "")
+    )
     if mode.has_full_cudagraphs():
         rows = max(max_num_seqs or 0, capture or 0)
-        line += (f"; its attention rows capped at {rows} per step (FlashAttention 3's "
-                 "scheduler-metadata buffer under full graphs: later runs wait a step)")
+        line += (
+            f"; its attention rows capped at {rows} per step (FlashAttention 3's "
+            "scheduler-metadata buffer under full graphs: later runs wait a step)"
+        )
     return line
 
 
@@ -513,18 +573,23 @@ def check_query_runs(one_step: bool, layers: dict[str, Any], compilation_config:
 _DELEGATING_SCHEDULERS: dict[str, Callable[[Any], bool]] = {}
 
 
-def register_delegating_scheduler(qualname: str, runs_vllm_schedule: Callable[[Any], bool]) -> None:
+def register_delegating_scheduler(
+    qualname: str, runs_vllm_schedule: Callable[[Any], bool]
+) -> None:
     """`qualname`'s schedule() calls the next one in its MRO (super()) when
     `runs_vllm_schedule(vllm_config)` is true."""
     _DELEGATING_SCHEDULERS[qualname] = runs_vllm_schedule
 
 
 def _vllm_scheduler(cls: type) -> type | None:
-    """vLLM's own Scheduler class among `cls`'s bases. NOTE: found in the MRO,
+    """VLLM's own Scheduler class among `cls`'s bases. NOTE: found in the MRO,
     never as `vllm.v1.core.sched.scheduler.Scheduler`, which a plugin may
     rebind (vllm-ascend's patch_balance_schedule binds its BalanceScheduler)."""
     for base in getattr(cls, "__mro__", ()):
-        if base.__module__ == "vllm.v1.core.sched.scheduler" and base.__qualname__ == "Scheduler":
+        if (
+            base.__module__ == "vllm.v1.core.sched.scheduler"
+            and base.__qualname__ == "Scheduler"
+        ):
             return base
     return None
 
@@ -560,7 +625,8 @@ def check_scheduler(vllm_config: VllmConfig) -> None:
     if not isinstance(cls, type) or _vllm_scheduler(cls) is None:
         raise ValueError(
             f"--enable-chunk-cache needs vLLM's scheduler or a subclass of it; the "
-            f"scheduler class {name} is neither")
+            f"scheduler class {name} is neither"
+        )
     if vllm_config.chunk_cache_config.chunk_recompute_tokens == 0:
         return
     foreign = _foreign_schedule(cls, vllm_config)

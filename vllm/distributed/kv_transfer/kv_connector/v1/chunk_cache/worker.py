@@ -52,6 +52,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+from vllm.logger import init_logger
 
 from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.cache_writers import (
     latent_writer_for,
@@ -66,15 +67,15 @@ from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.fused_chunk_load_p
     FusedLoadChoice,
     choose_fused_layers,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.mla_latent_layers import (
-    LatentLayer,
-)
 from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.layer_ropes import (
     find_layer_ropes,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.metadata import (
     LoadRows,
     StoreRows,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.mla_latent_layers import (
+    LatentLayer,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.recompute_step import (
     RecomputeSteps,
@@ -90,7 +91,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.support import (
     check_graph_mode,
     check_query_runs,
 )
-from vllm.logger import init_logger
 from vllm.v1.worker.gather_rotate import GatherRotate
 from vllm.v1.worker.position_remapper import (
     PositionRemapper,
@@ -101,11 +101,13 @@ from vllm.v1.worker.position_remapper import (
 )
 
 if TYPE_CHECKING:
-    from vllm.config import VllmConfig
     from vllm.forward_context import ForwardContext
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
+    from vllm.config import VllmConfig
+
 logger = init_logger(__name__)
+
 
 def cache_device(kv_cache: torch.Tensor | Any) -> torch.device:
     """Device of a layer's paged cache: one tensor (vLLM's backends) or a
@@ -115,8 +117,13 @@ def cache_device(kv_cache: torch.Tensor | Any) -> torch.device:
     return kv_cache[0].device
 
 
-def _backend_write(layer: Any, key: torch.Tensor, value: torch.Tensor,
-                   kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+def _backend_write(
+    layer: Any,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
     """The fused-load self-check's reference: the backend's own write into
     `kv_cache` (the layer's cache; the CUDA backends' `do_kv_cache_update`)."""
     layer.impl.do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
@@ -125,7 +132,9 @@ def _backend_write(layer: Any, key: torch.Tensor, value: torch.Tensor,
 class ChunkCacheWorker:
     def __init__(self, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig):
         self.vllm_config = vllm_config
-        self.num_pool_rows = pool_num_blocks(vllm_config, kv_cache_config) * POOL_BLOCK_SIZE
+        self.num_pool_rows = (
+            pool_num_blocks(vllm_config, kv_cache_config) * POOL_BLOCK_SIZE
+        )
         # The paged block size of the single KV cache group (support.py).
         self.block_size = kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size
         self.dtype = pool_dtype(vllm_config)
@@ -182,7 +191,8 @@ class ChunkCacheWorker:
         ropes, orphans = find_layer_ropes(model)
         no_rope = bool(ropes) and all(rope is None for rope in ropes.values())
         if no_rope and type(model).__module__.startswith(
-                "vllm.model_executor.models.transformers"):
+            "vllm.model_executor.models.transformers"
+        ):
             # NOTE: vLLM's Transformers modeling backend (vLLM 0.32 serves e.g.
             # Olmo2ForCausalLM through it) runs transformers' own attention
             # forward, which applies the rope inside transformers' code: no
@@ -205,7 +215,8 @@ class ChunkCacheWorker:
                 f"RoPE, but attention layer(s) {sorted(ropes)[:4]} have no rotary "
                 "embedding: this model places tokens another way (absolute position "
                 "embeddings or attention biases such as ALiBi), under which a segment "
-                "computed elsewhere cannot be moved: unsupported model")
+                "computed elsewhere cannot be moved: unsupported model"
+            )
         if orphans:
             raise ValueError(
                 "chunk cache cannot find the rotary embedding of attention "
@@ -223,7 +234,9 @@ class ChunkCacheWorker:
             "Chunk cache: %d attention layers, %d distinct RoPE(s) (%s), %d without RoPE",
             len(ropes),
             len(rotations),
-            ", ".join(sorted({type(r).__name__ for r in ropes.values() if r is not None}))
+            ", ".join(
+                sorted({type(r).__name__ for r in ropes.values() if r is not None})
+            )
             or "none",
             sum(r is None for r in ropes.values()),
         )
@@ -247,17 +260,23 @@ class ChunkCacheWorker:
         # cache of their own (a KV-sharing layer may have none); the context
         # also holds non-attention layers (fused MoE), which have no keys.
         max_model_len = getattr(self.vllm_config.model_config, "max_model_len", None)
-        attention = {name: layer for name, layer in layers.items()
-                     if isinstance(layer, (Attention, MLAAttention))}
+        attention = {
+            name: layer
+            for name, layer in layers.items()
+            if isinstance(layer, (Attention, MLAAttention))
+        }
         for name, layer in attention.items():
             check_attention_layer(name, layer, max_model_len)
         from vllm.platforms import current_platform
 
         one_step_line = check_query_runs(
-            RecomputeSteps.for_config(self.vllm_config).one_step, attention,
-            self.vllm_config.compilation_config, current_platform,
+            RecomputeSteps.for_config(self.vllm_config).one_step,
+            attention,
+            self.vllm_config.compilation_config,
+            current_platform,
             getattr(self.vllm_config, "speculative_config", None),
-            self.vllm_config.scheduler_config.max_num_seqs)
+            self.vllm_config.scheduler_config.max_num_seqs,
+        )
         if one_step_line is not None:
             # NOTE: the scheduler's line says which path runs and why; on CUDA
             # this one adds how a step with runs is dispatched and capped.
@@ -267,22 +286,32 @@ class ChunkCacheWorker:
             layer = layers.get(name)
             check_attention_layer(name, layer, max_model_len)
             if name not in self._ropes:
-                raise ValueError(f"chunk cache: attention layer {name} not found in the model")
+                raise ValueError(
+                    f"chunk cache: attention layer {name} not found in the model"
+                )
             # On the paged cache's device (the GPU on CUDA), inside the budget.
             device = cache_device(kv_cache)
             self.device = device
             rope = self._ropes[name]
             if isinstance(layer, MLAAttention):
                 self.latent[name] = LatentLayer.of(
-                    name, layer, kv_cache, None if rope is None else self._rotations[id(rope)],
-                    latent_writer_for(layer.impl), self.num_pool_rows, self.dtype,
-                    self._scratch)
+                    name,
+                    layer,
+                    kv_cache,
+                    None if rope is None else self._rotations[id(rope)],
+                    latent_writer_for(layer.impl),
+                    self.num_pool_rows,
+                    self.dtype,
+                    self._scratch,
+                )
                 total += self.latent[name].pool.nbytes
                 continue
             shape_k = (self.num_pool_rows, layer.num_kv_heads, layer.head_size)
             shape_v = (self.num_pool_rows, layer.num_kv_heads, layer.head_size_v)
             self.pool_key[name] = torch.zeros(shape_k, dtype=self.dtype, device=device)
-            self.pool_value[name] = torch.zeros(shape_v, dtype=self.dtype, device=device)
+            self.pool_value[name] = torch.zeros(
+                shape_v, dtype=self.dtype, device=device
+            )
             total += self.pool_key[name].nbytes + self.pool_value[name].nbytes
             rotation = None if rope is None else self._rotations[id(rope)]
             if rotation is not None and rotation.head_size != layer.head_size:
@@ -292,22 +321,36 @@ class ChunkCacheWorker:
                 raise ValueError(
                     f"chunk cache: the rope of attention layer {name} rotates heads of "
                     f"{rotation.head_size} values but its keys have {layer.head_size}: "
-                    "unsupported model structure (RoPE on part of a head)")
-            self.remappers[name] = PositionRemapper(rotation, self._write_rows, self._scratch)
+                    "unsupported model structure (RoPE on part of a head)"
+                )
+            self.remappers[name] = PositionRemapper(
+                rotation, self._write_rows, self._scratch
+            )
         self.pool_bytes = total
         self._layers = {name: layers[name] for name in kv_caches}
         self._kv_caches = dict(kv_caches)
         self._capture = choose_capture(
             {name: layers[name] for name in self.remappers},
             {name: kv_caches[name] for name in self.remappers},
-            {name: writer_for(layers[name].impl) for name in self.remappers}, self.dtype)
+            {name: writer_for(layers[name].impl) for name in self.remappers},
+            self.dtype,
+        )
         logger.info("Chunk cache: captures run %s", self._capture.summary())
-        check_graph_mode(self.vllm_config.compilation_config, self._capture.in_attention)
-        layer_rotations = {name: remapper.rotation for name, remapper in self.remappers.items()}
+        check_graph_mode(
+            self.vllm_config.compilation_config, self._capture.in_attention
+        )
+        layer_rotations = {
+            name: remapper.rotation for name, remapper in self.remappers.items()
+        }
         self._fused = choose_fused_layers(
             {name: layers[name] for name in self.remappers},
-            {name: kv_caches[name] for name in self.remappers}, layer_rotations,
-            self.dtype, _backend_write, self.pool_key, self.pool_value)
+            {name: kv_caches[name] for name in self.remappers},
+            layer_rotations,
+            self.dtype,
+            _backend_write,
+            self.pool_key,
+            self.pool_value,
+        )
         # NOTE: their tables of addresses are built at the first load, not
         # here: this runs inside the KV-cache memory pool, which a sleep
         # discards (fused_chunk_load_path.FusedLayers.group).
@@ -317,19 +360,26 @@ class ChunkCacheWorker:
         # fused self-check's reference must keep the generic rounding.
         for name, remapper in self.remappers.items():
             if name not in self._fused.layers:
-                remapper.gather_rotate = self._one_pass_for(remapper.rotation,
-                                                            self.pool_key[name])
+                remapper.gather_rotate = self._one_pass_for(
+                    remapper.rotation, self.pool_key[name]
+                )
         # NOTE: the fused copy reads the caches the fused load's self-check
         # wrote on, in the pool's dtype (no fp8 group captures here).
         self._capture_groups = [
-            launch for launch in self._fused_groups
-            if not launch.fp8 and all(n in self._capture.after_forward
-                                      for n in launch.names)]
+            launch
+            for launch in self._fused_groups
+            if not launch.fp8
+            and all(n in self._capture.after_forward for n in launch.names)
+        ]
         self._allocate_scratch()
         self._start_store()
-        logger.info("Chunk cache: loads use %s%s", self._fused.summary(),
-                    f", in {len(self._fused_groups)} launch(es) per step"
-                    if self._fused_groups else "")
+        logger.info(
+            "Chunk cache: loads use %s%s",
+            self._fused.summary(),
+            f", in {len(self._fused_groups)} launch(es) per step"
+            if self._fused_groups
+            else "",
+        )
         logger.info(
             "Chunk cache pool: %d rows x %d layers, %.1f MiB on %s (%s)",
             self.num_pool_rows,
@@ -344,17 +394,22 @@ class ChunkCacheWorker:
             # holds (and pools) whole rows.
             logger.info(
                 "Chunk cache: %d MLA layer(s), latent rows of %s values (kv_c + k_pe), "
-                "replicated on every tensor-parallel rank", len(self.latent),
-                "/".join(map(str, widths)))
+                "replicated on every tensor-parallel rank",
+                len(self.latent),
+                "/".join(map(str, widths)),
+            )
         # NOTE: the CPU path depends on the machine (vLLM's RoPE op is used
         # only where it is bit-identical to the generic rotation): say which.
         for rotation in self._rotations.values():
-            logger.info("Chunk cache: keys re-rotated with %s%s",
-                        rotation.describe_path(self.device),
-                        self._one_pass_why.get(id(rotation), ""))
+            logger.info(
+                "Chunk cache: keys re-rotated with %s%s",
+                rotation.describe_path(self.device),
+                self._one_pass_why.get(id(rotation), ""),
+            )
 
-    def _one_pass_for(self, rotation: RopeRotation | None,
-                      pool_key: torch.Tensor) -> GatherRotate | None:
+    def _one_pass_for(
+        self, rotation: RopeRotation | None, pool_key: torch.Tensor
+    ) -> GatherRotate | None:
         """The CPU kernel that loads K in one pass (gather_rotate.py), where it
         builds and its self-check holds for this rotation and pool; None keeps
         the passes, with the reason for the start-up log."""
@@ -367,8 +422,11 @@ class ChunkCacheWorker:
                 self._gather_rotate = GatherRotate.load()
             except Exception as e:
                 self._gather_rotate = f"{type(e).__name__}: {e}"
-                logger.warning("Chunk cache: K loaded in passes, the one-pass CPU kernel "
-                               "could not be loaded (%s)", self._gather_rotate)
+                logger.warning(
+                    "Chunk cache: K loaded in passes, the one-pass CPU kernel "
+                    "could not be loaded (%s)",
+                    self._gather_rotate,
+                )
         kernel = self._gather_rotate
         if isinstance(kernel, str):
             why: str | None = "not loaded, see above"
@@ -381,7 +439,8 @@ class ChunkCacheWorker:
             f"; K gathered, rotated and cast in one pass (gather_rotate.c: "
             f"{kernel.describe()}; checked byte-identical to the passes on this CPU)"
             if why is None
-            else f"; K loaded in passes: the one-pass kernel is not used ({why})")
+            else f"; K loaded in passes: the one-pass kernel is not used ({why})"
+        )
         return None if why is not None else kernel  # type: ignore[return-value]
 
     def _start_store(self) -> None:
@@ -396,8 +455,11 @@ class ChunkCacheWorker:
         tensors.update({f"{n}.latent": lat.pool for n, lat in self.latent.items()})
         assert self._model is not None
         self.store = StoreTransfers.for_engine(
-            self.vllm_config, self._model, tensors,
-            f"{self.dtype}/{self.vllm_config.cache_config.cache_dtype}")
+            self.vllm_config,
+            self._model,
+            tensors,
+            f"{self.dtype}/{self.vllm_config.cache_config.cache_dtype}",
+        )
 
     def _allocate_scratch(self) -> None:
         """The load buffers of the layers that take them, now (inside the KV
@@ -409,14 +471,23 @@ class ChunkCacheWorker:
         if per_layer:
             key = self.pool_key[per_layer[0]]
             value = self.pool_value[per_layer[0]]
-            self._scratch.prepare(RemapScratch.STANDARD,
-                                  {"k": tuple(key.shape[1:]), "v": tuple(value.shape[1:])},
-                                  self.dtype, key.device)
+            self._scratch.prepare(
+                RemapScratch.STANDARD,
+                {"k": tuple(key.shape[1:]), "v": tuple(value.shape[1:])},
+                self.dtype,
+                key.device,
+            )
         for latent in self.latent.values():
             # Sparse MLA layers add their indexer key's buffers (scratch_plan).
-            self._scratch.prepare(*latent.scratch_plan(), self.dtype, latent.pool.device)
-        logger.info("Chunk cache: load buffers of %d rows, %.1f MiB on %s", self._scratch.max_rows
-                    or 0, self._scratch.nbytes() / (1 << 20), self.device)
+            self._scratch.prepare(
+                *latent.scratch_plan(), self.dtype, latent.pool.device
+            )
+        logger.info(
+            "Chunk cache: load buffers of %d rows, %.1f MiB on %s",
+            self._scratch.max_rows or 0,
+            self._scratch.nbytes() / (1 << 20),
+            self.device,
+        )
 
     # --------------------------------------------------------------- load
 
@@ -432,11 +503,16 @@ class ChunkCacheWorker:
             return
         assert self.device is not None
         # The step's block ids expanded into rows once, on the device.
-        expanded = LoadRows.expand(meta.loads, POOL_BLOCK_SIZE, self.block_size,
-                                   self.device)
-        rows = RemapRows(src_rows=expanded.src_rows, dst_slots=expanded.dst_slots,
-                         deltas=expanded.deltas, stretch_index=expanded.stretch_index,
-                         stretch_deltas=expanded.stretch_deltas)
+        expanded = LoadRows.expand(
+            meta.loads, POOL_BLOCK_SIZE, self.block_size, self.device
+        )
+        rows = RemapRows(
+            src_rows=expanded.src_rows,
+            dst_slots=expanded.dst_slots,
+            deltas=expanded.deltas,
+            stretch_index=expanded.stretch_index,
+            stretch_deltas=expanded.stretch_deltas,
+        )
         self._forward_context = forward_context
         try:
             self._load_rows(rows)
@@ -453,24 +529,32 @@ class ChunkCacheWorker:
         for piece in rows.pieces(self._scratch.max_rows or rows.num_rows):
             self._load_piece(piece, stretches)
 
-    def _stretch_cos_sin(self, stretch_deltas: torch.Tensor) -> dict[bytes, StretchCosSin]:
+    def _stretch_cos_sin(
+        self, stretch_deltas: torch.Tensor
+    ) -> dict[bytes, StretchCosSin]:
         """fp32 cos/sin of each stretch's delta, once per step and set of
         frequencies (not per rope object: an MLA layer's `with_pairing` copy
         shares its rope's), formed on the host from the metadata's integers
         and sent to the device: no device value is read back."""
         rotations = [launch.rotation for launch in self._fused_groups]
-        rotations += [self.remappers[name].rotation for name in self.remappers
-                      if name not in self._fused.layers]
+        rotations += [
+            self.remappers[name].rotation
+            for name in self.remappers
+            if name not in self._fused.layers
+        ]
         rotations += [latent.rotation for latent in self.latent.values()]
         tables: dict[bytes, StretchCosSin] = {}
         for rotation in rotations:
             if rotation is not None and rotation.frequency_key not in tables:
                 assert self.device is not None
-                tables[rotation.frequency_key] = rotation.stretch_cos_sin(stretch_deltas,
-                                                                          self.device)
+                tables[rotation.frequency_key] = rotation.stretch_cos_sin(
+                    stretch_deltas, self.device
+                )
         return tables
 
-    def _load_fused(self, rows: RemapRows, stretches: dict[bytes, StretchCosSin]) -> None:
+    def _load_fused(
+        self, rows: RemapRows, stretches: dict[bytes, StretchCosSin]
+    ) -> None:
         """The fused layers, one launch per group over all the step's rows."""
         if not self._fused_groups:
             return
@@ -479,13 +563,19 @@ class ChunkCacheWorker:
         for launch in self._fused_groups:
             rotation = launch.rotation
             table = None if rotation is None else stretches[rotation.frequency_key]
-            fused_load(launch.group, rows.src_rows, rows.dst_slots,
-                       None if rotation is None else rows.stretch_index,
-                       None if table is None else (table.cos, table.sin),
-                       rotation is None or rotation.is_neox_style,
-                       0 if rotation is None else rotation.rotary_dim)
+            fused_load(
+                launch.group,
+                rows.src_rows,
+                rows.dst_slots,
+                None if rotation is None else rows.stretch_index,
+                None if table is None else (table.cos, table.sin),
+                rotation is None or rotation.is_neox_style,
+                0 if rotation is None else rotation.rotary_dim,
+            )
 
-    def _load_piece(self, rows: RemapRows, stretches: dict[bytes, StretchCosSin]) -> None:
+    def _load_piece(
+        self, rows: RemapRows, stretches: dict[bytes, StretchCosSin]
+    ) -> None:
         """The layers not fused, through the load buffers."""
         fused = self._fused.layers
         for name, remapper in self.remappers.items():
@@ -497,11 +587,15 @@ class ChunkCacheWorker:
                 self.pool_key[name],
                 self.pool_value[name],
                 rows,
-                stretches=None if rotation is None else stretches[rotation.frequency_key],
+                stretches=None
+                if rotation is None
+                else stretches[rotation.frequency_key],
             )
         for latent in self.latent.values():
             rotation = latent.rotation
-            latent.load(rows, None if rotation is None else stretches[rotation.frequency_key])
+            latent.load(
+                rows, None if rotation is None else stretches[rotation.frequency_key]
+            )
 
     def _write_rows(
         self,
@@ -538,11 +632,14 @@ class ChunkCacheWorker:
                     f"layer(s) {sorted(missing)[:4]} ({len(missing)} of "
                     f"{len(self._capture.in_attention)}) never reached the capture "
                     "hook (save_kv_layer): their attention ran outside vLLM's "
-                    "attention wrapper, so the cached rows would be missing")
+                    "attention wrapper, so the cached rows would be missing"
+                )
         if not meta.stores or (not self._capture.after_forward and not self.latent):
             return
         assert self.device is not None
-        rows = StoreRows.expand(meta.stores, POOL_BLOCK_SIZE, self.block_size, self.device)
+        rows = StoreRows.expand(
+            meta.stores, POOL_BLOCK_SIZE, self.block_size, self.device
+        )
         fused: set[str] = set()
         if self._capture_groups:
             from vllm.v1.worker.fused_chunk_load import fused_capture
@@ -553,7 +650,9 @@ class ChunkCacheWorker:
         for name, writer in self._capture.after_forward.items():
             if name in fused:
                 continue
-            key, value = writer.read(self._layers[name], self._kv_caches[name], rows.src_slots)
+            key, value = writer.read(
+                self._layers[name], self._kv_caches[name], rows.src_slots
+            )
             pool_key, pool_value = self.pool_key[name], self.pool_value[name]
             pool_key.index_copy_(0, rows.dst_rows, key.to(pool_key.dtype))
             pool_value.index_copy_(0, rows.dst_rows, value.to(pool_value.dtype))
@@ -603,8 +702,9 @@ class ChunkCacheWorker:
         batch is a device-side assertion there (raised at once on the CPU, by
         the device in stream order on CUDA); on an NPU a host check
         (assert_on_device)."""
-        expanded = StoreRows.expand(meta.stores, POOL_BLOCK_SIZE, self.block_size,
-                                    slot_mapping.device)
+        expanded = StoreRows.expand(
+            meta.stores, POOL_BLOCK_SIZE, self.block_size, slot_mapping.device
+        )
         wanted, dst = expanded.src_slots, expanded.dst_rows
         slots = slot_mapping.to(torch.int64)
         order = torch.argsort(slots)

@@ -26,8 +26,9 @@ class HostArena:
             # NOTE: pinned where a GPU is present, so copies between the pool and
             # the arena run as DMA without a staging copy and can be asynchronous
             # (transfers.py orders them with an event; not executed here).
-            self.tensor = torch.empty(nbytes, dtype=torch.uint8,
-                                      pin_memory=torch.cuda.is_available())
+            self.tensor = torch.empty(
+                nbytes, dtype=torch.uint8, pin_memory=torch.cuda.is_available()
+            )
         else:
             self._memory = (ctypes.c_uint8 * nbytes).from_address(ptr)
             self.tensor = torch.frombuffer(self._memory, dtype=torch.uint8)
@@ -75,11 +76,11 @@ class HostArena:
             self._free = merged
 
     def view(self, start: int, nbytes: int) -> torch.Tensor:
-        return self.tensor[start:start + nbytes]
+        return self.tensor[start : start + nbytes]
 
     def bytes_view(self, start: int, nbytes: int):
         """`view` as a numpy uint8 array (no torch call)."""
-        return self._array[start:start + nbytes]
+        return self._array[start : start + nbytes]
 
     def in_use(self) -> int:
         with self._lock:

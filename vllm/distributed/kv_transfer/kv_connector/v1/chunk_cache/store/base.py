@@ -86,8 +86,12 @@ class ChunkStore(ABC):
         """One answer per key, in order."""
 
     @abstractmethod
-    def batch_get_into(self, keys: Sequence[str], buffers: Sequence[HostBuffer],
-                       on_release: Release = no_release) -> list[int]:
+    def batch_get_into(
+        self,
+        keys: Sequence[str],
+        buffers: Sequence[HostBuffer],
+        on_release: Release = no_release,
+    ) -> list[int]:
         """Read each key's value into its buffer; per key the number of bytes
         read (>= 0) or a negative StoreCode (absent, too large, timeout, error).
         Bytes read are not yet trusted: verify them (entry_format.py).
@@ -98,9 +102,12 @@ class ChunkStore(ABC):
         buffers are the store's: reusing them lets a late read overwrite
         whatever was put there."""
 
-    def batch_get_into_parts(self, keys: Sequence[str],
-                             parts: Sequence[Sequence[HostBuffer]],
-                             on_release: Release = no_release) -> list[int]:
+    def batch_get_into_parts(
+        self,
+        keys: Sequence[str],
+        parts: Sequence[Sequence[HostBuffer]],
+        on_release: Release = no_release,
+    ) -> list[int]:
         """batch_get_into with each key's value scattered over its buffers in
         order (the first buffer takes the value's first bytes); their sizes
         add up to the value's, else the key fails. Only where `scatters`."""
@@ -108,8 +115,12 @@ class ChunkStore(ABC):
         raise NotImplementedError(f"{type(self).__name__} cannot scatter a value")
 
     @abstractmethod
-    def batch_put_from(self, keys: Sequence[str], buffers: Sequence[HostBuffer],
-                       on_release: Release = no_release) -> list[int]:
+    def batch_put_from(
+        self,
+        keys: Sequence[str],
+        buffers: Sequence[HostBuffer],
+        on_release: Release = no_release,
+    ) -> list[int]:
         """Store each buffer's bytes under its key; per key 0 or a negative
         StoreCode. A key already present keeps its value (entries are
         immutable: the same key always names the same content). `on_release`

@@ -142,7 +142,8 @@ class SharedStore:
         with self._lock:
             if self._thread is None:
                 self._thread = threading.Thread(
-                    target=self._connect_loop, name="chunk-store-connect", daemon=True)
+                    target=self._connect_loop, name="chunk-store-connect", daemon=True
+                )
                 self._thread.start()
 
     def wait_connected(self, timeout_s: float) -> bool:
@@ -170,9 +171,14 @@ class SharedStore:
                     raise
             except Exception as e:  # noqa: BLE001 - any failure: try again later
                 self.connect_failures += 1
-                logger.warning("chunk store: cannot connect to %s (%s); entries are "
-                               "computed locally until it can be reached (next try in "
-                               "%.0f s)", self.spec_text, e, RECONNECT_S)
+                logger.warning(
+                    "chunk store: cannot connect to %s (%s); entries are "
+                    "computed locally until it can be reached (next try in "
+                    "%.0f s)",
+                    self.spec_text,
+                    e,
+                    RECONNECT_S,
+                )
                 time.sleep(RECONNECT_S)
                 continue
             logger.info("chunk store: connected to %s", self.spec_text)
@@ -197,8 +203,10 @@ class SharedStore:
             try:
                 sock.recv(64)  # b"" (closed) or any bytes: the process answered
             except TimeoutError as e:
-                raise OSError(f"{address} accepted a connection but did not answer "
-                              f"within {wait:g} s (a stopped process?)") from e
+                raise OSError(
+                    f"{address} accepted a connection but did not answer "
+                    f"within {wait:g} s (a stopped process?)"
+                ) from e
             except ConnectionResetError:
                 pass  # reset by the peer: it answered
 
@@ -247,15 +255,23 @@ class SharedStore:
         if not self._arena_bytes:
             return {}
         try:
-            return {kind: HostArena(self._arena_bytes, ptr=store.alloc_host(self._arena_bytes))
-                    for kind in KINDS}
+            return {
+                kind: HostArena(
+                    self._arena_bytes, ptr=store.alloc_host(self._arena_bytes)
+                )
+                for kind in KINDS
+            }
         except RuntimeError as e:
             # NOTE: a connection made before any worker asked (its pool too small):
             # the store stays without arenas, every read and write a miss.
-            logger.error("chunk store: %s; store reads and writes are off in this process", e)
+            logger.error(
+                "chunk store: %s; store reads and writes are off in this process", e
+            )
             return {}
 
-    def _register_arenas_locked(self, store: ChunkStore, arenas: dict[str, HostArena]) -> None:
+    def _register_arenas_locked(
+        self, store: ChunkStore, arenas: dict[str, HostArena]
+    ) -> None:
         for kind, arena in arenas.items():
             if kind not in self._registered:
                 store.register_buffer(HostBuffer(arena.ptr, arena.nbytes))
@@ -271,14 +287,19 @@ class SharedStore:
         for buffer in list(self._pool_wanted):
             if buffer in self._pool_registered:
                 continue
-            stale = [b for b in self._pool_registered
-                     if b.ptr < buffer.ptr + buffer.nbytes and buffer.ptr < b.ptr + b.nbytes]
+            stale = [
+                b
+                for b in self._pool_registered
+                if b.ptr < buffer.ptr + buffer.nbytes and buffer.ptr < b.ptr + b.nbytes
+            ]
             if stale and not store.idle():
                 # NOTE: a call still running may write into the old range (an
                 # earlier engine's read given up on): not this pool's reads.
-                logger.warning("chunk store: this worker's pool reuses memory an "
-                               "earlier engine's pool lent to a store call that has not "
-                               "returned; its reads go through host memory of their own")
+                logger.warning(
+                    "chunk store: this worker's pool reuses memory an "
+                    "earlier engine's pool lent to a store call that has not "
+                    "returned; its reads go through host memory of their own"
+                )
                 continue
             try:
                 # NOTE: two live pools never overlap: memory registered for an
@@ -292,7 +313,8 @@ class SharedStore:
             except RuntimeError as e:
                 # NOTE: Mooncake refused (or did not answer): that worker reads
                 # through the arena instead.
-                logger.warning("chunk store: %s; reads go through host memory of "
-                               "their own", e)
+                logger.warning(
+                    "chunk store: %s; reads go through host memory of their own", e
+                )
                 continue
             self._pool_registered.add(buffer)

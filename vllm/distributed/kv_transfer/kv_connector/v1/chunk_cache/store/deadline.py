@@ -47,8 +47,16 @@ def _noop() -> None:
 
 
 class _Job:
-    __slots__ = ("fn", "on_return", "done", "result", "error", "abandoned", "lock",
-                 "_returned_to")
+    __slots__ = (
+        "fn",
+        "on_return",
+        "done",
+        "result",
+        "error",
+        "abandoned",
+        "lock",
+        "_returned_to",
+    )
 
     def __init__(self, fn: Callable[[], Any], on_return: Callable[[], None]):
         self.fn = fn
@@ -108,8 +116,12 @@ class DeadlineLane:
         job = self._running
         return job is not None and not job.done.is_set()
 
-    def call(self, fn: Callable[[], Any], deadline_s: float,
-             on_return: Callable[[], None] = _noop) -> CallResult:
+    def call(
+        self,
+        fn: Callable[[], Any],
+        deadline_s: float,
+        on_return: Callable[[], None] = _noop,
+    ) -> CallResult:
         # NOTE: the deadline covers the wait for another thread's call too.
         t_end = time.monotonic() + deadline_s
         if self._stopped:

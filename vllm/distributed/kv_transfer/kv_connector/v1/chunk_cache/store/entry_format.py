@@ -41,7 +41,15 @@ HEADER_MISMATCH = "header mismatch"
 TOKEN_MISMATCH = "token mismatch"
 TRUNCATED = "truncated"
 CHECKSUM = "checksum"
-CAUSES = (OK, BAD_MAGIC, BAD_VERSION, HEADER_MISMATCH, TOKEN_MISMATCH, TRUNCATED, CHECKSUM)
+CAUSES = (
+    OK,
+    BAD_MAGIC,
+    BAD_VERSION,
+    HEADER_MISMATCH,
+    TOKEN_MISMATCH,
+    TRUNCATED,
+    CHECKSUM,
+)
 
 
 @dataclass(frozen=True)
@@ -80,9 +88,13 @@ def payload_checksum(payload) -> int:
 def make_header(virtual_start: int, token_ids: Sequence[int], payload) -> EntryHeader:
     """The header of `payload` (a buffer: bytes, memoryview, numpy array)."""
     view = memoryview(payload).cast("B")
-    return EntryHeader(version=FORMAT_VERSION, virtual_start=int(virtual_start),
-                       token_ids=tuple(int(t) for t in token_ids),
-                       payload_nbytes=view.nbytes, checksum=payload_checksum(view))
+    return EntryHeader(
+        version=FORMAT_VERSION,
+        virtual_start=int(virtual_start),
+        token_ids=tuple(int(t) for t in token_ids),
+        payload_nbytes=view.nbytes,
+        checksum=payload_checksum(view),
+    )
 
 
 def encode_header(h: EntryHeader) -> bytes:
@@ -93,9 +105,19 @@ def encode_header(h: EntryHeader) -> bytes:
     if n and (tokens.min() < 0 or tokens.max() > _MAX_TOKEN_ID):
         raise ValueError("token ids must fit in 32 bits unsigned")
     out = bytearray(size)
-    _FIXED.pack_into(out, 0, MAGIC, h.version, 0, size, n, h.virtual_start,
-                     h.payload_nbytes, h.checksum)
-    out[FIXED_NBYTES:FIXED_NBYTES + 4 * n] = tokens.astype("<u4").tobytes()
+    _FIXED.pack_into(
+        out,
+        0,
+        MAGIC,
+        h.version,
+        0,
+        size,
+        n,
+        h.virtual_start,
+        h.payload_nbytes,
+        h.checksum,
+    )
+    out[FIXED_NBYTES : FIXED_NBYTES + 4 * n] = tokens.astype("<u4").tobytes()
     return bytes(out)
 
 
@@ -104,7 +126,7 @@ def header_for_mac(header) -> bytes:
     (zeroed), which is over the payload and so over the tag itself. The MAC
     covers the payload's rows directly (integrity.py)."""
     out = bytearray(memoryview(header).cast("B"))
-    out[_CHECKSUM_AT:_CHECKSUM_AT + 8] = bytes(8)
+    out[_CHECKSUM_AT : _CHECKSUM_AT + 8] = bytes(8)
     return bytes(out)
 
 
@@ -117,8 +139,13 @@ def decode_and_verify(
     """Check the value read from the store (exactly the bytes the get returned)
     against what the reader expects; ok only if every check passes."""
     view = memoryview(view).cast("B")
-    result, size = _check_header(view, view.nbytes, expected_tokens, expected_virtual_start,
-                                 expected_payload_nbytes)
+    result, size = _check_header(
+        view,
+        view.nbytes,
+        expected_tokens,
+        expected_virtual_start,
+        expected_payload_nbytes,
+    )
     if result is not None:
         return result
     return _check_payload(view, [view[size:]])
@@ -136,47 +163,72 @@ def verify_parts(
     `payload_parts` in order (a read straight into pool rows, issue 39)."""
     header = memoryview(header).cast("B")
     parts = [memoryview(p).cast("B") for p in payload_parts]
-    result, _ = _check_header(header, header.nbytes + sum(p.nbytes for p in parts),
-                              expected_tokens, expected_virtual_start,
-                              expected_payload_nbytes)
+    result, _ = _check_header(
+        header,
+        header.nbytes + sum(p.nbytes for p in parts),
+        expected_tokens,
+        expected_virtual_start,
+        expected_payload_nbytes,
+    )
     if result is not None:
         return result
     return _check_payload(header, parts)
 
 
-def _check_header(view: memoryview, value_nbytes: int, expected_tokens: Sequence[int],
-                  expected_virtual_start: int,
-                  expected_payload_nbytes: int) -> tuple[VerifyResult | None, int]:
+def _check_header(
+    view: memoryview,
+    value_nbytes: int,
+    expected_tokens: Sequence[int],
+    expected_virtual_start: int,
+    expected_payload_nbytes: int,
+) -> tuple[VerifyResult | None, int]:
     """(a failed VerifyResult, or None when every header field and the value's
     length are what the reader expects; the header's size)."""
     if view.nbytes < FIXED_NBYTES:
-        return VerifyResult(False, TRUNCATED, f"{view.nbytes} bytes, less than a header"), 0
+        return VerifyResult(
+            False, TRUNCATED, f"{view.nbytes} bytes, less than a header"
+        ), 0
     magic, version, _, size, n, start, nbytes, _ = _FIXED.unpack_from(view, 0)
     if magic != MAGIC:
         return VerifyResult(False, BAD_MAGIC, f"magic {magic!r}"), size
     if version != FORMAT_VERSION:
-        return VerifyResult(False, BAD_VERSION, f"format version {version}, "
-                                                f"this reader knows {FORMAT_VERSION}"), size
+        return VerifyResult(
+            False,
+            BAD_VERSION,
+            f"format version {version}, this reader knows {FORMAT_VERSION}",
+        ), size
     expected_n = len(expected_tokens)
     if n != expected_n or size != header_nbytes(expected_n):
-        return VerifyResult(False, HEADER_MISMATCH, f"{n} tokens / header of {size} bytes, "
-                                                    f"expected {expected_n} tokens"), size
+        return VerifyResult(
+            False,
+            HEADER_MISMATCH,
+            f"{n} tokens / header of {size} bytes, expected {expected_n} tokens",
+        ), size
     if start != expected_virtual_start:
-        return VerifyResult(False, HEADER_MISMATCH, f"virtual start {start}, "
-                                                    f"expected {expected_virtual_start}"), size
+        return VerifyResult(
+            False,
+            HEADER_MISMATCH,
+            f"virtual start {start}, expected {expected_virtual_start}",
+        ), size
     if nbytes != expected_payload_nbytes:
-        return VerifyResult(False, HEADER_MISMATCH, f"payload of {nbytes} bytes, "
-                                                    f"expected {expected_payload_nbytes}"), size
+        return VerifyResult(
+            False,
+            HEADER_MISMATCH,
+            f"payload of {nbytes} bytes, expected {expected_payload_nbytes}",
+        ), size
     total = size + nbytes
     if value_nbytes < total or view.nbytes < size:
         return VerifyResult(False, TRUNCATED, f"{value_nbytes} of {total} bytes"), size
     if value_nbytes > total:
-        return VerifyResult(False, HEADER_MISMATCH, f"{value_nbytes} bytes, the header "
-                                                    f"says {total}"), size
+        return VerifyResult(
+            False, HEADER_MISMATCH, f"{value_nbytes} bytes, the header says {total}"
+        ), size
     stored = np.frombuffer(view, dtype="<u4", count=n, offset=FIXED_NBYTES)
     if not np.array_equal(stored, np.asarray(expected_tokens, dtype=np.int64)):
         first = int(np.argmax(stored != np.asarray(expected_tokens, dtype=np.int64)))
-        return VerifyResult(False, TOKEN_MISMATCH, f"first differing token at {first}"), size
+        return VerifyResult(
+            False, TOKEN_MISMATCH, f"first differing token at {first}"
+        ), size
     return None, size
 
 

@@ -42,8 +42,10 @@ class EntrySeal:
             import blake3
 
             if len(secret) < _MIN_SECRET_BYTES:
-                raise ValueError(f"the chunk store's secret must have at least "
-                                 f"{_MIN_SECRET_BYTES} bytes, got {len(secret)}")
+                raise ValueError(
+                    f"the chunk store's secret must have at least "
+                    f"{_MIN_SECRET_BYTES} bytes, got {len(secret)}"
+                )
             self._key = blake3.blake3(secret, derive_key_context=_KEY_CONTEXT).digest()
 
     @classmethod
@@ -53,7 +55,9 @@ class EntrySeal:
         try:
             secret = Path(key_file).read_bytes().strip()
         except OSError as e:
-            raise ValueError(f"--chunk-store key_file {key_file!r} cannot be read: {e}") from e
+            raise ValueError(
+                f"--chunk-store key_file {key_file!r} cannot be read: {e}"
+            ) from e
         return cls(secret)
 
     @property
@@ -81,4 +85,6 @@ class EntrySeal:
         """Whether `tag` is the entry's; in constant time (a byte-wise `!=`
         returns at the first difference, and its timing tells a forger how
         much of a tag was right)."""
-        return hmac.compare_digest(bytes(tag), self.tag_of_parts(key, mac_header, parts))
+        return hmac.compare_digest(
+            bytes(tag), self.tag_of_parts(key, mac_header, parts)
+        )

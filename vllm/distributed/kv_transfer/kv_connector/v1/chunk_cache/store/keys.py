@@ -50,26 +50,41 @@ class StoreNamespace:
     lora: str | None
 
     def __post_init__(self) -> None:
-        for name in ("model", "weights_version", "kv_dtype", "kv_layout", "rope", "compute"):
+        for name in (
+            "model",
+            "weights_version",
+            "kv_dtype",
+            "kv_layout",
+            "rope",
+            "compute",
+        ):
             if not isinstance(getattr(self, name), str) or not getattr(self, name):
                 raise ValueError(f"StoreNamespace.{name} must be a non-empty string")
         for rank, size in (("tp_rank", "tp_size"), ("pp_rank", "pp_size")):
             r, n = getattr(self, rank), getattr(self, size)
             if not (isinstance(r, int) and isinstance(n, int) and 0 <= r < n):
-                raise ValueError(f"StoreNamespace needs 0 <= {rank} < {size}, got {r}, {n}")
+                raise ValueError(
+                    f"StoreNamespace needs 0 <= {rank} < {size}, got {r}, {n}"
+                )
 
     def digest(self) -> str:
         """32 hex digits of BLAKE2b-128 over every field (JSON: None is null, "" a
         string, so the two never collide)."""
-        canonical = json.dumps(asdict(self), sort_keys=True, separators=(",", ":"),
-                               ensure_ascii=True)
-        return hashlib.blake2b(canonical.encode(), digest_size=16,
-                               person=b"chunkcache-ns-v1").hexdigest()
+        canonical = json.dumps(
+            asdict(self), sort_keys=True, separators=(",", ":"), ensure_ascii=True
+        )
+        return hashlib.blake2b(
+            canonical.encode(), digest_size=16, person=b"chunkcache-ns-v1"
+        ).hexdigest()
 
 
 def store_key(ns: StoreNamespace, content_hash: int) -> str:
     """The store key of the entry whose content hash (xxh3-128) is `content_hash`."""
     if not isinstance(content_hash, int) or not 0 <= content_hash < 1 << 128:
-        raise ValueError(f"content_hash must be a 128-bit unsigned int, got {content_hash!r}")
-    readable = _READABLE.sub("_", ns.model.rsplit("/", 1)[-1])[:_MAX_READABLE] or "model"
+        raise ValueError(
+            f"content_hash must be a 128-bit unsigned int, got {content_hash!r}"
+        )
+    readable = (
+        _READABLE.sub("_", ns.model.rsplit("/", 1)[-1])[:_MAX_READABLE] or "model"
+    )
     return f"{KEY_PREFIX}/{readable}/{ns.digest()}/{content_hash:032x}"

@@ -20,8 +20,14 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from vllm.logger import init_logger
+
 from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store.connection import (
     SharedStore,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store.lora_loads import (
+    LOADED_SEP,
+    adapter_of,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store.messages import (
     CAUSE_ERROR,
@@ -36,12 +42,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store.messages imp
     StoreStep,
     store_key_for,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store.lora_loads import (
-    LOADED_SEP,
-    adapter_of,
+from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store.read_cost import (
+    ReadCost,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store.read_cost import ReadCost
-from vllm.logger import init_logger
 from vllm.v1.core.chunk_hash_index import ChunkNamespace, compute_chunk_hash
 from vllm.v1.core.chunk_store_probe import (
     FetchFailure,
@@ -53,9 +56,6 @@ from vllm.v1.core.chunk_store_probe import (
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
-    from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store.base import (
-        ChunkStore,
-    )
 
 logger = init_logger(__name__)
 
@@ -76,8 +76,9 @@ def store_content_hash(
     carries this process's epoch; in the store, the rank's identity (weights
     fingerprint, layout, rope) says which weights computed the entry.
     """
-    namespace = ChunkNamespace(model="", kv_dtype="", tokenizer="", lora_name=lora,
-                               cache_salt=cache_salt)
+    namespace = ChunkNamespace(
+        model="", kv_dtype="", tokenizer="", lora_name=lora, cache_salt=cache_salt
+    )
     digest = compute_chunk_hash(segment_ids, context_ids, namespace.digest())
     return int.from_bytes(digest, "little")
 
@@ -183,14 +184,17 @@ class StoreClient:
         lora = self.store_lora(namespace.lora_name)
         if lora is None:
             return StoreLookup(StoreAnswer.MISS)  # no rank said what it loaded
-        content = store_content_hash(segment_ids, context_ids, namespace.cache_salt, lora)
+        content = store_content_hash(
+            segment_ids, context_ids, namespace.cache_salt, lora
+        )
         lookup_id = (epoch, content)
         now = time.monotonic()
         answer = self._answers.get(lookup_id)
         if answer is not None and now - answer.at < ANSWER_TTL_S:
             if answer.lookup.answer is StoreAnswer.HIT:
-                return self._worth_reading(answer.lookup, len(segment_ids),
-                                           len(segment_ids) + len(context_ids))
+                return self._worth_reading(
+                    answer.lookup, len(segment_ids), len(segment_ids) + len(context_ids)
+                )
             return answer.lookup
         first = self._first_asked.setdefault(lookup_id, now)
         if now - first >= self.lookup_timeout_s:
@@ -204,11 +208,15 @@ class StoreClient:
             return miss
         if lookup_id not in self._asked:
             entry = EntryRef(content, (), 0, namespace.cache_salt, lora)
-            keys = [store_key_for(i, self.tp_size, self.pp_size, entry) for i in identities]
+            keys = [
+                store_key_for(i, self.tp_size, self.pp_size, entry) for i in identities
+            ]
             self._asked[lookup_id] = (keys, namespace.cache_salt, lora)
         return StoreLookup(StoreAnswer.PENDING)
 
-    def _worth_reading(self, hit: StoreLookup, num_rows: int, num_tokens: int) -> StoreLookup:
+    def _worth_reading(
+        self, hit: StoreLookup, num_rows: int, num_tokens: int
+    ) -> StoreLookup:
         decision = self.read_cost.decide(num_rows, num_tokens)
         if decision.expected_read_s is not None:
             self.counters.store_expected_read_seconds += decision.expected_read_s
@@ -257,7 +265,7 @@ class StoreClient:
         self._note_health(presence is not None and Presence.ERROR not in presence)
         offset = 0
         for lookup_id, (keys, salt, lora) in asked.items():
-            found = None if presence is None else presence[offset:offset + len(keys)]
+            found = None if presence is None else presence[offset : offset + len(keys)]
             offset += len(keys)
             if found is not None and all(p == Presence.PRESENT for p in found):
                 result = StoreLookup(StoreAnswer.HIT, lookup_id[1])
@@ -275,9 +283,12 @@ class StoreClient:
     def _note_health(self, ok: bool) -> None:
         """One log line when the store stops answering, one when it is back."""
         if not ok and not self._store_down:
-            logger.warning("chunk store %s is not answering: documents missing from the "
-                           "pool are computed here (served exactly, as misses) until it "
-                           "answers again", self._shared.spec_text)
+            logger.warning(
+                "chunk store %s is not answering: documents missing from the "
+                "pool are computed here (served exactly, as misses) until it "
+                "answers again",
+                self._shared.spec_text,
+            )
         elif ok and self._store_down:
             logger.info("chunk store %s answers again", self._shared.spec_text)
         self._store_down = not ok
@@ -286,9 +297,13 @@ class StoreClient:
         """Send the keys asked in this step as one query (end of a step)."""
         self._collect()
         now = time.monotonic()
-        for lookup_id in [k for k, a in self._answers.items() if now - a.at >= ANSWER_TTL_S]:
+        for lookup_id in [
+            k for k, a in self._answers.items() if now - a.at >= ANSWER_TTL_S
+        ]:
             del self._answers[lookup_id]
-        for lookup_id in [k for k, t in self._first_asked.items() if now - t >= ANSWER_TTL_S]:
+        for lookup_id in [
+            k for k, t in self._first_asked.items() if now - t >= ANSWER_TTL_S
+        ]:
             del self._first_asked[lookup_id]
         if self._query is not None or not self._asked:
             return
@@ -307,10 +322,13 @@ class StoreClient:
     def start_fetch(self, spec: FetchSpec, pool_block_ids: list[int]) -> None:
         answer = self._answers.get((spec.epoch, spec.content_hash))
         salt, lora = (answer.cache_salt, answer.lora) if answer else (None, "")
-        entry = EntryRef(spec.content_hash, tuple(spec.token_ids), spec.store_start, salt, lora)
+        entry = EntryRef(
+            spec.content_hash, tuple(spec.token_ids), spec.store_start, salt, lora
+        )
         self._fetches[spec.request_id] = _Fetch(entry, time.monotonic())
         self._step.fetches.append(
-            EntryFetch(spec.request_id, entry, tuple(int(b) for b in pool_block_ids)))
+            EntryFetch(spec.request_id, entry, tuple(int(b) for b in pool_block_ids))
+        )
 
     def store_lora(self, identity: str) -> str | None:
         """The store's name for a pool's LoRA identity "<name>#<int id>":
@@ -322,16 +340,26 @@ class StoreClient:
         digest = self._lora_digests.get(adapter[1])
         return None if digest is None else f"{adapter[0]}{LOADED_SEP}{digest}"
 
-    def queue_put(self, token_ids: list[int], store_start: int, cache_salt: str | None,
-                  lora: str, pool_block_ids: list[int], epoch: int) -> None:
+    def queue_put(
+        self,
+        token_ids: list[int],
+        store_start: int,
+        cache_salt: str | None,
+        lora: str,
+        pool_block_ids: list[int],
+        epoch: int,
+    ) -> None:
         """`lora`: the pool's identity of the child's adapter (store_lora)."""
         lora = self.store_lora(lora)
         if lora is None:
             return  # NOTE (finding 6): nobody vouched for the adapter's weights
-        content = store_content_hash(token_ids[store_start:], token_ids[:store_start],
-                                     cache_salt, lora)
+        content = store_content_hash(
+            token_ids[store_start:], token_ids[:store_start], cache_salt, lora
+        )
         entry = EntryRef(content, tuple(token_ids), store_start, cache_salt, lora)
-        self._puts.append((epoch, EntryPut(entry, tuple(int(b) for b in pool_block_ids))))
+        self._puts.append(
+            (epoch, EntryPut(entry, tuple(int(b) for b in pool_block_ids)))
+        )
         self.counters.store_puts_queued += 1
 
     def take_step(self, epoch: int) -> StoreStep:
@@ -350,7 +378,8 @@ class StoreClient:
         a rank's call still holds the rows), and the held rows returned."""
         for identity in report.identities:
             self._identities.setdefault(identity.epoch, {})[
-                (identity.pp_rank, identity.tp_rank)] = identity
+                (identity.pp_rank, identity.tp_rank)
+            ] = identity
             self.read_cost.note_row_bytes(identity.row_bytes)
         if report.read_bytes_per_s:
             self.read_cost.note_read_bandwidth(report.read_bytes_per_s)
@@ -364,8 +393,9 @@ class StoreClient:
         # the same report as its rank's rows_lent.
         for fetch_id, ranks in report.rows_lent.items():
             if fetch_id not in self._fetches:
-                logger.warning("chunk store: rows lent for unknown fetch %s ignored",
-                               fetch_id)
+                logger.warning(
+                    "chunk store: rows lent for unknown fetch %s ignored", fetch_id
+                )
                 continue
             self._lent[fetch_id] = self._lent.get(fetch_id, 0) + ranks
         returned = []
@@ -412,9 +442,13 @@ class StoreClient:
         here (a rank's late return is then ignored), logged once, counted."""
         self._lent.pop(fetch_id, None)
         self.counters.store_reads_written_off += 1
-        logger.warning("chunk store: %s's store call has held its pool rows for %g s "
-                       "(held_limit); they are written off: out of the pool for good, "
-                       "never read or handed out again", fetch_id, self.held_limit_s)
+        logger.warning(
+            "chunk store: %s's store call has held its pool rows for %g s "
+            "(held_limit); they are written off: out of the pool for good, "
+            "never read or handed out again",
+            fetch_id,
+            self.held_limit_s,
+        )
 
     def close(self) -> None:
         self._thread.shutdown(wait=False, cancel_futures=True)

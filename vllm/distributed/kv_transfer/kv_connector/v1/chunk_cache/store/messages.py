@@ -16,6 +16,7 @@ from enum import Enum
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorWorkerMetadata
 
+
 class FetchOutcome(str, Enum):
     """A fetch outcome: OK (read, verified, written into the pool rows) or a
     miss cause (docs/design/store-path.md). A str, so it crosses processes
@@ -123,8 +124,10 @@ class StoreReport(KVConnectorWorkerMetadata):
         self.identities.extend(other.identities)
         rates = [r for r in (self.read_bytes_per_s, other.read_bytes_per_s) if r > 0]
         self.read_bytes_per_s = min(rates) if rates else 0.0
-        for mine, theirs in ((self.rows_lent, other.rows_lent),
-                             (self.rows_returned, other.rows_returned)):
+        for mine, theirs in (
+            (self.rows_lent, other.rows_lent),
+            (self.rows_returned, other.rows_returned),
+        ):
             for fetch_id, ranks in theirs.items():
                 mine[fetch_id] = mine.get(fetch_id, 0) + ranks
         for lora_id, digests in other.lora_loads.items():
@@ -132,11 +135,19 @@ class StoreReport(KVConnectorWorkerMetadata):
         return self
 
     def is_empty(self) -> bool:
-        return (not self.outcomes and not self.identities and not self.read_bytes_per_s
-                and not self.rows_lent and not self.rows_returned and not self.lora_loads)
+        return (
+            not self.outcomes
+            and not self.identities
+            and not self.read_bytes_per_s
+            and not self.rows_lent
+            and not self.rows_returned
+            and not self.lora_loads
+        )
 
 
-def store_key_for(identity: RankIdentity, tp_size: int, pp_size: int, entry: EntryRef) -> str:
+def store_key_for(
+    identity: RankIdentity, tp_size: int, pp_size: int, entry: EntryRef
+) -> str:
     """The key of `entry` for one rank (keys.py's one spelling of a key)."""
     from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store.keys import (
         StoreNamespace,

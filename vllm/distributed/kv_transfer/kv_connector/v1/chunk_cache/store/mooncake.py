@@ -134,14 +134,15 @@ class MooncakeChunkStore(ChunkStore):
         # NOTE: one lane per kind of call (deadline.py): reads never wait
         # behind writes, nor existence queries behind either.
         name = f"chunk-store-{spec.master_address}"
-        self._lanes = {kind: DeadlineLane(f"{name}-{kind}")
-                       for kind in ("query", "get", "put")}
+        self._lanes = {
+            kind: DeadlineLane(f"{name}-{kind}") for kind in ("query", "get", "put")
+        }
         self._closed = False
         self._stuck_since: float | None = None
         self._stats_lock = threading.Lock()
 
     @classmethod
-    def connect(cls, spec: StoreSpec, shared_pool_bytes: int = 0) -> "MooncakeChunkStore":
+    def connect(cls, spec: StoreSpec, shared_pool_bytes: int = 0) -> MooncakeChunkStore:
         """Set up a Mooncake client against `spec`'s master; RuntimeError naming
         the master when that fails or does not answer in time. Blocks up to
         the setup deadline: never call it where a request waits (connection.py
@@ -168,8 +169,11 @@ class MooncakeChunkStore(ChunkStore):
             # NOTE: the pool must hold every buffer a transfer is given (they are
             # carved from it), and at least the local buffer.
             pool = max(shared_pool_bytes, spec.buffer_bytes) + (1 << 20)
-            setup = lambda: client.setup_dummy(pool, spec.buffer_bytes,  # noqa: E731
-                                               spec.local_client)
+            setup = lambda: client.setup_dummy(
+                pool,
+                spec.buffer_bytes,  # noqa: E731
+                spec.local_client,
+            )
         else:
             setup = lambda: client.setup(  # noqa: E731
                 spec.local_hostname,
@@ -198,22 +202,30 @@ class MooncakeChunkStore(ChunkStore):
             if spec.local_client is not None:
                 raise RuntimeError(
                     f"--chunk-store: cannot reach the node's mooncake_client at "
-                    f"{spec.local_client} ({why}); is it running there (its --port)?")
+                    f"{spec.local_client} ({why}); is it running there (its --port)?"
+                )
             raise RuntimeError(
                 f"--chunk-store: cannot connect to the Mooncake master at "
                 f"{spec.master_address} over {spec.protocol} ({why}); is "
                 f"mooncake_master running there, and a mooncake_client lending memory?"
             )
         if spec.local_client is not None:
-            logger.info("chunk store: connected to the node's mooncake_client at %s in "
-                        "%.2f s (dummy client: transfers are made by that process; %d "
-                        "bytes of shared memory)", spec.local_client,
-                        time.monotonic() - t0, shared_pool_bytes)
+            logger.info(
+                "chunk store: connected to the node's mooncake_client at %s in "
+                "%.2f s (dummy client: transfers are made by that process; %d "
+                "bytes of shared memory)",
+                spec.local_client,
+                time.monotonic() - t0,
+                shared_pool_bytes,
+            )
         else:
             logger.info(
                 "chunk store: connected to the Mooncake master at %s over %s in %.2f s "
                 "(call deadline %.1f s, this process lends %d bytes)",
-                spec.master_address, spec.protocol, time.monotonic() - t0, spec.timeout_s,
+                spec.master_address,
+                spec.protocol,
+                time.monotonic() - t0,
+                spec.timeout_s,
                 spec.segment_bytes,
             )
         return cls(spec, client)
@@ -224,15 +236,18 @@ class MooncakeChunkStore(ChunkStore):
         assert self.spec.local_client is not None
         result = self._call("query", lambda: self._client.alloc_from_mem_pool(nbytes))
         if result.status is not CallStatus.OK or not result.value:
-            raise RuntimeError(f"chunk store: no {nbytes} bytes left in the shared memory "
-                               f"of the node's mooncake_client ({result.status.value})")
+            raise RuntimeError(
+                f"chunk store: no {nbytes} bytes left in the shared memory "
+                f"of the node's mooncake_client ({result.status.value})"
+            )
         return int(result.value)
 
     # -- the seam ---------------------------------------------------------------
 
     def register_buffer(self, buffer: HostBuffer) -> None:
-        result = self._call("query", lambda: self._client.register_buffer(
-            buffer.ptr, buffer.nbytes))
+        result = self._call(
+            "query", lambda: self._client.register_buffer(buffer.ptr, buffer.nbytes)
+        )
         if result.status is not CallStatus.OK or result.value != 0:
             raise RuntimeError(
                 f"chunk store: registering a {buffer.nbytes}-byte host buffer with the "
@@ -244,7 +259,8 @@ class MooncakeChunkStore(ChunkStore):
         if result.status is not CallStatus.OK or result.value != 0:
             raise RuntimeError(
                 f"chunk store: unregistering a {buffer.nbytes}-byte host buffer from the "
-                f"Mooncake client failed ({result.status.value}, {result.value})")
+                f"Mooncake client failed ({result.status.value}, {result.value})"
+            )
 
     def batch_exists(self, keys: Sequence[str]) -> list[Presence]:
         if not keys:
@@ -263,27 +279,45 @@ class MooncakeChunkStore(ChunkStore):
         self._count("errors", sum(p is Presence.ERROR for p in out))
         return out
 
-    def batch_get_into(self, keys: Sequence[str], buffers: Sequence[HostBuffer],
-                       on_release: Release = no_release) -> list[int]:
-        return self._transfer("get", self._client.batch_get_into, keys, buffers,
-                              on_release)
+    def batch_get_into(
+        self,
+        keys: Sequence[str],
+        buffers: Sequence[HostBuffer],
+        on_release: Release = no_release,
+    ) -> list[int]:
+        return self._transfer(
+            "get", self._client.batch_get_into, keys, buffers, on_release
+        )
 
     # Mooncake's batch_get_into_multi_buffers (measured with 0.3.13.post1: the
     # sizes must add up to the value's exactly, else -600 or -800).
     scatters = True
 
-    def batch_get_into_parts(self, keys: Sequence[str],
-                             parts: Sequence[Sequence[HostBuffer]],
-                             on_release: Release = no_release) -> list[int]:
+    def batch_get_into_parts(
+        self,
+        keys: Sequence[str],
+        parts: Sequence[Sequence[HostBuffer]],
+        on_release: Release = no_release,
+    ) -> list[int]:
         ptrs = [[b.ptr for b in buffers] for buffers in parts]
         sizes = [[b.nbytes for b in buffers] for buffers in parts]
-        return self._codes("get", lambda: self._client.batch_get_into_multi_buffers(
-            list(keys), ptrs, sizes), keys, len(parts), on_release)
+        return self._codes(
+            "get",
+            lambda: self._client.batch_get_into_multi_buffers(list(keys), ptrs, sizes),
+            keys,
+            len(parts),
+            on_release,
+        )
 
-    def batch_put_from(self, keys: Sequence[str], buffers: Sequence[HostBuffer],
-                       on_release: Release = no_release) -> list[int]:
-        return self._transfer("put", self._client.batch_put_from, keys, buffers,
-                              on_release)
+    def batch_put_from(
+        self,
+        keys: Sequence[str],
+        buffers: Sequence[HostBuffer],
+        on_release: Release = no_release,
+    ) -> list[int]:
+        return self._transfer(
+            "put", self._client.batch_put_from, keys, buffers, on_release
+        )
 
     def close(self) -> None:
         if self._closed:
@@ -293,8 +327,11 @@ class MooncakeChunkStore(ChunkStore):
             # NOTE: closing the client under a call that is still running could
             # crash the process; leak the connection instead (the process is
             # usually exiting).
-            logger.warning("chunk store: closing while a call to %s is still running; "
-                           "the connection is left open", self.spec.master_address)
+            logger.warning(
+                "chunk store: closing while a call to %s is still running; "
+                "the connection is left open",
+                self.spec.master_address,
+            )
             return
         self._lanes["query"].call(self._client.close, self.spec.timeout_s)
         for lane in self._lanes.values():
@@ -309,7 +346,11 @@ class MooncakeChunkStore(ChunkStore):
             return self._failure_code(result.status)
         if result.value == 0:
             return 0
-        return StoreCode.ABSENT if result.value == _MC_OBJECT_NOT_FOUND else StoreCode.ERROR
+        return (
+            StoreCode.ABSENT
+            if result.value == _MC_OBJECT_NOT_FOUND
+            else StoreCode.ERROR
+        )
 
     def idle(self) -> bool:
         """No call is running (a timed-out one may still be)."""
@@ -317,8 +358,10 @@ class MooncakeChunkStore(ChunkStore):
 
     def wait_idle(self, timeout_s: float) -> bool:
         t_end = time.monotonic() + timeout_s
-        return all(lane.wait_idle(max(0.0, t_end - time.monotonic()))
-                   for lane in self._lanes.values())
+        return all(
+            lane.wait_idle(max(0.0, t_end - time.monotonic()))
+            for lane in self._lanes.values()
+        )
 
     # -- internals ------------------------------------------------------------
 
@@ -327,8 +370,9 @@ class MooncakeChunkStore(ChunkStore):
         with self._stats_lock:
             setattr(self.stats, name, getattr(self.stats, name) + n)
 
-    def _call(self, kind: str, fn: Callable[[], Any],
-              on_release: Release = no_release) -> CallResult:
+    def _call(
+        self, kind: str, fn: Callable[[], Any], on_release: Release = no_release
+    ) -> CallResult:
         if self._closed:
             on_release()
             return CallResult(CallStatus.CLOSED)
@@ -341,27 +385,51 @@ class MooncakeChunkStore(ChunkStore):
                 logger.warning(
                     "chunk store: a %s call to the Mooncake store at %s did not answer "
                     "within %.1f s; such calls are misses until it returns",
-                    kind, self.spec.master_address, self.spec.timeout_s)
+                    kind,
+                    self.spec.master_address,
+                    self.spec.timeout_s,
+                )
         elif result.status is CallStatus.BUSY:
             self._count("refused_while_stuck")
         elif result.status is CallStatus.RAISED:
             self._count("errors")
             logger.warning("chunk store: a Mooncake call raised %r", result.value)
         elif self._stuck_since is not None and self.idle():
-            logger.info("chunk store: the Mooncake store at %s answers again (a call was "
-                        "stuck for %.1f s)", self.spec.master_address,
-                        time.monotonic() - self._stuck_since)
+            logger.info(
+                "chunk store: the Mooncake store at %s answers again (a call was "
+                "stuck for %.1f s)",
+                self.spec.master_address,
+                time.monotonic() - self._stuck_since,
+            )
             self._stuck_since = None
         return result
 
-    def _transfer(self, kind: str, method, keys: Sequence[str],
-                  buffers: Sequence[HostBuffer], on_release: Release) -> list[int]:
-        return self._codes(kind, lambda: method(
-            list(keys), [b.ptr for b in buffers], [b.nbytes for b in buffers]), keys,
-            len(buffers), on_release)
+    def _transfer(
+        self,
+        kind: str,
+        method,
+        keys: Sequence[str],
+        buffers: Sequence[HostBuffer],
+        on_release: Release,
+    ) -> list[int]:
+        return self._codes(
+            kind,
+            lambda: method(
+                list(keys), [b.ptr for b in buffers], [b.nbytes for b in buffers]
+            ),
+            keys,
+            len(buffers),
+            on_release,
+        )
 
-    def _codes(self, kind: str, fn: Callable[[], Any], keys: Sequence[str],
-               num_destinations: int, on_release: Release) -> list[int]:
+    def _codes(
+        self,
+        kind: str,
+        fn: Callable[[], Any],
+        keys: Sequence[str],
+        num_destinations: int,
+        on_release: Release,
+    ) -> list[int]:
         """One transfer call on `kind`'s lane: per key bytes read / 0, or a
         StoreCode. `num_destinations`: the buffers (or lists of them) given."""
         if len(keys) != num_destinations:
@@ -378,8 +446,9 @@ class MooncakeChunkStore(ChunkStore):
             return [self._failure_code(result.status)] * n
         return self._map_codes(result.value, n, get=kind == "get")
 
-    def _deferred_if_failed(self, fn: Callable[[], Any], n: int,
-                            on_release: Release) -> tuple[Callable[[], Any], Release]:
+    def _deferred_if_failed(
+        self, fn: Callable[[], Any], n: int, on_release: Release
+    ) -> tuple[Callable[[], Any], Release]:
         """`fn` and `on_release` for a get: its memory is released when the call
         returned only if Mooncake transferred every key (or found it absent);
         after a failure (or an exception) never (see _RETIRED: its transport
@@ -400,9 +469,12 @@ class MooncakeChunkStore(ChunkStore):
             self._count("gets_retired")
             with _RETIRED_LOCK:
                 _RETIRED.append(on_release)  # holds what the call was given
-            logger.warning("chunk store: a get failed inside Mooncake; the memory it was "
-                           "given is never reused in this process (its transport may "
-                           "still write into it; %d such gets)", len(_RETIRED))
+            logger.warning(
+                "chunk store: a get failed inside Mooncake; the memory it was "
+                "given is never reused in this process (its transport may "
+                "still write into it; %d such gets)",
+                len(_RETIRED),
+            )
 
         return run, release
 
@@ -410,8 +482,11 @@ class MooncakeChunkStore(ChunkStore):
     def _transferred_all(value: Any, n: int) -> bool:
         """Mooncake's answer says no transfer of the call is left: each key's
         bytes landed, or it failed before a transfer was submitted for it."""
-        return (isinstance(value, list) and len(value) == n
-                and all(code >= 0 or code in _MC_BEFORE_TRANSFER for code in value))
+        return (
+            isinstance(value, list)
+            and len(value) == n
+            and all(code >= 0 or code in _MC_BEFORE_TRANSFER for code in value)
+        )
 
     def _failure_code(self, status: CallStatus) -> int:
         if status in (CallStatus.TIMEOUT, CallStatus.BUSY):

@@ -37,28 +37,46 @@ class StoreRank:
 
     @classmethod
     def from_engine(cls, vllm_config: VllmConfig, model: nn.Module) -> StoreRank:
-        import vllm
         from vllm.distributed.parallel_state import get_pp_group, get_tp_group
         from vllm.platforms import current_platform
 
+        import vllm
+
         parallel = vllm_config.parallel_config
         hf = vllm_config.model_config.hf_text_config
-        rope = json.dumps({
-            "hf": {
-                k: getattr(hf, k, None)
-                for k in ("rope_theta", "rope_scaling", "rope_parameters",
-                          "partial_rotary_factor", "max_position_embeddings")
+        rope = json.dumps(
+            {
+                "hf": {
+                    k: getattr(hf, k, None)
+                    for k in (
+                        "rope_theta",
+                        "rope_scaling",
+                        "rope_parameters",
+                        "partial_rotary_factor",
+                        "max_position_embeddings",
+                    )
+                },
+                "built": effective_rotation(model),
             },
-            "built": effective_rotation(model),
-        }, sort_keys=True, default=str)
-        backends = sorted({backend_name(m.attn_backend) for m in model.modules()
-                           if getattr(m, "attn_backend", None) is not None})
-        compute = json.dumps({
-            "kv_format": KV_FORMAT_VERSION,
-            "vllm": getattr(vllm, "__version__", "?"),
-            "backends": backends,
-            "device": device_kind(current_platform),
-        }, sort_keys=True)
+            sort_keys=True,
+            default=str,
+        )
+        backends = sorted(
+            {
+                backend_name(m.attn_backend)
+                for m in model.modules()
+                if getattr(m, "attn_backend", None) is not None
+            }
+        )
+        compute = json.dumps(
+            {
+                "kv_format": KV_FORMAT_VERSION,
+                "vllm": getattr(vllm, "__version__", "?"),
+                "backends": backends,
+                "device": device_kind(current_platform),
+            },
+            sort_keys=True,
+        )
         return cls(
             tp_rank=get_tp_group().rank_in_group,
             tp_size=parallel.tensor_parallel_size,

@@ -48,7 +48,9 @@ class ReadCost:
             return
         rate = num_tokens / seconds
         old = self.compute_tokens_per_s
-        self.compute_tokens_per_s = rate if old is None else (1 - _ALPHA) * old + _ALPHA * rate
+        self.compute_tokens_per_s = (
+            rate if old is None else (1 - _ALPHA) * old + _ALPHA * rate
+        )
 
     def decide(self, num_rows: int, num_tokens: int) -> ReadDecision:
         """`num_rows` stored rows of an entry whose compute runs `num_tokens`

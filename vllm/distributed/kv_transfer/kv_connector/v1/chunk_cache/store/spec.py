@@ -47,13 +47,35 @@ from urllib.parse import parse_qsl, quote, urlsplit
 
 SCHEME = "mooncake"
 PROTOCOLS = ("tcp", "rdma", "ascend")
-_UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10,
-          "M": 1 << 20, "MB": 1 << 20, "MIB": 1 << 20,
-          "G": 1 << 30, "GB": 1 << 30, "GIB": 1 << 30}
+_UNITS = {
+    "": 1,
+    "B": 1,
+    "K": 1 << 10,
+    "KB": 1 << 10,
+    "KIB": 1 << 10,
+    "M": 1 << 20,
+    "MB": 1 << 20,
+    "MIB": 1 << 20,
+    "G": 1 << 30,
+    "GB": 1 << 30,
+    "GIB": 1 << 30,
+}
 _SIZE = re.compile(r"^\s*(\d+)\s*([A-Za-z]*)\s*$")
-_KEYS = ("segment", "buffer", "timeout", "lookup_timeout", "read_timeout", "held_limit",
-         "arena", "direct_reads",
-         "key_file", "local_client", "protocol", "metadata_server", "local_hostname")
+_KEYS = (
+    "segment",
+    "buffer",
+    "timeout",
+    "lookup_timeout",
+    "read_timeout",
+    "held_limit",
+    "arena",
+    "direct_reads",
+    "key_file",
+    "local_client",
+    "protocol",
+    "metadata_server",
+    "local_hostname",
+)
 # NOTE: the node's client by default (issue 39, finding 7): Mooncake's transfer code then
 # runs in that process, whose crash is a miss here rather than a dead engine, and on one
 # node a read is a shared-memory copy. 50052 is `mooncake_client --port`'s default.
@@ -151,16 +173,22 @@ class StoreSpec:
         for name in ("timeout_s", "lookup_timeout_s", "read_timeout_s", "held_limit_s"):
             value = getattr(self, name)
             if not 0 < value <= 3600:
-                raise ValueError(f"{name[:-2]} must be in (0, 3600] seconds, got {value}")
+                raise ValueError(
+                    f"{name[:-2]} must be in (0, 3600] seconds, got {value}"
+                )
         if self.arena_bytes is not None and self.arena_bytes < (1 << 20):
-            raise ValueError(f"arena must be at least 1MB, got {self.arena_bytes} bytes")
+            raise ValueError(
+                f"arena must be at least 1MB, got {self.arena_bytes} bytes"
+            )
         if self.key_file is not None and not self.key_file:
             raise ValueError("key_file must name a file")
         if self.local_client is not None:
             _check_address(self.local_client, "local_client")
             if self.segment_bytes:
-                raise ValueError("segment must be 0 with local_client: the node's "
-                                 "mooncake_client lends the memory")
+                raise ValueError(
+                    "segment must be 0 with local_client: the node's "
+                    "mooncake_client lends the memory"
+                )
 
     @property
     def master_host(self) -> str:
@@ -219,7 +247,9 @@ def _from_url(text: str) -> StoreSpec:
     if url.path not in ("", "/") or url.fragment or url.username or url.password:
         raise ValueError(f"store spec URL has parts it cannot use: {text!r}")
     try:
-        pairs = parse_qsl(url.query, keep_blank_values=True, strict_parsing=bool(url.query))
+        pairs = parse_qsl(
+            url.query, keep_blank_values=True, strict_parsing=bool(url.query)
+        )
     except ValueError as e:
         raise ValueError(f"bad query in store spec {text!r}: {e}") from None
     fields: dict[str, str] = {}
@@ -264,7 +294,13 @@ def _build(master: str, fields: dict) -> StoreSpec:
         kwargs["arena_bytes"] = _size("arena", fields["arena"])
     if "direct_reads" in fields:
         kwargs["direct_reads"] = _flag("direct_reads", fields["direct_reads"])
-    for key in ("protocol", "metadata_server", "local_hostname", "key_file", "local_client"):
+    for key in (
+        "protocol",
+        "metadata_server",
+        "local_hostname",
+        "key_file",
+        "local_client",
+    ):
         if key in fields:
             if key == "local_client" and fields[key] in (None, IN_PROCESS):
                 kwargs[key] = None  # JSON null or "none": the client in this process

@@ -49,8 +49,11 @@ from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
+from vllm.logger import init_logger
 
-from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.setup import POOL_BLOCK_SIZE
+from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.setup import (
+    POOL_BLOCK_SIZE,
+)
 from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store import entry_format
 from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store.base import (
     HostBuffer,
@@ -77,11 +80,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store.messages imp
     StoreStep,
     store_key_for,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store.rank import StoreRank
+from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store.rank import (
+    StoreRank,
+)
 from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store.weights import (
     weights_fingerprint,
 )
-from vllm.logger import init_logger
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -200,9 +204,15 @@ class _Put:
 
 
 class StoreTransfers:
-    def __init__(self, rank: StoreRank, shared: SharedStore, model: nn.Module,
-                 tensors: dict[str, torch.Tensor], kv_dtype: str,
-                 fingerprint: Callable[[nn.Module], str] = weights_fingerprint):
+    def __init__(
+        self,
+        rank: StoreRank,
+        shared: SharedStore,
+        model: nn.Module,
+        tensors: dict[str, torch.Tensor],
+        kv_dtype: str,
+        fingerprint: Callable[[nn.Module], str] = weights_fingerprint,
+    ):
         self.rank = rank
         self._shared = shared
         self.spec = shared.spec
@@ -217,25 +227,36 @@ class StoreTransfers:
         self.row_bytes_of = [t[0].numel() * t.element_size() for t in self.tensors]
         self.row_bytes = sum(self.row_bytes_of)
         self.kv_layout = ";".join(
-            f"{n}:{tuple(t.shape[1:])}:{t.dtype}" for n, t in zip(self.names, self.tensors))
-        self.max_entry_bytes = entry_nbytes(2 * rank.max_chunk_tokens, rank.max_chunk_tokens,
-                                            self.row_bytes)
-        arena_bytes = self.spec.arena_bytes or default_arena_bytes(rank.max_chunk_tokens,
-                                                                   self.row_bytes)
+            f"{n}:{tuple(t.shape[1:])}:{t.dtype}"
+            for n, t in zip(self.names, self.tensors)
+        )
+        self.max_entry_bytes = entry_nbytes(
+            2 * rank.max_chunk_tokens, rank.max_chunk_tokens, self.row_bytes
+        )
+        arena_bytes = self.spec.arena_bytes or default_arena_bytes(
+            rank.max_chunk_tokens, self.row_bytes
+        )
         if arena_bytes < self.max_entry_bytes + 64:
             raise ValueError(
                 f"--chunk-store arena={arena_bytes} bytes cannot hold one entry of "
                 f"--max-chunk-tokens {rank.max_chunk_tokens} tokens ({self.max_entry_bytes} "
                 f"bytes for this model on this rank): give at least that, or leave arena "
-                f"out to size it from the model")
+                f"out to size it from the model"
+            )
         # NOTE: reads and writes have arenas of their own: a burst of writes
         # never leaves a read without room (reads come first).
         shared.want_arenas(arena_bytes)
         # A host pool the connection can reach takes its reads directly, when
         # the spec asks for it (direct_reads).
-        self._pool_buffers = [
-            HostBuffer(t.data_ptr(), t.nbytes) for t in self.tensors
-            if t.device.type == "cpu" and t.is_contiguous()] if self.spec.direct_reads else []
+        self._pool_buffers = (
+            [
+                HostBuffer(t.data_ptr(), t.nbytes)
+                for t in self.tensors
+                if t.device.type == "cpu" and t.is_contiguous()
+            ]
+            if self.spec.direct_reads
+            else []
+        )
         # NOTE: each tensor's bytes as numpy, made here: the get thread
         # verifies rows in place through numpy slices only. With torch views
         # made on the get thread, verification did not finish in the engine's
@@ -244,12 +265,16 @@ class StoreTransfers:
         self._pool_bytes = []
         if len(self._pool_buffers) == len(self.tensors):
             shared.want_pool(self._pool_buffers)
-            self._pool_bytes = [t.reshape(-1).view(torch.uint8).numpy() for t in self.tensors]
+            self._pool_bytes = [
+                t.reshape(-1).view(torch.uint8).numpy() for t in self.tensors
+            ]
         else:
             self._pool_buffers = []
         self._get_thread = ThreadPoolExecutor(1, thread_name_prefix="chunk-store-get")
         self._put_thread = ThreadPoolExecutor(1, thread_name_prefix="chunk-store-put")
-        self._fp_thread = ThreadPoolExecutor(1, thread_name_prefix="chunk-store-weights")
+        self._fp_thread = ThreadPoolExecutor(
+            1, thread_name_prefix="chunk-store-weights"
+        )
         self.epoch = -1
         # The identity of `epoch`: made on the fingerprint thread.
         self._identity: Future[RankIdentity] | None = None
@@ -301,12 +326,22 @@ class StoreTransfers:
         model.load_weights = load_weights
 
     @classmethod
-    def for_engine(cls, vllm_config: VllmConfig, model: nn.Module,
-                   tensors: dict[str, torch.Tensor], kv_dtype: str) -> StoreTransfers:
+    def for_engine(
+        cls,
+        vllm_config: VllmConfig,
+        model: nn.Module,
+        tensors: dict[str, torch.Tensor],
+        kv_dtype: str,
+    ) -> StoreTransfers:
         spec_text = vllm_config.chunk_cache_config.chunk_store
         assert spec_text is not None
-        return cls(StoreRank.from_engine(vllm_config, model), SharedStore.of(spec_text),
-                   model, tensors, kv_dtype)
+        return cls(
+            StoreRank.from_engine(vllm_config, model),
+            SharedStore.of(spec_text),
+            model,
+            tensors,
+            kv_dtype,
+        )
 
     @property
     def get_arena(self):
@@ -320,7 +355,9 @@ class StoreTransfers:
     def identity(self) -> RankIdentity | None:
         """This epoch's identity once fingerprinted (None before)."""
         f = self._identity
-        return f.result() if f is not None and f.done() and f.exception() is None else None
+        return (
+            f.result() if f is not None and f.done() and f.exception() is None else None
+        )
 
     # --------------------------------------------------------------- step
 
@@ -336,8 +373,11 @@ class StoreTransfers:
         self._reap()
 
     def take_report(self) -> StoreReport | None:
-        report = StoreReport(outcomes={k: [v] for k, v in self._outcomes.items()},
-                             rows_lent=self._rows_lent, rows_returned=self._rows_returned)
+        report = StoreReport(
+            outcomes={k: [v] for k, v in self._outcomes.items()},
+            rows_lent=self._rows_lent,
+            rows_returned=self._rows_returned,
+        )
         self._outcomes, self._rows_lent, self._rows_returned = {}, {}, {}
         report.lora_loads = {k: [v] for k, v in self.loras.take_loads().items()}
         if self._bandwidth_news:
@@ -378,25 +418,43 @@ class StoreTransfers:
     def _make_identity(self, epoch: int) -> RankIdentity:
         t0 = time.monotonic()
         version = self._fingerprint_fn(self.model)
-        logger.info("chunk store: epoch %d, weights version %s (rank tp%d/pp%d, %.2f s, "
-                    "off the step)", epoch, version[:16], self.rank.tp_rank,
-                    self.rank.pp_rank, time.monotonic() - t0)
+        logger.info(
+            "chunk store: epoch %d, weights version %s (rank tp%d/pp%d, %.2f s, "
+            "off the step)",
+            epoch,
+            version[:16],
+            self.rank.tp_rank,
+            self.rank.pp_rank,
+            time.monotonic() - t0,
+        )
         return RankIdentity(
-            epoch=epoch, tp_rank=self.rank.tp_rank, pp_rank=self.rank.pp_rank,
-            model=self.rank.model, weights_version=version, kv_dtype=self.kv_dtype,
-            kv_layout=self.kv_layout, rope=self.rank.rope, compute=self.rank.compute,
-            row_bytes=self.row_bytes)
+            epoch=epoch,
+            tp_rank=self.rank.tp_rank,
+            pp_rank=self.rank.pp_rank,
+            model=self.rank.model,
+            weights_version=version,
+            kv_dtype=self.kv_dtype,
+            kv_layout=self.kv_layout,
+            rope=self.rank.rope,
+            compute=self.rank.compute,
+            row_bytes=self.row_bytes,
+        )
 
     def _key(self, identity: RankIdentity, entry: EntryRef) -> str:
         return store_key_for(identity, self.rank.tp_size, self.rank.pp_size, entry)
 
-    def _rows(self, pool_block_ids: tuple[int, ...], num_rows: int, device) -> torch.Tensor:
+    def _rows(
+        self, pool_block_ids: tuple[int, ...], num_rows: int, device
+    ) -> torch.Tensor:
         blocks = torch.tensor(pool_block_ids, dtype=torch.int64)
-        rows = (blocks[:, None] * POOL_BLOCK_SIZE
-                + torch.arange(POOL_BLOCK_SIZE)[None, :]).reshape(-1)[:num_rows]
+        rows = (
+            blocks[:, None] * POOL_BLOCK_SIZE + torch.arange(POOL_BLOCK_SIZE)[None, :]
+        ).reshape(-1)[:num_rows]
         return rows.to(device)
 
-    def _pool_parts(self, pool_block_ids: tuple[int, ...], num_rows: int) -> list[_PoolPart]:
+    def _pool_parts(
+        self, pool_block_ids: tuple[int, ...], num_rows: int
+    ) -> list[_PoolPart]:
         """The payload's pieces in the pool, in the value's order: per tensor
         (name order), one piece per run of consecutive blocks."""
         runs: list[list[int]] = []
@@ -411,17 +469,24 @@ class StoreTransfers:
             else:
                 runs.append([first, n])
             left -= n
-        return [_PoolPart(i, first, n) for i in range(len(self.tensors)) for first, n in runs]
+        return [
+            _PoolPart(i, first, n)
+            for i in range(len(self.tensors))
+            for first, n in runs
+        ]
 
     def _part_buffer(self, part: _PoolPart) -> HostBuffer:
         row = self.row_bytes_of[part.tensor]
-        return HostBuffer(self._pool_buffers[part.tensor].ptr + part.first_row * row,
-                          part.num_rows * row)
+        return HostBuffer(
+            self._pool_buffers[part.tensor].ptr + part.first_row * row,
+            part.num_rows * row,
+        )
 
     def _part_bytes(self, part: _PoolPart):
         row = self.row_bytes_of[part.tensor]
-        return self._pool_bytes[part.tensor][part.first_row * row:
-                                             (part.first_row + part.num_rows) * row]
+        return self._pool_bytes[part.tensor][
+            part.first_row * row : (part.first_row + part.num_rows) * row
+        ]
 
     def _payload_views(self, arena, start: int, num_rows: int) -> list[torch.Tensor]:
         views, off = [], start
@@ -456,16 +521,18 @@ class StoreTransfers:
             self._count("store_puts_skipped")
             return
         rows = self._rows(put.pool_block_ids, num_rows, self.tensors[0].device)
-        for t, dst in zip(self.tensors, self._payload_views(self.put_arena, start + head,
-                                                            num_rows)):
+        for t, dst in zip(
+            self.tensors, self._payload_views(self.put_arena, start + head, num_rows)
+        ):
             # NOTE: copied now, inside the step: the pool rows may be given to
             # another entry from the next step on.
             dst.copy_(t.index_select(0, rows), non_blocking=True)
         span = _Span(start, nbytes, fence=copy_fence(self.tensors[0].device))
         identity = self._identity
         assert identity is not None
-        self._puts.append(_Put(self._put_thread.submit(
-            self._put, identity, entry, span, head), span))
+        self._puts.append(
+            _Put(self._put_thread.submit(self._put, identity, entry, span, head), span)
+        )
 
     def _put(self, identity: Future, entry: EntryRef, span: _Span, head: int) -> int:
         # NOTE: the entry was computed in this epoch: its key waits for the
@@ -483,22 +550,34 @@ class StoreTransfers:
         # NOTE: numpy views only on the store threads (HostArena.bytes_view).
         body = self.put_arena.bytes_view(span.start + head, payload)
         # NOTE: the tag covers the header but its checksum, which covers the tag.
-        mac_header = entry_format.header_for_mac(entry_format.encode_header(
-            entry_format.EntryHeader(entry_format.FORMAT_VERSION, int(entry.virtual_start),
-                                     tuple(int(t) for t in entry.token_ids), payload, 0)))
-        body[payload - TAG_BYTES:] = memoryview(
-            self.seal.tag_of_parts(key, mac_header, [body[:payload - TAG_BYTES]]))
+        mac_header = entry_format.header_for_mac(
+            entry_format.encode_header(
+                entry_format.EntryHeader(
+                    entry_format.FORMAT_VERSION,
+                    int(entry.virtual_start),
+                    tuple(int(t) for t in entry.token_ids),
+                    payload,
+                    0,
+                )
+            )
+        )
+        body[payload - TAG_BYTES :] = memoryview(
+            self.seal.tag_of_parts(key, mac_header, [body[: payload - TAG_BYTES]])
+        )
         header = entry_format.encode_header(
-            entry_format.make_header(entry.virtual_start, entry.token_ids, body))
+            entry_format.make_header(entry.virtual_start, entry.token_ids, body)
+        )
         self.put_arena.bytes_view(span.start, head)[:] = memoryview(header)
         store = self._store()
         if store is None:
             span.released.set()
             return StoreCode.ERROR
         lease = _CallLease(span.released, [self.put_arena])
-        return store.batch_put_from([key], [HostBuffer(self.put_arena.ptr + span.start,
-                                                       span.nbytes)],
-                                    on_release=lease.release)[0]
+        return store.batch_put_from(
+            [key],
+            [HostBuffer(self.put_arena.ptr + span.start, span.nbytes)],
+            on_release=lease.release,
+        )[0]
 
     def _reap(self) -> None:
         still = []
@@ -555,8 +634,12 @@ class StoreTransfers:
             if put.future.cancel():
                 put.span.released.set()  # never handed to the store
         t_end = time.monotonic() + timeout_s
-        spans = ([r.span for r in self._reads.values()] + list(self._rows_held.values())
-                 + [p.span for p in self._puts] + [span for _, span in self._lent])
+        spans = (
+            [r.span for r in self._reads.values()]
+            + list(self._rows_held.values())
+            + [p.span for p in self._puts]
+            + [span for _, span in self._lent]
+        )
         events = {id(span.released): span.released for span in spans}
         for event in events.values():
             event.wait(max(0.0, t_end - time.monotonic()))
@@ -582,8 +665,11 @@ class StoreTransfers:
             logger.warning(
                 "chunk store: closing with %d store call(s) that have not returned within "
                 "%.1f s; the memory they were given (pool tensors, %d bytes of host "
-                "arenas) stays allocated until they return", held, timeout_s,
-                self.lent_bytes())
+                "arenas) stays allocated until they return",
+                held,
+                timeout_s,
+                self.lent_bytes(),
+            )
         return held
 
     def shared_ready(self, timeout_s: float) -> bool:
@@ -598,15 +684,20 @@ class StoreTransfers:
         """Reads land in the pool rows now: the connection reaches the pool's
         buffers, which exist only with `direct_reads=1` (see __init__)."""
         store = self._shared.get()
-        return (store is not None and store.scatters
-                and self._shared.pool_ready(self._pool_buffers))
+        return (
+            store is not None
+            and store.scatters
+            and self._shared.pool_ready(self._pool_buffers)
+        )
 
     # -------------------------------------------------------------- reads
 
     def _read_deadline(self, nbytes: int) -> float:
         expected = nbytes / self._read_bytes_per_s
-        return min(self.spec.timeout_s + 1.0,
-                   max(self.spec.read_timeout_s, READ_SLACK * expected))
+        return min(
+            self.spec.timeout_s + 1.0,
+            max(self.spec.read_timeout_s, READ_SLACK * expected),
+        )
 
     def _start_reads(self, fetches: list[EntryFetch]) -> None:
         """Every entry of a step in one batch_get_into (Mooncake transfers them
@@ -619,18 +710,28 @@ class StoreTransfers:
             num_rows = len(entry.token_ids) - entry.virtual_start
             head = entry_format.header_nbytes(len(entry.token_ids))
             nbytes = entry_nbytes(len(entry.token_ids), num_rows, self.row_bytes)
-            if (num_rows < 0 or identity is None or identity.epoch != self.epoch
-                    or self.weights_changed):
+            if (
+                num_rows < 0
+                or identity is None
+                or identity.epoch != self.epoch
+                or self.weights_changed
+            ):
                 self._outcomes[fetch.fetch_id] = FetchOutcome.ERROR
                 continue
             parts = self._pool_parts(fetch.pool_block_ids, num_rows) if direct else None
             # NOTE: a direct read's span holds the header and the tag only.
             span_bytes = head + TAG_BYTES if direct else nbytes
             arena = self.get_arena
-            start = None if arena is None else arena.allocate(span_bytes, tail_align_at=head)
+            start = (
+                None
+                if arena is None
+                else arena.allocate(span_bytes, tail_align_at=head)
+            )
             if start is None:
-                logger.warning("chunk store: no host room for a %d-byte read; computing it",
-                               span_bytes)
+                logger.warning(
+                    "chunk store: no host room for a %d-byte read; computing it",
+                    span_bytes,
+                )
                 self._count("store_reads_no_room")
                 self._outcomes[fetch.fetch_id] = FetchOutcome.ERROR
                 continue
@@ -639,14 +740,21 @@ class StoreTransfers:
         if not items:
             return
         released = threading.Event()
-        lease = _CallLease(released, [self.get_arena, *(self.tensors if direct else ())])
+        lease = _CallLease(
+            released, [self.get_arena, *(self.tensors if direct else ())]
+        )
         for _, read in items:
             # One call for the step's entries: they are released together.
             read.span.released = released
             read.lease = lease
-        total = sum(entry_nbytes(len(r.fetch.entry.token_ids),
-                                 len(r.fetch.entry.token_ids) - r.fetch.entry.virtual_start,
-                                 self.row_bytes) for _, r in items)
+        total = sum(
+            entry_nbytes(
+                len(r.fetch.entry.token_ids),
+                len(r.fetch.entry.token_ids) - r.fetch.entry.virtual_start,
+                self.row_bytes,
+            )
+            for _, r in items
+        )
         # NOTE: fixed before the submit: the get thread reads it too (_read).
         deadline = time.monotonic() + self._read_deadline(total)
         future = self._get_thread.submit(self._read, items, lease, deadline)
@@ -666,11 +774,15 @@ class StoreTransfers:
         base = self.get_arena.ptr + read.span.start
         if read.parts is None:
             return [HostBuffer(base, read.span.nbytes)]
-        return [HostBuffer(base, read.head), *map(self._part_buffer, read.parts),
-                HostBuffer(base + read.head, TAG_BYTES)]
+        return [
+            HostBuffer(base, read.head),
+            *map(self._part_buffer, read.parts),
+            HostBuffer(base + read.head, TAG_BYTES),
+        ]
 
-    def _read(self, items: list[tuple[str, _Read]], lease: _CallLease,
-              deadline: float) -> list[FetchOutcome]:
+    def _read(
+        self, items: list[tuple[str, _Read]], lease: _CallLease, deadline: float
+    ) -> list[FetchOutcome]:
         t0 = time.monotonic()
         if t0 > deadline:
             # NOTE (issue 50, finding 5): queued behind a slow call past its
@@ -686,12 +798,16 @@ class StoreTransfers:
         keys = [key for key, _ in items]
         if items[0][1].parts is not None:
             codes = store.batch_get_into_parts(
-                keys, [self._value_buffers(read) for _, read in items],
-                on_release=lease.release)
+                keys,
+                [self._value_buffers(read) for _, read in items],
+                on_release=lease.release,
+            )
         else:
             codes = store.batch_get_into(
-                keys, [self._value_buffers(read)[0] for _, read in items],
-                on_release=lease.release)
+                keys,
+                [self._value_buffers(read)[0] for _, read in items],
+                on_release=lease.release,
+            )
         # NOTE: the transfer alone (one call for the step's entries), for the
         # bytes/s figure; verification follows.
         seconds = time.monotonic() - t0
@@ -700,14 +816,19 @@ class StoreTransfers:
         self._count("store_get_bytes", got)
         if got and all(c >= 0 for c in codes) and seconds > 0:
             # NOTE: read by the step thread for deadlines; a float store is atomic.
-            self._read_bytes_per_s = 0.7 * self._read_bytes_per_s + 0.3 * (got / seconds)
+            self._read_bytes_per_s = 0.7 * self._read_bytes_per_s + 0.3 * (
+                got / seconds
+            )
             self._bandwidth_news = True
         out = []
         for code, (key, read) in zip(codes, items):
             if code < 0:
-                out.append({StoreCode.ABSENT: FetchOutcome.ABSENT,
-                            StoreCode.TIMEOUT: FetchOutcome.TIMEOUT}.get(
-                                code, FetchOutcome.ERROR))
+                out.append(
+                    {
+                        StoreCode.ABSENT: FetchOutcome.ABSENT,
+                        StoreCode.TIMEOUT: FetchOutcome.TIMEOUT,
+                    }.get(code, FetchOutcome.ERROR)
+                )
             elif code != sum(b.nbytes for b in self._value_buffers(read)):
                 out.append(FetchOutcome.VERIFY_FAILED)
             else:
@@ -720,22 +841,35 @@ class StoreTransfers:
         # (see the pool's bytes in __init__).
         value = self.get_arena.bytes_view(span.start, span.nbytes)
         if read.parts is None:
-            rows = [value[head:span.nbytes - TAG_BYTES]]
+            rows = [value[head : span.nbytes - TAG_BYTES]]
         else:
             rows = [self._part_bytes(part) for part in read.parts]
-        tag = value[span.nbytes - TAG_BYTES:]
+        tag = value[span.nbytes - TAG_BYTES :]
         payload = sum(r.nbytes for r in rows) + TAG_BYTES
-        result = entry_format.verify_parts(value[:head], [*rows, tag], list(entry.token_ids),
-                                           entry.virtual_start, payload)
+        result = entry_format.verify_parts(
+            value[:head],
+            [*rows, tag],
+            list(entry.token_ids),
+            entry.virtual_start,
+            payload,
+        )
         if not result.ok:
-            logger.warning("chunk store: entry %s failed verification (%s: %s)", key,
-                           result.cause, result.detail)
+            logger.warning(
+                "chunk store: entry %s failed verification (%s: %s)",
+                key,
+                result.cause,
+                result.detail,
+            )
             return FetchOutcome.VERIFY_FAILED
-        if not self.seal.matches(tag, key, entry_format.header_for_mac(value[:head]), rows):
-            logger.warning("chunk store: entry %s carries a tag that is not its key's (a "
-                           "value written under another key%s)", key,
-                           ", or without the fleet's secret" if self.seal.authenticated
-                           else "")
+        if not self.seal.matches(
+            tag, key, entry_format.header_for_mac(value[:head]), rows
+        ):
+            logger.warning(
+                "chunk store: entry %s carries a tag that is not its key's (a "
+                "value written under another key%s)",
+                key,
+                ", or without the fleet's secret" if self.seal.authenticated else "",
+            )
             return FetchOutcome.VERIFY_FAILED
         return FetchOutcome.OK
 
@@ -754,8 +888,11 @@ class StoreTransfers:
                 self._count("store_reads_given_up")
                 self._count("store_reads_never_started")
                 self._finish_span(self.get_arena, read.span)
-                logger.warning("chunk store: read of %s waited past its deadline behind "
-                               "another store call; computing it", fetch_id)
+                logger.warning(
+                    "chunk store: read of %s waited past its deadline behind "
+                    "another store call; computing it",
+                    fetch_id,
+                )
                 continue
             if not read.future.done():
                 if now > read.deadline:
@@ -766,10 +903,14 @@ class StoreTransfers:
                     self._count("store_reads_given_up")
                     self._hold_rows_if_lent(fetch_id, read)
                     self._finish_span(self.get_arena, read.span)
-                    logger.warning("chunk store: read of %s did not land by its deadline; "
-                                   "computing it%s", fetch_id,
-                                   " (its pool rows stay the store's until the call "
-                                   "returns)" if fetch_id in self._rows_held else "")
+                    logger.warning(
+                        "chunk store: read of %s did not land by its deadline; "
+                        "computing it%s",
+                        fetch_id,
+                        " (its pool rows stay the store's until the call returns)"
+                        if fetch_id in self._rows_held
+                        else "",
+                    )
                 continue
             del self._reads[fetch_id]
             try:
@@ -788,16 +929,25 @@ class StoreTransfers:
             elif outcome is FetchOutcome.OK:
                 entry = read.fetch.entry
                 num_rows = len(entry.token_ids) - entry.virtual_start
-                rows = self._rows(read.fetch.pool_block_ids, num_rows, self.tensors[0].device)
-                for t, src in zip(self.tensors, self._payload_views(
-                        self.get_arena, read.span.start + read.head, num_rows)):
+                rows = self._rows(
+                    read.fetch.pool_block_ids, num_rows, self.tensors[0].device
+                )
+                for t, src in zip(
+                    self.tensors,
+                    self._payload_views(
+                        self.get_arena, read.span.start + read.head, num_rows
+                    ),
+                ):
                     t.index_copy_(0, rows, src.to(t.device, non_blocking=True))
                 read.span.fence = copy_fence(self.tensors[0].device)
                 self._count("store_gets")
             else:
                 # NOTE: the store answers TIMEOUT while its call may still run.
                 self._hold_rows_if_lent(fetch_id, read)
-                logger.info("chunk store: %s not served from the store (%s); computing it",
-                            fetch_id, outcome.value)
+                logger.info(
+                    "chunk store: %s not served from the store (%s); computing it",
+                    fetch_id,
+                    outcome.value,
+                )
             self._finish_span(self.get_arena, read.span)
             self._outcomes[fetch_id] = outcome

@@ -36,5 +36,5 @@ def weights_fingerprint(model: nn.Module) -> str:
             continue
         raw = flat.view(torch.uint8)
         for start in range(0, raw.numel(), _PIECE):
-            h.update(memoryview(raw[start:start + _PIECE].cpu().numpy()))
+            h.update(memoryview(raw[start : start + _PIECE].cpu().numpy()))
     return h.hexdigest()
