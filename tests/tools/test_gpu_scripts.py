@@ -263,6 +263,57 @@ def test_the_carried_parts_install_exactly_the_wheel_and_refuse_a_changed_or_mis
     assert done.returncode == 3 and f"{names[1]} missing" in done.stderr
 
 
+def test_a_warm_site_is_reinstalled_unless_done_names_the_manifests_wheel(tmp_path):
+    """A warm machine keeps /tmp/gpu and /tmp/site: a rebuilt wheel of the same name
+    replaces the one installed before; the same wheel again is kept."""
+    deps_dir = tmp_path / "deps-src" / "depmod"
+    deps_dir.mkdir(parents=True)
+    (deps_dir / "__init__.py").write_text("Y = 2\n")
+    deps = tmp_path / "deps.tar.xz"
+    subprocess.run(
+        f"tar cf - -C {tmp_path / 'deps-src'} . | xz > {deps}", shell=True, check=True
+    )
+    path = sys.executable
+    base = {"PART_BYTES": "2000", "FORK_CACHE": str(tmp_path / "cache")}
+    base["PATH"] = f"{Path(path).parent}:{os.environ['PATH']}"
+    warm = {"STAGE": str(tmp_path / "stage"), "SITE": str(tmp_path / "site")}
+    site = tmp_path / "site"
+
+    def carry_and_install(tag, files):
+        built = tmp_path / tag
+        built.mkdir()
+        wheel = _wheel(built / "fakevllm-1.0-py3-none-any.whl", files)
+        parts = {**base, "GPU_DIR": str(tmp_path / f"parts-{tag}")}
+        cmd = ["bash", str(GPU / "pack.sh"), "--assemble", str(wheel), str(deps)]
+        packed = _run(cmd, tmp_path, parts)
+        assert packed.returncode == 0, packed.stderr
+        done = _run(["bash", str(GPU / "install.sh")], tmp_path, {**parts, **warm})
+        assert done.returncode == 0, done.stdout + done.stderr
+        return hashlib.sha256(wheel.read_bytes()).hexdigest(), done.stdout
+
+    old = {"fakevllm/__init__.py": b"X = 1\n", "fakevllm/old.py": b"OLD = 1\n"}
+    old_digest, _ = carry_and_install("old", old)
+    assert (site / ".done").read_text().split()[1] == old_digest
+    new_digest, out = carry_and_install("new", {"fakevllm/__init__.py": b"X = 2\n"})
+    assert new_digest != old_digest
+    assert f"not MANIFEST's fakevllm-1.0-py3-none-any.whl {new_digest}" in out
+    assert (site / ".done").read_text().split() == [
+        "fakevllm-1.0-py3-none-any.whl",
+        new_digest,
+    ]
+    assert (site / "fakevllm" / "__init__.py").read_text() == "X = 2\n"
+    assert not (site / "fakevllm" / "old.py").exists()  # nothing of the old wheel
+    assert (site / "depmod" / "__init__.py").read_text() == "Y = 2\n"
+    # The same MANIFEST again: kept as it is.
+    again = _run(
+        ["bash", str(GPU / "install.sh")],
+        tmp_path,
+        {**base, "GPU_DIR": str(tmp_path / "parts-new"), **warm},
+    )
+    assert again.returncode == 0, again.stderr
+    assert f"already holds fakevllm-1.0-py3-none-any.whl {new_digest}" in again.stdout
+
+
 def test_issue60_plans_install_check_profile_then_speed_then_exactness(tmp_path):
     done = _run(
         ["bash", str(GPU / "issue60.sh"), "--dry-run", "--budget", "3000"], tmp_path
