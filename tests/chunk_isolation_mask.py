@@ -58,7 +58,6 @@ from dataclasses import dataclass
 from enum import Enum
 
 import torch
-
 from vllm.v1.core.chunk_structures import ChunkContextMode, ChunkedPrompt
 
 # Group id of question / generated tokens: they see every real token.

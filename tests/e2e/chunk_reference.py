@@ -11,9 +11,9 @@ import random
 from dataclasses import dataclass, field
 
 import torch
+from vllm.v1.core.chunk_structures import ChunkedPrompt, SegmentSpan
 
 from tests.chunk_isolation_mask import build_isolated_sequence
-from vllm.v1.core.chunk_structures import ChunkedPrompt, SegmentSpan
 
 SEP = "##"
 

@@ -26,7 +26,6 @@ import copy
 from collections.abc import Callable
 
 import torch
-
 from vllm.v1.core.chunk_structures import ChunkedPrompt
 from vllm.v1.worker.mla_latent import LatentRowLayout, reposition_latent_rows
 from vllm.v1.worker.position_remapper import RopeRotation

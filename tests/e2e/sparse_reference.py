@@ -41,12 +41,12 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-
-from tests.chunk_isolation_mask import build_isolated_sequence
 from vllm.v1.core.chunk_structures import ChunkedPrompt
 from vllm.v1.worker.indexer_keys import IndexerKeyLayout, reposition_indexer_keys
 from vllm.v1.worker.mla_latent import LatentRowLayout, reposition_latent_rows
 from vllm.v1.worker.position_remapper import RopeRotation
+
+from tests.chunk_isolation_mask import build_isolated_sequence
 
 
 @dataclass

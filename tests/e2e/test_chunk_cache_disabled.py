@@ -62,9 +62,8 @@ def test_prompt_logprobs_work_as_usual(llm):
 def test_prompt_segments_are_refused_naming_the_flag(llm):
     """A prompt given as segments needs the chunk cache: a validation error
     that says so, not a failure on the missing "prompt"."""
-    from vllm.exceptions import VLLMValidationError
-
     from vllm import SamplingParams
+    from vllm.exceptions import VLLMValidationError
 
     with pytest.raises(VLLMValidationError, match="--enable-chunk-cache"):
         llm.generate(

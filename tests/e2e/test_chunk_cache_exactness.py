@@ -28,8 +28,10 @@ from __future__ import annotations
 import random
 
 import pytest
-
 import vllm
+from vllm.config import ChunkCacheConfig
+from vllm.v1.core.chunk_prefill_plan import PrefillPlan
+
 from tests.conftest import models_dir
 from tests.e2e.chunk_reference import (
     ExactnessTally,
@@ -39,8 +41,6 @@ from tests.e2e.chunk_reference import (
     random_text,
 )
 from tests.e2e.engine import CPU_MLA_ARGS, close_llm, make_llm
-from vllm.config import ChunkCacheConfig
-from vllm.v1.core.chunk_prefill_plan import PrefillPlan
 
 pytestmark = pytest.mark.e2e
 

@@ -127,8 +127,9 @@ def _label(dtype: str) -> str:
 
 
 def _check(reference, dtype: str, isolate: bool, workdir) -> tuple[dict, dict]:
-    from tests.e2e.half_precision_engine import run_engine, run_engine_in_subprocess
     from vllm.v1.core.chunk_prefill_plan import PrefillPlan
+
+    from tests.e2e.half_precision_engine import run_engine, run_engine_in_subprocess
 
     def engine(request):
         if isolate:

@@ -23,11 +23,11 @@ from __future__ import annotations
 import random
 
 import pytest
+from vllm.v1.core.chunk_prefill_plan import PrefillPlan
 
 from tests.conftest import models_dir
 from tests.e2e.chunk_reference import Layout, Reference, compare, random_text
 from tests.e2e.engine import chunk_scheduler, close_llm, make_llm
-from vllm.v1.core.chunk_prefill_plan import PrefillPlan
 
 pytestmark = pytest.mark.e2e
 

@@ -108,12 +108,11 @@ def test_kv_offloading_is_refused():
 
 def test_unsupported_rope_types_are_refused_by_name():
     import torch
-    from vllm.model_executor.layers.rotary_embedding.dual_chunk_rope import (
-        DualChunkRotaryEmbedding,
-    )
-
     from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.layer_ropes import (
         find_layer_ropes,
+    )
+    from vllm.model_executor.layers.rotary_embedding.dual_chunk_rope import (
+        DualChunkRotaryEmbedding,
     )
     from vllm.v1.worker.position_remapper import RopeRotation
 

@@ -427,9 +427,10 @@ def _engine_closed_mid_read(
     starts in the same process (its pool may lie where A's was), the holder
     resumes while B serves, and the late writes land. Every answer of A and B is
     compared with the reference."""
-    from tests.e2e.engine import close_llm, make_llm
     from vllm import SamplingParams
     from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    from tests.e2e.engine import close_llm, make_llm
 
     kwargs = dict(
         enable_chunk_cache=True,

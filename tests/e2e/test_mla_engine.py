@@ -80,7 +80,6 @@ def test_vllm_serves_the_tiny_deepseek_as_hf_transformers_computes_it():
             make_llm(MODEL, max_model_len=1024)
         return
     from transformers import AutoModelForCausalLM, AutoTokenizer
-
     from vllm import SamplingParams
 
     llm = make_llm(MODEL, max_model_len=1024, **CPU_MLA_ARGS)

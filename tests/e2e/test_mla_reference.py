@@ -17,11 +17,11 @@ import random
 
 import pytest
 import torch
+from vllm.v1.worker.position_remapper import RopeRotation
 
 from tests.conftest import models_dir
 from tests.e2e.chunk_reference import Layout, Reference, private_context, random_text
 from tests.e2e.mla_reference import LatentCacheEmulation, vllm_rope_for
-from vllm.v1.worker.position_remapper import RopeRotation
 
 MODEL = str(models_dir() / "tiny-deepseek")
 TOL = 1e-3

@@ -24,8 +24,8 @@ import re
 from pathlib import Path
 
 import pytest
-
 import vllm
+
 from tests.conftest import REPO, models_dir
 from tests.e2e.chunk_reference import Layout, Reference, compare, random_text
 from tests.e2e.engine import chunk_scheduler, close_llm, make_llm

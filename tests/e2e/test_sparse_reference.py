@@ -22,6 +22,7 @@ import random
 
 import pytest
 import torch
+from vllm.v1.worker.position_remapper import RopeRotation
 
 from tests.conftest import models_dir
 from tests.e2e.chunk_reference import Layout, Reference, private_context, random_text
@@ -33,7 +34,6 @@ from tests.e2e.sparse_reference import (
     isolation_reference,
     vllm_ropes,
 )
-from vllm.v1.worker.position_remapper import RopeRotation
 
 MODEL = models_dir() / "tiny-deepseek-v32"
 TOL = 1e-3

@@ -24,10 +24,9 @@ def main() -> None:
     conftest, modules = sys.argv[1], sys.argv[2:]
     runpy.run_path(conftest, run_name="vllm_ascend_ut_conftest")
     import torch_npu
-    from vllm_ascend.utils import vllm_version_is
-
     import vllm
     import vllm_ascend
+    from vllm_ascend.utils import vllm_version_is
 
     report = {
         "torch_npu_is_the_mock": getattr(torch_npu.__spec__, "loader", "?") is None

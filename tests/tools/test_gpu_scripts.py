@@ -1,11 +1,13 @@
-"""The GPU run's scripts (tools/gpu, issues 40, 59, 60) checked on the CPU, without a GPU:
-every shell script parses; issue40.sh and issue60.sh plan their items in the issues'
-priority order within their budget and refuse bad arguments; pack.sh's dry run names the
-CUDA wheel and its sha256; the parts it writes install exactly that wheel through pip, and
-a changed or missing part is refused; phase_clock.py plans one chunk engine with every
-phase (its real CPU run is marked slow: one engine start); gpu_ttft.py's plan carries the
-boundary recompute only where it applies and APC-same on the prefix-caching engine; the
-TTFT ratios are the quotients of the logged medians (worked out by hand below)."""
+"""The GPU run's scripts (tools/gpu, issues 40, 59, 60) checked on the CPU, without a
+GPU: every shell script parses; issue40.sh and issue60.sh plan their items in the
+issues' priority order within their budget and refuse bad arguments; pack.sh's dry run
+names the CUDA wheel and its sha256; the parts it writes install exactly that wheel
+through pip, a changed or missing part is refused, and a warm machine's site is
+reinstalled unless it holds MANIFEST's wheel; phase_clock.py plans one chunk engine
+with every phase (its real CPU run is marked slow: one engine start); gpu_ttft.py's
+plan carries the boundary recompute only where it applies and APC-same on the
+prefix-caching engine; the TTFT ratios are the quotients of the logged medians (worked
+out by hand below)."""
 
 from __future__ import annotations
 
@@ -62,7 +64,8 @@ def test_issue40_plans_the_items_in_priority_order_within_the_budget(tmp_path):
         "window-fa",
         "ttft-profile",
     ]
-    # Eight minutes: the first items run, the rest are skipped by name, nothing overruns.
+    # Eight minutes: the first items run, the rest are skipped by name, nothing
+    # overruns.
     done = _run(
         ["bash", str(GPU / "issue40.sh"), "--dry-run", "--budget", "480"], tmp_path
     )
@@ -128,7 +131,8 @@ def test_pack_dry_run_names_the_cuda_wheel_and_its_sha256_and_refuses_bad_argume
         "1. ./fork build --device cuda --base 0.23 (no CUDA wheel"
     )
     assert "wheel: none yet, so no sha256" in done.stdout and len(steps) == 4
-    # A wheel of the name `./fork build --device cuda` writes: its sha256, worked out here.
+    # A wheel of the name `./fork build --device cuda` writes: its sha256, worked out
+    # here.
     (cache / "dist").mkdir(parents=True)
     wheel = (
         cache
@@ -172,7 +176,7 @@ def _wheel(path: Path, files: dict[str, bytes]) -> Path:
     return path
 
 
-def test_the_carried_parts_install_exactly_the_wheel_and_refuse_a_changed_or_missing_part(
+def test_the_carried_parts_install_exactly_the_wheel_and_refuse_a_changed_part(
     tmp_path,
 ):
     payload = os.urandom(6000)  # incompressible: several parts of 2000 bytes
@@ -567,8 +571,8 @@ def test_ttft_ratios_are_the_quotients_of_the_logged_medians(tmp_path):
     assert "12.5x below stock (target >= 10.0x: met)" in lines[0]
     # APC-same 16 ms: 20 / 16 = 1.25x (target 1.2x: not met); none logged at 32k.
     assert (
-        "APC-same 16.00 ms (cached 8176): chunk 1.25x APC-same (target <= 1.2x: NOT met)"
-        in lines[0]
+        "APC-same 16.00 ms (cached 8176): chunk 1.25x APC-same "
+        "(target <= 1.2x: NOT met)" in lines[0]
     )
     assert "APC-same" not in lines[2]
     assert lines[1] == (

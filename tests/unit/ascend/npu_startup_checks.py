@@ -36,10 +36,9 @@ def _on_npu() -> None:
     """vllm-ascend's NPUPlatform as vLLM's current platform (what `vllm.platforms`
     resolves on an Ascend machine)."""
     import vllm.platforms
+    import vllm_ascend
     import vllm_ascend.ops  # noqa: F401 - the import order vllm-ascend itself uses
     from vllm_ascend.platform import NPUPlatform
-
-    import vllm_ascend
 
     vllm_ascend._build_info = _build_info
     vllm.platforms.current_platform = NPUPlatform()
@@ -79,14 +78,13 @@ def check_hamming_sparse_refused() -> None:
     is refused at start-up; without them the config passes."""
     import tempfile
 
-    from vllm_ascend.ascend_config import AscendConfig
-    from vllm_ascend.attention.kvcomp_attn.attention_utils import (
-        is_enable_hamming_sparse,
-    )
-
     from vllm.config import set_current_vllm_config
     from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.support import (
         check_config,
+    )
+    from vllm_ascend.ascend_config import AscendConfig
+    from vllm_ascend.attention.kvcomp_attn.attention_utils import (
+        is_enable_hamming_sparse,
     )
 
     with tempfile.NamedTemporaryFile("w", suffix=".json") as sparse_json:
@@ -119,12 +117,11 @@ def check_pp_refused_on_npu() -> None:
     the NPU platform (and still accepted by this check on CPU)."""
     import inspect
 
-    from vllm_ascend.worker.model_runner_v1 import NPUModelRunner
-
     from vllm.config import ParallelConfig
     from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.support import (
         check_config,
     )
+    from vllm_ascend.worker.model_runner_v1 import NPUModelRunner
 
     pp2 = _chunk_cache_config(parallel_config=ParallelConfig(pipeline_parallel_size=2))
     assert pp2.kv_transfer_config.kv_role == "kv_both"
@@ -144,11 +141,10 @@ def check_fa_quant_and_pd_mix_refused() -> None:
     int8 latent cache as a KV consumer (its own `enable_fa_quant` says so for our
     kv_both config), and a W8A8_MIX one switches its linear layers to the decode
     node's static quantization (its own scheme says so): both refused on the NPU."""
+    from vllm.config import set_current_vllm_config
     from vllm_ascend.quantization.methods.w8a8_pdmix import AscendW8A8PDMixLinearMethod
     from vllm_ascend.quantization.modelslim_config import AscendModelSlimConfig
     from vllm_ascend.quantization.utils import enable_fa_quant
-
-    from vllm.config import set_current_vllm_config
 
     config = _chunk_cache_config()
     config.quant_config = AscendModelSlimConfig(
@@ -180,9 +176,6 @@ def _carve_and_allocate(model_name: str, spec_of, late_model: bool = False) -> N
     allocated by vllm-ascend's real `_allocate_kv_cache_tensors` (CPU tensors): what
     that allocates (2 MiB of alignment per cache tensor included), plus the pool and its
     load buffers, stays within B."""
-    from vllm.v1.core.kv_cache_utils import get_kv_cache_configs
-    from vllm_ascend.worker.model_runner_v1 import NPUModelRunner
-
     from vllm.config import ChunkCacheConfig, ModelConfig, VllmConfig
     from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.setup import (
         POOL_BLOCK_SIZE,
@@ -191,6 +184,8 @@ def _carve_and_allocate(model_name: str, spec_of, late_model: bool = False) -> N
         pool_bytes_per_token,
         pool_num_blocks,
     )
+    from vllm.v1.core.kv_cache_utils import get_kv_cache_configs
+    from vllm_ascend.worker.model_runner_v1 import NPUModelRunner
 
     model = ModelConfig(
         model=str(MODELS / model_name), dtype="float32", max_model_len=512
@@ -351,11 +346,6 @@ def check_mlapo_is_read_per_layer_after_weights_load() -> None:
     the start-up layer check, naming it."""
     import vllm_ascend.ascend_config as ascend_config
     import vllm_ascend.utils as ascend_utils
-    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
-    from vllm.model_executor.layers.rotary_embedding import get_rope
-    from vllm_ascend.attention import mla_v1
-    from vllm_ascend.attention.utils import enabling_mlapo
-
     from vllm.config import VllmConfig, set_current_vllm_config
     from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache import support
     from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.cache_writers import (
@@ -364,7 +354,11 @@ def check_mlapo_is_read_per_layer_after_weights_load() -> None:
     from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.mla_latent_layers import (
         LatentLayer,
     )
+    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+    from vllm.model_executor.layers.rotary_embedding import get_rope
     from vllm.v1.worker.position_remapper import RopeRotation
+    from vllm_ascend.attention import mla_v1
+    from vllm_ascend.attention.utils import enabling_mlapo
     from vllm_ascend.distributed.chunk_cache_npu import register_npu_chunk_cache
 
     # vLLM's GPT-J rope (built before the NPU platform would pick Ascend's class).
@@ -446,7 +440,6 @@ def check_full_graph_refusal_names_the_npu_not_a_quantized_cache() -> None:
     platform's captures run in the attention hook; the message says so, instead of
     blaming a quantized KV cache the config does not have."""
     from vllm.config.compilation import CUDAGraphMode
-
     from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.setup import (
         configure_chunk_cache_connector,
     )

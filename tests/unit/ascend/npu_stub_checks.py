@@ -23,19 +23,17 @@ sys.modules["vllm_ascend._build_info"] = _build_info
 
 
 def _device_op():
+    import vllm_ascend
     import vllm_ascend.ops  # noqa: F401 - device_op is imported through ops first
     from vllm_ascend.device import device_op
-
-    import vllm_ascend
 
     vllm_ascend._build_info = _build_info
     return device_op
 
 
 def check_registration_covers_standard_attention_mla_and_sfa_only() -> None:
-    from vllm_ascend.distributed.kv_transfer import register_connector
-
     from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache import cache_writers
+    from vllm_ascend.distributed.kv_transfer import register_connector
 
     register_connector()  # the patched plugin entry point
     named = lambda n: type(n, (), {})()  # noqa: E731 - an instance of a class named n
@@ -73,9 +71,8 @@ def check_registration_covers_standard_attention_mla_and_sfa_only() -> None:
 
 
 def check_load_path_writes_rotated_rows_through_device_operator() -> None:
-    from vllm.model_executor.layers.rotary_embedding import get_rope
-
     from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.rotary_embedding import get_rope
     from vllm.v1.worker.position_remapper import (
         PositionRemapper,
         RemapRows,
@@ -170,9 +167,8 @@ def _ascend_cos_sin(rope, positions):
 
 
 def _deepseek_rotation():
-    from vllm.model_executor.layers.rotary_embedding import get_rope
-
     from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.rotary_embedding import get_rope
     from vllm.v1.worker.position_remapper import RopeRotation
 
     with set_current_vllm_config(VllmConfig()):
@@ -193,12 +189,11 @@ def _ascend_ropes():
     Returns {name: (rope, vLLM parent class)}. NOTE: on CPU, with one stand-in:
     `NPUPlatform.device_type` is "cpu" (AscendDeepseekScalingRotaryEmbedding
     builds its cache on that device; "npu" does not exist here)."""
+    from vllm.config import VllmConfig, set_current_vllm_config
     from vllm.model_executor.layers import rotary_embedding as vllm_rope
     from vllm.model_executor.layers.rotary_embedding import get_rope
     from vllm_ascend.platform import NPUPlatform
     from vllm_ascend.utils import register_ascend_customop
-
-    from vllm.config import VllmConfig, set_current_vllm_config
 
     _device_op()
     NPUPlatform.device_type = "cpu"
@@ -261,15 +256,14 @@ def check_ascend_ropes_registered_and_keys_move_as_at_the_new_position() -> None
     and the parent vLLM rope's K at p + d in the layout that forward stores.
     Unregistered: AscendMRotaryEmbedding and the 310P rope stay refused."""
     from vllm.utils.torch_utils import vllm_lib
-    from vllm_ascend.distributed.kv_transfer import register_connector
-    from vllm_ascend.ops.rotary_embedding import rope_forward_oot
-
     from vllm.v1.worker.position_remapper import (
         PositionRemapper,
         RemapRows,
         RopeRotation,
     )
     from vllm_ascend.distributed.chunk_cache_npu import write_rows_npu
+    from vllm_ascend.distributed.kv_transfer import register_connector
+    from vllm_ascend.ops.rotary_embedding import rope_forward_oot
 
     ropes = _ascend_ropes()
     expected = {
@@ -367,10 +361,9 @@ def check_ascend_ropes_registered_and_keys_move_as_at_the_new_position() -> None
             gptj = rotation.with_pairing(False).rotate(stored, d)
             assert (gptj - want).abs().max() > 0.1
 
+    from vllm.v1.worker import position_remapper
     from vllm_ascend._310p.ops.rotary_embedding import AscendRotaryEmbedding310
     from vllm_ascend.ops.rotary_embedding import AscendMRotaryEmbedding
-
-    from vllm.v1.worker import position_remapper
 
     for refused in (AscendRotaryEmbedding310, AscendMRotaryEmbedding):
         assert refused not in position_remapper._FREQUENCY_RULES, refused
@@ -400,8 +393,6 @@ def check_mla_load_writes_what_ascend_writes_at_the_new_position(rope=None) -> N
     p + d through LatentLayer (kv_c copied, k_pe rotated by d) and the registered
     writer (_npu_reshape_and_cache / npu_scatter_pa_kv_cache stubs): the cache then
     holds what AscendMLAImpl's write of the same tokens at p + d holds."""
-    from vllm.model_executor.layers.rotary_embedding import get_rope
-
     from vllm.config import VllmConfig, set_current_vllm_config
     from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.cache_writers import (
         latent_writer_for,
@@ -409,6 +400,7 @@ def check_mla_load_writes_what_ascend_writes_at_the_new_position(rope=None) -> N
     from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.mla_latent_layers import (
         LatentLayer,
     )
+    from vllm.model_executor.layers.rotary_embedding import get_rope
     from vllm.v1.worker.position_remapper import RemapRows, RopeRotation
     from vllm_ascend.distributed.chunk_cache_npu import register_npu_chunk_cache
 
@@ -635,8 +627,6 @@ def check_sfa_load_writes_what_ascend_writes_at_the_new_position(rope=None) -> N
     the registered writers: the three caches then hold what AscendSFAImpl's own writes
     of the same tokens at p + d hold. With vLLM's rope, then vllm-ascend's own
     (AscendDeepseekScalingRotaryEmbedding, whose rotation pairs halves)."""
-    from vllm.model_executor.layers.rotary_embedding import get_rope
-
     from vllm.config import VllmConfig, set_current_vllm_config
     from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.cache_writers import (
         latent_writer_for,
@@ -645,6 +635,7 @@ def check_sfa_load_writes_what_ascend_writes_at_the_new_position(rope=None) -> N
         INDEXER_SCRATCH,
         LatentLayer,
     )
+    from vllm.model_executor.layers.rotary_embedding import get_rope
     from vllm.v1.worker.position_remapper import RemapRows, RemapScratch, RopeRotation
     from vllm_ascend.distributed.chunk_cache_npu import register_npu_chunk_cache
 
@@ -817,8 +808,6 @@ def check_sfa_li_c8_load_quantizes_as_ascend_at_the_new_position() -> None:
     import numpy as np
     import scipy.linalg
     import torch_npu
-    from vllm.model_executor.layers.rotary_embedding import get_rope
-
     from vllm.config import VllmConfig, set_current_vllm_config
     from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.cache_writers import (
         latent_writer_for,
@@ -826,12 +815,12 @@ def check_sfa_li_c8_load_quantizes_as_ascend_at_the_new_position() -> None:
     from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.mla_latent_layers import (
         LatentLayer,
     )
+    from vllm.model_executor.layers.rotary_embedding import get_rope
     from vllm.v1.worker.indexer_keys import reposition_indexer_keys
     from vllm.v1.worker.position_remapper import RemapRows, RopeRotation
 
     _device_op()  # first: vllm_ascend.ops before the attention modules
     from vllm_ascend.attention.sfa_v1 import AscendSFAImpl
-
     from vllm_ascend.distributed import chunk_cache_npu
     from vllm_ascend.distributed.chunk_cache_npu import register_npu_chunk_cache
 

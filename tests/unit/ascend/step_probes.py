@@ -8,7 +8,6 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
-
 from vllm.v1.worker.position_remapper import RopeRotation
 
 # Every way a tensor's value reaches the host (each a synchronisation on a device).

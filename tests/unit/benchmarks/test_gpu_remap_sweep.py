@@ -67,7 +67,6 @@ def test_the_sweep_runs_on_tiny_shapes_and_flags_a_geometry_that_writes_other_by
 ):
     _tiny(monkeypatch)
     from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
-
     from vllm.v1.worker.position_remapper import RopeRotation
 
     rotation = RopeRotation(

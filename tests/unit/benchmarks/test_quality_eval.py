@@ -20,9 +20,9 @@ from quality_eval.levers import (  # noqa: E402
     top_fraction,
 )
 from quality_eval.prompts import EncodedQuestion, ends_word  # noqa: E402
+from vllm.v1.core.chunk_structures import ChunkedPrompt  # noqa: E402
 
 from tests.chunk_isolation_mask import build_isolated_sequence  # noqa: E402
-from vllm.v1.core.chunk_structures import ChunkedPrompt  # noqa: E402
 
 SINK = 7
 # system [10 11], chunks [12 13 14] [15 16 17 18] [19 20], question [21 22]

@@ -4,11 +4,11 @@ import subprocess
 import sys
 
 import pytest
+from vllm.config import ChunkCacheConfig, VllmConfig
 from vllm.engine.arg_utils import EngineArgs
 from vllm.utils.argparse_utils import FlexibleArgumentParser
 
 from tests.conftest import models_dir
-from vllm.config import ChunkCacheConfig, VllmConfig
 
 TINY = str(models_dir() / "tiny-llama")
 

@@ -13,6 +13,9 @@ test (test_chunk_cache_metadata.py).
 
 import random
 
+from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.scheduler_adapter import (
+    ChunkCacheSchedulerAdapter,
+)
 from vllm.sampling_params import SamplingParams
 from vllm.v1.request import Request, RequestStatus
 
@@ -24,9 +27,6 @@ from tests.unit.distributed.test_chunk_cache_scheduler_adapter import (
     step_output,
 )
 from tests.unit.python_lines import python_lines
-from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.scheduler_adapter import (
-    ChunkCacheSchedulerAdapter,
-)
 
 DOCS = 8
 

@@ -24,17 +24,17 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch import nn
-
 import vllm
-from tests.conftest import models_dir
-from tests.e2e.engine import CPU_MLA_ARGS
+from torch import nn
 from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.cache_writers import (
     latent_writer_for,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.support import (
     check_attention_layer,
 )
+
+from tests.conftest import models_dir
+from tests.e2e.engine import CPU_MLA_ARGS
 
 MODEL = str(models_dir() / "tiny-deepseek")
 LATENT = 576  # the tiny DeepSeek's latent row: kv_lora_rank 512 + qk_rope_head_dim 64
@@ -73,9 +73,8 @@ def _config(dtype: str, **kwargs):
 
 def _selected(config, dtype: torch.dtype) -> type:
     """The backend class vLLM's own selection gives an MLA layer of this config."""
-    from vllm.v1.attention.selector import get_attn_backend
-
     from vllm.config import set_current_vllm_config
+    from vllm.v1.attention.selector import get_attn_backend
 
     with set_current_vllm_config(config):
         return get_attn_backend(LATENT, dtype, "auto", use_mla=True)

@@ -18,7 +18,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-
 from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.cache_writers import (
     CacheWriter,
     _read_cpu,

@@ -10,8 +10,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-
-from tests.unit.vllm_triton_cache_write import write_kv
 from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.cache_writers import (
     CacheWriter,
     _read_cpu,
@@ -31,6 +29,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.setup import (
 from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.worker import (
     ChunkCacheWorker,
 )
+
+from tests.unit.vllm_triton_cache_write import write_kv
 
 HEADS, HEAD = 2, 64
 

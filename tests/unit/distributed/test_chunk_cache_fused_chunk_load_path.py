@@ -18,9 +18,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from vllm.model_executor.layers.rotary_embedding import get_rope
-
-from tests.unit.vllm_triton_cache_write import write_kv
 from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.fused_chunk_load_path import (
     FusedLayers,
     FusedLoadChoice,
@@ -32,7 +29,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.fused_chunk_load_p
 from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.sample_check import (
     SAMPLE_ROWS,
 )
+from vllm.model_executor.layers.rotary_embedding import get_rope
 from vllm.v1.worker.position_remapper import RopeRotation
+
+from tests.unit.vllm_triton_cache_write import write_kv
 
 HEADS, HEAD, BLOCK, BLOCKS = 2, 32, 16, 6
 
@@ -217,7 +217,6 @@ def test_the_workers_fused_branch_writes_what_its_layer_by_layer_branch_writes(
     the per-stretch cos/sin table and each row's stretch index, against gather + rotation
     + the backend's write (reshape_and_cache_flash's arithmetic), on a RoPE layer and a
     layer without RoPE; two requests, three stretches, deltas of both signs."""
-    from tests.unit.distributed.test_chunk_cache_worker import _worker
     from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.metadata import (
         LoadRows,
         RequestLoad,
@@ -225,6 +224,8 @@ def test_the_workers_fused_branch_writes_what_its_layer_by_layer_branch_writes(
     )
     from vllm.v1.worker.fused_chunk_load import PagedLayer
     from vllm.v1.worker.position_remapper import PositionRemapper, RemapRows
+
+    from tests.unit.distributed.test_chunk_cache_worker import _worker
 
     gen = torch.Generator().manual_seed(5)
     loads = [
@@ -329,7 +330,6 @@ def test_the_workers_fused_capture_copies_what_its_reader_branch_copies(rotation
     """ChunkCacheWorker.capture_after_forward, both branches on the same step (two
     children, one mid-prefill): one fused copy launch per group against the backend's
     reader layer by layer (`_read_flash`), on the RoPE and the no-RoPE launch."""
-    from tests.unit.distributed.test_chunk_cache_worker import _worker
     from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.cache_writers import (
         CacheWriter,
         _read_flash,
@@ -345,6 +345,8 @@ def test_the_workers_fused_capture_copies_what_its_reader_branch_copies(rotation
         ChunkCacheWorker,
     )
     from vllm.v1.worker.fused_chunk_load import PagedLayer
+
+    from tests.unit.distributed.test_chunk_cache_worker import _worker
 
     gen = torch.Generator().manual_seed(9)
     caches = {

@@ -8,9 +8,6 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import torch
-
-from tests.unit.ascend.step_probes import cos_sin_formed_without_host_reads
-from tests.unit.distributed.test_chunk_cache_worker import _sizing_config, _worker
 from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache import (
     fused_chunk_load_path,
     setup,
@@ -27,6 +24,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.mla_latent_layers 
     LatentLayer,
 )
 from vllm.v1.worker.position_remapper import RemapScratch, RopeRotation
+
+from tests.unit.ascend.step_probes import cos_sin_formed_without_host_reads
+from tests.unit.distributed.test_chunk_cache_worker import _sizing_config, _worker
 
 RANK, ROPE = 48, 16
 
@@ -160,11 +160,12 @@ def test_the_config_time_capture_decision_is_the_per_layer_decision():
     exactly where the per-layer decision (`choose_capture`, its self-check with vLLM's own
     Triton cache write into a FlashAttention cache) sends the layer there; an unquantized
     cache, which that write and read give back bit for bit, is never predicted as a hook."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache import capture_path
+
     from tests.unit.distributed.test_chunk_cache_capture_path import (
         _flash_layer,
         _flash_writer,
     )
-    from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache import capture_path
 
     for cache_dtype in ("auto", "bfloat16", "float32", "fp8", "fp8_e4m3", "fp8_e5m2"):
         cfg = SimpleNamespace(cache_config=SimpleNamespace(cache_dtype=cache_dtype))

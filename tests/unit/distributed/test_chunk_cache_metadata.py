@@ -3,7 +3,6 @@
 rows (what each worker does once per step, on its device), with exact rows."""
 
 import torch
-
 from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.metadata import (
     ChildStore,
     LoadRows,

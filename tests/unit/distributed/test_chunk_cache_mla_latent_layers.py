@@ -24,8 +24,6 @@ import inspect
 import pytest
 import torch
 from torch import nn
-from vllm.v1.attention.backends.registry import AttentionBackendEnum
-
 from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.cache_writers import (
     latent_writer_for,
     supported_latent_backends,
@@ -36,6 +34,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.mla_latent_layers 
 from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.support import (
     check_attention_layer,
 )
+from vllm.v1.attention.backends.registry import AttentionBackendEnum
 from vllm.v1.worker.position_remapper import RemapRows, RopeRotation
 
 # The CUDA MLA backends registered, and the dense/sparse/ROCm ones left refused.

@@ -5,12 +5,11 @@ for and not supported (recompute_step.py)."""
 from types import SimpleNamespace
 
 import pytest
-from vllm.platforms import current_platform
-
 from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.recompute_step import (
     RECOMPUTE_IN_ONE_STEP,
     RecomputeSteps,
 )
+from vllm.platforms import current_platform
 
 
 def config(k=5, speculative=None, mla=False):
@@ -80,7 +79,6 @@ def test_on_cuda_the_worker_refuses_other_backends_full_graph_mode_and_spec_deco
     and the start-up line says how a step with runs runs (vLLM's dispatcher itself:
     tests/unit/v1/worker/test_query_runs_dispatch.py)."""
     from vllm.config.compilation import CUDAGraphMode
-
     from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.support import (
         check_query_runs,
     )

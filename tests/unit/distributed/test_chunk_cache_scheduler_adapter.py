@@ -10,13 +10,13 @@ import pytest
 import torch
 from forktool.check import overlay_modules
 from forktool.paths import Paths
+from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.scheduler_adapter import (
+    ChunkCacheSchedulerAdapter,
+)
 from vllm.sampling_params import SamplingParams
 from vllm.v1.request import Request, RequestStatus
 
 from tests.chunk_manager_views import is_ready, load_plan
-from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.scheduler_adapter import (
-    ChunkCacheSchedulerAdapter,
-)
 
 BLOCK = 16  # paged block size of the fake KV cache
 SINK = 1

@@ -27,9 +27,6 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
-
-from tests.unit.distributed.test_chunk_cache_worker import _worker
-from tests.unit.vllm_triton_cache_write import write_kv
 from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.metadata import (
     ChunkCacheMetadata,
     RequestLoad,
@@ -38,6 +35,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.metadata import (
 from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.setup import (
     POOL_BLOCK_SIZE,
 )
+
+from tests.unit.distributed.test_chunk_cache_worker import _worker
+from tests.unit.vllm_triton_cache_write import write_kv
 
 HEADS, HEAD, BLOCK, BLOCKS, LAYERS = 2, 32, 16, 64, 3
 

@@ -11,7 +11,6 @@ from types import SimpleNamespace
 import pytest
 import torch
 from torch import nn
-
 from vllm.config import ChunkCacheConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.support import (
     check_attention_layer,

@@ -9,7 +9,6 @@ from types import SimpleNamespace
 import pytest
 import torch
 from torch import nn
-
 from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache import setup
 from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.layer_ropes import (
     find_layer_ropes,
@@ -270,9 +269,8 @@ def test_full_graphs_stay_unless_the_cache_is_quantized(cache_dtype, hooked):
     """VLLM's default FULL_AND_PIECEWISE stays where captures run after the
     forward; a quantized cache keeps the hook, so PIECEWISE (logged), and an
     explicit FULL is refused there."""
-    from vllm.config.compilation import CUDAGraphMode
-
     from vllm.config import ChunkCacheConfig
+    from vllm.config.compilation import CUDAGraphMode
 
     cfg = SimpleNamespace(
         chunk_cache_config=ChunkCacheConfig(
@@ -461,7 +459,6 @@ def test_a_rope_narrower_than_the_key_heads_is_refused(vllm_config_context):
     """A rope built for part of a head (non-MLA DeepSeek attention puts k_pe at the end of
     a 192-wide head) would be turned at the head's start: refused at start-up, by name."""
     from vllm.model_executor.layers.rotary_embedding import get_rope
-
     from vllm.v1.worker.position_remapper import RopeRotation
 
     class CPUAttentionBackendImpl:  # the name the CPU writer is registered under

@@ -16,9 +16,9 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
+from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache import setup
 
 from tests.conftest import models_dir
-from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache import setup
 
 
 def _config(model_config, pp_size: int, rank: int, size_gib, fraction=0.15):

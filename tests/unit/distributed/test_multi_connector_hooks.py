@@ -65,9 +65,8 @@ class SecondHooked(_Hooked):
 
 
 def _multi(role: KVConnectorRole):
-    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
-
     from vllm.config import KVTransferConfig, VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
     config = VllmConfig()
     config.scheduler_config.disable_hybrid_kv_cache_manager = True
@@ -121,9 +120,8 @@ def test_no_sub_connector_with_a_gap_is_no_gap():
 def test_the_chunk_cache_connector_without_the_flag_is_refused(role):
     # Named in a --kv-transfer-config (here inside a MultiConnector) without
     # --enable-chunk-cache, the scheduler would never call its hooks: refused by name.
-    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
-
     from vllm.config import KVTransferConfig, VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
     config = VllmConfig()
     config.scheduler_config.disable_hybrid_kv_cache_manager = True

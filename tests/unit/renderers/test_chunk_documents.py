@@ -9,15 +9,15 @@ import asyncio
 import jinja2
 import pytest
 from vllm.exceptions import VLLMValidationError
-from vllm.renderers.params import ChatParams
-
-from tests.unit.conftest import build_toy_tokenizer
 from vllm.renderers.chunk_documents import (
     chunks_prompt,
     chunks_prompt_async,
     mark_chunks,
 )
 from vllm.renderers.chunk_split import SEGMENTS_KEY, ChunkPromptError
+from vllm.renderers.params import ChatParams
+
+from tests.unit.conftest import build_toy_tokenizer
 
 # A RAG template in the style of Command-R / Granite: numbered documents
 # between the system prompt and the conversation.

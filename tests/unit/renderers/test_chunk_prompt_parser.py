@@ -4,7 +4,6 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
 from vllm.renderers.chunk_prompt_parser import (
     ChunkedPromptParser,
     find_separator_starts,

@@ -7,10 +7,8 @@ import asyncio
 from types import SimpleNamespace
 
 import pytest
-from vllm.exceptions import VLLMValidationError
-
-from tests.unit.conftest import build_toy_tokenizer
 from vllm.config import ChunkCacheConfig
+from vllm.exceptions import VLLMValidationError
 from vllm.renderers.chunk_split import (
     LAYOUT_KEY,
     SEGMENTS_KEY,
@@ -19,6 +17,8 @@ from vllm.renderers.chunk_split import (
     make_splitter,
     validate_chunked_request,
 )
+
+from tests.unit.conftest import build_toy_tokenizer
 
 
 def _config(**kw):

@@ -8,10 +8,11 @@ segment on its own."""
 import asyncio
 from types import SimpleNamespace
 
-from tests.unit.conftest import build_toy_tokenizer
 from vllm.config import ChunkCacheConfig
 from vllm.renderers.chunk_split import LAYOUT_KEY, ChunkPromptSplitter
 from vllm.renderers.segment_token_cache import SegmentText, SegmentTokenCache
+
+from tests.unit.conftest import build_toy_tokenizer
 
 
 class _Params(SimpleNamespace):

@@ -21,7 +21,6 @@ import threading
 import time
 
 import pytest
-
 from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store.connection import (
     SharedStore,
 )

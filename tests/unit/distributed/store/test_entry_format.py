@@ -3,7 +3,6 @@
 import numpy as np
 import pytest
 import xxhash
-
 from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store import (
     entry_format as ef,
 )

@@ -29,6 +29,20 @@ import ctypes
 import time
 
 import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.scheduler_adapter import (
+    ChunkCacheSchedulerAdapter,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store import mooncake
+from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store.messages import (
+    EntryFetch,
+    EntryPut,
+    FetchOutcome,
+    StoreReport,
+    StoreStep,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store.spec import (
+    parse_store_spec,
+)
 from vllm.v1.request import RequestStatus
 
 from tests.unit.distributed.store.test_held_rows_limit import (
@@ -54,20 +68,6 @@ from tests.unit.distributed.test_chunk_cache_scheduler_adapter import (
     finish,
     make_config,
     parent,
-)
-from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.scheduler_adapter import (
-    ChunkCacheSchedulerAdapter,
-)
-from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store import mooncake
-from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store.messages import (
-    EntryFetch,
-    EntryPut,
-    FetchOutcome,
-    StoreReport,
-    StoreStep,
-)
-from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store.spec import (
-    parse_store_spec,
 )
 
 LIMIT_S = 30.0

@@ -10,6 +10,14 @@ from __future__ import annotations
 import time
 
 import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.scheduler_adapter import (
+    ChunkCacheSchedulerAdapter,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store.messages import (
+    FetchOutcome,
+    StoreStep,
+)
+from vllm.v1.core.chunk_store_probe import StoreAnswer, StoreLookup
 from vllm.v1.request import RequestStatus
 
 from tests.unit.distributed.store.test_store_transfers import (
@@ -24,14 +32,6 @@ from tests.unit.distributed.test_chunk_cache_scheduler_adapter import (
     make_config,
     parent,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.scheduler_adapter import (
-    ChunkCacheSchedulerAdapter,
-)
-from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store.messages import (
-    FetchOutcome,
-    StoreStep,
-)
-from vllm.v1.core.chunk_store_probe import StoreAnswer, StoreLookup
 
 LIMIT_S = 30.0
 

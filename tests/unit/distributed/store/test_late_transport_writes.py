@@ -26,6 +26,16 @@ import time
 import weakref
 
 import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store import mooncake
+from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store.messages import (
+    EntryFetch,
+    EntryPut,
+    FetchOutcome,
+    StoreStep,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store.spec import (
+    parse_store_spec,
+)
 
 from tests.unit.distributed.store.test_store_transfers import (
     _reports,
@@ -36,16 +46,6 @@ from tests.unit.distributed.store.test_store_transfers import (
     step_until,
     transfers,
     wait_identity,
-)
-from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store import mooncake
-from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store.messages import (
-    EntryFetch,
-    EntryPut,
-    FetchOutcome,
-    StoreStep,
-)
-from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store.spec import (
-    parse_store_spec,
 )
 
 _TRANSFER_FAIL = -800

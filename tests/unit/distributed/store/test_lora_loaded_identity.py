@@ -14,10 +14,23 @@ import shutil
 import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
+from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.scheduler_adapter import (
+    ChunkCacheSchedulerAdapter,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store.connection import (
+    SharedStore,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store.messages import (
+    StoreStep,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store.transfers import (
+    StoreTransfers,
+)
 from vllm.lora.lora_model import LoRAModel
 from vllm.lora.lora_weights import LoRALayerWeights
 from vllm.lora.request import LoRARequest
 from vllm.sampling_params import SamplingParams
+from vllm.v1.core.chunk_store_probe import StoreAnswer, StoreLookup
 from vllm.v1.request import Request, RequestStatus
 
 from tests.unit.distributed.store.test_store_transfers import (
@@ -31,19 +44,6 @@ from tests.unit.distributed.test_chunk_cache_scheduler_adapter import (
     finish,
     make_config,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.scheduler_adapter import (
-    ChunkCacheSchedulerAdapter,
-)
-from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store.connection import (
-    SharedStore,
-)
-from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store.messages import (
-    StoreStep,
-)
-from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store.transfers import (
-    StoreTransfers,
-)
-from vllm.v1.core.chunk_store_probe import StoreAnswer, StoreLookup
 
 WEIGHTS = "adapter_model.safetensors"
 

@@ -11,8 +11,6 @@ import time
 
 import numpy as np
 import pytest
-
-from tests.store_fleet import MooncakeFleet, free_port
 from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store import (
     entry_format as ef,
 )
@@ -31,6 +29,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store.mooncake imp
 from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store.spec import (
     parse_store_spec,
 )
+
+from tests.store_fleet import MooncakeFleet, free_port
 
 TIMEOUT_S = 2.0  # the fleet's per-call deadline
 # A call may finish a little after its deadline (thread wake-up, a loaded CI machine).

@@ -15,15 +15,6 @@ from __future__ import annotations
 import ctypes
 
 import pytest
-
-from tests.unit.distributed.store.test_store_transfers import (
-    drain_puts,
-    entry,
-    rows_of,
-    small_pool,
-    step_until,
-    wait_identity,
-)
 from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store import connection
 from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store.base import (
     ChunkStore,
@@ -42,6 +33,15 @@ from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store.messages imp
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store.transfers import (
     StoreTransfers,
+)
+
+from tests.unit.distributed.store.test_store_transfers import (
+    drain_puts,
+    entry,
+    rows_of,
+    small_pool,
+    step_until,
+    wait_identity,
 )
 
 # An address no other test's store uses (nothing listens: _probe is patched).

@@ -4,7 +4,6 @@ import dataclasses
 import re
 
 import pytest
-
 from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store.keys import (
     StoreNamespace,
     store_key,

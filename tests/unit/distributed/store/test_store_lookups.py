@@ -9,7 +9,6 @@ from __future__ import annotations
 import time
 from types import SimpleNamespace
 
-from tests.store_fleet import MooncakeFleet, free_port
 from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store.lookups import (
     StoreClient,
 )
@@ -27,6 +26,8 @@ from vllm.v1.core.chunk_store_probe import (
     ReportResult,
     StoreAnswer,
 )
+
+from tests.store_fleet import MooncakeFleet, free_port
 
 NS = ChunkNamespace(model="m", kv_dtype="f32", tokenizer="t", weights_epoch=0)
 # A lookup call itself (the scheduler's step pays it) never blocks.

@@ -20,8 +20,6 @@ import types
 import pytest
 import torch
 from torch import nn
-
-from tests.unit.distributed.test_chunk_cache_worker import _attention
 from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store.keys import (
     StoreNamespace,
     store_key,
@@ -29,6 +27,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store.keys import 
 from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store.rank import (
     StoreRank,
 )
+
+from tests.unit.distributed.test_chunk_cache_worker import _attention
 
 HEAD = 64
 ORIGINAL, MAX_POS = 512, 4096
@@ -75,11 +75,10 @@ def _longrope(max_model_len: int):
     """VLLM's LongRoPE as its Phi-3 model builds it under `--max-model-len`.
     NOTE: built directly, not through get_rope, whose cache (keyed by the rope
     parameters, not max_model_len) would hand back the first one built."""
+    from vllm.config import set_current_vllm_config
     from vllm.model_executor.layers.rotary_embedding.phi3_long_rope_scaled_rope import (
         Phi3LongRoPEScaledRotaryEmbedding,
     )
-
-    from vllm.config import set_current_vllm_config
 
     with set_current_vllm_config(_config(max_model_len)):
         return Phi3LongRoPEScaledRotaryEmbedding(
@@ -205,10 +204,9 @@ def test_compute_names_the_backend_each_layer_was_given(one_rank):
     vLLM gave the layers (what computed the KV), read from the built layers, not
     from a flag. The oracle is the backend classes attached to the layers: engines
     whose layers run other backends never share keys, engines with the same do."""
+    from vllm.config import set_current_vllm_config
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
     from vllm.v1.attention.backends.flex_attention import FlexAttentionBackend
-
-    from vllm.config import set_current_vllm_config
 
     rope = _longrope(512)
     config = _config(512)

@@ -1,7 +1,6 @@
 """StoreSpec / parse_store_spec: the two spellings of --chunk-store and their errors."""
 
 import pytest
-
 from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store.spec import (
     StoreSpec,
     parse_store_spec,

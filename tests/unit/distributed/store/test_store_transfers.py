@@ -20,8 +20,6 @@ import time
 import pytest
 import torch
 from torch import nn
-
-from tests.store_fleet import MooncakeFleet
 from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.setup import (
     POOL_BLOCK_SIZE,
 )
@@ -49,6 +47,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store.rank import 
 from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store.transfers import (
     StoreTransfers,
 )
+
+from tests.store_fleet import MooncakeFleet
 
 
 def rank(max_chunk_tokens: int = 64) -> StoreRank:

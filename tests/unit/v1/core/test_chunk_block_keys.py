@@ -7,9 +7,8 @@ from __future__ import annotations
 
 import pytest
 from vllm.sampling_params import SamplingParams
-from vllm.v1.request import Request
-
 from vllm.v1.core.chunk_block_keys import block_extra_keys
+from vllm.v1.request import Request
 
 BLOCK = 4
 

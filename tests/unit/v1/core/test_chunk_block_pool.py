@@ -8,7 +8,6 @@ from hypothesis.stateful import (
     precondition,
     rule,
 )
-
 from vllm.v1.core.chunk_block_pool import ChunkBlockPool
 from vllm.v1.core.chunk_structures import ChunkHash
 

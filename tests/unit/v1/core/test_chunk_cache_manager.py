@@ -4,14 +4,6 @@
 import dataclasses
 
 import pytest
-
-from tests.chunk_manager_views import (
-    StorePlan,
-    child_finished,
-    is_ready,
-    load_plan,
-    store_plan,
-)
 from vllm.v1.core.chunk_cache_manager import (
     CHILD_REQUEST_PREFIX,
     MAX_CHILD_ATTEMPTS,
@@ -26,6 +18,14 @@ from vllm.v1.core.chunk_structures import (
     SegmentLoad,
     SegmentSpan,
     SegmentStatus,
+)
+
+from tests.chunk_manager_views import (
+    StorePlan,
+    child_finished,
+    is_ready,
+    load_plan,
+    store_plan,
 )
 
 NS = ChunkNamespace(model="m", kv_dtype="bfloat16", tokenizer="t")

@@ -6,14 +6,6 @@ failed fetch whose rows a store call still holds computes into new blocks and
 holds the old ones until they are returned."""
 
 import pytest
-
-from tests.chunk_manager_views import (
-    child_finished,
-    is_ready,
-    load_plan,
-    report,
-    store_plan,
-)
 from vllm.v1.core.chunk_cache_manager import ChunkCacheManager
 from vllm.v1.core.chunk_hash_index import ChunkNamespace
 from vllm.v1.core.chunk_store_probe import FETCH_ID_PREFIX, StoreAnswer, StoreLookup
@@ -22,6 +14,14 @@ from vllm.v1.core.chunk_structures import (
     ChunkContextMode,
     ChunkedPrompt,
     SegmentSpan,
+)
+
+from tests.chunk_manager_views import (
+    child_finished,
+    is_ready,
+    load_plan,
+    report,
+    store_plan,
 )
 
 NS = ChunkNamespace(model="m", kv_dtype="float32", tokenizer="t")

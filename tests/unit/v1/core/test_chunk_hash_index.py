@@ -5,7 +5,6 @@ import struct
 import numpy as np
 import pytest
 import xxhash
-
 from vllm.v1.core.chunk_hash_index import (
     ChunkHashIndex,
     ChunkNamespace,

@@ -15,6 +15,7 @@ import os
 from pathlib import Path
 
 import pytest
+from vllm import __version__ as vllm_version
 
 from tests.unit.v1.core.hook_transcript import (
     BLOCK,
@@ -25,7 +26,6 @@ from tests.unit.v1.core.hook_transcript import (
     make_request,
     make_scheduler,
 )
-from vllm import __version__ as vllm_version
 
 # NOTE: one set per base: vLLM 0.32's block pool hands out other block ids (its
 # free queue's order), so the same hooks carry other paged block ids there.
@@ -103,9 +103,8 @@ def fifo_deferral_on_a_full_pool(t: Transcript, monkeypatch) -> None:
 
 
 def refusals(t: Transcript, monkeypatch) -> None:
-    from vllm.v1.request import RequestStatus
-
     from vllm.v1.core import chunk_cache_manager
+    from vllm.v1.request import RequestStatus
 
     # Oversized: four documents need 13 blocks of a pool of 8.
     add(t, "big", SYS, D1, D2, D3, list(range(700, 740)), q(0))

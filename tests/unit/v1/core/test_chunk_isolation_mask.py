@@ -3,6 +3,9 @@ import math
 
 import pytest
 import torch
+from vllm.v1.core.chunk_cache_manager import ChunkCacheManager
+from vllm.v1.core.chunk_hash_index import ChunkNamespace
+from vllm.v1.core.chunk_structures import ChunkContextMode, ChunkedPrompt, SegmentSpan
 
 from tests.chunk_isolation_mask import (
     Role,
@@ -11,9 +14,6 @@ from tests.chunk_isolation_mask import (
     first_k,
 )
 from tests.chunk_manager_views import child_finished, load_plan
-from vllm.v1.core.chunk_cache_manager import ChunkCacheManager
-from vllm.v1.core.chunk_hash_index import ChunkNamespace
-from vllm.v1.core.chunk_structures import ChunkContextMode, ChunkedPrompt, SegmentSpan
 
 
 def make_prompt(*segments):
@@ -126,7 +126,6 @@ def attend(q, k, v, allowed):
 @pytest.mark.parametrize("mode", list(ChunkContextMode))
 def test_reference_mask_equals_structural_child_computation(vllm_config_context, mode):
     from vllm.model_executor.layers.rotary_embedding import get_rope
-
     from vllm.v1.worker.position_remapper import RopeRotation
 
     rope = get_rope(HEAD, 256, True, {"rope_type": "default"}, torch.float32)

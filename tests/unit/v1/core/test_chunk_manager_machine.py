@@ -16,8 +16,6 @@ or held; after a reset then, the pool is empty.
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
-
-from tests.chunk_manager_views import child_finished, report
 from vllm.v1.core.chunk_cache_manager import ChunkCacheManager
 from vllm.v1.core.chunk_hash_index import ChunkNamespace
 from vllm.v1.core.chunk_store_probe import StoreAnswer, StoreLookup
@@ -28,6 +26,8 @@ from vllm.v1.core.chunk_structures import (
     ChunkHash,
     SegmentSpan,
 )
+
+from tests.chunk_manager_views import child_finished, report
 
 NS = ChunkNamespace(model="m", kv_dtype="float32", tokenizer="t")
 SYSTEMS = [[1, 2, 3], [4, 5]]

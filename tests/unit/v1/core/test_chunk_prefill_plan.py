@@ -2,7 +2,6 @@
 """Loaded and computed stretches of a chunked prompt under boundary recompute."""
 
 import pytest
-
 from vllm.v1.core.chunk_prefill_plan import PrefillPlan, PrefillStep
 from vllm.v1.core.chunk_structures import ChunkedPrompt, SegmentSpan
 

@@ -5,8 +5,6 @@ keys of `compute_chunk_hash`, and a key that matches other content (tokens
 or context) is still a collision: refused, never served."""
 
 import pytest
-
-from tests.chunk_manager_views import child_finished
 from vllm.v1.core import chunk_cache_manager
 from vllm.v1.core.chunk_cache_manager import ChunkCacheManager, segment_context
 from vllm.v1.core.chunk_hash_index import (
@@ -20,6 +18,8 @@ from vllm.v1.core.chunk_structures import (
     ChunkedPrompt,
     SegmentStatus,
 )
+
+from tests.chunk_manager_views import child_finished
 
 NS = ChunkNamespace(model="m", kv_dtype="bfloat16", tokenizer="t")
 SINK = 1

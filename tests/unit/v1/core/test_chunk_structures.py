@@ -1,6 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
 import pytest
-
 from vllm.v1.core.chunk_structures import (
     ChunkCacheStats,
     ChunkedPrompt,

@@ -18,9 +18,9 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # before Triton compiles anythin
 import pytest
 import torch
 from vllm.model_executor.layers.rotary_embedding import get_rope
+from vllm.v1.worker.position_remapper import RopeRotation
 
 from tests.unit.vllm_triton_cache_write import write_rows
-from vllm.v1.worker.position_remapper import RopeRotation
 
 fused = pytest.importorskip("vllm.v1.worker.fused_chunk_load")
 if not fused.available():

@@ -5,7 +5,6 @@ with pin=False (pinning needs a CUDA driver); `to_device` skips the copy where t
 tensor is already on the device."""
 
 import torch
-
 from vllm.v1.worker.host_staging import HostStaging
 
 

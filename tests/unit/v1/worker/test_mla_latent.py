@@ -11,7 +11,6 @@ test_position_remapper.py: atol 2e-3 on O(1) entries at positions < 3200.
 import pytest
 import torch
 from vllm.model_executor.layers.rotary_embedding import get_rope
-
 from vllm.v1.worker.mla_latent import LatentRowLayout, reposition_latent_rows
 from vllm.v1.worker.position_remapper import RopeRotation
 

@@ -14,6 +14,7 @@ import math
 
 import pytest
 import torch
+import vllm
 from vllm.model_executor.layers.rotary_embedding import get_rope
 from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
 from vllm.model_executor.layers.rotary_embedding.deepseek_scaling_rope import (
@@ -25,9 +26,6 @@ from vllm.model_executor.layers.rotary_embedding.dual_chunk_rope import (
 from vllm.model_executor.layers.rotary_embedding.linear_scaling_rope import (
     LinearScalingRotaryEmbedding,
 )
-
-import vllm
-from tests.chunk_manager_views import child_finished, load_plan, store_plan
 from vllm.v1.core.chunk_cache_manager import ChunkCacheManager
 from vllm.v1.core.chunk_hash_index import ChunkNamespace
 from vllm.v1.core.chunk_structures import (
@@ -43,6 +41,8 @@ from vllm.v1.worker.position_remapper import (
     RopeRotation,
     Rounding,
 )
+
+from tests.chunk_manager_views import child_finished, load_plan, store_plan
 
 ATOL = 2e-3
 HEAD_SIZE = 64

@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 import torch
 from vllm.v1.attention.backend import CommonAttentionMetadata
-
 from vllm.v1.worker.query_runs import position_offsets, run_rows, split_rows
 
 # Batch: "a" decodes (1 token at 40), "b" runs heads [5,7) and [13,15) and the

@@ -17,12 +17,11 @@ import numpy as np
 import pytest
 import torch
 from vllm.config.compilation import CompilationConfig, CompilationMode, CUDAGraphMode
-from vllm.v1.cudagraph_dispatcher import CudagraphDispatcher
-from vllm.v1.worker.gpu_model_runner import GPUModelRunner
-
 from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.support import (
     check_query_runs,
 )
+from vllm.v1.cudagraph_dispatcher import CudagraphDispatcher
+from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 from vllm.v1.worker.query_runs import check_runs_dispatch, run_rows
 
 CAPTURE_SIZES = [1, 2, 4, 8, 16, 32, 64, 128]

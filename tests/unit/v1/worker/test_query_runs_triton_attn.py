@@ -34,7 +34,6 @@ import numpy as np
 import pytest
 import torch
 from vllm.v1.attention.backend import CommonAttentionMetadata
-
 from vllm.v1.worker.query_runs import run_rows, split_rows
 
 triton_attn = pytest.importorskip("vllm.v1.attention.backends.triton_attn")

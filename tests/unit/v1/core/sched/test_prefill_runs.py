@@ -3,7 +3,6 @@
 
 import pytest
 from vllm.distributed.kv_transfer.kv_connector.v1.base import PrefillGap
-
 from vllm.v1.core.sched.prefill_runs import PrefillRuns
 
 
@@ -59,7 +58,6 @@ def _budget(mode_name: str, max_num_seqs: int, capture: int):
     from types import SimpleNamespace
 
     from vllm.config.compilation import CUDAGraphMode
-
     from vllm.v1.core.sched.prefill_runs import RunRowBudget
 
     return RunRowBudget.of_config(
