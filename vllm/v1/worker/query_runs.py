@@ -1,30 +1,13 @@
 # SPDX-License-Identifier: Apache-2.0
 """A request computed as several query runs in one step (model runner side).
 
-`SchedulerOutput.query_runs` lists, for a request whose scheduled tokens are
-several stretches of its prompt with loaded KV between them (a KV connector's
-prefill gaps, `vllm/v1/core/sched/prefill_runs.py`), the (first position,
-length) of each run. Everything the model runner does per request stays per
-request (input ids, sampling, the request's last token); two things change:
-
-* positions (and so the slot mapping and the input ids gathered from them):
-  the runner's `num_computed_tokens + arange` is right for the last run only
-  (num_computed_tokens already counts every loaded stretch), earlier runs are
-  moved back to their real positions (`position_offsets`);
-* attention metadata: each run becomes its own row, over the same block
-  table, with `seq_len = its last position + 1` (`split_rows`), because every
-  attention backend takes a row's query tokens as the last tokens of its
-  keys. A later run sees an earlier run's keys: each layer writes the step's
-  K/V into the paged cache before its attention reads it.
-
-vLLM 0.32's `CommonAttentionMetadata.req_idx` already lets several rows
-share one request's KV (prefill context parallelism); the rows here use it.
-
-A step with runs has more attention rows than requests, which a full CUDA
-graph (fixed rows) cannot replay: `check_runs_dispatch` refuses one at run
-time (support.check_query_runs refuses the modes that would at start-up), and
-the runs' host-to-device copies go through reused pinned buffers without a
-sync (`HostStaging`).
+`SchedulerOutput.query_runs` gives, for a request whose scheduled tokens are
+several stretches of its prompt, the (first position, length) of each run.
+Everything stays per request but two things: the positions of its earlier
+runs are moved back to their real ones (`position_offsets`), and its
+attention row becomes one row per run over the same block-table row, with
+`seq_len` = the run's end (`split_rows`).
+Why: docs/design/boundary-recompute.md, "Why one step".
 """
 
 from dataclasses import dataclass, fields, replace
@@ -139,13 +122,9 @@ def run_rows(
 
 
 def check_runs_dispatch(rows: RunRows | None, cudagraph_mode: Any) -> None:
-    """Refuse a step with query runs dispatched to a full CUDA graph: the graph
-    replays the attention rows it was captured with (one per request, padded),
-    not the step's runs. vLLM dispatches full graphs only for uniform-decode
-    batches under FULL_AND_PIECEWISE / FULL_DECODE_ONLY, and a request with runs
-    has at least two scheduled tokens; under FULL every batch may take one
-    (refused at start-up: support.check_query_runs). A raise, not an assert:
-    it must hold under python -O too."""
+    """Refuse a step with query runs dispatched to a full CUDA graph, which
+    replays the rows it was captured with, not the runs' (a raise, not an
+    assert: it must hold under python -O)."""
     if rows is None or cudagraph_mode is None:
         return
     from vllm.config.compilation import CUDAGraphMode
@@ -155,10 +134,11 @@ def check_runs_dispatch(rows: RunRows | None, cudagraph_mode: Any) -> None:
             f"a step with query runs ({rows.num_rows} attention rows for "
             f"{int(rows.request_index.max()) + 1} requests) was dispatched to "
             f"cudagraph runtime mode {cudagraph_mode.name}: a full CUDA graph "
-            "replays the rows it was captured with, not the runs'; the chunk "
-            "cache's one-step boundary recompute needs a mode whose mixed batches "
-            "run piecewise or eagerly (FULL_AND_PIECEWISE, PIECEWISE, "
-            "FULL_DECODE_ONLY, NONE)"
+            "replays the rows it was captured with, not the runs'; "
+            "--chunk-recompute-tokens in one step needs a --compilation-config "
+            "cudagraph_mode whose mixed batches run piecewise or eagerly "
+            "(FULL_AND_PIECEWISE, PIECEWISE, FULL_DECODE_ONLY, NONE), or "
+            "CHUNK_CACHE_RECOMPUTE_ONE_STEP=0"
         )
 
 
@@ -199,20 +179,15 @@ def split_rows(common: Any, rows: RunRows, staging: HostStaging | None = None) -
             changes[name] = value[index_on[value.device]]
         elif isinstance(value, np.ndarray):
             changes[name] = value[rows.request_index]
-    if (
-        "seq_lens_cpu_upper_bound" in names
-        and common.seq_lens_cpu_upper_bound is not None
-    ):
-        changes["seq_lens_cpu_upper_bound"] = seq_lens_cpu
-    if "_seq_lens_cpu" in names and common._seq_lens_cpu is not None:
-        changes["_seq_lens_cpu"] = seq_lens_cpu
-    if (
-        "_num_computed_tokens_cpu" in names
-        and common._num_computed_tokens_cpu is not None
-    ):
-        changes["_num_computed_tokens_cpu"] = seq_lens_cpu - torch.from_numpy(
-            rows.query_lens
-        ).to(seq_lens_cpu.dtype)
+    query_lens_cpu = torch.from_numpy(rows.query_lens).to(seq_lens_cpu.dtype)
+    host_copies = {
+        "seq_lens_cpu_upper_bound": seq_lens_cpu,
+        "_seq_lens_cpu": seq_lens_cpu,
+        "_num_computed_tokens_cpu": seq_lens_cpu - query_lens_cpu,
+    }
+    for name, value in host_copies.items():
+        if name in names and getattr(common, name) is not None:
+            changes[name] = value
     for cache in ("_num_computed_tokens_cache", "_token_to_req_indices_cache"):
         if cache in names:
             changes[cache] = None
