@@ -1,32 +1,11 @@
 # SPDX-License-Identifier: Apache-2.0
 """How many engine steps the boundary recompute takes: one, or one per head.
 
-With `--chunk-recompute-tokens K` a prompt alternates loaded and computed
-stretches (`PrefillPlan`). Where the model runner computes several query runs
-per request (`SchedulerOutput.query_runs`, `vllm/v1/worker/query_runs.py`),
-the connector offers every stretch at once (`PrefillGap.next_stretches`) and
-a request whose documents are all cached reaches its first token in one step
-(budget permitting); elsewhere it offers one computed stretch per step, as
-before. Decided once at start-up and logged, never per request.
-
-The one-step path needs: the CPU platform's CPU_ATTN backend (it takes any
-number of rows over one block table and builds its metadata from the
-runner's rows, with no CUDA graph; not CPU_MLA), vLLM's V1 model runner (the
-V2 runner does not read `query_runs`) and no speculative decoding. On
-every other set-up the multi-step path runs and the start-up line says why.
-`CHUNK_CACHE_RECOMPUTE_ONE_STEP=0` keeps the multi-step path anywhere (e.g. to
-measure it side by side); `=1` refuses to start where one step is not
-supported.
-
-On CUDA the one-step path is opt-in (`=1`) until a GPU run shows it exact:
-FLASH_ATTN and TRITON_ATTN builders pass the runs' rows through and vLLM's
-Triton kernel attends over them causally by real position (both checked on the
-CPU: tests/unit/v1/worker/test_query_runs_triton_attn.py). The worker then
-refuses, naming it, any other attention backend, speculative decoding and
-cudagraph_mode FULL (full graphs for mixed batches); vLLM's default
-FULL_AND_PIECEWISE runs a step with runs piecewise or eagerly, with its rows
-capped at what FlashAttention 3's fixed buffer holds (`support.check_query_runs`,
-`prefill_runs.RunRowBudget`).
+Decided once at start-up and logged (`RecomputeSteps.for_config`): where the
+model runner computes query runs (`vllm/v1/worker/query_runs.py`), the
+connector offers every stretch at once (`PrefillGap.next_stretches`), else
+one computed stretch per step. Why: docs/design/boundary-recompute.md, "Why
+one step"; where each runs: its table "Where it runs".
 """
 
 import os
@@ -74,8 +53,9 @@ class RecomputeSteps:
 def _unsupported(vllm_config: Any, platform: Any, opted_in: bool) -> str | None:
     if platform.is_cuda() and not opted_in:
         return (
-            f"on CUDA the one-step path is opt-in ({RECOMPUTE_IN_ONE_STEP}=1: FLASH_ATTN "
-            "or TRITON_ATTN, any cudagraph_mode but FULL; not yet shown exact on a GPU)"
+            f"on CUDA the one-step path is opt-in ({RECOMPUTE_IN_ONE_STEP}=1: "
+            "FLASH_ATTN or TRITON_ATTN, any cudagraph_mode but FULL; not yet shown "
+            "exact on a GPU)"
         )
     if not (platform.is_cpu() or platform.is_cuda()):
         return (

@@ -1,16 +1,13 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The parents' loads of one scheduler step: the boundary-recompute arithmetic
-of the scheduler side, in one place (issue 51).
+"""The parents' loads of one scheduler step: the scheduler side of the
+boundary recompute's arithmetic, in one place.
 
 Which stretch a parent loads at its position and how much it may compute
-after it (one stretch per step, or every later one where the model runner
-computes query runs: recompute_step.py decides that at start-up), under the
-step's load cap (--max-chunk-load-tokens); where the loaded stretch starts
+after it (one stretch per step, or every later one: recompute_step.py),
+under the step's --max-chunk-load-tokens; where the loaded stretch starts
 until the scheduler allocates it; the stretches allocated, until the step's
-metadata is built. The plan of each prompt (loaded and computed stretches)
-is chunk_prefill_plan.py's; the rows, the parent's `StepDecision`'s.
-
-Every fact here lives for one step: `end_step` drops them with the metadata.
+metadata is built (`end_step`). The plan of each prompt is
+chunk_prefill_plan.py's; the rows, the parent's `StepDecision`'s.
 """
 
 from __future__ import annotations
@@ -18,7 +15,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import PrefillGap
-
 from vllm.v1.core.chunk_prefill_plan import PrefillStep
 from vllm.v1.core.chunk_step_decision import StepDecision
 from vllm.v1.core.chunk_structures import ChunkLoadPlan
@@ -165,8 +161,6 @@ class StepLoads:
         self._pending.clear()
         self._requests.clear()
         self._rows = 0
-
-    # ----------------------------------------------------------- internal
 
     def _fits_more(self, num_rows: int) -> bool:
         return self._rows == 0 or self._rows + num_rows <= self._max_load_rows
