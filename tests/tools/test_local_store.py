@@ -1,4 +1,5 @@
-"""`./fork serve --chunk-store local` and the set-up of the store's Debian libraries."""
+"""`./fork serve --chunk-store local` (the hub left on for a model named by hub id) and
+the set-up of the store's Debian libraries."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from forktool import local_store, sysdeps
+from forktool import cli, local_store, models, sysdeps
 from forktool.paths import Paths
 
 
@@ -29,17 +30,22 @@ def test_local_is_replaced_by_the_spec_in_both_spellings():
 
 
 def test_serve_starts_the_store_passes_its_spec_and_stops_it(tmp_path, monkeypatch):
-    """A real master and client; a stand-in for `vllm serve` that reports what it got."""
+    """A real master and client; a stand-in for `vllm serve` reports what it got."""
     report = tmp_path / "report.json"
     probe = (
         "import json, socket, sys\n"
         "spec = sys.argv[sys.argv.index('--chunk-store') + 1]\n"
         "port = int(spec.split('://')[1].split('?')[0].split(':')[1])\n"
         "s = socket.create_connection(('127.0.0.1', port), timeout=5); s.close()\n"
-        f"json.dump({{'spec': spec, 'argv': sys.argv[1:]}}, open({str(report)!r}, 'w'))\n"
+        "import os\n"
+        "seen = {'spec': spec, 'argv': sys.argv[1:],"
+        " 'offline': os.environ.get('HF_HUB_OFFLINE')}\n"
+        f"json.dump(seen, open({str(report)!r}, 'w'))\n"
     )
     paths = Paths(repo=Path(__file__).resolve().parents[2], cache=tmp_path / "cache")
     monkeypatch.setenv("FORK_STORE_SEGMENT_MB", "32")
+    # A hub id's serve (cli.ServeCommand.offline False): the hub is left on.
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     pids = []
     real_enter = local_store.MooncakeFleet.__enter__
 
@@ -53,6 +59,7 @@ def test_serve_starts_the_store_passes_its_spec_and_stops_it(tmp_path, monkeypat
         paths,
         sys.executable,
         [sys.executable, "-c", probe, "--x", "--chunk-store", "local", "--y"],
+        offline=False,
     )
     assert rc == 0
     got = json.loads(report.read_text())
@@ -60,6 +67,7 @@ def test_serve_starts_the_store_passes_its_spec_and_stops_it(tmp_path, monkeypat
         got["spec"].startswith("mooncake://127.0.0.1:") and "timeout=5" in got["spec"]
     )
     assert got["argv"] == ["--x", "--chunk-store", got["spec"], "--y"]
+    assert got["offline"] is None
     assert len(pids) == 2
     for pid in pids:  # stopped (and reaped) by pid on exit
         with pytest.raises(ProcessLookupError):
@@ -67,6 +75,29 @@ def test_serve_starts_the_store_passes_its_spec_and_stops_it(tmp_path, monkeypat
     assert sorted(
         p.name for p in (tmp_path / "cache" / "store-local").glob("*.log")
     ) == ["01-master.log", "02-client.log"]
+
+
+@pytest.mark.parametrize(
+    "model_args, offline",
+    [([], True), (["--model", "org/not-downloaded"], False)],
+)
+def test_serve_with_the_local_store_is_offline_only_for_the_set_up_model(
+    monkeypatch, model_args, offline
+):
+    """`./fork serve --model HUB_ID --chunk-store local` may download its model."""
+    seen = {}
+
+    def serve(paths, python, argv, offline=True):
+        seen.update(argv=argv, offline=offline)
+        return 0
+
+    set_up = cli.Setup(python="/v/bin/python", models={models.SMOLLM2: "/m/smol"})
+    monkeypatch.setattr(cli, "setup", lambda paths, **kw: set_up)
+    monkeypatch.setattr(local_store, "serve_with_local_store", serve)
+    argv = ["serve", "--device", "cpu", *model_args, "--chunk-store", "local"]
+    assert cli.main(argv) == 0
+    assert seen["offline"] is offline
+    assert seen["argv"][2] == ("/m/smol" if offline else "org/not-downloaded")
 
 
 def test_missing_libraries_are_installed_as_root(monkeypatch):

@@ -238,7 +238,8 @@ def cmd_serve(paths: Paths, args) -> int:
     vllm = os.path.join(os.path.dirname(s.python), "vllm")
     command = serve_command(vllm, paths.device, s.models.get(models.SMOLLM2), args.vllm_args)
     if local_store.wants_local_store(args.vllm_args):
-        return local_store.serve_with_local_store(paths, s.python, command.argv)
+        return local_store.serve_with_local_store(paths, s.python, command.argv,
+                                                  offline=command.offline)
     return _exec(paths, command.argv, offline=command.offline)
 
 
@@ -274,13 +275,18 @@ def cmd_sync(paths: Paths, args) -> int:
     return 0
 
 
+def cmd_lint(paths: Paths, args) -> int:
+    from . import lint
+    return lint.main(paths, stage=args.hook_stage, only=args.only)
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="./fork", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
 
     def add(name: str, helptext: str) -> argparse.ArgumentParser:
         sp = sub.add_parser(name, help=helptext)
-        if name not in ("check", "upstream-page"):
+        if name not in ("check", "upstream-page", "lint"):
             sp.add_argument("--base", default=None, choices=sorted(RELEASES),
                             help=f"the upstream vLLM release to work on (default: "
                                  f"$FORK_BASE, else {DEFAULT}); each has its own series "
@@ -360,13 +366,22 @@ def parser() -> argparse.ArgumentParser:
                 "benchmarks/eval_quality.py, e.g. --quick)"
         ).add_argument("eval_args", nargs=argparse.REMAINDER)
     add("sync", "(dev) copy overlay files into the installed vllm package")
+    sp = add("lint", "vLLM's own pre-commit hooks, read from each base's sdist: on each "
+                     "release's series (findings stock's copy lacks), the overlay (newest "
+                     "base's hooks) and tests/ (ruff and ruff format); exits 1 on any")
+    sp.add_argument("--only", action="append", choices=["series", "overlay", "tests"],
+                    default=None, help="only this target kind (repeatable; default: all)")
+    sp.add_argument("--hook-stage", default="pre-commit", choices=["pre-commit", "manual"],
+                    help="run the hooks of this pre-commit stage (default: pre-commit, what "
+                         "`pre-commit run` runs; manual adds the CI-only ones)")
     return p
 
 
 COMMANDS = {"fetch": cmd_fetch, "apply": cmd_apply, "export": cmd_export, "check": cmd_check,
             "upstream-page": cmd_upstream_page,
             "build": cmd_build, "env": cmd_env, "setup": cmd_setup, "test": cmd_test,
-            "serve": cmd_serve, "upstream-tests": cmd_upstream_tests, "bench": cmd_bench, "eval": cmd_eval, "sync": cmd_sync}
+            "serve": cmd_serve, "upstream-tests": cmd_upstream_tests, "bench": cmd_bench, "eval": cmd_eval, "sync": cmd_sync,
+            "lint": cmd_lint}
 
 
 def main(argv: list[str] | None = None) -> int:

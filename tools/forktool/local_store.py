@@ -43,7 +43,10 @@ def with_spec(argv: list[str], spec_text: str) -> list[str]:
     return [*argv[:i], FLAG, spec_text, *argv[i + width:]]
 
 
-def serve_with_local_store(paths: Paths, python: str, argv: list[str]) -> int:
+def serve_with_local_store(paths: Paths, python: str, argv: list[str],
+                           offline: bool = True) -> int:
+    """Run `argv` (vllm serve) against a local master and client; `offline=False` leaves
+    the hub switched on, for a model that may have to be downloaded (cli.ServeCommand)."""
     segment_mb = int(os.environ.get("FORK_STORE_SEGMENT_MB", DEFAULT_SEGMENT_MB))
     try:
         # NOTE: through the node's client (Mooncake's dummy client): the
@@ -58,7 +61,7 @@ def serve_with_local_store(paths: Paths, python: str, argv: list[str]) -> int:
             f"{fleet.master.pid}), mooncake_client lending {segment_mb} MB (pid "
             f"{fleet.client.pid}); logs in {fleet.workdir}")
         argv = with_spec(argv, fleet.spec_text)
-        runtime = runtime_env(paths)
+        runtime = runtime_env(paths, offline=offline)
         environ = {**runtime, **os.environ, "PATH": runtime["PATH"]}
         say("running: " + " ".join(argv))
         server = subprocess.Popen(argv, env=environ)
