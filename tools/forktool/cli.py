@@ -263,7 +263,11 @@ def cmd_eval(paths: Paths, args) -> int:
 
 
 def cmd_sync(paths: Paths, args) -> int:
-    """Developer shortcut: copy overlay files into the installed package (no rebuild)."""
+    """Developer shortcut: copy overlay files into the installed package of the device's venv
+    (no rebuild)."""
+    if not paths.venv_python().exists():
+        raise ToolError(f"{paths.venv} does not exist: run "
+                        f"`./fork env --device {paths.device}` first")
     site = subprocess.run(
         [str(paths.venv_python()), "-c", "import vllm,os;print(os.path.dirname(vllm.__file__))"],
         capture_output=True, text=True, check=True).stdout.strip()
@@ -365,7 +369,9 @@ def parser() -> argparse.ArgumentParser:
                 "chunk-context modes, recompute levers; extra args go to "
                 "benchmarks/eval_quality.py, e.g. --quick)"
         ).add_argument("eval_args", nargs=argparse.REMAINDER)
-    add("sync", "(dev) copy overlay files into the installed vllm package")
+    add_device(add("sync", "(dev) copy overlay files into the installed vllm package of the "
+                           "device's venv (.cache/venv, .cache/venv-cuda with --device cuda)"),
+               device.VENV_DEVICES)
     sp = add("lint", "vLLM's own pre-commit hooks, read from each base's sdist: on each "
                      "release's series (findings stock's copy lacks), the overlay (newest "
                      "base's hooks) and tests/ (ruff and ruff format); exits 1 on any")
