@@ -16,9 +16,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from vllm.v1.core.sched.prefill_runs import QueryRun
 from vllm.v1.worker.host_staging import HostStaging
-
-QueryRun = tuple[int, int]
 
 # Per-row fields of CommonAttentionMetadata that a split row copies from its
 # request (0.23 and 0.32 names; a field a base lacks is skipped).

@@ -2,21 +2,12 @@
 """Several computed stretches of one prompt in one step (query runs).
 
 A KV connector that loads stretches in the middle of a prompt
-(`KVConnectorBase_V1.get_prefill_gap`) alternates loaded and computed
-stretches. With `PrefillGap.next_stretches` it lets the scheduler take
-several of them in one step: every loaded stretch is allocated like an
-external hit and counted as computed, every computed stretch is scheduled,
-and the step's query tokens of the request are the concatenated computed
-stretches. The model runner computes each computed stretch as its own query
-run over the request's block table, with its own sequence length
-(`SchedulerOutput.query_runs`, `vllm/v1/worker/query_runs.py`): attention
-backends assume a run's query tokens are the last tokens of its keys.
-
-Pure arithmetic, no engine: the scheduler's caps (token budget, long-prefill
-threshold, ...) apply to the computed tokens only, and `truncated` drops
-what they cut, loads after the last computed token included. A step's runs
-are also capped by the attention rows the backends' fixed buffers hold
-(`RunRowBudget`): the runs left out are taken in a later step.
+(`KVConnectorBase_V1.get_prefill_gap`) may offer several with
+`PrefillGap.next_stretches`: every loaded stretch is allocated like an external
+hit, and the step's query tokens of the request are its computed stretches,
+each computed by the model runner as its own query run
+(`SchedulerOutput.query_runs`, `vllm/v1/worker/query_runs.py`).
+Why in one step: docs/design/boundary-recompute.md, "Why one step".
 """
 
 from dataclasses import dataclass
@@ -24,6 +15,21 @@ from typing import Any
 
 # (first position, number of tokens) of one query run.
 QueryRun = tuple[int, int]
+
+
+def max_query_rows(max_num_seqs: int, compilation_config: Any) -> int | None:
+    """The most attention rows a step's query runs may take (None: no bound).
+
+    NOTE: under a CUDA-graph mode with full graphs (FULL_AND_PIECEWISE,
+    FULL_DECODE_ONLY) FlashAttention 3's metadata builder copies its scheduler
+    metadata into a buffer of max(max_num_seqs, largest capture size) rows on
+    every build, piecewise and eager steps included; the scheduler does not
+    know the backend, so the bound holds for every backend under those modes."""
+    mode = getattr(compilation_config, "cudagraph_mode", None)
+    if mode is None or not mode.has_full_cudagraphs():
+        return None
+    capture = getattr(compilation_config, "max_cudagraph_capture_size", None) or 0
+    return max(max_num_seqs, capture)
 
 
 @dataclass(frozen=True)
@@ -36,7 +42,7 @@ class PrefillRuns:
     stretches: tuple[tuple[int, int], ...]
 
     @classmethod
-    def of_gap(cls, position: int, gap, num_left: int) -> "PrefillRuns":
+    def of_gap(cls, position: int, gap: Any, num_left: int) -> "PrefillRuns":
         """Every stretch a connector's `PrefillGap` offers at `position`, for a
         request with `num_left` tokens to compute there (loads included)."""
         first = (
@@ -59,7 +65,8 @@ class PrefillRuns:
 
     def truncated(self, num_new_tokens: int) -> "PrefillRuns":
         """The first `num_new_tokens` computed tokens and the loads before
-        them (a stretch cut by the budget is finished in a later step)."""
+        them (the scheduler's caps apply to computed tokens only; a stretch
+        they cut is finished in a later step)."""
         if num_new_tokens < 0:
             raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
         kept: list[tuple[int, int]] = []
@@ -107,20 +114,11 @@ class PrefillRuns:
 @dataclass
 class RunRowBudget:
     """How many attention rows a step's query runs may add beyond one per
-    request. `max_rows` None: no bound.
-
-    NOTE: under a CUDA-graph mode with full graphs (vLLM's default
-    FULL_AND_PIECEWISE, FULL_DECODE_ONLY) FlashAttention 3's metadata builder
-    copies its scheduler metadata into a buffer of max(max_num_seqs, largest
-    capture size) rows on every build, piecewise and eager steps included, so a
-    step's rows (its runs) must fit there. The scheduler does not know the
-    backend, so the bound holds for every backend under those modes. Every
-    request of the step takes one row, and a step has at most
-    min(max_num_seqs, requests in the scheduler) requests: what is left of the
-    buffer is the runs' extra rows, handed out in scheduling order. A request
-    whose runs do not fit keeps its first ones (`PrefillRuns.at_most_runs`) and
-    takes the rest in a later step, which is exact (the plan is asked again from
-    its num_computed_tokens)."""
+    request (`max_query_rows`; `max_rows` None: no bound). Every request of a
+    step takes one row, and a step has at most min(max_num_seqs, requests in
+    the scheduler) requests: the rest of the bound is handed out in scheduling
+    order. A request whose runs do not fit keeps its first ones and takes the
+    rest in a later step (exact: its plan is asked again from there)."""
 
     max_rows: int | None
     max_num_seqs: int
@@ -130,11 +128,7 @@ class RunRowBudget:
     def of_config(cls, vllm_config: Any) -> "RunRowBudget":
         max_num_seqs = vllm_config.scheduler_config.max_num_seqs
         compilation = getattr(vllm_config, "compilation_config", None)
-        mode = getattr(compilation, "cudagraph_mode", None)
-        if mode is None or not mode.has_full_cudagraphs():
-            return cls(None, max_num_seqs)
-        capture = getattr(compilation, "max_cudagraph_capture_size", None) or 0
-        return cls(max(max_num_seqs, capture), max_num_seqs)
+        return cls(max_query_rows(max_num_seqs, compilation), max_num_seqs)
 
     def start_step(self, num_requests: int) -> None:
         """A new step, with at most `num_requests` requests to schedule."""

@@ -541,6 +541,7 @@ def check_query_runs(
     if mode is None or mode.name == "NONE":
         return f"every head and the question in one step on {named}, eager (no CUDA graphs)"
     from vllm.config.compilation import CUDAGraphMode
+    from vllm.v1.core.sched.prefill_runs import max_query_rows
 
     if mode.mixed_mode() == CUDAGraphMode.FULL:
         raise ValueError(
@@ -558,8 +559,8 @@ def check_query_runs(
         f"cudagraph_mode={mode.name}: a step with query runs runs {runs_as}"
         + (f" (eager above {capture} tokens)" if runs_as == "PIECEWISE" else "")
     )
-    if mode.has_full_cudagraphs():
-        rows = max(max_num_seqs or 0, capture or 0)
+    rows = max_query_rows(max_num_seqs or 0, compilation_config)
+    if rows is not None:
         line += (
             f"; its attention rows capped at {rows} per step (FlashAttention 3's "
             "scheduler-metadata buffer under full graphs: later runs wait a step)"
