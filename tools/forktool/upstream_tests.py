@@ -151,6 +151,12 @@ def prepare(paths: Paths, python: Path) -> Workspace:
         root.mkdir(parents=True, exist_ok=True)
         (tmp / f"vllm-{ver}" / "tests").rename(root / "tests")
         shutil.rmtree(tmp)
+    # The tests the PRs add to vLLM's own tree (docs/upstream.md, "The PRs"), copied in
+    # every run so that an edit here is what runs.
+    for added in sorted((LISTS / "pr").rglob("test_*.py")):
+        target = root / added.relative_to(LISTS / "pr")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(added, target)
     ini = root / "pytest.ini"
     if not ini.exists():
         # The markers of vLLM's pyproject ([tool.pytest.ini_options]); nothing else of it.
