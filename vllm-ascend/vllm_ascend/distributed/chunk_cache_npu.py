@@ -72,9 +72,7 @@ import importlib.util
 from typing import Any
 
 import torch
-from vllm.logger import init_logger
-
-logger = init_logger(__name__)
+from vllm.logger import logger
 
 # How users pick it: vllm-ascend's attention backend for standard attention.
 ASCEND_BACKEND = "ASCEND"
