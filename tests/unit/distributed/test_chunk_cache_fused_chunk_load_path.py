@@ -207,7 +207,7 @@ def test_on_the_cpu_every_layer_keeps_the_backends_own_write(rotation, monkeypat
     assert choice.layers == {}
     assert set(choice.reasons) == {"l0", "l1"}
     assert "CPU backend's own cache write" in choice.summary()
-    assert "on all 2 layers" in FusedLoadChoice({"a": 1, "b": 2}).summary()
+    assert "on all 2 layer(s)" in FusedLoadChoice({"a": 1, "b": 2}).summary()
 
 
 def test_the_workers_fused_branch_writes_what_its_layer_by_layer_branch_writes(

@@ -1,37 +1,17 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Fused Triton kernels for a chunk-cache load and capture on a GPU (issue 21).
+"""Fused Triton kernels for a chunk-cache load and capture on a GPU.
 
-Today's GPU load is about a dozen small kernels per layer: two gathers of pool
-rows, the fp32 rotation (elementwise passes over strided halves), a cast back,
-then the backend's `reshape_and_cache_flash`. This kernel does the same work in
-one pass: each program reads a tile of pool rows (`LaunchGeometry`: by default
-8 rows of one KV head) once, rotates K by each row's delta with the step's
-cos/sin table (one row per stretch of a cached segment,
-`RopeRotation.stretch_cos_sin`: float64 angles, fp32 values; each row reads its
-stretch's entry), and writes K and V once into the paged cache through its
-strides, so the NHD layout of FlashAttention / Triton and the HND layout of
-FlashInfer are the same code.
-
-Arithmetic, chosen to give today's path's bits (docs/design/fused-load.md):
-* the rotation is `RopeRotation.rotate` with `Rounding.PRODUCTS`: each product
-  rounded, then one add or subtract; the launch turns off Triton's fp fusion
-  (FMA contraction) for that;
-* the result is rounded to the pool's (model) dtype, as today's path casts the
-  rotated rows back before the backend's write;
-* fp8 caches (e4m3): `float(x) / scale`, saturated to the finite range, rounded
-  to nearest even: what `reshape_and_cache_flash` does with `__NV_SATFINITE`,
-  per tensor or per head (`kv_scale_stride` 0 or 1).
-
-The capture after the forward is the inverse copy (`fused_capture`): paged
-slots to pool rows, K and V of every layer of a group in one launch, no
-arithmetic (caches in the model dtype only).
-
-Tested in CI on the CPU with Triton's interpreter (`TRITON_INTERPRET=1`)
-against the reference path, bit for bit. Executed on an H100 on 2026-11-25
-(docs/gpu.md: the loads of the FLASH_ATTN and TRITON_ATTN exactness rows, the
-sleep check, the bandwidth benchmark); its fp8 unit cases
-(tests/unit/v1/worker/test_fused_chunk_load.py) were not rerun there after
-their fix.
+The load does in one pass what the generic path does in about a dozen small
+kernels per layer (two gathers, the fp32 rotation, a cast, the backend's
+`reshape_and_cache_flash`): each program reads a tile of pool rows once,
+rotates K by its row's entry of the step's cos/sin table (one per stretch,
+`RopeRotation.stretch_cos_sin`), and writes K and V into the paged cache
+through its strides (NHD and HND alike). Its arithmetic gives the generic
+path's bits (docs/design/fused-load.md): each product rounded, then one add
+(`Rounding.PRODUCTS`: no FMA contraction); the result rounded to the model
+dtype; fp8 e4m3 as `reshape_and_cache_flash` writes it (`float(x) / scale`,
+saturated, nearest even; per tensor or per head). The capture
+(`fused_capture`) is the inverse copy, paged slots to pool rows.
 """
 
 from __future__ import annotations
@@ -43,9 +23,7 @@ import torch
 try:
     import triton
     import triton.language as tl
-except (
-    ImportError
-):  # no Triton: the fused load is unavailable (the caller keeps today's path)
+except ImportError:  # no fused load: the caller keeps the generic path
     triton = None
 
 
@@ -97,23 +75,16 @@ class LaunchGeometry:
         return options
 
 
-# NOTE: each kernel's default is its best geometry in the launch-geometry sweep
-# run on an H100 80GB HBM3 on 2026-11-26, second run (benchmarks/gpu_remap.py
-# --sweep quick: rows 4-32 x heads 1-2 x warps 2-8, Llama-3-8B shapes, bf16, 32
-# layers in one launch, mean over 4k and 16k rows; docs/gpu.md). Two warps won
-# for both: the load moved 76.7% of the copy bandwidth with 4 rows of 2 heads
-# per program (8 rows of one head, 4 warps, the default chosen from the first
-# run's 11 geometries: 45.1%; one row of one head: 29%), the capture 86.1% with
-# 8 rows of one head (that earlier default: 68.1%). Every geometry wrote the
-# same bytes (per-element arithmetic; the CPU tests check it under several).
+# The best geometries of the launch-geometry sweep on an H100
+# (benchmarks/gpu_remap.py --sweep; docs/gpu.md); every geometry writes the
+# same bytes.
 DEFAULT_LOAD_GEOMETRY = LaunchGeometry(
     rows_per_program=4, heads_per_program=2, num_warps=2
 )
 DEFAULT_CAPTURE_GEOMETRY = LaunchGeometry(
     rows_per_program=8, heads_per_program=1, num_warps=2
 )
-# The geometry before 2026-11-26 (one row of one head, Triton's default warps),
-# kept as the sweep's baseline.
+# One row of one head: the sweep's baseline.
 ONE_ROW_GEOMETRY = LaunchGeometry()
 
 
@@ -176,6 +147,21 @@ if triton is not None:
         return entry, head, (entry < num_rows) & (head < num_heads)
 
     @triton.jit
+    def _layer_ptr(tables_ptr, table, num_layers, layer, DTYPE: tl.constexpr):
+        # Entry `table` of the layer's addresses ([6, num_layers]: pool K, pool
+        # V, key cache, value cache, k scale, v scale), as a DTYPE pointer.
+        address = tl.load(tables_ptr + table * num_layers + layer)
+        return address.to(tl.pointer_type(DTYPE))
+
+    @triton.jit
+    def _paged_offset(slot, head, block_size, block_stride, page_stride, head_stride):
+        return (
+            (slot // block_size) * block_stride
+            + (slot % block_size) * page_stride
+            + head * head_stride
+        )[:, None]
+
+    @triton.jit
     def _fused_load_kernel(
         tables_ptr,
         num_layers,
@@ -210,41 +196,24 @@ if triton is not None:
         # arithmetic is per element, so the tile's shape does not change a bit.
         entry, head, live = _tile(num_rows, num_heads, ROWS, HEADS)
         layer = tl.program_id(2)
-        # The layer's tensors: addresses in a [6, num_layers] table (pool K,
-        # pool V, key cache, value cache, k scale, v scale).
-        pool_key_ptr = tl.load(tables_ptr + layer).to(tl.pointer_type(POOL_DTYPE))
-        pool_value_ptr = tl.load(tables_ptr + num_layers + layer).to(
-            tl.pointer_type(POOL_DTYPE)
-        )
-        key_cache_ptr = tl.load(tables_ptr + 2 * num_layers + layer).to(
-            tl.pointer_type(CACHE_DTYPE)
-        )
-        value_cache_ptr = tl.load(tables_ptr + 3 * num_layers + layer).to(
-            tl.pointer_type(CACHE_DTYPE)
-        )
+        pool_key_ptr = _layer_ptr(tables_ptr, 0, num_layers, layer, POOL_DTYPE)
+        pool_value_ptr = _layer_ptr(tables_ptr, 1, num_layers, layer, POOL_DTYPE)
+        key_cache_ptr = _layer_ptr(tables_ptr, 2, num_layers, layer, CACHE_DTYPE)
+        value_cache_ptr = _layer_ptr(tables_ptr, 3, num_layers, layer, CACHE_DTYPE)
         src = tl.load(src_rows_ptr + entry, mask=live, other=0)
         slot = tl.load(dst_slots_ptr + entry, mask=live, other=0)
         src_base = (src * pool_row_stride + head * pool_head_stride)[:, None]
-        dst_base = (
-            (slot // block_size) * block_stride
-            + (slot % block_size) * page_stride
-            + head * head_stride
-        )[:, None]
+        dst_base = _paged_offset(
+            slot, head, block_size, block_stride, page_stride, head_stride
+        )
         k_scale = 1.0
         v_scale = 1.0
         if FP8:
-            k_scale_ptr = tl.load(tables_ptr + 4 * num_layers + layer).to(
-                tl.pointer_type(tl.float32)
-            )
-            v_scale_ptr = tl.load(tables_ptr + 5 * num_layers + layer).to(
-                tl.pointer_type(tl.float32)
-            )
-            k_scale = tl.load(k_scale_ptr + head * scale_stride, mask=live, other=1.0)[
-                :, None
-            ]
-            v_scale = tl.load(v_scale_ptr + head * scale_stride, mask=live, other=1.0)[
-                :, None
-            ]
+            k_scale_ptr = _layer_ptr(tables_ptr, 4, num_layers, layer, tl.float32)
+            v_scale_ptr = _layer_ptr(tables_ptr, 5, num_layers, layer, tl.float32)
+            scale_at = head * scale_stride
+            k_scale = tl.load(k_scale_ptr + scale_at, mask=live, other=1.0)[:, None]
+            v_scale = tl.load(v_scale_ptr + scale_at, mask=live, other=1.0)[:, None]
 
         d = tl.arange(0, BLOCK_D)[None, :]
         in_head = live[:, None] & (d < HEAD_SIZE)
@@ -304,36 +273,22 @@ if triton is not None:
         # tables, same tiles).
         entry, head, live = _tile(num_rows, num_heads, ROWS, HEADS)
         layer = tl.program_id(2)
-        pool_key_ptr = tl.load(tables_ptr + layer).to(tl.pointer_type(DTYPE))
-        pool_value_ptr = tl.load(tables_ptr + num_layers + layer).to(
-            tl.pointer_type(DTYPE)
-        )
-        key_cache_ptr = tl.load(tables_ptr + 2 * num_layers + layer).to(
-            tl.pointer_type(DTYPE)
-        )
-        value_cache_ptr = tl.load(tables_ptr + 3 * num_layers + layer).to(
-            tl.pointer_type(DTYPE)
-        )
+        pool_key_ptr = _layer_ptr(tables_ptr, 0, num_layers, layer, DTYPE)
+        pool_value_ptr = _layer_ptr(tables_ptr, 1, num_layers, layer, DTYPE)
+        key_cache_ptr = _layer_ptr(tables_ptr, 2, num_layers, layer, DTYPE)
+        value_cache_ptr = _layer_ptr(tables_ptr, 3, num_layers, layer, DTYPE)
         slot = tl.load(src_slots_ptr + entry, mask=live, other=0)
         dst = tl.load(dst_rows_ptr + entry, mask=live, other=0)
-        src_base = (
-            (slot // block_size) * block_stride
-            + (slot % block_size) * page_stride
-            + head * head_stride
-        )[:, None]
+        src_base = _paged_offset(
+            slot, head, block_size, block_stride, page_stride, head_stride
+        )
         dst_base = (dst * pool_row_stride + head * pool_head_stride)[:, None]
         d = tl.arange(0, BLOCK_D)[None, :]
         in_head = live[:, None] & (d < HEAD_SIZE)
-        tl.store(
-            pool_key_ptr + dst_base + d,
-            tl.load(key_cache_ptr + src_base + d, mask=in_head),
-            mask=in_head,
-        )
-        tl.store(
-            pool_value_ptr + dst_base + d,
-            tl.load(value_cache_ptr + src_base + d, mask=in_head),
-            mask=in_head,
-        )
+        key = tl.load(key_cache_ptr + src_base + d, mask=in_head)
+        tl.store(pool_key_ptr + dst_base + d, key, mask=in_head)
+        value = tl.load(value_cache_ptr + src_base + d, mask=in_head)
+        tl.store(pool_value_ptr + dst_base + d, value, mask=in_head)
 
 
 # The pool's (model's) dtype as the kernel's MODEL code, and as Triton's type.
@@ -368,8 +323,7 @@ class FusedGroup:
     not live in the KV-cache memory pool a sleep discards
     (fused_chunk_load_path.FusedLayers.group)."""
 
-    # [6, num_layers] int64 addresses: pool K, pool V, key cache, value
-    # cache, k scale, v scale (the pool K's address where there is no scale).
+    # [6, num_layers] int64 addresses (the kernels' `_layer_ptr`).
     tables: torch.Tensor
     num_layers: int
     num_heads: int
@@ -393,6 +347,7 @@ class FusedGroup:
         first_k, first = pool_keys[0], layers[0]
         _, num_heads, head_size = first_k.shape
         fp8 = first.key_cache.dtype == torch.float8_e4m3fn
+        scales: list[torch.Tensor] = []
         for k, v, layer in zip(pool_keys, pool_values, layers):
             if k.stride(2) != 1 or v.stride() != k.stride() or k.shape != v.shape:
                 raise ValueError(
@@ -420,33 +375,30 @@ class FusedGroup:
                     )
             if not fp8 and layer.key_cache.dtype != k.dtype:
                 raise ValueError(
-                    f"cache dtype {layer.key_cache.dtype} is neither the pool's nor fp8 e4m3"
+                    f"cache dtype {layer.key_cache.dtype} is neither the pool's "
+                    "nor fp8 e4m3"
                 )
-            if fp8 and (layer.k_scale is None or layer.v_scale is None):
-                raise ValueError("an fp8 cache needs k_scale and v_scale")
-        scales: list[torch.Tensor] = []
-        if fp8:
-            scales = [
-                s.to(torch.float32).contiguous()
-                for layer in layers
-                for s in (layer.k_scale, layer.v_scale)
-            ]
-            sizes = {s.numel() for s in scales}
-            if sizes - {1, num_heads} or len(sizes) > 1:
-                raise ValueError(
-                    f"k/v scales must be [1] or [num_heads], got sizes {sizes}"
-                )
+            if fp8:
+                if layer.k_scale is None or layer.v_scale is None:
+                    raise ValueError("an fp8 cache needs k_scale and v_scale")
+                scales += [
+                    s.to(torch.float32).contiguous()
+                    for s in (layer.k_scale, layer.v_scale)
+                ]
+        sizes = {s.numel() for s in scales}
+        if sizes - {1, num_heads} or len(sizes) > 1:
+            raise ValueError(
+                f"k/v scales must be [1] or [num_heads], got sizes {sizes}"
+            )
+        # No scales (not fp8): pool K's addresses stand in, never read.
+        pool_key_addresses = [k.data_ptr() for k in pool_keys]
         addresses = [
-            [k.data_ptr() for k in pool_keys],
+            pool_key_addresses,
             [v.data_ptr() for v in pool_values],
             [layer.key_cache.data_ptr() for layer in layers],
             [layer.value_cache.data_ptr() for layer in layers],
-            [s.data_ptr() for s in scales[0::2]]
-            if fp8
-            else [k.data_ptr() for k in pool_keys],
-            [s.data_ptr() for s in scales[1::2]]
-            if fp8
-            else [k.data_ptr() for k in pool_keys],
+            [s.data_ptr() for s in scales[0::2]] or pool_key_addresses,
+            [s.data_ptr() for s in scales[1::2]] or pool_key_addresses,
         ]
         tables = torch.tensor(addresses, dtype=torch.int64).to(first_k.device)
         return cls(
@@ -491,7 +443,9 @@ def fused_load(
     if num_rows == 0:
         return
     rotate = delta_index is not None
-    if rotate:
+    if delta_index is not None:
+        if cos_sin_table is None:
+            raise ValueError("a rotated load needs its cos/sin table")
         cos, sin = (t.contiguous() for t in cos_sin_table)
         rot_half = rotary_dim // 2
     else:

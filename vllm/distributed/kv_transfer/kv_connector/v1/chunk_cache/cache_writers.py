@@ -21,9 +21,10 @@ import torch
 if TYPE_CHECKING:
     from vllm.forward_context import ForwardContext
 
-# (layer, key rows, value rows, paged slot per row, forward context) -> None
+# (layer, key rows, value rows, paged slot per row, the step's forward context
+# or None at start-up) -> None
 WriteFn = Callable[
-    [Any, torch.Tensor, torch.Tensor, torch.Tensor, "ForwardContext"], None
+    [Any, torch.Tensor, torch.Tensor, torch.Tensor, "ForwardContext | None"], None
 ]
 # (layer, the layer's paged cache, paged slot per row [n]) -> (key rows
 # [n, num_kv_heads, head_size], value rows [n, num_kv_heads, head_size_v]).
@@ -71,9 +72,8 @@ def _write_via_kv_cache_update(
 
 
 def _write_cpu(layer, key, value, slot_mapping, forward_context) -> None:
-    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
-
     from vllm import _custom_ops as ops
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
     kv_cache = layer.kv_cache
     num_blocks, num_kv_heads, block_size, _ = kv_cache.size()
@@ -101,11 +101,10 @@ def _step_isa(forward_context: ForwardContext | None, layer_name: str) -> str | 
     """The ISA the CPU backend chose for this step (it packs the cache per ISA)."""
     if forward_context is None:  # the start-up self-check: no step yet
         return None
-    metadata = forward_context.attn_metadata
-    if isinstance(metadata, list):
-        metadata = metadata[0] if metadata else None
-    if isinstance(metadata, dict):
-        metadata = metadata.get(layer_name)
+    by_layer = forward_context.attn_metadata
+    if isinstance(by_layer, list):  # one per micro-batch
+        by_layer = by_layer[0] if by_layer else {}
+    metadata = by_layer.get(layer_name) if isinstance(by_layer, dict) else None
     return getattr(metadata, "isa", None)
 
 
@@ -129,9 +128,8 @@ def _read_cpu(layer, kv_cache, slots) -> tuple[torch.Tensor, torch.Tensor]:
     keys = paged[:, :, 0].view(num_blocks, num_heads, head_size, block_size)
     values = paged[:, :, 1].view(num_blocks, num_heads, block_size, head_size)
     blocks, offsets = slots // block_size, slots % block_size
-    return keys.permute(0, 3, 1, 2)[blocks, offsets], values.transpose(1, 2)[
-        blocks, offsets
-    ]
+    keys = keys.permute(0, 3, 1, 2)[blocks, offsets]
+    return keys, values.transpose(1, 2)[blocks, offsets]
 
 
 # MLA: (layer, kv_c [n, kv_lora_rank], k_pe [n, rope_dim], slots, the layer's
@@ -151,19 +149,16 @@ class LatentWriter:
     write: LatentWriteFn
     # (latent cache, slots [n]) -> rows [n, kv_lora_rank + rope_dim].
     read: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-    # The pairing of k_pe in the rows `read` returns and `write` takes, where
+    # The pairing of k_pe in the rows `read` returns and `write` takes where
     # the backend fixes it whatever the rope's style (True: halves, False:
-    # adjacent values); None: the rope's. vllm-ascend's MLA always rotates
-    # k_pe interleaved and its reader returns GPT-J rows (chunk_cache_npu).
+    # adjacent values, as vllm-ascend's MLA); None: the rope's.
     k_pe_neox_style: bool | None = None
     # (layer name, layer) -> None, or ValueError naming what this writer cannot
-    # serve on that layer as its weights left it (support.check_attention_layer,
-    # once the model is loaded); None: nothing per layer.
+    # serve on that layer once the model is loaded (support.check_attention_layer).
     check_layer: Callable[[str, Any], None] | None = None
     # The platform (vLLM's `device_type`) whose users pick this backend with
-    # --attention-backend: a refused MLA backend's message names these as the
-    # one to start with instead (support._check_latent_layer). None: picked
-    # by its platform itself (vllm-ascend), never suggested.
+    # --attention-backend: a refused MLA backend's message suggests it there.
+    # None: picked by its platform itself (vllm-ascend), never suggested.
     device_type: str | None = None
 
 
@@ -224,18 +219,12 @@ def _read_plain_latent(kv_cache: torch.Tensor, slots: torch.Tensor) -> torch.Ten
 
 
 # MLA backends whose latent cache is a plain [blocks, block_size, rank +
-# rope_dim] tensor written by the inherited do_kv_cache_update (read in the
-# pinned sources): vLLM 0.32's CPU_MLA (executed in CI), and on CUDA, vLLM
-# 0.23's TRITON_MLA (any GPU) and Hopper's dense picks FLASH_ATTN_MLA, then
-# FLASHMLA. The CUDA ones were never executed on a GPU (docs/design/mla.md).
-# Not registered, so refused at start-up: FLASHINFER_MLA, CUTLASS_MLA,
-# TOKENSPEED_MLA (Blackwell-first; their kernels' use of the cache not
-# checked), ROCm's, every sparse MLA backend (fp8_ds_mla and the indexer
-# cache) and Ascend's.
-# NOTE (issue 59): vLLM 0.32's AMX_MLA (picked on CPUs with AMX tiles unless
-# CPU_MLA is named) is not registered: its cache write (concat_and_cache_mla_cpu)
-# was never run on an AMX machine against a reference, so it is refused by name
-# and the refusal names CPU_MLA (the CPU's device_type below).
+# rope_dim] tensor written by the inherited do_kv_cache_update: vLLM 0.32's
+# CPU_MLA (executed in CI); on CUDA, TRITON_MLA, FLASH_ATTN_MLA and FLASHMLA,
+# never executed on a GPU (docs/design/mla.md). Every other MLA backend is
+# refused at start-up: FLASHINFER_MLA, CUTLASS_MLA, TOKENSPEED_MLA, ROCm's,
+# sparse MLA's and Ascend's (its plugin registers its own), and AMX_MLA, whose
+# cache write was never run on an AMX machine (the refusal names CPU_MLA).
 register_latent_writer(
     "CPUMLAImpl",
     "CPU_MLA",

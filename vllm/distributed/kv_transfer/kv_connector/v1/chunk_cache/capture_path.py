@@ -1,27 +1,20 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Where each layer's capture runs, decided at start-up (issue 21).
+"""Where each layer's capture runs, decided at start-up.
 
-A child's K/V rows are what the attention backend wrote into the child's
-paged blocks. Where the cache holds them as written (the model dtype, a
+Where the paged cache holds a child's K/V rows as written (the model dtype, a
 layout the backend's registered reader knows), the capture copies them from
-those blocks into the pool **after the forward** (`wait_for_save`): nothing
-of the chunk cache runs inside the model, so full CUDA graphs stay on and
-there is no per-layer work in the forward. The blocks are still the child's
-then: vLLM frees them only when the step's output is processed, and any
-later write into them is a later step, after this one in stream order.
+the child's blocks into the pool **after the forward** (`wait_for_save`):
+nothing of the chunk cache runs inside the model, so full CUDA graphs stay on.
+The blocks are still the child's then: vLLM frees them only when the step's
+output is processed. Elsewhere (a quantized cache; a CPU ISA that packs K for
+its matrix unit) the capture stays **in the attention hook** (`save_kv_layer`),
+which sees the rows before the cache write and needs attention outside any
+captured graph (support.check_graph_mode).
 
-Elsewhere (a quantized cache, whose bytes are not the rows; a CPU ISA that
-packs K for its matrix unit) the capture stays **in the attention hook**
-(`save_kv_layer`, patch 0004), which sees the rows before the cache write;
-that needs attention outside any captured graph (support.check_graph_mode).
-
-Which one is decided per layer by a self-check (the fused load's harness,
-sample_check.py): a sample of random rows is written through the backend's
-own write into blocks no request holds yet (block 1 on), read back with the
-reader, and must come back bit for bit; the cache is restored. The start-up
-log says which path each layer took and why. This module is the one owner of
-that decision: the config-time guess the CUDA-graph mode is chosen from
-(`capture_hook_reason`) applies the same rule (`quantized_reason`).
+Decided per layer by a self-check (sample_check.py's harness): random rows
+written through the backend's own write into blocks no request holds yet must
+read back bit for bit. The config-time guess the CUDA-graph mode is chosen
+from (`capture_hook_reason`) applies the same rule (`quantized_reason`).
 """
 
 from __future__ import annotations
@@ -36,6 +29,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.cache_writers impo
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.sample_check import (
     bytes_differ,
+    choice_summary,
     random_rows,
     restored,
     sample_rows,
@@ -56,19 +50,11 @@ class CaptureChoice:
     in_attention: dict[str, str] = field(default_factory=dict)
 
     def summary(self) -> str:
-        if not self.in_attention:
-            return (
-                f"after the forward from the child's paged blocks on all "
-                f"{len(self.after_forward)} layer(s)"
-            )
-        why = "; ".join(sorted(set(self.in_attention.values()))[:3])
-        head = (
-            f"after the forward on {len(self.after_forward)} layer(s), "
-            if self.after_forward
-            else ""
-        )
-        return (
-            f"{head}in the attention hook on {len(self.in_attention)} layer(s): {why}"
+        return choice_summary(
+            "after the forward from the child's paged blocks",
+            len(self.after_forward),
+            "in the attention hook",
+            self.in_attention,
         )
 
 
@@ -111,7 +97,8 @@ def self_check(
 ) -> str | None:
     """None if rows written through `writer.write` come back bit for bit
     through `writer.read`; else why not. Leaves `kv_cache` as it was."""
-    if writer.read is None:
+    read = writer.read
+    if read is None:
         return f"{writer.backend}'s cache has no reader"
     reason = quantized_reason(getattr(layer.impl, "kv_cache_dtype", "auto"))
     if reason is not None:
@@ -139,7 +126,7 @@ def self_check(
     try:
         with restored([kv_cache], rows):
             writer.write(layer, key, value, slots, None)
-            got_key, got_value = writer.read(layer, kv_cache, slots)
+            got_key, got_value = read(layer, kv_cache, slots)
             differ = bytes_differ(got_key, key) + bytes_differ(got_value, value)
     except Exception as e:  # noqa: BLE001 - any failure keeps the hook
         return f"self-check failed ({type(e).__name__}: {e})"

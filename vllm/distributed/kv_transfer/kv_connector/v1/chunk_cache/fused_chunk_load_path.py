@@ -1,57 +1,40 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Which layers load through the fused Triton kernel (issue 21), decided at start-up.
+"""Which layers load through the fused Triton kernel, decided at start-up.
 
 On a GPU the fused kernel (`vllm/v1/worker/fused_chunk_load.py`) replaces a
 layer's gather + rotation + backend cache write only where a start-up
-self-check finds it writes **the same bytes** as that path, on the layer's own
-paged cache, dtype, layout and k/v scales. Anything else (the CPU, whose
-backend packs its cache per ISA; a backend or KV-cache dtype the kernel does
-not know; a difference in one byte; an error) keeps today's path, and the
-start-up log says which and why.
+self-check finds it writes **the same bytes** as that path, on the layer's
+own paged cache, dtype, layout and k/v scales; anything else keeps that path,
+and the start-up log says which and why.
 
-What the self-check covers (`self_check_launch`, the harness of
-sample_check.py): per launch the step will make (all the layers of one RoPE
-and shape), one launch over **all** those layers through the table of their
-addresses, built over the worker's own pool tensors and the layers' paged
-caches exactly as the first load builds it; 48 rows gathered out of order
-from the pools' first rows, in 6 stretches (deltas 0, 3, -700, 2900, 40000,
--1) with a cos/sin table of one row per stretch and each row's stretch index,
-written into blocks no request holds yet (block 1 on); against, per layer,
-the generic rotation with the same table and the backend's own cache write.
-Every byte of every layer's touched blocks must agree; the caches and the
-pools are restored after. Not covered: more rows than the sample, slots in
-other blocks than the first ones, a step's other launches' order (each
-launch writes its own layers only): those rest on the kernel's tests
-(tests/unit/v1/worker/test_fused_chunk_load.py: other rows and slots, bit for bit
-against vLLM's own cache write, in Triton's interpreter) and on the GPU runs of
-docs/gpu.md, not on this check.
+The self-check (`self_check_launch`, on sample_check.py's harness): per
+launch the step will make (the layers of one RoPE and shape), one launch over
+all its layers through their table of addresses, built as the first load
+builds it; 48 rows gathered out of order in 6 stretches (`_SAMPLE_DELTAS`),
+written into blocks no request holds yet, against the generic rotation and
+the backend's own write, layer by layer. Every byte of the touched blocks
+must agree; caches and pools are restored. Other rows, slots and launch
+orders rest on the kernel's tests (tests/unit/v1/worker/test_fused_chunk_load.py)
+and the GPU runs of docs/gpu.md.
 
-The table of addresses is not kept from start-up: built in
-`register_kv_caches`, it would live in the KV-cache memory pool, which a
-sleep discards (issue 30). `FusedLayers.group` builds it at the first load or
-capture, outside that pool; the addresses in it stay valid across a sleep
-(vLLM's CuMem allocator maps the same virtual addresses on wake-up).
-
-NOTE: tested in CI on the CPU (the self-check's logic, with Triton's
-interpreter). Executed on an H100 on 2026-11-25 (docs/gpu.md, the recheck
-of a412b8e): this per-launch self-check passed on every layer of the FLASH_ATTN
-bf16 exactness row (one launch per step, answers exact) and its fp8 NHD unit case
-against the CUDA `reshape_and_cache_flash` passed. The TRITON_ATTN and fp8 rows
-ran with the earlier one-layer check; FlashInfer and HND caches on a GPU: not
-executed.
+The table is built at the first load or capture (`FusedLayers.group`), not in
+`register_kv_caches`, where it would live in the KV-cache memory pool a sleep
+discards; its addresses stay valid across a sleep (vLLM's CuMem allocator maps
+the same virtual addresses on wake-up).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.sample_check import (
     SAMPLE_ROWS,
     bytes_differ,
+    choice_summary,
     random_rows,
     restored,
     sample_rows,
@@ -63,10 +46,17 @@ from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.support import (
 )
 from vllm.v1.worker.position_remapper import RopeRotation
 
+if TYPE_CHECKING:
+    from vllm.v1.worker.fused_chunk_load import FusedGroup, PagedLayer
+
 # Backends whose paged cache is [num_blocks, 2, block_size, heads, head] (NHD,
 # or HND through its strides) and whose write is reshape_and_cache_flash's
-# arithmetic (the self-check still decides).
-_FUSED_BACKENDS = ("FlashAttentionImpl", "FlashInferImpl", "TritonAttentionImpl")
+# arithmetic (the self-check still decides), with their --attention-backend.
+_FUSED_BACKENDS = {
+    "FlashAttentionImpl": "FLASH_ATTN",
+    "FlashInferImpl": "FLASHINFER",
+    "TritonAttentionImpl": "TRITON_ATTN",
+}
 # KV-cache dtypes the kernel writes: the model's own, or fp8 e4m3.
 _FP8 = ("fp8", "fp8_e4m3")
 # The self-check's stretches: deltas of both signs, up to 40,000.
@@ -87,17 +77,15 @@ class FusedLayers:
     rotation: RopeRotation | None
     pool_keys: tuple[torch.Tensor, ...]
     pool_values: tuple[torch.Tensor, ...]
-    # fused_chunk_load.PagedLayer per layer.
-    paged: tuple[Any, ...]
-    _group: Any = field(default=None, repr=False)
+    paged: tuple[PagedLayer, ...]
+    _group: FusedGroup | None = field(default=None, repr=False)
 
     @property
     def fp8(self) -> bool:
         return self.paged[0].key_cache.dtype == torch.float8_e4m3fn
 
-    def build(self) -> Any:
-        """A new fused_chunk_load.FusedGroup (its table of addresses) over
-        these tensors."""
+    def build(self) -> FusedGroup:
+        """A new table of addresses over these tensors."""
         from vllm.v1.worker.fused_chunk_load import FusedGroup
 
         return FusedGroup.of(
@@ -105,7 +93,7 @@ class FusedLayers:
         )
 
     @property
-    def group(self) -> Any:
+    def group(self) -> FusedGroup:
         """The launch's FusedGroup, built at first use (a step's load or
         capture), never in register_kv_caches: see the module doc."""
         if self._group is None:
@@ -118,7 +106,7 @@ class FusedLoadChoice:
     """The layers that load through the fused kernel, and why the others do not."""
 
     # layer name -> its paged caches as the kernel writes them.
-    layers: dict[str, Any] = field(default_factory=dict)
+    layers: dict[str, PagedLayer] = field(default_factory=dict)
     # layer name -> why it keeps today's path (start-up log).
     reasons: dict[str, str] = field(default_factory=dict)
     # The launches that load `layers`, one per RoPE and shape.
@@ -127,20 +115,11 @@ class FusedLoadChoice:
     def summary(self) -> str:
         if not self.reasons and not self.layers:
             return "no standard attention layer (nothing for the fused kernel)"
-        if not self.reasons:
-            return (
-                f"the fused Triton load kernel on all {len(self.layers)} layers "
-                "(self-check: bytes identical to the backend's cache write)"
-            )
-        why = sorted(set(self.reasons.values()))
-        head = (
-            f"the fused Triton load kernel on {len(self.layers)} layer(s), "
-            if self.layers
-            else ""
-        )
-        return (
-            f"{head}gather + rotation + the backend's cache write on "
-            f"{len(self.reasons)} layer(s): " + "; ".join(why[:3])
+        return choice_summary(
+            "the fused Triton load kernel",
+            len(self.layers),
+            "gather + rotation + the backend's cache write",
+            self.reasons,
         )
 
 
@@ -178,10 +157,6 @@ def group_fused_layers(
     ]
 
 
-# vLLM's names (--attention-backend) of the backends in _FUSED_BACKENDS.
-_FUSED_BACKEND_NAMES = ("FLASH_ATTN", "FLASHINFER", "TRITON_ATTN")
-
-
 def fused_load_expected(vllm_config: Any) -> bool:
     """Whether every layer is expected to load through the fused kernel, as
     far as the config tells before any layer exists (the load buffers are
@@ -190,7 +165,6 @@ def fused_load_expected(vllm_config: Any) -> bool:
     writes. The start-up self-check decides per layer (`choose_fused_layers`);
     a layer it turns away loads through the buffers all the same."""
     from vllm.platforms import current_platform
-
     from vllm.v1.worker import fused_chunk_load
 
     if getattr(current_platform, "device_type", "cpu") != "cuda":
@@ -206,11 +180,11 @@ def fused_load_expected(vllm_config: Any) -> bool:
     backend = getattr(getattr(vllm_config, "attention_config", None), "backend", None)
     return (
         backend is None
-        or getattr(backend, "name", str(backend)) in _FUSED_BACKEND_NAMES
+        or getattr(backend, "name", str(backend)) in _FUSED_BACKENDS.values()
     )
 
 
-def paged_layer(layer: Any, kv_cache: torch.Tensor):
+def paged_layer(layer: Any, kv_cache: torch.Tensor) -> PagedLayer | str:
     """The kernel's view of a layer's cache, or a reason string it has none."""
     from vllm.v1.worker.fused_chunk_load import PagedLayer
 
@@ -275,15 +249,15 @@ def self_check_launch(
                 value[:rows] = random_rows(
                     (rows, *value.shape[1:]), pool_dtype, device, 2 * i + 1
                 )
-            stretches = (
-                None if rotation is None else rotation.stretch_cos_sin(deltas, device)
-            )
+            stretches = None
+            if rotation is not None:
+                stretches = rotation.stretch_cos_sin(deltas, device)
             with restored(caches, rows):
                 for name, key, value in zip(
                     names, launch.pool_keys, launch.pool_values
                 ):
                     moved, plain = key[src_rows], value[src_rows]
-                    if rotation is not None:
+                    if rotation is not None and stretches is not None:
                         moved = rotation.rotate(
                             moved.float(),
                             deltas[stretch_index.cpu()],
@@ -299,8 +273,8 @@ def self_check_launch(
                     launch.build(),
                     src_rows,
                     slots,
-                    None if rotation is None else stretch_index,
-                    None if rotation is None else (stretches.cos, stretches.sin),
+                    None if stretches is None else stretch_index,
+                    None if stretches is None else (stretches.cos, stretches.sin),
                     rotation is None or rotation.is_neox_style,
                     0 if rotation is None else rotation.rotary_dim,
                 )

@@ -1,14 +1,14 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Writing sparse-attention indexer key rows into a layer's cache, per implementation.
+"""Writing sparse-attention indexer key rows into a layer's cache, per impl.
 
-A sparse MLA layer (DeepSeek-V3.2's lightning indexer: DSA on CUDA, SFA on Ascend) caches,
-beside its latent row, one indexer key per token (docs/design/sparse.md). A chunk entry
-keeps that key before any quantization, and a load writes the moved key through the
-backend's own write, which lays it out and quantizes it as a fresh key's. This module maps
-an attention implementation class to that write, to the reader the capture uses, and to
-the pairing its rope slice is rotated in. A platform plugin registers its own (vllm-ascend's
-overlay: `AscendSFAImpl`). A sparse layer whose implementation has none is refused at
-start-up (LatentLayer.of), never written another way.
+A sparse MLA layer (DeepSeek-V3.2's lightning indexer: DSA on CUDA, SFA on
+Ascend) caches one indexer key per token beside its latent row
+(docs/design/sparse.md). A chunk entry keeps that key before any
+quantization; a load writes the moved key through the backend's own write,
+which lays it out and quantizes it as a fresh key's. This module maps an
+attention implementation class to that write, the capture's reader and the
+pairing of its rope slice; a platform plugin registers its own (vllm-ascend:
+`AscendSFAImpl`). A sparse layer without one is refused at start-up.
 """
 
 from __future__ import annotations
@@ -19,14 +19,13 @@ from typing import Any
 
 import torch
 
-# (layer, indexer key rows [n, head_dim] at the real positions, paged slots [n],
-# the layer's cache) -> None
+# (layer, indexer key rows [n, head_dim] at the real positions, paged slots
+# [n], the layer's cache) -> None
 IndexerWriteFn = Callable[[Any, torch.Tensor, torch.Tensor, Any], None]
-# (layer, the layer's cache, paged slots [n]) -> indexer key rows [n, head_dim] as
-# the layer computed them before any quantization (from the cache where it holds
-# them so, else from a seam the implementation keeps for the step), or None where
-# this layer's cache has no indexer part (a layer reusing another's top-k:
-# vllm-ascend's skip_topk).
+# (layer, the layer's cache, paged slots [n]) -> indexer key rows [n, head_dim]
+# as computed, before any quantization (from the cache, or from a seam the
+# implementation keeps for the step), or None where this layer's cache has no
+# indexer part (a layer reusing another's top-k: vllm-ascend's skip_topk).
 IndexerReadFn = Callable[[Any, Any, torch.Tensor], "torch.Tensor | None"]
 
 
@@ -37,11 +36,11 @@ class IndexerWriter:
     backend: str
     write: IndexerWriteFn
     read: IndexerReadFn
-    # (layer) -> whether the key's rope slice pairs halves (neox) or adjacent values,
-    # as this implementation rotates it (Ascend: `AscendSFAImpl.is_rope_neox_style`).
+    # (layer) -> whether the key's rope slice pairs halves (neox) or adjacent
+    # values as this implementation rotates it.
     neox_style: Callable[[Any], bool]
-    # (layer name, layer) -> None, or ValueError naming what this writer cannot serve
-    # on that layer (a quantized indexer cache without its capture, another write op).
+    # (layer name, layer) -> None, or ValueError naming what this writer
+    # cannot serve on that layer.
     check_layer: Callable[[str, Any], None] | None = None
 
 

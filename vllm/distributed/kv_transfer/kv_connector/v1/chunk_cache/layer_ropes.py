@@ -9,6 +9,7 @@ rope, so a layer whose rope cannot be told for certain refuses the start.
 import ast
 import inspect
 import textwrap
+from typing import Any
 
 from torch import nn
 
@@ -20,19 +21,17 @@ def rope_use(owner: nn.Module) -> str:
     mention it) or "conditional"/"unknown" (cannot be told: refuse).
 
     A test (`if` statement or `x if test else y`) that reads only the
-    module's own state is decided for this owner, the branch taken is read
-    as unconditional and the other one as dead (issue 42, deliverable 3):
-    `if self.rotary_emb is not None:` (vLLM's MLA wrapper: with a rope, its
-    body runs), `if isinstance(self.rotary_emb, X):` with X a class (or
-    tuple of classes) named in the forward's module (vllm-ascend's
-    patch_qwen3vl forward of Qwen3 and Qwen3-MoE attention: a fused M-RoPE
-    path for AscendMRotaryEmbedding, the plain rope call otherwise), and
-    tests of plain attributes set at construction (`if self._use_rope:`,
-    OLMo's hybrid attention; `self.x is None`, `==`, `not`, `and`, `or`).
-    Only when unambiguous: an attribute the forward itself assigns, or whose
-    value is not a plain constant (None, bool, int, float, str) outside an
-    `is None` / `isinstance` test (a tensor, a module's truthiness), or any
-    name other than `self` leaves the test undecided ("conditional").
+    module's own state is decided for this owner: the branch taken is read
+    as unconditional, the other one as dead. So are `if self.rotary_emb is
+    not None:` (vLLM's MLA wrapper), `if isinstance(self.rotary_emb, X):`
+    with X a class (or tuple of classes) named in the forward's module
+    (vllm-ascend's Qwen3 forwards: a fused M-RoPE path for
+    AscendMRotaryEmbedding) and tests of plain attributes set at construction
+    (`if self._use_rope:`, OLMo's hybrid attention; `is None`, `==`, `not`,
+    `and`, `or`). An attribute the forward itself assigns, a value that is
+    not a plain constant (None, bool, int, float, str) outside an `is None` /
+    `isinstance` test, or any name other than `self` leaves the test
+    undecided ("conditional").
     """
     parsed = _forward_tree(type(owner))
     if parsed is None:
@@ -49,7 +48,10 @@ def rope_use(owner: nn.Module) -> str:
             taken = decide(node.test)
             if taken is not None:
                 branch = node.body if taken else node.orelse
-                for child in branch if isinstance(branch, list) else [branch]:
+                children: list[ast.AST] = (
+                    list(branch) if isinstance(branch, list) else [branch]
+                )
+                for child in children:
                     visit(child, conditional)
                 return
         if _is_self_rope(node):
@@ -107,39 +109,32 @@ _UNDECIDED = object()
 _PLAIN = (type(None), bool, int, float, str)
 
 
-def _forward_tree(cls: type):
+def _forward_tree(
+    cls: type[nn.Module],
+) -> tuple[ast.FunctionDef | ast.AsyncFunctionDef, dict[str, Any], set[str]] | None:
     """(the forward's FunctionDef, its module globals, the `self` attributes
     the forward assigns) for `cls`, or None when its source cannot be read."""
-    cached = _TREES.get(cls)
-    if cached is not None or cls in _TREES:
-        return cached
     forward = cls.forward
-    result = None
     try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(forward)))
-        func = tree.body[0]
-        if isinstance(func, (ast.FunctionDef, ast.AsyncFunctionDef)):
-            assigned = {
-                target.attr
-                for node in ast.walk(func)
-                for target in _assign_targets(node)
-                if isinstance(target, ast.Attribute)
-                and isinstance(target.value, ast.Name)
-                and target.value.id == "self"
-            }
-            result = (func, getattr(forward, "__globals__", {}), assigned)
+        func = ast.parse(textwrap.dedent(inspect.getsource(forward))).body[0]
     except (OSError, TypeError, SyntaxError):
-        result = None
-    _TREES[cls] = result
-    return result
+        return None
+    if not isinstance(func, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        return None
+    assigned = {
+        target.attr
+        for node in ast.walk(func)
+        for target in _assign_targets(node)
+        if isinstance(target, ast.Attribute)
+        and isinstance(target.value, ast.Name)
+        and target.value.id == "self"
+    }
+    return func, getattr(forward, "__globals__", {}), assigned
 
 
-_TREES: dict[type, object] = {}
-
-
-def _assign_targets(node: ast.AST) -> list[ast.AST]:
+def _assign_targets(node: ast.AST) -> list[ast.expr]:
     if isinstance(node, ast.Assign):
-        targets = []
+        targets: list[ast.expr] = []
         for target in node.targets:
             targets.extend(target.elts if isinstance(target, ast.Tuple) else [target])
         return targets
@@ -221,11 +216,7 @@ def _state_value(test: ast.AST, owner: object, names: dict, assigned: set[str]):
         return _UNDECIDED
 
     value = evaluate(test)
-    if (
-        value is _UNDECIDED
-        or isinstance(test, ast.Compare)
-        or isinstance(test, ast.Call)
-    ):
+    if value is _UNDECIDED or isinstance(test, (ast.Compare, ast.Call)):
         return value
     # A bare value decides the branch by its truth: a plain constant only.
     return value if isinstance(value, _PLAIN) else _UNDECIDED

@@ -2,20 +2,16 @@
 """The chunk cache on an MLA layer: a pool of latent rows, capture, load.
 
 An MLA layer caches one row per token, `[kv_c | k_pe]`, for all heads
-(docs/design/mla.md). Its pool is those rows, in the model dtype, K only.
-* Capture: vLLM hands the connector the layer's latent cache, not kv_c and
-  k_pe; the cache write has run before (`unified_mla_kv_cache_update`), so
-  the child's rows are read back from its slots through the backend's
-  registered reader (a plain cache in the model dtype: the bytes written).
-* Load: gather the entry's rows (kv_c and k_pe apart, into the worker's load
-  buffers: nothing allocated per layer), rotate k_pe alone by the delta, and
-  write both through the backend's own latent cache write, as for freshly
-  computed tokens.
-* Sparse MLA (DeepSeek-V3.2's indexer; docs/design/sparse.md): the row goes on
-  with the layer's indexer key `[kv_c | k_pe | index_k]`, read back and written
-  through the implementation's registered indexer writer (before quantization:
-  the writer quantizes as for a fresh key), its rope slice rotated by the delta
-  in the pairing the implementation rotates it in.
+(docs/design/mla.md); its pool is those rows, in the model dtype.
+* Capture: vLLM hands the connector the layer's latent cache, written before
+  (`unified_mla_kv_cache_update`): the child's rows are read back from its
+  slots through the backend's registered reader.
+* Load: gather kv_c and k_pe into the worker's load buffers, rotate k_pe by
+  the delta, write both through the backend's own latent cache write.
+* Sparse MLA (docs/design/sparse.md): the row goes on with the layer's indexer
+  key, `[kv_c | k_pe | index_k]`, read and written (quantized as a fresh key)
+  through the implementation's registered indexer writer, its rope slice
+  rotated in the implementation's pairing.
 """
 
 from __future__ import annotations
@@ -25,14 +21,11 @@ from typing import Any
 
 import torch
 
+from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache import (
+    indexer_keys_layers,
+)
 from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.cache_writers import (
     LatentWriter,
-)
-from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.indexer_keys_layers import (
-    IndexerWriter,
-    indexer_writer_for,
-    supported_indexer_backends,
-    uses_indexer,
 )
 from vllm.v1.worker.indexer_keys import (
     IndexerKeyLayout,
@@ -63,7 +56,7 @@ class IndexerPart:
 
     layout: IndexerKeyLayout
     rotation: RopeRotation
-    writer: IndexerWriter
+    writer: indexer_keys_layers.IndexerWriter
 
 
 @dataclass
@@ -150,17 +143,17 @@ class LatentLayer:
         rotation: RopeRotation | None,
         no_slots: torch.Tensor,
     ) -> IndexerPart | None:
-        if not uses_indexer(layer):
+        if not indexer_keys_layers.uses_indexer(layer):
             return None
-        writer = indexer_writer_for(layer.impl)
+        writer = indexer_keys_layers.indexer_writer_for(layer.impl)
         if writer is None:
-            supported = (
-                ", ".join(supported_indexer_backends()) or "none on this platform"
-            )
+            supported = indexer_keys_layers.supported_indexer_backends()
             raise ValueError(
-                f"chunk cache does not support the sparse MLA backend of {name} "
-                f"({type(layer.impl).__name__}): its indexer key cache has no registered "
-                f"writer (supported: {supported}; docs/design/sparse.md)"
+                f"--enable-chunk-cache does not support the sparse MLA backend of "
+                f"{name} ({type(layer.impl).__name__}): its indexer key cache has "
+                f"no registered writer (supported: "
+                f"{', '.join(supported) or 'none on this platform'}; "
+                "docs/design/sparse.md)"
             )
         if writer.check_layer is not None:
             writer.check_layer(name, layer)
@@ -169,8 +162,8 @@ class LatentLayer:
             return None
         if rotation is None:
             raise ValueError(
-                f"chunk cache: the rope of sparse MLA layer {name} was not found, so its "
-                "indexer keys could not be re-rotated"
+                f"chunk cache: the rope of sparse MLA layer {name} was not found, "
+                "so its indexer keys could not be re-rotated"
             )
         index_layout = IndexerKeyLayout(keys.shape[-1], layout.rope_dim)
         # NOTE: the indexer's rope has the latent rope's frequencies (vLLM builds
@@ -180,10 +173,15 @@ class LatentLayer:
         check_indexer_rope(index_layout, index_rotation)
         return IndexerPart(index_layout, index_rotation, writer)
 
-    def scratch_plan(self) -> tuple[tuple, dict[str, tuple[int, ...]]]:
+    def scratch_plan(
+        self,
+    ) -> tuple[tuple[tuple[str, bool, str], ...], dict[str, tuple[int, ...]]]:
         """(roles, per-row shapes) of the load buffers this layer takes (the
         worker prepares them once; setup.load_scratch_bytes counts them)."""
-        shapes = {"c": (self.layout.kv_lora_rank,), "r": (self.layout.rope_dim,)}
+        shapes: dict[str, tuple[int, ...]] = {
+            "c": (self.layout.kv_lora_rank,),
+            "r": (self.layout.rope_dim,),
+        }
         if self.indexer is None:
             return RemapScratch.LATENT, shapes
         shapes["i"] = (self.indexer.layout.head_dim,)
@@ -195,6 +193,8 @@ class LatentLayer:
         if self.indexer is not None:
             # NOTE: the key as the layer computed it, before any quantization.
             keys = self.indexer.writer.read(self.layer, self.kv_cache, slots)
+            # A layer whose reader returns None has no IndexerPart (`of`).
+            assert keys is not None
             rows = torch.cat((rows.to(self.pool.dtype), keys.to(self.pool.dtype)), -1)
         self.pool.index_copy_(0, pool_rows, rows.to(self.pool.dtype))
 
@@ -209,12 +209,12 @@ class LatentLayer:
         k_pe = self.scratch.take("k_pe", pool_r, n)
         torch.index_select(pool_c, 0, rows.src_rows, out=kv_c)
         torch.index_select(pool_r, 0, rows.src_rows, out=k_pe)
+        cos_sin = (
+            None
+            if stretches is None or rows.stretch_index is None
+            else stretches.rows(rows.stretch_index)
+        )
         if self.rotation is not None:
-            cos_sin = (
-                None
-                if stretches is None or rows.stretch_index is None
-                else stretches.rows(rows.stretch_index)
-            )
             rotation = self.rotation
             # [n, 1, rope_dim]: k_pe is one head shared by every query head.
             k_pe = self.scratch.rotated(
@@ -227,23 +227,20 @@ class LatentLayer:
             )
         self.writer.write(self.layer, kv_c, k_pe, rows.dst_slots, self.kv_cache)
         if self.indexer is not None:
-            self._load_indexer_keys(rows, stretches)
+            self._load_indexer_keys(self.indexer, rows, cos_sin)
 
     def _load_indexer_keys(
-        self, rows: RemapRows, stretches: StretchCosSin | None
+        self,
+        part: IndexerPart,
+        rows: RemapRows,
+        cos_sin: tuple[torch.Tensor, torch.Tensor] | None,
     ) -> None:
-        """The entry's indexer keys to their slots, the rope slice rotated by each
-        row's delta (the same cos/sin as k_pe's: same frequencies), the rest copied."""
-        part = self.indexer
+        """The entry's indexer keys to their slots, the rope slice rotated by
+        each row's delta (k_pe's cos/sin: same frequencies), the rest copied."""
         n = rows.num_rows
         pool_i = self.pool[:, self.layout.width :]
         keys = self.scratch.take("index_k", pool_i, n)
         torch.index_select(pool_i, 0, rows.src_rows, out=keys)
-        cos_sin = (
-            None
-            if stretches is None or rows.stretch_index is None
-            else stretches.rows(rows.stretch_index)
-        )
         out = self.scratch.rotated(
             lambda rows32, into: reposition_indexer_keys(
                 part.layout, part.rotation, rows32, rows.deltas, cos_sin, out=into

@@ -72,3 +72,15 @@ def bytes_differ(got: torch.Tensor, want: torch.Tensor) -> int:
             got.contiguous().view(torch.uint8) != want.contiguous().view(torch.uint8)
         ).sum()
     )
+
+
+def choice_summary(
+    chosen: str, num_chosen: int, fallback: str, reasons: dict[str, str]
+) -> str:
+    """The start-up line of a per-layer choice: `chosen` on the layers whose
+    self-check passed, `fallback` on the others, with up to 3 reasons."""
+    if not reasons:
+        return f"{chosen} on all {num_chosen} layer(s)"
+    head = f"{chosen} on {num_chosen} layer(s), " if num_chosen else ""
+    why = "; ".join(sorted(set(reasons.values()))[:3])
+    return f"{head}{fallback} on {len(reasons)} layer(s): {why}"
