@@ -194,10 +194,10 @@ def test_chat_messages_with_separators_match_the_reference(server, reference):
     [
         ("system ## ## question", "segment 1 is empty"),
         ("##", "is empty"),  # segment 0 or 1, depending on whether a BOS is added
-        ("sys " + " ## doc" * (MAX_CHUNKS + 1) + " ## q", "more than max_chunks"),
+        ("sys " + " ## doc" * (MAX_CHUNKS + 1) + " ## q", "more than --max-chunks"),
         (
             "sys ## " + "word " * (MAX_CHUNK_TOKENS + 10) + " ## q",
-            "more than max_chunk_tokens",
+            "more than --max-chunk-tokens",
         ),
     ],
 )
@@ -419,11 +419,11 @@ def test_prompt_segments_stream_echo_n_and_salt(server):
         ({"prompt_segments": ["sys", "", "q"]}, "segment 1 is empty"),
         (
             {"prompt_segments": ["sys", *(["doc"] * (MAX_CHUNKS + 1)), "q"]},
-            "more than max_chunks",
+            "more than --max-chunks",
         ),
         (
             {"prompt_segments": ["sys", "word " * (MAX_CHUNK_TOKENS + 10), "q"]},
-            "more than max_chunk_tokens",
+            "more than --max-chunk-tokens",
         ),
         ({"prompt_segments": ["sys", 3, "q"]}, "prompt_segments"),
         ({"prompt_segments": ["sys", "q"], "prompt": "sys ## q"}, "do not send prompt"),
@@ -523,7 +523,7 @@ def test_chat_documents_are_chunks_where_the_template_renders_them(server, refer
                     {"title": "t", "text": f"doc {i}"} for i in range(MAX_CHUNKS)
                 ],
             },
-            "more than max_chunks",
+            "more than --max-chunks",
         ),  # documents and the words between them count
         (
             {
@@ -532,7 +532,7 @@ def test_chat_documents_are_chunks_where_the_template_renders_them(server, refer
                     {"title": "t", "text": "word " * (MAX_CHUNK_TOKENS + 10)}
                 ],
             },
-            "more than max_chunk_tokens",
+            "more than --max-chunk-tokens",
         ),
         (
             {

@@ -1,52 +1,31 @@
 # SPDX-License-Identifier: Apache-2.0
 """Chat documents as chunks, placed where the chat template renders them.
 
-Two ways to hand a chat request's documents over as a list:
+Documents come in vLLM's `documents` field (rendered by the chat template, as
+Command-R, Granite and other RAG templates do) or as message text parts marked
+`"chunk": true`. `mark_chunks` wraps each one's text in private-use markers
+before the template runs; `chunks_prompt` cuts the rendered text at them into
+the system segment, the chunks (a document's fields and the template's words
+between them; text between two documents is a chunk of its own) and the
+question, each tokenized on its own; `unmark_conversation` drops the markers
+from the conversation the server echoes. A request with `split_chunks: false`
+never gets here.
 
-* `documents` (vLLM's field, passed to the chat template, which renders them
-  its own way: Command-R, Granite and other RAG templates do);
-* text parts of a message's content marked `"chunk": true`
-  (`{"type": "text", "text": "...", "chunk": true}`); the parts after the
-  last marked one are the question.
-
-With the chunk cache on, every such document becomes a chunk exactly where
-its text lands (unless the request says `split_chunks: false`: then the
-renderer does not call this module and the request is served as stock vLLM
-serves it):
-
-1. `mark_chunks`: the text of every document field and every marked part is
-   wrapped in two markers of private-use characters naming it, before the
-   chat template runs;
-2. `chunks_prompt`: in the rendered text, chunk i spans from its first start
-   marker to its last end marker (a document's fields and the template's
-   words between them); the text before the first chunk is the system
-   segment, the text after the last the question, and text between two
-   chunks (the template's separators, often numbered) a chunk of its own.
-   Spaces right before a chunk go with it (BPE and SentencePiece put a
-   word's leading space in its token). The markers are removed and every
-   piece is tokenized on its own;
-3. `unmark_conversation`: the conversation handed back to the server (which
-   echoes it) without the markers.
-
-NOTE: the pieces' tokens must equal the tokens of the whole rendered text
-(what the template gives without the chunk cache): the prompt is tokenized
-twice to check it, and a template whose text merges into one token with a
-chunk's edge is refused (400), never served with other tokens.
-
-A template that ignores `documents`, drops one, renders one around another,
-or puts one first or last (no system segment or question) is refused with a
-400 that says which.
+The pieces' tokens must equal the whole rendered text's: a template whose text
+merges with a document's edge into one token, or that ignores, drops, nests or
+puts first or last a document, is refused with a 400 saying which.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-import re
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from itertools import chain
 from typing import Any
+
+import regex as re
 
 from vllm.renderers.chunk_split import SEGMENTS_KEY, ChunkPromptError
 
@@ -264,7 +243,7 @@ def _split(text: str, names: tuple[str, ...]) -> list[str]:
             "appear in the prompt",
             parameter="documents",
         )
-    order = sorted(first, key=first.get)
+    order = sorted(first, key=first.__getitem__)
     pieces = [text[: first[order[0]]]]
     for k, i in enumerate(order):
         region = text[first[i] : last[i]]
@@ -274,9 +253,8 @@ def _split(text: str, names: tuple[str, ...]) -> list[str]:
                 "documents must each render in one place",
                 parameter="documents",
             )
-        # NOTE: a space before a word belongs to the word's token in BPE and
-        # SentencePiece vocabularies ("Title: Paris" -> "Title", ":", " Paris"):
-        # the spaces that end the text before a chunk go with the chunk.
+        # BPE and SentencePiece put a word's leading space in its token
+        # ("Title: Paris" -> "Title", ":", " Paris"): the spaces go with the chunk.
         before = pieces[-1]
         spaces = len(before) - len(before.rstrip(" "))
         if spaces:

@@ -1,38 +1,16 @@
 # SPDX-License-Identifier: Apache-2.0
 """Split a prompt into chunk-cache segments: system ## chunk ## ... ## question.
 
-Two entry points, one result type (`ChunkedPrompt`):
-
-* `parse_text`: the prompt string is split on the separator and every
-  segment is tokenized on its own. Per-segment tokenization is what makes a
-  document produce the same token ids wherever it appears, which is what
-  makes its content key position independent. Special tokens (BOS, ...) are
-  added to the first segment only, as they would be to the whole prompt.
-* `parse_token_ids`: a token-id prompt is split where the separator's token
-  ids occur (vectorised sliding-window match, leftmost non-overlapping, the
-  same rule as `str.split`).
-
-Separators are dropped in both cases. A prompt without a separator is not a
-chunked prompt: both return None and the request is served normally.
-
-Whitespace policy (string level): whitespace adjacent to a separator is
-stripped (`str.strip` semantics, so unicode whitespace too). Segment 0 loses
-its trailing whitespace, chunks lose both ends, the question loses its
-leading whitespace; whitespace at the very start or end of the prompt is
-kept. Hence `A ## B` and `A##B` give identical segment tokens and keys:
-documents pasted with or without spacing around the separator share one
-cache entry. Token-level prompts are split exactly on the separator ids;
-whitespace tokens are kept as given (we cannot strip without decoding).
-
-Limits (ValueError, naming the segment and the limit): an empty segment,
-more than `max_chunks` chunks (system and question excluded), a cached
-segment (system or chunk) longer than `max_chunk_tokens`. The question is
-not cached, so it is not bound by `max_chunk_tokens`.
+`parse_text` splits a string on the separator and tokenizes every segment on
+its own (so a document gets the same ids wherever it appears); `parse_token_ids`
+splits token ids where the separator's ids occur. The separators are dropped;
+a prompt without one is not chunked (None). Whitespace policy and limits:
+docs/design/chunk-parsing.md.
 """
 
 from collections.abc import Sequence
 from itertools import chain
-from typing import Protocol
+from typing import Protocol, TypeAlias
 
 import numpy as np
 import torch
@@ -46,30 +24,27 @@ class SegmentTokenizer(Protocol):
     def encode(self, text: str, add_special_tokens: bool = ...) -> list[int]: ...
 
 
-TokenIdsLike = Sequence[int] | np.ndarray | torch.Tensor
+TokenIdsLike: TypeAlias = Sequence[int] | np.ndarray | torch.Tensor
 
 
 class ChunkedPromptParser:
-    """Splits prompts on a separator; see the module docstring for rules."""
+    """Splits prompts on a separator (docs/design/chunk-parsing.md)."""
 
     def __init__(self, separator: str, max_chunks: int, max_chunk_tokens: int):
         if not separator or separator.strip() != separator:
-            # NOTE: a separator with surrounding whitespace would fight the
-            # whitespace policy (stripping would eat part of it).
+            # Stripping the whitespace next to a separator would eat part of it.
             raise ValueError(
-                f"chunk separator {separator!r} must be non-empty and have "
+                f"--chunk-separator {separator!r} must be non-empty and have "
                 "no leading or trailing whitespace"
             )
         if max_chunks < 0 or max_chunk_tokens < 1:
             raise ValueError(
-                f"invalid limits max_chunks={max_chunks}, "
-                f"max_chunk_tokens={max_chunk_tokens}"
+                "--max-chunks must be >= 0 and --max-chunk-tokens >= 1, not "
+                f"{max_chunks} and {max_chunk_tokens}"
             )
         self.separator = separator
         self.max_chunks = max_chunks
         self.max_chunk_tokens = max_chunk_tokens
-
-    # ---------------------------------------------------------------- text
 
     def split_text(self, prompt: str) -> list[str] | None:
         """Segment strings after the whitespace policy; None if unchunked."""
@@ -103,18 +78,14 @@ class ChunkedPromptParser:
         return self.build(token_lists)
 
     def separator_token_ids(self, tokenizer: SegmentTokenizer) -> list[int]:
-        """The separator's ids as the tokenizer encodes it alone.
-
-        NOTE: BPE tokenizers may merge the separator with neighbouring text
-        (e.g. ' ##' vs '##'); token-id prompts must therefore be built with
-        the separator ids inserted as such, not re-tokenized from text.
-        """
+        """The separator's ids as the tokenizer encodes it alone (BPE may
+        encode ' ##' otherwise: token-id prompts must hold exactly these)."""
         ids = list(tokenizer.encode(self.separator, add_special_tokens=False))
         if not ids:
-            raise ValueError(f"separator {self.separator!r} encodes to no tokens")
+            raise ValueError(
+                f"--chunk-separator {self.separator!r} encodes to no tokens"
+            )
         return ids
-
-    # -------------------------------------------------------------- tokens
 
     def parse_token_ids(
         self, token_ids: TokenIdsLike, separator_token_ids: Sequence[int]
@@ -138,8 +109,6 @@ class ChunkedPromptParser:
             keep[start : start + sep_len] = False
         return ChunkedPrompt.from_lengths(tokens[keep].tolist(), lengths.tolist())
 
-    # ------------------------------------------------------------- helpers
-
     def build(self, token_lists: list[list[int]]) -> ChunkedPrompt:
         """The prompt of already tokenized segments (limits checked)."""
         lengths = [len(ids) for ids in token_lists]
@@ -152,7 +121,7 @@ class ChunkedPromptParser:
         if num_chunks > self.max_chunks:
             raise ValueError(
                 f"chunked prompt has {num_chunks} chunks (segments 1.."
-                f"{num_chunks}), more than max_chunks={self.max_chunks}"
+                f"{num_chunks}), more than --max-chunks {self.max_chunks}"
             )
 
     def _check_lengths(self, lengths: list[int]) -> None:
@@ -167,18 +136,14 @@ class ChunkedPromptParser:
             if index != last and length > self.max_chunk_tokens:
                 raise ValueError(
                     f"chunked prompt segment {index} has {length} tokens, "
-                    f"more than max_chunk_tokens={self.max_chunk_tokens}"
+                    f"more than --max-chunk-tokens {self.max_chunk_tokens}"
                 )
 
 
 def find_separator_starts(tokens: np.ndarray, separator: np.ndarray) -> np.ndarray:
-    """Start indices of leftmost non-overlapping occurrences of `separator`.
-
-    The match itself is vectorised: one comparison of all windows per
-    separator token (O(n * m) work, no Python loop over n). Only the
-    candidates are walked in Python, to drop overlapping ones (e.g. '##' in
-    '###'), which mirrors `str.split`.
-    """
+    """Start indices of leftmost non-overlapping occurrences of `separator`
+    (`str.split`'s rule): one vectorised comparison of all windows per
+    separator token; only the candidates are walked, to drop overlaps."""
     n, m = tokens.size, separator.size
     if n < m:
         return np.empty(0, dtype=np.int64)

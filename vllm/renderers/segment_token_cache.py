@@ -1,20 +1,13 @@
 # SPDX-License-Identifier: Apache-2.0
 """Token ids of the segments the front end tokenized recently, by their text.
 
-A RAG deployment sends the same documents again and again; the chunk cache
-reuses their KV, but the renderer still tokenized every document of every
-request: for an all-hit request that is most of the host work left
-(docs/benchmarks.md, "Host work of an all-hit request": 16 documents of 500
-tokens, ~8k tokens, tokenized on every request). A segment is tokenized on
-its own (chunk_split.py), so its ids depend on its text, the tokenizer and
-whether special tokens were asked for, and on nothing else: a hit returns
-the ids a fresh encode would.
-
-NOTE: an entry is a tenant's, like a chunk-cache entry: the key holds the
-request's `cache_salt`, so a tenant never gets another's entry (nor learns
-from a faster answer that another sent the same text). The question (the
-last segment) is new with every request and is not kept: it would only
-push documents out.
+RAG requests repeat their documents: their KV comes from the chunk cache, and
+their ids from here instead of a new encode on every request
+(docs/benchmarks.md, "Host work of an all-hit request"). A segment is
+tokenized on its own, so its ids depend only on its text, the tokenizer and
+whether special tokens were asked for. The key holds the request's
+`cache_salt`: a tenant never gets (or times) another's entry. The question
+changes with every request and is not kept.
 """
 
 from __future__ import annotations
@@ -25,8 +18,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
-# NOTE: ~4 bytes per id plus the text (a few bytes per token): about 10 MB of
-# front-end memory at this bound, the ids of 2,000 documents of 500 tokens.
+# ~4 bytes per id plus the text: about 10 MB, 2,000 documents of 500 tokens.
 DEFAULT_MAX_TOKENS = 1 << 20
 
 
@@ -41,17 +33,14 @@ class SegmentText:
 
 @dataclass(frozen=True)
 class _Entry:
-    # NOTE: held so that the tokenizer's id() in the key cannot be reused by
-    # another tokenizer while the entry exists.
+    # Held so that the tokenizer's id() in the key is not reused meanwhile.
     tokenizer: Any
     token_ids: array
 
 
 class SegmentTokenCache:
-    """Least recently used segments' ids, at most `max_tokens` ids in all.
-
-    NOTE: one per renderer, whose sync path may run on other threads than
-    the event loop's: a lock keeps the order and the count consistent."""
+    """Least recently used segments' ids, at most `max_tokens` ids in all
+    (locked: a renderer's sync path may run on threads other than the loop's)."""
 
     def __init__(self, max_tokens: int = DEFAULT_MAX_TOKENS):
         self.max_tokens = max_tokens

@@ -90,7 +90,7 @@ def test_arrival_pins_nothing_and_admission_spawns_children():
     r = parent("p", [3, 5, 2])
     adapter.on_new_request(r)
     assert (
-        adapter.stats().pinned_entries == 0 and adapter.take_internal_requests() == []
+        adapter.manager.stats().pinned_entries == 0 and adapter.take_internal_requests() == []
     )
 
     assert adapter.get_num_new_matched_tokens(r, 0) == (None, False)
@@ -100,13 +100,13 @@ def test_arrival_pins_nothing_and_admission_spawns_children():
         [SINK, 13, 14, 15, 16, 17],
     ]
     assert all(c.chunk_layout is None and c.cache_salt is None for c in children)
-    assert adapter.stats().pinned_entries == 2
+    assert adapter.manager.stats().pinned_entries == 2
     for c in children:
         finish(adapter, c, RequestStatus.FINISHED_LENGTH_CAPPED)
     # Everything before the question (8 tokens) is served from the pool.
     assert adapter.get_num_new_matched_tokens(r, 0) == (8, False)
     finish(adapter, r, RequestStatus.FINISHED_STOPPED)
-    stats = adapter.stats()
+    stats = adapter.manager.stats()
     assert (stats.pinned_entries, stats.live_requests, stats.misses) == (0, 0, 2)
 
 
@@ -165,7 +165,7 @@ def test_a_load_of_a_request_preempted_in_the_same_step_is_dropped():
     meta = adapter.build_connector_meta(step_output({"p0": 2}))
     assert loaded(meta).dst == [48 + p for p in range(8)]
     finish(adapter, r, RequestStatus.FINISHED_STOPPED)
-    assert adapter.stats().pinned_entries == 0
+    assert adapter.manager.stats().pinned_entries == 0
 
 
 def test_a_request_preempted_between_steps_and_resumed_loads_in_its_new_step():
@@ -199,7 +199,7 @@ def test_connector_reset_forgets_every_segment_and_reports_pinned_ones():
     # p still holds its two entries: retired, not freed under it.
     assert connector.reset_cache() is False
     finish(adapter, r, RequestStatus.FINISHED_STOPPED)
-    assert adapter.stats().pool_blocks_used == 0
+    assert adapter.manager.stats().pool_blocks_used == 0
 
     again = parent("q", [3, 5, 2])
     adapter.on_new_request(again)
@@ -249,7 +249,7 @@ def test_boundary_recompute_loads_each_rest_in_the_step_before_its_next_head(
     assert (gap.num_external_tokens, gap.max_new_tokens) == (0, 2)
     adapter.update_state_after_alloc(r, blocks, 0)
     assert loaded(adapter.build_connector_meta(out)).dst == []
-    assert adapter.stats().tokens_loaded == 3 + 3 + 2
+    assert adapter.manager.stats().tokens_loaded == 3 + 3 + 2
     # Past the prompt (resumed after a preemption with generated tokens that vLLM's
     # prefix cache still holds): nothing to load, no cap.
     assert adapter.get_prefill_gap(r, 14) is None
@@ -282,7 +282,7 @@ def test_boundary_recompute_in_one_step_loads_every_rest_before_the_forward():
     adapter.update_state_after_alloc(r, blocks, 3 + 3 + 2)
     meta = adapter.build_connector_meta(step_output({"p": 6}))
     assert loaded(meta).dst == [112 + p for p in (0, 1, 2, 5, 6, 7, 10, 11)]
-    assert adapter.stats().tokens_loaded == 8
+    assert adapter.manager.stats().tokens_loaded == 8
     finish(adapter, r, RequestStatus.FINISHED_STOPPED)
 
     # A budget of 3 computed tokens: doc1's head and one token of doc2's head,
@@ -304,7 +304,7 @@ def test_boundary_recompute_in_one_step_loads_every_rest_before_the_forward():
     meta = adapter.build_connector_meta(step_output({"q": 3}))
     assert loaded(meta).dst == [112 + 10, 112 + 11]
     finish(adapter, r, RequestStatus.FINISHED_STOPPED)
-    assert adapter.stats().pinned_entries == 0
+    assert adapter.manager.stats().pinned_entries == 0
 
 
 def test_boundary_recompute_refuses_a_scheduler_that_replaces_schedule_at_start_up():
@@ -339,7 +339,7 @@ def test_a_request_without_layout_is_not_touched_whatever_its_salt():
     )
     adapter.on_new_request(r)
     assert adapter.get_num_new_matched_tokens(r, 0) == (0, False)
-    assert adapter.stats().live_requests == 0
+    assert adapter.manager.stats().live_requests == 0
 
 
 def test_failed_child_is_retried_then_the_parent_is_finished_with_an_error():
@@ -363,7 +363,7 @@ def test_failed_child_is_retried_then_the_parent_is_finished_with_an_error():
     assert adapter.get_num_new_matched_tokens(r, 0) == (None, False)
     finish(adapter, sys_child, RequestStatus.FINISHED_LENGTH_CAPPED)
     finish(adapter, r, RequestStatus.FINISHED_ERROR)
-    assert adapter.stats().pinned_entries == 0 and adapter.stats().live_requests == 0
+    assert adapter.manager.stats().pinned_entries == 0 and adapter.manager.stats().live_requests == 0
 
 
 def test_oversized_request_is_refused_not_served_causally():
@@ -467,7 +467,7 @@ def test_tokens_loaded_counts_the_rows_sent_not_the_plans_asked_for():
     _ready_parents(adapter, [[3, 5, 2]])
     assert load_plan(adapter.manager, "p0").num_rows_to_copy == 8
     assert load_plan(adapter.manager, "p0").num_rows_to_copy == 8
-    assert adapter.stats().tokens_loaded == 0
+    assert adapter.manager.stats().tokens_loaded == 0
 
 
 def _ready_parents(adapter, layouts):
@@ -657,9 +657,9 @@ def test_a_failed_fetch_whose_rows_are_lent_computes_in_new_blocks_until_returne
     assert child.prompt_token_ids == [SINK, 13, 14, 15, 16, 17]
     assert adapter._children[child.request_id].spec.pool_block_ids == (2,)
     assert adapter.manager.pool.held_by(doc_fetch.fetch_id) == (1,)
-    assert adapter.stats().pool_blocks_held == 1
+    assert adapter.manager.stats().pool_blocks_held == 1
     adapter.on_store_report(StoreReport(rows_returned={doc_fetch.fetch_id: 1}))
-    assert adapter.stats().pool_blocks_held == 0
+    assert adapter.manager.stats().pool_blocks_held == 0
     finish(adapter, child, RequestStatus.FINISHED_LENGTH_CAPPED)
     assert adapter.get_num_new_matched_tokens(r, 0) == (8, False)
     adapter.store.close()

@@ -134,9 +134,9 @@ def test_unicode_text_and_separator(toy_tokenizer):
 def test_max_chunks(toy_tokenizer):
     parser = make_parser(max_chunks=2)
     assert parser.parse_text("s##a##b##q", toy_tokenizer).num_chunks == 2
-    with pytest.raises(ValueError, match=r"3 chunks .*max_chunks=2"):
+    with pytest.raises(ValueError, match=r"3 chunks .*--max-chunks 2"):
         parser.parse_text("s##a##b##c##q", toy_tokenizer)
-    with pytest.raises(ValueError, match=r"max_chunks=2"):
+    with pytest.raises(ValueError, match=r"--max-chunks 2"):
         parser.parse_token_ids([1, 9, 2, 9, 3, 9, 4, 9, 5], [9])
 
 
@@ -145,7 +145,7 @@ def test_max_chunk_tokens_names_segment_and_limit(toy_tokenizer):
     with pytest.raises(
         ValueError,
         match=r"segment 1 has 5 tokens, more than "
-        r"max_chunk_tokens=4",
+        r"--max-chunk-tokens 4",
     ):
         parser.parse_token_ids([1, 9, 2, 3, 4, 5, 6, 9, 7], [9])
     with pytest.raises(ValueError, match=r"segment 0 has \d+ tokens"):
@@ -162,7 +162,7 @@ def test_invalid_separator(sep):
 
 
 def test_invalid_limits():
-    with pytest.raises(ValueError, match="max_chunk_tokens=0"):
+    with pytest.raises(ValueError, match="--max-chunk-tokens >= 1, not 8 and 0"):
         ChunkedPromptParser("##", 8, 0)
 
 

@@ -143,7 +143,7 @@ def test_token_ids_split_on_the_separator_ids():
     "prompt,message",
     [
         ("a ## ## b", "segment 1 is empty"),
-        ("a ## b ## c ## d", "more than max_chunks=1"),
+        ("a ## b ## c ## d", "more than --max-chunks 1"),
     ],
 )
 def test_bad_prompts_raise_a_validation_error(prompt, message):
@@ -221,12 +221,12 @@ def test_given_segments_keep_any_text_and_token_ids_as_given():
         (
             {SEGMENTS_KEY: ["sys", "a", "b", "c", "q"]},
             {},
-            "3 chunks .* more than max_chunks=2",
+            "3 chunks .* more than --max-chunks 2",
         ),
         (
             {SEGMENTS_KEY: ["sys", "word " * 50, "q"]},
             {},
-            "more than max_chunk_tokens=20",
+            "more than --max-chunk-tokens 20",
         ),
         (
             {SEGMENTS_KEY: ["sys", "q"], "prompt": "x"},

@@ -1,14 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""ChunkCacheConnector: the chunk cache wired into vLLM as a KV connector.
-
-Thin on both sides: the scheduler role delegates to
-`ChunkCacheSchedulerAdapter` (scheduler_adapter.py, around the manager that
-owns every chunked request's state), the worker role to `ChunkCacheWorker`
-(worker.py: the pool tensors, capture and load). The hooks the fork adds to
-`KVConnectorBase_V1` (`register_model`, `take_internal_requests`,
-`take_failed_requests`, `get_prefill_gap`) are overridden here; the base class gives them
-no-op defaults.
-"""
+"""ChunkCacheConnector: the chunk cache as a KV connector, delegating to
+`ChunkCacheSchedulerAdapter` (scheduler role) or `ChunkCacheWorker` (worker)."""
 
 from __future__ import annotations
 
@@ -22,7 +14,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
     PrefillGap,
 )
-
 from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.metadata import (
     ChunkCacheMetadata,
 )
@@ -40,13 +31,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.support import (
 
 if TYPE_CHECKING:
     import torch
+
+    from vllm.config import VllmConfig
     from vllm.forward_context import ForwardContext
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
-
-    from vllm.config import VllmConfig
 
 
 class ChunkCacheConnector(KVConnectorBase_V1):
@@ -56,13 +47,10 @@ class ChunkCacheConnector(KVConnectorBase_V1):
         self,
         vllm_config: VllmConfig,
         role: KVConnectorRole,
-        kv_cache_config: KVCacheConfig | None = None,
+        kv_cache_config: KVCacheConfig,
     ):
         if not vllm_config.chunk_cache_config.enable_chunk_cache:
-            # NOTE: vLLM calls the hooks this connector lives on (prefill
-            # gaps, internal and failed requests) only with the flag on; named
-            # in a --kv-transfer-config (alone or inside a MultiConnector) it
-            # would run without them and serve wrong KV.
+            # vLLM calls the hooks it lives on only with the flag on.
             raise ValueError(
                 f"{CONNECTOR_NAME} is turned on with --enable-chunk-cache, not "
                 "through --kv-transfer-config (alone or inside MultiConnector)"
@@ -73,13 +61,11 @@ class ChunkCacheConnector(KVConnectorBase_V1):
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = ChunkCacheSchedulerAdapter(vllm_config, kv_cache_config)
         else:
-            from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.worker import (
-                ChunkCacheWorker,
+            from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache import (
+                worker,
             )
 
-            self._worker = ChunkCacheWorker(vllm_config, kv_cache_config)
-
-    # ---------------------------------------------------------- scheduler
+            self._worker = worker.ChunkCacheWorker(vllm_config, kv_cache_config)
 
     @property
     def chunk_scheduler(self) -> ChunkCacheSchedulerAdapter:
@@ -126,18 +112,15 @@ class ChunkCacheConnector(KVConnectorBase_V1):
         return False, None
 
     def reset_cache(self) -> bool:
-        # NOTE: vLLM calls this on the scheduler's connector only; the worker
-        # keeps its pool tensors, whose rows are never read again once the
-        # manager forgot them.
+        # Called on the scheduler's connector only: the workers' rows are
+        # never read again once the manager forgot them.
         if self._scheduler is None:
             return True
         return self._scheduler.reset()
 
     def shutdown(self) -> None:
-        """VLLM's worker shutdown (an engine closed, `del llm`): the store's
-        calls that hold this engine's memory get a store deadline to return.
-        NOTE (issue 50, finding 1): one that does not keeps that memory (the
-        pool tensors, arena spans) allocated until it does (StoreTransfers.close),
+        """The store's calls holding this engine's memory get a deadline; one
+        that misses it keeps that memory until it returns (StoreTransfers.close),
         so a later engine's pool never lies where a late read writes."""
         store = self._worker.store if self._worker is not None else None
         if store is not None:
@@ -146,9 +129,8 @@ class ChunkCacheConnector(KVConnectorBase_V1):
     def get_kv_connector_stats(self) -> ChunkCacheConnectorStats | None:
         if self._scheduler is not None:
             return self._scheduler.take_stats()
-        # Worker: an empty report every step, so that the scheduler adds its
-        # own counters (vLLM only asks the scheduler side when a worker
-        # reported something); with the store, its bytes and reads.
+        # A report every step, even empty: vLLM asks the scheduler side for its
+        # counters only when a worker reported.
         store = self._worker.store if self._worker is not None else None
         return ChunkCacheConnectorStats(data=store.take_counters() if store else {})
 
@@ -180,15 +162,10 @@ class ChunkCacheConnector(KVConnectorBase_V1):
             vllm_config, metric_types, labelnames, per_engine_labelvalues
         )
 
-    # ------------------------------------------------------------- worker
-
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
-        # Captures run after the forward (wait_for_save), outside any graph,
-        # except on a quantized KV cache: there they stay in the attention
-        # wrapper (save_kv_layer) with this step's indices, which must run
-        # eagerly between piecewise graphs (capture_path.py; the worker
-        # refuses a full mode over any layer left with the hook).
+        # Captures left in the attention hook must run between piecewise
+        # graphs (capture_path.py).
         return bool(extra_config.get(CAPTURE_IN_ATTENTION, True))
 
     def register_model(self, model: Any) -> None:
@@ -203,15 +180,9 @@ class ChunkCacheConnector(KVConnectorBase_V1):
 
     @contextmanager
     def _released_if_refused(self) -> Iterator[None]:
-        """A start-up refusal (the model or cache this worker cannot serve) also
-        gives up vLLM's process-wide slot for the worker's connector.
-
-        NOTE: vLLM keeps this connector in `kv_transfer_state` until a clean engine
-        shutdown, and an engine whose start-up failed never shuts down; the next
-        engine of the process (a notebook's second `LLM(...)`) found the slot taken
-        and was handed this connector, built for the refused model's config (its
-        layers were then "NoneType"; the family matrix's slow tier met it after
-        gpt2's refusal)."""
+        """A start-up refusal also gives up vLLM's process-wide connector slot
+        (`kv_transfer_state`): an engine whose start-up failed never shuts
+        down, and the process's next engine would be handed this connector."""
         try:
             yield
         except BaseException:
@@ -258,8 +229,7 @@ class ChunkCacheConnector(KVConnectorBase_V1):
         )
 
     def wait_for_save(self) -> None:
-        # NOTE: called after the forward, outside any CUDA graph: the
-        # children's rows of this step are in their paged blocks now.
+        # After the forward, outside any CUDA graph: the rows are in place.
         assert self._worker is not None
         meta = self._get_connector_metadata()
         assert isinstance(meta, ChunkCacheMetadata)

@@ -1,21 +1,19 @@
 # SPDX-License-Identifier: Apache-2.0
 """The boundary between the connector's scheduler half and its workers.
 
-Loads and captures travel as block ids, vLLM's own currency: per request its
-paged blocks, per cached segment its pool blocks and the stretch to copy,
-and each worker expands them into rows on its device (`LoadRows.expand`,
-`StoreRows.expand`, both through `_expand`, the one definition of "blocks
--> rows"). A step of 64 documents of 500 tokens ships a few hundred integers
-instead of three lists of 32,000 (docs/benchmarks.md).
+Loads and captures travel as block ids (per request its paged blocks, per
+cached segment its pool blocks and the stretch to copy); each worker expands
+them into rows on its device (`_expand`, the one definition of "blocks ->
+rows"): a few hundred integers a step instead of lists of 32,000 rows.
 """
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeAlias
 
 import numpy as np
 import torch
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 from vllm.v1.core.chunk_structures import SegmentLoad
 
 
@@ -33,10 +31,8 @@ class SegmentStretch:
 
     @classmethod
     def of(cls, seg: SegmentLoad) -> "SegmentStretch":
-        """The stretch of a manager's planned segment load."""
-        # NOTE: the manager's pool block ids are Python ints already (the
-        # pool hands out range()'s): no int() per block (issue 52: 0.33 of
-        # 0.65 ms at 256 documents of 500 tokens).
+        """The stretch of a manager's planned segment load (its pool block ids
+        are Python ints already: no int() per block)."""
         return cls(
             pool_block_ids=tuple(seg.pool_block_ids),
             first_row=seg.first_row,
@@ -73,9 +69,9 @@ class RequestLoad:
 
 @dataclass(frozen=True)
 class LoadRows:
-    """A step's loads as rows on the device: pool row -> paged slot, and
-    the K rotation of each (per row, and as a stretch index into the
-    step's few per-stretch deltas, for a cos/sin table of one row each)."""
+    """A step's loads as rows on the device: pool row -> paged slot, and the K
+    rotation of each (per row, and as an index into the step's per-stretch
+    deltas, for a cos/sin table of one row per stretch)."""
 
     src_rows: torch.Tensor
     dst_slots: torch.Tensor
@@ -94,25 +90,15 @@ class LoadRows:
         device: torch.device,
     ) -> "LoadRows":
         copies = [
-            _Copy(
-                src_blocks=s.pool_block_ids,
-                src_first=s.first_row,
-                dst_blocks=load.block_ids,
-                dst_first=s.dst_position,
-                count=s.num_rows,
-                delta=s.delta,
-            )
+            (s.pool_block_ids, s.first_row, load.block_ids, s.dst_position)
+            + (s.num_rows, s.delta)
             for load in loads
             for s in load.stretches
         ]
-        rows = _expand(copies, pool_block_size, block_size, device)
-        return cls(
-            rows.src,
-            rows.dst,
-            rows.copy_deltas[rows.copy_index],
-            rows.copy_index,
-            rows.host_deltas,
+        src, dst, which, deltas, host_deltas = _expand(
+            copies, pool_block_size, block_size, device
         )
+        return cls(src, dst, deltas[which], which, host_deltas)
 
 
 @dataclass(frozen=True)
@@ -147,61 +133,31 @@ class StoreRows:
         device: torch.device,
     ) -> "StoreRows":
         copies = [
-            _Copy(
-                src_blocks=s.block_ids,
-                src_first=s.first_position,
-                dst_blocks=s.pool_block_ids,
-                dst_first=s.first_position - s.store_start,
-                count=s.end_position - s.first_position,
-                delta=0,
-            )
+            (s.block_ids, s.first_position, s.pool_block_ids)
+            + (s.first_position - s.store_start, s.end_position - s.first_position, 0)
             for s in stores
         ]
-        rows = _expand(copies, block_size, pool_block_size, device)
-        return cls(rows.src, rows.dst)
+        src, dst, *_ = _expand(copies, block_size, pool_block_size, device)
+        return cls(src, dst)
 
 
-@dataclass(frozen=True)
-class _Copy:
-    """`count` consecutive positions: from `src_first` on in the sequence
-    stored in `src_blocks`, to `dst_first` on in `dst_blocks`."""
-
-    src_blocks: tuple[int, ...]
-    src_first: int
-    dst_blocks: tuple[int, ...]
-    dst_first: int
-    count: int
-    delta: int
-
-
-@dataclass(frozen=True)
-class _Rows:
-    """Every copied position's flat source and destination row (row =
-    block_id * block_size + offset) and copy, and each copy's delta."""
-
-    src: torch.Tensor
-    dst: torch.Tensor
-    copy_index: torch.Tensor
-    copy_deltas: torch.Tensor
-    # Each copy's delta, on the host.
-    host_deltas: torch.Tensor
+# `count` consecutive positions, K rotated by `delta`: from `src_first` on in
+# the sequence stored in `src_blocks`, to `dst_first` on in `dst_blocks`
+# (src_blocks, src_first, dst_blocks, dst_first, count, delta).
+_Copy: TypeAlias = tuple[tuple[int, ...], int, tuple[int, ...], int, int, int]
 
 
 def _expand(
     copies: list[_Copy], src_block_size: int, dst_block_size: int, device: torch.device
-) -> _Rows:
-    """The rows of `copies`, expanded on `device`.
-
-    NOTE: the host packs only block tables and six integers per copy (a
-    request's table once, however many stretches use it) into one array:
-    one host->device copy, then the expansion runs where the rows are used,
-    with no host synchronisation (the row and piece counts are known on the
-    host). Per row it is three repeat_interleaves and two adds; the block
-    arithmetic runs per block piece (`_side_rows`).
-    """
+) -> tuple[torch.Tensor, ...]:
+    """Every copied position's flat source and destination row (block_id *
+    block_size + offset) and copy, each copy's delta, and each copy's delta
+    on the host. Expanded on `device` from one host->device copy of the block
+    tables (each once) and six integers per copy, with no host
+    synchronisation: the row and piece counts are known on the host."""
     if not copies:
         empty = torch.zeros(0, dtype=torch.int64, device=device)
-        return _Rows(empty, empty, empty, empty, torch.zeros(0, dtype=torch.int64))
+        return empty, empty, empty, empty, torch.zeros(0, dtype=torch.int64)
     tables: dict[int, int] = {}  # id(block tuple) -> offset in `flat`
     flat: list[np.ndarray] = []
     size = 0
@@ -216,15 +172,8 @@ def _expand(
 
     per_copy = np.array(
         [
-            (
-                offset_of(c.src_blocks),
-                c.src_first,
-                offset_of(c.dst_blocks),
-                c.dst_first,
-                c.count,
-                c.delta,
-            )
-            for c in copies
+            (offset_of(sb), sf, offset_of(db), df, n, d)
+            for sb, sf, db, df, n, d in copies
         ],
         dtype=np.int64,
     ).T
@@ -244,35 +193,15 @@ def _expand(
     # from which both sides' rows are one add away (see _side_rows).
     row_offset = torch.cumsum(count, 0) - count
     steps = torch.arange(total, device=device)
-    src_rows = _side_rows(
-        blocks,
-        src_off,
-        src_first,
-        count,
-        row_offset,
-        steps,
-        _pieces(per_copy[1], per_copy[4], src_block_size),
-        src_block_size,
-    )
-    dst_rows = _side_rows(
-        blocks,
-        dst_off,
-        dst_first,
-        count,
-        row_offset,
-        steps,
-        _pieces(per_copy[3], per_copy[4], dst_block_size),
-        dst_block_size,
+    src_rows, dst_rows = (
+        _side_rows(blocks, off, first, count, row_offset, steps, per_copy[[c, 4]], bs)
+        for off, first, c, bs in (
+            (src_off, src_first, 1, src_block_size),
+            (dst_off, dst_first, 3, dst_block_size),
+        )
     )
     # The deltas stay on the host too (a copy, not part of what is shipped).
-    return _Rows(src_rows, dst_rows, which, delta, torch.tensor(per_copy[5]))
-
-
-def _pieces(first: np.ndarray, count: np.ndarray, block_size: int) -> int:
-    """How many (copy, block) pieces one side of the copies spans: known on
-    the host, so the device expansion needs no read-back of its size."""
-    spanned = (first + count - 1) // block_size - first // block_size + 1
-    return int(np.where(count > 0, spanned, 0).sum())
+    return src_rows, dst_rows, which, delta, torch.tensor(per_copy[5])
 
 
 def _side_rows(
@@ -282,21 +211,21 @@ def _side_rows(
     count: torch.Tensor,
     row_offset: torch.Tensor,
     steps: torch.Tensor,
-    num_pieces: int,
+    host_first_count: np.ndarray,
     block_size: int,
 ) -> torch.Tensor:
-    """One side's flat rows of every copied position, in step order.
-
-    NOTE: the block arithmetic runs once per piece (the part of a copy inside
-    one of this side's blocks), not once per row: inside a piece the rows are
-    consecutive, so row = (the piece's first row - its first step) + step,
-    and the per-row work is one repeat_interleave and one add.
-    """
+    """One side's flat rows of every copied position, in step order. The
+    block arithmetic runs per piece (a copy's part inside one block): inside
+    it, row = (the piece's first row - its first step) + step."""
     num = first.numel()
     end = first + count
     spanned = torch.where(
         count > 0, (end - 1) // block_size - first // block_size + 1, 0
     )
+    # The piece count from the host's copy: no device read-back.
+    first_h, count_h = host_first_count
+    spanned_h = (first_h + count_h - 1) // block_size - first_h // block_size + 1
+    num_pieces = int(np.where(count_h > 0, spanned_h, 0).sum())
     copy = torch.repeat_interleave(
         torch.arange(num, device=blocks.device), spanned, output_size=num_pieces
     )

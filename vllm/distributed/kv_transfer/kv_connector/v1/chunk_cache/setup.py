@@ -1,12 +1,12 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Start-up wiring of the chunk cache: connector selection and pool sizing."""
+"""Start-up wiring of the chunk cache: connector selection and pool sizing
+(docs/design/pool-budget.md)."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
 import torch
-from vllm.logger import init_logger
 
 from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.capture_path import (
     capture_hook_reason,
@@ -16,11 +16,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.support import (
     CONNECTOR_NAME,
     check_config,
 )
+from vllm.logger import init_logger
 
 if TYPE_CHECKING:
-    from vllm.v1.kv_cache_interface import KVCacheConfig
-
     from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
 
 logger = init_logger(__name__)
 
@@ -36,29 +36,21 @@ def configure_chunk_cache_connector(vllm_config: VllmConfig) -> None:
 
     check_config(vllm_config)
     reason = capture_hook_reason(vllm_config)
-    hooked = reason is not None
-    if hooked:
+    if reason is not None:
         _resolve_cudagraph_mode(vllm_config, reason)
     vllm_config.chunk_cache_config.resolve_sink_token_id(_bos_token_id(vllm_config))
     logger.info("Chunk cache enabled: %s", vllm_config.chunk_cache_config.describe())
     vllm_config.kv_transfer_config = KVTransferConfig(
         kv_connector=CONNECTOR_NAME,
         kv_role="kv_both",
-        kv_connector_extra_config={CAPTURE_IN_ATTENTION: hooked},
+        kv_connector_extra_config={CAPTURE_IN_ATTENTION: reason is not None},
     )
 
 
 def _resolve_cudagraph_mode(vllm_config: VllmConfig, reason: str) -> None:
-    """CUDA graphs where captures may stay in the attention hook (`reason`: a
-    quantized KV cache, or the NPU platform, capture_path.py): PIECEWISE only.
-
-    Such a capture runs in the attention wrapper with the step's indices, so
-    attention must run eagerly between captured pieces (vLLM's splitting
-    ops). vLLM's default FULL_AND_PIECEWISE becomes PIECEWISE (what vLLM does
-    for connectors that ask, `requires_piecewise_for_cudagraph`; said here
-    too so that the log gives the reason); a FULL or FULL_DECODE_ONLY mode
-    asked for explicitly is refused.
-    """
+    """PIECEWISE CUDA graphs only where captures stay in the attention hook
+    (`reason`, capture_path.py): vLLM's default FULL_AND_PIECEWISE becomes
+    PIECEWISE, logged with the reason; a full mode asked for is refused."""
     from vllm.config.compilation import CUDAGraphMode
 
     compilation_config = vllm_config.compilation_config
@@ -99,27 +91,9 @@ def pool_num_blocks_from_config(vllm_config: VllmConfig) -> int | None:
     return _pool_blocks(vllm_config, num_kv_blocks, vllm_config.cache_config.block_size)
 
 
-# ------------------------------------------------------------- KV budget
-#
-# The pool is carved OUT of the memory vLLM gives the KV cache (what
-# `determine_available_memory` returns: gpu_memory_utilization's share on
-# GPU, VLLM_CPU_KVCACHE_SPACE on CPU), never added on top of it. Patch 0010
-# calls `carve_chunk_pool` on that budget before vLLM sizes its paged cache,
-# so the paged cache gets B' = B - pool (or B * (1 - fraction)). Every side
-# then derives the pool from the paged cache's block count alone (scheduler,
-# workers and front end agree): the paged cache takes at most B', so with
-# kv = num_blocks * block_size * kv_bytes_per_token <= B',
-#   pool = kv * f / (1 - f) <= B' * f / (1 - f) = B * f
-# and kv + pool <= B. The workers' load buffers (S bytes, fixed) are taken
-# out first: B' = B - pool - S, or (B - S) * (1 - f) with the fraction (f is
-# the pool's share of what the buffers leave), so kv + pool + S <= B still.
-# On an NPU the padding vllm-ascend adds to each KV tensor (P bytes in all) is
-# taken out with them: kv + P + pool + S <= B.
-
-
 def carve_chunk_pool(vllm_config: VllmConfig, available_bytes: int) -> int:
-    """The KV budget left to vLLM's paged cache once the pool and the load
-    buffers are taken out."""
+    """The KV budget left to vLLM's paged cache once the pool, the load buffers
+    and the NPU's KV tensor padding are taken out."""
     cfg = vllm_config.chunk_cache_config
     scratch = load_scratch_bytes(vllm_config)
     padding = kv_allocation_padding_bytes(vllm_config)
@@ -137,7 +111,7 @@ def carve_chunk_pool(vllm_config: VllmConfig, available_bytes: int) -> int:
             "cache alignment on NPUs) do not fit the KV cache budget of "
             f"{available_bytes / (1 << 30):.2f} GiB (both are carved out of it): "
             "lower --chunk-pool-size-gib / --chunk-pool-fraction or "
-            "--max-chunk-load-tokens, or raise gpu_memory_utilization / "
+            "--max-chunk-load-tokens, or raise --gpu-memory-utilization / "
             "VLLM_CPU_KVCACHE_SPACE"
         )
     logger.info(
@@ -154,31 +128,19 @@ def carve_chunk_pool(vllm_config: VllmConfig, available_bytes: int) -> int:
     return left
 
 
-# vllm-ascend's NPU runner allocates every K and V tensor of a layer (MLA: its
-# latent and rope tensors; SFA: and its indexer key tensor) this much larger, to
-# align its address, whenever a KV connector is configured
-# (`_allocate_int8_cache_tensor`, read in vllm-ascend 0.23.0.post1): the chunk
-# cache's connector always is.
+# What vllm-ascend adds to each KV cache tensor with a KV connector configured.
 NPU_KV_TENSOR_ALIGNMENT = 2 << 20
 
 
 def kv_allocation_padding_bytes(vllm_config: VllmConfig) -> int:
-    """Memory the platform's KV cache allocation takes beyond the bytes vLLM
-    sized the paged cache for: on vllm-ascend's NPU runner, 2 MiB per cache
-    tensor of a layer (two for standard attention and MLA, three for SFA with
-    its indexer key cache), which vLLM's sizing does not see. Carved out with
-    the pool, so that the paged cache, the pool and the padding stay within
-    the budget."""
+    """Memory vllm-ascend's KV cache allocation takes beyond vLLM's sizing: 2 MiB
+    per cache tensor of a layer (SFA: three, standard attention and MLA: two)."""
     from vllm.platforms import current_platform
 
     if getattr(current_platform, "device_type", None) != "npu":
         return 0
     model_config = vllm_config.model_config
     layers = _max_stage_layers(model_config, vllm_config.parallel_config)
-    # NOTE: SFA (sparse MLA with an indexer) keeps (latent, rope, indexer key)
-    # per layer, each its own aligned tensor (`_allocate_kv_cache_tensors`'s
-    # dsa_k_tensor); counted on every layer, an upper bound where a layer
-    # reuses another's top-k and has none. C8 variants (a 4th tensor) are refused.
     parts = (
         3
         if getattr(model_config, "use_mla", False) and _index_head_dim(model_config)
@@ -194,40 +156,39 @@ FALLBACK_SCRATCH_ROWS = 512
 
 
 def load_scratch_rows(vllm_config: VllmConfig) -> int:
-    """Rows of the workers' load buffers: --max-chunk-load-tokens where a
-    layer is expected to load through them (the CPU, MLA, a backend or cache
-    the fused kernel does not write), `FALLBACK_SCRATCH_ROWS` where the fused
-    kernel is expected on every layer (fused_chunk_load_path.fused_load_expected)."""
-    from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.fused_chunk_load_path import (
-        fused_load_expected,
+    """Rows of the workers' load buffers: --max-chunk-load-tokens, or
+    `FALLBACK_SCRATCH_ROWS` where every layer is expected to load fused."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache import (
+        fused_chunk_load_path,
     )
 
     cap = vllm_config.chunk_cache_config.max_chunk_load_tokens
-    if fused_load_expected(vllm_config):
+    if fused_chunk_load_path.fused_load_expected(vllm_config):
         return min(cap, FALLBACK_SCRATCH_ROWS)
     return cap
 
 
 def load_scratch_bytes(vllm_config: VllmConfig) -> int:
-    """The workers' load buffers (`RemapScratch`, `load_scratch_rows` rows of
-    the roles of the model's kind, allocated once in register_kv_caches):
-    part of the pool's share of the KV budget."""
+    """Bytes of the workers' load buffers (`RemapScratch`, `load_scratch_rows`
+    rows of the roles of the model's kind)."""
     from vllm.v1.worker.position_remapper import RemapScratch
 
     model_config = vllm_config.model_config
     head = model_config.get_head_size()
+    roles: tuple[tuple[str, bool, str], ...]
     if getattr(model_config, "use_mla", False):
         # One latent row [kv_c | k_pe] per token, for all heads.
         rope = model_config.hf_text_config.qk_rope_head_dim
         roles, parts = RemapScratch.LATENT, {"c": head - rope, "r": rope}
         index = _index_head_dim(model_config)
         if index:
-            # Sparse MLA: the indexer key's buffers too (mla_latent_layers.INDEXER_SCRATCH).
-            from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.mla_latent_layers import (
-                INDEXER_SCRATCH,
+            # Sparse MLA: the indexer key's buffers too.
+            from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache import (
+                mla_latent_layers,
             )
 
-            roles, parts = roles + INDEXER_SCRATCH, {**parts, "i": index}
+            roles = roles + mla_latent_layers.INDEXER_SCRATCH
+            parts = {**parts, "i": index}
     else:
         key = model_config.get_num_kv_heads(vllm_config.parallel_config) * head
         roles, parts = RemapScratch.STANDARD, {"k": key, "v": key}
@@ -253,32 +214,20 @@ def _pool_blocks(vllm_config: VllmConfig, num_kv_blocks: int, block_size: int) -
 
 
 def _layer_kv_elements(vllm_config: VllmConfig) -> int:
-    """K plus V elements of one token over the layers of one rank (MLA: its
-    latent row): its own KV heads (tensor parallelism) and the layers of the
-    *largest* pipeline stage.
-
-    Every rank must derive the same number of pool rows as the scheduler's
-    allocator (whose config is that of rank 0). With --chunk-pool-size-gib the
-    rows come from bytes per token, and pipeline stages may hold different
-    numbers of layers (VLLM_PP_LAYER_PARTITION, or vLLM's split of a remainder
-    to the middle stages): sizing by the largest stage gives every rank the
-    same rows and keeps each rank's pool within the size asked for.
-    """
+    """K plus V elements of one token (MLA: its latent row, and a sparse MLA's
+    indexer key) over one rank's KV heads and the layers of the *largest*
+    pipeline stage (docs/design/pool-budget.md, "Rows per rank")."""
     model_config = vllm_config.model_config
     parallel_config = vllm_config.parallel_config
     num_layers = _max_stage_layers(model_config, parallel_config)
     num_kv_heads = model_config.get_num_kv_heads(parallel_config)
-    # NOTE: MLA caches one latent row per token and layer (head size
-    # kv_lora_rank + rope_dim, one "head", the same on every TP rank), no V.
     rows = 1 if getattr(model_config, "use_mla", False) else 2
-    # Sparse MLA: each layer's entry also keeps its indexer key (docs/design/sparse.md;
-    # counted for every layer, an upper bound where some layers reuse another's top-k).
     index = _index_head_dim(model_config) if rows == 1 else 0
     return num_layers * (num_kv_heads * model_config.get_head_size() * rows + index)
 
 
 def _index_head_dim(model_config) -> int:
-    """Values of a sparse MLA layer's indexer key (DeepSeek-V3.2: 128), 0 if dense."""
+    """Values of a sparse MLA layer's indexer key (DeepSeek-V3.2: 128); 0: dense."""
     text = getattr(model_config, "hf_text_config", None)
     if getattr(text, "index_topk", None) is None:
         return 0
@@ -310,16 +259,8 @@ def _as_dtype(dtype: torch.dtype | str) -> torch.dtype:
 
 
 def pool_dtype(vllm_config: VllmConfig) -> torch.dtype:
-    """The dtype the pool is allocated (and sized) in: the model dtype.
-
-    fp8 KV-cache policy: the pool keeps K/V in the model dtype (what the
-    attention layer hands to the cache-write op, before quantization), K is
-    re-rotated in fp32, and the load writes through the backend's own
-    cache-write op, which quantizes with the layer's k/v scale exactly as for
-    freshly computed tokens. So a loaded row is quantized once, like any
-    other, and the pool costs model-dtype bytes per token (sized as such:
-    with an fp8 cache a pool token costs twice a paged token of bf16).
-    """
+    """The pool's dtype: the model's, whatever the KV cache's
+    (docs/design/pool-budget.md, "The pool's dtype")."""
     return _as_dtype(vllm_config.model_config.dtype)
 
 
@@ -331,8 +272,7 @@ def _kv_dtype(vllm_config: VllmConfig) -> torch.dtype:
 
 
 def pool_bytes_per_token(vllm_config: VllmConfig) -> int:
-    """Bytes one token takes in the pool: K and V rows of every layer, in the
-    dtype the worker allocates the pool in (`pool_dtype`)."""
+    """Bytes one token takes in the pool (`pool_dtype`)."""
     return _layer_kv_elements(vllm_config) * pool_dtype(vllm_config).itemsize
 
 

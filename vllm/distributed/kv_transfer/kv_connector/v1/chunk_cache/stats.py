@@ -1,12 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Chunk-cache statistics in vLLM's connector stats pipeline.
-
-Every step the scheduler-side connector reports the counter increments since
-its last report plus the pool gauges (`ChunkCacheConnectorStats.data`). vLLM
-sums them over the logging interval (`aggregate`), prints them in the
-periodic "KV Transfer metrics:" log line (`reduce`) and exports them to
-Prometheus (`ChunkCachePromMetrics`, names `vllm:chunk_cache_*`).
-"""
+"""Chunk-cache statistics in vLLM's connector stats pipeline: counter
+increments and pool gauges, logged by vLLM's "KV Transfer metrics:" line and
+exported to Prometheus as `vllm:chunk_cache_*`."""
 
 from __future__ import annotations
 
@@ -19,7 +14,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     PromMetric,
     PromMetricT,
 )
-
 from vllm.v1.core.chunk_structures import ChunkCacheStats
 
 # Monotonic counters (reported as increments) and their help text; the names
@@ -29,42 +23,49 @@ COUNTERS: dict[str, str] = {
     "misses": "Cached segments that needed a new child request",
     "in_flight_joins": "Cached segments that joined a child already computing them",
     "tokens_reused": "Prompt tokens of resident segments served from the chunk pool",
-    "tokens_loaded": "Prompt tokens copied (re-positioned) from the pool into requests",
+    "tokens_loaded": "Prompt tokens copied (re-positioned) from the pool to requests",
     "child_computes": "Internal child requests started to compute missing segments",
     "child_tokens": "Tokens prefilled by child requests (context included)",
     "evictions": "Chunk pool entries evicted (LRU)",
-    "refused_requests": "Chunked requests refused after arrival (never served otherwise)",
+    "refused_requests": "Chunked requests refused after arrival",
     "deferred_requests": "Chunked requests that waited for chunk pool room",
     "hash_collisions": "Key matches whose stored tokens differed",
     "failed_children": "Child requests that ended without storing their rows",
 }
-# The fleet-wide store's counters (issue 31; only with --chunk-store): the
-# scheduler's (store/lookups.StoreCounters) and each worker's (store/transfers.py),
-# summed over workers. Exported as vllm:chunk_cache_store_*.
+# The chunk store's counters (--chunk-store): the scheduler's
+# (store/lookups.StoreCounters) and each worker's (store/transfers.py), summed
+# over workers. Every miss, timeout or refusal is computed instead.
 STORE_COUNTERS: dict[str, str] = {
     "store_hits": "Missing segments read from the chunk store (every rank verified)",
-    "store_misses_absent": "Store lookups or reads that found no entry (computed instead)",
-    "store_misses_verify_failed": "Store reads whose header, tokens or checksum did not verify (computed instead)",
-    "store_misses_error": "Store lookups or reads that failed (computed instead)",
-    "store_misses_timeout": "Store lookups or reads past their deadline (computed instead)",
-    "store_lookup_timeouts": "Store lookups not answered within the lookup deadline (computed instead)",
-    "store_reads_given_up": "Store reads that missed their read deadline (computed instead)",
-    "store_reads_never_started": "Store reads dropped before their call started, queued past their deadline behind "
-    "another store call (computed instead; nothing lent)",
-    "store_reads_no_room": "Store reads refused for lack of read-arena room (computed instead)",
-    "store_reads_skipped_slower": "Store hits computed instead: the read was expected to take longer than the compute",
-    "store_expected_read_seconds": "Expected store read time of the hits decided with both estimates (sum)",
-    "store_expected_compute_seconds": "Expected compute time of the same hits (sum): compare with the read time",
-    "store_fetch_seconds": "Seconds from a store hit to every rank's entry in the pool (sum)",
+    "store_misses_absent": "Store lookups or reads that found no entry",
+    "store_misses_verify_failed": "Store reads whose header, tokens or checksum "
+    "did not verify",
+    "store_misses_error": "Store lookups or reads that failed",
+    "store_misses_timeout": "Store lookups or reads past their deadline",
+    "store_lookup_timeouts": "Store lookups not answered within the lookup deadline",
+    "store_reads_given_up": "Store reads that missed their read deadline",
+    "store_reads_never_started": "Store reads dropped before their call started, "
+    "queued past their deadline behind another store call (nothing lent)",
+    "store_reads_no_room": "Store reads refused for lack of read-arena room",
+    "store_reads_skipped_slower": "Store hits computed instead: the read was "
+    "expected to take longer than the compute",
+    "store_expected_read_seconds": "Expected store read time of the hits decided "
+    "with both estimates (sum)",
+    "store_expected_compute_seconds": "Expected compute time of the same hits (sum)",
+    "store_fetch_seconds": "Seconds from a store hit to every rank's entry in the "
+    "pool (sum)",
     "store_gets": "Entries read, verified and written into the pool by a worker rank",
     "store_get_bytes": "Bytes read from the store by worker ranks",
-    "store_get_seconds": "Seconds worker ranks spent in store reads (one call per step, summed)",
+    "store_get_seconds": "Seconds worker ranks spent in store reads (one call per "
+    "step, summed)",
     "store_puts_queued": "Children's entries queued for writing to the store",
-    "store_reads_written_off": "Failed store reads whose pool rows stayed lent past held_limit (written off)",
+    "store_reads_written_off": "Failed store reads whose pool rows stayed lent "
+    "past held_limit (written off)",
     "store_puts": "Entries written to the store by a worker rank",
     "store_put_bytes": "Bytes written to the store by worker ranks",
     "store_put_failures": "Entry writes the store refused or failed",
-    "store_puts_skipped": "Entry writes skipped (no write-arena room, or weights loaded since the last reset)",
+    "store_puts_skipped": "Entry writes skipped (no write-arena room, or weights "
+    "loaded since the last reset)",
 }
 # Gauges (last value wins).
 GAUGES: dict[str, str] = {
@@ -72,16 +73,12 @@ GAUGES: dict[str, str] = {
     "pool_blocks_total": "Chunk pool blocks in total",
     "pool_entries_pinned": "Chunk pool entries pinned by requests in flight",
     "live_requests": "Chunked requests and child requests the chunk cache tracks",
-    "pool_blocks_held": "Chunk pool blocks still lent to a failed store read's unfinished call",
+    "pool_blocks_held": "Chunk pool blocks still lent to a failed store read's call",
 }
 
 # Gauge name -> the ChunkCacheStats field it reports.
-_GAUGE_SOURCES: dict[str, str] = {
-    "pool_blocks_used": "pool_blocks_used",
-    "pool_blocks_total": "pool_blocks_total",
-    "pool_entries_pinned": "pinned_entries",
-    "live_requests": "live_requests",
-    "pool_blocks_held": "pool_blocks_held",
+_GAUGE_SOURCES = {name: name for name in GAUGES} | {
+    "pool_entries_pinned": "pinned_entries"
 }
 
 
@@ -98,14 +95,9 @@ class ChunkCacheConnectorStats(KVConnectorStats):
     def increments(
         cls, now: ChunkCacheStats, last: ChunkCacheStats
     ) -> ChunkCacheConnectorStats:
-        """Counter increments from `last` to `now`, plus `now`'s gauges when anything
-        changed (an empty report when nothing did).
-
-        NOTE: a changed gauge alone makes the report non-empty (`is_empty`), so that
-        vLLM forwards it even when no counter moved: e.g. the step in which the last
-        request finishes and its pins drop to 0. vLLM 0.32 forwards scheduler-side
-        stats only when they are not empty.
-        """
+        """Counter increments from `last` to `now`, plus `now`'s gauges when
+        anything changed: a changed gauge alone (the last pin dropping to 0)
+        makes the report non-empty, which vLLM 0.32 needs to forward it."""
         data = {k: getattr(now, k) - getattr(last, k) for k in COUNTERS}
         if any(data.values()) or any(
             getattr(now, attr) != getattr(last, attr)

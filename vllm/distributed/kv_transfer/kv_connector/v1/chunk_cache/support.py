@@ -1,19 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
 """What the chunk cache can serve: the one owner of its start-up refusals.
 
-A set-up under which a load or a capture would not give the chunk-isolation
-semantics exactly is refused at start-up with a message naming it, never
-served with a warning (or failing at the first request with a message about
-something else). The checks run at the three moments where vLLM knows what
-they need:
-
-* `check_config`: the engine config (front end and engine core, before
-  anything is built): features that change what a step computes;
-* `kv_cache_block_size`: the KV cache layout (scheduler, once vLLM grouped
-  the layers): one group of full or sliding-window attention;
-* `check_attention_layer`: each attention layer (worker, once the model is
-  built): standard attention, its own KV cache, a window only on a backend
-  shown to apply it by position, a backend whose cache write the load can use.
+A set-up under which a load or a capture would not be exact is refused at
+start-up, by name, where vLLM first knows it: `check_config` (the engine
+config), `kv_cache_block_size` (the KV cache groups, in the scheduler) and
+`check_attention_layer` (each built layer, in the worker).
 """
 
 from __future__ import annotations
@@ -22,24 +13,15 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from vllm.v1.kv_cache_interface import KVCacheConfig
-
     from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
 
 CONNECTOR_NAME = "ChunkCacheConnector"
 # kv_connector_extra_config key: whether captures may run in the attention
 # hook (then vLLM must keep attention out of full CUDA graphs).
 CAPTURE_IN_ATTENTION = "capture_in_attention"
-# --kv-cache-dtype values that keep K/V in a model dtype (not quantized): the
-# cache's bytes are the rows, so they can be read back and written as is.
-UNQUANTIZED_KV_CACHE_DTYPES = (
-    "auto",
-    "bfloat16",
-    "float16",
-    "float32",
-    "half",
-    "float",
-)
+# --kv-cache-dtype values that keep K/V unquantized: rows read back as written.
+UNQUANTIZED_KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32")
 
 # Config keys of models that skip RoPE on some layers (NoPE layers).
 _NOPE_CONFIG_KEYS = ("no_rope_layers", "use_rope_layers", "nope_layer_interval")
@@ -57,9 +39,6 @@ def check_config(vllm_config: VllmConfig) -> None:
     if model_config is not None:
         _check_model_kind(model_config)
     if getattr(vllm_config, "speculative_config", None) is not None:
-        # NOTE: a drafter (EAGLE, MTP, a draft model) has attention layers of
-        # its own that the chunk cache neither captures nor loads, and
-        # verification steps schedule tokens the load plan does not know.
         raise ValueError(
             "--enable-chunk-cache does not support speculative decoding "
             "(--speculative-config): drafter layers would attend to chunks the "
@@ -74,17 +53,12 @@ def check_config(vllm_config: VllmConfig) -> None:
 
 def _check_ascend_options(vllm_config: VllmConfig) -> None:
     """vllm-ascend's options under which a load or a capture would not be exact
-    (read in vllm-ascend 0.23.0.post1; never executed on an NPU). The chunk
-    cache's connector role, kv_both, counts as a PD producer AND consumer
-    there, which switches on PD-only branches (docs/ascend.md)."""
+    (read in vllm-ascend 0.23.0.post1, never executed; the connector's kv_both
+    role switches on its PD-only branches: docs/ascend.md)."""
     additional = getattr(vllm_config, "additional_config", None)
     additional = additional if isinstance(additional, dict) else {}
     xlite = additional.get("xlite_graph_config") or {}
     if isinstance(xlite, dict) and xlite.get("enabled", False):
-        # NOTE: xlite runs the model in its own runtime (xlite_model.forward;
-        # in full mode prefill too, in eager mode), never through vLLM's
-        # Attention layers: nothing would capture a child's rows, and the
-        # pool's zeros would be loaded into its parents.
         mode = "full" if xlite.get("full_mode", False) else "decode-only"
         raise ValueError(
             f"--enable-chunk-cache does not support vllm-ascend's xlite graph mode "
@@ -96,26 +70,19 @@ def _check_ascend_options(vllm_config: VllmConfig) -> None:
     if additional.get("enable_hamming_sparse") or (
         isinstance(hamming, dict) and hamming.get("enabled")
     ):
-        # NOTE: kvcomp keeps a hash of every key block, written by the
-        # attention forward (reshape_and_cache_kvcomp); decode picks its top-k
-        # blocks by those hashes. Rows the load writes get none: stale hashes.
         raise ValueError(
             "--enable-chunk-cache does not support vllm-ascend's hamming sparse "
             "attention (additional_config hamming_sparse / enable_hamming_sparse): "
             "decode picks key blocks by hashes the attention forward writes, and "
             "loaded rows get none, so it would select blocks by stale hashes"
         )
-    pp = (
-        getattr(
-            getattr(vllm_config, "parallel_config", None), "pipeline_parallel_size", 1
-        )
-        or 1
-    )
+    parallel_config = getattr(vllm_config, "parallel_config", None)
+    pp = getattr(parallel_config, "pipeline_parallel_size", 1) or 1
     if pp > 1:
         raise ValueError(
-            f"--enable-chunk-cache does not support pipeline parallelism on Ascend NPUs "
-            f"(--pipeline-parallel-size {pp}): its KV connector role (kv_both) makes "
-            "vllm-ascend's model runner take a PD producer's branch and skip the "
+            "--enable-chunk-cache does not support pipeline parallelism on Ascend "
+            f"NPUs (--pipeline-parallel-size {pp}): its KV connector role (kv_both) "
+            "makes vllm-ascend's model runner take a PD producer's branch and skip the "
             "async-scheduling broadcast of sampled tokens to the other stages"
         )
     quant = getattr(vllm_config, "quant_config", None)
@@ -138,24 +105,18 @@ def _check_ascend_options(vllm_config: VllmConfig) -> None:
 
 
 def _sparse_mla_platform() -> bool:
-    """Whether sparse MLA may start here: on vllm-ascend's NPU platform, whose SFA
-    has indexer key writers (docs/design/sparse.md; never executed on an NPU)."""
+    """Sparse MLA starts on vllm-ascend's NPU only (SFA: docs/design/sparse.md)."""
     from vllm.platforms import current_platform
 
     return getattr(current_platform, "device_name", None) == "npu"
 
 
 def _check_kv_transfer_config(current: Any) -> None:
-    """Another connector is refused (vLLM has one connector slot); so is any
-    setting of a --kv-transfer-config without one, or with ours: the chunk
-    cache writes the whole config itself (setup.configure_chunk_cache_connector),
-    so such a setting would be dropped without a word."""
+    """Another connector is refused (vLLM has one slot), and so is any other
+    --kv-transfer-config setting: the chunk cache writes the config itself."""
     if current is None:
         return
     if current.kv_connector == "MultiConnector":
-        # NOTE: MultiConnector forwards the chunk cache's hooks (patch 0019), but
-        # its other connectors would load or save a chunked prompt's blocks
-        # (chunk-isolated KV) as if they were a causal prefix.
         raise ValueError(
             "--enable-chunk-cache cannot be combined with --kv-transfer-config "
             "(connector 'MultiConnector'): another connector would load or save "
@@ -171,9 +132,7 @@ def _check_kv_transfer_config(current: Any) -> None:
         current.kv_connector == CONNECTOR_NAME
         and CAPTURE_IN_ATTENTION in current.kv_connector_extra_config
     ):
-        # NOTE: the config the chunk cache wrote (it always sets this key),
-        # checked again where the config is built anew. Its defaults may not
-        # be today's: kv_buffer_device's follows the platform.
+        # The config the chunk cache wrote, built anew (its defaults may differ).
         return
     import dataclasses
 
@@ -197,11 +156,6 @@ def _check_kv_transfer_config(current: Any) -> None:
 def _check_model_kind(model_config: Any) -> None:
     runner = getattr(model_config, "runner_type", "generate")
     if runner == "pooling":
-        # NOTE: a pooled output (embedding, score, reward) covers every prompt
-        # token; the connector reports every token before the question as
-        # loaded, so mean or CLS pooling would see the question only, and
-        # pooling requests ask vLLM to skip prefix-cache reads, which a load
-        # is. Children (SamplingParams) cannot run on a pooling runner either.
         raise ValueError(
             "--enable-chunk-cache does not support pooling models (--runner "
             "pooling: embedding, classification, scoring, reward): a pooled "
@@ -214,11 +168,6 @@ def _check_model_kind(model_config: Any) -> None:
         and (getattr(hf_config, "index_topk", None) is not None)
         and not _sparse_mla_platform()
     ):
-        # NOTE: only vllm-ascend's SFA has indexer key writers (its overlay);
-        # there each layer is checked when the worker builds it (LatentLayer.of,
-        # chunk_cache_npu.check_sfa_layer). Elsewhere: vLLM's DSA keeps the
-        # indexer keys in a cache layer of their own, always fp8, quantized after
-        # the rope: not translation-invariant, so not exact (docs/design/sparse.md).
         raise ValueError(
             "--enable-chunk-cache does not support sparse MLA attention yet "
             "(DeepSeek-V3.2's DSA on CUDA: its fp8 indexer key cache, quantized after "
@@ -248,8 +197,6 @@ def _check_parallelism(parallel_config: Any) -> None:
         ("prefill_context_parallel_size", "--prefill-context-parallel-size"),
     ):
         if (getattr(parallel_config, name, 1) or 1) > 1:
-            # NOTE: each rank then holds every n-th token of a request; a load
-            # writes whole segments into one rank's blocks.
             raise ValueError(
                 f"--enable-chunk-cache does not support context parallelism "
                 f"({flag} {getattr(parallel_config, name)}): a request's KV is "
@@ -281,11 +228,8 @@ def check_model_config(hf_config: Any) -> None:
 
 
 def kv_cache_block_size(kv_cache_config: KVCacheConfig) -> int:
-    """The paged block size of the single KV cache group of full or
-    sliding-window attention (docs/design/sliding-window.md); refuses every
-    other layout, naming its layers and the reason. Whether a window shorter
-    than max_model_len is served is decided per layer by
-    `check_attention_layer`."""
+    """The block size of the single KV cache group of full or sliding-window
+    attention; every other layout is refused, naming its layers."""
     from vllm.v1.kv_cache_interface import (
         FullAttentionSpec,
         MLAAttentionSpec,
@@ -300,20 +244,8 @@ def kv_cache_block_size(kv_cache_config: KVCacheConfig) -> int:
             "layers), which the chunk cache cannot re-position yet"
         )
     spec = groups[0].kv_cache_spec
-    # NOTE: a sliding window kept in a FullAttentionSpec (vLLM's hybrid
-    # allocator off, which a KV connector implies: the layers of a model
-    # mixing windowed and full layers) keeps every block; each windowed layer's
-    # kernel applies its window by position, which is what the windowed
-    # isolation semantics say (docs/design/sliding-window.md). A
-    # SlidingWindowSpec (every layer windowed) makes vLLM's SlidingWindowManager
-    # replace the blocks out of every later token's window by its null block:
-    # nothing a token reads is freed, and a load skips the rows of those
-    # blocks (scheduler_adapter._add_loads). Chunked-local attention restarts
-    # its window at absolute multiples of the chunk size: not
-    # translation-invariant.
+    # Windowed specs and vLLM's null blocks: docs/design/sliding-window.md.
     chunked = getattr(spec, "attention_chunk_size", None)
-    # MLA's latent cache is full attention too (one latent row per token);
-    # its layers are checked by the worker (cache_writers' latent writers).
     if chunked is not None or type(spec) not in (
         FullAttentionSpec,
         MLAAttentionSpec,
@@ -336,18 +268,8 @@ def kv_cache_block_size(kv_cache_config: KVCacheConfig) -> int:
     return spec.block_size
 
 
-# Backends whose kernels were shown to apply a sliding window by position with
-# the chunk cache's loads: CPU_ATTN end to end (the family matrix,
-# tests/e2e/test_model_families*.py); TRITON_ATTN's kernel under Triton's
-# interpreter on the CPU, on both bases, against a float64 windowed oracle, over a
-# step whose rows hold loaded rests and earlier runs
-# (tests/unit/v1/worker/test_query_runs_triton_attn.py).
-# NOTE (issue 52): TRITON_ATTN and FLASH_ATTN were executed windowed on one H200 on
-# 2026-11-28 (tools/gpu/issue40.sh items window-triton and window-fa: a Mistral with
-# a 24-key window on every layer, fp16, eager, vLLM 0.23): worst |dlogprob| against
-# the HF windowed isolation reference 0.0200 and 0.0180, within 1.01x and 0.93x of
-# stock vLLM against the HF causal forward (docs/gpu.md). Compiled graphs were not
-# run windowed; the kernel's window mask is the same there.
+# Backends shown to apply a sliding window by position with the chunk cache's
+# loads (docs/design/sliding-window.md, docs/gpu.md).
 WINDOWED_BACKENDS = (
     "CPUAttentionBackendImpl",
     "TritonAttentionImpl",
@@ -358,15 +280,14 @@ WINDOWED_BACKENDS = (
 def check_attention_layer(
     name: str, layer: Any, max_model_len: int | None = None
 ) -> None:
-    """Refuse an attention layer whose keys the chunk cache cannot load. A
-    sliding window of at least `max_model_len` keys is full attention."""
-    from vllm.model_executor.layers.attention.attention import Attention
-    from vllm.model_executor.layers.attention.mla_attention import MLAAttention
-
+    """Refuse an attention layer whose keys the chunk cache cannot load (a
+    window of at least `max_model_len` keys is full attention)."""
     from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.cache_writers import (
         supported_backends,
         writer_for,
     )
+    from vllm.model_executor.layers.attention.attention import Attention
+    from vllm.model_executor.layers.attention.mla_attention import MLAAttention
 
     if isinstance(layer, MLAAttention):
         _check_latent_layer(name, layer)
@@ -384,14 +305,12 @@ def check_attention_layer(
         )
     window = getattr(layer, "sliding_window", None)
     if window is not None and (max_model_len is None or window < max_model_len):
-        # NOTE: the windowed isolation semantics (docs/design/sliding-window.md)
-        # hold where the kernel applies the window by position over a cache
-        # that keeps every block: shown on CPU_ATTN; other backends unverified.
         backend = type(getattr(layer, "impl", None)).__name__
         if backend not in WINDOWED_BACKENDS:
             raise ValueError(
-                f"chunk cache does not support sliding-window attention ({name}, window "
-                f"{window}) on the attention backend {backend}: windowed layers are "
+                "chunk cache does not support sliding-window attention "
+                f"({name}, window {window}) on the attention backend {backend}: "
+                "windowed layers are "
                 f"shown exact on {', '.join(WINDOWED_BACKENDS)} only (a window of at "
                 "least --max-model-len keys is full attention and is served anywhere)"
             )
@@ -420,8 +339,6 @@ def _check_latent_layer(name: str, layer: Any) -> None:
             "docs/design/mla.md)"
         )
     if getattr(layer, "kv_cache_dtype", "auto") != "auto":
-        # NOTE: the capture reads the rows back from the cache (the connector
-        # gets no kv_c / k_pe), exact only where they are stored unquantized.
         raise ValueError(
             f"chunk cache supports MLA latent caches in the model dtype only; {name} "
             f"({type(layer.impl).__name__}) has --kv-cache-dtype {layer.kv_cache_dtype}"
@@ -431,14 +348,12 @@ def _check_latent_layer(name: str, layer: Any) -> None:
 
 
 def _choose_instead(layer: Any) -> str:
-    """Which backend to start with instead of the refused one: the supported MLA
-    backends users of this platform pick by name (issue 59: vLLM 0.32 picks
-    AMX_MLA on CPUs with AMX tiles unless CPU_MLA is asked for)."""
-    from vllm.platforms import current_platform
-
+    """What to start with instead of the refused MLA backend, by name (vLLM 0.32
+    picks AMX_MLA on CPUs with AMX tiles unless CPU_MLA is asked for)."""
     from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.cache_writers import (
         supported_latent_backends,
     )
+    from vllm.platforms import current_platform
 
     backend = getattr(layer, "attn_backend", None)
     refused = backend.get_name() if backend is not None else type(layer.impl).__name__
@@ -453,10 +368,8 @@ def _choose_instead(layer: Any) -> str:
 
 
 def check_graph_mode(compilation_config: Any, hooked: dict[str, str]) -> None:
-    """Refuse CUDA-graph modes under which a capture in the attention hook
-    (the layers in `hooked`, with why: capture_path.py) would be recorded
-    into a graph and replayed with stale indices instead of running eagerly.
-    Captures after the forward run outside any graph: no constraint."""
+    """Refuse CUDA-graph modes that would record a capture in the attention
+    hook (`hooked`: layer -> why, capture_path.py) and replay stale indices."""
     from vllm.config.compilation import CUDAGraphMode
 
     mode = getattr(compilation_config, "cudagraph_mode", None)
@@ -483,8 +396,7 @@ def check_graph_mode(compilation_config: Any, hooked: dict[str, str]) -> None:
         )
 
 
-# CUDA backends whose metadata builders take the runs of a one-step boundary
-# recompute as rows (tests/unit/v1/worker/test_query_runs_triton_attn.py).
+# CUDA backends whose metadata builders take a step's query runs as rows.
 CUDA_QUERY_RUN_BACKENDS = ("FlashAttentionImpl", "TritonAttentionImpl")
 
 
@@ -496,21 +408,10 @@ def check_query_runs(
     speculative_config: Any = None,
     max_num_seqs: int | None = None,
 ) -> str | None:
-    """Refuse at start-up, by name, what a one-step boundary recompute (query
-    runs, recompute_step.py) on CUDA cannot run on: an attention backend other
-    than FLASH_ATTN / TRITON_ATTN, speculative decoding, or a CUDA-graph mode
-    that replays full graphs for mixed batches (FULL). `layers`: the attention
-    layers by name. Returns what the start-up line says on CUDA (None
-    elsewhere).
-
-    NOTE (read in vLLM's CudagraphDispatcher, 0.23 and 0.32; tested with it in
-    tests/unit/v1/worker/test_query_runs_dispatch.py): full graphs are keyed
-    by uniform-decode batches under FULL_AND_PIECEWISE (vLLM's default) and
-    FULL_DECODE_ONLY, and a step with runs has a request with >= 2 scheduled
-    tokens, so it dispatches PIECEWISE (FULL_DECODE_ONLY: eager), or eager above
-    the largest capture size; the model runner refuses a full-graph dispatch of
-    such a step all the same (query_runs.check_runs_dispatch). Under FULL every
-    batch up to the largest capture size replays a full graph."""
+    """Refuse what query runs on CUDA cannot run on: an attention backend other
+    than FLASH_ATTN / TRITON_ATTN, speculative decoding, or cudagraph_mode FULL
+    (full graphs for mixed batches too). Returns the start-up line on CUDA.
+    Why one step: docs/design/boundary-recompute.md, section "Why one step"."""
     if not one_step or not platform.is_cuda():
         return None
     how = (
@@ -518,13 +419,11 @@ def check_query_runs(
         "CUDA"
     )
     if speculative_config is not None:
-        # NOTE: a runs step of query length 1 + k could be classed as a uniform
-        # decode batch (full graph), and draft tokens are scheduled per request.
         raise ValueError(
             f"{how} does not support speculative decoding (--speculative-config): "
             "draft tokens are scheduled per request and a step of 1 + k tokens per "
-            "request may replay a full CUDA graph; unset CHUNK_CACHE_RECOMPUTE_ONE_STEP "
-            "for one step per chunk head"
+            "request may replay a full CUDA graph; unset "
+            "CHUNK_CACHE_RECOMPUTE_ONE_STEP for one step per chunk head"
         )
     backends = set()
     for name, layer in layers.items():
@@ -539,7 +438,10 @@ def check_query_runs(
     mode = getattr(compilation_config, "cudagraph_mode", None)
     named = ", ".join(sorted(backends)) or "no attention layers"
     if mode is None or mode.name == "NONE":
-        return f"every head and the question in one step on {named}, eager (no CUDA graphs)"
+        return (
+            f"every head and the question in one step on {named}, eager (no CUDA "
+            "graphs)"
+        )
     from vllm.config.compilation import CUDAGraphMode
     from vllm.v1.core.sched.prefill_runs import max_query_rows
 
@@ -583,9 +485,8 @@ def register_delegating_scheduler(
 
 
 def _vllm_scheduler(cls: type) -> type | None:
-    """VLLM's own Scheduler class among `cls`'s bases. NOTE: found in the MRO,
-    never as `vllm.v1.core.sched.scheduler.Scheduler`, which a plugin may
-    rebind (vllm-ascend's patch_balance_schedule binds its BalanceScheduler)."""
+    """VLLM's own Scheduler class in `cls`'s MRO (found by name: a plugin may
+    rebind `vllm.v1.core.sched.scheduler.Scheduler`)."""
     for base in getattr(cls, "__mro__", ()):
         if (
             base.__module__ == "vllm.v1.core.sched.scheduler"
@@ -612,15 +513,10 @@ def _foreign_schedule(cls: type, vllm_config: Any) -> type | None:
 
 
 def check_scheduler(vllm_config: VllmConfig) -> None:
-    """The scheduler class must be vLLM's or derive from it (the connector
-    calls of its schedule(): get_num_new_matched_tokens, allocation,
-    build_connector_meta). The children of chunked requests are added by
-    EngineCore before every schedule() (patch 0006), whatever class runs.
-    Boundary recompute needs more: vLLM's own schedule(), which asks the
-    connector for prefill gaps (patch 0012). One that replaces it (e.g.
-    vllm-ascend's SchedulerDynamicBatch, ProfilingChunkScheduler, or its
-    BalanceScheduler with balance scheduling on) would compute the stretches
-    the cache should load, with another attention: refused at start-up."""
+    """The scheduler class must be vLLM's or derive from it (its schedule()
+    calls the connector). Boundary recompute needs vLLM's own schedule(), which
+    asks for prefill gaps: one that replaces it (vllm-ascend's
+    SchedulerDynamicBatch, ...) would compute the stretches the cache loads."""
     cls = vllm_config.scheduler_config.get_scheduler_cls()
     name = getattr(cls, "__qualname__", str(cls))
     if not isinstance(cls, type) or _vllm_scheduler(cls) is None:
