@@ -17,7 +17,8 @@ import torch
 from common import bench_remap, best_of
 from vllm.config import VllmConfig, set_current_vllm_config
 from vllm.renderers.chunk_prompt_parser import ChunkedPromptParser
-from vllm.v1.core.chunk_hash_index import ChunkNamespace, compute_chunk_hash
+from vllm.v1.core.chunk_hash_index import compute_chunk_hash
+from vllm.v1.core.chunk_structures import ChunkNamespace
 
 PROMPT_TOKENS = 128 * 1024
 SEGMENT_TOKENS = 2048

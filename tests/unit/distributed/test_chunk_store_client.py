@@ -20,13 +20,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store.messages imp
     RankIdentity,
     StoreReport,
 )
-from vllm.v1.core.chunk_hash_index import ChunkNamespace
 from vllm.v1.core.chunk_store_probe import (
     FetchFailure,
     FetchSpec,
     ReportResult,
     StoreAnswer,
 )
+from vllm.v1.core.chunk_structures import ChunkNamespace
 
 
 def client(tp: int, lookup_timeout: float = 600) -> StoreClient:

@@ -59,7 +59,6 @@ from dataclasses import dataclass, field
 from vllm.v1.core.chunk_block_pool import ChunkBlockPool, Residence
 from vllm.v1.core.chunk_hash_index import (
     TOKEN_ID_BYTES,
-    ChunkNamespace,
     chunk_hash_of_bytes,
     token_bytes,
 )
@@ -80,6 +79,7 @@ from vllm.v1.core.chunk_structures import (
     ChunkedPrompt,
     ChunkHash,
     ChunkLoadPlan,
+    ChunkNamespace,
     ChunkRefusal,
     PoolBlockId,
     SegmentLoad,

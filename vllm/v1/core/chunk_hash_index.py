@@ -1,28 +1,18 @@
 # SPDX-License-Identifier: Apache-2.0
 """Content keys of cached segments and the index from key to pool entry.
 
-Key composition (ARCHITECTURE.md section 4), all hashed with xxh3-128:
-
     key = xxh3_128(VERSION | namespace digest
                    | len(context) | context ids | len(tokens) | token ids)
 
-* token ids and context ids are fixed-width little-endian uint32, each list
-  preceded by its length (uint64), so no two different (context, tokens)
-  pairs serialise to the same bytes;
-* the context is what the segment was computed after: the sink token
-  (`sink` mode), the system segment (`system` mode), nothing (`none` mode
-  and the system segment itself);
-* the namespace pins everything else the KV depends on: model, dtype,
-  LoRA adapter, tokenizer, and the per-request `cache_salt` (tenant
-  isolation);
-* the position is never part of the key: that is the point.
+Ids are fixed-width little-endian uint32, each list preceded by its length
+(uint64), so no two (context, tokens) pairs serialise alike. The context is
+what the segment was computed after (the sink token, the system segment, or
+nothing); the namespace (`ChunkNamespace`) pins everything else the KV
+depends on; the position is never part of the key: that is the point.
 
-A 128-bit hash makes collisions astronomically unlikely, but the index
-still stores the token ids (serialised as above) and compares them on
-lookup (as nano-vllm does),
-so a collision is found and the request refused (never served wrong KV, nor
-another attention). The index is the pool's own (chunk_block_pool.py): an
-entry leaves it with its blocks; the manager counts collisions.
+The index still stores the serialised ids and compares them on lookup, so a
+collision is found and the request refused, never served wrong KV. The index
+is the pool's own (chunk_block_pool.py): an entry leaves it with its blocks.
 """
 
 import array
@@ -43,41 +33,7 @@ _ARRAY_U32 = array.array("I").itemsize == 4
 _KEY_VERSION = b"vllm-chunk-cache-key-v1"
 # Bytes an id takes in `token_bytes`.
 TOKEN_ID_BYTES = 4
-
-
-@dataclass(frozen=True)
-class ChunkNamespace:
-    """Everything besides the tokens that the cached KV depends on."""
-
-    # Model name or path (the weights).
-    model: str
-    # KV cache dtype, e.g. "bfloat16".
-    kv_dtype: str
-    # Tokenizer name or path (ids mean nothing without it).
-    tokenizer: str
-    # LoRA adapter name, "" when none (adapters change K/V). NOTE: the name,
-    # as vLLM's prefix cache keys blocks: the integer id is a per-process
-    # slot number that another deployment (or a reload) may give another
-    # adapter.
-    lora_name: str = ""
-    # Per-request salt: requests with different salts never share entries.
-    cache_salt: str | None = None
-    # Cache resets so far (the manager's epoch): weights may have changed at
-    # each, so KV from before one must never match a key after it.
-    weights_epoch: int = 0
-
-    def digest(self) -> bytes:
-        h = xxhash.xxh3_128()
-        for part in (self.model, self.kv_dtype, self.tokenizer, self.lora_name):
-            _update_with_text(h, part)
-        h.update(int(self.weights_epoch).to_bytes(8, "little"))
-        # NOTE: None and "" must differ, hence the explicit presence byte.
-        if self.cache_salt is None:
-            h.update(b"\x00")
-        else:
-            h.update(b"\x01")
-            _update_with_text(h, self.cache_salt)
-        return h.digest()
+_RANGE_ERROR = "token ids must be in [0, 2**32) to be hashed"
 
 
 def token_bytes(token_ids: Sequence[int] | np.ndarray) -> bytes:
@@ -85,19 +41,27 @@ def token_bytes(token_ids: Sequence[int] | np.ndarray) -> bytes:
     if isinstance(token_ids, np.ndarray) or not _ARRAY_U32:
         token_ids = np.asarray(token_ids)
         if token_ids.size and (token_ids.min() < 0 or token_ids.max() > 0xFFFFFFFF):
-            raise ValueError("token ids must be in [0, 2**32) to be hashed")
+            raise ValueError(_RANGE_ERROR)
         return token_ids.astype("<u4", copy=False).tobytes()
-    # NOTE: a list goes through array.array, not np.asarray: ~5x faster for a
-    # 512-token segment (9 vs 45 us here), and every segment of a prompt is
-    # hashed on the request's path (issue 40, deliverable 4). array checks the
-    # range itself (OverflowError).
+    # NOTE: a list goes through array.array, ~5x faster than np.asarray for a
+    # 512-token segment, and it checks the range itself (OverflowError).
     try:
         out = array.array("I", token_ids)
     except OverflowError:
-        raise ValueError("token ids must be in [0, 2**32) to be hashed") from None
+        raise ValueError(_RANGE_ERROR) from None
     if sys.byteorder != "little":
         out.byteswap()
     return out.tobytes()
+
+
+def _ids_of(data: bytes) -> tuple[int, ...]:
+    """The ids `token_bytes` serialised into `data`."""
+    if not _ARRAY_U32:
+        return tuple(int(t) for t in np.frombuffer(data, dtype="<u4"))
+    out = array.array("I", data)
+    if sys.byteorder != "little":
+        out.byteswap()
+    return tuple(out)
 
 
 def compute_chunk_hash(
@@ -114,11 +78,9 @@ def compute_chunk_hash(
 def chunk_hash_of_bytes(
     tokens: bytes, context: bytes, namespace_digest: bytes
 ) -> ChunkHash:
-    """`compute_chunk_hash` of ids already serialised by `token_bytes`
-    (issue 52: the manager serialises a prompt once, then hashes and
-    verifies each segment's slice of it)."""
-    # NOTE: one-shot over the joined parts: the same digest as updating a
-    # hasher part by part, without a hasher's state (half the time).
+    """`compute_chunk_hash` of ids already serialised by `token_bytes`."""
+    # NOTE: one-shot over the joined parts: the digest of updating a hasher
+    # part by part, in half the time.
     return ChunkHash(
         xxhash.xxh3_128_digest(
             b"".join(
@@ -139,11 +101,9 @@ def chunk_hash_of_bytes(
 class IndexedChunk:
     """What the index remembers about a resident segment."""
 
-    # The key it is filed under.
     chunk_hash: ChunkHash
-    # Exact segment token ids and context ids, as `token_bytes` serialises
-    # them, compared on every lookup (equal bytes <=> equal ids: the
-    # serialisation is fixed-width and refuses ids it cannot represent).
+    # Segment and context ids as `token_bytes` serialises them (equal bytes
+    # <=> equal ids: fixed width, unrepresentable ids refused).
     tokens: bytes
     context: bytes
 
@@ -186,11 +146,9 @@ class ChunkHashIndex:
         token_ids: Sequence[int],
         context_ids: Sequence[int],
     ) -> IndexedChunk | None:
-        """The entry for `chunk_hash` if its stored ids equal the given ones.
-
-        A key match with different ids is a hash collision: None, never a
-        hit (the caller tells it from an absent key with `in`).
-        """
+        """The entry for `chunk_hash` if its stored ids equal the given ones;
+        None on a collision (the caller tells it from an absent key with
+        `in`)."""
         if chunk_hash not in self._entries:
             return None
         try:
@@ -202,8 +160,7 @@ class ChunkHashIndex:
     def lookup_bytes(
         self, chunk_hash: ChunkHash, tokens: bytes, context: bytes
     ) -> IndexedChunk | None:
-        """`lookup` of ids already serialised by `token_bytes`: two byte
-        comparisons."""
+        """`lookup` of ids already serialised by `token_bytes`."""
         entry = self._entries.get(chunk_hash)
         if entry is None or entry.tokens != tokens or entry.context != context:
             return None
@@ -212,19 +169,3 @@ class ChunkHashIndex:
     def remove(self, chunk_hash: ChunkHash) -> None:
         if self._entries.pop(chunk_hash, None) is None:
             raise KeyError(f"chunk {chunk_hash.hex()} is not indexed")
-
-
-def _ids_of(data: bytes) -> tuple[int, ...]:
-    """The ids `token_bytes` serialised into `data`."""
-    if not _ARRAY_U32:
-        return tuple(int(t) for t in np.frombuffer(data, dtype="<u4"))
-    out = array.array("I", data)
-    if sys.byteorder != "little":
-        out.byteswap()
-    return tuple(out)
-
-
-def _update_with_text(h: "xxhash.xxh3_128", text: str) -> None:
-    data = text.encode("utf-8")
-    h.update(len(data).to_bytes(8, "little"))
-    h.update(data)

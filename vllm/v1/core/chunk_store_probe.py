@@ -11,8 +11,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Protocol
 
-from vllm.v1.core.chunk_hash_index import ChunkNamespace
-from vllm.v1.core.chunk_structures import ChunkHash
+from vllm.v1.core.chunk_structures import ChunkHash, ChunkNamespace
 
 # Request ids of store fetches (never vLLM requests; unique among children).
 FETCH_ID_PREFIX = "chunkstore-fetch-"

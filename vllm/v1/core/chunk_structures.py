@@ -1,27 +1,60 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Typed identities and plain data shared by the chunk-cache modules.
-
-Everything that crosses a module boundary of the chunk cache (parser ->
-manager -> connector -> worker) is one of the types below, so that no
-module has to know another's internals and no tuple soup travels around.
-This module imports nothing from vLLM: it is engine-free by design.
-"""
+"""Typed identities and plain data shared by the chunk-cache modules (parser ->
+manager -> connector -> worker). Imports nothing from vLLM: engine-free."""
 
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
-from typing import TYPE_CHECKING, Any, NewType
-
-if TYPE_CHECKING:
-    from vllm.v1.core.chunk_hash_index import ChunkNamespace
+from typing import Any, NewType
 
 # A 16-byte xxh3-128 digest of a segment's content, its private context and
-# the namespace it was computed in. Never includes a position (see
-# chunk_hash_index.py for the exact composition).
+# the namespace it was computed in; never a position (chunk_hash_index.py).
 ChunkHash = NewType("ChunkHash", bytes)
 
 # Index of a block of the chunk pool (not of vLLM's paged KV cache).
 PoolBlockId = NewType("PoolBlockId", int)
+
+
+@dataclass(frozen=True)
+class ChunkNamespace:
+    """Everything besides the tokens that the cached KV depends on."""
+
+    # Model name or path (the weights).
+    model: str
+    # KV cache dtype, e.g. "bfloat16".
+    kv_dtype: str
+    # Tokenizer name or path (ids mean nothing without it).
+    tokenizer: str
+    # LoRA adapter name, "" when none. NOTE: the name, as vLLM's prefix cache
+    # keys blocks: the integer id is a per-process slot number.
+    lora_name: str = ""
+    # Per-request salt: requests with different salts never share entries.
+    cache_salt: str | None = None
+    # Cache resets so far (the manager's epoch): the weights may have changed
+    # at each, so KV from before one never matches a key after it.
+    weights_epoch: int = 0
+
+    def digest(self) -> bytes:
+        # NOTE: imported here: the front end imports this module, never hashes.
+        import xxhash
+
+        h = xxhash.xxh3_128()
+
+        def text(value: str) -> None:
+            data = value.encode("utf-8")
+            h.update(len(data).to_bytes(8, "little"))
+            h.update(data)
+
+        for part in (self.model, self.kv_dtype, self.tokenizer, self.lora_name):
+            text(part)
+        h.update(int(self.weights_epoch).to_bytes(8, "little"))
+        # NOTE: None and "" must differ, hence the presence byte.
+        if self.cache_salt is None:
+            h.update(b"\x00")
+        else:
+            h.update(b"\x01")
+            text(self.cache_salt)
+        return h.digest()
 
 
 class ChunkContextMode(str, Enum):
@@ -51,16 +84,13 @@ class SegmentSpan:
 class ChunkedPrompt:
     """A prompt split into segments: system, chunks..., question.
 
-    `token_ids` is the final token sequence the model sees (separators
-    removed). `spans` partitions it: spans[0] is the system segment (always
-    at position 0), spans[1:-1] are the chunks (documents), spans[-1] is the
-    question. Every segment but the question is cached by content.
+    `token_ids` is the token sequence the model sees (separators removed);
+    `spans` partitions it into contiguous non-empty segments, at least the
+    system segment (at position 0) and the question. Every segment but the
+    question is cached by content.
     """
 
-    # The final prompt token ids, separators already removed.
     token_ids: list[int]
-    # Contiguous, non-empty spans covering token_ids exactly; at least two
-    # (system + question).
     spans: tuple[SegmentSpan, ...]
 
     def __post_init__(self) -> None:
@@ -85,7 +115,7 @@ class ChunkedPrompt:
 
     @classmethod
     def from_lengths(
-        cls, token_ids: list[int], lengths: "Sequence[int]"
+        cls, token_ids: list[int], lengths: Sequence[int]
     ) -> "ChunkedPrompt":
         """The prompt whose consecutive segments have these token counts."""
         spans, start = [], 0
@@ -131,38 +161,28 @@ class ChunkedPrompt:
 
 @dataclass
 class ChunkPoolEntry:
-    """One cached segment's rows in the chunk pool.
+    """One cached segment's rows in the chunk pool: row i lives in block
+    block_ids[i // block_size] at offset i % block_size. While pin_count > 0
+    (its writer, the requests that will load it) it is never evicted."""
 
-    Row i of the entry (0 <= i < num_tokens) lives in pool block
-    block_ids[i // block_size] at offset i % block_size.
-    """
-
-    # Content key of the segment.
     chunk_hash: ChunkHash
-    # Pool blocks holding the rows, in row order.
     block_ids: list[PoolBlockId]
-    # Number of valid rows (tokens) stored.
     num_tokens: int
-    # Number of holders (writer child, loading requests); while > 0 the
-    # entry can never be evicted.
     pin_count: int = 0
 
 
 class AdmitReason(str, Enum):
     """Outcome of `ChunkCacheManager.admit` for a chunked request."""
 
-    # Pins taken, missing segments handed to children: the request will be
-    # served from the pool once every segment is resident.
+    # Pins taken, missing segments handed to children.
     ADMITTED = "admitted"
-    # Not now: the pool is pinned full by requests in flight, or a request
-    # that arrived earlier still waits (arrival order, no starvation).
+    # Not now: the pool is pinned full, or an earlier request still waits.
     DEFERRED = "deferred"
-    # Its distinct segments need more blocks than the whole pool has: it can
-    # never be served exactly, so it is refused.
+    # Refused: its distinct segments need more blocks than the whole pool.
     OVERSIZED = "oversized"
-    # A key matched different tokens: refused rather than served otherwise.
+    # Refused: a key matched different tokens.
     COLLISION = "collision"
-    # A child computing one of its segments failed twice: refused.
+    # Refused: a child computing one of its segments failed twice.
     CHILD_FAILED = "child_failed"
 
     @property
@@ -174,9 +194,7 @@ class AdmitReason(str, Enum):
 class ChunkRefusal:
     """A chunked request the engine must finish with an error."""
 
-    # The (parent) request.
     request_id: str
-    # Why it cannot be served under the chunk-isolation semantics.
     reason: AdmitReason
     # What the client is told (numbers and the flag to change, if any).
     message: str
@@ -197,23 +215,18 @@ class SegmentStatus(str, Enum):
 class ChildSpec:
     """An internal prefill-only request that computes one segment's KV."""
 
-    # Request id of the child (unique among live requests).
     request_id: str
-    # Key of the segment the child computes.
     chunk_hash: ChunkHash
-    # Tokens the child prefills: private context + segment.
+    # Tokens the child prefills: private context + segment; rows
+    # [store_start, len(token_ids)) go to the pool (store_start = len(context)).
     token_ids: list[int]
-    # Index in token_ids of the first row to store (= len(context)); rows
-    # [store_start, len(token_ids)) go to the pool.
     store_start: int
     # Its entry's pool blocks, in row order (fixed for the child's life).
     pool_block_ids: tuple[PoolBlockId, ...] = ()
-    # The namespace its key was made in (the tenant its store entry is
-    # written under: cache salt, LoRA adapter).
-    namespace: "ChunkNamespace | None" = None
-    # What the engine glue needs to build the child's request, from the
-    # parent whose admission started it (opaque here: client, priority,
-    # LoRA request...), so that no parent request is kept for it.
+    # The namespace its key was made in (its store entry's tenant).
+    namespace: ChunkNamespace | None = None
+    # Opaque: what the engine glue builds the child's request from (client,
+    # priority, LoRA request...), so that no parent request is kept for it.
     origin: Any = None
 
 
@@ -221,24 +234,19 @@ class ChildSpec:
 class SegmentLoad:
     """One cached segment to copy from the pool into a request's KV."""
 
-    # Key of the entry.
     chunk_hash: ChunkHash
     # Index of the segment in the request's ChunkedPrompt.
     segment_index: int
-    # Pool blocks holding the rows, in row order.
     pool_block_ids: list[PoolBlockId]
-    # Number of rows to copy.
     num_tokens: int
-    # Position the first row was computed at in the child (0 or len(ctx)).
+    # Position its first row was computed at in the child (0 or len(ctx)).
     stored_start: int
-    # Position of the first row in the request (its span start).
+    # Position of its first row in the request (its span start).
     dst_start: int
-    # First row to copy: rows before it are already in the request's paged
-    # KV (vLLM's own prefix cache hit on an identical chunked request, or an
-    # earlier stretch of a boundary-recompute request).
+    # Rows [first_row, end_row) are copied: rows before are in the request's
+    # paged KV already (vLLM's prefix cache, an earlier stretch), rows after
+    # are loaded later or recomputed (end_row None: num_tokens).
     first_row: int = 0
-    # One past the last row to copy (None: num_tokens); rows after it are
-    # loaded by a later stretch, or recomputed in the request.
     end_row: int | None = None
 
     @property
@@ -253,11 +261,10 @@ class SegmentLoad:
 
 @dataclass(frozen=True)
 class ChunkLoadPlan:
-    """Worker instruction: fill a request's KV prefix from the chunk pool."""
+    """Worker instruction: fill a request's KV from the chunk pool."""
 
-    # The (parent) request that receives the rows.
     request_id: str
-    # Segment copies in prompt order (their rows [first_row, row_end)).
+    # Segment copies in prompt order.
     segments: tuple[SegmentLoad, ...]
 
     @property
@@ -267,29 +274,24 @@ class ChunkLoadPlan:
 
 @dataclass
 class ChunkCacheStats:
-    """Counters of the chunk cache; monotonic except the gauges at the end.
+    """Counters of the chunk cache (owned by `ChunkCacheManager`); monotonic
+    except the gauges at the end."""
 
-    Every field is owned by `ChunkCacheManager`; nobody else corrects them.
-    """
-
-    # Cached segments found resident at admission.
+    # Cached segments found resident, needing a new child, or joining a child
+    # in flight, at admission.
     hits: int = 0
-    # Cached segments that needed a new child request.
     misses: int = 0
-    # Cached segments that joined a child already in flight (dedup).
     in_flight_joins: int = 0
     # Prompt tokens of resident segments at admission.
     tokens_reused: int = 0
     # Prompt tokens copied (re-positioned) from the pool into requests.
     tokens_loaded: int = 0
-    # Child requests started (first attempts and retries).
+    # Child requests started (retries included) and the tokens they prefill.
     child_computes: int = 0
-    # Tokens prefilled by child requests (context included).
     child_tokens: int = 0
     # Children that ended without storing their rows.
     failed_children: int = 0
-    # Chunked requests refused after arrival (oversized, collision, failed
-    # children); never served with another attention.
+    # Chunked requests refused after arrival; never served otherwise.
     refused_requests: int = 0
     # Chunked requests that had to wait for pool room at least once.
     deferred_requests: int = 0
@@ -297,15 +299,13 @@ class ChunkCacheStats:
     hash_collisions: int = 0
     # Entries evicted from the pool (LRU).
     evictions: int = 0
-    # Gauges at the time of the snapshot: pool blocks, pinned entries and
-    # chunked requests + children the manager still tracks.
+    # Gauges: pool blocks, pinned entries, chunked requests + children.
     pool_blocks_used: int = 0
     pool_blocks_total: int = 0
     pinned_entries: int = 0
     live_requests: int = 0
-    # Pool blocks a failed store read's rows are still lent to the store's
-    # call (in no entry until every rank reported them back; counted in
-    # pool_blocks_used too).
+    # Pool blocks lent to a failed store read's call (in no entry; counted
+    # in pool_blocks_used too).
     pool_blocks_held: int = 0
 
     @property

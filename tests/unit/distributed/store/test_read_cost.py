@@ -16,8 +16,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store.read_cost im
     EXPLORE_EVERY,
     ReadCost,
 )
-from vllm.v1.core.chunk_hash_index import ChunkNamespace
 from vllm.v1.core.chunk_store_probe import StoreAnswer, StoreLookup
+from vllm.v1.core.chunk_structures import ChunkNamespace
 
 
 def test_reads_are_taken_until_both_sides_are_measured():

@@ -10,11 +10,12 @@ from vllm.v1.core.chunk_cache_manager import (
     ChunkCacheManager,
     pool_blocks_for,
 )
-from vllm.v1.core.chunk_hash_index import ChunkNamespace, compute_chunk_hash
+from vllm.v1.core.chunk_hash_index import compute_chunk_hash
 from vllm.v1.core.chunk_structures import (
     AdmitReason,
     ChunkContextMode,
     ChunkedPrompt,
+    ChunkNamespace,
     SegmentLoad,
     SegmentSpan,
     SegmentStatus,

@@ -13,8 +13,12 @@ execute more; hashing, verification and block lists are C-level work.
 import random
 
 from vllm.v1.core.chunk_cache_manager import ChunkCacheManager
-from vllm.v1.core.chunk_hash_index import ChunkNamespace
-from vllm.v1.core.chunk_structures import ChunkContextMode, ChunkedPrompt, SegmentSpan
+from vllm.v1.core.chunk_structures import (
+    ChunkContextMode,
+    ChunkedPrompt,
+    ChunkNamespace,
+    SegmentSpan,
+)
 
 from tests.chunk_manager_views import child_finished
 from tests.unit.python_lines import python_lines

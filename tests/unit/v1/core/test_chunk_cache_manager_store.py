@@ -7,12 +7,12 @@ holds the old ones until they are returned."""
 
 import pytest
 from vllm.v1.core.chunk_cache_manager import ChunkCacheManager
-from vllm.v1.core.chunk_hash_index import ChunkNamespace
 from vllm.v1.core.chunk_store_probe import FETCH_ID_PREFIX, StoreAnswer, StoreLookup
 from vllm.v1.core.chunk_structures import (
     AdmitReason,
     ChunkContextMode,
     ChunkedPrompt,
+    ChunkNamespace,
     SegmentSpan,
 )
 

@@ -7,10 +7,10 @@ import pytest
 import xxhash
 from vllm.v1.core.chunk_hash_index import (
     ChunkHashIndex,
-    ChunkNamespace,
     compute_chunk_hash,
     token_bytes,
 )
+from vllm.v1.core.chunk_structures import ChunkNamespace
 
 NS = ChunkNamespace(model="tiny-llama", kv_dtype="bfloat16", tokenizer="tiny-llama")
 

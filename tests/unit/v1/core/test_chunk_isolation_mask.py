@@ -4,8 +4,12 @@ import math
 import pytest
 import torch
 from vllm.v1.core.chunk_cache_manager import ChunkCacheManager
-from vllm.v1.core.chunk_hash_index import ChunkNamespace
-from vllm.v1.core.chunk_structures import ChunkContextMode, ChunkedPrompt, SegmentSpan
+from vllm.v1.core.chunk_structures import (
+    ChunkContextMode,
+    ChunkedPrompt,
+    ChunkNamespace,
+    SegmentSpan,
+)
 
 from tests.chunk_isolation_mask import (
     Role,

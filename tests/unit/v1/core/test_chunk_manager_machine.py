@@ -17,13 +17,13 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 from vllm.v1.core.chunk_cache_manager import ChunkCacheManager
-from vllm.v1.core.chunk_hash_index import ChunkNamespace
 from vllm.v1.core.chunk_store_probe import StoreAnswer, StoreLookup
 from vllm.v1.core.chunk_structures import (
     AdmitReason,
     ChunkContextMode,
     ChunkedPrompt,
     ChunkHash,
+    ChunkNamespace,
     SegmentSpan,
 )
 

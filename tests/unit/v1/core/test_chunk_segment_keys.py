@@ -7,15 +7,12 @@ or context) is still a collision: refused, never served."""
 import pytest
 from vllm.v1.core import chunk_cache_manager
 from vllm.v1.core.chunk_cache_manager import ChunkCacheManager, segment_context
-from vllm.v1.core.chunk_hash_index import (
-    ChunkNamespace,
-    compute_chunk_hash,
-    token_bytes,
-)
+from vllm.v1.core.chunk_hash_index import compute_chunk_hash, token_bytes
 from vllm.v1.core.chunk_structures import (
     AdmitReason,
     ChunkContextMode,
     ChunkedPrompt,
+    ChunkNamespace,
     SegmentStatus,
 )
 

@@ -27,10 +27,10 @@ from vllm.model_executor.layers.rotary_embedding.linear_scaling_rope import (
     LinearScalingRotaryEmbedding,
 )
 from vllm.v1.core.chunk_cache_manager import ChunkCacheManager
-from vllm.v1.core.chunk_hash_index import ChunkNamespace
 from vllm.v1.core.chunk_structures import (
     ChunkedPrompt,
     ChunkLoadPlan,
+    ChunkNamespace,
     SegmentLoad,
     SegmentSpan,
 )

@@ -1,45 +1,20 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The connector's scheduler half: vLLM events in, slot/row metadata out.
+"""The connector's scheduler half: vLLM events in, block-id metadata out.
 
-A thin adapter around `ChunkCacheManager`, which owns every chunked
-request's state and every counter. This module only translates:
-
-* `on_new_request`: a request whose `chunk_layout` (set by the renderer,
-  never by a client) is present is handed to the manager (queued, nothing
-  pinned);
-* `get_num_new_matched_tokens`: the scheduler is about to run the request,
-  so the manager admits it now; None ("ask again") while it is deferred,
-  refused or waiting for its children, then the first loaded stretch (every
-  token before the question, unless boundary recompute splits it) is
-  reported as computed externally;
-* `get_prefill_gap`: with boundary recompute, the next loaded stretch and
-  the chunk head to compute after it: one per step, or every later stretch
-  too where the model runner computes query runs (step_loads.py);
-* `build_connector_meta`: the step's decisions -> paged slots and pool rows;
-  with a store, the step's write-off of rows held past held_limit;
-* `request_finished`: children stored their rows (or failed and are
-  retried); parents are released;
-* `reset`: vLLM reset its caches (weights changed, sleep): the manager
-  forgets every cached segment;
-* `take_internal_requests` / `take_failed_requests`: children to schedule,
-  refused parents to finish with an error.
-
-It keeps only vLLM-side facts, each with its lifetime: this step's decision
-and allocation of each parent (`_loads`, step_loads.py, cleared at
-`build_connector_meta`), and each child's spec with its paged block ids
-(`_children`, until it finishes). One manager call per parent per hook at
-most: the step's `StepDecision` answers every hook of the step.
+A thin adapter around `ChunkCacheManager`, which owns every chunked request's
+state and counter. It keeps only vLLM-side facts: this step's decisions and
+allocations (`_loads`, step_loads.py) and each child's spec and paged blocks
+(`_children`, until it finishes).
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from itertools import takewhile
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import PrefillGap
-from vllm.logger import init_logger
-
 from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.metadata import (
     ChildStore,
     ChunkCacheMetadata,
@@ -63,8 +38,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.support import (
     check_scheduler,
     kv_cache_block_size,
 )
+from vllm.logger import init_logger
 from vllm.v1.core.chunk_cache_manager import ChunkCacheManager
-from vllm.v1.core.chunk_hash_index import ChunkNamespace
 from vllm.v1.core.chunk_lora_identity import lora_identity
 from vllm.v1.core.chunk_step_decision import Outcome
 from vllm.v1.core.chunk_store_probe import FetchSpec
@@ -74,18 +49,18 @@ from vllm.v1.core.chunk_structures import (
     ChunkCacheStats,
     ChunkContextMode,
     ChunkedPrompt,
+    ChunkNamespace,
 )
 
 if TYPE_CHECKING:
-    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
-    from vllm.v1.core.sched.output import SchedulerOutput
-    from vllm.v1.kv_cache_interface import KVCacheConfig
-    from vllm.v1.request import Request
-
     from vllm.config import VllmConfig
     from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store.lookups import (
         StoreClient,
     )
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
 
 logger = init_logger(__name__)
 
@@ -105,11 +80,10 @@ class _ChildOrigin:
 
 @dataclass
 class _ChildSlots:
-    # The child as the manager started it (tokens, store start, pool blocks).
     spec: ChildSpec
-    # Paged block ids of the child (grows with chunked prefill).
+    # Grows with chunked prefill.
     block_ids: list[int] = field(default_factory=list)
-    # When it was first scheduled (its compute time, for the store's ReadCost).
+    # When it was first scheduled: its compute time, for the store's ReadCost.
     first_scheduled: float | None = None
 
 
@@ -117,8 +91,6 @@ class ChunkCacheSchedulerAdapter:
     """Scheduler-side half of the connector (engine-core process)."""
 
     def __init__(self, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig):
-        # Child requests are built here, so vLLM's request module is needed
-        # on the scheduler side only (imported lazily: it pulls in torch).
         from vllm.sampling_params import RequestOutputKind, SamplingParams
 
         cfg = vllm_config.chunk_cache_config
@@ -165,8 +137,6 @@ class ChunkCacheSchedulerAdapter:
             cfg.chunk_context,
         )
 
-    # ----------------------------------------------------------- requests
-
     def on_new_request(self, request: Request) -> None:
         layout = request.chunk_layout
         if layout is None or request.prompt_token_ids is None:
@@ -176,13 +146,12 @@ class ChunkCacheSchedulerAdapter:
             model=self._model,
             kv_dtype=self._kv_dtype,
             tokenizer=self._tokenizer,
-            # NOTE: by content, not name (chunk_lora_identity.py).
+            # By content, not name (chunk_lora_identity.py).
             lora_name=lora_identity(request.lora_request),
             cache_salt=request.cache_salt,
         )
-        # NOTE: the child carries its parent's salt, so its blocks in vLLM's
-        # prefix cache (plain causal KV of `context + segment`) stay in the
-        # tenant's namespace.
+        # The child carries its parent's salt: its blocks in vLLM's prefix
+        # cache stay in the tenant's namespace.
         origin = _ChildOrigin(
             request.client_index,
             request.arrival_time,
@@ -204,11 +173,8 @@ class ChunkCacheSchedulerAdapter:
             return 0, False
         self._loads.decided(rid, decision)
         self._hand_out(decision.children, decision.fetches)
-        if decision.reason != AdmitReason.ADMITTED:
-            # NOTE: a refused request is never computed: it waits here until
-            # the scheduler finishes it with an error (take_failed_requests).
-            return None, False
-        if not decision.ready:
+        if decision.reason != AdmitReason.ADMITTED or not decision.ready:
+            # A refused request waits until take_failed_requests ends it.
             return None, False
         return self._loads.matched_tokens(rid, num_computed_tokens), False
 
@@ -220,8 +186,7 @@ class ChunkCacheSchedulerAdapter:
             return None
         decision = self._loads.decision(rid)
         if decision is None:
-            # NOTE: a running request (no matched tokens asked this step) keeps
-            # the admission it runs with.
+            # A running request keeps the admission it runs with.
             decision = self.manager.decide(rid, admit=False)
             if decision is None:
                 return None
@@ -299,8 +264,6 @@ class ChunkCacheSchedulerAdapter:
         self._loads.forget(rid)
         self.manager.release(rid)
 
-    # --------------------------------------------------------------- meta
-
     def build_connector_meta(
         self, scheduler_output: SchedulerOutput
     ) -> ChunkCacheMetadata:
@@ -309,31 +272,24 @@ class ChunkCacheSchedulerAdapter:
         self._add_stores(meta, scheduler_output)
         self._loads.end_step()
         if self.store is not None:
-            self._write_off_held()
+            self._write_off_held(self.store)
             meta.store = self.store.take_step(self.manager.epoch)
             self.manager.puts_shipped()
         return meta
 
     def _add_loads(self, meta: ChunkCacheMetadata, out: SchedulerOutput) -> None:
-        # NOTE: a request allocated (and given a load) earlier in this step
-        # can be preempted later in the same step (priority policy): its
-        # blocks are free again, so its load must not run; the scheduler
-        # takes it out of this step's tokens. It is asked again when it
-        # resumes (a later allocation in the same step replaces or drops the
-        # pending load). Not `preempted_req_ids`: vLLM 0.32 also lists there a
-        # request preempted between steps (a cache reset with running
-        # requests) and resumed in this one, whose load must run.
+        # A request preempted later in the step it was allocated in is not in
+        # its scheduled tokens, and its load must not run. Not
+        # `preempted_req_ids`: vLLM 0.32 also lists there a request preempted
+        # between steps and resumed in this one, whose load must run.
         for rid, pending in self._loads.pending().items():
             if rid not in out.num_scheduled_tokens:
                 continue
             plan = pending.load_plan()
             self.manager.record_load(plan)
             stretches = [SegmentStretch.of(seg) for seg in plan.segments]
-            # NOTE: a sliding-window group (every layer windowed: vLLM's
-            # SlidingWindowManager) pads the blocks of loaded tokens that are
-            # already out of the window with its null block (id 0, never a
-            # request's own block): no token reads them, so their rows are not
-            # written (docs/design/sliding-window.md).
+            # Rows of vLLM's null blocks (out of every later token's sliding
+            # window) are not written (docs/design/sliding-window.md).
             skipped = _leading_null_blocks(pending.block_ids) * self.block_size
             if skipped:
                 stretches = [
@@ -371,7 +327,6 @@ class ChunkCacheSchedulerAdapter:
                 child.block_ids.extend(new_ids[0])
             scheduled.append((rid, child, cached.num_computed_tokens[i]))
         if self.store is not None:
-            # NOTE: a child's compute time is the store's (its ReadCost) only.
             now = time.monotonic()
             for _, child, _ in scheduled:
                 if child.first_scheduled is None:
@@ -393,11 +348,6 @@ class ChunkCacheSchedulerAdapter:
                 )
             )
 
-    # -------------------------------------------------------------- stats
-
-    def stats(self) -> ChunkCacheStats:
-        return self.manager.stats()
-
     def take_stats(self) -> ChunkCacheConnectorStats:
         """Counter increments since the last call, plus the gauges."""
         now, last = self.manager.stats(), self._reported
@@ -407,16 +357,14 @@ class ChunkCacheSchedulerAdapter:
             stats.data.update(self.store.counters.take())
         return stats
 
-    # ------------------------------------------------ the store (issue 31)
-
     def _start_store(self, vllm_config: VllmConfig) -> StoreClient | None:
         if vllm_config.chunk_cache_config.chunk_store is None:
             return None
-        from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store.lookups import (
-            StoreClient,
+        from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store import (
+            lookups,
         )
 
-        return StoreClient(vllm_config)
+        return lookups.StoreClient(vllm_config)
 
     def on_store_report(self, report: Any) -> None:
         """The workers' store outcomes of a step (combined over ranks)."""
@@ -431,12 +379,12 @@ class ChunkCacheSchedulerAdapter:
             )
         self._hand_out(outcome.children)
 
-    def _write_off_held(self) -> None:
-        """Once per step (the manager decides): rows a store call held past
-        held_limit leave the pool; the store forgets them."""
+    def _write_off_held(self, store: StoreClient) -> None:
+        """Rows a store call held past held_limit leave the pool (the manager
+        decides when); the store forgets them."""
         outcome = self.manager.write_off_held()
         for fetch_id in outcome.written_off:
-            self.store.write_off(fetch_id)
+            store.write_off(fetch_id)
         for spec in outcome.children:
             logger.info(
                 "chunk store: computing %s as %s (the rows its read was given "
@@ -445,8 +393,6 @@ class ChunkCacheSchedulerAdapter:
                 spec.request_id,
             )
         self._hand_out(outcome.children)
-
-    # ----------------------------------------------------------- internal
 
     def _hand_out(
         self,
@@ -498,11 +444,5 @@ NULL_BLOCK_ID = 0
 
 
 def _leading_null_blocks(block_ids: list[int]) -> int:
-    """How many of a request's first blocks are vLLM's null block (blocks a
-    sliding-window manager skipped: out of every later token's window)."""
-    n = 0
-    for block_id in block_ids:
-        if block_id != NULL_BLOCK_ID:
-            break
-        n += 1
-    return n
+    """How many of a request's first blocks are vLLM's null block."""
+    return sum(1 for _ in takewhile(NULL_BLOCK_ID.__eq__, block_ids))

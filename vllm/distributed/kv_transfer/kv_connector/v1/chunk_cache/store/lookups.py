@@ -1,15 +1,12 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The scheduler's side of the fleet-wide chunk store (issue 31).
+"""The scheduler's side of the fleet-wide chunk store.
 
-`StoreClient` answers the manager's `StoreProbe.lookup` from existence
-queries run on its own thread (one `batch_exists` per step for every key
-asked in it), tracks the fetches it hands to the workers until every rank
-reported (and the pool rows a failed fetch's store calls still hold, until
-every rank returned them), and queues children's entries for the workers to
-write. Nothing
-here blocks the scheduler: a query not answered yet is PENDING, a store that
-cannot be reached answers MISS (counted as `error`). See
-docs/design/store-path.md.
+`StoreClient` answers the manager's `StoreProbe.lookup` from existence queries
+run on its own thread (one `batch_exists` per step), tracks the fetches it
+hands to the workers until every rank reported (and pool rows a failed fetch's
+calls still hold), and queues children's entries for the workers to write.
+Nothing here blocks the scheduler: a query not answered yet is PENDING, a store
+that cannot be reached answers MISS. See docs/design/store-path.md.
 """
 
 from __future__ import annotations
@@ -21,15 +18,20 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from vllm.logger import init_logger
+from vllm.v1.core.chunk_hash_index import compute_chunk_hash
+from vllm.v1.core.chunk_store_probe import (
+    FetchFailure,
+    FetchSpec,
+    ReportResult,
+    StoreAnswer,
+    StoreLookup,
+)
+from vllm.v1.core.chunk_structures import ChunkNamespace
 
-from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store.connection import (
-    SharedStore,
-)
-from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store.lora_loads import (
-    LOADED_SEP,
-    adapter_of,
-)
-from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store.messages import (
+from .base import Presence
+from .connection import SharedStore
+from .lora_loads import LOADED_SEP, adapter_of
+from .messages import (
     CAUSE_ERROR,
     FETCH_OK,
     MISS_CAUSES,
@@ -42,17 +44,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store.messages imp
     StoreStep,
     store_key_for,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store.read_cost import (
-    ReadCost,
-)
-from vllm.v1.core.chunk_hash_index import ChunkNamespace, compute_chunk_hash
-from vllm.v1.core.chunk_store_probe import (
-    FetchFailure,
-    FetchSpec,
-    ReportResult,
-    StoreAnswer,
-    StoreLookup,
-)
+from .read_cost import ReadCost
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -70,12 +62,8 @@ IDENTITY_WAIT_S = 30.0
 def store_content_hash(
     segment_ids: list[int], context_ids: list[int], cache_salt: str | None, lora: str
 ) -> int:
-    """The content part of a store key: the tokens and the tenant only.
-
-    NOTE: not the pool's key: that one names the model by its local path and
-    carries this process's epoch; in the store, the rank's identity (weights
-    fingerprint, layout, rope) says which weights computed the entry.
-    """
+    """The content part of a store key: the tokens and the tenant only (the
+    rank's identity names the model and weights, not the pool's namespace)."""
     namespace = ChunkNamespace(
         model="", kv_dtype="", tokenizer="", lora_name=lora, cache_salt=cache_salt
     )
@@ -100,26 +88,22 @@ class _Fetch:
 
 @dataclass
 class StoreCounters:
-    """The scheduler's store counters, cumulative; `take` gives the
-    increments since its last call (stats.py)."""
+    """Cumulative; `take` gives the increments since its last call."""
 
     store_hits: int = 0
     store_misses_absent: int = 0
     store_misses_verify_failed: int = 0
     store_misses_error: int = 0
     store_misses_timeout: int = 0
-    # Lookups the store did not answer within --chunk-store's lookup_timeout
-    # (also counted in store_misses_timeout).
+    # Also in store_misses_timeout.
     store_lookup_timeouts: int = 0
-    # Store hits computed instead because the read was expected to be slower
-    # (read_cost.py), and the expected times of every hit decided with both
-    # estimates (summed), for the comparison in metrics and benchmarks.
+    # Hits computed as the read was expected to be slower (read_cost.py), and
+    # the expected times of every hit decided with both estimates.
     store_reads_skipped_slower: int = 0
     store_expected_read_seconds: float = 0.0
     store_expected_compute_seconds: float = 0.0
     store_fetch_seconds: float = 0.0
     store_puts_queued: int = 0
-    # Failed reads whose pool rows stayed lent past held_limit (written off).
     store_reads_written_off: int = 0
 
     def take(self) -> dict[str, float]:
@@ -130,7 +114,7 @@ class StoreCounters:
 
 
 class StoreClient:
-    """Implements `StoreProbe` for the manager (chunk_store_probe.py)."""
+    """The manager's `StoreProbe` (chunk_store_probe.py)."""
 
     def __init__(self, vllm_config: VllmConfig):
         spec_text = vllm_config.chunk_cache_config.chunk_store
@@ -142,8 +126,7 @@ class StoreClient:
         self._shared = SharedStore.of(spec_text)
         self.lookup_timeout_s = self._shared.spec.lookup_timeout_s
         self.read_cost = ReadCost()
-        # NOTE: connecting starts now, on the connection's own thread: the
-        # first request finds it made (or counts a miss), never waits for it.
+        # Connect now, off the step: the first request need not count a miss.
         self._shared.start_connecting()
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="chunk-store-query")
         self._identities: dict[int, dict[tuple[int, int], RankIdentity]] = {}
@@ -156,13 +139,12 @@ class StoreClient:
         self._query: tuple[dict, Future] | None = None
         self._fetches: dict[str, _Fetch] = {}
         # Fetch id -> ranks that lent its pool rows minus those that returned
-        # them, while undecided or failed with rows held (issue 39, finding 9).
+        # them, while undecided or failed with rows held.
         self._lent: dict[str, int] = {}
-        # Past this, the manager writes off a failed fetch's held rows
-        # (ChunkCacheManager.write_off_held) and this forgets it (write_off).
+        # Past this, the manager writes off a failed fetch's held rows.
         self.held_limit_s = self._shared.spec.held_limit_s
-        # LoRA int id -> digest of the weights every rank reported loading for it
-        # (finding 6); an id whose ranks disagree is absent (never shared).
+        # LoRA int id -> digest of the weights every rank reported loading for
+        # it; an id whose ranks disagree is absent (never shared).
         self._lora_digests: dict[int, str] = {}
         self._step = StoreStep(epoch=0)
         self._puts: list[tuple[int, EntryPut]] = []
@@ -198,8 +180,7 @@ class StoreClient:
             return answer.lookup
         first = self._first_asked.setdefault(lookup_id, now)
         if now - first >= self.lookup_timeout_s:
-            # NOTE: the store did not say in time: compute it. A stopped or slow
-            # store costs a request at most this deadline, never a call's timeout.
+            # No answer in time: compute it (a stopped store costs this much).
             del self._first_asked[lookup_id]
             self.counters.store_misses_timeout += 1
             self.counters.store_lookup_timeouts += 1
@@ -218,16 +199,17 @@ class StoreClient:
         self, hit: StoreLookup, num_rows: int, num_tokens: int
     ) -> StoreLookup:
         decision = self.read_cost.decide(num_rows, num_tokens)
-        if decision.expected_read_s is not None:
-            self.counters.store_expected_read_seconds += decision.expected_read_s
-            self.counters.store_expected_compute_seconds += decision.expected_compute_s
+        read_s, compute_s = decision.expected_read_s, decision.expected_compute_s
+        if read_s is not None and compute_s is not None:
+            self.counters.store_expected_read_seconds += read_s
+            self.counters.store_expected_compute_seconds += compute_s
         if decision.read:
             return hit
         self.counters.store_reads_skipped_slower += 1
         return StoreLookup(StoreAnswer.MISS)
 
     def note_child_computed(self, num_tokens: int, seconds: float) -> None:
-        """A child's prefill, first step to finish (the compute side of ReadCost)."""
+        """A child's prefill, first step to finish (ReadCost's compute side)."""
         self.read_cost.note_compute(num_tokens, seconds)
 
     def _ranks(self, epoch: int) -> list[RankIdentity] | None:
@@ -235,7 +217,7 @@ class StoreClient:
         reported it yet, [] if they never did (the store is then skipped)."""
         ranks = self._identities.get(epoch, {})
         if len(ranks) == self.world_size:
-            # NOTE: a complete newer epoch retires the older ones' records.
+            # A complete newer epoch retires the older ones' records.
             for old in [e for e in self._identities if e < epoch]:
                 del self._identities[old]
             for old in [e for e in self._epoch_seen if e < epoch]:
@@ -255,13 +237,9 @@ class StoreClient:
         now = time.monotonic()
         try:
             presence = future.result()
-        except Exception as e:  # noqa: BLE001 - a failed query is a miss
+        except Exception as e:  # a failed query is a miss
             logger.warning("chunk store: existence query failed: %s", e)
             presence = None
-        from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store.base import (
-            Presence,
-        )
-
         self._note_health(presence is not None and Presence.ERROR not in presence)
         offset = 0
         for lookup_id, (keys, salt, lora) in asked.items():
@@ -311,7 +289,7 @@ class StoreClient:
         keys = [k for ks, _, _ in asked.values() for k in ks]
         self._query = (asked, self._thread.submit(self._exists, keys))
 
-    def _exists(self, keys: list[str]):
+    def _exists(self, keys: list[str]) -> list[Presence] | None:
         store = self._shared.get()
         if store is None:
             return None
@@ -332,8 +310,8 @@ class StoreClient:
 
     def store_lora(self, identity: str) -> str | None:
         """The store's name for a pool's LoRA identity "<name>#<int id>":
-        "<name>@<digest of the weights the workers loaded>", "" without an adapter,
-        None while no rank has reported loading it (or ranks disagree)."""
+        "<name>@<digest of the weights loaded>", "" without an adapter, None
+        while no rank has reported loading it (or ranks disagree)."""
         adapter = adapter_of(identity)
         if adapter is None:
             return ""
@@ -350,13 +328,13 @@ class StoreClient:
         epoch: int,
     ) -> None:
         """`lora`: the pool's identity of the child's adapter (store_lora)."""
-        lora = self.store_lora(lora)
-        if lora is None:
-            return  # NOTE (finding 6): nobody vouched for the adapter's weights
+        name = self.store_lora(lora)
+        if name is None:
+            return  # no rank vouched for the adapter's weights
         content = store_content_hash(
-            token_ids[store_start:], token_ids[:store_start], cache_salt, lora
+            token_ids[store_start:], token_ids[:store_start], cache_salt, name
         )
-        entry = EntryRef(content, tuple(token_ids), store_start, cache_salt, lora)
+        entry = EntryRef(content, tuple(token_ids), store_start, cache_salt, name)
         self._puts.append(
             (epoch, EntryPut(entry, tuple(int(b) for b in pool_block_ids)))
         )
@@ -366,8 +344,8 @@ class StoreClient:
         self.flush()
         step, self._step = self._step, StoreStep(epoch=epoch)
         step.epoch = epoch
-        # NOTE: an entry computed before a reset is never written: the workers
-        # would key it with the new epoch's weights version.
+        # An entry computed before a reset is never written (the workers would
+        # key it with the new epoch's weights version).
         step.puts = [put for put_epoch, put in self._puts if put_epoch == epoch]
         self._puts = []
         return step
@@ -388,9 +366,8 @@ class StoreClient:
                 self._lora_digests[lora_id] = digests[0]
             else:
                 self._lora_digests.pop(lora_id, None)
-        # NOTE: lent before returned (a rank may report both in one step), and
-        # both before the outcomes: the outcome that decides a fetch comes in
-        # the same report as its rank's rows_lent.
+        # Lent before returned (a rank may report both in one step), both
+        # before the outcomes (a rank's rows_lent comes with its outcome).
         for fetch_id, ranks in report.rows_lent.items():
             if fetch_id not in self._fetches:
                 logger.warning(
@@ -417,16 +394,13 @@ class StoreClient:
                 continue
             del self._fetches[fetch_id]
             self.counters.store_fetch_seconds += time.monotonic() - fetch.started
-            # NOTE: a rank that returned before the fetch was decided holds
-            # nothing any more; the fetch is held only while some rank does.
+            # Held only while some rank holds the rows.
             held = self._lent.get(fetch_id, 0) > 0
             if not held:
                 self._lent.pop(fetch_id, None)
             causes = [c for c in fetch.outcomes if c != FETCH_OK]
             if held and not causes:
-                # NOTE: rows are lent only with a TIMEOUT; should a rank lend
-                # them with OK, the rows may still change: never served.
-                causes = [CAUSE_ERROR]
+                causes = [CAUSE_ERROR]  # rows still lent may change: never served
             if not causes:
                 self.counters.store_hits += 1
                 done.append(fetch_id)
@@ -438,8 +412,8 @@ class StoreClient:
         return ReportResult(tuple(done), tuple(failed), tuple(returned))
 
     def write_off(self, fetch_id: str) -> None:
-        """The manager wrote off a failed fetch's held rows (held_limit): forgotten
-        here (a rank's late return is then ignored), logged once, counted."""
+        """The manager wrote off a failed fetch's held rows (held_limit): a
+        rank's late return is then ignored."""
         self._lent.pop(fetch_id, None)
         self.counters.store_reads_written_off += 1
         logger.warning(
