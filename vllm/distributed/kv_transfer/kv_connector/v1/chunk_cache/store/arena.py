@@ -1,10 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 """HostArena: the worker's host memory for store reads and writes.
 
-One block of host memory registered with the store once (the ChunkStore seam
-has no unregister), carved first-fit into spans for each entry in flight and
-given back when its read or write ended. A span that does not fit now is
-refused (the caller counts it), never waited for.
+One block of host memory registered with the store once, carved first-fit into
+spans for the entries in flight. A span that does not fit now is refused (the
+caller counts a miss), never waited for.
 """
 
 from __future__ import annotations
@@ -12,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import threading
 
+import numpy as np
 import torch
 
 ALIGN = 64
@@ -19,13 +19,11 @@ ALIGN = 64
 
 class HostArena:
     def __init__(self, nbytes: int, ptr: int | None = None):
-        """`nbytes` of new memory, or the `nbytes` at address `ptr` (memory
-        someone else owns: the dummy client's shared memory, connection.py)."""
+        """`nbytes` of new memory, or the `nbytes` at `ptr` (the dummy client's
+        shared memory)."""
         self.nbytes = nbytes
         if ptr is None:
-            # NOTE: pinned where a GPU is present, so copies between the pool and
-            # the arena run as DMA without a staging copy and can be asynchronous
-            # (transfers.py orders them with an event; not executed here).
+            # Pinned with a GPU: copies to and from the pool are asynchronous.
             self.tensor = torch.empty(
                 nbytes, dtype=torch.uint8, pin_memory=torch.cuda.is_available()
             )
@@ -33,8 +31,7 @@ class HostArena:
             self._memory = (ctypes.c_uint8 * nbytes).from_address(ptr)
             self.tensor = torch.frombuffer(self._memory, dtype=torch.uint8)
         self.ptr = self.tensor.data_ptr()
-        # NOTE: the bytes as numpy, made here: the store's get thread reads
-        # through it (bytes_view), never through a torch view made there.
+        # The store threads read through numpy (bytes_view), never torch views.
         self._array = self.tensor.numpy()
         # Free spans (offset, size), sorted by offset.
         self._free: list[tuple[int, int]] = [(0, nbytes)]
@@ -57,7 +54,7 @@ class HostArena:
                     self._free[i] = (off + used, rest)
                 else:
                     del self._free[i]
-                # NOTE: the alignment gap before `start` stays with the span.
+                # The alignment gap before `start` stays with the span.
                 self._spans[start] = (off, used)
                 return start
         return None
@@ -78,8 +75,7 @@ class HostArena:
     def view(self, start: int, nbytes: int) -> torch.Tensor:
         return self.tensor[start : start + nbytes]
 
-    def bytes_view(self, start: int, nbytes: int):
-        """`view` as a numpy uint8 array (no torch call)."""
+    def bytes_view(self, start: int, nbytes: int) -> np.ndarray:
         return self._array[start : start + nbytes]
 
     def in_use(self) -> int:

@@ -1,13 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
 """ChunkStore: the seam between the chunk cache and a fleet-wide byte store.
 
-The store holds finished chunk entries (header + payload bytes, entry_format.py)
-under typed keys (keys.py). It is shared by every replica, so nothing read from
-it is trusted: the connector verifies each entry before it reaches the pool.
-
-NOTE: every method may block on the network. The connector calls them from its
-own thread (never from the scheduler's step or the forward), and a call that
-has not answered yet is "not yet" to the engine, never a wait.
+The store holds finished chunk entries (entry_format.py) under typed keys
+(keys.py). Every replica writes to it, so nothing read from it is trusted: each
+entry is verified before it reaches the pool. Every method may block on the
+network, so the connector calls them from threads of its own, never the step.
 """
 
 from __future__ import annotations
@@ -20,8 +17,7 @@ from enum import Enum, IntEnum
 
 @dataclass(frozen=True)
 class HostBuffer:
-    """A span of host memory the store reads into or writes from (zero-copy
-    where the backend registered it with `register_buffer`)."""
+    """Host memory the store reads into or writes from."""
 
     ptr: int
     nbytes: int
@@ -42,18 +38,14 @@ class Presence(Enum):
 
 
 class StoreCode(IntEnum):
-    """The negative per-key results of batch_get_into / batch_put_from: every
-    backend maps its own codes to these, so the connector can count misses by
-    cause without knowing the backend."""
+    """The negative per-key results of the batch calls, whatever the backend."""
 
     ABSENT = -1
     """No such key (never written, evicted, or forgotten by a restarted store)."""
     TOO_LARGE = -2
     """The value does not fit the buffer given for it."""
     TIMEOUT = -3
-    """The call did not answer within the store's deadline (or an earlier call
-    that did not answer is still running: the store refuses new calls until it
-    returns)."""
+    """No answer within the deadline (or an earlier call still runs)."""
     ERROR = -4
     """Any other failure: master unreachable, transfer failed, store full."""
     CLOSED = -5
@@ -69,16 +61,22 @@ class ChunkStore(ABC):
 
     @abstractmethod
     def register_buffer(self, buffer: HostBuffer) -> None:
-        """Make `buffer` usable by the get/put calls below (once, at start-up)."""
+        """Make `buffer` usable by the get/put calls below."""
 
     def unregister_buffer(self, buffer: HostBuffer) -> None:
-        """Forget a buffer given to `register_buffer` (its memory is being
-        reused). Only where `scatters` (the pool's registrations)."""
+        """Forget a registered buffer (only where `scatters`: the pool's)."""
         raise NotImplementedError(f"{type(self).__name__} cannot unregister a buffer")
 
+    def alloc_host(self, nbytes: int) -> int:
+        """The address of `nbytes` of the memory the store's transfers use, for
+        a client whose transfers another process makes; RuntimeError if none."""
+        raise RuntimeError(
+            f"{type(self).__name__} has no shared memory to lend (--chunk-store "
+            "local_client=none runs the client in this process)"
+        )
+
     def idle(self) -> bool:
-        """No call is running, not even one given up on (then no store call
-        can still write anywhere)."""
+        """No call is running, not even one given up on."""
         return True
 
     @abstractmethod
@@ -92,15 +90,12 @@ class ChunkStore(ABC):
         buffers: Sequence[HostBuffer],
         on_release: Release = no_release,
     ) -> list[int]:
-        """Read each key's value into its buffer; per key the number of bytes
-        read (>= 0) or a negative StoreCode (absent, too large, timeout, error).
-        Bytes read are not yet trusted: verify them (entry_format.py).
+        """Read each key's value into its buffer; per key the bytes read or a
+        negative StoreCode. The bytes are not trusted yet (entry_format.py).
 
-        NOTE: `on_release` runs once when the store no longer writes into
-        `buffers`: before this returns, or, after a TIMEOUT, later (from the
-        store's thread) when the abandoned call returned. Until then the
-        buffers are the store's: reusing them lets a late read overwrite
-        whatever was put there."""
+        `on_release` runs once the store no longer writes into `buffers`:
+        before this returns or, after a TIMEOUT, when the abandoned call does.
+        Until then the buffers are the store's."""
 
     def batch_get_into_parts(
         self,
@@ -108,9 +103,8 @@ class ChunkStore(ABC):
         parts: Sequence[Sequence[HostBuffer]],
         on_release: Release = no_release,
     ) -> list[int]:
-        """batch_get_into with each key's value scattered over its buffers in
-        order (the first buffer takes the value's first bytes); their sizes
-        add up to the value's, else the key fails. Only where `scatters`."""
+        """batch_get_into with each value scattered over its buffers in order
+        (their sizes add up to the value's, else it fails). Where `scatters`."""
         on_release()
         raise NotImplementedError(f"{type(self).__name__} cannot scatter a value")
 
@@ -121,10 +115,8 @@ class ChunkStore(ABC):
         buffers: Sequence[HostBuffer],
         on_release: Release = no_release,
     ) -> list[int]:
-        """Store each buffer's bytes under its key; per key 0 or a negative
-        StoreCode. A key already present keeps its value (entries are
-        immutable: the same key always names the same content). `on_release`
-        as for batch_get_into (the store reads the buffers until it runs)."""
+        """Store each buffer under its key; per key 0 or a negative StoreCode. A
+        key present keeps its value. `on_release` as for batch_get_into."""
 
     @abstractmethod
     def close(self) -> None:

@@ -2,30 +2,18 @@
 """SharedStore: a process's one connection to the store, and the host memory
 registered with it (one arena for reads, one for writes).
 
-NOTE: connecting blocks, so it runs on a thread of its own, never on a path a
-request waits on: until it succeeded `get()` answers None at once, and the
-callers count a miss. A failed try is retried after RECONNECT_S on that
-thread. But Mooncake's `setup` holds the GIL while it runs (measured: another
-Python thread made no progress for the 4.4 s a setup against no master took),
-so a try would stall the whole process, scheduler included: each try first
-probes the address it sets up against (the GIL released) and calls `setup`
-only when the process there answers (`_probe`: a TCP connect alone passes
-against a stopped process).
+Connecting blocks, so it runs on a thread of its own: until it succeeded
+`get()` answers None at once and callers count a miss; a failed try is
+retried after RECONNECT_S. Mooncake's `setup` holds the GIL while it runs, so
+each try first probes the address (`_probe`, the GIL released).
 
-Two ways to connect (StoreSpec.local_client):
-- in process (default): Mooncake's client runs here; the arenas are plain
-  (pinned on a GPU host) memory, registered once connected;
-- through the node's mooncake_client (`local_client=host:port`): this process
-  runs Mooncake's dummy client only, and the node's client makes every
-  transfer. Its transfers can use only the shared memory the dummy client
-  maps, so the arenas are carved from it once connected (until then there are
-  none: reads and writes are misses). A crash in Mooncake's transfer code is
-  then a miss here, not a dead engine, and on one node a read is a copy
-  through shared memory.
+With `local_client` (StoreSpec) this process runs Mooncake's dummy client and
+the node's client makes every transfer; those reach only the dummy client's
+shared memory, so the arenas are carved from it once connected. Otherwise the
+arenas are plain (pinned) memory registered with the in-process client.
 
-The scheduler and a worker share the connection when they run in one process;
-so does a second engine of the process (the seam has no unregister, and
-Mooncake refuses to register an overlapping range again: -600).
+The scheduler, the workers and later engines of a process share the
+connection: Mooncake refuses to register an overlapping range again (-600).
 """
 
 from __future__ import annotations
@@ -49,7 +37,7 @@ logger = init_logger(__name__)
 # Between two tries to connect to a store that could not be reached.
 RECONNECT_S = 5.0
 KINDS = ("get", "put")
-# What the connect probe sends: no RPC header, so the peer closes the connection.
+# What the probe sends: no RPC header, so the peer closes the connection.
 PROBE_BYTES = bytes(64)
 
 
@@ -83,30 +71,23 @@ class SharedStore:
 
     @property
     def shared_memory(self) -> bool:
-        """Transfers through the node's client (arenas in its shared memory)."""
         return self.spec.local_client is not None
 
     def want_arenas(self, nbytes: int) -> None:
-        """A worker needs a read and a write arena of `nbytes` each: made now
-        in process, or from the shared memory once connected. A later engine
-        of this process gets the first one's."""
+        """A read and a write arena of `nbytes` each (a later engine of the
+        process gets the first one's)."""
         with self._lock:
             if self._arena_bytes:
                 return
             self._arena_bytes = nbytes
             if not self.shared_memory:
-                for kind in KINDS:
-                    self._arenas[kind] = HostArena(nbytes)
-                if self._store is not None:
-                    self._register_locked(self._store)
-            elif self._store is not None:
-                self._arenas = self._carved(self._store)
+                self._arenas = {kind: HostArena(nbytes) for kind in KINDS}
+            if self._store is not None:
+                self._arm_locked(self._store)
 
     def want_pool(self, buffers: list[HostBuffer]) -> None:
-        """A worker's chunk pool (host tensors): registered with the client in
-        this process, now or once connected, so that a read lands in the pool's
-        rows with no arena between (issue 39, finding 9). Not through the
-        node's client: its transfers reach only the shared memory it maps."""
+        """A worker's host pool tensors, registered with an in-process client
+        so that reads land in the pool's rows with no arena between."""
         if self.shared_memory:
             return
         with self._lock:
@@ -115,24 +96,20 @@ class SharedStore:
                 self._register_pool_locked(self._store)
 
     def pool_ready(self, buffers: list[HostBuffer]) -> bool:
-        """Every one of `buffers` is registered with the connection."""
         return bool(buffers) and all(b in self._pool_registered for b in buffers)
 
     def arena(self, kind: str) -> HostArena | None:
-        """The arena of `kind` calls, None while there is none yet."""
         return self._arenas.get(kind)
 
     def use(self, store: ChunkStore) -> None:
-        """Adopt a connection made elsewhere (tools, tests): registers the
-        arenas made so far with it and stops nothing else from connecting."""
+        """Adopt a connection made elsewhere (tools, tests) as the connect loop
+        adopts its own; no connect thread is started after this."""
         with self._lock:
-            self._register_locked(store)
-            self._store = store
+            self._adopt_locked(store)
             if self._thread is None:
                 self._thread = threading.current_thread()  # no connect thread
 
     def get(self) -> ChunkStore | None:
-        """The connection, or None (at once) while it is not made yet."""
         store = self._store
         if store is None:
             self.start_connecting()
@@ -147,7 +124,6 @@ class SharedStore:
                 self._thread.start()
 
     def wait_connected(self, timeout_s: float) -> bool:
-        """Tests and tools: wait until connected (False after timeout_s)."""
         self.start_connecting()
         t_end = time.monotonic() + timeout_s
         while self._store is None and time.monotonic() < t_end:
@@ -169,7 +145,7 @@ class SharedStore:
                 except BaseException:
                     self._discard(store)
                     raise
-            except Exception as e:  # noqa: BLE001 - any failure: try again later
+            except Exception as e:  # any failure: try again later
                 self.connect_failures += 1
                 logger.warning(
                     "chunk store: cannot connect to %s (%s); entries are "
@@ -185,16 +161,10 @@ class SharedStore:
             return
 
     def _probe(self) -> None:
-        """OSError unless the process at the address setup goes to answers.
-
-        NOTE (issue 50, finding 8): a TCP connect alone passes against a stopped
-        (SIGSTOP) master or node client: the kernel completes the handshake. Then
-        `setup` held the GIL for about `timeout`, every RECONNECT_S, and the whole
-        process, scheduler included, froze. So the probe sends a header no RPC
-        server accepts and waits for the peer's own answer: Mooncake's master and
-        mooncake_client close such a connection at once (seen with both); a
-        stopped process says nothing, and the probe fails after its wait with the
-        GIL released all along."""
+        """OSError unless the process `setup` would talk to answers. A TCP
+        connect alone passes against a stopped (SIGSTOP) process, and `setup`
+        would then hold the GIL for its timeout; Mooncake's master and client
+        close a connection sending no RPC header at once, a stopped one never."""
         address = self.spec.local_client or self.spec.master_address
         host, _, port = address.rpartition(":")
         wait = min(1.0, self.spec.timeout_s)
@@ -211,32 +181,27 @@ class SharedStore:
                 pass  # reset by the peer: it answered
 
     def _adopt_locked(self, store: ChunkStore) -> None:
-        """Make `store` the connection: its arenas (carved from its shared
-        memory through the node's client) and every buffer registered with it,
-        then published. NOTE (issue 50, finding 7): what is registered with, or
-        carved from, a client belongs to that client alone. Registrations are
-        recorded for `store` from scratch, and carved arenas are published
-        only with it, so a try that fails half-way (`_discard`) leaves nothing
-        of its client behind: before, an arena registered with a discarded
-        client stayed in `_registered` and was never registered with the next
-        one (every read into it failed), and arenas carved from a discarded
-        dummy client's shared memory were kept for the next."""
+        """Make `store` the connection, its arenas carved and every buffer
+        registered first. What is registered with, or carved from, a client is
+        that client's alone: recorded from scratch and published only with
+        it, so a try that fails half-way (`_discard`) leaves nothing behind."""
         self._registered = set()
         self._pool_registered = set()
-        if self.shared_memory and not self._arenas:
-            arenas = self._carved(store)
-            self._register_arenas_locked(store, arenas)
-            # NOTE: published only once registered: a call is never given
-            # memory the client does not know.
-            self._arenas = arenas
-        else:
-            self._register_arenas_locked(store, self._arenas)
+        self._arm_locked(store)
         self._register_pool_locked(store)
         self._store = store
 
+    def _arm_locked(self, store: ChunkStore) -> None:
+        if self.shared_memory and not self._arenas:
+            arenas = self._carved(store)
+            self._register_arenas_locked(store, arenas)
+            # Published once registered: no call gets memory the client lacks.
+            self._arenas = arenas
+        else:
+            self._register_arenas_locked(store, self._arenas)
+
     def _discard(self, store: ChunkStore) -> None:
-        """A client whose set-up failed after it connected: nothing of it stays
-        (its registrations, arenas from its shared memory), and it is closed."""
+        """Drop a client whose set-up failed after it connected, and close it."""
         with self._lock:
             if self._store is store:
                 self._store = None
@@ -246,24 +211,19 @@ class SharedStore:
                 self._arenas = {}
         try:
             store.close()
-        except Exception as e:  # noqa: BLE001 - it is dropped either way
+        except Exception as e:  # dropped either way
             logger.warning("chunk store: closing a client whose set-up failed: %s", e)
 
     def _carved(self, store: ChunkStore) -> dict[str, HostArena]:
-        """The arenas, from the dummy client's shared memory ({} if none was
-        asked for yet or there is no room)."""
+        """The arenas, from the client's shared memory ({}: none asked for, or
+        no room)."""
         if not self._arena_bytes:
             return {}
         try:
-            return {
-                kind: HostArena(
-                    self._arena_bytes, ptr=store.alloc_host(self._arena_bytes)
-                )
-                for kind in KINDS
-            }
+            nbytes = self._arena_bytes
+            return {kind: HostArena(nbytes, store.alloc_host(nbytes)) for kind in KINDS}
         except RuntimeError as e:
-            # NOTE: a connection made before any worker asked (its pool too small):
-            # the store stays without arenas, every read and write a miss.
+            # E.g. connected before any worker asked (its pool too small).
             logger.error(
                 "chunk store: %s; store reads and writes are off in this process", e
             )
@@ -277,10 +237,6 @@ class SharedStore:
                 store.register_buffer(HostBuffer(arena.ptr, arena.nbytes))
                 self._registered.add(kind)
 
-    def _register_locked(self, store: ChunkStore) -> None:
-        self._register_arenas_locked(store, self._arenas)
-        self._register_pool_locked(store)
-
     def _register_pool_locked(self, store: ChunkStore) -> None:
         if not store.scatters:
             return
@@ -293,8 +249,7 @@ class SharedStore:
                 if b.ptr < buffer.ptr + buffer.nbytes and buffer.ptr < b.ptr + b.nbytes
             ]
             if stale and not store.idle():
-                # NOTE: a call still running may write into the old range (an
-                # earlier engine's read given up on): not this pool's reads.
+                # A call still running may write into the old range.
                 logger.warning(
                     "chunk store: this worker's pool reuses memory an "
                     "earlier engine's pool lent to a store call that has not "
@@ -302,17 +257,14 @@ class SharedStore:
                 )
                 continue
             try:
-                # NOTE: two live pools never overlap: memory registered for an
-                # earlier engine's pool and now this one's was freed with it
-                # (Mooncake refuses a range overlapping a registered one).
+                # Two live pools never overlap: a stale range was freed with
+                # an earlier engine's pool.
                 for old in stale:
                     store.unregister_buffer(old)
                     self._pool_registered.discard(old)
                     self._pool_wanted.remove(old)
                 store.register_buffer(buffer)
-            except RuntimeError as e:
-                # NOTE: Mooncake refused (or did not answer): that worker reads
-                # through the arena instead.
+            except RuntimeError as e:  # refused: that worker reads via the arena
                 logger.warning(
                     "chunk store: %s; reads go through host memory of their own", e
                 )

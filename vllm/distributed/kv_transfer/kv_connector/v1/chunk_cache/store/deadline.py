@@ -1,17 +1,12 @@
 # SPDX-License-Identifier: Apache-2.0
-"""DeadlineLane: one thread that runs a kind of store call (existence queries,
-reads, writes), each caller waiting at most its deadline.
+"""DeadlineLane: one thread that runs a kind of store call, each caller
+waiting at most its deadline.
 
-A call that has not returned by its deadline is TIMEOUT to the caller, but it
-keeps running inside Mooncake: memory given to it may still be read or written.
-So every call takes an `on_return` callback, run exactly once when the call
-has really returned (at once for a call on time or refused, later on the
-lane's thread for one that timed out): that, never the deadline, is when the
-caller may give the call's memory to anything else.
-
-NOTE: one lane per kind of call, so a queue of writes never makes a read wait
-(or fail "busy"); a lane whose call is stuck refuses new calls at once (BUSY)
-until it returns, so calls never pile up behind a stuck one.
+A call past its deadline is TIMEOUT to its caller but keeps running inside
+Mooncake, where it may still use its memory. So every call takes `on_return`,
+run exactly once when the call has really returned: that, never the deadline,
+frees its memory. A lane whose call is stuck refuses new calls at once (BUSY)
+until it returns, so calls never pile up behind it.
 """
 
 from __future__ import annotations
@@ -47,16 +42,7 @@ def _noop() -> None:
 
 
 class _Job:
-    __slots__ = (
-        "fn",
-        "on_return",
-        "done",
-        "result",
-        "error",
-        "abandoned",
-        "lock",
-        "_returned_to",
-    )
+    __slots__ = ("fn", "on_return", "done", "result", "error", "abandoned", "lock")
 
     def __init__(self, fn: Callable[[], Any], on_return: Callable[[], None]):
         self.fn = fn
@@ -67,23 +53,17 @@ class _Job:
         # Set by a caller that gave up waiting; read with `done` under `lock`.
         self.abandoned = False
         self.lock = threading.Lock()
-        self._returned_to = False
 
     def release(self) -> None:
         """Run on_return once (the caller on time, or the lane's thread late)."""
         with self.lock:
-            if self._returned_to:
-                return
-            self._returned_to = True
-        self.on_return()
+            on_return, self.on_return = self.on_return, _noop
+        on_return()
 
 
 class DeadlineLane:
-    """A daemon thread running one call at a time.
-
-    NOTE: daemon, and not a ThreadPoolExecutor: the executor's threads are
-    joined at interpreter exit, so one call stuck in Mooncake would hang the
-    process's exit."""
+    """A daemon thread running one call at a time (an executor's threads are
+    joined at exit: one call stuck in Mooncake would hang the exit)."""
 
     def __init__(self, name: str):
         self.name = name
@@ -101,11 +81,9 @@ class DeadlineLane:
                 return
             try:
                 job.result = job.fn()
-            except BaseException as e:  # noqa: BLE001 - handed to the caller
+            except BaseException as e:  # handed to the caller
                 job.error = e
-            # NOTE: `done` and `abandoned` under one lock: a caller that gave up
-            # before this point left on_return to this thread; one that did not
-            # runs it itself.
+            # A caller that gave up before this left on_return to this thread.
             with job.lock:
                 job.done.set()
                 late = job.abandoned
@@ -122,7 +100,7 @@ class DeadlineLane:
         deadline_s: float,
         on_return: Callable[[], None] = _noop,
     ) -> CallResult:
-        # NOTE: the deadline covers the wait for another thread's call too.
+        # The deadline covers the wait for another thread's call too.
         t_end = time.monotonic() + deadline_s
         if self._stopped:
             on_return()

@@ -1,24 +1,14 @@
 # SPDX-License-Identifier: Apache-2.0
 """EntrySeal: the tag at the end of every entry's payload, binding it to its key.
 
-Two modes:
-
 - unauthenticated (default): xxh3-128 of the key. It catches a value copied
-  under another key (another model, weights version, rank, tenant) by mistake,
-  and the header's checksum covers it. It does NOT stop anyone who can write to
-  the store: such a writer can store any KV under any key and make it verify.
-- authenticated (`--chunk-store ...&key_file=PATH`): keyed BLAKE3 (a vLLM
-  dependency) with the fleet's secret over the key, the header (all but its
-  checksum: entry_format.header_for_mac) and the whole payload before the
-  tag. Without the secret no value verifies under any key. NOTE (issue 50,
-  finding 9): the header is covered because the key binds the tokens only by
-  their xxh3-128 content hash, which is no cryptographic hash: without it a
-  writer could put other tokens of the same content hash in the header of a
-  genuine value and have their reader served its rows. A tag is compared in
-  constant time (`matches`).
+  under another key by mistake; anyone who can write to the store can still
+  store any KV under any key and make it verify.
+- authenticated (`--chunk-store ...&key_file=PATH`): keyed BLAKE3 with the
+  fleet's secret over the key, the header (entry_format.header_for_mac: the
+  key binds the tokens only by a non-cryptographic hash) and the payload.
 
-Either way the header (token ids in clear, virtual start, checksum) is
-readable by anyone who can read the store.
+Either way the header (token ids in clear) is readable by any store reader.
 """
 
 from __future__ import annotations
@@ -29,8 +19,7 @@ from pathlib import Path
 import xxhash
 
 TAG_BYTES = 16
-# The secret is hashed to BLAKE3's 32-byte key (any length of secret works).
-# v2: the MAC covers the header too (issue 50); a v1 tag never verifies as v2.
+# v2: the MAC covers the header too; a v1 tag never verifies as v2.
 _KEY_CONTEXT = "chunkcache 2026-11 store entry MAC v2"
 _MIN_SECRET_BYTES = 16
 
@@ -65,10 +54,8 @@ class EntrySeal:
         return self._key is not None
 
     def tag_of_parts(self, key: str, mac_header: bytes, parts) -> bytes:
-        """The tag of the entry whose header, as the MAC covers it, is
-        `mac_header` (entry_format.header_for_mac) and whose payload before
-        the tag is made of `parts` in order (a read that landed in pool rows:
-        the payload is never one buffer)."""
+        """The tag of the entry of `mac_header` (entry_format.header_for_mac)
+        whose payload before the tag is `parts`, in order."""
         if self._key is None:
             return xxhash.xxh3_128(key.encode()).digest()
         import blake3
@@ -82,9 +69,7 @@ class EntrySeal:
         return mac.digest(length=TAG_BYTES)
 
     def matches(self, tag, key: str, mac_header: bytes, parts) -> bool:
-        """Whether `tag` is the entry's; in constant time (a byte-wise `!=`
-        returns at the first difference, and its timing tells a forger how
-        much of a tag was right)."""
+        """Whether `tag` is the entry's, in constant time."""
         return hmac.compare_digest(
             bytes(tag), self.tag_of_parts(key, mac_header, parts)
         )

@@ -7,21 +7,22 @@ The namespace digest (BLAKE2b-128 of every StoreNamespace field, None kept
 apart from "") makes an entry of another model, weights version, KV dtype or
 layout, RoPE configuration, attention backend, device kind, vLLM or KV format
 version, TP/PP rank, cache salt or LoRA adapter (by content) unreachable:
-its key differs. The readable part is only for people reading the store; the
-digest alone decides. NOTE: a key names content, it does not prove it: every
-value read is verified against its header (entry_format.py).
+its key differs. The readable part is only for people reading the store. A key
+names content, it does not prove it: every value read is verified.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import re
 from dataclasses import asdict, dataclass
+
+import regex as re
 
 KEY_PREFIX = "chunkcache/v1"
 _READABLE = re.compile(r"[^A-Za-z0-9._-]+")
 _MAX_READABLE = 48
+_STRINGS = ("model", "weights_version", "kv_dtype", "kv_layout", "rope", "compute")
 
 
 @dataclass(frozen=True)
@@ -31,17 +32,14 @@ class StoreNamespace:
     model: str
     """The served model (its path or name as given to vLLM)."""
     weights_version: str
-    """The weights' life-cycle epoch: a weight update changes it, so every entry
-    computed with the old weights becomes unreachable."""
+    """A fingerprint of the loaded weights (weights.py)."""
     kv_dtype: str
     kv_layout: str
-    """Shape and order of the stored rows (layers, heads, head size, K/V or latent)."""
+    """Shape and order of the stored rows."""
     rope: str
-    """The RoPE configuration the stored K were rotated with (type, theta, scaling)."""
+    """The RoPE configuration the stored K were rotated with."""
     compute: str
-    """What computed the rows: the KV format version, vLLM's version, the
-    attention backend(s) and the device kind. Two replicas that would compute
-    the same tokens to different bytes never share entries."""
+    """KV format version, vLLM version, attention backend(s), device kind."""
     tp_rank: int
     tp_size: int
     pp_rank: int
@@ -50,14 +48,7 @@ class StoreNamespace:
     lora: str | None
 
     def __post_init__(self) -> None:
-        for name in (
-            "model",
-            "weights_version",
-            "kv_dtype",
-            "kv_layout",
-            "rope",
-            "compute",
-        ):
+        for name in _STRINGS:
             if not isinstance(getattr(self, name), str) or not getattr(self, name):
                 raise ValueError(f"StoreNamespace.{name} must be a non-empty string")
         for rank, size in (("tp_rank", "tp_size"), ("pp_rank", "pp_size")):
@@ -68,8 +59,7 @@ class StoreNamespace:
                 )
 
     def digest(self) -> str:
-        """32 hex digits of BLAKE2b-128 over every field (JSON: None is null, "" a
-        string, so the two never collide)."""
+        """BLAKE2b-128 over every field, in hex (JSON: None and "" differ)."""
         canonical = json.dumps(
             asdict(self), sort_keys=True, separators=(",", ":"), ensure_ascii=True
         )
@@ -79,7 +69,7 @@ class StoreNamespace:
 
 
 def store_key(ns: StoreNamespace, content_hash: int) -> str:
-    """The store key of the entry whose content hash (xxh3-128) is `content_hash`."""
+    """The store key of the entry of content hash (xxh3-128) `content_hash`."""
     if not isinstance(content_hash, int) or not 0 <= content_hash < 1 << 128:
         raise ValueError(
             f"content_hash must be a 128-bit unsigned int, got {content_hash!r}"

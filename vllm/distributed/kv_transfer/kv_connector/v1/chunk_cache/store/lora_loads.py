@@ -1,14 +1,11 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The LoRA adapters a worker loaded, by what it loaded (issue 50, finding 6).
+"""The LoRA adapters a worker loaded, by what it loaded.
 
-A store key names the adapter that computed an entry. A digest of the adapter's
-files does not say that: an adapter rewritten in place under the same path and id
-keeps its old weights in the worker (vLLM caches loaded adapters by id), and a
-copy that keeps sizes and mtimes (`cp -p`, `rsync -a`) kept a stale file digest.
-So the digest is taken where the worker loads an adapter: over the tensors of the
-`LoRAModel` handed to the LoRA model manager, each time one is loaded. The workers
-report `int id -> digest` with their store report; the scheduler keys store
-entries of an adapter only by a digest every rank reported (chunk_lora_identity.py).
+A store key names the adapter that computed an entry. Its files do not say
+that (an adapter rewritten in place keeps its old weights in the worker), so
+the digest is taken over the tensors of each `LoRAModel` the worker's LoRA
+manager adds. The scheduler keys an adapter's entries only by a digest every
+rank reported.
 """
 
 from __future__ import annotations
@@ -68,15 +65,11 @@ class LoadedLoras:
             return digest in self.digests.values()
 
     def watch(self, model: Any) -> bool:
-        """Digest every adapter the model's LoRA manager adds from now on.
-
-        NOTE: vLLM's LoRAModelManager sets `model.lora_manager` and adds every
-        loaded `LoRAModel` through `_add_adapter` (a load, or a reload after an
-        eviction from its cache); wrapped on this instance, no patch. False
-        without LoRA."""
+        """Digest every adapter the model's LoRA manager adds from now on (every
+        load goes through `_add_adapter`); False without LoRA."""
         manager = getattr(model, "lora_manager", None)
         add = getattr(manager, "_add_adapter", None)
-        if not callable(add):
+        if manager is None or not callable(add):
             return False
 
         def _add_adapter(lora_model, *args, **kwargs):

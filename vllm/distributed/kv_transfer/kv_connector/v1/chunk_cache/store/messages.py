@@ -1,12 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
-"""What the store path sends between the scheduler and the workers (issue 31).
+"""What the store path sends between the scheduler and the workers.
 
-Down (in `ChunkCacheMetadata.store`): the entries to read from the store into
-pool rows (`EntryFetch`) and the children's entries to write to it
-(`EntryPut`), with the scheduler's epoch. Up (vLLM's worker metadata, combined
-over every worker by `KVOutputAggregator` through `StoreReport.aggregate`):
-each rank's outcome per fetch, and each rank's identity (the part of the
-store key only the worker knows: its weights' fingerprint, KV layout).
+Down (`ChunkCacheMetadata.store`): the entries to read into pool rows and the
+children's entries to write, with the scheduler's epoch. Up (vLLM's worker
+metadata, combined by `StoreReport.aggregate`): each rank's outcome per fetch
+and its identity (the part of the store key only the worker knows).
 """
 
 from __future__ import annotations
@@ -18,9 +16,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorWorkerM
 
 
 class FetchOutcome(str, Enum):
-    """A fetch outcome: OK (read, verified, written into the pool rows) or a
-    miss cause (docs/design/store-path.md). A str, so it crosses processes
-    in the worker metadata as itself."""
+    """OK (read, verified, in the pool rows) or a miss cause; a str, so it
+    crosses processes as itself."""
 
     OK = "ok"
     ABSENT = "absent"
@@ -42,11 +39,9 @@ class EntryRef:
     """One entry as the store knows it (each rank keys it with its identity)."""
 
     content_hash: int
-    # Tokens of the entry's header (context + segment) and its first stored
-    # row's position (= len(context)).
+    # Context + segment, and the first stored row's position (len(context)).
     token_ids: tuple[int, ...]
     virtual_start: int
-    # The tenant part of the key.
     cache_salt: str | None
     lora: str
 
@@ -68,8 +63,7 @@ class EntryPut:
 class StoreStep:
     """One step's store work for the workers."""
 
-    # The scheduler's epoch (cache resets so far): a worker that sees a new
-    # one fingerprints its weights again before any read or write.
+    # Cache resets so far: a new one has the workers fingerprint the weights.
     epoch: int
     fetches: list[EntryFetch] = field(default_factory=list)
     puts: list[EntryPut] = field(default_factory=list)
@@ -87,8 +81,6 @@ class RankIdentity:
     kv_dtype: str
     kv_layout: str
     rope: str
-    # How the rows were computed: replicas that compute the same tokens
-    # differently never share entries (keys.StoreNamespace.compute).
     compute: str
     # Bytes of one stored row on this rank (not in the key: the read cost).
     row_bytes: int = 0
@@ -101,20 +93,14 @@ class StoreReport(KVConnectorWorkerMetadata):
     # fetch id -> one outcome per rank that finished it this step.
     outcomes: dict[str, list[FetchOutcome]] = field(default_factory=dict)
     identities: list[RankIdentity] = field(default_factory=list)
-    # The read bandwidth a rank measured (bytes/s; 0: none yet); combined,
-    # the slowest rank's (a fetch ends when every rank read its part).
+    # The read bandwidth measured (bytes/s; 0: none yet), the slowest rank's.
     read_bytes_per_s: float = 0.0
-    # NOTE (issue 39, finding 9): a read straight into pool rows that a rank
-    # gave up on (TIMEOUT) may still be written into by the store until its
-    # call returns: fetch id -> ranks whose call still holds the fetch's pool
-    # rows, reported with the outcome. The scheduler never hands those blocks
-    # to anyone until every such rank reported them back in `rows_returned`
-    # (fetch id -> ranks whose call has returned since; a later step's
-    # report, or the same one).
+    # Fetch id -> ranks whose given-up read into pool rows still holds them
+    # (the store may still write there), and ranks whose call has returned
+    # since: the scheduler hands those blocks to no one in between.
     rows_lent: dict[str, int] = field(default_factory=dict)
     rows_returned: dict[str, int] = field(default_factory=dict)
-    # LoRA int id -> digest of the weights a rank loaded for it since its last
-    # report, one per rank (issue 50, finding 6: store/lora_loads.py).
+    # LoRA int id -> digest of the weights each rank loaded (lora_loads.py).
     lora_loads: dict[int, list[str]] = field(default_factory=dict)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> StoreReport:
@@ -148,11 +134,8 @@ class StoreReport(KVConnectorWorkerMetadata):
 def store_key_for(
     identity: RankIdentity, tp_size: int, pp_size: int, entry: EntryRef
 ) -> str:
-    """The key of `entry` for one rank (keys.py's one spelling of a key)."""
-    from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store.keys import (
-        StoreNamespace,
-        store_key,
-    )
+    """The key of `entry` for one rank."""
+    from .keys import StoreNamespace, store_key
 
     namespace = StoreNamespace(
         model=identity.model,

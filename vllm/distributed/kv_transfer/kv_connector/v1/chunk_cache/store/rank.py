@@ -1,10 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
-"""StoreRank: what a worker rank knows of itself that goes into its store keys
-(besides the weights fingerprint, taken per epoch): its place in TP/PP, the
-model, the RoPE configuration (the HF fields and the rotation vLLM built from
-them, `effective_rotation`), and how it computes KV (`compute`).
-
-Built from the engine once (`from_engine`); tests build it directly.
+"""StoreRank: what a worker rank puts into its store keys besides the weights
+fingerprint: its place in TP/PP, the model, the RoPE configuration (the HF
+fields and the rotation vLLM built) and how it computes KV.
 """
 
 from __future__ import annotations
@@ -18,8 +15,7 @@ from torch import nn
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
-# NOTE: bump when what a stored row means changes (its layout in the payload,
-# what a K row holds): entries of another format are then never read.
+# Bump when what a stored row means changes: older entries are then never read.
 KV_FORMAT_VERSION = "chunk-kv-2"
 
 
@@ -37,10 +33,9 @@ class StoreRank:
 
     @classmethod
     def from_engine(cls, vllm_config: VllmConfig, model: nn.Module) -> StoreRank:
+        import vllm
         from vllm.distributed.parallel_state import get_pp_group, get_tp_group
         from vllm.platforms import current_platform
-
-        import vllm
 
         parallel = vllm_config.parallel_config
         hf = vllm_config.model_config.hf_text_config
@@ -91,17 +86,12 @@ class StoreRank:
 
 def effective_rotation(model: nn.Module) -> dict[str, object]:
     """The rotation vLLM built for each attention layer's keys: the distinct
-    ropes' identities (position_remapper.rotation_identity: what the remapper
-    rotates with) and, per layer, which one it used (None: no RoPE).
-
-    NOTE (issue 50, finding 2): the HF rope fields alone do not decide it (a
-    LongRoPE model uses other factors at another --max-model-len; any rope
-    whose cos/sin depend on engine arguments), and K rotated one way must
-    never be served to an engine that rotates another way."""
-    from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.layer_ropes import (
-        find_layer_ropes,
-    )
+    ropes' identities (position_remapper.rotation_identity) and, per layer,
+    which one it used (None: no RoPE). The HF fields alone do not decide it:
+    a LongRoPE model uses other factors at another --max-model-len."""
     from vllm.v1.worker.position_remapper import rotation_identity
+
+    from ..layer_ropes import find_layer_ropes
 
     ropes, _ = find_layer_ropes(model)
     identities: list[str] = []
@@ -124,12 +114,12 @@ def backend_name(backend) -> str:
 
 
 def device_kind(platform) -> str:
-    """The platform and, for an accelerator, its device's name (kernels may
-    round differently on another generation)."""
+    """The platform and an accelerator's device name (kernels may round
+    differently on another generation)."""
     kind = str(getattr(platform, "device_type", "?"))
     if kind in ("cpu", "?"):
         return kind
     try:
         return f"{kind}:{platform.get_device_name(0)}"
-    except Exception:  # noqa: BLE001 - a platform without names: its kind alone
+    except Exception:  # a platform without names: its kind alone
         return kind

@@ -3,14 +3,11 @@
 than computing it here.
 
 Over TCP a read can cost more than a prefill (an 8k-token document of an 8B
-model is ~1 GiB of KV: about a second at 1 GB/s, several times an H100's
-prefill of it). The scheduler asks before it fetches a store hit: the expected
-read time (the entry's bytes on a rank over the read bandwidth the workers
-measured, the slowest rank's) against the expected compute time (its tokens
-over the prefill rate measured on this replica's children, first step to
-finish). Until both are measured, reads are taken (they measure the
-bandwidth); a skipped read is still taken once in EXPLORE_EVERY, so a store
-that got faster is seen again.
+model is ~1 GiB of KV). The expected read time (the entry's bytes over the
+slowest rank's measured read bandwidth) is weighed against the expected compute
+time (its tokens over the prefill rate measured on this replica's children).
+Until both are measured reads are taken; a skipped read is still taken once in
+EXPLORE_EVERY, so a store that got faster is seen again.
 """
 
 from __future__ import annotations

@@ -6,79 +6,43 @@ Two spellings of the same thing:
     mooncake://127.0.0.1:50051?segment=0&buffer=64MB&timeout=5
     {"master": "127.0.0.1:50051", "segment": 0, "buffer": "64MB", "timeout": 5}
 
-Keys (URL query or JSON object): `segment` (bytes this process lends to the
-store; default 0), `buffer` (the client's local transfer buffer; default
-16 MB), `timeout` (seconds per store call; default 5), `lookup_timeout`
-(seconds a request waits for the store's answer to "is it there?" before the
-document is computed; default 0.05), `read_timeout` (the least time a read is
-given before the document is computed instead; default 0.5, more for large
-entries at the bandwidth measured), `held_limit` (seconds after which pool
-rows a store call was given and never returned are written off: they leave
-the pool for good; default 300), `arena` (host memory for reads, and as
-much again for writes; default: two entries of --max-chunk-tokens, at least
-256 MB), `key_file` (a file holding the fleet's secret: every entry is then
-authenticated with a keyed BLAKE3 MAC; default none), `local_client`
-(host:port of the node's standalone `mooncake_client` service: the transfers
-are then made by that process, and this one holds only Mooncake's dummy
-client and shared memory; default 127.0.0.1:50052, that service's own
-default port, unless `segment` lends memory; `none`: the client runs in this
-process), `direct_reads` (1: with the client in this process and a host
-pool, a read lands straight in the pool rows the scheduler allocated;
-faster by one host copy, but a get Mooncake fails in transfer then costs
-its pool rows until `held_limit`, and each write-off shrinks the pool for
-good; default 0: every read lands in the get arena and is copied into the
-pool once verified, so a failed get costs arena space only),
-`protocol` (tcp, rdma
-or ascend; default tcp), `metadata_server` (default P2PHANDSHAKE),
-`local_hostname` (the address this process's transfer engine announces;
-default 127.0.0.1). Sizes are bytes or a number with KB/MB/GB (binary, as
-Mooncake reads them: 1 MB = 2**20 bytes).
+The keys are StoreSpec's fields without their unit (`timeout` for timeout_s,
+`arena` for arena_bytes, ...). Sizes are bytes or a number with KB/MB/GB
+(binary, as Mooncake reads them: 1 MB = 2**20 bytes).
 
-NOTE: stdlib only: vllm/config/chunk_cache.py validates the flag through this
-module at config time, before anything of the store is imported.
+Standard library only: vllm/config/chunk_cache.py validates the flag through
+this module at config time.
 """
 
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass
 from urllib.parse import parse_qsl, quote, urlsplit
 
+import regex as re
+
 SCHEME = "mooncake"
 PROTOCOLS = ("tcp", "rdma", "ascend")
-_UNITS = {
-    "": 1,
-    "B": 1,
-    "K": 1 << 10,
-    "KB": 1 << 10,
-    "KIB": 1 << 10,
-    "M": 1 << 20,
-    "MB": 1 << 20,
-    "MIB": 1 << 20,
-    "G": 1 << 30,
-    "GB": 1 << 30,
-    "GIB": 1 << 30,
+_UNITS = {"": 1, "B": 1} | {
+    unit + tail: 1 << shift
+    for unit, shift in (("K", 10), ("M", 20), ("G", 30))
+    for tail in ("", "B", "IB")
 }
 _SIZE = re.compile(r"^\s*(\d+)\s*([A-Za-z]*)\s*$")
+_SECONDS = ("timeout", "lookup_timeout", "read_timeout", "held_limit")
+_STRINGS = ("protocol", "metadata_server", "local_hostname", "key_file")
 _KEYS = (
     "segment",
     "buffer",
-    "timeout",
-    "lookup_timeout",
-    "read_timeout",
-    "held_limit",
+    *_SECONDS,
     "arena",
     "direct_reads",
-    "key_file",
     "local_client",
-    "protocol",
-    "metadata_server",
-    "local_hostname",
+    *_STRINGS,
 )
-# NOTE: the node's client by default (issue 39, finding 7): Mooncake's transfer code then
-# runs in that process, whose crash is a miss here rather than a dead engine, and on one
-# node a read is a shared-memory copy. 50052 is `mooncake_client --port`'s default.
+# The node's client by default: a crash in Mooncake's transfer code is then a
+# miss here, not a dead engine. 50052 is `mooncake_client --port`'s default.
 DEFAULT_LOCAL_CLIENT = "127.0.0.1:50052"
 IN_PROCESS = "none"
 
@@ -89,18 +53,14 @@ class StoreSpec:
     """The Mooncake master's RPC address, "host:port"."""
 
     segment_bytes: int = 0
-    """Bytes of this process's memory lent to the store's pool. 0 (default):
-    none; the node's standalone `mooncake_client` holds the entries, so they
-    outlive this process (Mooncake #607: entries in a segment go with the
-    process that lent it)."""
+    """Bytes of this process's memory lent to the store (0: the node's
+    `mooncake_client` holds the entries, which then outlive this process)."""
 
     buffer_bytes: int = 16 << 20
-    """Size of the client's local transfer buffer (Mooncake's
-    local_buffer_size)."""
+    """The client's local transfer buffer (Mooncake's local_buffer_size)."""
 
     protocol: str = "tcp"
-    """Transfer protocol: "tcp" (executed here), "rdma" or "ascend" (not
-    executed here)."""
+    """"tcp", "rdma" or "ascend"."""
 
     metadata_server: str = "P2PHANDSHAKE"
     """Mooncake's metadata service; P2PHANDSHAKE needs none."""
@@ -109,52 +69,39 @@ class StoreSpec:
     """The address this process's transfer engine listens on and announces."""
 
     timeout_s: float = 5.0
-    """Deadline of one store call, in seconds: a call that has not answered by
-    then counts as an error (a miss), never as a wait."""
+    """Deadline of one store call: a call not answered by then is a miss."""
 
     lookup_timeout_s: float = 0.05
     """How long a request waits for the store's existence answer before its
-    missing documents are computed: a stopped store costs at most this."""
+    missing documents are computed."""
 
     read_timeout_s: float = 0.5
-    """The least time a store read is given before the document is computed
-    instead (a large entry gets more, from its size and the bandwidth this
-    replica measured)."""
+    """The least time a read is given before the document is computed instead
+    (a large entry gets more, at the bandwidth this replica measured)."""
 
     held_limit_s: float = 300.0
-    """How long pool rows a store call was given may stay lent after the read was
-    given up on (the call has not returned: a stopped holder, RDMA, long MC_*
-    timeouts). Past it they are written off: out of the pool for good, logged
-    and counted, and a document waiting for them is computed elsewhere or its
-    requests refused (issue 50, finding 4)."""
+    """How long pool rows lent to a read given up on may stay lent (its call
+    has not returned); past it they are written off: out of the pool for good."""
 
     arena_bytes: int | None = None
-    """Host memory for reads (and as much for writes); None: sized from the
-    model's largest entry (store/transfers.py)."""
+    """Host memory for reads (and as much for writes); None: two entries of
+    --max-chunk-tokens, at least 256 MB."""
 
     key_file: str | None = None
-    """A file whose bytes are the fleet's secret: entries then carry a keyed
-    BLAKE3 MAC over key and payload, and one without a valid MAC is a miss."""
+    """A file holding the fleet's secret: entries then carry a keyed BLAKE3 MAC,
+    and one without a valid MAC is a miss."""
 
     local_client: str | None = None
-    """"host:port" of the node's standalone mooncake_client service. Given, this
-    process runs Mooncake's dummy client only: the node's client makes every
-    transfer (same node: a copy through shared memory), so a crash in
-    Mooncake's transfer code is a miss here, not a dead engine. None: the
-    client runs inside this process. (The flag's default is
-    DEFAULT_LOCAL_CLIENT, see _build; the field's is None so that a spec built
-    in code with `segment_bytes` stays valid.)"""
+    """"host:port" of the node's mooncake_client: this process then runs
+    Mooncake's dummy client only and that client makes every transfer. None
+    ("none" in the flag): the client runs in this process. The flag's default
+    is DEFAULT_LOCAL_CLIENT unless `segment` lends memory."""
 
     direct_reads: bool = False
-    """Reads land straight in the pool rows (the client in this process, a host
-    pool), the header and tag alone in the get arena: one host copy fewer.
-    NOTE (issue 50): a get Mooncake fails in transfer is retired (its
-    transport may still write into what it was given, mooncake.py), so its
-    pool rows stay lent until `held_limit` writes them off, and each
-    write-off shrinks the pool for good (the in-process soak stalled, or
-    refused a third of its requests, after holder crashes). Off (default):
-    reads land in the get arena, a retired get costs its arena span, and an
-    exhausted arena is a miss (the document is computed)."""
+    """With the client in this process and a host pool, reads land straight in
+    the pool rows: one host copy fewer, but a get that fails in transfer then
+    holds its pool rows until `held_limit` writes them off (by default it holds
+    an arena span: docs/design/chunk-store.md)."""
 
     def __post_init__(self) -> None:
         _check_address(self.master_address)
@@ -170,12 +117,10 @@ class StoreSpec:
             raise ValueError("metadata_server must not be empty")
         if not self.local_hostname or any(c in self.local_hostname for c in " /?#"):
             raise ValueError(f"bad local_hostname {self.local_hostname!r}")
-        for name in ("timeout_s", "lookup_timeout_s", "read_timeout_s", "held_limit_s"):
-            value = getattr(self, name)
+        for name in _SECONDS:
+            value = getattr(self, f"{name}_s")
             if not 0 < value <= 3600:
-                raise ValueError(
-                    f"{name[:-2]} must be in (0, 3600] seconds, got {value}"
-                )
+                raise ValueError(f"{name} must be in (0, 3600] seconds, got {value}")
         if self.arena_bytes is not None and self.arena_bytes < (1 << 20):
             raise ValueError(
                 f"arena must be at least 1MB, got {self.arena_bytes} bytes"
@@ -192,20 +137,19 @@ class StoreSpec:
 
     @property
     def master_host(self) -> str:
-        return self.master_address.rsplit(":", 1)[0]
+        return self.master_address.rpartition(":")[0]
 
     @property
     def master_port(self) -> int:
-        return int(self.master_address.rsplit(":", 1)[1])
+        return int(self.master_address.rpartition(":")[2])
 
     def to_url(self) -> str:
         """The URL form (parse_store_spec(spec.to_url()) == spec)."""
         url = (
             f"{SCHEME}://{self.master_address}?segment={self.segment_bytes}"
-            f"&buffer={self.buffer_bytes}&timeout={self.timeout_s:g}"
-            f"&lookup_timeout={self.lookup_timeout_s:g}&read_timeout={self.read_timeout_s:g}"
-            f"&held_limit={self.held_limit_s:g}"
-            f"&protocol={self.protocol}&metadata_server={self.metadata_server}"
+            f"&buffer={self.buffer_bytes}"
+            + "".join(f"&{n}={getattr(self, f'{n}_s'):g}" for n in _SECONDS)
+            + f"&protocol={self.protocol}&metadata_server={self.metadata_server}"
             f"&local_hostname={self.local_hostname}"
         )
         if self.arena_bytes is not None:
@@ -229,9 +173,8 @@ def parse_store_spec(text: str) -> StoreSpec:
     text = text.strip()
     if text == "local":
         raise ValueError(
-            "'local' is a shorthand of `./fork serve --chunk-store local` (which starts "
-            "a local master and client); vLLM itself needs the master's address, e.g. "
-            f"'{SCHEME}://127.0.0.1:50051'"
+            "--chunk-store needs the Mooncake master's address, e.g. "
+            f"'{SCHEME}://127.0.0.1:50051', got 'local'"
         )
     if text.startswith("{"):
         return _from_json(text)
@@ -242,7 +185,8 @@ def _from_url(text: str) -> StoreSpec:
     url = urlsplit(text)
     if url.scheme != SCHEME:
         raise ValueError(
-            f"store spec must start with '{SCHEME}://' (or be a JSON object), got {text!r}"
+            f"store spec must start with '{SCHEME}://' (or be a JSON object), "
+            f"got {text!r}"
         )
     if url.path not in ("", "/") or url.fragment or url.username or url.password:
         raise ValueError(f"store spec URL has parts it cannot use: {text!r}")
@@ -287,30 +231,23 @@ def _build(master: str, fields: dict) -> StoreSpec:
         kwargs["segment_bytes"] = _size("segment", fields["segment"])
     if "buffer" in fields:
         kwargs["buffer_bytes"] = _size("buffer", fields["buffer"])
-    for key in ("timeout", "lookup_timeout", "read_timeout", "held_limit"):
+    for key in _SECONDS:
         if key in fields:
             kwargs[f"{key}_s"] = _seconds(key, fields[key])
     if "arena" in fields:
         kwargs["arena_bytes"] = _size("arena", fields["arena"])
     if "direct_reads" in fields:
         kwargs["direct_reads"] = _flag("direct_reads", fields["direct_reads"])
-    for key in (
-        "protocol",
-        "metadata_server",
-        "local_hostname",
-        "key_file",
-        "local_client",
-    ):
+    for key in (*_STRINGS, "local_client"):
         if key in fields:
             if key == "local_client" and fields[key] in (None, IN_PROCESS):
-                kwargs[key] = None  # JSON null or "none": the client in this process
+                kwargs[key] = None  # the client in this process
                 continue
             if not isinstance(fields[key], str):
                 raise ValueError(f"{key} must be a string, got {fields[key]!r}")
             kwargs[key] = fields[key]
     if "local_client" not in fields and not kwargs.get("segment_bytes"):
-        # A process that lends memory runs the client itself (Mooncake #607: the
-        # memory is this process's); any other goes through the node's client.
+        # A process that lends memory runs the client itself.
         kwargs["local_client"] = DEFAULT_LOCAL_CLIENT
     return StoreSpec(**kwargs)
 
@@ -340,12 +277,12 @@ def _flag(name: str, value) -> bool:
 
 
 def _seconds(name: str, value) -> float:
-    if isinstance(value, bool):
-        raise ValueError(f"{name} must be a number of seconds, got {value!r}")
     try:
-        return float(value)
+        if not isinstance(value, bool):
+            return float(value)
     except (TypeError, ValueError):
-        raise ValueError(f"{name} must be a number of seconds, got {value!r}") from None
+        pass
+    raise ValueError(f"{name} must be a number of seconds, got {value!r}")
 
 
 def _check_address(address: str, what: str = "master address") -> None:

@@ -1,45 +1,24 @@
 # SPDX-License-Identifier: Apache-2.0
-"""A worker's side of the fleet-wide chunk store (issue 31, 39).
+"""A worker's side of the fleet-wide chunk store (docs/design/store-path.md).
 
-Per step (`on_step`, at the start of `start_load_kv`, before any load):
+Per step (`on_step`, before any load): a new epoch has the weights fingerprinted
+again off the step (weights.py); each finished child's rows are copied from the
+pool into the put arena now, and keyed, sealed and written on the put thread;
+fetches that finished (verified on the get thread: entry_format.py,
+integrity.py) are copied into the pool rows the scheduler allocated, and their
+outcomes reported (`take_report`): the scheduler serves an entry only when
+every rank read and verified its own key; new fetches are read on the get
+thread into the get arena, or with `direct_reads` straight into the pool rows.
 
-1. a new epoch: the weights are fingerprinted again on a thread of their own
-   (store/weights.py), never on the step; this rank's identity (the part of
-   every key only it knows) is reported once that is done;
-2. puts: the rows of each finished child's entry are copied from the pool
-   into the put arena now, before anything can reuse them; the key, tag and
-   header are made and the value written on the put thread;
-3. fetches that finished: verified on the get thread (header, tokens,
-   checksum, tag: entry_format.decode_and_verify, integrity.py), written here
-   into the pool rows the scheduler allocated; each outcome goes to the
-   scheduler in this step's worker metadata (`take_report`), combined over
-   all ranks: the scheduler serves an entry only when every rank read and
-   verified its own key;
-4. new fetches are read on the get thread into the get arena; with the
-   spec's `direct_reads=1` (a host pool and Mooncake's client in this
-   process) straight into the pool rows the scheduler allocated instead (only
-   the header and the tag go to the get arena).
-
-NOTE (issue 50): the arena by default. A get Mooncake fails in transfer is
-retired (mooncake.py: its transport may still write into what it was given),
-in process and through the node's client alike. Read into the arena, that
-costs the span (never reused; an exhausted arena is a miss: "no host room for
-a read"); read into the pool, it cost the pool rows until `held_limit` wrote
-them off, for good (the in-process soak stalled, or refused 158 of 500 with
-held_limit=30). And the pool is written only on the step, from bytes that a
-call that transferred everything left in a span no other call is given.
-
-NOTE (issue 39, finding 1): an arena span given to a store call is freed only
-when that call has returned (its `on_release`), never at a deadline: a read
-the step gave up on may still be written into by Mooncake, and its span reused
-by a put would be stored, checksummed, with the late read's bytes in it.
-The same holds for pool rows (finding 9): a read into pool rows given up on
-reports them lent (`StoreReport.rows_lent`), and the scheduler hands those
-blocks to no one until this rank reports them returned.
+Memory lent to a store call (an arena span, pool rows, the pool tensors) is
+freed only when the call has returned, never at a deadline: the store may
+still write into it. A read into pool rows given up on reports them lent
+(`StoreReport.rows_lent`) until then.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Callable
@@ -49,28 +28,16 @@ from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
+
 from vllm.logger import init_logger
 
-from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.setup import (
-    POOL_BLOCK_SIZE,
-)
-from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store import entry_format
-from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store.base import (
-    HostBuffer,
-    StoreCode,
-)
-from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store.connection import (
-    SharedStore,
-)
-from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store.integrity import (
-    TAG_BYTES,
-    EntrySeal,
-)
-from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store.lora_loads import (
-    LOADED_SEP,
-    LoadedLoras,
-)
-from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store.messages import (
+from ..setup import POOL_BLOCK_SIZE
+from . import entry_format
+from .base import HostBuffer, StoreCode
+from .connection import SharedStore
+from .integrity import TAG_BYTES, EntrySeal
+from .lora_loads import LOADED_SEP, LoadedLoras
+from .messages import (
     EntryFetch,
     EntryPut,
     EntryRef,
@@ -80,12 +47,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store.messages imp
     StoreStep,
     store_key_for,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store.rank import (
-    StoreRank,
-)
-from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store.weights import (
-    weights_fingerprint,
-)
+from .rank import StoreRank
+from .weights import weights_fingerprint
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -99,11 +62,13 @@ MIN_ARENA_BYTES = 256 << 20
 READ_SLACK = 4.0
 # The bandwidth assumed before any read was measured.
 INITIAL_READ_BYTES_PER_S = 1 << 30
-
-
-# What _put returns for an entry it did not store (no key: its epoch's
-# fingerprint was cancelled by a later reset).
+# What _put returns for an entry it did not store (its epoch's fingerprint
+# was cancelled by a later reset: it has no key).
 _SKIPPED = None
+_MISS_OF_CODE: dict[int, FetchOutcome] = {
+    StoreCode.ABSENT: FetchOutcome.ABSENT,
+    StoreCode.TIMEOUT: FetchOutcome.TIMEOUT,
+}
 
 
 def entry_nbytes(num_tokens: int, num_rows: int, row_bytes: int) -> int:
@@ -118,13 +83,9 @@ def default_arena_bytes(max_chunk_tokens: int, row_bytes: int) -> int:
     return max(MIN_ARENA_BYTES, 2 * largest + 2 * 64)
 
 
-def copy_fence(device: torch.device):
-    """An event recorded after the copies just issued on `device`'s current
-    stream, or None where copies are synchronous (CPU). NOTE: on a GPU the
-    copies between the pool and the pinned arena are issued non-blocking, so
-    the step does not stall on them; the put thread waits on the event before
-    it reads the bytes, and a read's span is freed only once its copy into the
-    pool is done (not executed here)."""
+def copy_fence(device: torch.device) -> torch.cuda.Event | None:
+    """An event after the copies just issued on `device` (None where copies
+    are synchronous): the pool <-> arena copies are non-blocking on a GPU."""
     if device.type != "cuda":
         return None
     event = torch.cuda.Event()
@@ -140,31 +101,22 @@ class _Span:
     start: int
     nbytes: int
     released: threading.Event = field(default_factory=threading.Event)
-    fence: object = None
+    fence: torch.cuda.Event | None = None
 
     def free_now(self) -> bool:
         return self.released.is_set() and (self.fence is None or self.fence.query())
 
 
 class _CallLease:
-    """What one store call was given that must outlive the call: the event
-    its spans wait on and, for a read into pool rows, the pool tensors.
-
-    NOTE (issue 50, finding 1): Mooncake holds raw pointers into the pool
-    until its call returns. An engine closed meanwhile (`del llm`, a framework
-    that recreates engines) would free the pool, the next engine's pool could
-    land at the same addresses, and the late write would scatter into its rows
-    (served unchecked) or into unmapped memory. The lease is the store call's
-    `on_release`, so whatever holds the call (Mooncake's lane) holds the
-    tensors, and `release` lets them go when the call has returned."""
+    """What one store call was given that must outlive it: the event its spans
+    wait on and the memory it writes into (the arena; for a read into pool
+    rows, the pool tensors, which a closed engine would otherwise free under
+    it). It is the call's `on_release`: whatever holds the call holds them."""
 
     __slots__ = ("released", "_keep")
 
     def __init__(self, released: threading.Event, keep: list[object] | None):
         self.released = released
-        # NOTE: the host arena the call's spans are in too: a process's
-        # arenas live as long as its SharedStore, which need not outlive
-        # this engine (a SharedStore of its own, as in tests).
         self._keep = keep
 
     def release(self) -> None:
@@ -174,8 +126,7 @@ class _CallLease:
 
 @dataclass(frozen=True)
 class _PoolPart:
-    """Rows [first_row, first_row + num_rows) of one pool tensor: a piece of
-    an entry's payload where it lives in the pool."""
+    """Rows [first_row, first_row + num_rows) of pool tensor `tensor`."""
 
     tensor: int
     first_row: int
@@ -187,19 +138,24 @@ class _Read:
     fetch: EntryFetch
     span: _Span
     head: int
-    # Where the payload landed: the pool rows (a direct read; the span holds
-    # the header and the tag only), or None (the span holds all of it).
+    # Where the payload lands: pool rows (the span holds the header and the
+    # tag only), or None (the span holds all of it).
     parts: list[_PoolPart] | None
-    # One call reads every entry of a step: its outcomes, this one's index.
-    future: Future
+    lease: _CallLease
+    # Its place in its step's call.
     index: int
+
+
+@dataclass
+class _Pending:
+    read: _Read
+    future: Future[list[FetchOutcome]]
     deadline: float
-    lease: _CallLease | None = None
 
 
 @dataclass
 class _Put:
-    future: Future
+    future: Future[int | None]
     span: _Span
 
 
@@ -220,8 +176,8 @@ class StoreTransfers:
         self.model = model
         self.kv_dtype = kv_dtype
         self._fingerprint_fn = fingerprint
-        # The payload: each tensor's rows of the entry, tensor after tensor
-        # in name order, then the seal's tag.
+        # The payload: each tensor's rows, tensor after tensor in name order,
+        # then the seal's tag.
         self.names = sorted(tensors)
         self.tensors = [tensors[n] for n in self.names]
         self.row_bytes_of = [t[0].numel() * t.element_size() for t in self.tensors]
@@ -238,16 +194,14 @@ class StoreTransfers:
         )
         if arena_bytes < self.max_entry_bytes + 64:
             raise ValueError(
-                f"--chunk-store arena={arena_bytes} bytes cannot hold one entry of "
-                f"--max-chunk-tokens {rank.max_chunk_tokens} tokens ({self.max_entry_bytes} "
-                f"bytes for this model on this rank): give at least that, or leave arena "
-                f"out to size it from the model"
+                f"--chunk-store arena={arena_bytes} bytes cannot hold one entry "
+                f"of --max-chunk-tokens {rank.max_chunk_tokens} tokens "
+                f"({self.max_entry_bytes} bytes for this model on this rank): "
+                "give at least that, or leave arena out to size it from the model"
             )
-        # NOTE: reads and writes have arenas of their own: a burst of writes
-        # never leaves a read without room (reads come first).
+        # Reads and writes have arenas of their own: writes never starve reads.
         shared.want_arenas(arena_bytes)
-        # A host pool the connection can reach takes its reads directly, when
-        # the spec asks for it (direct_reads).
+        # A host pool the connection can reach takes reads directly, if asked.
         self._pool_buffers = (
             [
                 HostBuffer(t.data_ptr(), t.nbytes)
@@ -257,11 +211,9 @@ class StoreTransfers:
             if self.spec.direct_reads
             else []
         )
-        # NOTE: each tensor's bytes as numpy, made here: the get thread
-        # verifies rows in place through numpy slices only. With torch views
-        # made on the get thread, verification did not finish in the engine's
-        # process (test_chunk_store.py's second replica: 4 runs of 5 gave up
-        # at the read deadline after a 50 ms transfer; cause not found).
+        # Each tensor's bytes as numpy, made here: the get thread verifies rows
+        # through numpy only (with torch views made there, verification did
+        # not finish in the engine's process; cause not found).
         self._pool_bytes = []
         if len(self._pool_buffers) == len(self.tensors):
             shared.want_pool(self._pool_buffers)
@@ -279,9 +231,9 @@ class StoreTransfers:
         # The identity of `epoch`: made on the fingerprint thread.
         self._identity: Future[RankIdentity] | None = None
         self._identity_reported = False
-        self._reads: dict[str, _Read] = {}
+        self._reads: dict[str, _Pending] = {}
         # Fetches whose pool rows a given-up read's call still holds, and
-        # what this step reports lent / returned (the scheduler's side).
+        # what this step reports lent / returned.
         self._rows_held: dict[str, _Span] = {}
         self._rows_lent: dict[str, int] = {}
         self._rows_returned: dict[str, int] = {}
@@ -290,31 +242,26 @@ class StoreTransfers:
         self._outcomes: dict[str, FetchOutcome] = {}
         self._puts: list[_Put] = []
         self._read_bytes_per_s = float(INITIAL_READ_BYTES_PER_S)
-        # A new measurement since the last report (sent up for ReadCost).
+        # A new measurement since the last report (for ReadCost).
         self._bandwidth_news = False
         self.counters: dict[str, float] = {}
         self._reported: dict[str, float] = {}
         self._counter_lock = threading.Lock()
-        # Set when the model's load_weights runs (weight sync, reload) and
-        # cleared at the next epoch (the reset that must follow a weight update).
+        # Set when the model's load_weights runs, cleared at the next epoch.
         self.weights_changed = False
         self._closed = False
         self._watch_weight_loads(model)
-        # The LoRA adapters this rank loaded, by what it loaded (finding 6).
         self.loras = LoadedLoras()
         self.loras.watch(model)
         shared.start_connecting()
         self._new_epoch(0)
 
     def _watch_weight_loads(self, model: nn.Module) -> None:
-        """NOTE (issue 39, finding 10): vLLM's weight-update paths (reload_weights,
-        the RL trainers' weight syncs through collective_rpc) load through the
-        model's `load_weights`. Until the reset that must follow, this rank's
-        keys still carry the old weights' fingerprint: a put would spread KV of
-        the new weights under the old version to every replica, a read would
-        bring the old weights' KV. So both stop until the next epoch. Weights
-        written by other means are not seen: reset after any change (vLLM's
-        prefix cache asks the same)."""
+        """VLLM's weight updates (reload_weights, RL weight syncs) load through
+        `load_weights`. Until the reset that must follow, keys still carry the
+        old weights' fingerprint, so reads and writes stop until the next
+        epoch. Weights written by other means are not seen: reset after any
+        change (vLLM's prefix cache asks the same)."""
         original = getattr(model, "load_weights", None)
         if not callable(original):
             return
@@ -359,8 +306,6 @@ class StoreTransfers:
             f.result() if f is not None and f.done() and f.exception() is None else None
         )
 
-    # --------------------------------------------------------------- step
-
     def on_step(self, step: StoreStep) -> None:
         if self._closed:
             return
@@ -397,20 +342,16 @@ class StoreTransfers:
         return {k: v - last.get(k, 0) for k, v in now.items() if v != last.get(k, 0)}
 
     def _count(self, name: str, value: float = 1) -> None:
-        # NOTE: the store threads count too.
-        with self._counter_lock:
+        with self._counter_lock:  # the store threads count too
             self.counters[name] = self.counters.get(name, 0) + value
 
     def _new_epoch(self, epoch: int) -> None:
-        """Fingerprint the weights of `epoch` off the step (vLLM resets the
-        cache after a weight update: the next epoch's weights are in place)."""
+        """Fingerprint the weights of `epoch` off the step."""
         self.epoch = epoch
         self.weights_changed = False
         self._identity_reported = False
-        # NOTE (issue 50, finding 9): a fingerprint not yet started is of no
-        # use once superseded, and each is a full hash of the weights: resets
-        # faster than a hash queued them without bound. A running one cannot
-        # be stopped; so at most one runs and one waits.
+        # A fingerprint not started yet is of no use once superseded: at most
+        # one runs and one waits, however fast resets come.
         if self._identity is not None:
             self._identity.cancel()
         self._identity = self._fp_thread.submit(self._make_identity, epoch)
@@ -443,14 +384,12 @@ class StoreTransfers:
     def _key(self, identity: RankIdentity, entry: EntryRef) -> str:
         return store_key_for(identity, self.rank.tp_size, self.rank.pp_size, entry)
 
-    def _rows(
-        self, pool_block_ids: tuple[int, ...], num_rows: int, device
-    ) -> torch.Tensor:
+    def _rows(self, pool_block_ids: tuple[int, ...], num_rows: int) -> torch.Tensor:
         blocks = torch.tensor(pool_block_ids, dtype=torch.int64)
         rows = (
             blocks[:, None] * POOL_BLOCK_SIZE + torch.arange(POOL_BLOCK_SIZE)[None, :]
         ).reshape(-1)[:num_rows]
-        return rows.to(device)
+        return rows.to(self.tensors[0].device)
 
     def _pool_parts(
         self, pool_block_ids: tuple[int, ...], num_rows: int
@@ -496,20 +435,15 @@ class StoreTransfers:
             off += n
         return views
 
-    def _store(self):
-        """The connection with both arenas registered, or None (not yet)."""
-        return self._shared.get()
-
     # --------------------------------------------------------------- puts
 
     def _start_put(self, put: EntryPut) -> None:
-        if self.weights_changed:
-            self._count("store_puts_skipped")
-            return
         entry = put.entry
-        if entry.lora and not self.loras.holds(entry.lora.rpartition(LOADED_SEP)[2]):
-            # NOTE (issue 50, finding 6): the adapter the scheduler keyed the entry by
-            # is not what this rank holds now (reloaded since): never written.
+        if self.weights_changed or (
+            entry.lora and not self.loras.holds(entry.lora.rpartition(LOADED_SEP)[2])
+        ):
+            # The adapter the scheduler keyed the entry by is not what this
+            # rank holds now (reloaded since): never written.
             self._count("store_puts_skipped")
             return
         num_rows = len(entry.token_ids) - entry.virtual_start
@@ -520,12 +454,11 @@ class StoreTransfers:
         if start is None:
             self._count("store_puts_skipped")
             return
-        rows = self._rows(put.pool_block_ids, num_rows, self.tensors[0].device)
+        rows = self._rows(put.pool_block_ids, num_rows)
         for t, dst in zip(
-            self.tensors, self._payload_views(self.put_arena, start + head, num_rows)
+            self.tensors, self._payload_views(arena, start + head, num_rows)
         ):
-            # NOTE: copied now, inside the step: the pool rows may be given to
-            # another entry from the next step on.
+            # Copied inside the step: the rows may be reused from the next one.
             dst.copy_(t.index_select(0, rows), non_blocking=True)
         span = _Span(start, nbytes, fence=copy_fence(self.tensors[0].device))
         identity = self._identity
@@ -534,22 +467,21 @@ class StoreTransfers:
             _Put(self._put_thread.submit(self._put, identity, entry, span, head), span)
         )
 
-    def _put(self, identity: Future, entry: EntryRef, span: _Span, head: int) -> int:
-        # NOTE: the entry was computed in this epoch: its key waits for the
-        # epoch's fingerprint (on this thread, never on the step).
+    def _put(
+        self, identity: Future[RankIdentity], entry: EntryRef, span: _Span, head: int
+    ) -> int | None:
+        # The entry's key waits for its epoch's fingerprint (on this thread).
         try:
             key = self._key(identity.result(), entry)
         except CancelledError:
-            # A reset came before this epoch's fingerprint ran (_new_epoch
-            # cancelled it): the entry has no key; it is not stored.
+            # A reset came before this epoch's fingerprint ran: no key.
             span.released.set()
             return _SKIPPED
         if span.fence is not None:
             span.fence.synchronize()  # the rows' copy into the arena
         payload = span.nbytes - head
-        # NOTE: numpy views only on the store threads (HostArena.bytes_view).
         body = self.put_arena.bytes_view(span.start + head, payload)
-        # NOTE: the tag covers the header but its checksum, which covers the tag.
+        # The tag covers the header but its checksum, which covers the tag.
         mac_header = entry_format.header_for_mac(
             entry_format.encode_header(
                 entry_format.EntryHeader(
@@ -568,7 +500,7 @@ class StoreTransfers:
             entry_format.make_header(entry.virtual_start, entry.token_ids, body)
         )
         self.put_arena.bytes_view(span.start, head)[:] = memoryview(header)
-        store = self._store()
+        store = self._shared.get()
         if store is None:
             span.released.set()
             return StoreCode.ERROR
@@ -587,7 +519,7 @@ class StoreTransfers:
                 continue
             try:
                 code = put.future.result()
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:
                 logger.warning("chunk store: put failed: %s", e)
                 put.span.released.set()  # raised before the store was given it
                 code = StoreCode.ERROR
@@ -609,8 +541,8 @@ class StoreTransfers:
                 self._rows_returned[fetch_id] = 1
 
     def _finish_span(self, arena, span: _Span) -> None:
-        """The step is done with `span`: free it now if its call returned,
-        else once it has (`_reap`, every step)."""
+        """The step is done with `span`: freed now if its call returned, else
+        once it has (`_reap`, every step)."""
         if span.free_now():
             arena.free(span.start)
         else:
@@ -618,24 +550,22 @@ class StoreTransfers:
 
     def close(self, timeout_s: float) -> int:
         """The engine is closing: start no call, drop the reads still queued,
-        wait up to `timeout_s` for the store calls that hold this engine's
-        memory (pool rows, spans of the process's arenas) to return, and free
-        what they held. Returns how many calls still hold some when the wait
-        ends: their pool tensors stay allocated (each call's lease) and their
-        spans stay taken until they return, so nothing is written into memory
-        a later engine was given (issue 50, finding 1)."""
+        wait up to `timeout_s` for the calls that hold this engine's memory,
+        and free what they held. Returns how many calls still hold some: their
+        pool tensors and spans stay taken until they return, so nothing is
+        written into memory a later engine was given."""
         if self._closed:
             return 0
         self._closed = True
-        for read in self._reads.values():
-            if read.future.cancel():
-                read.lease.release()
+        for pending in self._reads.values():
+            if pending.future.cancel():
+                pending.read.lease.release()
         for put in self._puts:
             if put.future.cancel():
                 put.span.released.set()  # never handed to the store
         t_end = time.monotonic() + timeout_s
         spans = (
-            [r.span for r in self._reads.values()]
+            [p.read.span for p in self._reads.values()]
             + list(self._rows_held.values())
             + [p.span for p in self._puts]
             + [span for _, span in self._lent]
@@ -643,19 +573,16 @@ class StoreTransfers:
         events = {id(span.released): span.released for span in spans}
         for event in events.values():
             event.wait(max(0.0, t_end - time.monotonic()))
-        # Verification may still run after a read's call released its memory.
-        for read in list(self._reads.values()):
-            try:
-                read.future.exception(max(0.0, t_end - time.monotonic()))
-            except Exception:  # noqa: BLE001 - cancelled, or still running: given up below
-                pass
-            read.deadline = float("-inf")
+        # Verification may still run after a read's call released its memory;
+        # cancelled or still running, the futures are given up below.
+        for pending in list(self._reads.values()):
+            with contextlib.suppress(Exception):
+                pending.future.exception(max(0.0, t_end - time.monotonic()))
+            pending.deadline = float("-inf")
         self._finish_reads()
         for put in self._puts:
-            try:
+            with contextlib.suppress(Exception):
                 put.future.exception(max(0.0, t_end - time.monotonic()))
-            except Exception:  # noqa: BLE001 - cancelled, or still running: held
-                pass
         self._reap()
         held = sum(not e.is_set() for e in events.values())
         for executor in (self._get_thread, self._put_thread, self._fp_thread):
@@ -663,9 +590,10 @@ class StoreTransfers:
         if held:
             self._count("store_calls_held_at_close", held)
             logger.warning(
-                "chunk store: closing with %d store call(s) that have not returned within "
-                "%.1f s; the memory they were given (pool tensors, %d bytes of host "
-                "arenas) stays allocated until they return",
+                "chunk store: closing with %d store call(s) that have not "
+                "returned within %.1f s; the memory they were given (pool "
+                "tensors, %d bytes of host arenas) stays allocated until they "
+                "return",
                 held,
                 timeout_s,
                 self.lent_bytes(),
@@ -673,16 +601,14 @@ class StoreTransfers:
         return held
 
     def shared_ready(self, timeout_s: float) -> bool:
-        """Tests and tools: wait until the connection is made."""
         return self._shared.wait_connected(timeout_s)
 
     def lent_bytes(self) -> int:
-        """Bytes of spans given to calls that have not returned (tests, metrics)."""
+        """Bytes of spans given to calls that have not returned."""
         return sum(span.nbytes for _, span in self._lent)
 
     def reads_into_pool(self) -> bool:
-        """Reads land in the pool rows now: the connection reaches the pool's
-        buffers, which exist only with `direct_reads=1` (see __init__)."""
+        """Reads land in the pool rows now (`direct_reads`, the pool reached)."""
         store = self._shared.get()
         return (
             store is not None
@@ -700,11 +626,16 @@ class StoreTransfers:
         )
 
     def _start_reads(self, fetches: list[EntryFetch]) -> None:
-        """Every entry of a step in one batch_get_into (Mooncake transfers them
-        in parallel), on the get thread."""
+        """Every entry of a step in one call (Mooncake transfers them in
+        parallel), on the get thread."""
         identity = self.identity
         direct = bool(fetches) and self.reads_into_pool()
-        items = []
+        arena = self.get_arena
+        # One call for the step's entries: their spans are released together.
+        released = threading.Event()
+        lease = _CallLease(released, [arena, *(self.tensors if direct else ())])
+        items: list[tuple[str, _Read]] = []
+        total = 0
         for fetch in fetches:
             entry = fetch.entry
             num_rows = len(entry.token_ids) - entry.virtual_start
@@ -719,9 +650,7 @@ class StoreTransfers:
                 self._outcomes[fetch.fetch_id] = FetchOutcome.ERROR
                 continue
             parts = self._pool_parts(fetch.pool_block_ids, num_rows) if direct else None
-            # NOTE: a direct read's span holds the header and the tag only.
             span_bytes = head + TAG_BYTES if direct else nbytes
-            arena = self.get_arena
             start = (
                 None
                 if arena is None
@@ -735,32 +664,17 @@ class StoreTransfers:
                 self._count("store_reads_no_room")
                 self._outcomes[fetch.fetch_id] = FetchOutcome.ERROR
                 continue
-            read = _Read(fetch, _Span(start, span_bytes), head, parts, None, 0, 0.0)
+            total += nbytes
+            span = _Span(start, span_bytes, released)
+            read = _Read(fetch, span, head, parts, lease, len(items))
             items.append((self._key(identity, entry), read))
         if not items:
             return
-        released = threading.Event()
-        lease = _CallLease(
-            released, [self.get_arena, *(self.tensors if direct else ())]
-        )
-        for _, read in items:
-            # One call for the step's entries: they are released together.
-            read.span.released = released
-            read.lease = lease
-        total = sum(
-            entry_nbytes(
-                len(r.fetch.entry.token_ids),
-                len(r.fetch.entry.token_ids) - r.fetch.entry.virtual_start,
-                self.row_bytes,
-            )
-            for _, r in items
-        )
-        # NOTE: fixed before the submit: the get thread reads it too (_read).
+        # Fixed before the submit: the get thread reads it too.
         deadline = time.monotonic() + self._read_deadline(total)
         future = self._get_thread.submit(self._read, items, lease, deadline)
-        for index, (_, read) in enumerate(items):
-            read.future, read.index, read.deadline = future, index, deadline
-            self._reads[read.fetch.fetch_id] = read
+        for _, read in items:
+            self._reads[read.fetch.fetch_id] = _Pending(read, future, deadline)
 
     def _hold_rows_if_lent(self, fetch_id: str, read: _Read) -> None:
         """A failed read into pool rows whose call has not returned: its rows
@@ -785,13 +699,12 @@ class StoreTransfers:
     ) -> list[FetchOutcome]:
         t0 = time.monotonic()
         if t0 > deadline:
-            # NOTE (issue 50, finding 5): queued behind a slow call past its
-            # deadline: the step computes these documents whatever we do now,
-            # so the store is not asked (no call holds the span or the rows).
+            # Queued behind a slow call past its deadline: the step computes
+            # these documents anyway, so the store is not asked.
             lease.release()
             self._count("store_reads_never_started", len(items))
             return [FetchOutcome.TIMEOUT] * len(items)
-        store = self._store()
+        store = self._shared.get()
         if store is None:
             lease.release()
             return [FetchOutcome.ERROR] * len(items)
@@ -808,14 +721,13 @@ class StoreTransfers:
                 [self._value_buffers(read)[0] for _, read in items],
                 on_release=lease.release,
             )
-        # NOTE: the transfer alone (one call for the step's entries), for the
-        # bytes/s figure; verification follows.
+        # The transfer alone, for the bytes/s figure; verification follows.
         seconds = time.monotonic() - t0
         got = sum(max(0, int(c)) for c in codes)
         self._count("store_get_seconds", seconds)
         self._count("store_get_bytes", got)
         if got and all(c >= 0 for c in codes) and seconds > 0:
-            # NOTE: read by the step thread for deadlines; a float store is atomic.
+            # Read by the step thread for deadlines; a float store is atomic.
             self._read_bytes_per_s = 0.7 * self._read_bytes_per_s + 0.3 * (
                 got / seconds
             )
@@ -823,12 +735,7 @@ class StoreTransfers:
         out = []
         for code, (key, read) in zip(codes, items):
             if code < 0:
-                out.append(
-                    {
-                        StoreCode.ABSENT: FetchOutcome.ABSENT,
-                        StoreCode.TIMEOUT: FetchOutcome.TIMEOUT,
-                    }.get(code, FetchOutcome.ERROR)
-                )
+                out.append(_MISS_OF_CODE.get(code, FetchOutcome.ERROR))
             elif code != sum(b.nbytes for b in self._value_buffers(read)):
                 out.append(FetchOutcome.VERIFY_FAILED)
             else:
@@ -837,8 +744,6 @@ class StoreTransfers:
 
     def _verify(self, key: str, read: _Read) -> FetchOutcome:
         entry, span, head = read.fetch.entry, read.span, read.head
-        # NOTE: numpy, made when the arena was: no torch view on this thread
-        # (see the pool's bytes in __init__).
         value = self.get_arena.bytes_view(span.start, span.nbytes)
         if read.parts is None:
             rows = [value[head : span.nbytes - TAG_BYTES]]
@@ -875,52 +780,45 @@ class StoreTransfers:
 
     def _finish_reads(self) -> None:
         now = time.monotonic()
-        for fetch_id, read in list(self._reads.items()):
-            if now > read.deadline and read.future.cancel():
-                # NOTE (issue 50, finding 5): still queued behind another call
-                # (its deadline counts from submit): it never reached the store,
-                # so nothing holds its span or its rows. Its step's other
-                # reads share the future and see it cancelled below.
+        for fetch_id, pending in list(self._reads.items()):
+            read, future, late = pending.read, pending.future, now > pending.deadline
+            if late and future.cancel():
+                # Still queued behind another call (the step's other reads
+                # share the future): it never reached the store.
                 read.lease.release()
-            if read.future.cancelled():
+            never_started = future.cancelled()
+            if never_started or (late and not future.done()):
+                # Computed instead; the span (and pool rows) stay the call's
+                # until it returns, and their bytes are never used.
                 del self._reads[fetch_id]
                 self._outcomes[fetch_id] = FetchOutcome.TIMEOUT
                 self._count("store_reads_given_up")
-                self._count("store_reads_never_started")
+                if never_started:
+                    self._count("store_reads_never_started")
+                self._hold_rows_if_lent(fetch_id, read)
                 self._finish_span(self.get_arena, read.span)
                 logger.warning(
-                    "chunk store: read of %s waited past its deadline behind "
-                    "another store call; computing it",
+                    "chunk store: read of %s %s; computing it%s",
                     fetch_id,
+                    "waited past its deadline behind another store call"
+                    if never_started
+                    else "did not land by its deadline",
+                    " (its pool rows stay the store's until the call returns)"
+                    if fetch_id in self._rows_held
+                    else "",
                 )
                 continue
-            if not read.future.done():
-                if now > read.deadline:
-                    # NOTE: the document is computed instead; the span stays the
-                    # call's until it returns, and its bytes are never used.
-                    del self._reads[fetch_id]
-                    self._outcomes[fetch_id] = FetchOutcome.TIMEOUT
-                    self._count("store_reads_given_up")
-                    self._hold_rows_if_lent(fetch_id, read)
-                    self._finish_span(self.get_arena, read.span)
-                    logger.warning(
-                        "chunk store: read of %s did not land by its deadline; "
-                        "computing it%s",
-                        fetch_id,
-                        " (its pool rows stay the store's until the call returns)"
-                        if fetch_id in self._rows_held
-                        else "",
-                    )
+            if not future.done():
                 continue
             del self._reads[fetch_id]
             try:
-                outcome = read.future.result()[read.index]
-            except Exception as e:  # noqa: BLE001 - any failure is a miss
+                outcome = future.result()[read.index]
+            except Exception as e:  # any failure is a miss
                 logger.warning("chunk store: read of %s failed: %s", fetch_id, e)
                 outcome = FetchOutcome.ERROR
             if outcome is FetchOutcome.OK and not read.span.released.is_set():
-                # A call that returned OK has released; this cannot happen, but
-                # a span still lent is never read from.
+                # A call that returned OK has released: a span still lent is
+                # never read from.
                 outcome = FetchOutcome.ERROR
             if outcome is FetchOutcome.OK and read.parts is not None:
                 # The rows landed in place and were verified there.
@@ -929,9 +827,7 @@ class StoreTransfers:
             elif outcome is FetchOutcome.OK:
                 entry = read.fetch.entry
                 num_rows = len(entry.token_ids) - entry.virtual_start
-                rows = self._rows(
-                    read.fetch.pool_block_ids, num_rows, self.tensors[0].device
-                )
+                rows = self._rows(read.fetch.pool_block_ids, num_rows)
                 for t, src in zip(
                     self.tensors,
                     self._payload_views(
@@ -942,7 +838,7 @@ class StoreTransfers:
                 read.span.fence = copy_fence(self.tensors[0].device)
                 self._count("store_gets")
             else:
-                # NOTE: the store answers TIMEOUT while its call may still run.
+                # The store answers TIMEOUT while its call may still run.
                 self._hold_rows_if_lent(fetch_id, read)
                 logger.info(
                     "chunk store: %s not served from the store (%s); computing it",

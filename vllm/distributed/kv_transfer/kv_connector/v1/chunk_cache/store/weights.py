@@ -1,16 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
 """The weights version in a store key: a fingerprint of the loaded weights.
 
-xxh3-128 over every parameter and buffer of the model on this rank (name,
-dtype, shape, bytes), taken when the worker first sees an epoch (start-up,
-and after each cache reset, which vLLM's weight update and reload flows
-call). Replicas with the same weights get the same version whatever path
-they loaded them from; a replica whose weights changed gets another one, so
-it neither serves nor reads entries of the old weights
-(docs/design/store-path.md).
-
-NOTE: it reads every weight once (on a GPU, not executed here, through host copies of
-64 MiB pieces): seconds for a large model, once per reset, not per request.
+xxh3-128 over every parameter and buffer on this rank (name, dtype, shape,
+bytes), taken at start-up and after each cache reset (vLLM's weight update and
+reload flows reset it): replicas with the same weights share entries whatever
+path they loaded them from. Seconds for a large model, once per reset.
 """
 
 from __future__ import annotations
@@ -20,7 +14,7 @@ import xxhash
 from torch import nn
 
 FINGERPRINT_VERSION = b"chunk-weights-v1"
-# Bytes hashed per host copy (bounds the host memory a GPU tensor takes).
+# Bytes per host copy of a device tensor.
 _PIECE = 64 << 20
 
 
