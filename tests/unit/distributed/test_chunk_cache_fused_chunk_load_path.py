@@ -1,13 +1,13 @@
 # SPDX-License-Identifier: Apache-2.0
 """The start-up choice of the fused load (fused_chunk_load_path.py), on the CPU.
 
-The self-check runs the fused kernel with Triton's interpreter and, as the backend's write,
-vLLM's own Triton `triton_reshape_and_cache_flash` under the same interpreter
-(tests/unit/vllm_triton_cache_write.py): the CUDA op has no CPU kernel. The fp8 case needs
-the CUDA op itself (the interpreter is no fp8 oracle): GPU-only, not executed here. The
-layer objects are stand-ins carrying what the check reads (the
-implementation's class name, head counts, k/v scales); the engine path on the CPU never takes
-the fused kernel, which the last test shows through `choose_fused_layers`.
+The self-check runs the fused kernel with Triton's interpreter and, as the backend's
+write, vLLM's own Triton `triton_reshape_and_cache_flash` under the same interpreter
+(tests/unit/vllm_triton_cache_write.py): the CUDA op has no CPU kernel. The fp8 case
+needs the CUDA op itself (the interpreter is no fp8 oracle): GPU-only, not executed
+here. The layer objects are stand-ins carrying what the check reads (the
+implementation's class name, head counts, k/v scales); the engine path on the CPU never
+takes the fused kernel, which the last test shows through `choose_fused_layers`.
 """
 
 import os
@@ -203,6 +203,8 @@ def test_on_the_cpu_every_layer_keeps_the_backends_own_write(rotation, monkeypat
         {"l0": rotation, "l1": None},
         torch.float32,
         backend_write(),
+        {},
+        {},
     )
     assert choice.layers == {}
     assert set(choice.reasons) == {"l0", "l1"}

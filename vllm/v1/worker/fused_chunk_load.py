@@ -16,6 +16,7 @@ saturated, nearest even; per tensor or per head). The capture
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -43,10 +44,9 @@ class PagedLayer:
 @dataclass(frozen=True)
 class LaunchGeometry:
     """How the kernels tile their work: each program moves `rows_per_program`
-    consecutive entries of the row lists times `heads_per_program` KV heads
-    of one layer (powers of two: they are Triton block sizes), with
-    `num_warps` warps (None: Triton's default). Rows and heads past the ends
-    are masked. Results do not depend on it (per-element arithmetic)."""
+    entries times `heads_per_program` KV heads of one layer (powers of two:
+    Triton block sizes), with `num_warps` warps (None: Triton's default). The
+    bytes written do not depend on it (per-element arithmetic)."""
 
     rows_per_program: int = 1
     heads_per_program: int = 1
@@ -102,12 +102,10 @@ if triton is not None:
 
     @triton.jit
     def _round_to_e4m3_grid(y):
-        # y in [-448, 448] (fp32) -> the nearest fp8 e4m3 value, ties to even,
-        # still in fp32: adding and subtracting 2^(q + 23) rounds |y| to a
-        # multiple of q = its e4m3 quantum in one fp32 rounding (nearest even).
-        # NOTE: `.to(tl.float8e4nv)` of the result is then exact; the
-        # interpreter's own conversion is not round-to-nearest (88 of 4,096
-        # values differ from torch), the GPU's is (cvt.rn.satfinite).
+        # y in [-448, 448] (fp32) -> the nearest fp8 e4m3 value (ties to even),
+        # still in fp32: adding and subtracting 2^(q + 23) rounds |y| to its
+        # e4m3 quantum q. NOTE: the interpreter's own conversion does not round
+        # to nearest (the GPU's does); `.to(tl.float8e4nv)` of this is exact.
         bits = y.to(tl.uint32, bitcast=True)
         exponent = ((bits >> 23) & 0xFF).to(tl.int32) - 127
         quantum = tl.maximum(exponent, -6) - 3  # 3 mantissa bits; subnormals below 2^-6
@@ -121,7 +119,7 @@ if triton is not None:
         cache_ptr, offsets, x, mask, scale, MODEL: tl.constexpr, FP8: tl.constexpr
     ):
         # Round to the model's dtype first, as the rows reach the backend's
-        # cache write in that dtype today (MODEL: 0 fp32, 1 bf16, 2 fp16).
+        # cache write in that dtype (MODEL: 0 fp32, 1 bf16, 2 fp16).
         x = x.to(tl.float32)
         if MODEL == 1:
             x = _round_to_bf16(x)
@@ -138,9 +136,8 @@ if triton is not None:
 
     @triton.jit
     def _tile(num_rows, num_heads, ROWS: tl.constexpr, HEADS: tl.constexpr):
-        # A program's entries, flattened: ROWS consecutive entries of the row
-        # lists times HEADS consecutive KV heads, row-major (a row's heads are
-        # adjacent, as in the pool and in an NHD page); and which are real.
+        # A program's ROWS entries x HEADS KV heads, flattened row-major (a
+        # row's heads adjacent, as in the pool); and which are real.
         e = tl.arange(0, ROWS * HEADS)
         entry = tl.program_id(0) * ROWS + e // HEADS
         head = tl.program_id(1) * HEADS + e % HEADS
@@ -192,8 +189,7 @@ if triton is not None:
         ROWS: tl.constexpr,
         HEADS: tl.constexpr,
     ):
-        # A [ROWS * HEADS, BLOCK_D] tile of one layer (LaunchGeometry); the
-        # arithmetic is per element, so the tile's shape does not change a bit.
+        # A [ROWS * HEADS, BLOCK_D] tile of one layer (LaunchGeometry).
         entry, head, live = _tile(num_rows, num_heads, ROWS, HEADS)
         layer = tl.program_id(2)
         pool_key_ptr = _layer_ptr(tables_ptr, 0, num_layers, layer, POOL_DTYPE)
@@ -268,9 +264,7 @@ if triton is not None:
         ROWS: tl.constexpr,
         HEADS: tl.constexpr,
     ):
-        # The load's inverse, a plain copy: paged slots -> pool rows, K and V
-        # of a [ROWS * HEADS, BLOCK_D] tile of one layer per program (same
-        # tables, same tiles).
+        # The load's inverse, a plain copy: paged slots -> pool rows.
         entry, head, live = _tile(num_rows, num_heads, ROWS, HEADS)
         layer = tl.program_id(2)
         pool_key_ptr = _layer_ptr(tables_ptr, 0, num_layers, layer, DTYPE)
@@ -307,21 +301,16 @@ def available(device: torch.device | None = None) -> bool:
     if triton is None:
         return False
     if device is not None and device.type == "cpu":
-        import os
-
         return os.environ.get("TRITON_INTERPRET") == "1"
     return True
 
 
 @dataclass(frozen=True)
 class FusedGroup:
-    """Layers one launch loads: the same pool and cache shapes, strides and
-    dtypes (a model's layers, usually all of them). The kernel finds each
-    layer's tensors through a table of their device addresses, so the tensors
-    must not move (they are the worker's pool and vLLM's paged cache,
-    allocated once). Built at the first load, not at start-up: the table must
-    not live in the KV-cache memory pool a sleep discards
-    (fused_chunk_load_path.FusedLayers.group)."""
+    """Layers one launch loads (the same pool and cache shapes, strides and
+    dtypes), found by the kernel through a table of their device addresses:
+    the tensors must not move (the worker's pool and vLLM's paged cache,
+    allocated once). Built at the first load: fused_chunk_load_path.py."""
 
     # [6, num_layers] int64 addresses (the kernels' `_layer_ptr`).
     tables: torch.Tensor
@@ -348,16 +337,12 @@ class FusedGroup:
         _, num_heads, head_size = first_k.shape
         fp8 = first.key_cache.dtype == torch.float8_e4m3fn
         scales: list[torch.Tensor] = []
+        pool_form = (first_k.shape[1:], first_k.stride(), first_k.dtype)
+        cache_form = (first.key_cache.shape, first.key_cache.dtype)
         for k, v, layer in zip(pool_keys, pool_values, layers):
-            if k.stride(2) != 1 or v.stride() != k.stride() or k.shape != v.shape:
-                raise ValueError(
-                    "pool K/V must share one shape and layout, heads contiguous"
-                )
-            if (
-                k.stride() != first_k.stride()
-                or k.dtype != first_k.dtype
-                or k.shape[1:] != first_k.shape[1:]
-            ):
+            if k.stride(2) != 1 or (v.shape, v.stride()) != (k.shape, k.stride()):
+                raise ValueError("pool K/V must share one layout, heads contiguous")
+            if (k.shape[1:], k.stride(), k.dtype) != pool_form:
                 raise ValueError(
                     "a fused group's pools must share shape, strides and dtype"
                 )
@@ -366,10 +351,7 @@ class FusedGroup:
                     raise ValueError(
                         "paged K/V caches must share strides, head contiguous"
                     )
-                if (
-                    cache.shape != first.key_cache.shape
-                    or cache.dtype != first.key_cache.dtype
-                ):
+                if (cache.shape, cache.dtype) != cache_form:
                     raise ValueError(
                         "a fused group's caches must share shape and dtype"
                     )
@@ -477,7 +459,7 @@ def fused_load(
         FP8=group.fp8,
         POOL_DTYPE=tl_pool,
         CACHE_DTYPE=tl.float8e4nv if group.fp8 else tl_pool,
-        # NOTE: no FMA contraction: today's rotation rounds each product.
+        # NOTE: no FMA contraction: the generic rotation rounds each product.
         enable_fp_fusion=False,
         **geometry.options(),
     )

@@ -101,22 +101,16 @@ def run_rows(
 ) -> RunRows:
     """One row per run of a request with runs, one per other request."""
     by_index = _runs_by_index(query_runs, req_ids, num_scheduled)
-    index, qlens, slens = [], [], []
+    rows: list[tuple[int, int, int]] = []  # (request index, query, sequence)
     for i in range(len(req_ids)):
         runs = by_index.get(i)
         if runs is None:
-            index.append(i)
-            qlens.append(int(num_scheduled[i]))
-            slens.append(int(seq_lens[i]))
-            continue
-        for p, n in runs:
-            index.append(i)
-            qlens.append(n)
-            slens.append(p + n)
+            rows.append((i, int(num_scheduled[i]), int(seq_lens[i])))
+        else:
+            rows.extend((i, n, p + n) for p, n in runs)
+    index, qlens, slens = np.asarray(rows, dtype=np.int64).reshape(-1, 3).T
     return RunRows(
-        np.asarray(index, dtype=np.int64),
-        np.asarray(qlens, dtype=np.int32),
-        np.asarray(slens, dtype=np.int32),
+        np.ascontiguousarray(index), qlens.astype(np.int32), slens.astype(np.int32)
     )
 
 

@@ -2,12 +2,10 @@
 """Writing K/V rows into a layer's paged KV cache, per attention backend.
 
 The load path never indexes a paged cache by hand: each backend's own
-cache-write op packs (CPU, per ISA), lays out (CUDA, NPU) and quantizes (fp8)
-the rows exactly as for freshly computed tokens. This module maps an
-attention implementation class to that op. vLLM's backends are registered
-here; a platform plugin registers its own (vllm-ascend's overlay registers
-`AscendAttentionBackendImpl`). A layer whose implementation has no writer is
-refused at start-up (worker.register_kv_caches), never written another way.
+cache-write op packs (CPU, per ISA), lays out and quantizes (fp8) the rows as
+for freshly computed tokens. This module maps an attention implementation
+class to that op; a platform plugin registers its own (vllm-ascend). A layer
+whose implementation has none is refused at start-up.
 """
 
 from __future__ import annotations
@@ -39,9 +37,8 @@ class CacheWriter:
     backend: str
     # Writes the rows through the backend's own cache-write op.
     write: WriteFn
-    # Reads rows back from the paged cache (the capture after the forward,
-    # capture_path.py), where its layout is plain; None where it is not (a
-    # cache packed per ISA): the capture then takes the attention hook.
+    # Reads rows back for the capture after the forward (capture_path.py);
+    # None where the layout is not plain: the capture takes the attention hook.
     read: ReadFn | None = None
 
 
@@ -142,8 +139,7 @@ LatentWriteFn = Callable[
 @dataclass(frozen=True)
 class LatentWriter:
     """How the chunk cache writes MLA latent rows for one implementation, and
-    reads a child's rows back from its latent cache (the capture: vLLM hands
-    the connector the layer's cache, not kv_c / k_pe)."""
+    reads a child's rows back from its latent cache (the capture)."""
 
     backend: str
     write: LatentWriteFn
@@ -198,9 +194,8 @@ def _write_latent_via_kv_cache_update(
     layer, kv_c, k_pe, slot_mapping, kv_cache
 ) -> None:
     # The call the MLA layer itself makes (unified_mla_kv_cache_update), k_pe
-    # as [n, 1, rope_dim] as it hands it over: CPU_MLA indexes its cache, the
-    # CUDA impls below inherit MLAAttentionImpl's, which runs
-    # concat_and_cache_mla: laid out as for freshly computed tokens.
+    # as [n, 1, rope_dim]: CPU_MLA indexes its cache, the CUDA impls below
+    # inherit MLAAttentionImpl's (concat_and_cache_mla).
     layer.impl.do_kv_cache_update(
         kv_c_normed=kv_c,
         k_pe=k_pe.unsqueeze(1),
@@ -212,9 +207,8 @@ def _write_latent_via_kv_cache_update(
 
 
 def _read_plain_latent(kv_cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    # Only a cache in the model dtype ("auto", support.py refuses the rest)
-    # holds the rows as written; a quantized one would need the rows captured
-    # before its write.
+    # Only a cache in the model dtype ("auto"; support.py refuses the rest)
+    # holds the rows as written.
     return kv_cache.view(-1, kv_cache.shape[-1]).index_select(0, slots)
 
 
@@ -225,46 +219,27 @@ def _read_plain_latent(kv_cache: torch.Tensor, slots: torch.Tensor) -> torch.Ten
 # refused at start-up: FLASHINFER_MLA, CUTLASS_MLA, TOKENSPEED_MLA, ROCm's,
 # sparse MLA's and Ascend's (its plugin registers its own), and AMX_MLA, whose
 # cache write was never run on an AMX machine (the refusal names CPU_MLA).
-register_latent_writer(
-    "CPUMLAImpl",
-    "CPU_MLA",
-    _write_latent_via_kv_cache_update,
-    _read_plain_latent,
-    device_type="cpu",
-)
-register_latent_writer(
-    "TritonMLAImpl",
-    "TRITON_MLA",
-    _write_latent_via_kv_cache_update,
-    _read_plain_latent,
-    device_type="cuda",
-)
-register_latent_writer(
-    "FlashAttnMLAImpl",
-    "FLASH_ATTN_MLA",
-    _write_latent_via_kv_cache_update,
-    _read_plain_latent,
-    device_type="cuda",
-)
-register_latent_writer(
-    "FlashMLAImpl",
-    "FLASHMLA",
-    _write_latent_via_kv_cache_update,
-    _read_plain_latent,
-    device_type="cuda",
-)
-
+for impl_name, backend, device_type in (
+    ("CPUMLAImpl", "CPU_MLA", "cpu"),
+    ("TritonMLAImpl", "TRITON_MLA", "cuda"),
+    ("FlashAttnMLAImpl", "FLASH_ATTN_MLA", "cuda"),
+    ("FlashMLAImpl", "FLASHMLA", "cuda"),
+):
+    register_latent_writer(
+        impl_name,
+        backend,
+        _write_latent_via_kv_cache_update,
+        _read_plain_latent,
+        device_type=device_type,
+    )
 
 # vLLM 0.23.0 picks, for standard attention on CUDA: FLASH_ATTN, FLASHINFER,
 # TRITON_ATTN, then FLEX_ATTENTION (FlashInfer first on Blackwell); on CPU:
 # CPU_ATTN. FLEX_ATTENTION (and ROCm, MLA) are not registered: refused.
-register_cache_writer(
-    "FlashAttentionImpl", "FLASH_ATTN", _write_via_kv_cache_update, _read_flash
-)
-register_cache_writer(
-    "FlashInferImpl", "FLASHINFER", _write_via_kv_cache_update, _read_flash
-)
-register_cache_writer(
-    "TritonAttentionImpl", "TRITON_ATTN", _write_via_kv_cache_update, _read_flash
-)
+for impl_name, backend in (
+    ("FlashAttentionImpl", "FLASH_ATTN"),
+    ("FlashInferImpl", "FLASHINFER"),
+    ("TritonAttentionImpl", "TRITON_ATTN"),
+):
+    register_cache_writer(impl_name, backend, _write_via_kv_cache_update, _read_flash)
 register_cache_writer("CPUAttentionBackendImpl", "CPU_ATTN", _write_cpu, _read_cpu)

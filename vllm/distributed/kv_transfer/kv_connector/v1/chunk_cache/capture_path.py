@@ -60,8 +60,7 @@ class CaptureChoice:
 
 def quantized_reason(cache_dtype: str) -> str | None:
     """Why a cache of --kv-cache-dtype `cache_dtype` captures in the hook
-    (its bytes are not the rows), or None. One rule for the config-time
-    decision (`capture_hook_reason`) and the per-layer one (`self_check`)."""
+    (its bytes are not the rows), or None."""
     if str(cache_dtype) not in UNQUANTIZED_KV_CACHE_DTYPES:
         return f"quantized KV cache ({cache_dtype}): its bytes are not the rows"
     return None
@@ -70,11 +69,7 @@ def quantized_reason(cache_dtype: str) -> str | None:
 def capture_hook_reason(vllm_config: Any) -> str | None:
     """Why some layer may capture in the attention hook, as far as the config
     tells before any layer exists (the CUDA-graph mode is chosen from it), or
-    None: a quantized cache (`quantized_reason`, the per-layer rule), or a
-    platform whose standard attention has no registered reader (vllm-ascend's
-    NPU). The worker then decides per layer with the same rule and a sample
-    (`choose_capture`), and support.check_graph_mode holds that to the mode
-    chosen here."""
+    None. `choose_capture` decides per layer later, by the same rule."""
     from vllm.platforms import current_platform
 
     device_type = getattr(current_platform, "device_type", "cpu")

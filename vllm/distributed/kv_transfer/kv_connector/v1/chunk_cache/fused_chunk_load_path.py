@@ -2,25 +2,18 @@
 """Which layers load through the fused Triton kernel, decided at start-up.
 
 On a GPU the fused kernel (`vllm/v1/worker/fused_chunk_load.py`) replaces a
-layer's gather + rotation + backend cache write only where a start-up
-self-check finds it writes **the same bytes** as that path, on the layer's
-own paged cache, dtype, layout and k/v scales; anything else keeps that path,
-and the start-up log says which and why.
+layer's gather + rotation + backend cache write only where a self-check finds
+it writes **the same bytes** as that path on the layer's own cache, dtype,
+layout and k/v scales; anything else keeps that path, logged with the reason.
+The check runs each launch the step will make (the layers of one RoPE and
+shape) over 48 rows gathered out of order in 6 stretches (`_SAMPLE_DELTAS`)
+into blocks no request holds yet, then restores caches and pools; other rows
+and slots rest on tests/unit/v1/worker/test_fused_chunk_load.py.
 
-The self-check (`self_check_launch`, on sample_check.py's harness): per
-launch the step will make (the layers of one RoPE and shape), one launch over
-all its layers through their table of addresses, built as the first load
-builds it; 48 rows gathered out of order in 6 stretches (`_SAMPLE_DELTAS`),
-written into blocks no request holds yet, against the generic rotation and
-the backend's own write, layer by layer. Every byte of the touched blocks
-must agree; caches and pools are restored. Other rows, slots and launch
-orders rest on the kernel's tests (tests/unit/v1/worker/test_fused_chunk_load.py)
-and the GPU runs of docs/gpu.md.
-
-The table is built at the first load or capture (`FusedLayers.group`), not in
-`register_kv_caches`, where it would live in the KV-cache memory pool a sleep
-discards; its addresses stay valid across a sleep (vLLM's CuMem allocator maps
-the same virtual addresses on wake-up).
+The table of addresses is built at the first load or capture
+(`FusedLayers.group`), not in `register_kv_caches`, where it would live in
+the KV-cache memory pool a sleep discards (vLLM's CuMem allocator maps the same
+virtual addresses on wake-up, so the addresses stay valid).
 """
 
 from __future__ import annotations
@@ -32,7 +25,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.sample_check import (
-    SAMPLE_ROWS,
     bytes_differ,
     choice_summary,
     random_rows,
@@ -85,7 +77,6 @@ class FusedLayers:
         return self.paged[0].key_cache.dtype == torch.float8_e4m3fn
 
     def build(self) -> FusedGroup:
-        """A new table of addresses over these tensors."""
         from vllm.v1.worker.fused_chunk_load import FusedGroup
 
         return FusedGroup.of(
@@ -94,8 +85,7 @@ class FusedLayers:
 
     @property
     def group(self) -> FusedGroup:
-        """The launch's FusedGroup, built at first use (a step's load or
-        capture), never in register_kv_caches: see the module doc."""
+        """Built at first use, never in register_kv_caches (module doc)."""
         if self._group is None:
             self._group = self.build()
         return self._group
@@ -134,16 +124,10 @@ def group_fused_layers(
     buckets: dict[tuple, list[str]] = {}
     for name, paged in choice.layers.items():
         key, cache = pool_key[name], paged.key_cache
-        bucket = (
-            id(rotations[name]),
-            tuple(key.shape[1:]),
-            key.stride(),
-            key.dtype,
-            tuple(cache.shape),
-            cache.stride(),
-            cache.dtype,
-            None if paged.k_scale is None else paged.k_scale.numel(),
-        )
+        pool_shape = (key.shape[1:], key.stride(), key.dtype)
+        cache_shape = (cache.shape, cache.stride(), cache.dtype)
+        scales = None if paged.k_scale is None else paged.k_scale.numel()
+        bucket = (id(rotations[name]), pool_shape, cache_shape, scales)
         buckets.setdefault(bucket, []).append(name)
     return [
         FusedLayers(
@@ -167,12 +151,11 @@ def fused_load_expected(vllm_config: Any) -> bool:
     from vllm.platforms import current_platform
     from vllm.v1.worker import fused_chunk_load
 
-    if getattr(current_platform, "device_type", "cpu") != "cuda":
-        return False
-    if not fused_chunk_load.available():
-        return False
-    model_config = vllm_config.model_config
-    if getattr(model_config, "use_mla", False):
+    if (
+        getattr(current_platform, "device_type", "cpu") != "cuda"
+        or not fused_chunk_load.available()
+        or getattr(vllm_config.model_config, "use_mla", False)
+    ):
         return False
     cache_dtype = str(getattr(vllm_config.cache_config, "cache_dtype", "auto"))
     if cache_dtype not in UNQUANTIZED_KV_CACHE_DTYPES and cache_dtype not in _FP8:
@@ -216,10 +199,9 @@ def self_check_launch(
     pool_dtype: torch.dtype,
     reference_write: ReferenceWrite,
 ) -> str | None:
-    """None if one launch over all of `launch`'s layers writes, into every
-    layer's cache, the bytes today's path writes (the module doc says what
-    the sample covers); else why not, naming the first layer that differs.
-    Leaves the caches and the pools as they were."""
+    """None if one launch over all of `launch`'s layers writes the bytes the
+    generic path writes into every layer's cache; else why not, naming the
+    first layer that differs. Leaves the caches and the pools as they were."""
     from vllm.v1.worker.fused_chunk_load import fused_load
 
     names = launch.names
@@ -238,17 +220,16 @@ def self_check_launch(
     pools = list(launch.pool_keys) + list(launch.pool_values)
     want: dict[str, torch.Tensor] = {}
     got: dict[str, torch.Tensor] = {}
+
+    def touched(name: str) -> torch.Tensor:
+        return kv_caches[name][touched_blocks(kv_caches[name], rows)].clone()
+
     try:
         with restored([], rows, others=pools):
-            for i, (key, value) in enumerate(zip(launch.pool_keys, launch.pool_values)):
-                # Other rows per layer: a table entry pointing at another
+            for seed, pool in enumerate(pools):
+                # Other rows per tensor: a table entry pointing at another
                 # layer's tensors is a difference.
-                key[:rows] = random_rows(
-                    (rows, *key.shape[1:]), pool_dtype, device, 2 * i
-                )
-                value[:rows] = random_rows(
-                    (rows, *value.shape[1:]), pool_dtype, device, 2 * i + 1
-                )
+                pool[:rows] = random_rows(pool[:rows].shape, pool_dtype, device, seed)
             stretches = None
             if rotation is not None:
                 stretches = rotation.stretch_cos_sin(deltas, device)
@@ -264,9 +245,7 @@ def self_check_launch(
                             stretches.rows(stretch_index),
                         ).to(pool_dtype)
                     reference_write(layers[name], moved, plain, kv_caches[name], slots)
-                    want[name] = kv_caches[name][
-                        touched_blocks(kv_caches[name], rows)
-                    ].clone()
+                    want[name] = touched(name)
             with restored(caches, rows):
                 # The table the first load builds (then dropped: see module doc).
                 fused_load(
@@ -278,10 +257,7 @@ def self_check_launch(
                     rotation is None or rotation.is_neox_style,
                     0 if rotation is None else rotation.rotary_dim,
                 )
-                for name in names:
-                    got[name] = kv_caches[name][
-                        touched_blocks(kv_caches[name], rows)
-                    ].clone()
+                got = {name: touched(name) for name in names}
     except Exception as e:  # noqa: BLE001 - any failure keeps today's path
         return f"self-check failed ({type(e).__name__}: {e})"
     for name in names:
@@ -298,12 +274,12 @@ def choose_fused_layers(
     rotations: dict[str, RopeRotation | None],
     pool_dtype: torch.dtype,
     reference_write: ReferenceWrite,
-    pool_key: dict[str, torch.Tensor] | None = None,
-    pool_value: dict[str, torch.Tensor] | None = None,
+    pool_key: dict[str, torch.Tensor],
+    pool_value: dict[str, torch.Tensor],
 ) -> FusedLoadChoice:
     """Per layer: the fused kernel where available and its launch
-    self-checked, else why not. `pool_key`/`pool_value`: the worker's pools
-    (the launches' tables point at them); pools of the sample's size if None."""
+    self-checked, else why not. The launches' tables point at the worker's
+    pools `pool_key` / `pool_value`."""
     from vllm.v1.worker import fused_chunk_load
 
     candidates = FusedLoadChoice()
@@ -325,16 +301,6 @@ def choose_fused_layers(
             candidates.reasons[name] = paged
             continue
         candidates.layers[name] = paged
-    if pool_key is None or pool_value is None:
-        pool_key = {
-            n: torch.zeros(
-                (SAMPLE_ROWS, layers[n].num_kv_heads, layers[n].head_size),
-                dtype=pool_dtype,
-                device=kv_caches[n].device,
-            )
-            for n in candidates.layers
-        }
-        pool_value = {n: torch.zeros_like(k) for n, k in pool_key.items()}
     choice = FusedLoadChoice(reasons=dict(candidates.reasons))
     for launch in group_fused_layers(candidates, pool_key, pool_value, rotations):
         reason = self_check_launch(

@@ -48,29 +48,12 @@ def rope_use(owner: nn.Module) -> str:
             taken = decide(node.test)
             if taken is not None:
                 branch = node.body if taken else node.orelse
-                children: list[ast.AST] = (
-                    list(branch) if isinstance(branch, list) else [branch]
-                )
-                for child in children:
-                    visit(child, conditional)
+                for taken_node in branch if isinstance(branch, list) else [branch]:
+                    visit(taken_node, conditional)
                 return
-        if _is_self_rope(node):
+        if _dotted(node) == ("self", "rotary_emb"):
             uses.append(conditional)
-        nested = conditional or isinstance(
-            node,
-            (
-                ast.If,
-                ast.IfExp,
-                ast.For,
-                ast.While,
-                ast.Try,
-                ast.BoolOp,
-                ast.Match,
-                ast.Lambda,
-                ast.FunctionDef,
-                ast.comprehension,
-            ),
-        )
+        nested = conditional or isinstance(node, _BRANCHING + _SCOPES)
         for child in ast.iter_child_nodes(node):
             # The test of an `if` is evaluated unconditionally, but a
             # rotary_emb mentioned there still decides the branch.
@@ -94,15 +77,18 @@ def rope_use(owner: nn.Module) -> str:
     return "conditional" if any(uses) else "always"
 
 
-def _is_self_rope(node: ast.AST) -> bool:
-    return (
-        isinstance(node, ast.Attribute)
-        and node.attr == "rotary_emb"
-        and isinstance(node.value, ast.Name)
-        and node.value.id == "self"
-    )
+def _dotted(node: ast.AST) -> tuple[str, ...] | None:
+    """("a", "b", "c") for the expression `a.b.c`, else None."""
+    path: list[str] = []
+    while isinstance(node, ast.Attribute):
+        path.append(node.attr)
+        node = node.value
+    return (node.id, *reversed(path)) if isinstance(node, ast.Name) else None
 
 
+# Nodes whose children may run conditionally, or not at all.
+_BRANCHING = (ast.If, ast.IfExp, ast.For, ast.While, ast.Try, ast.BoolOp, ast.Match)
+_SCOPES = (ast.Lambda, ast.FunctionDef, ast.comprehension)
 _UNDECIDED = object()
 # Values a test may read from the module's state: what a constructor sets
 # from the config (a tensor or a module has no unambiguous truth value).
@@ -122,12 +108,10 @@ def _forward_tree(
     if not isinstance(func, (ast.FunctionDef, ast.AsyncFunctionDef)):
         return None
     assigned = {
-        target.attr
+        dotted[1]
         for node in ast.walk(func)
         for target in _assign_targets(node)
-        if isinstance(target, ast.Attribute)
-        and isinstance(target.value, ast.Name)
-        and target.value.id == "self"
+        if (dotted := _dotted(target)) and len(dotted) == 2 and dotted[0] == "self"
     }
     return func, getattr(forward, "__globals__", {}), assigned
 
@@ -150,16 +134,11 @@ def _state_value(test: ast.AST, owner: object, names: dict, assigned: set[str]):
     `is not None` and `isinstance` may test any object."""
 
     def attribute(node: ast.AST):
-        path = []
-        while isinstance(node, ast.Attribute):
-            path.append(node.attr)
-            node = node.value
-        if not (isinstance(node, ast.Name) and node.id == "self" and path):
-            return _UNDECIDED
-        if path[-1] in assigned:
+        path = _dotted(node)
+        if path is None or path[0] != "self" or len(path) < 2 or path[1] in assigned:
             return _UNDECIDED
         value = owner
-        for attr in reversed(path):
+        for attr in path[1:]:
             # NOTE: inspect.getattr_static would miss nn.Module's submodules.
             if not hasattr(value, attr):
                 return _UNDECIDED
@@ -228,14 +207,11 @@ def _resolve_classes(node: ast.AST, names: dict) -> tuple[type, ...] | None:
     items = node.elts if isinstance(node, ast.Tuple) else [node]
     classes = []
     for item in items:
-        path = []
-        while isinstance(item, ast.Attribute):
-            path.append(item.attr)
-            item = item.value
-        if not isinstance(item, ast.Name) or item.id not in names:
+        path = _dotted(item)
+        if path is None or path[0] not in names:
             return None
-        value = names[item.id]
-        for attr in reversed(path):
+        value = names[path[0]]
+        for attr in path[1:]:
             value = getattr(value, attr, None)
         if not isinstance(value, type):
             return None
@@ -243,32 +219,17 @@ def _resolve_classes(node: ast.AST, names: dict) -> tuple[type, ...] | None:
     return tuple(classes)
 
 
-def _rope_of_mla_impl(layer: nn.Module) -> nn.Module | None:
-    """The rope an MLA implementation applies itself, when the module that
-    owns the layer keeps none: vllm-ascend's `AscendMultiHeadLatentAttention`
-    hands the model's rope to `MLAAttention` and `AscendMLAImpl` rotates k_pe
-    in every path of its forward (read in vllm-ascend 0.23.0.post1,
-    docs/ascend.md). Only an implementation with a registered latent writer
-    is loaded at all (support.check_attention_layer), so this names the rope
-    of those alone."""
-    rope = getattr(getattr(layer, "impl", None), "rotary_emb", None)
-    return rope if isinstance(rope, nn.Module) else None
-
-
 def find_layer_ropes(
     model: nn.Module,
 ) -> tuple[dict[str, nn.Module | None], list[str]]:
     """Attention layer name -> the rotary embedding its keys went through
-    (None: no RoPE on that layer: the model has none, or the layer keeps a
-    `rotary_emb` its forward never calls); plus the names of attention
-    layers whose rope could not be found although the model uses RoPE.
+    (None: no RoPE on that layer); plus the names of attention layers whose
+    rope could not be found although the model uses RoPE.
 
-    The rope is the `rotary_emb` of the module that owns the attention
-    layer (the convention of vLLM's decoder models), and it must be applied
-    unconditionally by that module's forward, or under a test its own state
-    decides (rope_use). A module that applies it under a test that cannot be
-    decided (on the input, on an attribute the forward changes) is refused:
-    we cannot tell which layers' keys carry RoPE.
+    The rope is the `rotary_emb` of the module that owns the attention layer
+    (vLLM's decoder models' convention), applied by that module's forward
+    unconditionally or under a test its own state decides (`rope_use`); any
+    other use is refused: which layers' keys carry RoPE cannot be told.
     """
     from vllm.model_executor.layers.attention.attention import Attention
     from vllm.model_executor.layers.attention.mla_attention import MLAAttention
@@ -290,9 +251,10 @@ def find_layer_ropes(
             use = rope_use(module)
             if use in ("conditional", "unknown"):
                 raise ValueError(
-                    f"chunk cache cannot tell whether {cls.__name__} applies its "
-                    f"rotary_emb to the keys of {attentions[0].layer_name} "
-                    f"({use} use in its forward): unsupported model structure"
+                    f"--enable-chunk-cache cannot tell whether {cls.__name__} "
+                    f"applies its rotary_emb to the keys of "
+                    f"{attentions[0].layer_name} ({use} use in its forward): "
+                    "unsupported model structure"
                 )
             if use == "never":
                 rope = None
@@ -301,7 +263,10 @@ def find_layer_ropes(
         for child in attentions:
             child_rope = rope
             if child_rope is None and isinstance(child, MLAAttention):
-                child_rope = _rope_of_mla_impl(child)
+                # vllm-ascend's MLA implementation applies the model's rope
+                # itself (docs/ascend.md).
+                impl_rope = getattr(getattr(child, "impl", None), "rotary_emb", None)
+                child_rope = impl_rope if isinstance(impl_rope, nn.Module) else None
             if child_rope is not None:
                 any_rope = True
             ropes[child.layer_name] = child_rope

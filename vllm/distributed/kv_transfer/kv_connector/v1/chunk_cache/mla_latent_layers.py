@@ -65,21 +65,18 @@ class LatentLayer:
 
     name: str
     layer: Any
-    # The layer's latent cache as its backend keeps it (a tensor, or a tuple
-    # of parts on Ascend); only the registered writer and reader index it.
+    # A tensor, or a tuple of parts (Ascend): only its writer and reader index it.
     kv_cache: Any
     layout: LatentRowLayout
     rotation: RopeRotation | None
     writer: LatentWriter
     # [pool rows, kv_lora_rank + rope_dim (+ index_head_dim)] in the model dtype.
     pool: torch.Tensor
-    # The worker's load buffers (RemapScratch.LATENT roles, and INDEXER_SCRATCH
-    # for a sparse layer), shared by every layer; buffers of its own if none is
-    # given (tests).
+    # The worker's load buffers (RemapScratch.LATENT, INDEXER_SCRATCH), shared
+    # by every layer.
     scratch: RemapScratch = field(default_factory=RemapScratch)
-    # Sparse MLA: the indexer key after the latent row; None for dense MLA and
-    # for a sparse layer whose cache has no indexer part (it reuses another
-    # layer's top-k).
+    # Sparse MLA: the indexer key after the latent row (None: dense MLA, or a
+    # sparse layer reusing another layer's top-k).
     indexer: IndexerPart | None = None
 
     @classmethod
@@ -95,23 +92,21 @@ class LatentLayer:
         scratch: RemapScratch | None = None,
     ) -> LatentLayer:
         layout = LatentRowLayout(layer.kv_lora_rank, layer.qk_rope_head_dim)
-        # NOTE: the latent cache is one tensor (vLLM) or a tuple of parts
-        # (vllm-ascend: latent and rope caches): its reader says how wide the
-        # rows it returns are (and refuses a cache form it cannot read).
+        # The reader says how wide its rows are (and refuses a cache it cannot
+        # read).
         parts = kv_cache if isinstance(kv_cache, (tuple, list)) else (kv_cache,)
         device = parts[0].device
         no_slots = torch.zeros(0, dtype=torch.int64, device=device)
         width = writer.read(kv_cache, no_slots).shape[-1]
         if width != layout.width:
             raise ValueError(
-                f"chunk cache: {name}'s latent cache rows are {width} wide, "
-                f"not kv_lora_rank + rope_dim = {layout.width}"
+                f"--enable-chunk-cache: {name}'s latent cache rows are {width} "
+                f"wide, not kv_lora_rank + rope_dim = {layout.width}"
             )
         if rotation is None and layout.rope_dim > 0:
-            # k_pe carries the position: loading it unrotated would be wrong.
             raise ValueError(
-                f"chunk cache: the rope of MLA layer {name} was not found, so its "
-                f"k_pe ({layout.rope_dim} values) could not be re-rotated"
+                f"--enable-chunk-cache cannot re-rotate the k_pe of MLA layer "
+                f"{name} ({layout.rope_dim} values): its rope was not found"
             )
         if rotation is not None:
             check_latent_rope(layout, rotation)
@@ -162,13 +157,12 @@ class LatentLayer:
             return None
         if rotation is None:
             raise ValueError(
-                f"chunk cache: the rope of sparse MLA layer {name} was not found, "
-                "so its indexer keys could not be re-rotated"
+                f"--enable-chunk-cache cannot re-rotate the indexer keys of sparse "
+                f"MLA layer {name}: its rope was not found"
             )
         index_layout = IndexerKeyLayout(keys.shape[-1], layout.rope_dim)
-        # NOTE: the indexer's rope has the latent rope's frequencies (vLLM builds
-        # both from the same rope_parameters; vllm-ascend rotates the indexer key
-        # with MLA's own cos/sin); only the pairing is the implementation's.
+        # NOTE: the indexer's rope has the latent rope's frequencies (the same
+        # rope_parameters); only the pairing is the implementation's.
         index_rotation = rotation.with_pairing(writer.neox_style(layer))
         check_indexer_rope(index_layout, index_rotation)
         return IndexerPart(index_layout, index_rotation, writer)
@@ -176,8 +170,7 @@ class LatentLayer:
     def scratch_plan(
         self,
     ) -> tuple[tuple[tuple[str, bool, str], ...], dict[str, tuple[int, ...]]]:
-        """(roles, per-row shapes) of the load buffers this layer takes (the
-        worker prepares them once; setup.load_scratch_bytes counts them)."""
+        """(roles, per-row shapes) of the load buffers this layer takes."""
         shapes: dict[str, tuple[int, ...]] = {
             "c": (self.layout.kv_lora_rank,),
             "r": (self.layout.rope_dim,),
@@ -200,8 +193,7 @@ class LatentLayer:
 
     def load(self, rows: RemapRows, stretches: StretchCosSin | None = None) -> None:
         """Rows `rows` of the pool to their paged slots, k_pe rotated by each
-        row's delta (`stretches`: the step's cos/sin per stretch; without it,
-        tests, the deltas are read on the host)."""
+        row's delta (`stretches`: the step's cos/sin; None: from the deltas)."""
         n = rows.num_rows
         rank, width = self.layout.kv_lora_rank, self.layout.width
         pool_c, pool_r = self.pool[:, :rank], self.pool[:, rank:width]
