@@ -1,13 +1,14 @@
 # SPDX-License-Identifier: Apache-2.0
 """The start-up choice of the fused load (fused_chunk_load_path.py), on the CPU.
 
-The self-check runs the fused kernel with Triton's interpreter and, as the backend's
-write, vLLM's own Triton `triton_reshape_and_cache_flash` under the same interpreter
-(tests/unit/vllm_triton_cache_write.py): the CUDA op has no CPU kernel. The fp8 case
-needs the CUDA op itself (the interpreter is no fp8 oracle): GPU-only, not executed
-here. The layer objects are stand-ins carrying what the check reads (the
-implementation's class name, head counts, k/v scales); the engine path on the CPU never
-takes the fused kernel, which the last test shows through `choose_fused_layers`.
+The self-check runs the fused kernel with Triton's interpreter and, as the
+backend's write, vLLM's own Triton `triton_reshape_and_cache_flash` under the same
+interpreter (tests/unit/vllm_triton_cache_write.py): the CUDA op has no CPU
+kernel. The fp8 case needs the CUDA op itself (the interpreter is no fp8
+oracle): GPU-only, not executed here. The layer objects are stand-ins carrying
+what the check reads (the implementation's class name, head counts, k/v
+scales); the engine path on the CPU never takes the fused kernel, which the last
+test shows through `choose_fused_layers`.
 """
 
 import os
@@ -18,7 +19,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.fused_chunk_load_path import (
+from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.fused_chunk_load_path import (  # noqa: E501
     FusedLayers,
     FusedLoadChoice,
     choose_fused_layers,
@@ -215,10 +216,11 @@ def test_on_the_cpu_every_layer_keeps_the_backends_own_write(rotation, monkeypat
 def test_the_workers_fused_branch_writes_what_its_layer_by_layer_branch_writes(
     rotation,
 ):
-    """ChunkCacheWorker._load_rows, both branches on the same step: the fused kernel with
-    the per-stretch cos/sin table and each row's stretch index, against gather + rotation
-    + the backend's write (reshape_and_cache_flash's arithmetic), on a RoPE layer and a
-    layer without RoPE; two requests, three stretches, deltas of both signs."""
+    """ChunkCacheWorker._load_rows, both branches on the same step: the fused
+    kernel with the per-stretch cos/sin table and each row's stretch index,
+    against gather + rotation + the backend's write (reshape_and_cache_flash's
+    arithmetic), on a RoPE layer and a layer without RoPE; two requests, three
+    stretches, deltas of both signs."""
     from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.metadata import (
         LoadRows,
         RequestLoad,

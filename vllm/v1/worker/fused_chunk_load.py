@@ -2,16 +2,12 @@
 """Fused Triton kernels for a chunk-cache load and capture on a GPU.
 
 The load does in one pass what the generic path does in about a dozen small
-kernels per layer (two gathers, the fp32 rotation, a cast, the backend's
-`reshape_and_cache_flash`): each program reads a tile of pool rows once,
-rotates K by its row's entry of the step's cos/sin table (one per stretch,
-`RopeRotation.stretch_cos_sin`), and writes K and V into the paged cache
-through its strides (NHD and HND alike). Its arithmetic gives the generic
-path's bits (docs/design/fused-load.md): each product rounded, then one add
-(`Rounding.PRODUCTS`: no FMA contraction); the result rounded to the model
-dtype; fp8 e4m3 as `reshape_and_cache_flash` writes it (`float(x) / scale`,
-saturated, nearest even; per tensor or per head). The capture
-(`fused_capture`) is the inverse copy, paged slots to pool rows.
+kernels per layer: each program reads a tile of pool rows once, rotates K by
+its row's entry of the step's cos/sin table (`RopeRotation.stretch_cos_sin`)
+and writes K and V into the paged cache through its strides (NHD or HND), with
+the generic path's bits (docs/design/fused-load.md): products rounded then one
+add, rounded to the model dtype, fp8 e4m3 as `reshape_and_cache_flash` writes
+it. The capture (`fused_capture`) is the inverse copy.
 """
 
 from __future__ import annotations
@@ -58,17 +54,14 @@ class LaunchGeometry:
             if value is not None and (value < 1 or value & (value - 1)):
                 raise ValueError(f"{name} must be a power of two, got {value}")
 
-    def grid(
-        self, num_rows: int, num_heads: int, num_layers: int
-    ) -> tuple[int, int, int]:
+    def grid(self, rows: int, heads: int, layers: int) -> tuple[int, int, int]:
         return (
-            -(-num_rows // self.rows_per_program),
-            -(-num_heads // self.heads_per_program),
-            num_layers,
+            -(-rows // self.rows_per_program),
+            -(-heads // self.heads_per_program),
+            layers,
         )
 
     def options(self) -> dict:
-        """The launch's keyword arguments for this geometry."""
         options = {"ROWS": self.rows_per_program, "HEADS": self.heads_per_program}
         if self.num_warps is not None:
             options["num_warps"] = self.num_warps
@@ -93,9 +86,8 @@ if triton is not None:
     @triton.jit
     def _round_to_bf16(x):
         # fp32 -> bf16, round to nearest even, in integer ops.
-        # NOTE: Triton's interpreter truncates in `.to(tl.bfloat16)` (measured:
-        # 513 of 1,024 random values differ from torch), GPUs round to nearest
-        # even: integer rounding gives the same bits on both (finite inputs).
+        # NOTE: Triton's interpreter truncates in `.to(tl.bfloat16)`, GPUs
+        # round to nearest even: integer rounding gives the same bits on both.
         bits = x.to(tl.uint32, bitcast=True)
         bits = bits + (((bits >> 16) & 1) + 0x7FFF)
         return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
@@ -217,19 +209,14 @@ if triton is not None:
         _store(value_cache_ptr, dst_base + d, value, in_head, v_scale, MODEL, FP8)
 
         if ROTATE:
-            # Values past the rotary part pass through (partial rotary); only
-            # they are read here, the pairs below: K's bytes are read once.
+            # Values past the rotary part pass through; the pairs below.
             tail = in_head & (d >= 2 * ROT_HALF)
             key = tl.load(pool_key_ptr + src_base + d, mask=tail)
             _store(key_cache_ptr, dst_base + d, key, tail, k_scale, MODEL, FP8)
             i = tl.arange(0, BLOCK_HALF)[None, :]
             pair = live[:, None] & (i < ROT_HALF)
-            if IS_NEOX:
-                first = i
-                second = i + ROT_HALF
-            else:
-                first = 2 * i
-                second = 2 * i + 1
+            first = i if IS_NEOX else 2 * i
+            second = i + ROT_HALF if IS_NEOX else 2 * i + 1
             delta = tl.load(delta_index_ptr + entry, mask=live, other=0)[:, None]
             cos = tl.load(cos_ptr + delta * ROT_HALF + i, mask=pair)
             sin = tl.load(sin_ptr + delta * ROT_HALF + i, mask=pair)
@@ -295,9 +282,8 @@ _TL_DTYPES = (
 
 
 def available(device: torch.device | None = None) -> bool:
-    """Whether the kernels can run on `device`: Triton is installed, and the
-    device is not the CPU, where Triton runs only in its interpreter
-    (TRITON_INTERPRET=1, the CPU tests)."""
+    """Whether the kernels run on `device` (on the CPU: in Triton's interpreter
+    only, TRITON_INTERPRET=1)."""
     if triton is None:
         return False
     if device is not None and device.type == "cpu":
@@ -416,9 +402,7 @@ def fused_load(
 ) -> None:
     """One launch: pool rows `src_rows` [n] of every layer of `group` to
     paged slots `dst_slots` [n], K rotated by row: `delta_index` [n] indexes
-    `cos_sin_table` ([entries, rotary_dim // 2] fp32 each, any leading
-    shape). `delta_index` None: no rotation (no RoPE on these layers).
-    `geometry`: the launch's tiling (same bytes written for any)."""
+    `cos_sin_table` ([entries, rotary_dim // 2] fp32 each); None: no RoPE."""
     if triton is None:
         raise RuntimeError("the fused chunk load needs Triton")
     num_rows = src_rows.shape[0]
@@ -473,8 +457,7 @@ def fused_capture(
     geometry: LaunchGeometry = DEFAULT_CAPTURE_GEOMETRY,
 ) -> None:
     """One launch: the rows at paged slots `src_slots` [n] of every layer of
-    `group` into pool rows `dst_rows` [n], K and V as they are (the capture
-    after the forward; caches in the pool's dtype only)."""
+    `group` into pool rows `dst_rows` [n] (caches in the pool's dtype only)."""
     if triton is None:
         raise RuntimeError("the fused chunk capture needs Triton")
     if group.fp8:

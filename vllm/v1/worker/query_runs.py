@@ -1,12 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
 """A request computed as several query runs in one step (model runner side).
 
-`SchedulerOutput.query_runs` gives, for a request whose scheduled tokens are
-several stretches of its prompt, the (first position, length) of each run.
-Everything stays per request but two things: the positions of its earlier
-runs are moved back to their real ones (`position_offsets`), and its
-attention row becomes one row per run over the same block-table row, with
-`seq_len` = the run's end (`split_rows`).
+For a request with `SchedulerOutput.query_runs` ((first position, length) of
+each run), its earlier runs' positions are moved back to their real ones
+(`position_offsets`) and its attention row becomes one row per run over the
+same block-table row, `seq_len` = the run's end (`split_rows`).
 Why: docs/design/boundary-recompute.md, "Why one step".
 """
 
@@ -19,8 +17,7 @@ import torch
 from vllm.v1.core.sched.prefill_runs import QueryRun
 from vllm.v1.worker.host_staging import HostStaging
 
-# Per-row fields of CommonAttentionMetadata that a split row copies from its
-# request (0.23 and 0.32 names; a field a base lacks is skipped).
+# Per-row fields of CommonAttentionMetadata a split row copies from its request.
 _COPIED_PER_ROW = ("block_table_tensor", "is_prefilling", "req_idx", "causal")
 # Per-row fields with no meaning for a split row: refused when set.
 _REFUSED_PER_ROW = (
@@ -34,8 +31,7 @@ _REFUSED_PER_ROW = (
 
 @dataclass(frozen=True)
 class RunRows:
-    """The attention rows of one step: per row, its request's index in the
-    batch, its query length and its sequence length (on the host)."""
+    """A step's attention rows (host): request index, query and sequence length."""
 
     request_index: np.ndarray
     query_lens: np.ndarray

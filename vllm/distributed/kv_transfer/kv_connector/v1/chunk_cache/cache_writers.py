@@ -2,10 +2,9 @@
 """Writing K/V rows into a layer's paged KV cache, per attention backend.
 
 The load path never indexes a paged cache by hand: each backend's own
-cache-write op packs (CPU, per ISA), lays out and quantizes (fp8) the rows as
-for freshly computed tokens. This module maps an attention implementation
-class to that op; a platform plugin registers its own (vllm-ascend). A layer
-whose implementation has none is refused at start-up.
+cache-write op packs, lays out and quantizes the rows as for fresh tokens.
+This module maps an attention implementation class to that op (a platform
+plugin registers its own); a layer without one is refused at start-up.
 """
 
 from __future__ import annotations
@@ -60,12 +59,10 @@ def supported_backends() -> list[str]:
     return sorted({w.backend for w in _WRITERS.values()})
 
 
-def _write_via_kv_cache_update(
-    layer, key, value, slot_mapping, forward_context
-) -> None:
+def _write_via_kv_cache_update(layer, key, value, slots, forward_context) -> None:
     # FlashAttention / FlashInfer / Triton: reshape_and_cache_flash (or the
     # backend's own variant), quantizing with the layer's k/v scale for fp8.
-    layer.impl.do_kv_cache_update(layer, key, value, layer.kv_cache, slot_mapping)
+    layer.impl.do_kv_cache_update(layer, key, value, layer.kv_cache, slots)
 
 
 def _write_cpu(layer, key, value, slot_mapping, forward_context) -> None:
@@ -76,11 +73,9 @@ def _write_cpu(layer, key, value, slot_mapping, forward_context) -> None:
     num_blocks, num_kv_heads, block_size, _ = kv_cache.size()
     paged = kv_cache.view((num_blocks, num_kv_heads, block_size * 2, -1))
     key_cache, value_cache = paged.chunk(2, dim=2)
-    isa = _step_isa(forward_context, layer.layer_name)
-    if isa is None:
-        isa = _get_attn_isa(
-            key.dtype, block_size, layer.head_size, layer.impl.kv_cache_dtype
-        )
+    isa = _step_isa(forward_context, layer.layer_name) or _get_attn_isa(
+        key.dtype, block_size, layer.head_size, layer.impl.kv_cache_dtype
+    )
     ops.cpu_attn_reshape_and_cache(
         key.contiguous(),
         value.contiguous(),
@@ -114,11 +109,9 @@ def _read_flash(layer, kv_cache, slots) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _read_cpu(layer, kv_cache, slots) -> tuple[torch.Tensor, torch.Tensor]:
-    # NOTE: the layout of the CPU backend's "vec" and "vec16" ISAs (read in
-    # csrc/cpu/cpu_attn_vec*.hpp): per block and head, K as [head_size,
-    # block_size] (column-major), then V as [block_size, head_size]. Other
-    # ISAs (AMX, fp8) pack differently: the start-up self-check
-    # (capture_path.py) finds it and keeps the attention hook there.
+    # NOTE: the CPU backend's "vec" and "vec16" layout (csrc/cpu/cpu_attn_vec*):
+    # per block and head, K as [head_size, block_size], then V as [block_size,
+    # head_size]. Other ISAs pack differently: capture_path's self-check.
     num_blocks, num_heads, block_size, _ = kv_cache.shape
     head_size = layer.head_size
     paged = kv_cache.view(num_blocks, num_heads, 2, block_size * head_size)
@@ -190,9 +183,7 @@ def supported_latent_backends(device_type: str | None = None) -> list[str]:
     )
 
 
-def _write_latent_via_kv_cache_update(
-    layer, kv_c, k_pe, slot_mapping, kv_cache
-) -> None:
+def _write_latent_via_kv_cache_update(layer, kv_c, k_pe, slots, kv_cache) -> None:
     # The call the MLA layer itself makes (unified_mla_kv_cache_update), k_pe
     # as [n, 1, rope_dim]: CPU_MLA indexes its cache, the CUDA impls below
     # inherit MLAAttentionImpl's (concat_and_cache_mla).
@@ -200,7 +191,7 @@ def _write_latent_via_kv_cache_update(
         kv_c_normed=kv_c,
         k_pe=k_pe.unsqueeze(1),
         kv_cache=kv_cache,
-        slot_mapping=slot_mapping,
+        slot_mapping=slots,
         kv_cache_dtype=layer.kv_cache_dtype,
         k_scale=layer._k_scale,
     )

@@ -2,19 +2,13 @@
 """Where each layer's capture runs, decided at start-up.
 
 Where the paged cache holds a child's K/V rows as written (the model dtype, a
-layout the backend's registered reader knows), the capture copies them from
-the child's blocks into the pool **after the forward** (`wait_for_save`):
-nothing of the chunk cache runs inside the model, so full CUDA graphs stay on.
-The blocks are still the child's then: vLLM frees them only when the step's
-output is processed. Elsewhere (a quantized cache; a CPU ISA that packs K for
-its matrix unit) the capture stays **in the attention hook** (`save_kv_layer`),
-which sees the rows before the cache write and needs attention outside any
-captured graph (support.check_graph_mode).
-
-Decided per layer by a self-check (sample_check.py's harness): random rows
-written through the backend's own write into blocks no request holds yet must
-read back bit for bit. The config-time guess the CUDA-graph mode is chosen
-from (`capture_hook_reason`) applies the same rule (`quantized_reason`).
+layout the backend's reader knows), the capture copies them from the child's
+blocks into the pool **after the forward** (`wait_for_save`; vLLM frees the
+blocks only when the step's output is processed), and full CUDA graphs stay
+on. Elsewhere (a quantized cache; a CPU ISA that packs K) it stays **in the
+attention hook** (`save_kv_layer`), outside any captured graph
+(support.check_graph_mode). Decided per layer by a self-check on
+sample_check.py's harness; `capture_hook_reason` guesses it from the config.
 """
 
 from __future__ import annotations
@@ -44,7 +38,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.support import (
 class CaptureChoice:
     """Per standard-attention layer: read back after the forward, or the hook."""
 
-    # layer name -> its writer (whose `read` the capture uses).
+    # layer name -> its writer (the capture uses its `read`).
     after_forward: dict[str, CacheWriter] = field(default_factory=dict)
     # layer name -> why its capture stays in the attention hook.
     in_attention: dict[str, str] = field(default_factory=dict)
@@ -110,13 +104,9 @@ def self_check(
     rows = sample_rows(kv_cache)
     if rows <= 0:
         return "no free block for the self-check"
-    device = kv_cache.device
-    key = random_rows(
-        (rows, layer.num_kv_heads, layer.head_size), dtype, device, seed=1
-    )
-    value = random_rows(
-        (rows, layer.num_kv_heads, layer.head_size_v), dtype, device, seed=2
-    )
+    heads, device = layer.num_kv_heads, kv_cache.device
+    key = random_rows((rows, heads, layer.head_size), dtype, device, seed=1)
+    value = random_rows((rows, heads, layer.head_size_v), dtype, device, seed=2)
     slots = sample_slots(kv_cache, rows)
     try:
         with restored([kv_cache], rows):

@@ -1,19 +1,14 @@
 # SPDX-License-Identifier: Apache-2.0
 """Which layers load through the fused Triton kernel, decided at start-up.
 
-On a GPU the fused kernel (`vllm/v1/worker/fused_chunk_load.py`) replaces a
-layer's gather + rotation + backend cache write only where a self-check finds
-it writes **the same bytes** as that path on the layer's own cache, dtype,
-layout and k/v scales; anything else keeps that path, logged with the reason.
-The check runs each launch the step will make (the layers of one RoPE and
-shape) over 48 rows gathered out of order in 6 stretches (`_SAMPLE_DELTAS`)
-into blocks no request holds yet, then restores caches and pools; other rows
-and slots rest on tests/unit/v1/worker/test_fused_chunk_load.py.
-
-The table of addresses is built at the first load or capture
-(`FusedLayers.group`), not in `register_kv_caches`, where it would live in
-the KV-cache memory pool a sleep discards (vLLM's CuMem allocator maps the same
-virtual addresses on wake-up, so the addresses stay valid).
+The kernel (`vllm/v1/worker/fused_chunk_load.py`) replaces a layer's gather +
+rotation + backend cache write only where a self-check writes **the same
+bytes** as that path on the layer's own cache, dtype, layout and scales: one
+launch per RoPE and shape, 48 rows gathered out of order in 6 stretches
+(`_SAMPLE_DELTAS`) into blocks no request holds yet; caches and pools are
+restored. Other layers keep that path, logged with the reason. The launches'
+tables of addresses are built at the first load, outside the KV-cache memory
+pool a sleep discards (`FusedLayers.group`).
 """
 
 from __future__ import annotations
@@ -54,8 +49,7 @@ _FP8 = ("fp8", "fp8_e4m3")
 # The self-check's stretches: deltas of both signs, up to 40,000.
 _SAMPLE_DELTAS = (0, 3, -700, 2900, 40000, -1)
 
-# (layer, key rows, value rows, kv_cache, slots) -> None: the backend's write
-# into the given cache (the layer's `impl.do_kv_cache_update` on a GPU).
+# (layer, key rows, value rows, kv_cache, slots) -> None: the backend's write.
 ReferenceWrite = Callable[
     [Any, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None
 ]
@@ -97,7 +91,7 @@ class FusedLoadChoice:
 
     # layer name -> its paged caches as the kernel writes them.
     layers: dict[str, PagedLayer] = field(default_factory=dict)
-    # layer name -> why it keeps today's path (start-up log).
+    # layer name -> why it keeps the generic path (start-up log).
     reasons: dict[str, str] = field(default_factory=dict)
     # The launches that load `layers`, one per RoPE and shape.
     launches: list[FusedLayers] = field(default_factory=list)
@@ -143,11 +137,8 @@ def group_fused_layers(
 
 def fused_load_expected(vllm_config: Any) -> bool:
     """Whether every layer is expected to load through the fused kernel, as
-    far as the config tells before any layer exists (the load buffers are
-    sized from it: setup.load_scratch_rows): standard attention on CUDA with
-    Triton, a backend left to vLLM or one the kernel knows, a KV-cache dtype it
-    writes. The start-up self-check decides per layer (`choose_fused_layers`);
-    a layer it turns away loads through the buffers all the same."""
+    far as the config tells before any layer exists (setup.load_scratch_rows
+    sizes the load buffers from it); `choose_fused_layers` decides later."""
     from vllm.platforms import current_platform
     from vllm.v1.worker import fused_chunk_load
 
@@ -167,10 +158,18 @@ def fused_load_expected(vllm_config: Any) -> bool:
     )
 
 
-def paged_layer(layer: Any, kv_cache: torch.Tensor) -> PagedLayer | str:
+def paged_layer(layer: Any, kv_cache: Any) -> PagedLayer | str:
     """The kernel's view of a layer's cache, or a reason string it has none."""
-    from vllm.v1.worker.fused_chunk_load import PagedLayer
+    from vllm.v1.worker.fused_chunk_load import PagedLayer, available
 
+    if not isinstance(kv_cache, torch.Tensor):
+        return "a paged cache of several tensors"
+    if not available(kv_cache.device):
+        # NOTE: Triton runs on CPU tensors only in its interpreter; the CPU
+        # backend packs its cache per ISA.
+        if kv_cache.device.type == "cpu":
+            return "the CPU backend's own cache write"
+        return "Triton is not installed"
     impl = getattr(layer, "impl", None)
     name = type(impl).__name__
     if name not in _FUSED_BACKENDS:
@@ -219,7 +218,6 @@ def self_check_launch(
     slots = sample_slots(caches[0], rows)
     pools = list(launch.pool_keys) + list(launch.pool_values)
     want: dict[str, torch.Tensor] = {}
-    got: dict[str, torch.Tensor] = {}
 
     def touched(name: str) -> torch.Tensor:
         return kv_caches[name][touched_blocks(kv_caches[name], rows)].clone()
@@ -258,7 +256,7 @@ def self_check_launch(
                     0 if rotation is None else rotation.rotary_dim,
                 )
                 got = {name: touched(name) for name in names}
-    except Exception as e:  # noqa: BLE001 - any failure keeps today's path
+    except Exception as e:  # noqa: BLE001 - any failure keeps the generic path
         return f"self-check failed ({type(e).__name__}: {e})"
     for name in names:
         differ = bytes_differ(got[name], want[name])
@@ -280,27 +278,13 @@ def choose_fused_layers(
     """Per layer: the fused kernel where available and its launch
     self-checked, else why not. The launches' tables point at the worker's
     pools `pool_key` / `pool_value`."""
-    from vllm.v1.worker import fused_chunk_load
-
     candidates = FusedLoadChoice()
     for name, kv_cache in kv_caches.items():
-        if not isinstance(kv_cache, torch.Tensor):
-            candidates.reasons[name] = "a paged cache of several tensors"
-            continue
-        if not fused_chunk_load.available(kv_cache.device):
-            # NOTE: the CPU backend packs its cache per ISA: its own op
-            # writes (Triton runs on CPU tensors only in its interpreter).
-            candidates.reasons[name] = (
-                "the CPU backend's own cache write"
-                if kv_cache.device.type == "cpu"
-                else "Triton is not installed"
-            )
-            continue
         paged = paged_layer(layers[name], kv_cache)
         if isinstance(paged, str):
             candidates.reasons[name] = paged
-            continue
-        candidates.layers[name] = paged
+        else:
+            candidates.layers[name] = paged
     choice = FusedLoadChoice(reasons=dict(candidates.reasons))
     for launch in group_fused_layers(candidates, pool_key, pool_value, rotations):
         reason = self_check_launch(

@@ -1,14 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
 """Writing sparse-attention indexer key rows into a layer's cache, per impl.
 
-A sparse MLA layer (DeepSeek-V3.2's lightning indexer: DSA on CUDA, SFA on
-Ascend) caches one indexer key per token beside its latent row
-(docs/design/sparse.md). A chunk entry keeps that key before any
-quantization; a load writes the moved key through the backend's own write,
-which lays it out and quantizes it as a fresh key's. This module maps an
-attention implementation class to that write, the capture's reader and the
-pairing of its rope slice; a platform plugin registers its own (vllm-ascend:
-`AscendSFAImpl`). A sparse layer without one is refused at start-up.
+A sparse MLA layer (DeepSeek-V3.2's lightning indexer) caches one indexer key
+per token beside its latent row (docs/design/sparse.md); a chunk entry keeps
+it before quantization, and a load writes it through the implementation's own
+write, registered here (vllm-ascend registers `AscendSFAImpl`'s).
 """
 
 from __future__ import annotations

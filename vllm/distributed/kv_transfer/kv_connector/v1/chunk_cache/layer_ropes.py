@@ -17,21 +17,14 @@ from torch import nn
 def rope_use(owner: nn.Module) -> str:
     """How the forward of `owner` (the module holding `rotary_emb` and an
     attention layer) uses its rotary embedding, read from its source:
-    "always" (called unconditionally in forward), "never" (forward does not
-    mention it) or "conditional"/"unknown" (cannot be told: refuse).
+    "always", "never", or "conditional"/"unknown" (cannot be told: refuse).
 
-    A test (`if` statement or `x if test else y`) that reads only the
-    module's own state is decided for this owner: the branch taken is read
-    as unconditional, the other one as dead. So are `if self.rotary_emb is
-    not None:` (vLLM's MLA wrapper), `if isinstance(self.rotary_emb, X):`
-    with X a class (or tuple of classes) named in the forward's module
-    (vllm-ascend's Qwen3 forwards: a fused M-RoPE path for
-    AscendMRotaryEmbedding) and tests of plain attributes set at construction
-    (`if self._use_rope:`, OLMo's hybrid attention; `is None`, `==`, `not`,
-    `and`, `or`). An attribute the forward itself assigns, a value that is
-    not a plain constant (None, bool, int, float, str) outside an `is None` /
-    `isinstance` test, or any name other than `self` leaves the test
-    undecided ("conditional").
+    A test that reads only the module's own state is decided for this owner
+    (the branch taken counts, the other is dead): `self.rotary_emb is not
+    None`, `isinstance(self.rotary_emb, X)` with X named in the forward's
+    module (vllm-ascend's Qwen3 M-RoPE path), plain constants set at
+    construction (`if self._use_rope:`, OLMo); `is None`, `==`, `not`, `and`,
+    `or`. Anything else, or an attribute the forward assigns, stays undecided.
     """
     parsed = _forward_tree(type(owner))
     if parsed is None:
@@ -62,9 +55,8 @@ def rope_use(owner: nn.Module) -> str:
     for stmt in func.body:
         visit(stmt, False)
     if not uses:
-        # Not in forward: either unused, or applied through a helper we do
-        # not follow. Only "unused" is safe when the class has no other
-        # method that mentions it.
+        # Unused, or applied through a helper not followed: "never" only when
+        # no other method mentions it.
         for name, member in inspect.getmembers(type(owner), inspect.isfunction):
             if name in ("forward", "__init__"):
                 continue
@@ -128,10 +120,8 @@ def _assign_targets(node: ast.AST) -> list[ast.expr]:
 
 
 def _state_value(test: ast.AST, owner: object, names: dict, assigned: set[str]):
-    """The value of `test` read from `owner`'s state alone, or _UNDECIDED.
-    `self.a.b` must name attributes the forward does not assign; a value
-    used for its truth or compared must be a plain constant; `is None` /
-    `is not None` and `isinstance` may test any object."""
+    """The value of `test` read from `owner`'s state alone (see `rope_use`),
+    or _UNDECIDED."""
 
     def attribute(node: ast.AST):
         path = _dotted(node)
@@ -223,14 +213,10 @@ def find_layer_ropes(
     model: nn.Module,
 ) -> tuple[dict[str, nn.Module | None], list[str]]:
     """Attention layer name -> the rotary embedding its keys went through
-    (None: no RoPE on that layer); plus the names of attention layers whose
-    rope could not be found although the model uses RoPE.
-
-    The rope is the `rotary_emb` of the module that owns the attention layer
-    (vLLM's decoder models' convention), applied by that module's forward
-    unconditionally or under a test its own state decides (`rope_use`); any
-    other use is refused: which layers' keys carry RoPE cannot be told.
-    """
+    (None: no RoPE on that layer), and the attention layers whose rope could
+    not be found although the model uses RoPE. The rope is the `rotary_emb`
+    of the module owning the layer (vLLM's decoder models), as `rope_use`
+    reads its forward."""
     from vllm.model_executor.layers.attention.attention import Attention
     from vllm.model_executor.layers.attention.mla_attention import MLAAttention
 

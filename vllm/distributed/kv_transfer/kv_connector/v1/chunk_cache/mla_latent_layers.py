@@ -2,16 +2,11 @@
 """The chunk cache on an MLA layer: a pool of latent rows, capture, load.
 
 An MLA layer caches one row per token, `[kv_c | k_pe]`, for all heads
-(docs/design/mla.md); its pool is those rows, in the model dtype.
-* Capture: vLLM hands the connector the layer's latent cache, written before
-  (`unified_mla_kv_cache_update`): the child's rows are read back from its
-  slots through the backend's registered reader.
-* Load: gather kv_c and k_pe into the worker's load buffers, rotate k_pe by
-  the delta, write both through the backend's own latent cache write.
-* Sparse MLA (docs/design/sparse.md): the row goes on with the layer's indexer
-  key, `[kv_c | k_pe | index_k]`, read and written (quantized as a fresh key)
-  through the implementation's registered indexer writer, its rope slice
-  rotated in the implementation's pairing.
+(docs/design/mla.md); its pool keeps those rows in the model dtype. The
+capture reads them back from the child's slots through the backend's reader;
+a load gathers them, rotates k_pe by the delta and writes through the
+backend's own latent cache write. A sparse layer (docs/design/sparse.md) adds
+its indexer key, `[kv_c | k_pe | index_k]`, through its indexer writer.
 """
 
 from __future__ import annotations
@@ -40,8 +35,7 @@ from vllm.v1.worker.position_remapper import (
     StretchCosSin,
 )
 
-# Load buffers of a sparse layer's indexer key ("i": index_head_dim values per
-# row), beside RemapScratch.LATENT's: gathered, rotated through fp32.
+# Load buffers of a sparse layer's indexer key ("i": index_head_dim per row).
 INDEXER_SCRATCH = (
     ("index_k", False, "i"),
     ("index_k32", True, "i"),

@@ -26,8 +26,7 @@ class RecomputeSteps:
 
     @classmethod
     def for_config(cls, vllm_config: Any, platform: Any = None) -> "RecomputeSteps":
-        """The decision for `vllm_config` on `platform` (vLLM's current one by
-        default; tests pass another)."""
+        """The decision for `vllm_config` on `platform` (default: vLLM's)."""
         cfg = vllm_config.chunk_cache_config
         if cfg is None or cfg.chunk_recompute_tokens == 0:
             return cls(False, "no boundary recompute")
@@ -65,10 +64,7 @@ def _unsupported(vllm_config: Any, platform: Any, opted_in: bool) -> str | None:
         )
     model_config = getattr(vllm_config, "model_config", None)
     if getattr(model_config, "use_mla", False):
-        # NOTE: vLLM's MLA builders split a batch's rows into decodes and
-        # prefills by query length, assuming decodes come first; a 1-token
-        # run after a longer one is not covered by a test yet.
-        return "MLA attention's metadata builders split rows by query length"
+        return "MLA attention's builders split rows by query length, decodes first"
     if getattr(vllm_config, "speculative_config", None) is not None:
         return "speculative decoding schedules draft tokens per request"
     if getattr(vllm_config, "use_v2_model_runner", False):

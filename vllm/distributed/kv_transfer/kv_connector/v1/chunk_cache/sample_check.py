@@ -1,11 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The harness of the worker's start-up self-checks (capture_path.py,
-fused_chunk_load_path.py): a sample of rows written into paged blocks no request
-holds yet, compared byte for byte, and every touched tensor restored.
-
-At start-up (register_kv_caches) no request holds a block: the sample goes to
-the slots of blocks 1.. (block 0 is vLLM's null block), and whatever else the
-check writes (the pool's first rows) is put back as it was.
+"""The harness of the worker's start-up self-checks: sample rows written into
+paged blocks no request holds yet (blocks 1.., block 0 is vLLM's null block),
+compared byte for byte, and every touched tensor restored.
 """
 
 from __future__ import annotations
@@ -67,11 +63,8 @@ def bytes_differ(got: torch.Tensor, want: torch.Tensor) -> int:
     dtype differs)."""
     if got.shape != want.shape or got.dtype != want.dtype:
         return want.numel() * want.element_size()
-    return int(
-        (
-            got.contiguous().view(torch.uint8) != want.contiguous().view(torch.uint8)
-        ).sum()
-    )
+    differ = got.contiguous().view(torch.uint8) != want.contiguous().view(torch.uint8)
+    return int(differ.sum())
 
 
 def choice_summary(

@@ -1,18 +1,14 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The parents' loads of one scheduler step: the scheduler side of the
-boundary recompute's arithmetic, in one place.
-
-Which stretch a parent loads at its position and how much it may compute
-after it (one stretch per step, or every later one: recompute_step.py),
-under the step's --max-chunk-load-tokens; where the loaded stretch starts
-until the scheduler allocates it; the stretches allocated, until the step's
-metadata is built (`end_step`). The plan of each prompt is
-chunk_prefill_plan.py's; the rows, the parent's `StepDecision`'s.
+"""The parents' loads of one scheduler step (the scheduler side of the
+boundary recompute): which stretch a parent loads at its position and how
+much it computes after it, under --max-chunk-load-tokens; where that stretch
+starts until the scheduler allocates it; what was allocated, until the step's
+metadata is built (`end_step`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import PrefillGap
 from vllm.v1.core.chunk_prefill_plan import PrefillStep
@@ -31,14 +27,10 @@ class _RequestStep:
 
     def report(self, position: int, steps: tuple[PrefillStep, ...]) -> None:
         """Remember where the stretch to load starts until the scheduler
-        allocates it.
-
-        NOTE: in the waiting path the scheduler asks twice (matched tokens,
-        then the gap after them, which loads nothing): only a report that
-        loads something replaces the start. With later stretches (one-step
-        mode), the loads start here even when nothing is loaded at
-        `position`, unless the last report's stretch ends there (a waiting
-        request whose matched tokens end there keeps that report's start)."""
+        allocates it. NOTE: the waiting path asks twice (matched tokens, then
+        the gap after them, which loads nothing): only a report that loads
+        replaces the start; with later stretches the loads start here unless
+        the last report's stretch ends here."""
         if steps[0].num_loaded:
             self.load_start, self.load_end = position, position + steps[0].num_loaded
         elif len(steps) > 1 and self.load_end != position:
@@ -56,8 +48,7 @@ class PendingLoad:
 
     # The parent's paged block ids.
     block_ids: list[int]
-    # The loaded stretches [start, end) (one, or one per loaded stretch when a
-    # step takes several computed ones); positions before the first are
+    # The loaded stretches [start, end); positions before the first are
     # computed or hit vLLM's prefix cache.
     spans: tuple[tuple[int, int], ...]
     decision: StepDecision
@@ -112,23 +103,13 @@ class StepLoads:
         now.report(position, steps)
         first, later = steps[0], steps[1:]
         if later and not self._fits_more(sum(s.num_loaded for s in steps)):
-            # NOTE: the later stretches would pass this step's load cap: this
-            # step takes the first computed stretch only.
+            # NOTE: past this step's load cap: the first stretch only.
             later = ()
         if not self._fits_this_step(now, first.num_loaded):
-            # NOTE: computing nothing, not computing without the load: the
-            # running request skips this step and is asked again next step.
+            # NOTE: computing nothing, never without the load: asked again next step.
             return PrefillGap(num_external_tokens=0, max_new_tokens=0)
-        return PrefillGap(
-            num_external_tokens=first.num_loaded,
-            max_new_tokens=first.max_computed,
-            next_stretches=tuple(
-                PrefillGap(
-                    num_external_tokens=s.num_loaded, max_new_tokens=s.max_computed
-                )
-                for s in later
-            ),
-        )
+        gaps = [PrefillGap(s.num_loaded, s.max_computed) for s in (first, *later)]
+        return replace(gaps[0], next_stretches=tuple(gaps[1:]))
 
     def allocated(
         self, rid: str, block_ids: list[int], num_external_tokens: int
@@ -163,15 +144,13 @@ class StepLoads:
         self._rows = 0
 
     def _fits_more(self, num_rows: int) -> bool:
-        return self._rows == 0 or self._rows + num_rows <= self._max_load_rows
-
-    def _fits_this_step(self, now: _RequestStep, num_rows: int) -> bool:
         """Whether a load of `num_rows` stays within this step's cap. The
         first load of a step always fits (a load longer than the cap runs
         alone, in pieces, on the workers), so every request gets its turn."""
-        if num_rows == 0 or self._rows == 0:
-            return True
-        if self._rows + num_rows <= self._max_load_rows:
+        return self._rows == 0 or self._rows + num_rows <= self._max_load_rows
+
+    def _fits_this_step(self, now: _RequestStep, num_rows: int) -> bool:
+        if num_rows == 0 or self._fits_more(num_rows):
             return True
         now.drop_report()
         return False
