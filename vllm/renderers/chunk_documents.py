@@ -1,19 +1,14 @@
 # SPDX-License-Identifier: Apache-2.0
 """Chat documents as chunks, placed where the chat template renders them.
 
-Documents come in vLLM's `documents` field (rendered by the chat template, as
-Command-R, Granite and other RAG templates do) or as message text parts marked
-`"chunk": true`. `mark_chunks` wraps each one's text in private-use markers
-before the template runs; `chunks_prompt` cuts the rendered text at them into
-the system segment, the chunks (a document's fields and the template's words
-between them; text between two documents is a chunk of its own) and the
-question, each tokenized on its own; `unmark_conversation` drops the markers
-from the conversation the server echoes. A request with `split_chunks: false`
-never gets here.
-
-The pieces' tokens must equal the whole rendered text's: a template whose text
-merges with a document's edge into one token, or that ignores, drops, nests or
-puts first or last a document, is refused with a 400 saying which.
+Documents come in vLLM's `documents` field (rendered by the chat template) or
+as message text parts marked `"chunk": true`. `mark_chunks` wraps each one's
+text in private-use markers before the template runs; `chunks_prompt` cuts the
+rendered text at them into the system segment, the chunks (text between two
+documents is a chunk of its own) and the question, each tokenized on its own.
+Their tokens must equal the whole text's: a template that merges a document's
+edge into a token, or ignores, drops, nests or puts first or last a document,
+is refused with a 400 saying which.
 """
 
 from __future__ import annotations
@@ -121,7 +116,7 @@ def _pieces(prompt: dict, marked: MarkedChunks) -> list[str]:
     if not isinstance(text, str) or "prompt_token_ids" in prompt:
         raise ChunkPromptError(
             "this model's chat template renders token ids, not text: documents "
-            "cannot be placed as chunks; mark them with the chunk separator",
+            "cannot be placed as chunks; separate them with --chunk-separator",
             parameter="documents",
         )
     return _split(text, marked.names)
@@ -134,7 +129,7 @@ def _segments_prompt(
         raise ChunkPromptError(
             "the chat template's text next to a document merges with it into one "
             "token, so the documents cannot be cached apart without changing the "
-            "prompt's tokens; mark them with the chunk separator instead",
+            "prompt's tokens; separate them with --chunk-separator instead",
             parameter="documents",
         )
     out = {k: v for k, v in prompt.items() if k != "prompt"}
@@ -162,13 +157,8 @@ def _mark_documents(documents: Any) -> list[dict[str, str]]:
         )
     marked = []
     for i, doc in enumerate(documents):
-        if (
-            not isinstance(doc, dict)
-            or not doc
-            or not all(
-                isinstance(k, str) and isinstance(v, str) for k, v in doc.items()
-            )
-        ):
+        fields = list(doc.items()) if isinstance(doc, dict) else []
+        if not fields or not all(isinstance(x, str) for kv in fields for x in kv):
             raise ChunkPromptError(
                 f"documents[{i}] must be an object of string fields "
                 '(e.g. {"title": "...", "text": "..."})',
@@ -232,8 +222,8 @@ def _split(text: str, names: tuple[str, ...]) -> list[str]:
     if not first:
         raise ChunkPromptError(
             "this model's chat template does not render 'documents'; put the "
-            'documents in the messages (text parts marked "chunk": true, or the '
-            "chunk separator) or use a template that renders them",
+            'documents in the messages (text parts marked "chunk": true, or '
+            "separated by --chunk-separator) or use a template that renders them",
             parameter="documents",
         )
     missing = [names[i] for i in range(len(names)) if i not in first]

@@ -52,17 +52,8 @@ class ChunkedPromptParser:
         if len(parts) < 2:
             return None
         self.check_num_chunks(len(parts) - 2)
-        last = len(parts) - 1
-        segments = []
-        for index, part in enumerate(parts):
-            if index == 0:
-                part = part.rstrip()
-            elif index == last:
-                part = part.lstrip()
-            else:
-                part = part.strip()
-            segments.append(part)
-        return segments
+        chunks = (part.strip() for part in parts[1:-1])
+        return [parts[0].rstrip(), *chunks, parts[-1].lstrip()]
 
     def parse_text(
         self, prompt: str, tokenizer: SegmentTokenizer

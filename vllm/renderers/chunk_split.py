@@ -83,21 +83,12 @@ class ChunkPromptSplitter:
         plan = self._plan(prompt, params, tokenizer)
         if plan is None:
             return self._split_token_ids(prompt, params, tokenizer)
-
-        def encode(seg: _Segment) -> list[int]:
-            if isinstance(seg, list):
-                return seg
-            if (ids := self._cached(seg, tokenizer)) is not None:
-                return ids
-            text = seg.text
-            return self._remember(
-                seg,
-                tokenizer,
-                tokenizer.encode(text.text, add_special_tokens=text.add_special_tokens),
-            )
-
-        token_lists = [encode(seg) for seg in plan]
-        return self._mark(prompt, _parse(lambda: self.parser.build(token_lists)))
+        texts = [seg.text for seg in plan if isinstance(seg, _Text)]
+        encoded = [
+            tokenizer.encode(t.text, add_special_tokens=t.add_special_tokens)
+            for t in texts
+        ]
+        return self._build(prompt, plan, tokenizer, encoded)
 
     async def split_async(
         self,
@@ -111,23 +102,14 @@ class ChunkPromptSplitter:
         plan = self._plan(prompt, params, tokenizer)
         if plan is None:
             return self._split_token_ids(prompt, params, tokenizer)
-
-        async def encode(seg: _Segment) -> list[int]:
-            if isinstance(seg, list):
-                return seg
-            if (ids := self._cached(seg, tokenizer)) is not None:
-                return ids
-            text = seg.text
-            return self._remember(
-                seg,
-                tokenizer,
-                await encode_async(
-                    text.text, add_special_tokens=text.add_special_tokens
-                ),
+        texts = [seg.text for seg in plan if isinstance(seg, _Text)]
+        encoded = await asyncio.gather(
+            *(
+                encode_async(t.text, add_special_tokens=t.add_special_tokens)
+                for t in texts
             )
-
-        token_lists = list(await asyncio.gather(*(encode(seg) for seg in plan)))
-        return self._mark(prompt, _parse(lambda: self.parser.build(token_lists)))
+        )
+        return self._build(prompt, plan, tokenizer, encoded)
 
     def check_layout(self, prompt: dict) -> None:
         """The engine-facing prompt must still match its layout."""
@@ -138,18 +120,26 @@ class ChunkPromptSplitter:
                 "padding): its segment layout no longer matches its tokens"
             )
 
-    def _cached(self, seg: _Text, tokenizer: Any) -> list[int] | None:
-        return self.token_cache.lookup(tokenizer, seg.text) if seg.keep else None
-
-    def _remember(self, seg: _Text, tokenizer: Any, ids: Any) -> list[int]:
-        ids = list(ids)
-        if seg.keep:
-            self.token_cache.remember(tokenizer, seg.text, ids)
-        return ids
+    def _build(
+        self, prompt: dict, plan: list[_Segment], tokenizer: Any, encoded: list
+    ) -> dict:
+        """The marked prompt of `plan`, its texts' ids from `encoded` (in order),
+        which the token cache keeps unless the question's."""
+        fresh = iter(encoded)
+        token_lists = []
+        for seg in plan:
+            if isinstance(seg, _Text):
+                ids = list(next(fresh))
+                if seg.keep:
+                    self.token_cache.remember(tokenizer, seg.text, ids)
+                seg = ids
+            token_lists.append(seg)
+        return self._mark(prompt, _parse(lambda: self.parser.build(token_lists)))
 
     def _plan(self, prompt: dict, params: Any, tokenizer: Any) -> list[_Segment] | None:
-        """The segments to tokenize, or None when the prompt is no text to split
-        (no separator, token ids, or the request opted out)."""
+        """The segments: token ids (given, or remembered) or texts to tokenize;
+        None when the prompt is no text to split (no separator, token ids, or
+        the request opted out)."""
         if LAYOUT_KEY in prompt:
             raise ChunkPromptError(
                 f"'{LAYOUT_KEY}' is set by the chunk cache from the separators in "
@@ -169,12 +159,14 @@ class ChunkPromptSplitter:
         special = bool(params.add_special_tokens)
         salt = prompt.get("cache_salt")
         last = len(segments) - 1
-        return [
-            seg
-            if isinstance(seg, list)
-            else _Text(SegmentText(seg, special and i == 0, salt), keep=i < last)
-            for i, seg in enumerate(segments)
-        ]
+        plan: list[_Segment] = []
+        for i, seg in enumerate(segments):
+            if isinstance(seg, str):
+                key = SegmentText(seg, special and i == 0, salt)
+                known = self.token_cache.lookup(tokenizer, key) if i < last else None
+                seg = _Text(key, keep=i < last) if known is None else known
+            plan.append(seg)
+        return plan
 
     def _given_segments(self, prompt: dict, params: Any, tokenizer: Any) -> list:
         """The segments of a prompt given as such, checked (a 400 naming the

@@ -89,9 +89,8 @@ def test_arrival_pins_nothing_and_admission_spawns_children():
     adapter = ChunkCacheSchedulerAdapter(*make_config())
     r = parent("p", [3, 5, 2])
     adapter.on_new_request(r)
-    assert (
-        adapter.manager.stats().pinned_entries == 0 and adapter.take_internal_requests() == []
-    )
+    assert adapter.manager.stats().pinned_entries == 0
+    assert adapter.take_internal_requests() == []
 
     assert adapter.get_num_new_matched_tokens(r, 0) == (None, False)
     children = adapter.take_internal_requests()
@@ -363,7 +362,8 @@ def test_failed_child_is_retried_then_the_parent_is_finished_with_an_error():
     assert adapter.get_num_new_matched_tokens(r, 0) == (None, False)
     finish(adapter, sys_child, RequestStatus.FINISHED_LENGTH_CAPPED)
     finish(adapter, r, RequestStatus.FINISHED_ERROR)
-    assert adapter.manager.stats().pinned_entries == 0 and adapter.manager.stats().live_requests == 0
+    stats = adapter.manager.stats()
+    assert stats.pinned_entries == 0 and stats.live_requests == 0
 
 
 def test_oversized_request_is_refused_not_served_causally():
@@ -607,7 +607,7 @@ def _doc_read_times_out_with_rows_lent(num_kv_blocks=64):
     """An adapter whose parent [3, 5, 2] is read from the store (every key
     hits): the system segment's read is OK, the document's times out with its
     pool rows lent. Returns (adapter, parent, the document's fetch)."""
-    from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store.messages import (
+    from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store.messages import (  # noqa: E501
         CAUSE_TIMEOUT,
         FETCH_OK,
         StoreReport,
@@ -648,7 +648,7 @@ def test_a_failed_fetch_whose_rows_are_lent_computes_in_new_blocks_until_returne
     """Issue 39, finding 9: a rank's store call may still write into a timed-out
     read's pool rows, so the child computing the segment gets other blocks and
     the old ones go to nobody until the rank reported them back."""
-    from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store.messages import (
+    from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store.messages import (  # noqa: E501
         StoreReport,
     )
 
@@ -668,7 +668,7 @@ def test_a_failed_fetch_whose_rows_are_lent_computes_in_new_blocks_until_returne
 def test_a_failed_fetch_whose_rows_are_lent_waits_for_them_in_a_full_pool():
     """No room for other blocks: the child starts, in the fetch's own blocks,
     only in the step whose report says the rows are back."""
-    from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store.messages import (
+    from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store.messages import (  # noqa: E501
         StoreReport,
     )
 
@@ -706,7 +706,8 @@ def _scheduled(*children, block_ids=None):
 
 
 def _puts_and_writes_are_disjoint(meta):
-    """The step's puts read pool blocks that none of its stores (new child rows) writes."""
+    """The step's puts read pool blocks that none of its stores (new child rows)
+    writes."""
     put = {b for p in meta.store.puts for b in p.pool_block_ids}
     written = {b for s in meta.stores for b in s.pool_block_ids}
     assert not put & written, (
@@ -719,11 +720,11 @@ def _puts_and_writes_are_disjoint(meta):
 def test_a_put_never_copies_rows_a_child_writes_in_the_same_step():
     """Issue 50, finding 3: on vLLM 0.32 a step with no synchronous load copies its
     puts after the forward. A finished child's entry E1 (its parent aborted, so only the
-    writer pinned it) was unpinned in the update that queued its put; a failed fetch with
-    lent rows in the same update relocated into E1's evicted block, and the next step
-    both wrote that block (the new child) and copied it under E1's key. Every block a
-    step's puts read must be out of its writes; the parent is still served."""
-    from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store.messages import (
+    writer pinned it) was unpinned in the update that queued its put; a failed fetch
+    with lent rows in the same update relocated into E1's evicted block, and the next
+    step both wrote that block (the new child) and copied it under E1's key. Every block
+    a step's puts read must be out of its writes; the parent is still served."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store.messages import (  # noqa: E501
         CAUSE_TIMEOUT,
         StoreReport,
     )

@@ -122,8 +122,7 @@ class ChunkCacheConnector(KVConnectorBase_V1):
         """The store's calls holding this engine's memory get a deadline; one
         that misses it keeps that memory until it returns (StoreTransfers.close),
         so a later engine's pool never lies where a late read writes."""
-        store = self._worker.store if self._worker is not None else None
-        if store is not None:
+        if (store := self._store) is not None:
             store.close(timeout_s=store.spec.timeout_s + 1.0)
 
     def get_kv_connector_stats(self) -> ChunkCacheConnectorStats | None:
@@ -131,13 +130,16 @@ class ChunkCacheConnector(KVConnectorBase_V1):
             return self._scheduler.take_stats()
         # A report every step, even empty: vLLM asks the scheduler side for its
         # counters only when a worker reported.
-        store = self._worker.store if self._worker is not None else None
+        store = self._store
         return ChunkCacheConnectorStats(data=store.take_counters() if store else {})
 
     def build_connector_worker_meta(self) -> Any:
         # The store's fetch outcomes and this rank's identity (store/transfers.py).
-        store = self._worker.store if self._worker is not None else None
-        return store.take_report() if store is not None else None
+        return self._store.take_report() if self._store is not None else None
+
+    @property
+    def _store(self) -> Any:
+        return self._worker.store if self._worker is not None else None
 
     def update_connector_output(self, connector_output: Any) -> None:
         meta = getattr(connector_output, "kv_connector_worker_meta", None)
@@ -197,9 +199,7 @@ class ChunkCacheConnector(KVConnectorBase_V1):
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         assert self._worker is not None
-        meta = self._get_connector_metadata()
-        assert isinstance(meta, ChunkCacheMetadata)
-        self._worker.start_load_kv(meta, forward_context)
+        self._worker.start_load_kv(self._meta(), forward_context)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return
@@ -212,8 +212,7 @@ class ChunkCacheConnector(KVConnectorBase_V1):
         **kwargs: Any,
     ) -> None:
         assert self._worker is not None
-        meta = self._get_connector_metadata()
-        assert isinstance(meta, ChunkCacheMetadata)
+        meta = self._meta()
         if not meta.stores:
             return
         from vllm.forward_context import get_forward_context
@@ -231,6 +230,9 @@ class ChunkCacheConnector(KVConnectorBase_V1):
     def wait_for_save(self) -> None:
         # After the forward, outside any CUDA graph: the rows are in place.
         assert self._worker is not None
+        self._worker.capture_after_forward(self._meta())
+
+    def _meta(self) -> ChunkCacheMetadata:
         meta = self._get_connector_metadata()
         assert isinstance(meta, ChunkCacheMetadata)
-        self._worker.capture_after_forward(meta)
+        return meta

@@ -76,8 +76,7 @@ class LoadRows:
     src_rows: torch.Tensor
     dst_slots: torch.Tensor
     deltas: torch.Tensor
-    # Row -> its stretch [n]; each stretch's delta [num_stretches], on the
-    # host (the cos/sin table is formed there: no device read-back).
+    # Row -> its stretch; each stretch's delta, on the host (no read-back).
     stretch_index: torch.Tensor
     stretch_deltas: torch.Tensor
 
@@ -256,6 +255,5 @@ class ChunkCacheMetadata(KVConnectorMetadata):
     loads: list[RequestLoad] = field(default_factory=list)
     # Capture: per child, the stretch it computes in this step (block ids).
     stores: list[ChildStore] = field(default_factory=list)
-    # The fleet-wide store's reads and writes (store/messages.StoreStep),
-    # None without --chunk-store.
+    # The store's reads and writes (store/messages.StoreStep), or None.
     store: Any = None

@@ -68,7 +68,7 @@ logger = init_logger(__name__)
 @dataclass(frozen=True)
 class _ChildOrigin:
     """What a child request inherits from the parent whose admission started
-    it (ChildSpec.origin): its client, arrival, LoRA, salt and priority."""
+    it (ChildSpec.origin): Request's arguments of these names."""
 
     client_index: int
     arrival_time: float
@@ -131,7 +131,7 @@ class ChunkCacheSchedulerAdapter:
                 self._steps.reason,
             )
         logger.info(
-            "Chunk cache: pool of %d blocks x %d rows, chunk_context=%s",
+            "Chunk cache: pool of %d blocks x %d rows, --chunk-context %s",
             num_pool_blocks,
             POOL_BLOCK_SIZE,
             cfg.chunk_context,
@@ -237,13 +237,9 @@ class ChunkCacheSchedulerAdapter:
         rid = request.request_id
         slots = self._children.pop(rid, None)
         if slots is not None:
-            stored = (
-                request.status
-                in (
-                    RequestStatus.FINISHED_STOPPED,
-                    RequestStatus.FINISHED_LENGTH_CAPPED,
-                )
-                and request.num_computed_tokens >= request.num_prompt_tokens
+            ok = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED)
+            stored = request.status in ok and (
+                request.num_computed_tokens >= request.num_prompt_tokens
             )
             if stored and self.store is not None and slots.first_scheduled is not None:
                 self.store.note_child_computed(
@@ -338,14 +334,9 @@ class ChunkCacheSchedulerAdapter:
             hi = min(start + num_scheduled.get(rid, 0), len(spec.token_ids))
             if lo >= hi:
                 continue
+            blocks = tuple(child.block_ids)
             stores.append(
-                ChildStore(
-                    block_ids=tuple(child.block_ids),
-                    pool_block_ids=spec.pool_block_ids,
-                    first_position=lo,
-                    end_position=hi,
-                    store_start=spec.store_start,
-                )
+                ChildStore(blocks, spec.pool_block_ids, lo, hi, spec.store_start)
             )
 
     def take_stats(self) -> ChunkCacheConnectorStats:
@@ -421,19 +412,13 @@ class ChunkCacheSchedulerAdapter:
     def _make_child(self, spec: ChildSpec) -> Request:
         from vllm.v1.request import Request
 
-        origin = spec.origin
-        assert isinstance(origin, _ChildOrigin)
+        assert isinstance(spec.origin, _ChildOrigin)
         child = Request(
             request_id=spec.request_id,
             prompt_token_ids=list(spec.token_ids),
             sampling_params=self._child_params.clone(),
             pooling_params=None,
-            client_index=origin.client_index,
-            arrival_time=origin.arrival_time,
-            lora_request=origin.lora_request,
-            cache_salt=origin.cache_salt,
-            priority=origin.priority,
-            block_hasher=origin.block_hasher,
+            **vars(spec.origin),
         )
         self._children[spec.request_id] = _ChildSlots(spec)
         return child

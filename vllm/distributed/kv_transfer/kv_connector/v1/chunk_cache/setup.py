@@ -24,8 +24,7 @@ if TYPE_CHECKING:
 
 logger = init_logger(__name__)
 
-# Rows per chunk-pool block (allocation granularity of the pool; independent
-# of vLLM's paged block size).
+# Rows per chunk-pool block (independent of vLLM's paged block size).
 POOL_BLOCK_SIZE = 16
 
 
@@ -149,9 +148,8 @@ def kv_allocation_padding_bytes(vllm_config: VllmConfig) -> int:
     return parts * layers * NPU_KV_TENSOR_ALIGNMENT
 
 
-# Rows of the load buffers where every standard layer is expected to load
-# through the fused kernel (which takes none): a layer its start-up
-# self-check turns away still loads, through these, in pieces of this size.
+# Load buffer rows where every layer should load fused (which takes none): a
+# layer its self-check turns away loads through them, in pieces of this size.
 FALLBACK_SCRATCH_ROWS = 512
 
 

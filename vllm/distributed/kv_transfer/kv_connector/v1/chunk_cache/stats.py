@@ -32,9 +32,8 @@ COUNTERS: dict[str, str] = {
     "hash_collisions": "Key matches whose stored tokens differed",
     "failed_children": "Child requests that ended without storing their rows",
 }
-# The chunk store's counters (--chunk-store): the scheduler's
-# (store/lookups.StoreCounters) and each worker's (store/transfers.py), summed
-# over workers. Every miss, timeout or refusal is computed instead.
+# --chunk-store's counters, the scheduler's and the workers' (summed): every
+# miss, timeout or refusal is computed instead.
 STORE_COUNTERS: dict[str, str] = {
     "store_hits": "Missing segments read from the chunk store (every rank verified)",
     "store_misses_absent": "Store lookups or reads that found no entry",

@@ -17,8 +17,7 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
 CONNECTOR_NAME = "ChunkCacheConnector"
-# kv_connector_extra_config key: whether captures may run in the attention
-# hook (then vLLM must keep attention out of full CUDA graphs).
+# kv_connector_extra_config key: whether captures may run in the attention hook.
 CAPTURE_IN_ATTENTION = "capture_in_attention"
 # --kv-cache-dtype values that keep K/V unquantized: rows read back as written.
 UNQUANTIZED_KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32")
@@ -246,24 +245,20 @@ def kv_cache_block_size(kv_cache_config: KVCacheConfig) -> int:
     spec = groups[0].kv_cache_spec
     # Windowed specs and vLLM's null blocks: docs/design/sliding-window.md.
     chunked = getattr(spec, "attention_chunk_size", None)
-    if chunked is not None or type(spec) not in (
-        FullAttentionSpec,
-        MLAAttentionSpec,
-        SlidingWindowSpec,
-    ):
-        detail = f", chunk size {chunked}" if chunked is not None else ""
+    served = (FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec)
+    if chunked is not None or type(spec) not in served:
         reason = (
-            "chunked-local attention restarts at absolute positions"
+            f", chunk size {chunked} (chunked-local attention restarts at absolute "
+            "positions)"
             if chunked is not None
-            else "attention-sink, state-space or other layers"
+            else " (attention-sink, state-space or other layers)"
         )
         layers = groups[0].layer_names
-        named = ", ".join(layers[:2]) + (
-            f" and {len(layers) - 2} more" if len(layers) > 2 else ""
-        )
+        more = f" and {len(layers) - 2} more" if len(layers) > 2 else ""
         raise ValueError(
             "--enable-chunk-cache supports full and sliding-window attention; the KV "
-            f"cache of layer(s) {named} is {type(spec).__name__}{detail} ({reason})"
+            f"cache of layer(s) {', '.join(layers[:2])}{more} is "
+            f"{type(spec).__name__}{reason}"
         )
     return spec.block_size
 
@@ -470,9 +465,8 @@ def check_query_runs(
     return line
 
 
-# Scheduler classes that replace schedule() but call vLLM's own under some
-# configs (qualified class name -> predicate on the VllmConfig), registered
-# by a platform's glue (chunk_cache_npu: vllm-ascend's BalanceScheduler).
+# Qualified names of scheduler classes whose schedule() calls vLLM's own under
+# some configs -> that predicate on the VllmConfig (registered by chunk_cache_npu).
 _DELEGATING_SCHEDULERS: dict[str, Callable[[Any], bool]] = {}
 
 
