@@ -2,7 +2,7 @@
 """The CPU load of one all-hit request's rows, per layer and request (issue 52, item 1).
 
 One all-hit request of N documents of ~500 tokens on the host workload's shapes (tiny-llama:
-4 layers, 2 KV heads of 32, bf16, block size 128, the "vec" cache layout), its rows expanded by
+4 layers, 2 KV heads of 32 (`--head`), bf16, block size 128, the "vec" cache layout), its rows expanded by
 `LoadRows.expand` from shuffled pool blocks, then loaded by `PositionRemapper.remap_layer`
 through vLLM's own `cpu_attn_reshape_and_cache` as the worker does, in pieces of
 `--pieces` rows (16384: --max-chunk-load-tokens' default, the worker's pieces before issue 52).
@@ -15,7 +15,7 @@ bytes checked equal to the op's first), to show where the time is and what the p
 the alternative change.
 
     OMP_NUM_THREADS=1 .cache/venv/bin/python benchmarks/bench_cpu_load.py [--docs 64] \
-        [--dtype bfloat16] [--pieces 16384 1024 256] [--threads 2]
+        [--dtype bfloat16] [--pieces 16384 1024 256] [--threads 2] [--head 64]
 """
 
 from __future__ import annotations
@@ -57,14 +57,15 @@ def _rows(num_docs: int, doc_tokens: int, pool_rows: int):
 
 
 def main() -> None:
+    global HEAD
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--docs", type=int, default=64)
     ap.add_argument("--doc-tokens", type=int, default=500)
+    ap.add_argument("--head", type=int, default=HEAD, help="head size (32: tiny-llama's)")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--pieces", type=int, nargs="+", default=[16384, 2048, 1024, 512, 256])
     ap.add_argument("--reps", type=int, default=15)
-    ap.add_argument("--threads", type=int, default=1,
-                    help="torch's intra-op threads (the kernel splits its rows over as many)")
+    ap.add_argument("--threads", type=int, default=1, help="torch's intra-op threads")
     ap.add_argument("--inductor", action="store_true",
                     help="also K's gather, casts and rotation as one loop compiled by "
                          "torch.compile (inductor's C++; compiles for ~30 s)")
@@ -74,13 +75,13 @@ def main() -> None:
                          "the cache every request (cold, as vLLM's free queue hands out its "
                          "least recently used blocks)")
     args = ap.parse_args()
+    HEAD = args.head
 
     import torch
 
     from vllm import _custom_ops as ops
     from vllm.model_executor.layers.rotary_embedding import get_rope
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
-    from vllm.v1.worker.gather_rotate import GatherRotate
     from vllm.v1.worker.position_remapper import (
         PositionRemapper,
         RemapRows,
@@ -116,25 +117,11 @@ def main() -> None:
 
     def load(piece_rows: int) -> None:
         remapper = remappers[piece_rows]
-        for piece in all_rows.pieces(abs(piece_rows)):
+        for piece in all_rows.pieces(piece_rows):
             for layer in range(LAYERS):
                 remapper.remap_layer(str(layer), pool_k[layer], pool_v[layer], piece, stretches)
 
     remappers = {p: PositionRemapper(rotation, write, RemapScratch(p)) for p in args.pieces}
-    # The one-pass K load (gather_rotate.c), at the first piece size, keyed by
-    # -pieces so it sits beside the passes in the same loop.
-    # NOTE: the library shipped in the wheel (nothing is compiled here).
-    kernel = GatherRotate.load()
-    describe = getattr(kernel, "describe", lambda: str(getattr(kernel, "library", "")))
-    print(f"  one-pass kernel: {describe()}, {torch.get_num_threads()} thread(s)")
-    probe = pool_k[0]
-    one_pass = kernel if kernel.serves(rotation, probe) else None
-    if one_pass is not None:
-        first = args.pieces[0]
-        remappers[-first] = PositionRemapper(rotation, write, RemapScratch(first), one_pass)
-        args.pieces = [first, -first, *args.pieces[1:]]
-    else:
-        print(f"  one-pass kernel not used: {kernel.why_not(rotation, probe)}")
     print(f"{args.docs} documents x {args.doc_tokens} tokens = {n} rows, {LAYERS} layers, "
           f"{HEADS}x{HEAD} {args.dtype}, isa {isa}, rotation: {rotation.describe_path(torch.device('cpu'))}")
     reference = None
@@ -156,9 +143,7 @@ def main() -> None:
     base = statistics.median(times[args.pieces[0]])
     for p in args.pieces:
         med = statistics.median(times[p])
-        how = "K in one pass (gather_rotate.c)" if p < 0 else "passes"
-        print(f"  pieces of {abs(p):6d} rows, {how:32s}: {1e3 * med:7.2f} ms a request  "
-              f"({med / base:.2f}x)")
+        print(f"  pieces of {p:6d} rows: {1e3 * med:7.2f} ms a request  ({med / base:.2f}x)")
 
     # Each pass alone over all rows of one layer (x LAYERS), for the breakdown.
     key = torch.empty(n, HEADS, HEAD, dtype=dtype)
@@ -189,10 +174,6 @@ def main() -> None:
         t = time.perf_counter()
         write("0", key, value, rows.dst_slots)
         out["write K+V"] = time.perf_counter() - t
-        if one_pass is not None:
-            t = time.perf_counter()
-            one_pass(pool_k[0], rows.src_rows, rows.stretch_index, table, rotation, key)
-            out["K in one pass"] = time.perf_counter() - t
         if isa in ("vec", "vec16"):
             # The alternative: one indexed copy per side into the layout the op packs
             # ("vec": per block and head, K as [head, block], V as [block, head]).

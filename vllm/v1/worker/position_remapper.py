@@ -8,25 +8,18 @@ by delta = real_start - stored_start and hands K/V to an injected
 `write_rows` (the attention backend's own cache-write op in the engine; a
 plain function in tests). V carries no position and is copied as is.
 
-Numerics:
+Numerics (docs/design/rotation-paths.md):
 * the rotation is applied in fp32 and cast back to the cache dtype;
-* cos/sin of the delta are computed per stretch (a load plan has one delta
-  per stretch of a segment) on the host in float64 from vLLM's own fp32
-  inverse frequencies, then cast to fp32, so the delta adds no angle rounding
-  of its own (fp32 angles lose ~1e-2 rad at 1e5 positions); the worker sends
-  that small table to the device once per step and each row gathers its
-  stretch's entry there (`StretchCosSin`): no device copy of the frequencies
-  is kept between steps, and no device value is read back;
-* the generic `rotate` rounds each product on its own (no fused
-  multiply-add), as vLLM's CPU RoPE op does on AVX2 and AVX-512 builds;
-* on the CPU the rotation runs in place through vLLM's own RoPE op with a
-  table of those cos/sin per distinct delta, only where a start-up check
-  finds it bit-identical to the generic `rotate`;
-* YaRN and LongRoPE bake a magnitude factor (mscale) into their cos/sin
-  caches, so the stored K already carries it once. The delta rotation must
-  be a pure rotation: we build cos/sin from the frequencies alone, which is
-  exactly "dividing the factor out" of the model's cos/sin. The factor is
-  still recovered and checked against the rope's own cache at start-up.
+* cos/sin of each stretch's delta are computed on the host in float64 from
+  vLLM's fp32 inverse frequencies, then cast to fp32 (fp32 angles would lose
+  ~1e-2 rad at 1e5 positions), sent once per step, gathered per row on the
+  device (`StretchCosSin`): nothing is read back from the device;
+* the generic `rotate` rounds each product on its own (no fused multiply-add);
+  on the CPU vLLM's own RoPE op rotates in place where a start-up check finds
+  it bit-identical to `rotate`;
+* YaRN and LongRoPE bake a magnitude (mscale) into their cos/sin, which the
+  stored K carries already: the delta rotation is built from the frequencies
+  alone (a pure rotation); the magnitude is still checked at start-up.
 
 Supported: vLLM's RotaryEmbedding (default), linear (single factor), NTK,
 dynamic NTK (factor or alpha; vLLM fixes the base at init, so it is linear
@@ -41,39 +34,22 @@ import enum
 import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import torch
-from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
-from vllm.model_executor.layers.rotary_embedding.deepseek_scaling_rope import (
+
+from vllm.model_executor.layers.rotary_embedding import (
     DeepseekScalingRotaryEmbedding,
-)
-from vllm.model_executor.layers.rotary_embedding.dynamic_ntk_alpha_rope import (
     DynamicNTKAlphaRotaryEmbedding,
-)
-from vllm.model_executor.layers.rotary_embedding.dynamic_ntk_scaling_rope import (
     DynamicNTKScalingRotaryEmbedding,
-)
-from vllm.model_executor.layers.rotary_embedding.linear_scaling_rope import (
     LinearScalingRotaryEmbedding,
-)
-from vllm.model_executor.layers.rotary_embedding.llama3_rope import (
     Llama3RotaryEmbedding,
-)
-from vllm.model_executor.layers.rotary_embedding.ntk_scaling_rope import (
     NTKScalingRotaryEmbedding,
-)
-from vllm.model_executor.layers.rotary_embedding.phi3_long_rope_scaled_rope import (
     Phi3LongRoPEScaledRotaryEmbedding,
-)
-from vllm.model_executor.layers.rotary_embedding.yarn_scaling_rope import (
+    RotaryEmbedding,
     YaRNScalingRotaryEmbedding,
 )
-
 from vllm.v1.core.chunk_structures import ChunkLoadPlan
-
-if TYPE_CHECKING:
-    from vllm.v1.worker.gather_rotate import GatherRotate
 
 
 class WriteRows(Protocol):
@@ -119,10 +95,8 @@ def _linear(rope: LinearScalingRotaryEmbedding) -> _Frequencies:
 
 
 def _dynamic_ntk(rope: DynamicNTKScalingRotaryEmbedding) -> _Frequencies:
-    # NOTE: vLLM's "dynamic" NTK fixes the enlarged base once at init (it
-    # does not grow with the sequence), so the angle stays linear in the
-    # position. Same formula as its _compute_cos_sin_cache; the start-up
-    # self-check catches any drift.
+    # NOTE: vLLM's "dynamic" NTK fixes the enlarged base at init, so the angle
+    # stays linear in the position (its _compute_cos_sin_cache's formula).
     ratio = rope.scaling_factor * rope.max_position_embeddings
     ratio = ratio / rope.max_trained_positions - (rope.scaling_factor - 1)
     base = rope.base * ratio ** (rope.rotary_dim / (rope.rotary_dim - 2))
@@ -158,12 +132,9 @@ def _longrope(rope: Phi3LongRoPEScaledRotaryEmbedding) -> _Frequencies:
     )
 
 
-# Exact types only: subclasses (M-RoPE, FoPE, Gemma4, TeleChat3, XD-RoPE...)
-# change the angle rule and must be refused rather than guessed. A platform's
-# own subclasses (vllm-ascend's, which vLLM's CustomOp dispatch builds in place
-# of these on an NPU) are added one exact type at a time by the platform's
-# plugin through `register_rope_rule`, after reading that they keep the angle
-# rule; a subclass nobody registered stays refused.
+# Exact types only: subclasses (M-RoPE, FoPE, Gemma4, XD-RoPE...) change the
+# angle rule and are refused, not guessed; a platform plugin adds its own
+# subclasses one exact type at a time (`register_rope_rule`).
 _FREQUENCY_RULES: dict[type, Callable] = {
     RotaryEmbedding: _plain,
     NTKScalingRotaryEmbedding: _plain,
@@ -183,11 +154,9 @@ _STORED_PAIRING: dict[type, Callable[[torch.nn.Module], bool]] = {}
 
 
 def yarn_from_inv_freq_buffer(rope: torch.nn.Module) -> _Frequencies:
-    """YaRN whose rope keeps the inverse frequencies its cos/sin cache was
-    built from in an `inv_freq` buffer, with its magnitude `mscale`
-    (vllm-ascend's DeepSeek YaRN computes them in its own fp32 torch code,
-    which ignores `extrapolation_factor`: the buffer is what it rotated
-    with, vLLM's `_compute_inv_freq` is not)."""
+    """YaRN whose rope keeps the inverse frequencies of its cos/sin cache in an
+    `inv_freq` buffer, magnitude `mscale` (vllm-ascend's DeepSeek YaRN: its own
+    fp32 code ignores `extrapolation_factor`, so vLLM's formula would differ)."""
     return _Frequencies(
         rope.inv_freq.detach().float().cpu(), float(rope.mscale), rope.cos_sin_cache, 0
     )
@@ -198,20 +167,13 @@ def register_rope_rule(
     rule: type | Callable[[torch.nn.Module], _Frequencies],
     stored_neox_style: Callable[[torch.nn.Module], bool] | None = None,
 ) -> None:
-    """Accept the exact type `rope_type` (not its subclasses) with frequency
-    rule `rule`: a type already accepted (its rule: a subclass that keeps its
-    parent's angle rule) or a function of the rope (`yarn_from_inv_freq_buffer`),
-    for a platform plugin whose rope classes vLLM builds in place of its own
-    (vllm-ascend: vllm_ascend/distributed/chunk_cache_npu.py), without this
-    module importing the plugin.
-
-    Register only a class read to keep its parent's angle rule (same inverse
-    frequencies, the same [pos, cos | sin] cache); the start-up self-check
+    """Accept the exact type `rope_type` (not its subclasses) with `rule`: an
+    accepted type whose angle rule it keeps, or a function of the rope
+    (`yarn_from_inv_freq_buffer`); for a platform plugin's rope classes
+    (vllm_ascend/distributed/chunk_cache_npu.py). The start-up self-check
     (`_check_against_cache`) still compares the rule with the rope's cache.
-    `stored_neox_style`: the pairing of the keys as the rope's forward leaves
-    them, where it is not the rope's `is_neox_style` (a forward that permutes
-    the values before rotating).
-    """
+    `stored_neox_style`: the keys' pairing as the rope's forward leaves them,
+    where it is not the rope's `is_neox_style`."""
     if not (isinstance(rope_type, type) and issubclass(rope_type, torch.nn.Module)):
         raise TypeError(f"register_rope_rule takes a rope class, got {rope_type!r}")
     if isinstance(rule, type):
@@ -226,13 +188,9 @@ def register_rope_rule(
 
 
 class Rounding(enum.Enum):
-    """How `RopeRotation.rotate` rounds `x1*cos - x2*sin` (and the `+` twin).
-
-    NOTE: vLLM's CPU RoPE op rounds one way or the other depending on its
-    build and the rope style (measured: AVX2 build plain everywhere; AVX-512
-    build fused in the neox vector body, plain in GPT-J style), so the CPU
-    self-check picks the one it reproduces (docs/design/rotation-paths.md).
-    """
+    """How `RopeRotation.rotate` rounds `x1*cos - x2*sin` (and the `+` twin):
+    vLLM's CPU RoPE op rounds either way by build and rope style, so the CPU
+    self-check picks the one it reproduces (docs/design/rotation-paths.md)."""
 
     # Each product rounded, then add/subtract: no fused multiply-add.
     PRODUCTS = "rounded products"
@@ -254,8 +212,7 @@ def _frequencies(rope: torch.nn.Module) -> _Frequencies:
 
 
 def _stored_neox_style(rope: torch.nn.Module) -> bool:
-    # The pairing of the stored keys: the rope's style, unless its type
-    # was registered with another (register_rope_rule).
+    # The stored keys' pairing: the rope's, unless registered otherwise.
     pairing = _STORED_PAIRING.get(type(rope))
     return bool(
         pairing(rope) if pairing is not None else getattr(rope, "is_neox_style", True)
@@ -263,17 +220,11 @@ def _stored_neox_style(rope: torch.nn.Module) -> bool:
 
 
 def rotation_identity(rope: torch.nn.Module) -> dict[str, object]:
-    """What the keys this rope rotated depend on, as vLLM built it (not as the
-    HF config describes it): the rule's fp32 inverse frequencies (digest), the
-    magnitude baked into its cos/sin, the row of position 0 in its cache, its
-    dims, pairing and cache dtype. The same rule the remapper rotates with, so
-    two engines whose stored K could differ get different identities.
-
-    NOTE (issue 50, finding 2): the HF rope fields do not decide the rotation.
-    LongRoPE uses its long factors (and their magnitude and cache half) when
-    max_model_len > original_max_position_embeddings, its short ones otherwise,
-    so one model config at two --max-model-len values rotates K differently.
-    Raises ValueError for a rope type the remapper refuses."""
+    """What the keys this rope rotated depend on, as vLLM built it: the rule's
+    fp32 inverse frequencies (digest), magnitude, row of position 0, dims,
+    pairing and cache dtype; two engines whose stored K could differ get
+    different identities. NOTE: not the HF rope fields: LongRoPE picks its long
+    or short factors from --max-model-len. ValueError for a refused rope."""
     freqs = _frequencies(rope)
     inv_freq = freqs.inv_freq.detach().to(torch.float32).cpu().contiguous()
     return {
@@ -300,34 +251,29 @@ class RopeRotation:
         self.rotary_dim: int = rope.rotary_dim
         self.is_neox_style: bool = _stored_neox_style(rope)
         # On the host only: a device copy kept from start-up would live in the
-        # KV-cache memory pool, which a sleep discards (issue 30).
+        # KV-cache memory pool, which a sleep discards.
         self.inv_freq = freqs.inv_freq.to(torch.float32).cpu()
         # What a step's cos/sin depend on: rotations with the same
         # frequencies (with_pairing copies, layers of one rope) share them.
         self.frequency_key: bytes = self.inv_freq.numpy().tobytes()
         self.magnitude = freqs.magnitude
         _check_against_cache(self, freqs, type(rope).__name__)
-        # vLLM's CPU RoPE kernel (see rotate_in_place): None until the first
-        # use checks it against rotate(); False disables it.
+        # vLLM's CPU RoPE op (rotate_in_place): None until the first use
+        # checks it against rotate(); False disables it; and why (start-up log).
         self._cpu_kernel: bool | None = None if use_cpu_kernel else False
-        # Why the CPU kernel is used or not (for the start-up log).
         self._cpu_kernel_reason = "" if use_cpu_kernel else "disabled by the caller"
-        # The rounding of rotate(); the CPU self-check may switch it to the
-        # one vLLM's op reproduces. Off the CPU it stays PRODUCTS.
+        # rotate()'s rounding: the CPU self-check may pick the op's.
         self.rounding = Rounding.PRODUCTS
         # (deltas, row -> table index, table, deltas' version) of the last
-        # rows rotated in place: one load plan per step, the same for every
-        # layer.
+        # rows rotated in place (one load plan per step, for every layer).
         self._delta_table: (
             tuple[torch.Tensor, torch.Tensor, torch.Tensor, int] | None
         ) = None
 
     def with_pairing(self, neox_style: bool) -> "RopeRotation":
-        """This rotation for rows whose pairs are laid out otherwise (halves
-        if `neox_style`, adjacent values if not): same frequencies, a copy
-        with its own delta table. For a reader that fixes the layout of the
-        rows it returns whatever the rope's forward does (vllm-ascend's MLA
-        reader re-interleaves k_pe: cache_writers.LatentWriter)."""
+        """This rotation for rows paired otherwise (halves if `neox_style`,
+        adjacent values if not): a copy with its own delta table, for a reader
+        that re-lays the rows (vllm-ascend's MLA: cache_writers.LatentWriter)."""
         if neox_style == self.is_neox_style:
             return self
         other = copy.copy(self)
@@ -340,21 +286,15 @@ class RopeRotation:
         return other
 
     def cos_sin(self, deltas: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """fp32 cos/sin [n, rotary_dim // 2] of the angle of each delta.
-
-        Unit magnitude: the rope's mscale is not applied (see module doc).
-        """
+        """fp32 cos/sin [n, rotary_dim // 2] of each delta's angle, of unit
+        magnitude (the rope's mscale is not applied: module doc)."""
         angles = deltas.to("cpu", torch.float64)[:, None] * self.inv_freq.double()
         return angles.cos().float(), angles.sin().float()
 
     def cos_sin_rows(self, deltas: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """fp32 cos/sin [n, 1, rotary_dim // 2] of each row's delta, on the
-        deltas' device, formed on the host (`cos_sin`).
-
-        NOTE: reads device deltas back to the host: for tests and tools. The
-        worker's step never calls it: it forms one row per stretch from the
-        metadata's host integers (`stretch_cos_sin`) and gathers on the device.
-        """
+        deltas' device. NOTE: reads device deltas back: tests and tools only
+        (the worker uses `stretch_cos_sin`)."""
         device = deltas.device
         cos, sin = self.cos_sin(deltas.cpu())
         return (
@@ -382,12 +322,9 @@ class RopeRotation:
         cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None,
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """`key` [n, heads, head_size] rotated row-wise by `deltas` [n].
-
-        `cos_sin`: `cos_sin_rows(deltas)` if the caller computed it already
-        (once per step for all layers). `out`: where to write the result
-        (shape and dtype of `key`, not overlapping it); a new tensor if None.
-        """
+        """`key` [n, heads, head_size] rotated row-wise by `deltas` [n] into
+        `out` (key's shape and dtype, not overlapping it; None: a new tensor).
+        `cos_sin`: each row's (`cos_sin_rows`), if computed already."""
         if cos_sin is None:
             cos_sin = self.cos_sin_rows(deltas)
         if out is None:
@@ -403,24 +340,10 @@ class RopeRotation:
             source = key[..., : self.rotary_dim].float()
             result = torch.empty_like(source)
         # Pair (x1[i], x2[i]) rotates by angle i: halves in neox style,
-        # adjacent elements in GPT-J style.
-        if self.is_neox_style:
-            pairs, res = (
-                source.unflatten(-1, (2, half)),
-                result.unflatten(-1, (2, half)),
-            )
-            x1, x2, o1, o2 = (
-                pairs[..., 0, :],
-                pairs[..., 1, :],
-                res[..., 0, :],
-                res[..., 1, :],
-            )
-        else:
-            pairs, res = (
-                source.unflatten(-1, (half, 2)),
-                result.unflatten(-1, (half, 2)),
-            )
-            x1, x2, o1, o2 = pairs[..., 0], pairs[..., 1], res[..., 0], res[..., 1]
+        # adjacent elements in GPT-J style (views: o1, o2 write `result`).
+        pairing, axis = ((2, half), -2) if self.is_neox_style else ((half, 2), -1)
+        x1, x2 = source.unflatten(-1, pairing).unbind(axis)
+        o1, o2 = result.unflatten(-1, pairing).unbind(axis)
         if self.rounding is Rounding.ADDCMUL:
             # fma(-x2, sin, x1 * cos) where PyTorch's CPU kernel fuses the
             # multiply into the add (its AVX2 and AVX-512 builds on the x86
@@ -448,13 +371,8 @@ class RopeRotation:
 
     def rotates_in_place(self, device: torch.device) -> bool:
         """Whether `rotate_in_place` is used on `device`: on the CPU, where
-        vLLM's CPU RoPE kernel reproduces `rotate` bit for bit.
-
-        NOTE: measured on the 2-core CPU (SmolLM2 shapes, 30 layers x 3,200
-        rows, 2 threads): gather + rotation 14.4 ms -> 6.7 ms, one vectorised
-        in-place pass instead of rotate()'s four elementwise passes over
-        strided halves with broadcast cos/sin (docs/benchmarks.md).
-        """
+        vLLM's CPU RoPE op reproduces `rotate` bit for bit (one vectorised pass
+        instead of four: docs/design/rotation-paths.md)."""
         if device.type != "cpu":
             return False
         if self._cpu_kernel is None:
@@ -473,10 +391,9 @@ class RopeRotation:
         return f"generic fp32 rotation: {self._cpu_kernel_reason}"
 
     def rotate_in_place(self, key: torch.Tensor, deltas: torch.Tensor) -> None:
-        """Rotates `key` [n, heads, head_size] (fp32, contiguous, on the CPU)
-        by `deltas` [n] in place with vLLM's own CPU RoPE op, whose "positions"
-        index a table of cos/sin per distinct delta (built as by `cos_sin`,
-        once per deltas tensor)."""
+        """Rotates `key` [n, heads, head_size] (fp32, contiguous, CPU) by
+        `deltas` [n] in place with vLLM's CPU RoPE op, whose "positions" index
+        a table of cos/sin per distinct delta."""
         index, table = self._table_for(deltas)
         self.rotate_in_place_indexed(key, index, table)
 
@@ -504,19 +421,15 @@ class RopeRotation:
         if cached is not None and cached[0] is deltas and cached[3] == version:
             return cached[1], cached[2]
         distinct, index = torch.unique(deltas.cpu(), return_inverse=True)
-        cos, sin = self.cos_sin(distinct)
-        # The op's cache layout: [position, cos | sin] of rotary_dim.
-        table = torch.cat((cos, sin), dim=-1).contiguous()
+        table = StretchCosSin(*self.cos_sin(distinct)).op_table()
         # Holding `deltas` keeps its id from being reused by another tensor;
         # its version counter catches in-place changes.
         self._delta_table = (deltas, index.to(torch.int64), table, version)
         return self._delta_table[1], table
 
     def _cpu_kernel_matches(self) -> bool:
-        """Use the kernel only if it is there and equals rotate() bit for bit
-        on a random sample, with one of rotate()'s roundings (which one the
-        op reproduces depends on its build and the rope style: that one is
-        kept); if it equals neither, the generic path is kept."""
+        """Whether the op is there and equals rotate() bit for bit on a sample
+        with one of its roundings (kept); else the generic path is kept."""
         try:
             from vllm import _custom_ops  # noqa: F401  (loads vLLM's _C ops)
 
@@ -550,11 +463,8 @@ class RopeRotation:
 def _check_against_cache(
     rotation: RopeRotation, freqs: _Frequencies, rope_name: str
 ) -> None:
-    """Refuse to run if our frequencies do not reproduce the rope's cache.
-
-    Guards the per-type rules above against upstream changes: row p of the
-    cache must equal magnitude * [cos(p f), sin(p f)].
-    """
+    """Refuse frequencies that do not reproduce the rope's cache (row p must
+    be magnitude * [cos(p f), sin(p f)]): guards the rules against upstream."""
     cache = freqs.cache.detach().float().cpu()
     usable = cache.shape[0] - freqs.cache_offset
     positions = torch.tensor([p for p in (0, 1, 7, 100) if p < usable])
@@ -569,48 +479,14 @@ def _check_against_cache(
         )
 
 
-def load_key_passes(
-    pool: torch.Tensor,
-    src_rows: torch.Tensor,
-    rotation: RopeRotation,
-    index: torch.Tensor,
-    table: torch.Tensor,
-    out: torch.Tensor,
-    key32: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """K's CPU load in passes, the one place they are written (the remapper,
-    the one-pass kernel's start-up check and fallback, and the tests call it):
-    `out` [n, heads, head_size] = the rows `src_rows` of `pool`, cast to fp32,
-    rotated in place by vLLM's RoPE op with each row's entry `index` [n] of the
-    cos | sin `table` [entries, rotary_dim], cast back to `out`'s dtype.
-    `key32`: an fp32 buffer of out's shape for a 16-bit pool (a new one if
-    None). Returns `out`."""
-    # NOTE: rows flattened to 2-D: index_select copies whole rows then
-    # (~20% faster on CPU than the 3-D gather).
-    torch.index_select(pool.flatten(1), 0, src_rows, out=out.flatten(1))
-    target = out
-    if out.dtype != torch.float32:
-        target = (
-            key32 if key32 is not None else torch.empty(out.shape, dtype=torch.float32)
-        )
-        target.copy_(out)
-    rotation.rotate_in_place_indexed(target, index, table)
-    if target is not out:
-        out.copy_(target)
-    return out
-
-
 @dataclass
 class StretchCosSin:
-    """fp32 cos/sin [num_stretches, rotary_dim // 2] of a step's stretch
-    deltas for one set of frequencies, on the rows' device: built once per
-    step (`RopeRotation.stretch_cos_sin`) and shared by every layer whose
-    rotation has those frequencies."""
+    """fp32 cos/sin [num_stretches, rotary_dim // 2] of a step's stretch deltas
+    on the rows' device, once per step and set of frequencies, for every layer."""
 
     cos: torch.Tensor
     sin: torch.Tensor
-    # (stretch index, its rows' cos/sin) of the last gather: one per piece of
-    # a step, the same for every layer.
+    # (stretch index, its rows' cos/sin) of the last gather (one per piece).
     _rows: tuple | None = None
     _op_table: torch.Tensor | None = None
 
@@ -641,9 +517,8 @@ class RemapRows:
     dst_slots: torch.Tensor
     # Position delta per row (real - stored) [n].
     deltas: torch.Tensor
-    # Optional, for a cos/sin table of one row per stretch (`StretchCosSin`):
-    # each row's stretch [n] (on the device), and each stretch's delta (on the
-    # host).
+    # For `StretchCosSin`: each row's stretch [n] (on the device), and each
+    # stretch's delta (on the host).
     stretch_index: torch.Tensor | None = None
     stretch_deltas: torch.Tensor | None = None
 
@@ -670,11 +545,8 @@ class RemapRows:
     def from_load_plan(
         cls, plan: ChunkLoadPlan, pool_block_size: int, dst_slots: torch.Tensor
     ) -> "RemapRows":
-        """Expand a plan; `dst_slots[p]` is the paged slot of position p.
-
-        NOTE: the connector's one expansion of loads into rows
-        (`LoadRows.expand`), with every position its own block of one slot.
-        """
+        """Expand a plan (`dst_slots[p]`: position p's paged slot) through the
+        connector's `LoadRows.expand`, every position a block of one slot."""
         from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.metadata import (
             LoadRows,
             RequestLoad,
@@ -701,19 +573,15 @@ class RemapRows:
 class RemapScratch:
     """Gather/rotate buffers reused by every layer and step.
 
-    NOTE: measured on the 2-core CPU (30 layers x 3,100 rows): fresh
-    multi-MB tensors per layer cost more than the remap's own work (page
-    faults on every new allocation): 107 ms with new tensors, 41 ms with
-    these buffers. Reuse across layers is safe: the cache-write op consumes
-    the rows before the next layer overwrites them (synchronously on the
-    CPU, in stream order on a device).
+    NOTE: fresh multi-MB tensors per layer cost more than the remap itself
+    (page faults: 107 ms against 41 ms, 30 layers x 3,100 rows on the CPU).
+    Reuse across layers is safe: the cache-write op consumes the rows before
+    the next layer overwrites them (in stream order on a device).
 
-    With `max_rows` (the worker's: setup.load_scratch_rows) each buffer is
-    allocated once at that size by `prepare`, for the roles of the model's
-    kind, and never grows, so the pool's carve-out can count it
+    With `max_rows` (setup.load_scratch_rows) each buffer is allocated once at
+    that size by `prepare` and never grows, so the pool's carve-out counts it
     (setup.load_scratch_bytes); callers pass at most that many rows
-    (`RemapRows.pieces`). Without it (tests, tools) buffers grow.
-    """
+    (`RemapRows.pieces`). Without it (tests, tools) buffers grow."""
 
     # Buffers a load takes per row, by model kind: (role, in fp32 (else the
     # pool's dtype; fp32 ones only for a 16-bit pool), part of the row).
@@ -799,15 +667,12 @@ class RemapScratch:
         dtype = dtype or like.dtype
         key = (role, dtype, like.device, tuple(like.shape[1:]))
         buffer = self._buffers.get(key)
-        if self.max_rows is not None:
-            if num_rows > self.max_rows:
-                raise ValueError(
-                    f"{num_rows} rows exceed the load buffers' {self.max_rows}: "
-                    "pass them in pieces (RemapRows.pieces)"
-                )
-            num_alloc = self.max_rows
-        else:
-            num_alloc = num_rows
+        if self.max_rows is not None and num_rows > self.max_rows:
+            raise ValueError(
+                f"{num_rows} rows exceed the load buffers' {self.max_rows}: "
+                "pass them in pieces (RemapRows.pieces)"
+            )
+        num_alloc = num_rows if self.max_rows is None else self.max_rows
         if buffer is None or buffer.shape[0] < num_rows:
             buffer = torch.empty(
                 (num_alloc, *like.shape[1:]), dtype=dtype, device=like.device
@@ -844,16 +709,12 @@ class PositionRemapper:
         rotation: RopeRotation | None,
         write_rows: WriteRows,
         scratch: RemapScratch | None = None,
-        gather_rotate: "GatherRotate | None" = None,
     ):
         # None: the model has no RoPE (or the layer does not use it): copy.
         self.rotation = rotation
         self.write_rows = write_rows
         # Shared by all layers of a worker (one set of buffers).
         self.scratch = scratch if scratch is not None else RemapScratch()
-        # K's gather, rotation and casts in one pass (gather_rotate.py): given
-        # only where it was checked to serve this rotation and pool dtype.
-        self.gather_rotate = gather_rotate
 
     def remap_layer(
         self,
@@ -863,64 +724,44 @@ class PositionRemapper:
         rows: RemapRows,
         stretches: StretchCosSin | None = None,
     ) -> None:
-        """`pool_key`/`pool_value`: contiguous [num_pool_rows, num_kv_heads,
-        head_size], on the device of `rows`. Gather, rotate (a zero delta
-        rotates by cos 1, sin 0: exact), write. `stretches`: the step's
-        cos/sin of each stretch (`rows.stretch_index` picks each row's): then
-        nothing is read back from the device; without it (tests, tools) the
-        rows' deltas are read on the host."""
+        """Gather, rotate (a zero delta rotates by cos 1, sin 0: exact), write.
+        `pool_key`/`pool_value`: contiguous [num_pool_rows, num_kv_heads,
+        head_size] on the device of `rows`. `stretches`: the step's cos/sin per
+        stretch; without it (tests, tools) the rows' deltas are read back."""
         num_rows = rows.src_rows.shape[0]
         key = self.scratch.take("key", pool_key, num_rows)
         value = self.scratch.take("value", pool_value, num_rows)
         rotation = self.rotation
         # NOTE: rows flattened to 2-D: index_select copies whole rows then
         # (~20% faster on CPU than the 3-D gather). V needs no rotation.
-        torch.index_select(
-            pool_value.flatten(1), 0, rows.src_rows, out=value.flatten(1)
-        )
-        if (
-            self.gather_rotate is not None
-            and rotation is not None
-            and stretches is not None
-            and rows.stretch_index is not None
-        ):
-            self.gather_rotate(
-                pool_key,
-                rows.src_rows,
-                rows.stretch_index,
-                stretches.op_table(),
-                rotation,
-                key,
-            )
-        elif rotation is not None and rotation.rotates_in_place(key.device):
-            # CPU: the passes (gather, fp32, vLLM's op in place, cast back).
+        for pool, out in ((pool_value, value), (pool_key, key)):
+            torch.index_select(pool.flatten(1), 0, rows.src_rows, out=out.flatten(1))
+        if rotation is not None and rotation.rotates_in_place(key.device):
+            # CPU: fp32 copy, vLLM's op in place, cast back (rotation-paths.md).
             if stretches is not None and rows.stretch_index is not None:
                 index, table = rows.stretch_index, stretches.op_table()
             else:
                 index, table = rotation._table_for(rows.deltas)
-            key32 = (
+            key32 = key
+            if key.dtype != torch.float32:
+                key32 = self.scratch.take("key32", key, num_rows, torch.float32)
+                key32.copy_(key)
+            rotation.rotate_in_place_indexed(key32, index, table)
+            if key32 is not key:
+                key.copy_(key32)
+        elif rotation is not None:
+            cos_sin = (
                 None
-                if key.dtype == torch.float32
-                else self.scratch.take("key32", key, num_rows, torch.float32)
+                if stretches is None or rows.stretch_index is None
+                else stretches.rows(rows.stretch_index)
             )
-            load_key_passes(pool_key, rows.src_rows, rotation, index, table, key, key32)
-        else:
-            torch.index_select(
-                pool_key.flatten(1), 0, rows.src_rows, out=key.flatten(1)
+            rotated = self.scratch.take("rotated", pool_key, num_rows)
+            key = self.scratch.rotated(
+                lambda rows32, into: rotation.rotate(
+                    rows32, rows.deltas, cos_sin, out=into
+                ),
+                key,
+                rotated,
+                ("key32", "rotated32"),
             )
-            if rotation is not None:
-                cos_sin = (
-                    None
-                    if stretches is None or rows.stretch_index is None
-                    else stretches.rows(rows.stretch_index)
-                )
-                rotated = self.scratch.take("rotated", pool_key, num_rows)
-                key = self.scratch.rotated(
-                    lambda rows32, into: rotation.rotate(
-                        rows32, rows.deltas, cos_sin, out=into
-                    ),
-                    key,
-                    rotated,
-                    ("key32", "rotated32"),
-                )
         self.write_rows(layer_name, key, value, rows.dst_slots)

@@ -1,58 +1,40 @@
 # SPDX-License-Identifier: Apache-2.0
 """Worker side of the chunk cache: the pool tensors, capture and load.
 
-Which rope each layer's keys went through is read from the model by
-layer_ropes.py; which layers load through the fused GPU kernel is decided
-by fused_chunk_load_path.py; start-up refusals are support.py's.
+Each layer's rope is read from the model by layer_ropes.py; the layers that
+load through the fused GPU kernel are chosen by fused_chunk_load_path.py;
+start-up refusals are support.py's.
 
-* The chunk pool is a separate per-layer store on the device of the layer's
-  paged KV cache: key [rows, num_kv_heads, head_size] and value [rows,
-  num_kv_heads, head_size_v] in the model dtype (not vLLM's paged, ISA-packed
-  or quantized cache). Its memory is carved out of the KV cache budget
-  (setup.carve_chunk_pool, patch 0010), never added on top.
+* Pool: per layer, on the device of its paged KV cache, key [rows,
+  num_kv_heads, head_size] and value [rows, num_kv_heads, head_size_v] in the
+  model dtype (not vLLM's paged, ISA-packed or quantized layout), carved out
+  of the KV cache budget (setup.carve_chunk_pool), never added on top.
 * Capture (`wait_for_save`, after the forward): the rows a child computed
-  in this step are copied from its paged blocks into the pool rows the
-  scheduler assigned, through the backend's reader, on every layer whose
-  start-up self-check passed (capture_path.py). Nothing runs inside the
-  model's forward for them. A layer whose cache cannot be read back (a
-  quantized cache, a CPU ISA that packs K) captures in the attention hook
-  instead (`save_kv_layer`: the rows the patched wrapper hands over, found
-  in the batch by their paged slots once per step).
+  this step are copied from its paged blocks into its pool rows through the
+  backend's reader, on every layer whose start-up self-check passed
+  (capture_path.py). A layer whose cache cannot be read back (quantized, or
+  packed per CPU ISA) captures in the attention hook (`save_kv_layer`).
 * Load (`start_load_kv`, before the forward, outside any CUDA graph): the
-  step's block ids go to the device in one copy and are expanded there into
-  rows once (`LoadRows.expand`: pool rows, paged slots, each row's stretch),
-  and the fp32 cos/sin of each stretch's delta is formed on the host from the
-  metadata and sent over once per step and set of frequencies (each row
-  gathers its stretch's there); per layer the `PositionRemapper` gathers the rows, rotates K and
-  writes K/V into the parent's paged blocks through the attention backend's
-  own cache-write op (`do_kv_cache_update` of FlashAttention, FlashInfer and
-  Triton on CUDA; `ops.cpu_attn_reshape_and_cache` on CPU, which packs per
-  ISA). On a GPU, the layers whose start-up self-check passes load through
-  one fused Triton kernel instead, all of them in one launch per step,
-  writing the same bytes (fused_chunk_load_path.py). No device value is read back
-  to the host.
-* Sleep (vLLM's CuMem pool discards what register_kv_caches allocated, on a
-  GPU): only the pool, its load buffers and vLLM's caches are allocated there,
-  whose contents nothing reads after a sleep (the scheduler forgets the pool's
-  entries at the reset; the buffers are rewritten by every load). The fused
-  kernel's table of addresses is built at the first load, outside that pool,
-  and no device copy of the RoPE frequencies is kept.
-* fp8 KV caches: see setup.pool_dtype (pool in model dtype, rotate in fp32,
-  quantized by the backend's write with the layer's scale).
-* CUDA graphs: vLLM's default (FULL_AND_PIECEWISE) stays where the capture
-  runs after the forward; only a quantized KV cache (whose capture stays in
-  the attention hook) makes it PIECEWISE (setup._resolve_cudagraph_mode), and
-  `check_graph_mode` refuses at start-up a full graph over any layer left
-  with the hook.
+  step's block ids are expanded into rows on the device once
+  (`LoadRows.expand`), cos/sin of each stretch's delta go over once per step
+  and set of frequencies, and per layer the `PositionRemapper` gathers,
+  rotates K and writes K/V through the backend's own cache-write op
+  (cache_writers.py). On a GPU the self-checked layers load through one fused
+  Triton kernel launch per step instead (fused_chunk_load_path.py). No device
+  value is read back to the host.
+* Sleep: only the pool, its load buffers and vLLM's caches live in the pool a
+  sleep discards, and nothing reads their contents after one; the fused
+  kernel's address table is built at the first load, outside it.
+* fp8 KV caches: setup.pool_dtype. CUDA graphs: setup._resolve_cudagraph_mode
+  and `check_graph_mode` (a full graph over a hook-captured layer is refused).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 from torch import nn
-from vllm.logger import init_logger
 
 from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.cache_writers import (
     latent_writer_for,
@@ -62,7 +44,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.capture_path impor
     CaptureChoice,
     choose_capture,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.fused_chunk_load_path import (
+from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.fused_chunk_load_path import (  # noqa: E501
     FusedLayers,
     FusedLoadChoice,
     choose_fused_layers,
@@ -91,7 +73,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.support import (
     check_graph_mode,
     check_query_runs,
 )
-from vllm.v1.worker.gather_rotate import GatherRotate
+from vllm.logger import init_logger
 from vllm.v1.worker.position_remapper import (
     PositionRemapper,
     RemapRows,
@@ -101,12 +83,25 @@ from vllm.v1.worker.position_remapper import (
 )
 
 if TYPE_CHECKING:
+    from vllm.config import VllmConfig
     from vllm.forward_context import ForwardContext
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
-    from vllm.config import VllmConfig
-
 logger = init_logger(__name__)
+_T = TypeVar("_T")
+
+
+def _table(
+    stretches: dict[bytes, StretchCosSin], rotation: RopeRotation | None
+) -> StretchCosSin | None:
+    """The step's cos/sin of `rotation`'s frequencies; None without RoPE."""
+    return None if rotation is None else stretches[rotation.frequency_key]
+
+
+def _checked(found: _T | None) -> _T:
+    """A layer's writer (or reader) that register_kv_caches checked is there."""
+    assert found is not None, "checked in register_kv_caches"
+    return found
 
 
 def cache_device(kv_cache: torch.Tensor | Any) -> torch.device:
@@ -144,44 +139,32 @@ class ChunkCacheWorker:
         self.remappers: dict[str, PositionRemapper] = {}
         # MLA layers: latent rows (mla_latent_layers.py).
         self.latent: dict[str, LatentLayer] = {}
-        # One set of load buffers for the layers that need them (not those the
-        # fused kernel loads), of the rows the carve-out counts
-        # (setup.load_scratch_rows), allocated in register_kv_caches.
+        # The load buffers of the layers not fused, of the rows the carve-out
+        # counts (setup.load_scratch_rows).
         self._scratch = RemapScratch(load_scratch_rows(vllm_config))
         self._ropes: dict[str, nn.Module | None] | None = None
         self._rotations: dict[int, RopeRotation] = {}
-        # The CPU's one-pass K load (gather_rotate.py, shipped in the wheel),
-        # loaded at the first CPU layer; or why it could not be (logged
-        # once); and per rotation, what the start-up log says about it.
-        self._gather_rotate: GatherRotate | str | None = None
-        self._one_pass_why: dict[int, str] = {}
-        # Layers that load through the fused kernel (GPU, self-checked), and
-        # the launches that load them.
+        # Layers the fused kernel loads (GPU, self-checked), and its launches.
         self._fused = FusedLoadChoice()
         self._fused_groups: list[FusedLayers] = []
-        # Where each standard layer captures (capture_path.py); the layers
-        # and caches the capture after the forward reads.
+        # Where each standard layer captures (capture_path.py).
         self._capture = CaptureChoice()
-        # Fused-load launches whose layers all capture after the forward: one
-        # copy launch each (GPU).
+        # Fused-load launches whose layers all capture after the forward.
         self._capture_groups: list[FusedLayers] = []
         self._layers: dict[str, Any] = {}
         self._kv_caches: dict[str, Any] = {}
         self._forward_context: ForwardContext | None = None
-        # Capture indices of this step (same for every layer of the single
-        # KV cache group), built on the device at the first layer.
+        # This step's capture indices (the same for every layer).
         self._step_rows: torch.Tensor | None = None
         self._step_dst: torch.Tensor | None = None
         self._step_key: tuple[int, int] | None = None
-        # Layers whose attention hook captured for the step whose metadata is
-        # _hook_step (a step with captures must see every hooked layer:
-        # capture_after_forward). NOTE: owned by the step's metadata, never reset
-        # in start_load_kv: vLLM 0.32 calls start_load_kv after the forward in a
-        # step without synchronous loads, which would forget the hook's captures.
+        # Layers whose attention hook captured for the step of metadata
+        # _hook_step (capture_after_forward checks all did). NOTE: never reset
+        # in start_load_kv, which vLLM 0.32 calls after the forward in a step
+        # without synchronous loads.
         self._hook_step: Any = None
         self._hook_captured: set[str] = set()
-        # The fleet-wide store's reads and writes (store/transfers.py), None
-        # without --chunk-store.
+        # The fleet-wide store (store/transfers.py); None without --chunk-store.
         self.store: Any = None
         self._model: nn.Module | None = None
 
@@ -193,10 +176,8 @@ class ChunkCacheWorker:
         if no_rope and type(model).__module__.startswith(
             "vllm.model_executor.models.transformers"
         ):
-            # NOTE: vLLM's Transformers modeling backend (vLLM 0.32 serves e.g.
-            # Olmo2ForCausalLM through it) runs transformers' own attention
-            # forward, which applies the rope inside transformers' code: no
-            # rotary module of vLLM's to re-rotate keys with (issue 42).
+            # NOTE: vLLM's Transformers modeling backend (e.g. Olmo2 on vLLM
+            # 0.32) applies the rope inside transformers' own attention code.
             raise ValueError(
                 f"chunk cache cannot find the rotary embedding of attention layer(s) "
                 f"{sorted(ropes)[:4]}: the model runs on vLLM's Transformers modeling "
@@ -205,11 +186,9 @@ class ChunkCacheWorker:
                 "unsupported model implementation"
             )
         if no_rope:
-            # NOTE: with no RoPE a token's place enters elsewhere: learned or
-            # sinusoidal absolute position embeddings added to the input
-            # (GPT-2, OPT: every hidden state depends on the absolute
-            # position), or an attention bias (ALiBi). Copying a segment's keys
-            # to another place is exact for neither without proof (issue 42).
+            # NOTE: absolute position embeddings (GPT-2, OPT: every hidden
+            # state depends on the position) or an attention bias (ALiBi):
+            # moving a segment's keys is exact for neither.
             raise ValueError(
                 "chunk cache re-positions a cached segment by rotating its keys with "
                 f"RoPE, but attention layer(s) {sorted(ropes)[:4]} have no rotary "
@@ -231,7 +210,7 @@ class ChunkCacheWorker:
         self._rotations = rotations
         self._model = model
         logger.info(
-            "Chunk cache: %d attention layers, %d distinct RoPE(s) (%s), %d without RoPE",
+            "Chunk cache: %d attention layers, %d distinct RoPE(s) (%s), %d without",
             len(ropes),
             len(rotations),
             ", ".join(
@@ -265,8 +244,8 @@ class ChunkCacheWorker:
             for name, layer in layers.items()
             if isinstance(layer, (Attention, MLAAttention))
         }
-        for name, layer in attention.items():
-            check_attention_layer(name, layer, max_model_len)
+        for name in attention:
+            check_attention_layer(name, attention[name], max_model_len)
         from vllm.platforms import current_platform
 
         one_step_line = check_query_runs(
@@ -283,7 +262,7 @@ class ChunkCacheWorker:
             logger.info("Chunk cache: boundary recompute on CUDA: %s", one_step_line)
         total = 0
         for name, kv_cache in kv_caches.items():
-            layer = layers.get(name)
+            layer: Any = layers.get(name)
             check_attention_layer(name, layer, max_model_len)
             if name not in self._ropes:
                 raise ValueError(
@@ -293,27 +272,26 @@ class ChunkCacheWorker:
             device = cache_device(kv_cache)
             self.device = device
             rope = self._ropes[name]
+            rotation = None if rope is None else self._rotations[id(rope)]
             if isinstance(layer, MLAAttention):
                 self.latent[name] = LatentLayer.of(
                     name,
                     layer,
                     kv_cache,
-                    None if rope is None else self._rotations[id(rope)],
-                    latent_writer_for(layer.impl),
+                    rotation,
+                    _checked(latent_writer_for(layer.impl)),
                     self.num_pool_rows,
                     self.dtype,
                     self._scratch,
                 )
                 total += self.latent[name].pool.nbytes
                 continue
-            shape_k = (self.num_pool_rows, layer.num_kv_heads, layer.head_size)
-            shape_v = (self.num_pool_rows, layer.num_kv_heads, layer.head_size_v)
-            self.pool_key[name] = torch.zeros(shape_k, dtype=self.dtype, device=device)
-            self.pool_value[name] = torch.zeros(
-                shape_v, dtype=self.dtype, device=device
+            rows = (self.num_pool_rows, layer.num_kv_heads)
+            self.pool_key[name], self.pool_value[name] = (
+                torch.zeros(*rows, size, dtype=self.dtype, device=device)
+                for size in (layer.head_size, layer.head_size_v)
             )
             total += self.pool_key[name].nbytes + self.pool_value[name].nbytes
-            rotation = None if rope is None else self._rotations[id(rope)]
             if rotation is not None and rotation.head_size != layer.head_size:
                 # NOTE: the delta rotation turns the first rotary_dim values of
                 # each key head; a rope built for another width (e.g. k_pe at
@@ -329,23 +307,22 @@ class ChunkCacheWorker:
         self.pool_bytes = total
         self._layers = {name: layers[name] for name in kv_caches}
         self._kv_caches = dict(kv_caches)
+        standard = {name: layers[name] for name in self.remappers}
+        standard_caches = {name: kv_caches[name] for name in self.remappers}
         self._capture = choose_capture(
-            {name: layers[name] for name in self.remappers},
-            {name: kv_caches[name] for name in self.remappers},
-            {name: writer_for(layers[name].impl) for name in self.remappers},
+            standard,
+            standard_caches,
+            {n: _checked(writer_for(layer.impl)) for n, layer in standard.items()},
             self.dtype,
         )
         logger.info("Chunk cache: captures run %s", self._capture.summary())
         check_graph_mode(
             self.vllm_config.compilation_config, self._capture.in_attention
         )
-        layer_rotations = {
-            name: remapper.rotation for name, remapper in self.remappers.items()
-        }
         self._fused = choose_fused_layers(
-            {name: layers[name] for name in self.remappers},
-            {name: kv_caches[name] for name in self.remappers},
-            layer_rotations,
+            standard,
+            standard_caches,
+            {name: remapper.rotation for name, remapper in self.remappers.items()},
             self.dtype,
             _backend_write,
             self.pool_key,
@@ -355,14 +332,6 @@ class ChunkCacheWorker:
         # here: this runs inside the KV-cache memory pool, which a sleep
         # discards (fused_chunk_load_path.FusedLayers.group).
         self._fused_groups = self._fused.launches
-        # NOTE: after the fused choice: the one-pass check settles a rotation's
-        # rounding to the CPU op's (RopeRotation.rotates_in_place), and the
-        # fused self-check's reference must keep the generic rounding.
-        for name, remapper in self.remappers.items():
-            if name not in self._fused.layers:
-                remapper.gather_rotate = self._one_pass_for(
-                    remapper.rotation, self.pool_key[name]
-                )
         # NOTE: the fused copy reads the caches the fused load's self-check
         # wrote on, in the pool's dtype (no fp8 group captures here).
         self._capture_groups = [
@@ -402,51 +371,14 @@ class ChunkCacheWorker:
         # only where it is bit-identical to the generic rotation): say which.
         for rotation in self._rotations.values():
             logger.info(
-                "Chunk cache: keys re-rotated with %s%s",
+                "Chunk cache: keys re-rotated with %s",
                 rotation.describe_path(self.device),
-                self._one_pass_why.get(id(rotation), ""),
             )
-
-    def _one_pass_for(
-        self, rotation: RopeRotation | None, pool_key: torch.Tensor
-    ) -> GatherRotate | None:
-        """The CPU kernel that loads K in one pass (gather_rotate.py), where it
-        builds and its self-check holds for this rotation and pool; None keeps
-        the passes, with the reason for the start-up log."""
-        if rotation is None or pool_key.device.type != "cpu":
-            return None
-        if self._gather_rotate is None:
-            # NOTE: anything at all keeps the passes and never stops the
-            # engine (a missing or truncated library, a missing symbol...).
-            try:
-                self._gather_rotate = GatherRotate.load()
-            except Exception as e:
-                self._gather_rotate = f"{type(e).__name__}: {e}"
-                logger.warning(
-                    "Chunk cache: K loaded in passes, the one-pass CPU kernel "
-                    "could not be loaded (%s)",
-                    self._gather_rotate,
-                )
-        kernel = self._gather_rotate
-        if isinstance(kernel, str):
-            why: str | None = "not loaded, see above"
-        else:
-            try:
-                why = kernel.why_not(rotation, pool_key)
-            except Exception as e:
-                why = f"its check failed: {type(e).__name__}: {e}"
-        self._one_pass_why[id(rotation)] = (
-            f"; K gathered, rotated and cast in one pass (gather_rotate.c: "
-            f"{kernel.describe()}; checked byte-identical to the passes on this CPU)"
-            if why is None
-            else f"; K loaded in passes: the one-pass kernel is not used ({why})"
-        )
-        return None if why is not None else kernel  # type: ignore[return-value]
 
     def _start_store(self) -> None:
         if self.vllm_config.chunk_cache_config.chunk_store is None:
             return
-        from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store.transfers import (
+        from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store.transfers import (  # noqa: E501
             StoreTransfers,
         )
 
@@ -462,11 +394,9 @@ class ChunkCacheWorker:
         )
 
     def _allocate_scratch(self) -> None:
-        """The load buffers of the layers that take them, now (inside the KV
-        cache's memory, which the carve-out counted; vllm-ascend's sleep pool
-        too): K/V buffers for the standard layers the fused kernel does not
-        load, latent ones for MLA layers, none otherwise. Their contents are
-        workspace, rewritten by every load: a sleep may discard them."""
+        """The load buffers, now, inside the KV cache's memory the carve-out
+        counted: K/V ones for standard layers not fused, latent ones for MLA
+        layers. Workspace rewritten by every load: a sleep may discard them."""
         per_layer = [name for name in self.remappers if name not in self._fused.layers]
         if per_layer:
             key = self.pool_key[per_layer[0]]
@@ -492,9 +422,7 @@ class ChunkCacheWorker:
     # --------------------------------------------------------------- load
 
     def start_load_kv(self, meta: Any, forward_context: ForwardContext) -> None:
-        self._step_rows = None
-        self._step_dst = None
-        self._step_key = None
+        self._step_rows = self._step_dst = self._step_key = None
         if meta.store is not None and self.store is not None:
             # NOTE: before the loads: an entry fetched in an earlier step is
             # written into its pool rows here, before a parent reads them.
@@ -522,10 +450,8 @@ class ChunkCacheWorker:
     def _load_rows(self, rows: RemapRows) -> None:
         stretches = self._stretch_cos_sin(rows.stretch_deltas)
         self._load_fused(rows, stretches)
-        # NOTE: the other layers go through the load buffers, in pieces of
-        # their rows: more rows only for a load longer than the per-step cap
-        # (which the scheduler lets run alone), or where the buffers were
-        # sized for a fused model (setup.load_scratch_rows).
+        # NOTE: the other layers go through the load buffers, in pieces (more
+        # rows than they hold: a load over the per-step cap, run alone).
         for piece in rows.pieces(self._scratch.max_rows or rows.num_rows):
             self._load_piece(piece, stretches)
 
@@ -533,15 +459,10 @@ class ChunkCacheWorker:
         self, stretch_deltas: torch.Tensor
     ) -> dict[bytes, StretchCosSin]:
         """fp32 cos/sin of each stretch's delta, once per step and set of
-        frequencies (not per rope object: an MLA layer's `with_pairing` copy
-        shares its rope's), formed on the host from the metadata's integers
-        and sent to the device: no device value is read back."""
+        frequencies (an MLA layer's `with_pairing` copy shares its rope's)."""
+        fused = self._fused.layers
         rotations = [launch.rotation for launch in self._fused_groups]
-        rotations += [
-            self.remappers[name].rotation
-            for name in self.remappers
-            if name not in self._fused.layers
-        ]
+        rotations += [r.rotation for n, r in self.remappers.items() if n not in fused]
         rotations += [latent.rotation for latent in self.latent.values()]
         tables: dict[bytes, StretchCosSin] = {}
         for rotation in rotations:
@@ -562,7 +483,7 @@ class ChunkCacheWorker:
 
         for launch in self._fused_groups:
             rotation = launch.rotation
-            table = None if rotation is None else stretches[rotation.frequency_key]
+            table = _table(stretches, rotation)
             fused_load(
                 launch.group,
                 rows.src_rows,
@@ -577,25 +498,13 @@ class ChunkCacheWorker:
         self, rows: RemapRows, stretches: dict[bytes, StretchCosSin]
     ) -> None:
         """The layers not fused, through the load buffers."""
-        fused = self._fused.layers
         for name, remapper in self.remappers.items():
-            if name in fused:
-                continue
-            rotation = remapper.rotation
-            remapper.remap_layer(
-                name,
-                self.pool_key[name],
-                self.pool_value[name],
-                rows,
-                stretches=None
-                if rotation is None
-                else stretches[rotation.frequency_key],
-            )
+            if name not in self._fused.layers:
+                pool_key, pool_value = self.pool_key[name], self.pool_value[name]
+                table = _table(stretches, remapper.rotation)
+                remapper.remap_layer(name, pool_key, pool_value, rows, table)
         for latent in self.latent.values():
-            rotation = latent.rotation
-            latent.load(
-                rows, None if rotation is None else stretches[rotation.frequency_key]
-            )
+            latent.load(rows, _table(stretches, latent.rotation))
 
     def _write_rows(
         self,
@@ -608,20 +517,16 @@ class ChunkCacheWorker:
         forward_context = self._forward_context
         assert forward_context is not None
         layer = forward_context.no_compile_layers[layer_name]
-        writer = writer_for(layer.impl)
-        assert writer is not None, "checked in register_kv_caches"
+        writer = _checked(writer_for(layer.impl))
         writer.write(layer, key, value, slot_mapping, forward_context)
 
     # ------------------------------------------------------------ capture
 
     def capture_after_forward(self, meta: Any) -> None:
-        """The rows this step's children computed, from their paged blocks
-        into the pool, on every layer not captured by the hook (the forward
-        wrote them; the blocks are the children's until the step's output is
-        processed). First, that every layer left with the attention hook
-        captured: one that did not (its attention ran outside vLLM's
-        Attention wrapper, e.g. a platform's own model runtime) would leave
-        pool rows that parents then load; fail the step instead."""
+        """The rows this step's children computed, from their paged blocks into
+        the pool, on every layer not captured by the hook. First, fail the step
+        if a hooked layer did not capture (its attention ran outside vLLM's
+        wrapper): parents would load its missing rows."""
         if meta.stores and self._capture.in_attention:
             captured = self._hook_captured if self._hook_step is meta else set()
             self._hook_step, self._hook_captured = None, set()
@@ -650,7 +555,7 @@ class ChunkCacheWorker:
         for name, writer in self._capture.after_forward.items():
             if name in fused:
                 continue
-            key, value = writer.read(
+            key, value = _checked(writer.read)(
                 self._layers[name], self._kv_caches[name], rows.src_slots
             )
             pool_key, pool_value = self.pool_key[name], self.pool_value[name]
@@ -696,12 +601,8 @@ class ChunkCacheWorker:
     def _capture_indices(
         self, meta: Any, slot_mapping: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Batch row of each token to capture (found by its paged slot) and
-        its pool row, on the batch's device, once per step, with no host
-        synchronisation on CPU and CUDA: the check that every slot is in the
-        batch is a device-side assertion there (raised at once on the CPU, by
-        the device in stream order on CUDA); on an NPU a host check
-        (assert_on_device)."""
+        """Batch row of each token to capture (found by its paged slot) and its
+        pool row, on the batch's device, checked by `assert_on_device`."""
         expanded = StoreRows.expand(
             meta.stores, POOL_BLOCK_SIZE, self.block_size, slot_mapping.device
         )
@@ -722,12 +623,10 @@ class ChunkCacheWorker:
 def assert_on_device(ok: torch.Tensor, message: str) -> None:
     """Raise `message` unless the one-element bool tensor `ok` holds.
 
-    CPU and CUDA: `torch._assert_async`, with no host synchronisation (a
-    device->host copy per step would serialise the CPU and the device under
-    async scheduling, issue 20, finding 4). Other platforms (vllm-ascend's
-    NPU): that op has no kernel there (torch_npu's op-plugin lists none), so
-    the check reads the flag on the host: one synchronisation per step that
-    captures in the attention hook (it runs once per step, _step_indices)."""
+    CPU and CUDA: `torch._assert_async`, with no host synchronisation (which
+    would serialise host and device under async scheduling). Elsewhere
+    (vllm-ascend's NPU, where that op has no kernel) the flag is read on the
+    host: one synchronisation per step that captures in the hook."""
     from vllm.platforms import current_platform
 
     if getattr(current_platform, "device_type", None) in ("cpu", "cuda"):
