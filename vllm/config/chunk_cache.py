@@ -1,12 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Configuration of the position-independent chunk KV cache (chunk-cache fork)."""
+"""Configuration of the position-independent chunk KV cache."""
 
 from typing import Literal
 
 from vllm.config.utils import config
-from vllm.logger import init_logger
-
-logger = init_logger(__name__)
 
 ChunkContext = Literal["sink", "none", "system"]
 ChunkHashAlgo = Literal["xxhash"]
@@ -45,12 +42,11 @@ class ChunkCacheConfig:
 
     max_chunk_load_tokens: int = 16384
     """Most prompt tokens loaded from the chunk pool in one engine step, over
-    all requests. A request whose load would pass it waits for the next step,
-    unless nothing was loaded yet in this step (every request gets its turn;
-    a longer load then runs alone, in pieces of this size). Loads are copies,
-    not attention, but not free (~14 ms per 16k rows measured on an H100 with
-    Llama-3-8B shapes) and every running request's decode waits for them. The
-    workers' load buffers hold this many rows, inside the pool's memory."""
+    all requests: a request whose load would pass it waits for the next step,
+    unless it is the step's first (a longer load then runs alone, in pieces of
+    this size). Loads cost ~14 ms per 16k rows (H100, Llama-3-8B shapes), and
+    running requests' decodes wait for them. The workers' load buffers hold
+    this many rows, inside the pool's memory."""
 
     chunk_hash_algo: ChunkHashAlgo = "xxhash"
     """Content hash of a chunk's key (xxh3-128). Hits are always verified
@@ -66,85 +62,69 @@ class ChunkCacheConfig:
     chunk_sink_token_id: int | None = None
     """Token id of the private sink of "sink" mode, a constant of the
     deployment so that a chunk's key never depends on the system prompt.
-    Default: the tokenizer's BOS token, whether or not prompts start with it;
-    a model without a BOS token must set this flag (start-up fails otherwise)."""
+    Default: the tokenizer's BOS token; a model without one must set this."""
 
     chunk_recompute_tokens: int = 0
     """Boundary recompute: the first N tokens of every cached chunk are
-    computed inside the request, attending to the system prompt and to every
-    earlier chunk; the rest of the chunk keeps its cached KV. 0 (default)
-    recomputes nothing. Buys back answer quality lost to chunk isolation at
-    the cost of computing N tokens per chunk and one engine step per chunk
+    computed inside the request, attending to everything before them; the
+    rest keeps its cached KV. 0 (default) recomputes nothing. Buys back answer
+    quality lost to chunk isolation for N computed tokens per chunk
     (docs/quality.md, docs/design/boundary-recompute.md)."""
 
     chunk_store: str | None = None
-    """The fleet tier: a Mooncake Store shared by every replica, as a URL
+    """A Mooncake Store shared by every replica, as a URL
     (mooncake://HOST:PORT?segment=0&buffer=16MB&timeout=5) or JSON
-    ({"master": "HOST:PORT", ...}). Entries missing from the pool are read
-    from it before they are computed, and computed ones are written to it.
-    None (default): no store, each instance keeps its own pool. Mooncake's TCP
-    transport has no authentication: keep the store on a private network
-    (docs/design/chunk-store.md)."""
+    ({"master": "HOST:PORT", ...}): entries missing from the pool are read
+    from it, computed ones written to it. None (default): each instance keeps
+    its own pool. Mooncake's TCP transport has no authentication: keep the
+    store on a private network (docs/design/chunk-store.md)."""
 
     def __post_init__(self) -> None:
-        if not self.chunk_separator or not self.chunk_separator.strip():
+        sep = self.chunk_separator
+        if not sep or not sep.strip():
             raise ValueError(
-                "chunk_separator must contain a non-whitespace character, "
-                f"got {self.chunk_separator!r}"
+                "--chunk-separator must contain a non-whitespace character, "
+                f"got {sep!r}"
             )
-        if self.chunk_separator.strip() != self.chunk_separator:
-            # NOTE: the same rule as ChunkedPromptParser, which strips whitespace next to
-            # a separator; checked here so a bad value fails at start-up, not per request.
+        if sep.strip() != sep:
+            # NOTE: the prompt parser strips whitespace next to a separator;
+            # refused here so a bad value fails at start-up, not per request.
             raise ValueError(
-                "chunk_separator must not start or end with whitespace, "
-                f"got {self.chunk_separator!r}"
+                f"--chunk-separator must not start or end with whitespace, got {sep!r}"
             )
-        if self.max_chunks < 1:
-            raise ValueError(f"max_chunks must be >= 1, got {self.max_chunks}")
-        if self.max_chunk_tokens < 1:
-            raise ValueError(
-                f"max_chunk_tokens must be >= 1, got {self.max_chunk_tokens}"
-            )
-        if self.max_chunk_load_tokens < 1:
-            raise ValueError(
-                f"max_chunk_load_tokens must be >= 1, got {self.max_chunk_load_tokens}"
-            )
-        if not 0.0 < self.chunk_pool_fraction < 1.0:
-            raise ValueError(
-                f"chunk_pool_fraction must be in (0, 1), got {self.chunk_pool_fraction}"
-            )
-        if self.chunk_recompute_tokens < 0:
-            raise ValueError(
-                "chunk_recompute_tokens must be >= 0, "
-                f"got {self.chunk_recompute_tokens}"
-            )
-        if self.chunk_sink_token_id is not None and self.chunk_sink_token_id < 0:
-            raise ValueError(
-                f"chunk_sink_token_id must be >= 0, got {self.chunk_sink_token_id}"
-            )
-        if self.chunk_pool_size_gib is not None and self.chunk_pool_size_gib <= 0:
-            raise ValueError(
-                f"chunk_pool_size_gib must be > 0, got {self.chunk_pool_size_gib}"
-            )
+        for flag, value, low in (
+            ("--max-chunks", self.max_chunks, 1),
+            ("--max-chunk-tokens", self.max_chunk_tokens, 1),
+            ("--max-chunk-load-tokens", self.max_chunk_load_tokens, 1),
+            ("--chunk-recompute-tokens", self.chunk_recompute_tokens, 0),
+            ("--chunk-sink-token-id", self.chunk_sink_token_id, 0),
+        ):
+            if value is not None and value < low:
+                raise ValueError(f"{flag} must be >= {low}, got {value}")
+        fraction, size = self.chunk_pool_fraction, self.chunk_pool_size_gib
+        if not 0.0 < fraction < 1.0:
+            raise ValueError(f"--chunk-pool-fraction must be in (0, 1), got {fraction}")
+        if size is not None and size <= 0:
+            raise ValueError(f"--chunk-pool-size-gib must be > 0, got {size}")
         if self.chunk_store is not None:
-            self._check_chunk_store()
+            self._check_chunk_store(self.chunk_store)
 
-    def _check_chunk_store(self) -> None:
-        # NOTE: imported here, not at module level: vllm.config must not import
-        # vllm.distributed while it loads; spec.py itself is stdlib only.
-        from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store.spec import (
-            parse_store_spec,
+    def _check_chunk_store(self, chunk_store: str) -> None:
+        # NOTE: imported here: vllm.config must not import vllm.distributed
+        # while it loads (spec.py itself is stdlib only).
+        from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store import (
+            spec,
         )
 
         if not self.enable_chunk_cache:
             raise ValueError("--chunk-store needs --enable-chunk-cache")
         try:
-            parse_store_spec(self.chunk_store)
+            spec.parse_store_spec(chunk_store)
         except ValueError as e:
-            raise ValueError(f"--chunk-store {self.chunk_store!r}: {e}") from None
+            raise ValueError(f"--chunk-store {chunk_store!r}: {e}") from None
 
     def resolve_sink_token_id(self, bos_token_id: int | None) -> None:
-        """Fix the sink token at start-up (flag, else the tokenizer's BOS)."""
+        """Fix the sink token at start-up: the flag, else the tokenizer's BOS."""
         if self.chunk_context != "sink" or self.chunk_sink_token_id is not None:
             return
         if bos_token_id is None:

@@ -1,4 +1,4 @@
-"""ChunkCacheConfig: defaults, validation at start-up, and the EngineArgs / CLI wiring."""
+"""ChunkCacheConfig: defaults, validation at start-up, the EngineArgs / CLI wiring."""
 
 import subprocess
 import sys
@@ -34,19 +34,19 @@ def test_defaults_follow_the_spec():
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        ({"chunk_separator": ""}, "chunk_separator must contain a non-whitespace"),
-        ({"chunk_separator": "  "}, "chunk_separator must contain a non-whitespace"),
+        ({"chunk_separator": ""}, "--chunk-separator must contain a non-whitespace"),
+        ({"chunk_separator": "  "}, "--chunk-separator must contain a non-whitespace"),
         (
             {"chunk_separator": " ## "},
-            "chunk_separator must not start or end with whitespace",
+            "--chunk-separator must not start or end with whitespace",
         ),
-        ({"max_chunks": 0}, "max_chunks must be >= 1"),
-        ({"max_chunk_tokens": -5}, "max_chunk_tokens must be >= 1"),
-        ({"chunk_pool_fraction": 1.5}, "chunk_pool_fraction must be in"),
-        ({"chunk_pool_size_gib": 0}, "chunk_pool_size_gib must be > 0"),
+        ({"max_chunks": 0}, "--max-chunks must be >= 1"),
+        ({"max_chunk_tokens": -5}, "--max-chunk-tokens must be >= 1"),
+        ({"chunk_pool_fraction": 1.5}, "--chunk-pool-fraction must be in"),
+        ({"chunk_pool_size_gib": 0}, "--chunk-pool-size-gib must be > 0"),
         ({"chunk_context": "everything"}, "chunk_context"),
         ({"chunk_hash_algo": "md5"}, "chunk_hash_algo"),
-        ({"chunk_recompute_tokens": -1}, "chunk_recompute_tokens must be >= 0"),
+        ({"chunk_recompute_tokens": -1}, "--chunk-recompute-tokens must be >= 0"),
     ],
 )
 def test_bad_values_fail_with_a_message_naming_the_field(kwargs, message):
@@ -74,7 +74,7 @@ def test_engine_args_build_the_config():
 
 
 def test_engine_args_reject_bad_values_at_start_up():
-    with pytest.raises(Exception, match="max_chunk_tokens must be >= 1"):
+    with pytest.raises(Exception, match="--max-chunk-tokens must be >= 1"):
         EngineArgs(
             model=TINY, enable_chunk_cache=True, max_chunk_tokens=0
         ).create_engine_config()

@@ -1,34 +1,23 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Block allocator of the chunk pool (the spec's independent 15% pool).
+"""Block allocator of the chunk pool, a fixed number of blocks of
+`block_size` rows separate from vLLM's paged KV cache (bookkeeping only: the
+worker owns the tensors). A cached segment is one entry of
+cdiv(num_tokens, block_size) blocks.
 
-The pool is a fixed number of blocks of `block_size` rows, separate from
-vLLM's paged KV cache. A cached segment is one entry made of
-cdiv(num_tokens, block_size) blocks. This class only does the bookkeeping
-(which block belongs to which entry); the worker owns the tensors.
-
-Rules:
-* An entry with pin_count > 0 is never evicted. Pins are taken by the
-  child request writing the entry and by every request that will load it.
-* Unpinned entries sit in an LRU list; `touch` and the last `unpin` move an
-  entry to the most-recently-used end. Eviction frees exactly the least
-  recently used unpinned entry, then the next, until the request fits.
-* Free blocks are handed out in FIFO order (lowest ids first on a fresh
-  pool; freed blocks go to the back), which keeps block ids deterministic.
-* `retire_all` (a cache reset: new weights, sleep) frees every unpinned
-  entry now and retires the pinned ones: a retired entry is freed when its
-  last pin drops instead of entering the LRU, so its rows (old weights, or
-  memory a sleep discarded) are never handed to a new holder.
-* `relocate` takes an entry's blocks away into the held set under a holder
-  id and gives the entry new ones (issue 39, finding 9: a store read given
-  up on may still write into its rows until the store's call returns).
-  Held blocks are in no entry, never free, never evicted and untouched by
-  `retire_all`; `release_held` puts them back on the free list.
+* An entry with pin_count > 0 (its writer, the requests that will load it)
+  is never evicted. Unpinned entries sit in an LRU list (`touch` and the
+  last `unpin` make an entry the most recent); eviction frees the least
+  recently used first. Free blocks go out in FIFO order (deterministic ids).
 * `reserve` pins existing entries and allocates new ones in one step, or
-  does nothing at all: an admission never has to undo half of itself.
-* The pool owns the index of its resident entries (key -> exact tokens,
-  chunk_hash_index.py): `publish` files an entry whose writer finished,
-  `find` answers by key and tokens, and an entry evicted, freed or retired
-  leaves the index with its blocks, so the two never disagree.
+  does nothing: an admission never undoes half of itself.
+* `retire_all` (a cache reset) frees every unpinned entry and retires the
+  pinned ones: freed on their last unpin, never handed to a new holder.
+* `relocate` holds an entry's blocks under a holder id and gives it new ones
+  (a store read given up on may still write into its rows until its call
+  returns); held blocks are in no entry, never free nor evicted, until
+  `release_held` (or `write_off`, which takes them out of the pool).
+* The pool owns the index of its published entries (chunk_hash_index.py):
+  an entry leaves it with its blocks, so the two never disagree.
 """
 
 from collections import OrderedDict, deque
@@ -41,45 +30,43 @@ from vllm.v1.core.chunk_structures import ChunkHash, ChunkPoolEntry, PoolBlockId
 
 
 class Residence(str, Enum):
-    """What `ChunkBlockPool.find` knows of a key and its tokens."""
+    """What `ChunkBlockPool.find_bytes` knows of a key and its tokens: published
+    with exactly these tokens, not published (absent, or its writer has not
+    finished), or published with other tokens (a hash collision)."""
 
-    # Published under this key with exactly these tokens.
     RESIDENT = "resident"
-    # Not published (absent, or an entry whose writer has not finished).
     ABSENT = "absent"
-    # Published under this key with other tokens: a hash collision.
     COLLISION = "collision"
+
+
+# NOTE: `evicted` in each result: the entries evicted to make room, oldest
+# first, already out of the index.
 
 
 @dataclass(frozen=True)
 class Reservation:
-    """Result of `ChunkBlockPool.reserve`."""
+    """Result of `reserve`: the new entries in the order asked, each pinned
+    once for its writer."""
 
-    # The new entries, in the order asked, each pinned once (for its writer).
     entries: tuple[ChunkPoolEntry, ...]
-    # Entries evicted to make room, oldest first (already out of the index).
     evicted: tuple[ChunkHash, ...]
 
 
 @dataclass(frozen=True)
 class PoolAllocation:
-    """Result of `ChunkBlockPool.allocate`."""
+    """Result of `allocate`: the new entry, pinned once for its writer."""
 
-    # The new entry, already pinned once for its writer.
     entry: ChunkPoolEntry
-    # Entries evicted to make room, oldest first (already out of the index).
     evicted: tuple[ChunkHash, ...]
 
 
 @dataclass(frozen=True)
 class PoolRelocation:
-    """Result of `ChunkBlockPool.relocate`."""
+    """Result of `relocate`: the entry with its new blocks (pins unchanged)
+    and its former blocks, now held under the holder."""
 
-    # The entry with its new blocks (pins unchanged).
     entry: ChunkPoolEntry
-    # The entry's former blocks, now held under the holder.
     held: tuple[PoolBlockId, ...]
-    # Entries evicted to make room, oldest first (already out of the index).
     evicted: tuple[ChunkHash, ...]
 
 
@@ -87,18 +74,13 @@ class PoolRelocation:
 class PoolUsage:
     """Snapshot of the pool's gauges and counters."""
 
-    # Blocks owned by entries.
+    # Blocks not free (in entries, or held: `blocks_held`).
     blocks_used: int
-    # Blocks in the pool.
     blocks_total: int
-    # Entries currently allocated (pinned or not).
+    # Entries allocated (pinned or not), and those evictable now.
     num_entries: int
-    # Entries that can be evicted right now.
     num_evictable: int
-    # Entries evicted since creation.
     num_evictions: int
-    # Blocks held for a holder (`relocate`), in no entry; counted in
-    # blocks_used too (they are not free).
     blocks_held: int = 0
 
 
@@ -115,22 +97,16 @@ class ChunkBlockPool:
             PoolBlockId(i) for i in range(num_blocks)
         )
         self._entries: dict[ChunkHash, ChunkPoolEntry] = {}
-        # Unpinned entries, least recently used first. Values unused.
+        # Unpinned entries, least recently used first.
         self._lru: OrderedDict[ChunkHash, None] = OrderedDict()
-        # Blocks held by entries in _lru (kept to answer can_allocate in O(1)).
+        # Blocks of the entries in _lru (can_allocate in O(1)).
         self._evictable_blocks = 0
         # Pinned entries retired by a reset: freed on their last unpin.
         self._retired: set[ChunkHash] = set()
-        # Blocks taken from entries by `relocate`, per holder, until
-        # `release_held`.
+        # Blocks taken from entries by `relocate`, by holder.
         self._held: dict[str, tuple[PoolBlockId, ...]] = {}
         self.num_evictions = 0
-        # Resident entries' exact tokens, by key (`publish`, `find`).
         self._index = ChunkHashIndex()
-        # Blocks given up for good (`write_off`): no longer in num_blocks.
-        self.num_written_off = 0
-
-    # ------------------------------------------------------------- queries
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -154,29 +130,17 @@ class ChunkBlockPool:
 
     @property
     def num_published(self) -> int:
-        """Entries `find` can answer RESIDENT for."""
+        """Entries `find_bytes` can answer RESIDENT for."""
         return len(self._index)
 
     def is_published(self, chunk_hash: ChunkHash) -> bool:
         return chunk_hash in self._index
 
-    def find(
-        self,
-        chunk_hash: ChunkHash,
-        token_ids: Sequence[int],
-        context_ids: Sequence[int],
-    ) -> Residence:
-        """Whether `chunk_hash` is published with exactly these tokens."""
-        if chunk_hash not in self._index:
-            return Residence.ABSENT
-        if self._index.lookup(chunk_hash, token_ids, context_ids) is None:
-            return Residence.COLLISION
-        return Residence.RESIDENT
-
     def find_bytes(
         self, chunk_hash: ChunkHash, tokens: bytes, context: bytes
     ) -> Residence:
-        """`find` of ids already serialised by `token_bytes` (issue 52)."""
+        """Whether `chunk_hash` is published with exactly these ids (as
+        `token_bytes` serialises them)."""
         if chunk_hash not in self._index:
             return Residence.ABSENT
         if self._index.lookup_bytes(chunk_hash, tokens, context) is None:
@@ -205,15 +169,10 @@ class ChunkBlockPool:
             blocks_held=self.num_held_blocks,
         )
 
-    # ----------------------------------------------------------- mutations
-
     def allocate(self, chunk_hash: ChunkHash, num_tokens: int) -> PoolAllocation:
-        """Create an entry for `num_tokens` rows, evicting LRU if needed.
-
-        The entry comes back pinned once (for the writer). Raises
-        ValueError if the key exists or if the rows cannot fit even after
-        evicting every unpinned entry (check `can_allocate` first).
-        """
+        """Create an entry for `num_tokens` rows, pinned once for its writer,
+        evicting LRU entries if needed. ValueError if the key exists or the
+        rows cannot fit even after evicting every unpinned entry."""
         if chunk_hash in self._entries:
             raise ValueError(f"chunk {chunk_hash.hex()} is already allocated")
         if num_tokens < 1:
@@ -231,8 +190,8 @@ class ChunkBlockPool:
         does; or, if the allocations do not fit once the pinned entries are
         out of the LRU, change nothing and return None."""
         needed = sum(self.blocks_needed(n) for _, n in allocations)
-        # NOTE: entries about to be pinned leave the LRU first, so their blocks
-        # are no room for the allocations (as when pinned one by one before).
+        # NOTE: entries about to be pinned leave the LRU first, so their
+        # blocks are no room for the allocations.
         leaving = sum(
             len(self._entries[h].block_ids) for h in set(pins) if h in self._lru
         )
@@ -253,10 +212,9 @@ class ChunkBlockPool:
         context_ids: Sequence[int],
         keep_pin: bool = False,
     ) -> bool:
-        """The entry's writer finished: file it under its key and tokens, so
-        that `find` answers RESIDENT, and drop the writer's pin, or, with
-        `keep_pin`, hand it to the caller (to drop with `unpin`). A retired
-        entry (computed before a reset: never found again) is not published
+        """The entry's writer finished: file it under its key and tokens (so
+        `find_bytes` answers RESIDENT) and drop the writer's pin, or with
+        `keep_pin` hand it to the caller. A retired entry is not published
         and its writer's pin always drops. True if published."""
         self._require(chunk_hash)
         if chunk_hash in self._retired:
@@ -284,17 +242,14 @@ class ChunkBlockPool:
             self._retired.discard(chunk_hash)
             self._release(chunk_hash)
         elif entry.pin_count == 0:
-            # NOTE: the last holder just used it, so it enters the LRU at
-            # the most-recently-used end.
-            self._lru[chunk_hash] = None
+            self._lru[chunk_hash] = None  # just used: the most recent end
             self._evictable_blocks += len(entry.block_ids)
 
     def unpin_all(
         self, chunk_hashes: Sequence[ChunkHash], free: ChunkHash | None = None
     ) -> None:
-        """Unpin each key in order (a key once per pin to drop), then drop
-        `free` if it is still there (an entry whose writer never finished; a
-        retired one went with its last pin)."""
+        """Unpin each key in order (once per pin to drop), then drop `free`
+        if still there (an entry whose writer never finished)."""
         for chunk_hash in chunk_hashes:
             self.unpin(chunk_hash)
         if free is not None and free in self._entries:
@@ -317,9 +272,8 @@ class ChunkBlockPool:
 
     def retire_all(self) -> list[ChunkHash]:
         """Drop every entry: unpinned ones now, pinned ones on their last
-        unpin (they stay readable for their current holders only). Returns
-        the keys of all entries that existed (none of them is found again).
-        Eviction counters are not touched: a reset is no eviction."""
+        unpin (readable by their current holders only); none is found again.
+        Returns their keys. A reset is no eviction: no counter moves."""
         dropped = list(self._entries)
         for chunk_hash in list(self._lru):
             self._release(chunk_hash)
@@ -330,16 +284,10 @@ class ChunkBlockPool:
 
     def relocate(self, chunk_hash: ChunkHash, holder: str) -> PoolRelocation | None:
         """Hold a pinned entry's blocks under `holder` and give the entry new
-        ones, evicting LRU entries as `allocate` does; or, if the new blocks
-        do not fit even after evicting every unpinned entry, change nothing
-        and return None."""
-        entry = self._require(chunk_hash)
-        if not entry.pin_count:
-            # NOTE: an unpinned entry is in the LRU and could be chosen as the
-            # victim of its own relocation; every caller holds a writer's pin.
-            raise ValueError(f"chunk {chunk_hash.hex()} is not pinned")
-        if holder in self._held:
-            raise ValueError(f"holder {holder} already holds pool blocks")
+        ones, evicting as `allocate` does; or, if they cannot fit, change
+        nothing and return None. NOTE: pinned, else the entry could be the
+        victim of its own relocation."""
+        entry = self._require_pinned(chunk_hash, holder)
         if not self.can_allocate(len(entry.block_ids)):
             return None
         held = tuple(entry.block_ids)
@@ -348,22 +296,16 @@ class ChunkBlockPool:
         return PoolRelocation(entry=entry, held=held, evicted=evicted)
 
     def release_held(self, holder: str) -> tuple[PoolBlockId, ...]:
-        """Put the blocks held under `holder` back on the free list (at its
-        back, in their row order). Raises KeyError for an unknown holder."""
-        blocks = self._held.pop(holder, None)
-        if blocks is None:
-            raise KeyError(f"holder {holder} holds no pool blocks")
+        """Put the blocks held under `holder` back at the end of the free
+        list, in row order. KeyError for an unknown holder."""
+        blocks = self._pop_held(holder)
         self._free_blocks.extend(blocks)
         return blocks
 
     def detach(self, chunk_hash: ChunkHash, holder: str) -> tuple[PoolBlockId, ...]:
         """Drop a pinned entry (its pins with it) and hold its blocks under
-        `holder` instead, as `relocate` would with no room for new ones."""
-        entry = self._require(chunk_hash)
-        if not entry.pin_count:
-            raise ValueError(f"chunk {chunk_hash.hex()} is not pinned")
-        if holder in self._held:
-            raise ValueError(f"holder {holder} already holds pool blocks")
+        `holder`, as `relocate` would with no room for new ones."""
+        entry = self._require_pinned(chunk_hash, holder)
         held = self._held[holder] = tuple(entry.block_ids)
         del self._entries[chunk_hash]
         self._retired.discard(chunk_hash)
@@ -372,17 +314,11 @@ class ChunkBlockPool:
         return held
 
     def write_off(self, holder: str) -> tuple[PoolBlockId, ...]:
-        """Give up the blocks held under `holder` for good: they leave the pool
-        (num_blocks shrinks) and are never handed out again. Raises KeyError for
-        an unknown holder.
-
-        NOTE (issue 50, finding 4): for rows a store call that never returned
-        may still write into; the pool is smaller rather than ever wrong."""
-        blocks = self._held.pop(holder, None)
-        if blocks is None:
-            raise KeyError(f"holder {holder} holds no pool blocks")
+        """Give up the blocks held under `holder` for good (a store call that
+        never returned may still write there): num_blocks shrinks, the pool
+        smaller rather than ever wrong. KeyError for an unknown holder."""
+        blocks = self._pop_held(holder)
         self.num_blocks -= len(blocks)
-        self.num_written_off += len(blocks)
         return blocks
 
     def evict_lru(self) -> ChunkHash | None:
@@ -391,20 +327,31 @@ class ChunkBlockPool:
             return None
         return self._evict_lru()
 
-    # ------------------------------------------------------------ internal
-
     def _require(self, chunk_hash: ChunkHash) -> ChunkPoolEntry:
         entry = self._entries.get(chunk_hash)
         if entry is None:
             raise KeyError(f"chunk {chunk_hash.hex()} is not in the pool")
         return entry
 
+    def _require_pinned(self, chunk_hash: ChunkHash, holder: str) -> ChunkPoolEntry:
+        entry = self._require(chunk_hash)
+        if not entry.pin_count:
+            raise ValueError(f"chunk {chunk_hash.hex()} is not pinned")
+        if holder in self._held:
+            raise ValueError(f"holder {holder} already holds pool blocks")
+        return entry
+
+    def _pop_held(self, holder: str) -> tuple[PoolBlockId, ...]:
+        blocks = self._held.pop(holder, None)
+        if blocks is None:
+            raise KeyError(f"holder {holder} holds no pool blocks")
+        return blocks
+
     def _take_blocks(
         self, num_blocks: int
     ) -> tuple[list[PoolBlockId], tuple[ChunkHash, ...]]:
-        """`num_blocks` free blocks, evicting LRU entries for room (those
-        evicted, oldest first); raises ValueError, changing nothing, if they
-        cannot fit even after evicting every unpinned entry."""
+        """`num_blocks` free blocks and the entries evicted for room; raises
+        ValueError, changing nothing, if they cannot fit."""
         if not self.can_allocate(num_blocks):
             raise ValueError(
                 f"chunk pool cannot hold {num_blocks} blocks: "

@@ -5,14 +5,10 @@
                    | len(context) | context ids | len(tokens) | token ids)
 
 Ids are fixed-width little-endian uint32, each list preceded by its length
-(uint64), so no two (context, tokens) pairs serialise alike. The context is
-what the segment was computed after (the sink token, the system segment, or
-nothing); the namespace (`ChunkNamespace`) pins everything else the KV
-depends on; the position is never part of the key: that is the point.
-
-The index still stores the serialised ids and compares them on lookup, so a
-collision is found and the request refused, never served wrong KV. The index
-is the pool's own (chunk_block_pool.py): an entry leaves it with its blocks.
+(uint64), so no two (context, tokens) pairs serialise alike; the namespace
+(`ChunkNamespace`) pins everything else the KV depends on; never a position.
+The index (the pool's own) stores the serialised ids and compares them on
+lookup: a collision is refused, never served wrong KV.
 """
 
 import array
@@ -52,16 +48,6 @@ def token_bytes(token_ids: Sequence[int] | np.ndarray) -> bytes:
     if sys.byteorder != "little":
         out.byteswap()
     return out.tobytes()
-
-
-def _ids_of(data: bytes) -> tuple[int, ...]:
-    """The ids `token_bytes` serialised into `data`."""
-    if not _ARRAY_U32:
-        return tuple(int(t) for t in np.frombuffer(data, dtype="<u4"))
-    out = array.array("I", data)
-    if sys.byteorder != "little":
-        out.byteswap()
-    return tuple(out)
 
 
 def compute_chunk_hash(
@@ -107,17 +93,9 @@ class IndexedChunk:
     tokens: bytes
     context: bytes
 
-    @property
-    def token_ids(self) -> tuple[int, ...]:
-        return _ids_of(self.tokens)
-
-    @property
-    def context_ids(self) -> tuple[int, ...]:
-        return _ids_of(self.context)
-
 
 class ChunkHashIndex:
-    """Key -> resident segment, with token verification on lookup."""
+    """Key -> published segment, verified on lookup."""
 
     def __init__(self) -> None:
         self._entries: dict[ChunkHash, IndexedChunk] = {}
@@ -140,27 +118,12 @@ class ChunkHashIndex:
             chunk_hash, token_bytes(token_ids), token_bytes(context_ids)
         )
 
-    def lookup(
-        self,
-        chunk_hash: ChunkHash,
-        token_ids: Sequence[int],
-        context_ids: Sequence[int],
-    ) -> IndexedChunk | None:
-        """The entry for `chunk_hash` if its stored ids equal the given ones;
-        None on a collision (the caller tells it from an absent key with
-        `in`)."""
-        if chunk_hash not in self._entries:
-            return None
-        try:
-            tokens, context = token_bytes(token_ids), token_bytes(context_ids)
-        except ValueError:
-            return None  # ids no entry can hold (insert refuses them)
-        return self.lookup_bytes(chunk_hash, tokens, context)
-
     def lookup_bytes(
         self, chunk_hash: ChunkHash, tokens: bytes, context: bytes
     ) -> IndexedChunk | None:
-        """`lookup` of ids already serialised by `token_bytes`."""
+        """The entry for `chunk_hash` if its stored ids (serialised by
+        `token_bytes`) equal the given ones; None on a collision (the caller
+        tells it from an absent key with `in`)."""
         entry = self._entries.get(chunk_hash)
         if entry is None or entry.tokens != tokens or entry.context != context:
             return None

@@ -3,18 +3,15 @@
 
 Without boundary recompute a chunked request loads one prefix (system and
 every chunk) and computes the question. With `--chunk-recompute-tokens K`
-the first K tokens of every chunk are computed inside the request too
-(they attend to every real token before them), so the prompt alternates:
+the first K tokens of every chunk are computed inside the request too, so
+the prompt alternates:
 
     [system: loaded][c1[:K] computed][c1[K:] loaded][c2[:K] computed]...[question]
 
-vLLM computes one contiguous stretch per request and step; where the model
-runner computes several query runs per request (the CPU backend), every
-stretch is taken in one step (`steps_from`), else one per step. The loaded
-stretch before each computed one is copied in by the connector in the same
-step (docs/design/boundary-recompute.md).
-Everything here is a pure function of the prompt's layout and K, so it is
-the same on every call (after a preemption too) and needs no state.
+Every stretch is taken in one step where the model runner takes query runs
+(`steps_from`), else one per step; why: docs/design/boundary-recompute.md,
+"Why one step". A pure function of the layout and K, the same after a
+preemption too.
 """
 
 from dataclasses import dataclass
@@ -49,7 +46,9 @@ class PrefillPlan:
         recomputing it would change nothing); of each chunk, all but its first
         `recompute_tokens` tokens."""
         if recompute_tokens < 0:
-            raise ValueError(f"recompute_tokens must be >= 0, got {recompute_tokens}")
+            raise ValueError(
+                f"--chunk-recompute-tokens must be >= 0, got {recompute_tokens}"
+            )
         stretches = [prompt.system_span]
         for span in prompt.chunk_spans:
             start = min(span.start + recompute_tokens, span.end)
@@ -90,8 +89,7 @@ class PrefillPlan:
         return PrefillStep(loaded_end - position, self.num_tokens - loaded_end)
 
     def steps_from(self, position: int) -> tuple[PrefillStep, ...]:
-        """Every step from `position` to the end of the prompt, in order:
-        what one engine step takes when all computed stretches run in it."""
+        """Every step from `position` to the end of the prompt, in order."""
         steps = []
         while position < self.num_tokens:
             step = self.step_at(position)
@@ -100,18 +98,16 @@ class PrefillPlan:
         return tuple(steps)
 
     def steps_at(self, position: int, one_step: bool) -> tuple[PrefillStep, ...]:
-        """What a step that starts at `position` may take: its load and
-        computed stretch, or with `one_step` every later one too; () past the
-        prompt (a request resumed after a preemption whose prefix-cache hit
-        covers its prompt and generated tokens)."""
+        """What a step at `position` may take: its load and computed stretch,
+        or with `one_step` every later one too; () past the prompt (a resumed
+        request whose prefix-cache hit covers it)."""
         if position >= self.num_tokens:
             return ()
         return self.steps_from(position) if one_step else (self.step_at(position),)
 
     def loaded_from(self, position: int, num_tokens: int) -> tuple[SegmentSpan, ...]:
         """The first `num_tokens` loaded tokens from `position` on, as spans
-        in prompt order (what a step that starts there and loads that many
-        tokens copies in; the computed tokens between them are skipped)."""
+        in prompt order (the computed tokens between them skipped)."""
         spans = []
         left = num_tokens
         for stretch in self.loaded:

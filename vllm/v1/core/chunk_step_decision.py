@@ -1,18 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
-"""What the manager answers the engine glue: one decision per parent per
-step, one outcome per event (issue 51). Engine-free, frozen.
-
-`StepDecision` is made once per parent and step (`ChunkCacheManager.decide`):
-whether the parent may run, its prefill plan, and every cached segment's
-rows with their pool blocks resolved while the parent pins them, so that the
-scheduler hooks of that step (matched tokens, prefill gap, allocation,
-metadata) read it and never ask the manager again.
-
-`Outcome` is what one event changed: a child finished or failed, or a store
-report arrived. Children and fetches to start, parents now ready, and the
-store entry to write (the manager decides whether a retired entry is
-written: never).
-"""
+"""What the manager answers the engine glue (engine-free, frozen): one
+`StepDecision` per parent and step (`ChunkCacheManager.decide`), which every
+scheduler hook of the step reads instead of asking the manager again, and
+one `Outcome` per event (a child's end, a store report)."""
 
 from dataclasses import dataclass, replace
 
@@ -29,16 +19,15 @@ from vllm.v1.core.chunk_structures import (
 
 @dataclass(frozen=True)
 class StepDecision:
-    """One parent's answer for one scheduler step."""
+    """One parent's answer for one scheduler step: whether it runs (admitted
+    and every segment resident: `ready`), its loaded and computed stretches,
+    and once ready every cached segment's rows with their pool blocks,
+    resolved while the parent pins them."""
 
     request_id: str
-    # ADMITTED, DEFERRED (ask again next step) or a refusal.
     reason: AdmitReason
-    # Admitted and every segment resident: the parent runs this step.
     ready: bool
-    # Its loaded and computed stretches (boundary recompute).
     plan: PrefillPlan
-    # Every cached segment's full rows, in prompt order (empty unless ready).
     segments: tuple[SegmentLoad, ...] = ()
     # Children and store fetches this decision started.
     children: tuple[ChildSpec, ...] = ()
@@ -49,10 +38,8 @@ class StepDecision:
         return self.reason == AdmitReason.ADMITTED and self.ready
 
     def load_plan(self, first_position: int, end_position: int) -> ChunkLoadPlan:
-        """Rows to copy for prompt positions [first_position, end_position):
-        those before are in the parent's paged KV already (vLLM's prefix
-        cache, or an earlier stretch), those after are loaded later or
-        recomputed."""
+        """Rows to copy for prompt positions [first_position, end_position)
+        (those before are in the parent's paged KV already)."""
         loads = []
         for seg in self.segments:
             skip = max(0, min(first_position - seg.dst_start, seg.num_tokens))
@@ -79,26 +66,22 @@ class ChildPut:
     # Context + segment ids; rows [store_start, len) are the entry's.
     token_ids: tuple[int, ...]
     store_start: int
-    # The tenant part of its store key.
     cache_salt: str | None
     lora: str
     pool_block_ids: tuple[PoolBlockId, ...]
-    # The manager's epoch when the child finished (a put of an older one is
-    # never written: the workers would key it with the new weights).
+    # The manager's epoch when the child finished (a put from an older one
+    # is never written: it would be keyed with the new weights).
     epoch: int
 
 
 @dataclass(frozen=True)
 class Outcome:
     """What one event (a child's end, a store report, a step's write-off of
-    held rows) changed."""
+    held rows) changed: children to schedule (retries, failed fetches), the
+    parents now ready, the finished child's entry to put, and the failed
+    fetches whose held rows were written off (the store forgets them)."""
 
-    # Children to schedule (retries, failed fetches computed instead).
     children: tuple[ChildSpec, ...] = ()
-    # Parents whose every segment is resident now.
     ready: tuple[str, ...] = ()
-    # The finished child's entry to write to the store, if any.
     put: ChildPut | None = None
-    # Failed fetches whose held rows were written off (`write_off_held`): the
-    # store forgets them, so a call's late return is ignored.
     written_off: tuple[str, ...] = ()

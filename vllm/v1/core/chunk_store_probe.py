@@ -1,11 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
-"""What the manager asks the fleet-wide chunk store at admission (issue 31).
-
-Engine-free: the manager sees only this protocol. The connector's
-`StoreClient` (chunk_cache/store/lookups.py) answers it from existence queries
-run on its own thread; it never blocks: a query still in flight answers
-PENDING, and the parent waits a step (docs/design/store-path.md).
-"""
+"""What the manager asks the fleet-wide chunk store at admission, an
+engine-free protocol. The connector's `StoreClient` (store/lookups.py)
+answers from queries on its own thread and never blocks: a query in flight
+answers PENDING and the parent waits a step (docs/design/store-path.md)."""
 
 from dataclasses import dataclass
 from enum import Enum
@@ -40,14 +37,13 @@ class FetchSpec:
 
     request_id: str
     chunk_hash: ChunkHash
-    # Context + segment ids (the entry's header carries them).
+    # Context + segment ids; rows [store_start, len(token_ids)) are the entry's.
     token_ids: list[int]
-    # Rows [store_start, len(token_ids)) are the entry's (= len(context)).
     store_start: int
     content_hash: int
     # The manager's epoch when the fetch started.
     epoch: int
-    # The entry's pool blocks the workers read it into, in row order.
+    # The pool blocks the workers read it into, in row order.
     pool_block_ids: tuple[int, ...] = ()
 
 
@@ -58,9 +54,8 @@ class FetchFailure:
     fetch_id: str
     # The first failure's cause (a miss cause; anything else is an error).
     cause: str
-    # Some rank's store call still holds the fetch's pool rows (issue 39,
-    # finding 9): nobody may get them until `ReportResult.rows_returned`
-    # names the fetch.
+    # Some rank's store call still holds the fetch's pool rows: nobody may
+    # get them until `ReportResult.rows_returned` names the fetch.
     rows_held: bool = False
 
 
@@ -73,10 +68,8 @@ class ReportResult:
     # Fetches some rank failed.
     failed: tuple[FetchFailure, ...] = ()
     # Failed fetches reported with rows_held earlier whose rows every rank
-    # has returned since.
+    # has returned since (rows never returned: `write_off_held`).
     rows_returned: tuple[str, ...] = ()
-    # NOTE: rows held past the store's held_limit are written off by the
-    # manager on its step (ChunkCacheManager.write_off_held), not here.
 
 
 class StoreProbe(Protocol):

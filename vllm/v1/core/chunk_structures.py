@@ -82,13 +82,9 @@ class SegmentSpan:
 
 @dataclass(frozen=True)
 class ChunkedPrompt:
-    """A prompt split into segments: system, chunks..., question.
-
-    `token_ids` is the token sequence the model sees (separators removed);
-    `spans` partitions it into contiguous non-empty segments, at least the
-    system segment (at position 0) and the question. Every segment but the
-    question is cached by content.
-    """
+    """A prompt split into segments: system, chunks..., question. `spans`
+    partitions `token_ids` (separators removed) into contiguous non-empty
+    segments; every segment but the question is cached by content."""
 
     token_ids: list[int]
     spans: tuple[SegmentSpan, ...]
@@ -235,7 +231,6 @@ class SegmentLoad:
     """One cached segment to copy from the pool into a request's KV."""
 
     chunk_hash: ChunkHash
-    # Index of the segment in the request's ChunkedPrompt.
     segment_index: int
     pool_block_ids: list[PoolBlockId]
     num_tokens: int
@@ -264,7 +259,6 @@ class ChunkLoadPlan:
     """Worker instruction: fill a request's KV from the chunk pool."""
 
     request_id: str
-    # Segment copies in prompt order.
     segments: tuple[SegmentLoad, ...]
 
     @property
@@ -277,8 +271,7 @@ class ChunkCacheStats:
     """Counters of the chunk cache (owned by `ChunkCacheManager`); monotonic
     except the gauges at the end."""
 
-    # Cached segments found resident, needing a new child, or joining a child
-    # in flight, at admission.
+    # Cached segments at admission: resident, new child, joined a child.
     hits: int = 0
     misses: int = 0
     in_flight_joins: int = 0
@@ -286,26 +279,24 @@ class ChunkCacheStats:
     tokens_reused: int = 0
     # Prompt tokens copied (re-positioned) from the pool into requests.
     tokens_loaded: int = 0
-    # Child requests started (retries included) and the tokens they prefill.
+    # Child requests started (retries included), the tokens they prefill.
     child_computes: int = 0
     child_tokens: int = 0
     # Children that ended without storing their rows.
     failed_children: int = 0
-    # Chunked requests refused after arrival; never served otherwise.
+    # Chunked requests refused after arrival.
     refused_requests: int = 0
     # Chunked requests that had to wait for pool room at least once.
     deferred_requests: int = 0
     # Lookups whose key matched but whose stored tokens did not.
     hash_collisions: int = 0
-    # Entries evicted from the pool (LRU).
     evictions: int = 0
-    # Gauges: pool blocks, pinned entries, chunked requests + children.
+    # Gauges: pool blocks, pinned entries, chunked requests + children, and
+    # blocks lent to a failed store read's call (in pool_blocks_used too).
     pool_blocks_used: int = 0
     pool_blocks_total: int = 0
     pinned_entries: int = 0
     live_requests: int = 0
-    # Pool blocks lent to a failed store read's call (in no entry; counted
-    # in pool_blocks_used too).
     pool_blocks_held: int = 0
 
     @property

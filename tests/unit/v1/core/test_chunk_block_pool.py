@@ -235,16 +235,20 @@ def test_reserve_pins_and_allocates_all_or_nothing():
 
 def test_the_index_is_the_pools_own_an_evicted_entry_leaves_it():
     from vllm.v1.core.chunk_block_pool import Residence
+    from vllm.v1.core.chunk_hash_index import token_bytes
+
+    def find(tokens: list[int]) -> Residence:
+        return pool.find_bytes(key(1), token_bytes(tokens), token_bytes([1]))
 
     pool = ChunkBlockPool(num_blocks=2, block_size=2)
     pool.allocate(key(1), 2)
-    assert pool.find(key(1), [5, 6], [1]) == Residence.ABSENT  # writer not done
+    assert find([5, 6]) == Residence.ABSENT  # writer not done
     assert pool.publish(key(1), [5, 6], [1])  # the writer's pin drops
     assert pool.lru_order() == [key(1)]
-    assert pool.find(key(1), [5, 6], [1]) == Residence.RESIDENT
-    assert pool.find(key(1), [5, 7], [1]) == Residence.COLLISION
+    assert find([5, 6]) == Residence.RESIDENT
+    assert find([5, 7]) == Residence.COLLISION
     pool.allocate(key(2), 4)  # evicts key(1)
-    assert pool.find(key(1), [5, 6], [1]) == Residence.ABSENT
+    assert find([5, 6]) == Residence.ABSENT
     assert pool.num_published == 0
     assert pool.publish(key(2), [1, 2, 3, 4], [], keep_pin=True)
     assert pool.get(key(2)).pin_count == 1
@@ -254,7 +258,7 @@ def test_the_index_is_the_pools_own_an_evicted_entry_leaves_it():
     assert pool.usage().blocks_used == 0
 
 
-def test_publish_hands_the_writers_pin_over_or_drops_it_and_a_retired_entry_is_never_filed():
+def test_publish_hands_the_writers_pin_over_or_drops_it_never_filing_a_retired_entry():
     pool = ChunkBlockPool(num_blocks=4, block_size=2)
     pool.allocate(key(1), 2)  # [0]
     pool.allocate(key(2), 2)  # [1]

@@ -7,6 +7,7 @@ holds the old ones until they are returned."""
 
 import pytest
 from vllm.v1.core.chunk_cache_manager import ChunkCacheManager
+from vllm.v1.core.chunk_step_decision import Outcome
 from vllm.v1.core.chunk_store_probe import FETCH_ID_PREFIX, StoreAnswer, StoreLookup
 from vllm.v1.core.chunk_structures import (
     AdmitReason,
@@ -232,6 +233,25 @@ def test_failed_fetch_with_lent_rows_and_no_room_waits_for_them_then_computes_th
     for rid in "pqr":
         m.release(rid)
     assert m.stats().pinned_entries == 0
+
+
+def test_without_a_held_rows_limit_lent_rows_are_never_written_off():
+    """held_limit_s None: rows lent to a store call are held until returned,
+    however long, and a fetch waiting for them keeps waiting."""
+    probe = ScriptedProbe()
+    probe.answers[tuple(DOC_A)] = StoreAnswer.HIT
+    m = small_manager(probe, num_blocks=3)
+    assert m.held_limit_s is None
+    now = [0.0]
+    m.clock = lambda: now[0]
+    m.add_request("p", prompt(SYS, DOC_A, Q), NS)
+    fetch = m.admit("p").fetches[0]
+    assert report(m, lent=[fetch.request_id]).children == ()  # no room: waits
+    now[0] = 1e9
+    assert m.write_off_held() == Outcome()
+    assert m.pool.num_blocks == 3 and m.stats().pool_blocks_held == 2
+    (child,) = report(m, rows_returned=[fetch.request_id]).children
+    assert store_plan(m, child).pool_block_ids == [1, 2]
 
 
 def test_failed_fetch_without_lent_rows_keeps_its_blocks():

@@ -87,14 +87,15 @@ def test_lookup_verifies_tokens_so_a_collision_is_never_a_hit():
     k = compute_chunk_hash([1, 2, 3], [0], NS.digest())
     index.insert(k, [1, 2, 3], [0])
     assert len(index) == 1 and k in index
-    hit = index.lookup(k, [1, 2, 3], [0])
-    assert hit is not None and hit.token_ids == (1, 2, 3)
+    hit = index.lookup_bytes(k, token_bytes([1, 2, 3]), token_bytes([0]))
+    assert hit is not None and hit.tokens == token_bytes([1, 2, 3])
     # Forced collision: same key, other content -> no hit (the pool tells it
     # from an absent key: test_chunk_block_pool.py).
-    assert index.lookup(k, [9, 9, 9], [0]) is None
-    assert index.lookup(k, [1, 2, 3], [7]) is None
+    assert index.lookup_bytes(k, token_bytes([9, 9, 9]), token_bytes([0])) is None
+    assert index.lookup_bytes(k, token_bytes([1, 2, 3]), token_bytes([7])) is None
     other = compute_chunk_hash([4], [0], NS.digest())
-    assert index.lookup(other, [4], [0]) is None and other not in index
+    assert index.lookup_bytes(other, token_bytes([4]), token_bytes([0])) is None
+    assert other not in index
 
 
 def test_insert_twice_and_remove_unknown_fail():
@@ -125,13 +126,10 @@ def test_lookup_bytes_verifies_tokens_and_context_exactly():
     index.insert(k, [1, 70000, 3], [0])
     entry = index.lookup_bytes(k, token_bytes([1, 70000, 3]), token_bytes([0]))
     assert entry is not None
-    # The stored bytes read back as the ids they were filed with.
-    assert (entry.token_ids, entry.context_ids) == ((1, 70000, 3), (0,))
+    # The stored bytes are the ids they were filed with.
+    assert (entry.tokens, entry.context) == (token_bytes([1, 70000, 3]), b"\0" * 4)
     # Forced collisions: the key with other tokens or another context.
     assert index.lookup_bytes(k, token_bytes([1, 70001, 3]), token_bytes([0])) is None
     assert index.lookup_bytes(k, token_bytes([1, 70000]), token_bytes([0])) is None
     assert index.lookup_bytes(k, token_bytes([1, 70000, 3]), token_bytes([])) is None
     assert index.lookup_bytes(k, token_bytes([1, 70000, 3]), token_bytes([1])) is None
-    # Ids no entry can hold are no hit (not an error) through `lookup`.
-    assert index.lookup(k, [1, 70000, -3], [0]) is None
-    assert index.lookup(k, [1, 70000, 3], [2**32]) is None

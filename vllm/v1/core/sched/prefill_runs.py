@@ -1,14 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Several computed stretches of one prompt in one step (query runs).
-
-A KV connector that loads stretches in the middle of a prompt
-(`KVConnectorBase_V1.get_prefill_gap`) may offer several with
-`PrefillGap.next_stretches`: every loaded stretch is allocated like an external
-hit, and the step's query tokens of the request are its computed stretches,
-each computed by the model runner as its own query run
-(`SchedulerOutput.query_runs`, `vllm/v1/worker/query_runs.py`).
-Why in one step: docs/design/boundary-recompute.md, "Why one step".
-"""
+"""Several computed stretches of one prompt in one step, each a query run
+(`SchedulerOutput.query_runs`), the loads between them allocated like
+external hits (`PrefillGap.next_stretches`). Why: docs/design/boundary-recompute.md,
+"Why one step"."""
 
 from dataclasses import dataclass
 from typing import Any
@@ -19,12 +13,9 @@ QueryRun = tuple[int, int]
 
 def max_query_rows(max_num_seqs: int, compilation_config: Any) -> int | None:
     """The most attention rows a step's query runs may take (None: no bound).
-
-    NOTE: under a CUDA-graph mode with full graphs (FULL_AND_PIECEWISE,
-    FULL_DECODE_ONLY) FlashAttention 3's metadata builder copies its scheduler
-    metadata into a buffer of max(max_num_seqs, largest capture size) rows on
-    every build, piecewise and eager steps included; the scheduler does not
-    know the backend, so the bound holds for every backend under those modes."""
+    NOTE: with full CUDA graphs FlashAttention 3 copies its scheduler metadata
+    into a buffer of max(max_num_seqs, largest capture size) rows on every
+    step; the scheduler does not know the backend, so it bounds them all."""
     mode = getattr(compilation_config, "cudagraph_mode", None)
     if mode is None or not mode.has_full_cudagraphs():
         return None
@@ -113,12 +104,10 @@ class PrefillRuns:
 
 @dataclass
 class RunRowBudget:
-    """How many attention rows a step's query runs may add beyond one per
-    request (`max_query_rows`; `max_rows` None: no bound). Every request of a
-    step takes one row, and a step has at most min(max_num_seqs, requests in
-    the scheduler) requests: the rest of the bound is handed out in scheduling
-    order. A request whose runs do not fit keeps its first ones and takes the
-    rest in a later step (exact: its plan is asked again from there)."""
+    """The rows a step's query runs may add beyond one per request (at most
+    min(max_num_seqs, requests) of them), in scheduling order, under
+    `max_query_rows`. A request whose runs do not fit takes the rest in a
+    later step (exact: its plan is asked again from there)."""
 
     max_rows: int | None
     max_num_seqs: int
