@@ -751,4 +751,4 @@ def test_bad_chunk_cache_value_fails_start_up_with_a_message(server, tmp_path):
         timeout=300,
     )
     assert proc.returncode != 0
-    assert "max_chunks must be >= 1" in proc.stdout + proc.stderr
+    assert "--max-chunks must be >= 1" in proc.stdout + proc.stderr
