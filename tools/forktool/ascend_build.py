@@ -28,7 +28,7 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import bases, fetch
+from . import bases, fetch, wheel
 from .paths import Paths
 from .pins import load_pins
 from .progress import ToolError, run, say, step
@@ -100,7 +100,9 @@ vllm serve MODEL --enable-chunk-cache"""
 
 def inputs_digest(paths: Paths, sources: list[Path]) -> str:
     h = hashlib.sha256()
-    for f in [Path(__file__), *sorted(paths.patches_dir("vllm").glob("*")),
+    # wheel.py: the fork's requirements (FORK_REQUIREMENTS) the vLLM wheel declares.
+    for f in [Path(__file__), Path(wheel.__file__),
+              *sorted(paths.patches_dir("vllm").glob("*")),
               *sorted(paths.patches_dir("vllm-ascend").glob("*"))]:
         h.update(f.name.encode() + b"\0" + f.read_bytes())
     for tree in ("vllm", "vllm-ascend"):
@@ -266,13 +268,21 @@ def _check_raw_wheel(names: list[str], read, upstream_version: str) -> str:
     return expected
 
 
+def _with_requirements(metadata: str, added: tuple[str, ...]) -> str:
+    """METADATA with a `Requires-Dist` line for each of `added` at the end of its headers."""
+    header, sep, body = metadata.partition("\n\n")
+    lines = "".join(f"\nRequires-Dist: {r}" for r in added)
+    return header.rstrip("\n") + lines + "\n" + (sep[1:] + body if sep else "")
+
+
 def relabel_wheel(raw: Path, out: Path, upstream_version: str, version: str,
                   overlay: dict[str, bytes] | None = None) -> Path:
     """`raw` (vLLM's empty build) as `out`: version `version`, tag py3-none-any.
 
-    Every member is copied byte for byte but METADATA's Version, WHEEL's tag lines and
-    RECORD (rewritten); the dist-info folder is renamed. The `overlay` files the build left
-    out are added.
+    Every member is copied byte for byte but METADATA's Version and its requirements (the
+    fork's own, wheel.FORK_REQUIREMENTS: neither vLLM nor vllm-ascend requires xxhash),
+    WHEEL's tag lines and RECORD (rewritten); the dist-info folder is renamed. The `overlay`
+    files the build left out are added.
 
     NOTE: setuptools packages a package's .py files and its declared package_data only, so
     an overlay file of another kind would not be in vLLM's own build; the wheel carries the
@@ -299,7 +309,8 @@ def relabel_wheel(raw: Path, out: Path, upstream_version: str, version: str,
                 continue
             data = src.read(name)
             if name == f"{old_info}/METADATA":
-                data = _set_version(data.decode(), version).encode()
+                data = _with_requirements(_set_version(data.decode(), version),
+                                          wheel.FORK_REQUIREMENTS).encode()
             elif name == f"{old_info}/WHEEL":
                 text = re.sub(r"^Root-Is-Purelib: .*$", "Root-Is-Purelib: true", data.decode(),
                               flags=re.M)
