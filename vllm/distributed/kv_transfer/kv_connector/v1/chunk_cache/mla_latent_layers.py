@@ -99,8 +99,8 @@ class LatentLayer:
             )
         if rotation is None and layout.rope_dim > 0:
             raise ValueError(
-                f"--enable-chunk-cache cannot re-rotate the k_pe of MLA layer "
-                f"{name} ({layout.rope_dim} values): its rope was not found"
+                f"--enable-chunk-cache: the rope of MLA layer {name} was not "
+                f"found, so its k_pe ({layout.rope_dim} values) cannot be re-rotated"
             )
         if rotation is not None:
             check_latent_rope(layout, rotation)
@@ -151,8 +151,8 @@ class LatentLayer:
             return None
         if rotation is None:
             raise ValueError(
-                f"--enable-chunk-cache cannot re-rotate the indexer keys of sparse "
-                f"MLA layer {name}: its rope was not found"
+                f"--enable-chunk-cache: the rope of sparse MLA layer {name} was "
+                "not found, so its indexer keys cannot be re-rotated"
             )
         index_layout = IndexerKeyLayout(keys.shape[-1], layout.rope_dim)
         # NOTE: the indexer's rope has the latent rope's frequencies (the same
