@@ -4,7 +4,8 @@ in this process or in a process of its own (issue 40, deliverable 2).
 On a GPU the test's two engines (the chunk cache, then the stock control) cannot share a
 process: vLLM's memory profiling of the second engine saw the first's memory come back
 ("Initial free memory 78.13 GiB, current free memory 78.24 GiB", gpu_worker.py; H100,
-2026-11-26, TRITON_MLA and FLASH_ATTN_MLA) and refused to start. So each engine can run as
+2026-11-26, TRITON_MLA and FLASH_ATTN_MLA) and refused to start. So each engine can
+run as
 
     python tests/e2e/half_precision_engine.py REQUEST.json RESULT.json
 
@@ -15,7 +16,9 @@ the calling process (the CPU default: no second import of vLLM, CI time unchange
 
 REQUEST.json: {"role": "chunk" | "stock", "model", "engine_kwargs",
 "prompts": [text with the chunk separator] (chunk) or [[token ids]] (stock),
-"batches": [[prompt indices], ...], "num_gen"}.
+"batches": [[prompt indices], ...], "num_gen"}, and optionally "recompute" (K) and
+"hook_capture" (true: captures in the attention hook). The exactness test runs its
+engines this way on a GPU too (test_chunk_cache_exactness.py).
 """
 
 from __future__ import annotations
@@ -88,14 +91,24 @@ def run_engine(request: dict) -> dict:
     role = request["role"]
     kwargs = dict(request["engine_kwargs"])
     if role == "chunk":
-        kwargs.update(
-            enable_chunk_cache=True,
-            chunk_context="sink",
-            chunk_recompute_tokens=request.get("recompute", 0),
-        )
+        # engine_kwargs may set the mode and the rest (the exactness test does).
+        kwargs = {
+            "enable_chunk_cache": True,
+            "chunk_context": "sink",
+            "chunk_recompute_tokens": request.get("recompute", 0),
+            **kwargs,
+        }
     params = SamplingParams(
         max_tokens=request["num_gen"], temperature=0.0, logprobs=5, ignore_eos=True
     )
+    if request.get("hook_capture"):
+        # Captures in the attention hook on every layer (test_chunk_cache_exactness's
+        # "hook" configuration): the worker takes its capture path from this check.
+        from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache import (
+            capture_path,
+        )
+
+        capture_path.self_check = lambda *args: "forced by the test (the hook path)"
     llm = make_llm(request["model"], **kwargs)
     result = {
         "role": role,
@@ -117,6 +130,10 @@ def run_engine(request: dict) -> dict:
                     "token_ids": list(completion.token_ids),
                     "logprobs": [
                         {str(t): lp.logprob for t, lp in step.items()}
+                        for step in completion.logprobs
+                    ],
+                    "ranks": [
+                        {str(t): lp.rank for t, lp in step.items()}
                         for step in completion.logprobs
                     ],
                 }
