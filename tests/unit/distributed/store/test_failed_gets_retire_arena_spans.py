@@ -186,13 +186,13 @@ def test_a_get_failed_in_transfer_lends_no_pool_rows_and_the_pool_keeps_its_size
 
     # The document is computed at once in the pool (2 blocks: system + document).
     (doc_child,) = adapter.take_internal_requests()
-    assert adapter.stats().pool_blocks_held == 0
+    assert adapter.manager.stats().pool_blocks_held == 0
     for c in (sys_child, doc_child):
         finish(adapter, c, RequestStatus.FINISHED_LENGTH_CAPPED)
     assert adapter.get_num_new_matched_tokens(p, 0) == (8, False)
     now[0] += 2 * LIMIT_S
     adapter.build_connector_meta(_scheduled_nothing())
-    stats = adapter.stats()
+    stats = adapter.manager.stats()
     assert adapter.take_failed_requests() == {}
     assert (stats.pool_blocks_total, stats.pool_blocks_held) == (2, 0), (
         f"the pool shrank: {stats}"
@@ -241,9 +241,10 @@ def test_a_failed_gets_span_is_not_reused_through_the_nodes_client(monkeypatch):
     assert step_until(reader, "f2") is FetchOutcome.OK
     got, want = rows_of(dst, (1, 2), 30), rows_of(src, (0, 1), 30)
     for name in got:
+        late = (got[name].view(torch.uint8) == LATE).float().mean()
         assert torch.equal(got[name], want[name]), (
             f"{name}: a failed get's late write reached a later read's rows "
-            f"({(got[name].view(torch.uint8) == LATE).float().mean():.0%} of bytes 0x7f)"
+            f"({late:.0%} of bytes 0x7f)"
         )
     assert store.stats.gets_retired == 1
     untouched = rows_of(small_pool(seed=2), (5, 6), 30)

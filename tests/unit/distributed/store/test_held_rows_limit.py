@@ -131,11 +131,14 @@ def test_a_fetch_waiting_for_rows_that_never_return_is_refused_at_the_limit():
     )
     assert adapter.manager.pool.num_blocks == 2
     assert adapter.take_internal_requests() == []  # waits: no room for other blocks
-    assert adapter.stats().pool_blocks_held == 1, "the waiting fetch's blocks are held"
+    assert adapter.manager.stats().pool_blocks_held == 1, (
+        "the waiting fetch's blocks are held"
+    )
     now[0] += LIMIT_S - 1
     adapter.build_connector_meta(_scheduled_nothing())
     assert (
-        adapter.take_failed_requests() == {} and adapter.stats().pool_blocks_held == 1
+        adapter.take_failed_requests() == {}
+        and adapter.manager.stats().pool_blocks_held == 1
     )
 
     now[0] += 1
@@ -143,7 +146,7 @@ def test_a_fetch_waiting_for_rows_that_never_return_is_refused_at_the_limit():
     failed = adapter.take_failed_requests()
     assert list(failed) == ["p"] and "written off" in failed["p"], failed
     assert "document 1" in failed["p"] and "retrying the request is safe" in failed["p"]
-    stats = adapter.stats()
+    stats = adapter.manager.stats()
     assert (stats.pool_blocks_total, stats.pool_blocks_held) == (1, 0)
     assert adapter.store.counters.take().get("store_reads_written_off") == 1
     assert adapter.get_num_new_matched_tokens(p, 0) == (None, False)  # never served
@@ -157,12 +160,12 @@ def test_a_fetch_waiting_for_rows_that_never_return_is_refused_at_the_limit():
     finish(adapter, p, RequestStatus.FINISHED_ABORTED)
     for _ in range(2):  # the system entry's put is shipped, then copied
         adapter.build_connector_meta(_scheduled_nothing())
-    assert adapter.stats().pinned_entries == 0
+    assert adapter.manager.stats().pinned_entries == 0
     adapter.store.close()
     worker.close(timeout_s=1.0)
 
 
-def test_rows_held_past_the_limit_after_the_document_was_computed_elsewhere_leave_the_pool():
+def test_rows_held_past_the_limit_after_the_document_was_computed_elsewhere_leave():
     """Room in the pool (3 blocks): the document is computed in other blocks at
     once and the parent served; the lent blocks are held, then written off at the
     limit, and never handed out again, not even after the call's late return."""
@@ -176,7 +179,7 @@ def test_rows_held_past_the_limit_after_the_document_was_computed_elsewhere_leav
     assert adapter.get_num_new_matched_tokens(p, 0) == (8, False)
     now[0] += LIMIT_S
     adapter.build_connector_meta(_scheduled_nothing())
-    stats = adapter.stats()
+    stats = adapter.manager.stats()
     assert (stats.pool_blocks_total, stats.pool_blocks_held) == (2, 0)
     assert adapter.take_failed_requests() == {}
     _late_write_returns(store, worker, adapter, fetch.fetch_id)
@@ -200,7 +203,8 @@ def test_rows_held_past_the_limit_are_written_off_on_a_step_without_a_worker_rep
     now[0] += LIMIT_S - 1
     adapter.build_connector_meta(_scheduled_nothing())
     assert (
-        adapter.take_failed_requests() == {} and adapter.stats().pool_blocks_held == 1
+        adapter.take_failed_requests() == {}
+        and adapter.manager.stats().pool_blocks_held == 1
     )
 
     now[0] += 1
@@ -210,9 +214,9 @@ def test_rows_held_past_the_limit_are_written_off_on_a_step_without_a_worker_rep
     failed = adapter.take_failed_requests()
     assert list(failed) == ["p"] and "written off" in failed["p"], (
         "held rows past held_limit not written off on a step without a report: "
-        f"refused {failed}, pool {adapter.stats()}"
+        f"refused {failed}, pool {adapter.manager.stats()}"
     )
-    stats = adapter.stats()
+    stats = adapter.manager.stats()
     assert (stats.pool_blocks_total, stats.pool_blocks_held) == (1, 0)
     assert adapter.store.counters.take().get("store_reads_written_off") == 1
 

@@ -19,6 +19,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from .base import no_release
+
 
 class CallStatus(enum.Enum):
     OK = "ok"
@@ -37,10 +39,6 @@ class CallResult:
     """The call's return value (OK) or exception (RAISED)."""
 
 
-def _noop() -> None:
-    return None
-
-
 class _Job:
     __slots__ = ("fn", "on_return", "done", "result", "error", "abandoned", "lock")
 
@@ -57,7 +55,7 @@ class _Job:
     def release(self) -> None:
         """Run on_return once (the caller on time, or the lane's thread late)."""
         with self.lock:
-            on_return, self.on_return = self.on_return, _noop
+            on_return, self.on_return = self.on_return, no_release
         on_return()
 
 
@@ -98,7 +96,7 @@ class DeadlineLane:
         self,
         fn: Callable[[], Any],
         deadline_s: float,
-        on_return: Callable[[], None] = _noop,
+        on_return: Callable[[], None] = no_release,
     ) -> CallResult:
         # The deadline covers the wait for another thread's call too.
         t_end = time.monotonic() + deadline_s

@@ -218,10 +218,8 @@ class StoreClient:
         ranks = self._identities.get(epoch, {})
         if len(ranks) == self.world_size:
             # A complete newer epoch retires the older ones' records.
-            for old in [e for e in self._identities if e < epoch]:
-                del self._identities[old]
-            for old in [e for e in self._epoch_seen if e < epoch]:
-                del self._epoch_seen[old]
+            self._identities = {e: r for e, r in self._identities.items() if e >= epoch}
+            self._epoch_seen = {e: t for e, t in self._epoch_seen.items() if e >= epoch}
             return [ranks[k] for k in sorted(ranks)]
         first = self._epoch_seen.setdefault(epoch, time.monotonic())
         if time.monotonic() - first > IDENTITY_WAIT_S:
@@ -275,14 +273,11 @@ class StoreClient:
         """Send the keys asked in this step as one query (end of a step)."""
         self._collect()
         now = time.monotonic()
-        for lookup_id in [
-            k for k, a in self._answers.items() if now - a.at >= ANSWER_TTL_S
-        ]:
-            del self._answers[lookup_id]
-        for lookup_id in [
-            k for k, t in self._first_asked.items() if now - t >= ANSWER_TTL_S
-        ]:
-            del self._first_asked[lookup_id]
+        ttl = ANSWER_TTL_S
+        self._answers = {k: a for k, a in self._answers.items() if now - a.at < ttl}
+        self._first_asked = {
+            k: t for k, t in self._first_asked.items() if now - t < ttl
+        }
         if self._query is not None or not self._asked:
             return
         asked, self._asked = self._asked, {}
@@ -355,9 +350,8 @@ class StoreClient:
         fetches some rank failed (with the first failure's cause, and whether
         a rank's call still holds the rows), and the held rows returned."""
         for identity in report.identities:
-            self._identities.setdefault(identity.epoch, {})[
-                (identity.pp_rank, identity.tp_rank)
-            ] = identity
+            by_rank = self._identities.setdefault(identity.epoch, {})
+            by_rank[(identity.pp_rank, identity.tp_rank)] = identity
             self.read_cost.note_row_bytes(identity.row_bytes)
         if report.read_bytes_per_s:
             self.read_cost.note_read_bandwidth(report.read_bytes_per_s)

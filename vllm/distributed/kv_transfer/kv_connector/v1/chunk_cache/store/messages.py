@@ -14,6 +14,8 @@ from enum import Enum
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorWorkerMetadata
 
+from .keys import StoreNamespace, store_key
+
 
 class FetchOutcome(str, Enum):
     """OK (read, verified, in the pool rows) or a miss cause; a str, so it
@@ -135,8 +137,6 @@ def store_key_for(
     identity: RankIdentity, tp_size: int, pp_size: int, entry: EntryRef
 ) -> str:
     """The key of `entry` for one rank."""
-    from .keys import StoreNamespace, store_key
-
     namespace = StoreNamespace(
         model=identity.model,
         weights_version=identity.weights_version,

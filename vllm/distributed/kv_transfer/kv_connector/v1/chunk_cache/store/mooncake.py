@@ -160,25 +160,15 @@ class MooncakeChunkStore(ChunkStore):
                 "mooncake_master running there, and a mooncake_client lending "
                 "memory?"
             )
-        if spec.local_client is not None:
-            logger.info(
-                "chunk store: connected to the node's mooncake_client at %s in "
-                "%.2f s (dummy client: transfers are made by that process; %d "
-                "bytes of shared memory)",
-                spec.local_client,
-                time.monotonic() - t0,
-                shared_pool_bytes,
-            )
-        else:
-            logger.info(
-                "chunk store: connected to the Mooncake master at %s over %s in %.2f s "
-                "(call deadline %.1f s, this process lends %d bytes)",
-                spec.master_address,
-                spec.protocol,
-                time.monotonic() - t0,
-                spec.timeout_s,
-                spec.segment_bytes,
-            )
+        where = (
+            f"the node's mooncake_client at {spec.local_client} (a dummy client, "
+            f"{shared_pool_bytes} bytes of shared memory)"
+            if spec.local_client is not None
+            else f"the Mooncake master at {spec.master_address} over "
+            f"{spec.protocol} (this process lends {spec.segment_bytes} bytes)"
+        )
+        seconds = time.monotonic() - t0
+        logger.info("chunk store: connected to %s in %.2f s", where, seconds)
         return cls(spec, client)
 
     def alloc_host(self, nbytes: int) -> int:
@@ -226,9 +216,9 @@ class MooncakeChunkStore(ChunkStore):
         buffers: Sequence[HostBuffer],
         on_release: Release = no_release,
     ) -> list[int]:
-        return self._transfer(
-            "get", self._client.batch_get_into, keys, buffers, on_release
-        )
+        ptrs, sizes = [b.ptr for b in buffers], [b.nbytes for b in buffers]
+        call = lambda: self._client.batch_get_into(list(keys), ptrs, sizes)
+        return self._codes("get", call, keys, len(buffers), on_release)
 
     # batch_get_into_multi_buffers: the sizes must add up to the value's.
     scatters = True
@@ -255,9 +245,9 @@ class MooncakeChunkStore(ChunkStore):
         buffers: Sequence[HostBuffer],
         on_release: Release = no_release,
     ) -> list[int]:
-        return self._transfer(
-            "put", self._client.batch_put_from, keys, buffers, on_release
-        )
+        ptrs, sizes = [b.ptr for b in buffers], [b.nbytes for b in buffers]
+        call = lambda: self._client.batch_put_from(list(keys), ptrs, sizes)
+        return self._codes("put", call, keys, len(buffers), on_release)
 
     def close(self) -> None:
         if self._closed:
@@ -335,24 +325,6 @@ class MooncakeChunkStore(ChunkStore):
             )
             self._stuck_since = None
         return result
-
-    def _transfer(
-        self,
-        kind: str,
-        method: Callable[[list[str], list[int], list[int]], Any],
-        keys: Sequence[str],
-        buffers: Sequence[HostBuffer],
-        on_release: Release,
-    ) -> list[int]:
-        return self._codes(
-            kind,
-            lambda: method(
-                list(keys), [b.ptr for b in buffers], [b.nbytes for b in buffers]
-            ),
-            keys,
-            len(buffers),
-            on_release,
-        )
 
     def _codes(
         self,

@@ -17,6 +17,8 @@ if TYPE_CHECKING:
 
 # Bump when what a stored row means changes: older entries are then never read.
 KV_FORMAT_VERSION = "chunk-kv-2"
+# The HF config's fields that shape the rotation.
+_HF_ROPE = ("rope_theta", "rope_scaling", "rope_parameters", "partial_rotary_factor")
 
 
 @dataclass(frozen=True)
@@ -39,20 +41,11 @@ class StoreRank:
 
         parallel = vllm_config.parallel_config
         hf = vllm_config.model_config.hf_text_config
+        hf_rope = {
+            k: getattr(hf, k, None) for k in (*_HF_ROPE, "max_position_embeddings")
+        }
         rope = json.dumps(
-            {
-                "hf": {
-                    k: getattr(hf, k, None)
-                    for k in (
-                        "rope_theta",
-                        "rope_scaling",
-                        "rope_parameters",
-                        "partial_rotary_factor",
-                        "max_position_embeddings",
-                    )
-                },
-                "built": effective_rotation(model),
-            },
+            {"hf": hf_rope, "built": effective_rotation(model)},
             sort_keys=True,
             default=str,
         )

@@ -31,16 +31,8 @@ _UNITS = {"": 1, "B": 1} | {
 }
 _SIZE = re.compile(r"^\s*(\d+)\s*([A-Za-z]*)\s*$")
 _SECONDS = ("timeout", "lookup_timeout", "read_timeout", "held_limit")
-_STRINGS = ("protocol", "metadata_server", "local_hostname", "key_file")
-_KEYS = (
-    "segment",
-    "buffer",
-    *_SECONDS,
-    "arena",
-    "direct_reads",
-    "local_client",
-    *_STRINGS,
-)
+_STRINGS = ("protocol", "metadata_server", "local_hostname", "key_file", "local_client")
+_KEYS = ("segment", "buffer", "arena", "direct_reads", *_SECONDS, *_STRINGS)
 # The node's client by default: a crash in Mooncake's transfer code is then a
 # miss here, not a dead engine. 50052 is `mooncake_client --port`'s default.
 DEFAULT_LOCAL_CLIENT = "127.0.0.1:50052"
@@ -238,7 +230,7 @@ def _build(master: str, fields: dict) -> StoreSpec:
         kwargs["arena_bytes"] = _size("arena", fields["arena"])
     if "direct_reads" in fields:
         kwargs["direct_reads"] = _flag("direct_reads", fields["direct_reads"])
-    for key in (*_STRINGS, "local_client"):
+    for key in _STRINGS:
         if key in fields:
             if key == "local_client" and fields[key] in (None, IN_PROCESS):
                 kwargs[key] = None  # the client in this process
@@ -266,14 +258,10 @@ def _size(name: str, value) -> int:
 
 
 def _flag(name: str, value) -> bool:
-    if isinstance(value, bool):
-        return value
-    text = str(value).strip().lower()
-    if text in ("1", "true", "yes", "on"):
-        return True
-    if text in ("0", "false", "no", "off"):
-        return False
-    raise ValueError(f"{name} must be 0 or 1, got {value!r}")
+    text = str(value).strip().lower()  # JSON's true/false too
+    if text not in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+        raise ValueError(f"{name} must be 0 or 1, got {value!r}")
+    return text in ("1", "true", "yes", "on")
 
 
 def _seconds(name: str, value) -> float:

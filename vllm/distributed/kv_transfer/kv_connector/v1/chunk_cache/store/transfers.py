@@ -1,19 +1,14 @@
 # SPDX-License-Identifier: Apache-2.0
 """A worker's side of the fleet-wide chunk store (docs/design/store-path.md).
 
-Per step (`on_step`, before any load): a new epoch has the weights fingerprinted
-again off the step (weights.py); each finished child's rows are copied from the
-pool into the put arena now, and keyed, sealed and written on the put thread;
-fetches that finished (verified on the get thread: entry_format.py,
-integrity.py) are copied into the pool rows the scheduler allocated, and their
-outcomes reported (`take_report`): the scheduler serves an entry only when
-every rank read and verified its own key; new fetches are read on the get
-thread into the get arena, or with `direct_reads` straight into the pool rows.
-
-Memory lent to a store call (an arena span, pool rows, the pool tensors) is
-freed only when the call has returned, never at a deadline: the store may
-still write into it. A read into pool rows given up on reports them lent
-(`StoreReport.rows_lent`) until then.
+Per step (`on_step`, before any load): a new epoch's weights are fingerprinted
+off the step; finished children's rows are copied into the put arena, then
+keyed, sealed and written on the put thread; fetches read and verified on the
+get thread are copied into their pool rows and reported (every rank must
+verify its own key); new fetches are read into the get arena (with
+`direct_reads`, straight into the pool rows). Memory lent to a store call is
+freed only when the call has returned, never at a deadline; pool rows held so
+are reported lent (`StoreReport.rows_lent`) until then.
 """
 
 from __future__ import annotations
@@ -201,27 +196,22 @@ class StoreTransfers:
             )
         # Reads and writes have arenas of their own: writes never starve reads.
         shared.want_arenas(arena_bytes)
-        # A host pool the connection can reach takes reads directly, if asked.
-        self._pool_buffers = (
-            [
-                HostBuffer(t.data_ptr(), t.nbytes)
-                for t in self.tensors
-                if t.device.type == "cpu" and t.is_contiguous()
-            ]
-            if self.spec.direct_reads
-            else []
-        )
-        # Each tensor's bytes as numpy, made here: the get thread verifies rows
-        # through numpy only (with torch views made there, verification did
-        # not finish in the engine's process; cause not found).
+        # With direct_reads, a host pool the connection reaches takes reads.
+        # Its bytes as numpy, made here: the get thread verifies rows through
+        # numpy only (with torch views made there, verification did not finish
+        # in the engine's process; cause not found).
+        self._pool_buffers: list[HostBuffer] = []
         self._pool_bytes = []
-        if len(self._pool_buffers) == len(self.tensors):
+        if self.spec.direct_reads and all(
+            t.device.type == "cpu" and t.is_contiguous() for t in self.tensors
+        ):
+            self._pool_buffers = [
+                HostBuffer(t.data_ptr(), t.nbytes) for t in self.tensors
+            ]
             shared.want_pool(self._pool_buffers)
             self._pool_bytes = [
                 t.reshape(-1).view(torch.uint8).numpy() for t in self.tensors
             ]
-        else:
-            self._pool_buffers = []
         self._get_thread = ThreadPoolExecutor(1, thread_name_prefix="chunk-store-get")
         self._put_thread = ThreadPoolExecutor(1, thread_name_prefix="chunk-store-put")
         self._fp_thread = ThreadPoolExecutor(
@@ -257,7 +247,7 @@ class StoreTransfers:
         self._new_epoch(0)
 
     def _watch_weight_loads(self, model: nn.Module) -> None:
-        """VLLM's weight updates (reload_weights, RL weight syncs) load through
+        """Weight updates (reload_weights, RL weight syncs) load through
         `load_weights`. Until the reset that must follow, keys still carry the
         old weights' fingerprint, so reads and writes stop until the next
         epoch. Weights written by other means are not seen: reset after any
@@ -282,13 +272,8 @@ class StoreTransfers:
     ) -> StoreTransfers:
         spec_text = vllm_config.chunk_cache_config.chunk_store
         assert spec_text is not None
-        return cls(
-            StoreRank.from_engine(vllm_config, model),
-            SharedStore.of(spec_text),
-            model,
-            tensors,
-            kv_dtype,
-        )
+        rank = StoreRank.from_engine(vllm_config, model)
+        return cls(rank, SharedStore.of(spec_text), model, tensors, kv_dtype)
 
     @property
     def get_arena(self):
@@ -302,9 +287,9 @@ class StoreTransfers:
     def identity(self) -> RankIdentity | None:
         """This epoch's identity once fingerprinted (None before)."""
         f = self._identity
-        return (
-            f.result() if f is not None and f.done() and f.exception() is None else None
-        )
+        if f is None or not f.done() or f.cancelled() or f.exception() is not None:
+            return None
+        return f.result()
 
     def on_step(self, step: StoreStep) -> None:
         if self._closed:
@@ -481,17 +466,11 @@ class StoreTransfers:
             span.fence.synchronize()  # the rows' copy into the arena
         payload = span.nbytes - head
         body = self.put_arena.bytes_view(span.start + head, payload)
-        # The tag covers the header but its checksum, which covers the tag.
-        mac_header = entry_format.header_for_mac(
-            entry_format.encode_header(
-                entry_format.EntryHeader(
-                    entry_format.FORMAT_VERSION,
-                    int(entry.virtual_start),
-                    tuple(int(t) for t in entry.token_ids),
-                    payload,
-                    0,
-                )
-            )
+        # The tag covers the header but its checksum (zero here: it covers the
+        # tag), as entry_format.header_for_mac gives it to a reader.
+        fields = (int(entry.virtual_start), tuple(int(t) for t in entry.token_ids))
+        mac_header = entry_format.encode_header(
+            entry_format.EntryHeader(entry_format.FORMAT_VERSION, *fields, payload, 0)
         )
         body[payload - TAG_BYTES :] = memoryview(
             self.seal.tag_of_parts(key, mac_header, [body[: payload - TAG_BYTES]])
@@ -709,18 +688,11 @@ class StoreTransfers:
             lease.release()
             return [FetchOutcome.ERROR] * len(items)
         keys = [key for key, _ in items]
+        buffers = [self._value_buffers(read) for _, read in items]
         if items[0][1].parts is not None:
-            codes = store.batch_get_into_parts(
-                keys,
-                [self._value_buffers(read) for _, read in items],
-                on_release=lease.release,
-            )
+            codes = store.batch_get_into_parts(keys, buffers, lease.release)
         else:
-            codes = store.batch_get_into(
-                keys,
-                [self._value_buffers(read)[0] for _, read in items],
-                on_release=lease.release,
-            )
+            codes = store.batch_get_into(keys, [b[0] for b in buffers], lease.release)
         # The transfer alone, for the bytes/s figure; verification follows.
         seconds = time.monotonic() - t0
         got = sum(max(0, int(c)) for c in codes)
@@ -733,10 +705,10 @@ class StoreTransfers:
             )
             self._bandwidth_news = True
         out = []
-        for code, (key, read) in zip(codes, items):
+        for code, (key, read), value in zip(codes, items, buffers):
             if code < 0:
                 out.append(_MISS_OF_CODE.get(code, FetchOutcome.ERROR))
-            elif code != sum(b.nbytes for b in self._value_buffers(read)):
+            elif code != sum(b.nbytes for b in value):
                 out.append(FetchOutcome.VERIFY_FAILED)
             else:
                 out.append(self._verify(key, read))
