@@ -4,9 +4,9 @@
 The engine never builds this mask: it realises isolation structurally, by
 computing each chunk in its own child request. This module is the
 *definition* the engine is tested against (a test oracle: it lives under
-tests/, out of the wheel; the quality benchmarks import it from here too): one HF forward over the
-extended sequence it builds must give the same outputs as the engine with
-the chunk cache on.
+tests/, out of the wheel; the quality benchmarks import it from here too): one HF
+forward over the extended sequence it builds must give the same outputs as the engine
+with the chunk cache on.
 
 Extended sequence: the final prompt with each chunk's private context
 inserted right before it:

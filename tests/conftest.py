@@ -19,7 +19,8 @@ def models_dir() -> Path:
     return Path(os.environ.get("FORK_MODELS", REPO / ".cache" / "models"))
 
 
-# vllm-ascend's side without an NPU (tests/unit/ascend, tests/e2e/test_ascend_schedulers.py).
+# vllm-ascend's side without an NPU (tests/unit/ascend,
+# tests/e2e/test_ascend_schedulers.py).
 @pytest.fixture(scope="session")
 def ascend_tree(tmp_path_factory) -> Path:
     """The patched vllm-ascend tree (upstream sdist + series + overlay)."""

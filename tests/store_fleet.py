@@ -30,7 +30,8 @@ __all__ = ["INSTALL", "MooncakeFleet", "check_installed", "free_port"]
 
 class MooncakeFleet(_Fleet):
     def __enter__(self):
-        # NOTE: Mooncake's transfer engine listens on every interface (forktool/loopback.py);
+        # NOTE: Mooncake's transfer engine listens on every interface
+        # (forktool/loopback.py);
         # `./fork test` gives the tests a network namespace with only loopback, so those
         # ports are private to the run. Say so where a run has more than loopback.
         if interfaces() != ["lo"]:
@@ -44,7 +45,7 @@ class MooncakeFleet(_Fleet):
 
     def spec(self):
         """The StoreSpec of spec_text (what --chunk-store gives vLLM)."""
-        from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store.spec import (
+        from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store.spec import (  # noqa: E501
             parse_store_spec,
         )
 

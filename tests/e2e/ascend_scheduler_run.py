@@ -25,7 +25,8 @@ MAX_STEPS = 200
 def main(model: str) -> None:
     import vllm_ascend
 
-    vllm_ascend.register_connector()  # vllm-ascend's platform patches, then its connectors
+    # vllm-ascend's platform patches, then its connectors.
+    vllm_ascend.register_connector()
     from vllm import LLM, SamplingParams
 
     llm = LLM(

@@ -1,6 +1,7 @@
 """Tiny random models of the families vLLM users serve (issue 42), generated
 offline from transformers' own config classes (no download): 2-3 layers,
-hidden 128 (head size 32: CPU_ATTN has no 16), the tiny Llama's tokenizer (vocabulary 512, BOS 1, EOS 2).
+hidden 128 (head size 32: CPU_ATTN has no 16), the tiny Llama's tokenizer (vocabulary
+512, BOS 1, EOS 2).
 
 Each family keeps what is special about it (the `special` text, which the
 user guide's matrix repeats): QK-norm, qkv bias, partial rotary, LongRoPE,

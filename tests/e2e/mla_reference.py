@@ -1,19 +1,21 @@
 """The chunk cache's MLA data path, run on HF transformers' latent KV cache.
 
-The engine runs the chunk cache's MLA data path only where vLLM has MLA on the CPU (0.32's
-CPU_MLA: the DeepSeek rows of test_chunk_cache_exactness.py). Its argument runs here on both
-bases, on HF's DeepSeek-V3, which caches exactly MLA's latent row (`kv_c` after its
-RMSNorm, and `k_pe` after RoPE, one head for all query heads). This module
+The engine runs the chunk cache's MLA data path only where vLLM has MLA on the CPU
+(0.32's CPU_MLA: the DeepSeek rows of test_chunk_cache_exactness.py). Its argument runs
+here on both bases, on HF's DeepSeek-V3, which caches exactly MLA's latent row (`kv_c`
+after its RMSNorm, and `k_pe` after RoPE, one head for all query heads). This module
 
-* computes each chunk the way a child request would (its private context, then the chunk,
-  at positions 0..) and keeps the chunk's latent rows: the pool entry;
+* computes each chunk the way a child request would (its private context, then the
+  chunk, at positions 0..) and keeps the chunk's latent rows: the pool entry;
 * assembles a request's cache from the system segment's rows and each chunk's entry with
   `kv_c` copied and `k_pe` rotated by the delta through the fork's own
-  `reposition_latent_rows` with vLLM's own rope object (DeepSeek's YaRN, mscale included);
+  `reposition_latent_rows` with vLLM's own rope object (DeepSeek's YaRN, mscale
+  included);
 * runs the question and generated tokens over that cache.
 
 docs/design/mla.md says why the result must equal the isolation-mask reference
-(chunk_reference.Reference.next_token_logprobs); tests/e2e/test_mla_reference.py checks it.
+(chunk_reference.Reference.next_token_logprobs); tests/e2e/test_mla_reference.py checks
+it.
 
 Layout note: HF rotates interleaved pairs but stores `k_pe` de-interleaved
 ([evens | odds]); vLLM stores the interleaved order (GPT-J style). Rows are converted to
@@ -91,8 +93,9 @@ class LatentCacheEmulation:
         return cache, out
 
     def entry(self, context: list[int], chunk: list[int]) -> list[torch.Tensor]:
-        """The chunk's latent rows as its child request computes them: context then chunk
-        at positions 0.. (stored_start = len(context)); computed once, then reused."""
+        """The chunk's latent rows as its child request computes them: context then
+        chunk at positions 0.. (stored_start = len(context)); computed once, then
+        reused."""
         key = (tuple(context), tuple(chunk))
         if key not in self.pool:
             cache, _ = self._latents(
@@ -119,7 +122,8 @@ class LatentCacheEmulation:
         generated: list[int],
         move: MoveKPe | None = None,
     ) -> torch.Tensor:
-        """[len(generated) + 1, vocab] float64 log-probabilities, rows as the reference's."""
+        """[len(generated) + 1, vocab] float64 log-probabilities, rows as the
+        reference's."""
         move = move or self.default_move
         spans = prompt.spans
         ids = prompt.token_ids

@@ -1,4 +1,5 @@
-"""A real `vllm serve` process on 127.0.0.1 for end-to-end tests (one per test module)."""
+"""A real `vllm serve` process on 127.0.0.1 for end-to-end tests (one per test
+module)."""
 
 from __future__ import annotations
 
@@ -9,8 +10,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-# The process itself (start, health wait, stop) has one owner, shared with the benchmarks;
-# they import their common module as scripts do.
+# The process itself (start, health wait, stop) has one owner, shared with the
+# benchmarks; they import their common module as scripts do.
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 from common import ServeProcess, free_port  # noqa: E402
 
@@ -29,7 +30,8 @@ __all__ = ["SERVE_ARGS", "VLLM", "Server", "free_port", "start_server"]
 
 
 class Server(ServeProcess):
-    """A test's server: the process and JSON posts that return the status with the body."""
+    """A test's server: the process and JSON posts that return the status with the
+    body."""
 
     def post(self, path: str, body: dict, timeout: float = 300) -> tuple[int, dict]:
         req = urllib.request.Request(
@@ -47,9 +49,9 @@ class Server(ServeProcess):
 def start_server(
     model: str, extra: list[str], log_path: Path, timeout: float = 600
 ) -> Server:
-    # NOTE: the KV space the offline engines get (engine.py): without it vLLM's CPU worker
-    # asks for 92% of the NUMA node's memory, which the page cache of a busy 24 GiB machine
-    # can leave short (seen: 15.2 of 17.1 GiB available, 15.7 asked).
+    # NOTE: the KV space the offline engines get (engine.py): without it vLLM's CPU
+    # worker asks for 92% of the NUMA node's memory, which the page cache of a busy 24
+    # GiB machine can leave short (seen: 15.2 of 17.1 GiB available, 15.7 asked).
     env = (
         {}
         if "VLLM_CPU_KVCACHE_SPACE" in os.environ

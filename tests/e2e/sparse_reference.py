@@ -1,33 +1,34 @@
-"""A pure-torch DeepSeek-V3.2 (MLA + the DSA lightning indexer), and the chunk cache's sparse
-data path run on its rows.
+"""A pure-torch DeepSeek-V3.2 (MLA + the DSA lightning indexer), and the chunk cache's
+sparse data path run on its rows.
 
-No CPU backend of vLLM runs sparse attention (vLLM 0.32's CpuPlatform: "Sparse Attention is
-not supported on CPU"; 0.23 has no MLA on the CPU), so the sparse argument runs here, on a
-forward written from the weights in vLLM's layouts, whose per-token rows are exactly what a
-sparse-MLA cache holds per layer:
+No CPU backend of vLLM runs sparse attention (vLLM 0.32's CpuPlatform: "Sparse Attention
+is not supported on CPU"; 0.23 has no MLA on the CPU), so the sparse argument runs here,
+on a forward written from the weights in vLLM's layouts, whose per-token rows are
+exactly what a sparse-MLA cache holds per layer:
 
-* `kv_c` (kv_lora_rank, RMS-normed, no position) and `k_pe` (GPT-J interleaved, rotated at
-  the token's position with vLLM's own DeepSeek YaRN rope object): MLA's latent row;
+* `kv_c` (kv_lora_rank, RMS-normed, no position) and `k_pe` (GPT-J interleaved, rotated
+  at the token's position with vLLM's own DeepSeek YaRN rope object): MLA's latent row;
 * `index_k` (index_head_dim): the indexer key `LayerNorm(wk h)` with its first
   qk_rope_head_dim values rotated by vLLM's own indexer rope (neox: `indexer_rope_emb`).
 
-Each query scores the keys it may see with the indexer (`sum_h w_h relu(q_h . k) / sqrt(d)`,
-`w = weights_proj(h) / sqrt(heads)`: vLLM's `Indexer` and HF's `DeepseekV32Indexer`), keeps
-the top `index_topk`, and attends (MLA, keys expanded per head) to those only. The forward
-surfaces each layer's selection, so a test compares selected token sets, not only logits.
-tests/e2e/test_sparse_reference.py checks it against HF transformers' DeepseekV32 (its
-logits, and its indexer's own top-k through a forward hook), causal and under the 4D
-isolation mask.
+Each query scores the keys it may see with the indexer (`sum_h w_h relu(q_h . k) /
+sqrt(d)`, `w = weights_proj(h) / sqrt(heads)`: vLLM's `Indexer` and HF's
+`DeepseekV32Indexer`), keeps the top `index_topk`, and attends (MLA, keys expanded per
+head) to those only. The forward surfaces each layer's selection, so a test compares
+selected token sets, not only logits. tests/e2e/test_sparse_reference.py checks it
+against HF transformers' DeepseekV32 (its logits, and its indexer's own top-k through a
+forward hook), causal and under the 4D isolation mask.
 
 `SparseCacheEmulation` then runs the chunk cache's data path on those rows: each chunk
-computed as its child request would be (its private context, then the chunk, at 0..), its
-rows kept as the entry; a request assembles its cache from the system segment's rows and
-each chunk's entry with `kv_c` copied, `k_pe` moved by `reposition_latent_rows` and
-`index_k` by `reposition_indexer_keys` (the fork's code, vLLM's rope objects); the question
-and generated tokens select and attend over that assembled cache.
+computed as its child request would be (its private context, then the chunk, at 0..),
+its rows kept as the entry; a request assembles its cache from the system segment's rows
+and each chunk's entry with `kv_c` copied, `k_pe` moved by `reposition_latent_rows` and
+`index_k` by `reposition_indexer_keys` (the fork's code, vLLM's rope objects); the
+question and generated tokens select and attend over that assembled cache.
 
 NOTE: HF's `q_a_layernorm`/`kv_a_layernorm` use RMSNorm's default eps (1e-6), vLLM's use
-`rms_norm_eps` (1e-5 in the tiny model, 1e-6 in DeepSeek's checkpoints); this follows HF.
+`rms_norm_eps` (1e-5 in the tiny model, 1e-6 in DeepSeek's checkpoints); this follows
+HF.
 """
 
 from __future__ import annotations
@@ -82,8 +83,8 @@ class Forward:
 def vllm_ropes(config: dict):
     """(MLA rope, indexer rope) as vLLM's DeepseekV2Attention builds them for V3.2
     (deepseek_v2.py: `get_rope(qk_rope_head_dim, ..., is_neox_style=False)` and
-    `indexer_rope_emb`, neox unless `indexer_rope_interleave`; YaRN renamed deepseek_yarn).
-    Needs a current vLLM config (CustomOp)."""
+    `indexer_rope_emb`, neox unless `indexer_rope_interleave`; YaRN renamed
+    deepseek_yarn). Needs a current vLLM config (CustomOp)."""
     from vllm.model_executor.layers.rotary_embedding import get_rope
 
     params = copy.deepcopy(config["rope_parameters"])
@@ -107,11 +108,12 @@ def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def fp8_ue8m0_roundtrip(x: torch.Tensor) -> torch.Tensor:
-    """X [..., 128] as vLLM's CUDA indexer caches and scores it, dequantized: one scale per
-    128 values, max(amax, 1e-4) / 448 rounded up to a power of two ("ue8m0"), values as
-    float8_e4m3fn (`indexer_k_quant_and_cache`, csrc/libtorch_stable/cache_kernels.cu; the
-    query's `per_token_group_quant_fp8(..., 128, use_ue8m0=True)` the same but for its
-    epsilon). Written from the kernel's source: a reference of its arithmetic, not the op."""
+    """X [..., 128] as vLLM's CUDA indexer caches and scores it, dequantized: one scale
+    per 128 values, max(amax, 1e-4) / 448 rounded up to a power of two ("ue8m0"), values
+    as float8_e4m3fn (`indexer_k_quant_and_cache`,
+    csrc/libtorch_stable/cache_kernels.cu; the query's `per_token_group_quant_fp8(...,
+    128, use_ue8m0=True)` the same but for its epsilon). Written from the kernel's
+    source: a reference of its arithmetic, not the op."""
     groups = x.float().unflatten(-1, (-1, 128))
     scale = groups.abs().amax(-1, keepdim=True).clamp(min=1e-4) / 448.0
     scale = torch.exp2(torch.ceil(torch.log2(scale)))
@@ -281,8 +283,8 @@ class SparseDeepseek:
         allowed: torch.Tensor | None = None,
         past: list[LayerRows] | None = None,
     ) -> Forward:
-        """`ids` at `positions` after `past` rows (per layer, P tokens); `allowed` [S, P + S]
-        (None: every past row and causal among the new tokens)."""
+        """`ids` at `positions` after `past` rows (per layer, P tokens); `allowed` [S, P
+        + S] (None: every past row and causal among the new tokens)."""
         s = len(ids)
         n_past = 0 if past is None else past[0].kv_c.shape[0]
         positions = torch.as_tensor(positions, dtype=torch.int64)
@@ -329,8 +331,9 @@ def isolation_reference(
     generated: list[int],
     sink: int | None,
 ) -> Tail:
-    """The definition: one forward over the extended sequence under the 4D isolation mask
-    (chunk_isolation_mask), the tail's selections mapped to final-sequence columns."""
+    """The definition: one forward over the extended sequence under the 4D isolation
+    mask (chunk_isolation_mask), the tail's selections mapped to final-sequence
+    columns."""
     seq = build_isolated_sequence(
         prompt, mode, extra_token_ids=generated, sink_token_id=sink
     )
@@ -348,12 +351,14 @@ def isolation_reference(
     )
 
 
-# (rows of one layer for a chunk's entry, deltas [n]) -> the rows written at the real positions.
+# (rows of one layer for a chunk's entry, deltas [n]) -> the rows written at the real
+# positions.
 MoveRows = Callable[[LayerRows, torch.Tensor], LayerRows]
 
 
 class SparseCacheEmulation:
-    """One pool of chunk entries (per layer latent and indexer key rows) over the model."""
+    """One pool of chunk entries (per layer latent and indexer key rows) over the
+    model."""
 
     def __init__(
         self,

@@ -42,7 +42,7 @@ def test_chunked_requests_are_served_under_the_balance_scheduler(ascend_tree: Pa
         timeout=900,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    line = next(l for l in proc.stdout.splitlines() if l.startswith("RESULT "))
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))
     result = json.loads(line[len("RESULT ") :])
     assert result["scheduler"] == (
         "vllm_ascend.patch.platform.patch_balance_schedule.BalanceScheduler"

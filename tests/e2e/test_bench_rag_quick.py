@@ -1,5 +1,5 @@
-"""Smoke test of the RAG benchmark: `bench_rag.py --quick`, as `./fork bench --quick` runs
-it, with its three real servers (stock, prefix caching, chunk cache), end to end.
+"""Smoke test of the RAG benchmark: `bench_rag.py --quick`, as `./fork bench --quick`
+runs it, with its three real servers (stock, prefix caching, chunk cache), end to end.
 
 Speed is not asserted here (timed tests on a shared CI machine prove nothing): the
 benchmark's ratios are read in its own output. Asserted: it finishes, and its table,

@@ -15,8 +15,8 @@ CHUNK_HALF_DTYPES=bfloat16,float16 and CHUNK_HALF_EAGER=0 (default compilation:
 torch.compile + CUDA graphs) or 1 (--enforce-eager); docs/gpu.md. On a GPU each engine
 runs in a process of its own (tests/e2e/half_precision_engine.py; CHUNK_HALF_ISOLATE=0/1
 overrides): a second engine in one process died in vLLM's memory profiling there. Each
-engine's rows, and the chunk cache's worst difference, are printed as soon as they exist,
-before the control starts.
+engine's rows, and the chunk cache's worst difference, are printed as soon as they
+exist, before the control starts.
 
 CHUNK_HALF_RECOMPUTE=K gives the chunk-cache engine --chunk-recompute-tokens K (the
 reference recomputes the same heads); CHUNK_HALF_CUDAGRAPH=PIECEWISE (or another mode)
@@ -86,8 +86,8 @@ def _on_gpu() -> bool:
     return torch.cuda.is_available()
 
 
-# Each engine in a process of its own (tests/e2e/half_precision_engine.py): the default on a
-# GPU, where vLLM's memory profiling of a second engine in one process fails (H100,
+# Each engine in a process of its own (tests/e2e/half_precision_engine.py): the default
+# on a GPU, where vLLM's memory profiling of a second engine in one process fails (H100,
 # 2026-11-26); CHUNK_HALF_ISOLATE=0/1 overrides. On the CPU both run in this process (CI
 # time), and the slow tier runs the isolated form twice in one pytest process.
 ISOLATE = os.environ.get("CHUNK_HALF_ISOLATE", "")
@@ -110,7 +110,8 @@ def reference():
 
 def _label(dtype: str) -> str:
     return (
-        f"dtype={dtype} eager={EAGER} backend={os.environ.get('CHUNK_HALF_BACKEND', 'default')} "
+        f"dtype={dtype} eager={EAGER} "
+        f"backend={os.environ.get('CHUNK_HALF_BACKEND', 'default')} "
         f"kv={os.environ.get('CHUNK_HALF_KV_DTYPE', 'auto')}"
         + (
             f" recompute={RECOMPUTE} one_step="
@@ -169,9 +170,11 @@ def _check(reference, dtype: str, isolate: bool, workdir) -> tuple[dict, dict]:
             f"(cached {out['num_cached_tokens']} of {len(out['prompt_token_ids'])})",
             flush=True,
         )
-    # NOTE: the chunk cache's figure is printed before the control starts (which may fail).
+    # NOTE: the chunk cache's figure is printed before the control starts (which may
+    # fail).
     print(
-        f"{_label(dtype)}: chunk cache worst |dlogprob| {chunk_worst:.4g} (control next)",
+        f"{_label(dtype)}: chunk cache worst |dlogprob| {chunk_worst:.4g} "
+        "(control next)",
         flush=True,
     )
     for i, prompt, out in chunk_rows:
@@ -213,7 +216,8 @@ def _check(reference, dtype: str, isolate: bool, workdir) -> tuple[dict, dict]:
         pool_bytes, scratch_bytes = chunk["pool_bytes"], chunk["scratch_bytes"]
         print(
             f"KV budget {budget >> 20} MiB: stock paged KV {stock_kv >> 20} MiB; with "
-            f"the chunk cache paged KV {chunk_kv >> 20} MiB + pool {pool_bytes >> 20} MiB "
+            f"the chunk cache paged KV {chunk_kv >> 20} MiB "
+            f"+ pool {pool_bytes >> 20} MiB "
             f"+ load buffers {scratch_bytes >> 20} MiB "
             f"({chunk['scratch_allocated'] >> 20} MiB used)"
         )
@@ -231,10 +235,10 @@ def _check(reference, dtype: str, isolate: bool, workdir) -> tuple[dict, dict]:
     return chunk, stock
 
 
-# NOTE: in the slow tier: bf16 on the CPU took 190 s of CI on an AVX2 machine (the longest
-# test; CI ran over its 45 minutes). Half precision is the GPU's matter (tools/gpu runs it
-# in fp16 and bf16); the unit tier keeps the bf16 bytes of the pool round trip and the
-# rotation.
+# NOTE: in the slow tier: bf16 on the CPU took 190 s of CI on an AVX2 machine (the
+# longest test; CI ran over its 45 minutes). Half precision is the GPU's matter
+# (tools/gpu runs it in fp16 and bf16); the unit tier keeps the bf16 bytes of the pool
+# round trip and the rotation.
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_half_precision_chunk_cache_within_3x_of_stock_vllm(reference, dtype, tmp_path):
@@ -249,9 +253,10 @@ def test_half_precision_chunk_cache_within_3x_of_stock_vllm(reference, dtype, tm
 def test_each_engine_in_a_process_of_its_own_twice_in_one_pytest_process(
     reference, tmp_path
 ):
-    """The GPU form (issue 40): each engine in a fresh process, run twice from one pytest
-    process, so that nothing of an engine (device memory, compile state, vLLM's globals)
-    outlives its process; both runs give the same rows, from four distinct processes."""
+    """The GPU form (issue 40): each engine in a fresh process, run twice from one
+    pytest process, so that nothing of an engine (device memory, compile state, vLLM's
+    globals) outlives its process; both runs give the same rows, from four distinct
+    processes."""
     first = _check(reference, DTYPES[0], True, tmp_path / "first")
     second = _check(reference, DTYPES[0], True, tmp_path / "second")
     pids = {first[0]["pid"], first[1]["pid"], second[0]["pid"], second[1]["pid"]}

@@ -1,15 +1,17 @@
 """Hardening of the chunk cache through `vllm serve` (SmolLM2-135M-Instruct, float32,
 a small chunk pool): issue 7's findings reproduced against a real server, then a
-bounded soak (>= 150 requests, concurrency 16, priority scheduling, client aborts, bad inputs,
-evictions, a cache reset that preempts every running request, and an RL trainer's step
-mid-stream: weights reloaded in place through `POST /collective_rpc`, then a reset).
+bounded soak (>= 150 requests, concurrency 16, priority scheduling, client aborts, bad
+inputs, evictions, a cache reset that preempts every running request, and an RL
+trainer's step mid-stream: weights reloaded in place through `POST /collective_rpc`,
+then a reset).
 
 Findings covered here (the others have unit tests):
 1. a client salt shaped like the old layout salt selects no layout (no forged layouts);
 2. a chunk-prompt 400 logs no traceback;
 3. a request whose segments can never fit the pool is refused with a 400 naming the
    numbers and the flag, never served with full causal attention;
-10. in `sink` mode the same documents hit after a system prompt with another first token.
+10. in `sink` mode the same documents hit after a system prompt with another first
+    token.
 """
 
 from __future__ import annotations
@@ -35,7 +37,8 @@ MODEL = str(models_dir() / "SmolLM2-135M-Instruct")
 MODE = "sink"
 TOL = 2e-3  # as in test_chunk_cache_server.py (float32, 30 layers)
 # 0.03 GiB at 45 KiB per token (30 layers x K+V x 3 heads x 64 x fp32) = 699 rows
-# = 43 blocks of 16 rows: the largest soak request fits, the corpus does not (evictions).
+# = 43 blocks of 16 rows: the largest soak request fits, the corpus does not
+# (evictions).
 POOL_GIB = 0.03
 TRACEBACK_MARKERS = (
     "Traceback (most recent call last)",
@@ -227,9 +230,9 @@ def test_documents_hit_after_a_system_prompt_with_another_first_token(
 
 # ------------------------------------------------------------------------ soak
 
-# NOTE: 96 requests (160 before: 58 s on a 2-core AVX2 machine) still put a reset, a weights
-# reload, bad and aborted requests and evictions of the 0.03 GiB pool under 16 in flight;
-# the 500-request fleet soak is in the slow tier (test_chunk_store_soak.py).
+# NOTE: 96 requests (160 before: 58 s on a 2-core AVX2 machine) still put a reset, a
+# weights reload, bad and aborted requests and evictions of the 0.03 GiB pool under 16
+# in flight; the 500-request fleet soak is in the slow tier (test_chunk_store_soak.py).
 SOAK_REQUESTS = 96
 SOAK_CONCURRENCY = 16
 

@@ -126,7 +126,7 @@ def _check(reference, layout, out, resumed=False):
 
 
 def test_every_head_and_the_question_in_one_step(llm, reference):
-    from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.recompute_step import (
+    from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.recompute_step import (  # noqa: E501
         RecomputeSteps,
     )
 

@@ -656,8 +656,9 @@ def test_chat_content_parts_marked_chunk_match_the_reference(server, reference):
 
 
 def test_the_openai_client_example_runs_against_the_server(server):
-    """examples/documents_openai_client.py, as the README tells a newcomer to run it (here
-    against this module's server): both requests answered, the hit counter printed."""
+    """examples/documents_openai_client.py, as the README tells a newcomer to run it
+    (here against this module's server): both requests answered, the hit counter
+    printed."""
     import os
     import subprocess
     import sys

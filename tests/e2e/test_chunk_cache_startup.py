@@ -77,8 +77,8 @@ def test_the_chunk_cache_inside_a_multi_connector_is_refused_by_name():
     ],
 )
 def test_a_kv_transfer_setting_the_chunk_cache_would_drop_is_refused(given, named):
-    # The chunk cache writes vLLM's whole KV transfer config itself: a setting given with
-    # it would be lost without a word, so it is refused by name.
+    # The chunk cache writes vLLM's whole KV transfer config itself: a setting given
+    # with it would be lost without a word, so it is refused by name.
     from vllm.config import KVTransferConfig
 
     with pytest.raises(

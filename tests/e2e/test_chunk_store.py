@@ -104,7 +104,7 @@ def entry_key(llm, reference, text: str) -> str:
     from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store.lookups import (
         store_content_hash,
     )
-    from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store.messages import (
+    from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store.messages import (  # noqa: E501
         EntryRef,
         store_key_for,
     )

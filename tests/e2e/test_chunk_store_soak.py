@@ -10,9 +10,12 @@ the same process serves on while the holder resumes and the late writes land.
 Every answer is compared with the HF isolation-mask reference (the test
 oracle); after the soak both replicas must be alive with nothing pinned.
 
-    ./fork test -m slow tests/e2e/test_chunk_store_soak.py     # slow tier, 500 requests
-    .cache/venv/bin/python -m tests.e2e.test_chunk_store_soak 500   # benchmark mode: the report
-    .cache/venv/bin/python -m tests.e2e.test_chunk_store_soak 500 in-process   # client in vLLM
+    # slow tier, 500 requests:
+    ./fork test -m slow tests/e2e/test_chunk_store_soak.py
+    # benchmark mode, the report:
+    .cache/venv/bin/python -m tests.e2e.test_chunk_store_soak 500
+    # the same, the store client in vLLM's process:
+    .cache/venv/bin/python -m tests.e2e.test_chunk_store_soak 500 in-process
 
 Reported: requests served, store hits, misses by cause, wrong answers (must
 be 0), request latency p50/p99 (2 tokens; the store's share of TTFT).
@@ -66,30 +69,34 @@ class SoakReport:
     def text(self) -> str:
         lat = sorted(self.latencies)
         p99 = lat[min(len(lat) - 1, int(0.99 * len(lat)))] if lat else float("nan")
-        misses = ", ".join(
-            f"{c} {self.counters.get(f'store_misses_{c}', 0):.0f}" for c in CAUSES
-        )
+        p50 = statistics.median(lat) if lat else float("nan")
+
+        def n(name: str) -> str:
+            return f"{self.counters.get(name, 0):.0f}"
+
+        misses = ", ".join(f"{c} {n(f'store_misses_{c}')}" for c in CAUSES)
         return "\n".join(
             [
-                f"requests {self.requests}, served {self.served}, refused {len(self.refused)}, "
-                f"wrong answers {len(self.wrong)}",
-                f"store hits {self.counters.get('store_hits', 0):.0f}; misses by cause: {misses}; "
-                f"lookups past their deadline {self.counters.get('store_lookup_timeouts', 0):.0f}, "
-                f"reads given up {self.counters.get('store_reads_given_up', 0):.0f}; "
-                f"puts {self.counters.get('store_puts', 0):.0f}, "
-                f"put failures {self.counters.get('store_put_failures', 0):.0f}",
-                f"child computes {self.counters.get('child_computes', 0):.0f}, "
-                f"pool evictions {self.counters.get('evictions', 0):.0f}",
-                f"latency (2 tokens) p50 {statistics.median(lat):.3f} s, p99 {p99:.3f} s"
+                f"requests {self.requests}, served {self.served}, "
+                f"refused {len(self.refused)}, wrong answers {len(self.wrong)}",
+                f"store hits {n('store_hits')}; misses by cause: {misses}; "
+                f"lookups past their deadline {n('store_lookup_timeouts')}, "
+                f"reads given up {n('store_reads_given_up')}; "
+                f"puts {n('store_puts')}, "
+                f"put failures {n('store_put_failures')}",
+                f"child computes {n('child_computes')}, "
+                f"pool evictions {n('evictions')}",
+                f"latency (2 tokens) p50 {p50:.3f} s, p99 {p99:.3f} s"
                 if lat
                 else "no latencies",
                 f"faults ({len(self.faults)}): {', '.join(self.faults)}",
-                f"engine closed mid-read: {self.counters.get('restart_lent_at_close', 0):.0f} "
+                f"engine closed mid-read: {n('restart_lent_at_close')} "
                 f"bytes still lent to hanging reads at close "
-                f"({self.counters.get('restart_reads_given_up', 0):.0f} reads given up, "
-                f"{self.counters.get('restart_held_at_close', 0):.0f} calls held at close); "
+                f"({n('restart_reads_given_up')} reads given up, "
+                f"{n('restart_held_at_close')} calls held at close); "
                 f"the next engine served "
-                f"{self.restart_served} of {self.restart_requests} (wrong answers counted above)",
+                f"{self.restart_served} of {self.restart_requests} "
+                "(wrong answers counted above)",
             ]
         )
 
@@ -499,7 +506,7 @@ def _engine_closed_mid_read(
         # transfer wait, 60 s): its transport still retries the slices then, and
         # the retry open when the holder resumes writes into what A's read was
         # given, after the call returned (issue 50: the heap corruption).
-        from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store.connection import (
+        from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store.connection import (  # noqa: E501
             SharedStore,
         )
 

@@ -1,6 +1,6 @@
-"""The offline example runs as its docstring says (a newcomer's first run, in a subprocess
-with its own engine). The OpenAI client example runs in test_chunk_cache_server.py, against
-that module's server."""
+"""The offline example runs as its docstring says (a newcomer's first run, in a
+subprocess with its own engine). The OpenAI client example runs in
+test_chunk_cache_server.py, against that module's server."""
 
 from __future__ import annotations
 

@@ -1,12 +1,13 @@
 """The tiny DeepSeek-V3 (MLA) through the real engine, on the CPU (issue 22).
 
 * With --enable-chunk-cache: served from the latent pool on vLLM 0.32 (exactness: the
-  DeepSeek rows of test_chunk_cache_exactness.py); sparse MLA (V3.2) is refused at start-up.
+  DeepSeek rows of test_chunk_cache_exactness.py); sparse MLA (V3.2) is refused at
+  start-up.
 * Without it: vLLM 0.32 serves it with its CPU_MLA backend (asked for by name: on a CPU
   with AMX vLLM would pick AMX_MLA, tests/e2e/engine.py) and must give what HF
-  transformers gives (greedy tokens, logprobs within the engine tests' tolerance). That is
-  the ground a CPU test of the MLA data path stands on. vLLM 0.23 has no MLA on the CPU
-  and must say so when asked to start it.
+  transformers gives (greedy tokens, logprobs within the engine tests' tolerance). That
+  is the ground a CPU test of the MLA data path stands on. vLLM 0.23 has no MLA on the
+  CPU and must say so when asked to start it.
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ def _vllm_minor() -> str:
 
 
 def test_sparse_mla_is_refused_at_start_up():
-    # DeepSeek-V3.2's indexer keeps keys of its own that the chunk cache does not move yet.
+    # DeepSeek-V3.2's indexer keeps keys of its own that the chunk cache does not move
+    # yet.
     from vllm.engine.arg_utils import EngineArgs
 
     args = EngineArgs(

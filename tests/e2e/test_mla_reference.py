@@ -1,14 +1,16 @@
-"""MLA (DeepSeek-V3-style) under the chunk cache's semantics, on the tiny DeepSeek (issue 22).
+"""MLA (DeepSeek-V3-style) under the chunk cache's semantics, on the tiny DeepSeek
+(issue 22).
 
-No engine here (see test_chunk_cache_exactness.py for the engine on vLLM 0.32's CPU_MLA): HF transformers' DeepSeek-V3 caches
-MLA's latent row, and mla_reference.LatentCacheEmulation runs the chunk cache's MLA data
-path on that cache (a child's latent rows at stored positions, `kv_c` copied and `k_pe`
-rotated by the delta with the fork's `reposition_latent_rows` and vLLM's own rope). For
-random layouts in every context mode, cold and then warm in another order, it must equal
-the isolation-mask reference, within the float32 tolerance of the engine tests (1e-3;
+No engine here (see test_chunk_cache_exactness.py for the engine on vLLM 0.32's
+CPU_MLA): HF transformers' DeepSeek-V3 caches MLA's latent row, and
+mla_reference.LatentCacheEmulation runs the chunk cache's MLA data path on that cache (a
+child's latent rows at stored positions, `kv_c` copied and `k_pe` rotated by the delta
+with the fork's `reposition_latent_rows` and vLLM's own rope). For random layouts in
+every context mode, cold and then warm in another order, it must equal the
+isolation-mask reference, within the float32 tolerance of the engine tests (1e-3;
 observed ~1e-6, two re-rotations' rounding), while three controls are far from it: plain
-causal attention, a load that does not rotate `k_pe`, and a load that rotates it with the
-rope's own cos/sin (applying DeepSeek's mscale a second time).
+causal attention, a load that does not rotate `k_pe`, and a load that rotates it with
+the rope's own cos/sin (applying DeepSeek's mscale a second time).
 """
 
 from __future__ import annotations

@@ -204,7 +204,8 @@ def test_family_is_exact_or_refused(family_engine, family_dir):
                     reference.windows = saved
                 controls.append(float((unwindowed[0] - ref[0]).abs().max()))
     print(
-        f"{name} [{mode}, K={recompute}]: worst |dlogprob| {worst:.2e}, mismatches {mismatches}, "
+        f"{name} [{mode}, K={recompute}]: worst |dlogprob| {worst:.2e}, "
+        f"mismatches {mismatches}, "
         f"longest loaded prefix {longest} tokens"
     )
     assert worst < TOL / 10 and mismatches <= 1
@@ -265,7 +266,8 @@ def _check_windowed_prefix_hit(llm, reference, name, mode, params):
         loads.append(sched.stats().tokens_loaded - before)
     hit = start - loads[1]
     print(
-        f"{name} [{mode}]: repeat of a {start}-token prefix: prefix cache {hit} tokens, "
+        f"{name} [{mode}]: repeat of a {start}-token prefix: "
+        f"prefix cache {hit} tokens, "
         f"chunk cache {loads[1]} (cold: {loads[0]})"
     )
     assert hit == 128 * (start // 128), (hit, start, loads)

@@ -1,18 +1,19 @@
-"""Sparse MLA (DeepSeek-V3.2's DSA indexer) under the chunk cache's semantics, on the tiny
-DeepSeek-V3.2 (issue 32). No engine: no CPU backend of vLLM runs sparse attention.
+"""Sparse MLA (DeepSeek-V3.2's DSA indexer) under the chunk cache's semantics, on the
+tiny DeepSeek-V3.2 (issue 32). No engine: no CPU backend of vLLM runs sparse attention.
 
-* The pure-torch forward (sparse_reference.SparseDeepseek, vLLM's layouts and rope objects)
-  equals HF transformers' DeepseekV32: logits, and every layer's top-k selection against
-  HF's own indexer output (a forward hook), causal and under the 4D isolation mask.
+* The pure-torch forward (sparse_reference.SparseDeepseek, vLLM's layouts and rope
+  objects) equals HF transformers' DeepseekV32: logits, and every layer's top-k
+  selection against HF's own indexer output (a forward hook), causal and under the 4D
+  isolation mask.
 * The selection matters on this model: each question token keeps 6 of dozens of visible
   tokens, and attending to all of them instead is far from the reference.
-* The chunk cache's sparse data path (entries of latent rows and indexer keys computed in
-  isolation, `kv_c` copied, `k_pe` and the indexer key's rope slice rotated by the delta with
-  the fork's own functions) selects the same tokens, in every layer and for every question
-  and generated token, and gives the same log-probabilities as the isolation-mask forward,
-  for random layouts in every context mode, cold and then warm in other orders. Controls:
-  indexer keys not rotated, rotated in the MLA rope's pairing, or with the rope's own
-  cos/sin (mscale applied twice) select other tokens.
+* The chunk cache's sparse data path (entries of latent rows and indexer keys computed
+  in isolation, `kv_c` copied, `k_pe` and the indexer key's rope slice rotated by the
+  delta with the fork's own functions) selects the same tokens, in every layer and for
+  every question and generated token, and gives the same log-probabilities as the
+  isolation-mask forward, for random layouts in every context mode, cold and then warm
+  in other orders. Controls: indexer keys not rotated, rotated in the MLA rope's
+  pairing, or with the rope's own cos/sin (mscale applied twice) select other tokens.
 """
 
 from __future__ import annotations
@@ -56,7 +57,8 @@ def ropes():
     assert (
         type(mla).__name__ == type(indexer).__name__ == "DeepseekScalingRotaryEmbedding"
     )
-    # MLA's k_pe: GPT-J interleaved; the indexer key's slice: neox (no indexer_rope_interleave).
+    # MLA's k_pe: GPT-J interleaved; the indexer key's slice: neox (no
+    # indexer_rope_interleave).
     assert not mla.is_neox_style and indexer.is_neox_style
     assert abs(mla.mscale - 1.037) < 1e-3 and mla.mscale == indexer.mscale
     return mla, indexer
@@ -93,7 +95,8 @@ def _differing(a: list[torch.Tensor], b: list[torch.Tensor]) -> int:
 
 
 def _hf_selections(reference: Reference, run) -> list[torch.Tensor]:
-    """Run `run()` and return what each HF layer's DeepseekV32Indexer returned ([1, S, k])."""
+    """Run `run()` and return what each HF layer's DeepseekV32Indexer returned ([1, S,
+    k])."""
     caught: list[torch.Tensor] = []
     hooks = [
         layer.self_attn.indexer.register_forward_hook(
@@ -179,7 +182,8 @@ def test_loaded_entries_select_and_attend_as_in_isolation(
     for layout in _layouts(rng, 2):
         shuffled = list(layout.chunks)
         rng.shuffle(shuffled)
-        # Cold, then warm in reversed and shuffled orders (other deltas, the same entries).
+        # Cold, then warm in reversed and shuffled orders (other deltas, the same
+        # entries).
         orders = (layout.chunks, list(reversed(layout.chunks)), shuffled)
         for step, chunks in enumerate(orders):
             current = Layout(layout.system, chunks, layout.question)
@@ -247,13 +251,14 @@ def test_indexer_key_controls_select_other_tokens(reference, model, emulation, r
 
 
 def test_a_quantized_indexer_is_not_translation_invariant(reference, model):
-    """Why quantized indexer caches stay refused (docs/design/sparse.md): with vLLM's CUDA
-    fp8 indexer arithmetic (keys and queries quantized after the rope, one ue8m0 scale per
-    128 values) the isolation forward itself changes when every position moves by 5: the
-    rounding depends on the absolute angle, so top-k choices flip and the distance argument
-    (hence what a chunk computed at 0.. means at its real positions) fails; unquantized,
-    the same shift changes nothing but float rounding. Observed on this model: ~8% of the
-    selected (query, token) pairs differ, log-probabilities by 3 to 5."""
+    """Why quantized indexer caches stay refused (docs/design/sparse.md): with vLLM's
+    CUDA fp8 indexer arithmetic (keys and queries quantized after the rope, one ue8m0
+    scale per 128 values) the isolation forward itself changes when every position moves
+    by 5: the rounding depends on the absolute angle, so top-k choices flip and the
+    distance argument (hence what a chunk computed at 0.. means at its real positions)
+    fails; unquantized, the same shift changes nothing but float rounding. Observed on
+    this model: ~8% of the selected (query, token) pairs differ, log-probabilities by 3
+    to 5."""
     from tests.chunk_isolation_mask import build_isolated_sequence
 
     prompt = reference.chunked_prompt(_layouts(random.Random(8), 1)[0])

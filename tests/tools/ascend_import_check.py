@@ -1,13 +1,14 @@
-"""Run by test_ascend_build.py in a fresh interpreter whose PYTHONPATH starts with a folder
-holding the two Ascend artifacts installed (`pip install --target`): vLLM's empty-target
-wheel and the wheel vllm-ascend's own setup.py builds from the patched sdist without its
-kernels. Prints one JSON report; the test judges it.
+"""Run by test_ascend_build.py in a fresh interpreter whose PYTHONPATH starts with a
+folder holding the two Ascend artifacts installed (`pip install --target`): vLLM's
+empty-target wheel and the wheel vllm-ascend's own setup.py builds from the patched
+sdist without its kernels. Prints one JSON report; the test judges it.
 
-argv: the conftest.py of vllm-ascend's tests/ut (from the patched sdist), then module names.
-That conftest is the mock `torch_npu` `./fork upstream-tests --ascend` runs vllm-ascend's
-unit tests under: where `npu-smi` is absent it puts a mock torch_npu (and acl, triton's
-runtime) in sys.modules, imports vllm_ascend.utils, applies vllm-ascend's patches
-(adapt_patch) and registers its custom ops. Running it here is that set-up, outside pytest.
+argv: the conftest.py of vllm-ascend's tests/ut (from the patched sdist), then module
+names. That conftest is the mock `torch_npu` `./fork upstream-tests --ascend` runs
+vllm-ascend's unit tests under: where `npu-smi` is absent it puts a mock torch_npu (and
+acl, triton's runtime) in sys.modules, imports vllm_ascend.utils, applies vllm-ascend's
+patches (adapt_patch) and registers its custom ops. Running it here is that set-up,
+outside pytest.
 """
 
 from __future__ import annotations
@@ -53,8 +54,9 @@ def main() -> None:
             "sha256": hashlib.sha256(data).hexdigest(),
             "text": data.decode(),
         }
-    # vllm-ascend's general plugin (patch 0002 calls the overlay's registration from it):
-    # the fork's NPU writers end up in the fork's vLLM registries, from the empty wheel.
+    # vllm-ascend's general plugin (patch 0002 calls the overlay's registration from
+    # it): the fork's NPU writers end up in the fork's vLLM registries, from the empty
+    # wheel.
     from vllm_ascend.distributed.kv_transfer import register_connector
 
     register_connector()

@@ -1,6 +1,7 @@
 """benchmarks/ has no circle of imports and no benchmark imports another (issue 41): the
 pieces they share are in benchmarks/common.py. The import graph is read with `ast` from
-every import statement, function-level ones included (a lazy import is still an edge)."""
+every import statement, function-level ones included (a lazy import is still an
+edge)."""
 
 from __future__ import annotations
 

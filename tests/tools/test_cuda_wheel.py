@@ -1,19 +1,24 @@
-"""The CUDA wheels (`./fork build --device cuda`, both bases) against PyPI's vLLM CUDA wheels
-they are built from, without a GPU. The `cuda_wheel` tier (pytest.ini: deselected by default,
-`./fork test -m cuda_wheel tests/tools/test_cuda_wheel.py` runs it; .ci/run runs it where it
-fits): each base downloads ~0.3 GB of vLLM wheel (+0.5 GB of torch for 0.32), and the install
-test lays down a venv of ~6 GB.
+"""The CUDA wheels (`./fork build --device cuda`, both bases) against PyPI's vLLM CUDA
+wheels they are built from, without a GPU. The `cuda_wheel` tier (pytest.ini: deselected
+by default) downloads from PyPI, which `./fork test`'s pytest cannot reach (it runs in a
+network namespace with only loopback): it runs as plain pytest in a fork venv after
+`./fork setup`, `.cache/venv/bin/python -m pytest -m cuda_wheel
+tests/tools/test_cuda_wheel.py`, as .ci/run's stage does where it fits. Each base
+downloads ~0.3 GB of vLLM wheel (+0.5 GB of torch for 0.32), and the install test lays
+down a venv of ~9 GB (8.9 GB measured for 0.23: the CUDA wheel's requirements, NVIDIA
+libraries included), removed after.
 
-1. Member by member: every member of upstream's wheel is in the built wheel with identical
-   bytes, unless the series names it (then its bytes are what `git apply` of the series makes
-   of upstream's file, applied here patch by patch without forktool) or it is METADATA (which
-   may differ in the Version line only) or RECORD (rewritten: every entry's sha256 and size
-   are the built member's, and every member is listed). The only members upstream lacks are
-   the overlay's files, byte for byte the repository's `vllm/`.
-2. Installed with pip into a new venv (with its dependencies, next to the torch CUDA build it
-   requires), `import vllm`, the chunk cache's config and its connector import on this
-   CPU-only machine. What cannot run without an NVIDIA driver is named below and asserted
-   to fail for that reason.
+1. Member by member: every member of upstream's wheel is in the built wheel with
+   identical bytes, unless the series names it (then its bytes are what `git apply` of
+   the series makes of upstream's file, applied here patch by patch without forktool) or
+   it is METADATA (which may differ in the Version line only) or RECORD (rewritten:
+   every entry's sha256 and size are the built member's, and every member is listed).
+   The only members upstream lacks are the overlay's files, byte for byte the
+   repository's `vllm/`.
+2. Installed with pip into a new venv (with its dependencies, next to the torch CUDA
+   build it requires), `import vllm`, the chunk cache's config and its connector import
+   on this CPU-only machine. What cannot run without an NVIDIA driver is named below and
+   asserted to fail for that reason.
 """
 
 from __future__ import annotations
@@ -47,8 +52,8 @@ CONNECTOR = "vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.connector"
 
 @pytest.fixture(scope="module", params=BASES)
 def built(request) -> tuple[Paths, Path, Path]:
-    """(paths, upstream CUDA wheel, built wheel) of one base; downloads and builds as a user
-    would (`./fork build --device cuda --base B`)."""
+    """(paths, upstream CUDA wheel, built wheel) of one base; downloads and builds as a
+    user would (`./fork build --device cuda --base B`)."""
     paths = Paths.default(request.param, "cuda")
     t0 = time.monotonic()
     files = fetch.fetch(paths, wheel.upstream_pins(paths, "cuda"))
@@ -63,8 +68,8 @@ def built(request) -> tuple[Paths, Path, Path]:
 def _git_apply_series(
     paths: Paths, upstream: zipfile.ZipFile, tmp: Path
 ) -> dict[str, bytes]:
-    """The series applied with plain `git apply` (outside any repository), patch by patch, to
-    upstream's files it names: the oracle for the patched members."""
+    """The series applied with plain `git apply` (outside any repository), patch by
+    patch, to upstream's files it names: the oracle for the patched members."""
     patch_dir = paths.patches_dir("vllm")
     names = [
         line.strip()
@@ -117,8 +122,8 @@ def test_members_are_upstreams_bytes_but_the_series_and_the_overlay(built, tmp_p
                 by_series += 1
             elif info.filename == f"{old_info}/METADATA":
                 a, b = up.read(info.filename).decode(), data.decode()
-                # The version is labelled and the overlay's own requirement (xxhash) added
-                # before upstream's first: nothing else changes.
+                # The version is labelled and the overlay's own requirement (xxhash)
+                # added before upstream's first: nothing else changes.
                 first = a.index("Requires-Dist: ")
                 want = (a[:first] + "Requires-Dist: xxhash\n" + a[first:]).replace(
                     f"\nVersion: {version}\n",
@@ -133,8 +138,8 @@ def test_members_are_upstreams_bytes_but_the_series_and_the_overlay(built, tmp_p
                     f"{name}: bytes differ from upstream"
                 )
                 identical += 1
-        # Every patched file is a member of the wheel (a file the series names but the wheel
-        # lacks would be silently unpatched).
+        # Every patched file is a member of the wheel (a file the series names but the
+        # wheel lacks would be silently unpatched).
         assert set(patched) <= {i.filename for i in up.infolist()}
         extra = set(got) - seen
         assert extra == set(overlay), (
@@ -157,8 +162,8 @@ def test_members_are_upstreams_bytes_but_the_series_and_the_overlay(built, tmp_p
             )
             assert (digest, size) == (f"sha256={want}", str(len(data))), name
     print(
-        f"[cuda_wheel] {paths.base.name}: {identical} members identical, {by_series} patched "
-        f"by the series, {len(overlay)} overlay files"
+        f"[cuda_wheel] {paths.base.name}: {identical} members identical, "
+        f"{by_series} patched by the series, {len(overlay)} overlay files"
     )
     assert identical > 1000 and by_series == len(patched)
 
@@ -170,14 +175,15 @@ import vllm
 from vllm.config.chunk_cache import ChunkCacheConfig
 from {CONNECTOR} import ChunkCacheConnector
 from vllm.config import VllmConfig
-out = {{"vllm": md.version("vllm"), "vllm_file": vllm.__file__, "torch": torch.__version__,
-        "torch_cuda": torch.version.cuda, "cuda_available": torch.cuda.is_available(),
+out = {{"vllm": md.version("vllm"), "vllm_file": vllm.__file__,
+        "torch": torch.__version__, "torch_cuda": torch.version.cuda,
+        "cuda_available": torch.cuda.is_available(),
         "connector": ChunkCacheConnector.__module__,
         "config_field": "chunk_cache_config" in VllmConfig.__dataclass_fields__,
         "flag": ChunkCacheConfig().enable_chunk_cache}}
-# NOTE: vLLM's CUDA extension (_C_stable_libtorch: in both bases; 0.32 has no _C) links the
-# NVIDIA driver's libcuda.so.1, which only a driver install provides (no pip package has it):
-# on a machine without the driver it cannot load.
+# NOTE: vLLM's CUDA extension (_C_stable_libtorch: in both bases; 0.32 has no _C) links
+# the NVIDIA driver's libcuda.so.1, which only a driver install provides (no pip package
+# has it): on a machine without the driver it cannot load.
 try:
     importlib.import_module("vllm._C_stable_libtorch")
     out["_C"] = "loaded"
@@ -196,15 +202,16 @@ def test_installs_with_pip_and_imports_without_a_gpu(built, tmp_path):
     try:
         _install_and_import(paths, built_path, torch_pin, torch_wheel, venv, tmp_path)
     finally:
-        # NOTE: ~9 GB a base; pytest would keep it among its last three temporary folders.
+        # NOTE: ~9 GB a base; pytest would keep it among its last three temporary
+        # folders.
         shutil.rmtree(venv, ignore_errors=True)
 
 
 def _install_and_import(paths, built_path, torch_pin, torch_wheel, venv, tmp_path):
     py = venv / "bin" / "python"
     t0 = time.monotonic()
-    # NOTE: the wheel with its own requirements (pip resolves them: a METADATA rewrite that
-    # broke resolution fails here), next to the torch it requires, nothing else.
+    # NOTE: the wheel with its own requirements (pip resolves them: a METADATA rewrite
+    # that broke resolution fails here), next to the torch it requires, nothing else.
     done = subprocess.run(
         [
             str(py),

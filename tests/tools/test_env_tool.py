@@ -1,4 +1,5 @@
-"""`./fork env` installs what changed, once (pip is replaced by a recorder: no downloads)."""
+"""`./fork env` installs what changed, once (pip is replaced by a recorder: no
+downloads)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,9 @@
-"""An sdist is downloaded only through the fork's venv (issue 40, deliverable 5): pip runs
-vLLM's setup.py for its metadata, which needs torch and setuptools-rust; on a fresh machine
-(no venv yet) `./fork apply vllm` used to hand that to the system Python and fail inside
-pip (tools/gpu/pack.sh on 2026-11-26). Now it stops first and says to run `./fork setup`;
-with the venv, pip runs through it. pip is replaced by a recorder: no download."""
+"""An sdist is downloaded only through the fork's venv (issue 40, deliverable 5): pip
+runs vLLM's setup.py for its metadata, which needs torch and setuptools-rust; on a fresh
+machine (no venv yet) `./fork apply vllm` used to hand that to the system Python and
+fail inside pip (tools/gpu/pack.sh on 2026-11-26). Now it stops first and says to run
+`./fork setup`; with the venv, pip runs through it. pip is replaced by a recorder: no
+download."""
 
 from __future__ import annotations
 

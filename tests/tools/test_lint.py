@@ -74,7 +74,7 @@ repos:
     stages: [commit-msg]
 """
 
-# A local hook as vLLM writes them: it prints `file:line: message` per finding and exits 1.
+# A local hook as vLLM writes them: `file:line: message` per finding, exit status 1.
 CHECK_BAD = """import sys
 rc = 0
 for name in sys.argv[1:]:

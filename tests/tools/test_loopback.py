@@ -1,5 +1,6 @@
 """`./fork test`'s network: a namespace of its own with only loopback where this user
-can make one (forktool/loopback.py), the host's network with a line saying so where not."""
+can make one (forktool/loopback.py), the host's network with a line saying so where
+not."""
 
 from __future__ import annotations
 

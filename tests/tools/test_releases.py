@@ -1,4 +1,5 @@
-"""Two upstream releases: per-release paths, the wheel's metadata, and check's import step."""
+"""Two upstream releases: per-release paths, the wheel's metadata, and check's import
+step."""
 
 from __future__ import annotations
 
@@ -55,7 +56,7 @@ def test_wheel_metadata_drops_what_cannot_be_installed_and_keeps_the_rest():
 def _fake_venv(paths: Paths, script: str) -> None:
     py = paths.venv_python()
     py.parent.mkdir(parents=True)
-    py.write_text(f'#!/bin/sh\nexec {sys.executable} "$@"\n' if not script else script)
+    py.write_text(script or f'#!/bin/sh\nexec {sys.executable} "$@"\n')
     py.chmod(0o755)
 
 

@@ -1,4 +1,5 @@
-"""The patch-series tool on the real pinned bases: apply/export round trip and `check`."""
+"""The patch-series tool on the real pinned bases: apply/export round trip and
+`check`."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ REAL = Paths.default()
 
 @pytest.fixture
 def fork_repo(tmp_path: Path) -> Paths:
-    """A scratch copy of the repository's series and overlay, sharing the real downloads."""
+    """A scratch copy of the repository's series and overlay, sharing the real
+    downloads."""
     repo = tmp_path / "repo"
     repo.mkdir()
     shutil.copy(REAL.pins_file, repo / "pins.toml")
@@ -164,7 +166,7 @@ def test_check_fails_on_a_broken_patch(fork_repo: Paths):
     text = p.read_text()
     # Corrupt one context line of the first hunk: the patch no longer matches upstream.
     lines = text.splitlines(keepends=True)
-    hunk = next(i for i, l in enumerate(lines) if l.startswith("@@"))
+    hunk = next(i for i, x in enumerate(lines) if x.startswith("@@"))
     i = next(
         i
         for i in range(hunk, len(lines))
@@ -207,7 +209,7 @@ def test_check_fails_on_a_duplicate_series_entry(fork_repo: Paths):
 def test_check_fails_on_a_missing_header_field(fork_repo: Paths, field: str):
     p = _first_patch(fork_repo)
     head, sep, diff = p.read_text().partition("\n---\n")
-    head = "\n".join(l for l in head.splitlines() if not l.startswith(f"{field}:"))
+    head = "\n".join(x for x in head.splitlines() if not x.startswith(f"{field}:"))
     p.write_text(head + sep + diff)
     report = run_check(fork_repo)
     assert any(f"missing '{field}:' line" in m and p.name in m for m in report.problems)
@@ -222,9 +224,10 @@ def test_check_fails_on_an_overlay_file_that_shadows_upstream(fork_repo: Paths):
     )
 
 
-# NOTE: ~40 s (an sdist apply and every overlay module imported) on the 2-core CI machine,
-# where .ci/run runs `./fork check` for each base anyway (exit 0 there); the problems it
-# reports are checked by run_check above, so the command's exit codes are in the slow tier.
+# NOTE: ~40 s (an sdist apply and every overlay module imported) on the 2-core CI
+# machine, where .ci/run runs `./fork check` for each base anyway (exit 0 there); the
+# problems it reports are checked by run_check above, so the command's exit codes are in
+# the slow tier.
 @pytest.mark.slow
 def test_check_command_exit_code(fork_repo: Paths, monkeypatch):
     from forktool import cli

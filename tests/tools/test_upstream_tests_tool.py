@@ -1,7 +1,7 @@
-"""`./fork upstream-tests` reads a pytest run right (tools/forktool/upstream_tests.py): each
-test's outcome by id, a collection error charged to its file with the exception it raised,
-and a regression is exactly a test that passed on stock and not on the patched side. The
-runs are real pytest processes over a small folder of tests written here."""
+"""`./fork upstream-tests` reads a pytest run right (tools/forktool/upstream_tests.py):
+each test's outcome by id, a collection error charged to its file with the exception it
+raised, and a regression is exactly a test that passed on stock and not on the patched
+side. The runs are real pytest processes over a small folder of tests written here."""
 
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
 """vLLM's own Triton cache write (`triton_reshape_and_cache_flash`, the write of its
-TRITON_ATTN backend and the Triton twin of the CUDA backends' `reshape_and_cache_flash`),
-run unchanged by Triton's interpreter on the CPU: the independent oracle the CPU tests
-compare the chunk cache's fused kernel, self-checks and readers with.
+TRITON_ATTN backend and the Triton twin of the CUDA backends'
+`reshape_and_cache_flash`), run unchanged by Triton's interpreter on the CPU: the
+independent oracle the CPU tests compare the chunk cache's fused kernel, self-checks and
+readers with.
 
 vLLM binds `vllm.triton_utils.triton` to a placeholder when no GPU driver is active, so
 the kernel's module is executed afresh here with the real `triton` in that place (its
@@ -9,8 +10,8 @@ source is vLLM's, not a copy). The wrapper asks `torch.cuda.get_device_capabilit
 to pick a tile size; on the CPU that question gets a fixed answer.
 
 Not an oracle for fp8 caches: the interpreter's fp32 -> fp8 e4m3 store neither saturates
-(NaN past 448) nor rounds to nearest even (seen on vLLM 0.23 / Triton 3.6: -31.9 -> -16),
-unlike the CUDA op. The fp8 cases compare with the CUDA op and run on a GPU only.
+(NaN past 448) nor rounds to nearest even (seen on vLLM 0.23 / Triton 3.6: -31.9 ->
+-16), unlike the CUDA op. The fp8 cases compare with the CUDA op and run on a GPU only.
 """
 
 import contextlib
@@ -75,7 +76,7 @@ def write_rows(
 def write_kv(
     kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor
 ) -> None:
-    """Into a [blocks, 2, block_size, heads, head] cache, split as FlashAttention, FlashInfer
-    and Triton's `do_kv_cache_update` split it (`kv_cache.unbind(1)`)."""
+    """Into a [blocks, 2, block_size, heads, head] cache, split as FlashAttention,
+    FlashInfer and Triton's `do_kv_cache_update` split it (`kv_cache.unbind(1)`)."""
     key_cache, value_cache = kv_cache.unbind(1)
     write_rows(key_cache, value_cache, key, value, slots)

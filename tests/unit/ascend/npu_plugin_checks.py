@@ -136,7 +136,7 @@ def _scheduler_adapter(cfg):
     """The connector's scheduler half as the scheduler builds it (its start-up
     checks run in its constructor)."""
     import torch
-    from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.scheduler_adapter import (
+    from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.scheduler_adapter import (  # noqa: E501
         ChunkCacheSchedulerAdapter,
     )
     from vllm.v1.kv_cache_interface import (
@@ -206,7 +206,7 @@ def check_scheduler_rules(model: str) -> None:
             cfg = _config(model, chunk_recompute_tokens=recompute)
             cfg.scheduler_config.scheduler_cls = qualname
             if recompute:
-                _expect_refused(lambda: _scheduler_adapter(cfg), qualname)
+                _expect_refused(lambda cfg=cfg: _scheduler_adapter(cfg), qualname)
             else:
                 _scheduler_adapter(cfg)
 

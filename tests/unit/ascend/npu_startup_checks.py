@@ -351,7 +351,7 @@ def check_mlapo_is_read_per_layer_after_weights_load() -> None:
     from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.cache_writers import (
         latent_writer_for,
     )
-    from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.mla_latent_layers import (
+    from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.mla_latent_layers import (  # noqa: E501
         LatentLayer,
     )
     from vllm.model_executor.layers.linear import UnquantizedLinearMethod

@@ -101,7 +101,8 @@ def check_load_path_writes_rotated_rows_through_device_operator() -> None:
         value_cache = torch.zeros(num_blocks, block_size, heads, dim)
         layer = types.SimpleNamespace(kv_cache=[key_cache, value_cache])
         remapper = PositionRemapper(
-            rotation, lambda name, k, v, s: write_rows_npu(layer, k, v, s, None)
+            rotation,
+            lambda name, k, v, s, layer=layer: write_rows_npu(layer, k, v, s, None),
         )
         rows = RemapRows(
             src_rows=torch.arange(10), dst_slots=slots, deltas=torch.full((10,), 299)
@@ -245,6 +246,37 @@ def _ascend_ropes():
     return ropes
 
 
+def _ascend_k(name: str, rope, raw_k, pos):
+    """K at `pos` by the Ascend rope class's forward (q is needed too)."""
+    n, heads, dim = raw_k.shape
+    if name == "deepseek_yarn":
+        _, k = rope.forward(pos, raw_k.clone(), raw_k.clone())
+    else:
+        _, k = rope.forward_oot(
+            pos, raw_k.clone().view(n, -1), raw_k.clone().view(n, -1)
+        )
+    return k.reshape(n, heads, dim)
+
+
+def _parent_k(name: str, rope, parent, raw_k, pos):
+    """K at `pos` by vLLM's own rope math for these parameters: the parent's cache
+    method and forward on the Ascend rope's attributes."""
+    n, heads, dim = raw_k.shape
+    vllm_rope = parent.forward_static(
+        pos,
+        raw_k.clone(),
+        raw_k.clone(),
+        dim,
+        rope.rotary_dim,
+        parent._compute_cos_sin_cache(rope),
+        rope.is_neox_style,
+    )[1]
+    k = vllm_rope.view(n, heads, dim)
+    if name == "deepseek_yarn":  # the layout Ascend's forward stores
+        k = torch.cat((k[..., 0::2], k[..., 1::2]), -1)
+    return k
+
+
 def check_ascend_ropes_registered_and_keys_move_as_at_the_new_position() -> None:
     """The rope classes vLLM builds on an NPU (AscendRotaryEmbedding,
     AscendYaRNRotaryEmbedding, AscendDeepseekScalingRotaryEmbedding) are
@@ -303,36 +335,11 @@ def check_ascend_ropes_registered_and_keys_move_as_at_the_new_position() -> None
         p = torch.randint(0, 2000, (n,), generator=gen)
         d = torch.randint(-2000, 2000, (n,), generator=gen).clamp(min=-p)
 
-        def ascend_k(pos):  # the Ascend class's forward (q is needed too)
-            if name == "deepseek_yarn":
-                _, k = rope.forward(pos, raw_k.clone(), raw_k.clone())
-            else:
-                _, k = rope.forward_oot(
-                    pos, raw_k.clone().view(n, -1), raw_k.clone().view(n, -1)
-                )
-            return k.reshape(n, heads, dim)
-
-        # vLLM's own rope math for these parameters: the parent's cache method
-        # and forward on the Ascend rope's attributes.
-        parent_cache = parent._compute_cos_sin_cache(rope)
-
-        def parent_k(pos):
-            vllm_rope = parent.forward_static(
-                pos,
-                raw_k.clone(),
-                raw_k.clone(),
-                dim,
-                rope.rotary_dim,
-                parent_cache,
-                rope.is_neox_style,
-            )[1]
-            k = vllm_rope.view(n, heads, dim)
-            if name == "deepseek_yarn":  # the layout Ascend's forward stores
-                k = torch.cat((k[..., 0::2], k[..., 1::2]), -1)
-            return k
-
-        stored, want = ascend_k(p), ascend_k(p + d)
-        assert torch.allclose(want, parent_k(p + d), atol=1e-5), name
+        stored = _ascend_k(name, rope, raw_k, p)
+        want = _ascend_k(name, rope, raw_k, p + d)
+        assert torch.allclose(
+            want, _parent_k(name, rope, parent, raw_k, p + d), atol=1e-5
+        ), name
         slots = torch.randperm(4 * block_size, generator=gen)[:n]
         for adaptor in (device_op.BaseDeviceAdaptor, device_op.A5DeviceAdaptor):
             device_op.DeviceOperator = adaptor
@@ -340,7 +347,8 @@ def check_ascend_ropes_registered_and_keys_move_as_at_the_new_position() -> None
             value_cache = torch.zeros(4, block_size, heads, dim)
             layer = types.SimpleNamespace(kv_cache=[key_cache, value_cache])
             remapper = PositionRemapper(
-                rotation, lambda _, k, v, s: write_rows_npu(layer, k, v, s, None)
+                rotation,
+                lambda _, k, v, s, layer=layer: write_rows_npu(layer, k, v, s, None),
             )
             remapper.remap_layer(
                 "l0",
@@ -397,7 +405,7 @@ def check_mla_load_writes_what_ascend_writes_at_the_new_position(rope=None) -> N
     from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.cache_writers import (
         latent_writer_for,
     )
-    from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.mla_latent_layers import (
+    from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.mla_latent_layers import (  # noqa: E501
         LatentLayer,
     )
     from vllm.model_executor.layers.rotary_embedding import get_rope
@@ -517,7 +525,7 @@ def check_mla_refusals() -> None:
     from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.cache_writers import (
         latent_writer_for,
     )
-    from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.mla_latent_layers import (
+    from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.mla_latent_layers import (  # noqa: E501
         LatentLayer,
     )
     from vllm_ascend.distributed.chunk_cache_npu import register_npu_chunk_cache
@@ -631,7 +639,7 @@ def check_sfa_load_writes_what_ascend_writes_at_the_new_position(rope=None) -> N
     from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.cache_writers import (
         latent_writer_for,
     )
-    from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.mla_latent_layers import (
+    from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.mla_latent_layers import (  # noqa: E501
         INDEXER_SCRATCH,
         LatentLayer,
     )
@@ -740,10 +748,10 @@ def check_sfa_reader_returns_what_the_writer_wrote() -> None:
     from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.cache_writers import (
         latent_writer_for,
     )
-    from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.indexer_keys_layers import (
+    from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.indexer_keys_layers import (  # noqa: E501
         indexer_writer_for,
     )
-    from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.mla_latent_layers import (
+    from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.mla_latent_layers import (  # noqa: E501
         LatentLayer,
     )
     from vllm_ascend.distributed.chunk_cache_npu import register_npu_chunk_cache
@@ -812,7 +820,7 @@ def check_sfa_li_c8_load_quantizes_as_ascend_at_the_new_position() -> None:
     from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.cache_writers import (
         latent_writer_for,
     )
-    from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.mla_latent_layers import (
+    from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.mla_latent_layers import (  # noqa: E501
         LatentLayer,
     )
     from vllm.model_executor.layers.rotary_embedding import get_rope
@@ -956,7 +964,7 @@ def check_sfa_refusals() -> None:
     from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.cache_writers import (
         latent_writer_for,
     )
-    from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.mla_latent_layers import (
+    from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.mla_latent_layers import (  # noqa: E501
         LatentLayer,
     )
     from vllm_ascend.distributed.chunk_cache_npu import register_npu_chunk_cache

@@ -48,8 +48,8 @@ COS_SIN = "check_deepseek_load_step_forms_cos_sin_once_per_frequencies"
 
 @pytest.fixture(scope="module")
 def batch(ascend_tree: Path) -> dict[str, CheckOutcome]:
-    """The checks that need no stock vLLM first on the path, as one batch (each in a child
-    forked after the imports: check_batch.py)."""
+    """The checks that need no stock vLLM first on the path, as one batch (each in a
+    child forked after the imports: check_batch.py)."""
     return run_checks(
         SCRIPT,
         ["check_scheduler_rules", "check_xlite_refused", BUFFERS, COS_SIN],
@@ -121,10 +121,10 @@ def test_deepseek_on_ascend_mla_forms_a_steps_cos_sin_once_per_frequencies(batch
 # path (its custom ops, rope classes and NPUPlatform's attention backend): accepted
 # with the rope below, or refused with the message the regex matches. From the
 # documented rules (docs/ascend.md, "The model-family matrix on Ascend"): a window
-# shorter than max_model_len is shown exact on CPU_ATTN, TRITON_ATTN and FLASH_ATTN only, so it is refused on
-# Ascend's attention naming the layer and the backend (the worker's check runs
-# before the scheduler's); a window of at least max_model_len is full attention; a
-# model without RoPE is refused naming its layers.
+# shorter than max_model_len is shown exact on CPU_ATTN, TRITON_ATTN and FLASH_ATTN
+# only, so it is refused on Ascend's attention naming the layer and the backend (the
+# worker's check runs before the scheduler's); a window of at least max_model_len is
+# full attention; a model without RoPE is refused naming its layers.
 _WINDOW = (
     r"chunk cache does not support sliding-window attention "
     r"\(model\.layers\.0\.self_attn\.attn, window {}\) on the attention backend "

@@ -1,8 +1,9 @@
 """The Ascend side without an NPU: the vllm-ascend series applied to the pinned sdist,
 every patched or new vllm-ascend file compiled, and the fork's NPU code paths run on
 CPU against a stub `torch_npu` (tests/unit/ascend/stubs: CPU reference implementations
-of the two cache-write ops and MLA's fused norm-rope-cache write; they check our index and layout math, not the NPU ops).
-Nothing here executes NPU code: docs/ascend.md lists what never ran."""
+of the two cache-write ops and MLA's fused norm-rope-cache write; they check our index
+and layout math, not the NPU ops). Nothing here executes NPU code: docs/ascend.md lists
+what never ran."""
 
 from __future__ import annotations
 

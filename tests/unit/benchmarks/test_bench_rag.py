@@ -81,7 +81,8 @@ def test_ratios_between_the_three_configurations():
         bench.Result("chunk", p, [0.1, 0.1], 16, 1.0, 0.5),
     ]
     ratios = bench.write_ratios(rows, {p: 0.05})
-    # TTFT stock/chunk, prefix/chunk, stock/prefix; req/s chunk/stock, chunk/prefix; floor.
+    # TTFT stock/chunk, prefix/chunk, stock/prefix; req/s chunk/stock, chunk/prefix;
+    # floor.
     assert "| 4 | 0.5 | 1 | 5.00x | 3.00x | 1.67x | 2.00x | 2.00x | 2.00x |" in ratios
     # A point without all three configurations gets no ratio row.
     assert bench.write_ratios(rows[:2], {}).count("\n") == 2

@@ -1,9 +1,9 @@
 """benchmarks/gpu_remap.py's launch-geometry sweep (issue 40, deliverable 1) on the CPU:
 which geometries it times (around the default, the best of the 2026-11-26 H100 sweep),
 its argument parsing, and one run of the sweep itself in Triton's interpreter on tiny
-shapes: every geometry writes the default's bytes, and a geometry that writes other bytes
-is reported (the sweep returns False). The timings are the GPU's business (not executed
-here); a stub timer stands in."""
+shapes: every geometry writes the default's bytes, and a geometry that writes other
+bytes is reported (the sweep returns False). The timings are the GPU's business (not
+executed here); a stub timer stands in."""
 
 import os
 

@@ -154,7 +154,7 @@ def test_context_scale_bias_touches_only_question_rows_toward_real_chunk_tokens(
     assert copies and not bias[:, copies].any()
 
 
-# --------------------------------------------------- question-aware recompute (issue 33)
+# ------------------------------------------------ question-aware recompute (issue 33)
 
 
 def test_question_aware_takes_the_most_attended_chunk_tokens():
@@ -177,8 +177,8 @@ def test_question_aware_first_tokens_count_inside_the_budget():
     attention = torch.zeros(13)
     attention[[4, 8, 9]] = torch.tensor([3.0, 2.0, 1.0])
     # first=1 forces each chunk's token 0 (3 tokens); the budget 5/9 leaves 2 to the
-    # ranking: the two most attended non-forced tokens (4 -> chunk 0 index 2, 8 -> chunk 1
-    # index 3).
+    # ranking: the two most attended non-forced tokens (4 -> chunk 0 index 2, 8 -> chunk
+    # 1 index 3).
     assert question_aware(PROMPT, attention, 5 / 9, first=1) == [[0, 2], [0, 3], [0]]
     # A budget below the forced tokens grows to them (every chunk keeps its first).
     assert question_aware(PROMPT, attention, 1 / 9, first=1) == [[0], [0], [0]]
@@ -199,7 +199,8 @@ def test_question_chunks_spends_the_budget_on_the_most_attended_chunks_heads():
         assert sum(map(len, question_chunks(PROMPT, attention, r))) == round(r * 9)
 
 
-# The reference on a tiny real model: the ranking pass's attention, and the lever's ends.
+# The reference on a tiny real model: the ranking pass's attention, and the lever's
+# ends.
 
 
 @pytest.fixture(scope="module")
@@ -242,8 +243,8 @@ def test_question_attention_is_hf_eager_attention_of_the_question_rows(tiny_scor
     )
     real = seq.real_rows
     assert torch.allclose(got[seq.source_index[real]], per_key[real], atol=1e-4)
-    # Probabilities: each (layer, head, question row) gives 1 in all, to real tokens only
-    # (the private sink copies are invisible to the question).
+    # Probabilities: each (layer, head, question row) gives 1 in all, to real tokens
+    # only (the private sink copies are invisible to the question).
     config = eager.config
     expected = config.num_hidden_layers * config.num_attention_heads * q.num_tokens
     assert float(got.sum()) == pytest.approx(expected, rel=1e-5)

@@ -1,12 +1,12 @@
 # SPDX-License-Identifier: Apache-2.0
 """vLLM's AMX branch of the CPU MLA backend selection, forced (issue 59, deliverable 6).
 
-On an x86 CPU with AMX tiles vLLM 0.32 serves an MLA model with AMX_MLA unless CPU_MLA is
-asked for by name: `CpuPlatform.get_attn_backend_cls` and `check_and_update_config` both
-ask `torch.cpu._is_amx_tile_supported()` (read in the installed sources). No machine of
-this project's developers has AMX, so the branch is forced here by a stand-in for that
-one detection, and vLLM's own selection (`get_attn_backend`, the call an MLA layer makes)
-runs on the tiny DeepSeek's engine config:
+On an x86 CPU with AMX tiles vLLM 0.32 serves an MLA model with AMX_MLA unless CPU_MLA
+is asked for by name: `CpuPlatform.get_attn_backend_cls` and `check_and_update_config`
+both ask `torch.cpu._is_amx_tile_supported()` (read in the installed sources). No
+machine of this project's developers has AMX, so the branch is forced here by a stand-in
+for that one detection, and vLLM's own selection (`get_attn_backend`, the call an MLA
+layer makes) runs on the tiny DeepSeek's engine config:
 
 * without a backend named, vLLM picks AMX_MLA (and its config: block size 128, prefix
   caching kept). The chunk cache has no latent writer for it: its start-up check on the
@@ -127,7 +127,8 @@ def test_forced_amx_the_mla_tests_arguments_give_cpu_mla_which_the_chunk_cache_s
     config = _config(dtype, **CPU_MLA_ARGS)
     backend = _selected(config, getattr(torch, dtype))
     assert backend.get_name() == "CPU_MLA"
-    # CPU_MLA's config, not AMX_MLA's: its decode kernel's block size, prefix caching off.
+    # CPU_MLA's config, not AMX_MLA's: its decode kernel's block size, prefix caching
+    # off.
     assert config.cache_config.block_size == 16
     assert not config.cache_config.enable_prefix_caching
     check_attention_layer("model.layers.0.self_attn.mla_attn", _layer(backend))
@@ -136,7 +137,8 @@ def test_forced_amx_the_mla_tests_arguments_give_cpu_mla_which_the_chunk_cache_s
 @ONLY_032
 def test_unforced_the_selection_follows_this_machines_cpu():
     """The stand-in replaces the detection the selection really reads: without it, this
-    machine's answer decides (AMX_MLA on Sapphire Rapids and later, CPU_MLA elsewhere)."""
+    machine's answer decides (AMX_MLA on Sapphire Rapids and later, CPU_MLA
+    elsewhere)."""
     from vllm.v1.attention import selector
 
     selector._cached_get_attn_backend.cache_clear()

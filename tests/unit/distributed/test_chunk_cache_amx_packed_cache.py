@@ -3,13 +3,13 @@
 
 On a CPU with AMX tiles vLLM's CPU_ATTN picks its "amx" ISA for a bf16 cache whose block
 size is a multiple of 32 (`cpu_attn._get_attn_isa`, both bases), and its cache write
-(`cpu_attn_reshape_and_cache`) packs K for the tile unit. The chunk cache's capture cannot
-read that layout back; its start-up self-check (capture_path.py) must see so and keep the
-attention hook on those layers, with the cache restored. No machine of this project's
-developers has AMX: the ISA choice is forced here by a stand-in for vLLM's one detection,
-`torch.cpu._is_amx_tile_supported()`, and vLLM's real write then packs the cache (the
-write's packing needs no tile instruction: it runs on any x86 CPU). The attention kernel
-over such a cache uses tile instructions and is not run here.
+(`cpu_attn_reshape_and_cache`) packs K for the tile unit. The chunk cache's capture
+cannot read that layout back; its start-up self-check (capture_path.py) must see so and
+keep the attention hook on those layers, with the cache restored. No machine of this
+project's developers has AMX: the ISA choice is forced here by a stand-in for vLLM's one
+detection, `torch.cpu._is_amx_tile_supported()`, and vLLM's real write then packs the
+cache (the write's packing needs no tile instruction: it runs on any x86 CPU). The
+attention kernel over such a cache uses tile instructions and is not run here.
 """
 
 from __future__ import annotations

@@ -35,8 +35,8 @@ def test_the_load_buffers_are_sized_for_the_model_kind_and_the_layers_that_take_
     monkeypatch,
 ):
     """Before: 4096 rows of K, V, rotated K and two fp32 K copies of the whole KV width,
-    for every model: an MLA model (whose loads took none of them) and a model whose every
-    layer loads through the fused kernel (which takes none) alike."""
+    for every model: an MLA model (whose loads took none of them) and a model whose
+    every layer loads through the fused kernel (which takes none) alike."""
     cfg = _sizing_config()  # 3 KV heads x 64, bf16, --max-chunk-load-tokens 4096
     standard = 4096 * (3 * 192 * 2 + 2 * 192 * 4)
     assert setup.load_scratch_bytes(cfg) == standard
@@ -144,9 +144,9 @@ def test_a_step_reads_nothing_back_and_forms_cos_sin_once_per_frequencies(
 ):
     """Issue 29 finding 8. Before: every MLA layer's rotation (its own `with_pairing`
     copy) missed the step's cos/sin, keyed by the rope object, and formed its own (on an
-    NPU through `deltas.cpu()`, a host synchronisation per layer). Now the step forms the
-    cos/sin of each stretch once per set of frequencies, on the host from the metadata's
-    integers, and reads no device value back."""
+    NPU through `deltas.cpu()`, a host synchronisation per layer). Now the step forms
+    the cos/sin of each stretch once per set of frequencies, on the host from the
+    metadata's integers, and reads no device value back."""
     worker, writes = _latent_worker(vllm_config_context, num_layers=3)
     with cos_sin_formed_without_host_reads() as formed:
         worker.start_load_kv(_meta(), SimpleNamespace())
@@ -157,9 +157,10 @@ def test_a_step_reads_nothing_back_and_forms_cos_sin_once_per_frequencies(
 def test_the_config_time_capture_decision_is_the_per_layer_decision():
     """Issue 30 "Also": one owner (capture_path) decides where captures run. The config
     (the CUDA-graph mode, before any layer exists) says some layer captures in the hook
-    exactly where the per-layer decision (`choose_capture`, its self-check with vLLM's own
-    Triton cache write into a FlashAttention cache) sends the layer there; an unquantized
-    cache, which that write and read give back bit for bit, is never predicted as a hook."""
+    exactly where the per-layer decision (`choose_capture`, its self-check with vLLM's
+    own Triton cache write into a FlashAttention cache) sends the layer there; an
+    unquantized cache, which that write and read give back bit for bit, is never
+    predicted as a hook."""
     from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache import capture_path
 
     from tests.unit.distributed.test_chunk_cache_capture_path import (

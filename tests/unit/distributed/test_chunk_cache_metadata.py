@@ -3,6 +3,8 @@
 rows (what each worker does once per step, on its device), with exact rows."""
 
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.metadata import (
     ChildStore,
     LoadRows,
@@ -157,7 +159,7 @@ def test_a_stretch_from_a_position_keeps_exactly_the_rows_at_or_after_it():
     """Issue 42: loads into a sliding-window group skip the rows of the blocks vLLM's
     SlidingWindowManager null-padded (out of every later token's window). Oracle:
     the untrimmed expansion with the rows before the position filtered out."""
-    from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.scheduler_adapter import (
+    from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.scheduler_adapter import (  # noqa: E501
         _leading_null_blocks,
     )
 
@@ -184,9 +186,6 @@ def test_a_stretch_from_a_position_keeps_exactly_the_rows_at_or_after_it():
 
 
 # --- the vectorised expansion against a row-by-row reference (issue 52) ---
-
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 
 def _reference_rows(blocks, first, count, block_size):

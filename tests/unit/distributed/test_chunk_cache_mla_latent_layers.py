@@ -20,6 +20,7 @@ from __future__ import annotations
 import ast
 import importlib.util
 import inspect
+from pathlib import Path
 
 import pytest
 import torch
@@ -90,8 +91,8 @@ def _real_op() -> bool:
 
 GPU_ONLY = pytest.mark.skipif(
     not (torch.cuda.is_available() and _real_op()),
-    reason="GPU-only: the oracle is vLLM's CUDA concat_and_cache_mla (no CPU kernel, no "
-    "Triton twin in vLLM)",
+    reason="GPU-only: the oracle is vLLM's CUDA concat_and_cache_mla (no CPU kernel, "
+    "no Triton twin in vLLM)",
 )
 
 
@@ -135,7 +136,7 @@ def _backend_classes(backend: str) -> tuple[ast.ClassDef, ast.ClassDef]:
     """(backend class, impl class) of `backend` as its module defines them, read
     without importing it (FLASH_ATTN_MLA and others need CUDA extensions)."""
     module, _, name = AttentionBackendEnum[backend].get_path().rpartition(".")
-    tree = ast.parse(open(importlib.util.find_spec(module).origin).read())
+    tree = ast.parse(Path(importlib.util.find_spec(module).origin).read_text())
     classes = {node.name: node for node in tree.body if isinstance(node, ast.ClassDef)}
     backend_cls = classes[name]
     get_impl = next(

@@ -73,7 +73,7 @@ def test_on_cuda_one_step_is_opt_in_and_elsewhere_refused_by_name(monkeypatch):
         RecomputeSteps.for_config(config(mla=True), _platform("cuda"))
 
 
-def test_on_cuda_the_worker_refuses_other_backends_full_graph_mode_and_spec_decode_by_name():
+def test_on_cuda_the_worker_refuses_other_backends_full_graph_and_spec_decode_by_name():
     """Issue 60: only what cannot work is refused; vLLM's default FULL_AND_PIECEWISE
     (full graphs for uniform decode batches only) and FULL_DECODE_ONLY are accepted,
     and the start-up line says how a step with runs runs (vLLM's dispatcher itself:
@@ -116,7 +116,8 @@ def test_on_cuda_the_worker_refuses_other_backends_full_graph_mode_and_spec_deco
         True, flash, graphs(CUDAGraphMode.FULL_DECODE_ONLY), _platform("cuda"), None, 64
     )
     assert "runs eager" in decode_only and "rows capped at 128 per step" in decode_only
-    # Not asked for, or not CUDA (the CPU backend's rows are its own): nothing to refuse.
+    # Not asked for, or not CUDA (the CPU backend's rows are its own): nothing to
+    # refuse.
     flashinfer = {"model.layers.0.self_attn.attn": layer("FlashInferImpl")}
     assert check_query_runs(False, flashinfer, piecewise, _platform("cuda")) is None
     assert (

@@ -3,17 +3,18 @@
 
 On a GPU, vLLM's worker runs `initialize_kv_cache` (and with it the connector's
 `register_kv_caches`) inside its CuMem pool tagged "kv_cache"; `sleep(level >= 1)`
-discards that memory and `wake_up` maps fresh memory at the same addresses. The CPU worker
-discards nothing, so the e2e sleep test cannot show what a GPU would. Here the same
-mechanism runs on the CPU: every tensor produced while `register_kv_caches` runs is recorded
-(a TorchDispatchMode standing for the pool), the "sleep" zeroes all of them (and the paged
-caches, which live in that pool too), new rows are captured as after a wake-up, and the next
-load must write what vLLM's own RoPE gives at the real positions.
+discards that memory and `wake_up` maps fresh memory at the same addresses. The CPU
+worker discards nothing, so the e2e sleep test cannot show what a GPU would. Here the
+same mechanism runs on the CPU: every tensor produced while `register_kv_caches` runs is
+recorded (a TorchDispatchMode standing for the pool), the "sleep" zeroes all of them
+(and the paged caches, which live in that pool too), new rows are captured as after a
+wake-up, and the next load must write what vLLM's own RoPE gives at the real positions.
 
-The layers are standard attention with the FlashAttention implementation's name, so that the
-fused Triton load is chosen (it runs in Triton's interpreter on CPU tensors); their cache
-write, which the fused path's self-check compares with and the layers not fused use, is
-vLLM's own Triton `triton_reshape_and_cache_flash` (also interpreted). Not executed on a GPU.
+The layers are standard attention with the FlashAttention implementation's name, so that
+the fused Triton load is chosen (it runs in Triton's interpreter on CPU tensors); their
+cache write, which the fused path's self-check compares with and the layers not fused
+use, is vLLM's own Triton `triton_reshape_and_cache_flash` (also interpreted). Not
+executed on a GPU.
 """
 
 import os
@@ -44,7 +45,8 @@ HEADS, HEAD, BLOCK, BLOCKS, LAYERS = 2, 32, 16, 64, 3
 
 class FlashAttentionImpl:
     """What the worker reads of vLLM's FlashAttention implementation; its cache write is
-    vLLM's Triton twin of reshape_and_cache_flash (tests/unit/vllm_triton_cache_write.py)."""
+    vLLM's Triton twin of reshape_and_cache_flash
+    (tests/unit/vllm_triton_cache_write.py)."""
 
     kv_cache_dtype = "auto"
 
@@ -189,8 +191,8 @@ def _serve(engine, seed: int) -> None:
                 got_k = key_cache[blocks, positions % BLOCK]
                 got_v = value_cache[blocks, positions % BLOCK]
                 # NOTE: vLLM's RoPE takes fp32 angles from its cos/sin cache (~1e-4 at
-                # position 4,000), the load float64 ones; keys at a wrong angle differ by
-                # O(1).
+                # position 4,000), the load float64 ones; keys at a wrong angle differ
+                # by O(1).
                 torch.testing.assert_close(
                     got_k,
                     keys[i],
@@ -203,12 +205,13 @@ def _serve(engine, seed: int) -> None:
 
 
 def test_a_load_after_a_sleep_discarded_the_kv_cache_pool_is_exact(engine):
-    """Serve, sleep (every tensor register_kv_caches made is zeroed, as vLLM's CuMem pool
-    leaves it), wake up, serve again: exact both times. Before: the fused kernel's address
-    table was built in register_kv_caches (zeroed by the sleep: the next load dereferenced
-    null addresses) and the RoPE frequencies' device copy made by the start-up self-check
-    was reused by every load (zeroed: cos 1, sin 0, keys loaded at their stored position).
-    (A garbage table crashes the process: pytest's fault handler names this test.)"""
+    """Serve, sleep (every tensor register_kv_caches made is zeroed, as vLLM's CuMem
+    pool leaves it), wake up, serve again: exact both times. Before: the fused kernel's
+    address table was built in register_kv_caches (zeroed by the sleep: the next load
+    dereferenced null addresses) and the RoPE frequencies' device copy made by the
+    start-up self-check was reused by every load (zeroed: cos 1, sin 0, keys loaded at
+    their stored position). (A garbage table crashes the process: pytest's fault handler
+    names this test.)"""
     assert engine.worker._fused.layers, engine.worker._fused.summary()  # the fused path
     _serve(engine, seed=1)
     engine.pool.discard()  # sleep(level=1) on a GPU; wake_up maps the same addresses
@@ -218,8 +221,8 @@ def test_a_load_after_a_sleep_discarded_the_kv_cache_pool_is_exact(engine):
 
 
 def _reachable_tensors(root) -> list[torch.Tensor]:
-    """Every tensor reachable from `root` through attributes, dicts, lists, tuples and sets
-    (modules' parameters and buffers included)."""
+    """Every tensor reachable from `root` through attributes, dicts, lists, tuples and
+    sets (modules' parameters and buffers included)."""
     seen, found, todo = set(), [], [root]
     while todo:
         obj = todo.pop()
@@ -294,9 +297,9 @@ def test_the_load_buffers_are_allocated_at_start_up_for_the_layers_that_take_the
     vllm_config_context, monkeypatch
 ):
     """Issue 30 finding 5, issue 29 finding 10: the buffers are allocated in
-    register_kv_caches (inside the KV-cache pool the carve-out counts), for the layers that
-    load through them, and a load allocates none. Before: allocated at the first load
-    (outside the pool), and for every kind. Fused layers take none."""
+    register_kv_caches (inside the KV-cache pool the carve-out counts), for the layers
+    that load through them, and a load allocates none. Before: allocated at the first
+    load (outside the pool), and for every kind. Fused layers take none."""
     fused = _engine()
     assert fused.worker._fused.layers and fused.worker._scratch.nbytes() == 0
     monkeypatch.setenv(
@@ -318,10 +321,10 @@ def test_the_load_buffers_are_allocated_at_start_up_for_the_layers_that_take_the
 def test_the_fused_self_check_runs_the_steps_launch_over_every_layer(
     vllm_config_context, monkeypatch
 ):
-    """Issue 30 "Also": the self-check covers the launch the step makes: all the layers of
-    a group through one table, several stretches. A table whose entries point layer 1 at
-    layer 0's pool (a fault of the multi-layer table only) keeps every layer of the group
-    off the fused kernel. Before: a one-layer check per layer could not see it."""
+    """Issue 30 "Also": the self-check covers the launch the step makes: all the layers
+    of a group through one table, several stretches. A table whose entries point layer 1
+    at layer 0's pool (a fault of the multi-layer table only) keeps every layer of the
+    group off the fused kernel. Before: a one-layer check per layer could not see it."""
     from vllm.v1.worker import fused_chunk_load
 
     of = fused_chunk_load.FusedGroup.of

@@ -1,4 +1,5 @@
-"""The chunk cache's per-step stats report: counter increments and the gauges that moved."""
+"""The chunk cache's per-step stats report: counter increments and the gauges that
+moved."""
 
 from dataclasses import replace
 

@@ -2,7 +2,8 @@
 """Start-up refusals of the chunk cache without an engine (issue 20, finding 5):
 every set-up that used to fail at the first request with a message about
 something else (or to serve other numbers) is refused by name at start-up.
-The real config path of speculative decoding is in tests/e2e/test_chunk_cache_startup.py."""
+The real config path of speculative decoding is in
+tests/e2e/test_chunk_cache_startup.py."""
 
 from __future__ import annotations
 

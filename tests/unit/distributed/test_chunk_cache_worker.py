@@ -456,8 +456,9 @@ def test_an_mla_pool_token_is_one_latent_row_per_layer():
 
 
 def test_a_rope_narrower_than_the_key_heads_is_refused(vllm_config_context):
-    """A rope built for part of a head (non-MLA DeepSeek attention puts k_pe at the end of
-    a 192-wide head) would be turned at the head's start: refused at start-up, by name."""
+    """A rope built for part of a head (non-MLA DeepSeek attention puts k_pe at the end
+    of a 192-wide head) would be turned at the head's start: refused at start-up, by
+    name."""
     from vllm.model_executor.layers.rotary_embedding import get_rope
     from vllm.v1.worker.position_remapper import RopeRotation
 

@@ -1,8 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """vLLM's MultiConnector forwards the connector hooks the series adds (patch 0019):
 register_model to every sub-connector, internal and failed requests gathered from every
-one, a prefill gap from the first that has one. Real MultiConnector, real VllmConfig; the
-sub-connectors are this module's own classes, loaded by vLLM's factory through
+one, a prefill gap from the first that has one. Real MultiConnector, real VllmConfig;
+the sub-connectors are this module's own classes, loaded by vLLM's factory through
 kv_connector_module_path. Without the overrides each hook was the base class's no-op
 default (upstream's test_multi_connector_overrides_all_base_methods failed on it)."""
 

@@ -149,9 +149,11 @@ def test_the_key_differs_exactly_when_the_rotation_does(one_rank, a, b):
     same_k = torch.equal(_rotated(rope_a), _rotated(rope_b))
     # The cases do cover both sides of LongRoPE's switch (oracle sanity).
     assert same_k == ((a > ORIGINAL) == (b > ORIGINAL))
-    assert (_key(rank_a) == _key(rank_b)) == same_k, (
-        f"max_model_len {a} vs {b}: vLLM's rope gives {'the same' if same_k else 'other'} "
-        f"K, but the store keys are {'equal' if _key(rank_a) == _key(rank_b) else 'different'}"
+    same_key = _key(rank_a) == _key(rank_b)
+    assert same_key == same_k, (
+        f"max_model_len {a} vs {b}: vLLM's rope gives "
+        f"{'the same' if same_k else 'other'} K, but the store keys are "
+        f"{'equal' if same_key else 'different'}"
     )
 
 

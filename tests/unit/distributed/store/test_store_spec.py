@@ -81,7 +81,7 @@ def test_json_form_equals_the_url_form():
     "text, message",
     [
         ("", "empty store spec"),
-        ("local", "--chunk-store needs the Mooncake master's address"),
+        ("local", "expected the Mooncake master's address"),
         ("redis://127.0.0.1:6379", "must start with 'mooncake://'"),
         ("127.0.0.1:50051", "must start with 'mooncake://'"),
         ("mooncake://127.0.0.1", "master address must be 'host:port'"),

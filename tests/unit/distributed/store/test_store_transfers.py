@@ -544,7 +544,8 @@ def _round_trip_8b(big_fleet) -> None:
     memcpy = nbytes / best
     read = nbytes / t.counters["store_get_seconds"]
     print(
-        f"8B entry of {max_tokens} tokens ({big_fleet.spec().local_client or 'in process'}): "
+        f"8B entry of {max_tokens} tokens "
+        f"({big_fleet.spec().local_client or 'in process'}): "
         f"read at {read / 2**30:.2f} GiB/s, host memcpy {memcpy / 2**30:.2f} GiB/s "
         f"({100 * read / memcpy:.0f}%)"
     )
@@ -922,11 +923,13 @@ def test_verification_makes_no_torch_view_on_the_get_thread():
         )
         wait_identity(reader)
         assert reader.reads_into_pool() is direct
-        threads = []
-        view = reader.get_arena.view
-        reader.get_arena.view = lambda *args: threads.append(
-            threading.current_thread().name
-        ) or view(*args)
+        threads: list[str] = []
+
+        def recording_view(*args, view=reader.get_arena.view, threads=threads):
+            threads.append(threading.current_thread().name)
+            return view(*args)
+
+        reader.get_arena.view = recording_view
         reader.on_step(StoreStep(epoch=0, fetches=[EntryFetch("f", a, (2, 3))]))
         assert step_until(reader, "f") is FetchOutcome.OK
         assert not [n for n in threads if n.startswith("chunk-store-get")], threads

@@ -52,7 +52,8 @@ class SchedulerShape:
 
 def make_scheduler(shape: SchedulerShape, monkeypatch) -> Any:
     """VLLM's Scheduler with the chunk cache connector (as vLLM's
-    tests/v1/core/utils.py builds one: an engine config, a KV cache config, no model)."""
+    tests/v1/core/utils.py builds one: an engine config, a KV cache config, no
+    model)."""
     import torch
     from vllm.engine.arg_utils import EngineArgs
     from vllm.utils.hashing import sha256

@@ -215,7 +215,7 @@ class PresenceStore:
         self.present = present
 
     def batch_exists(self, keys):
-        from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store.base import (
+        from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store.base import (  # noqa: E501
             Presence,
         )
 
@@ -247,7 +247,7 @@ class InlineExecutor:
 
 def _store_spec(port: int, monkeypatch, present: list[list[int]]) -> str:
     from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store import lookups
-    from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store.connection import (
+    from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store.connection import (  # noqa: E501
         SharedStore,
     )
 
@@ -262,7 +262,7 @@ def _store_spec(port: int, monkeypatch, present: list[list[int]]) -> str:
 
 
 def identities():
-    from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store.messages import (
+    from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store.messages import (  # noqa: E501
         RankIdentity,
         StoreReport,
     )
@@ -296,7 +296,7 @@ class ScriptedWorkers:
         self.returns: dict[str, int] = {}
 
     def __call__(self, out):
-        from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store.messages import (
+        from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store.messages import (  # noqa: E501
             StoreReport,
         )
 
@@ -319,7 +319,7 @@ class ScriptedWorkers:
 
 
 def _ok_or_timeout(timed_out):
-    from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store.messages import (
+    from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.store.messages import (  # noqa: E501
         CAUSE_TIMEOUT,
         CAUSE_VERIFY_FAILED,
         FETCH_OK,

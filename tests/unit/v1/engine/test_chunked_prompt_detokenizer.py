@@ -72,8 +72,9 @@ def test_a_chunked_prompt_decodes_the_same_text_as_when_fully_primed(model):
 
 
 def test_only_the_tail_primes_a_chunked_prompt(monkeypatch):
-    """What each stream is primed with (tokenizers' DecodeStream, looked up on its module
-    as vLLM does): a chunked prompt's last 32 tokens; another request's whole prompt."""
+    """What each stream is primed with (tokenizers' DecodeStream, looked up on its
+    module as vLLM does): a chunked prompt's last 32 tokens; another request's whole
+    prompt."""
     import tokenizers.decoders
     from transformers import AutoTokenizer
 

@@ -1,14 +1,14 @@
 # SPDX-License-Identifier: Apache-2.0
 """The fused load kernel (Triton, run by its interpreter on the CPU) writes exactly what
 today's path writes: gather, `RopeRotation.rotate` (rounded products, fp32), cast to the
-pool's dtype, then the backend's cache write. The backend's write is vLLM's own: its Triton
-`triton_reshape_and_cache_flash` under the interpreter on the CPU
-(tests/unit/vllm_triton_cache_write.py), and on a GPU the CUDA op `reshape_and_cache_flash`
-for the fp8 cases (`float(x) / scale`, saturated, rounded to e4m3), for which the
-interpreter is no oracle: GPU-only, not executed here. Bit for bit, for the NHD
-(FlashAttention, Triton) and HND (FlashInfer) layouts, neox and GPT-J, partial rotary,
-YaRN, fp32/bf16/fp16 pools, a layer without RoPE, and (GPU) fp8 with one scale or one
-per head.
+pool's dtype, then the backend's cache write. The backend's write is vLLM's own: its
+Triton `triton_reshape_and_cache_flash` under the interpreter on the CPU
+(tests/unit/vllm_triton_cache_write.py), and on a GPU the CUDA op
+`reshape_and_cache_flash` for the fp8 cases (`float(x) / scale`, saturated, rounded to
+e4m3), for which the interpreter is no oracle: GPU-only, not executed here. Bit for bit,
+for the NHD (FlashAttention, Triton) and HND (FlashInfer) layouts, neox and GPT-J,
+partial rotary, YaRN, fp32/bf16/fp16 pools, a layer without RoPE, and (GPU) fp8 with one
+scale or one per head.
 """
 
 import os
@@ -254,8 +254,8 @@ def test_kernel_roundings_equal_torchs_round_to_nearest_even():
 def test_one_launch_loads_every_layer_of_a_group_as_one_launch_per_layer(
     vllm_config_context, fp8
 ):
-    """All layers of a step in one launch (pointer tables, a tiled geometry): the bytes of
-    a launch per layer (default geometry)."""
+    """All layers of a step in one launch (pointer tables, a tiled geometry): the bytes
+    of a launch per layer (default geometry)."""
     gen = torch.Generator().manual_seed(6)
     rope = get_rope(HEAD_SIZE, 4096, True, {"rope_type": "default"}, torch.float32)
     rotation = RopeRotation(rope, use_cpu_kernel=False)

@@ -2,10 +2,11 @@
 """MLA latent rows `[kv_c | k_pe]`: a load copies kv_c and rotates k_pe alone.
 
 Truth is vLLM's own DeepseekScalingRotaryEmbedding, built as vLLM's DeepseekV2/V3
-attention builds it (`get_rope(qk_rope_head_dim, ..., is_neox_style=False)`, YaRN renamed
-deepseek_yarn) with the tiny DeepSeek's rope parameters (mscale != mscale_all_dim, so the
-cos/sin carry a magnitude of ~1.037 that a load must not apply a second time). Tolerance as
-test_position_remapper.py: atol 2e-3 on O(1) entries at positions < 3200.
+attention builds it (`get_rope(qk_rope_head_dim, ..., is_neox_style=False)`, YaRN
+renamed deepseek_yarn) with the tiny DeepSeek's rope parameters (mscale !=
+mscale_all_dim, so the cos/sin carry a magnitude of ~1.037 that a load must not apply a
+second time). Tolerance as test_position_remapper.py: atol 2e-3 on O(1) entries at
+positions < 3200.
 """
 
 import pytest
@@ -14,7 +15,8 @@ from vllm.model_executor.layers.rotary_embedding import get_rope
 from vllm.v1.worker.mla_latent import LatentRowLayout, reposition_latent_rows
 from vllm.v1.worker.position_remapper import RopeRotation
 
-# DeepSeek-V3's widths are 512 + 64 (the tiny DeepSeek's too); a narrower row is checked too.
+# DeepSeek-V3's widths are 512 + 64 (the tiny DeepSeek's too); a narrower row is checked
+# too.
 LAYOUTS = [LatentRowLayout(512, 64), LatentRowLayout(32, 16)]
 TINY_DEEPSEEK_ROPE = {
     "rope_type": "deepseek_yarn",
@@ -47,7 +49,7 @@ def k_pe_at(rope, positions: torch.Tensor, raw: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize(
-    "layout", LAYOUTS, ids=lambda l: f"{l.kv_lora_rank}+{l.rope_dim}"
+    "layout", LAYOUTS, ids=lambda x: f"{x.kv_lora_rank}+{x.rope_dim}"
 )
 @pytest.mark.parametrize("neox", [False, True], ids=["gptj", "neox"])
 def test_load_copies_kv_c_and_rotates_k_pe_to_the_real_position(

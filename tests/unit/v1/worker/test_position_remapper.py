@@ -267,8 +267,9 @@ def test_unsupported_rope_types_are_refused_by_name(
     try:
         rope = get_rope(HEAD_SIZE, MAX_POS, True, dtype=torch.float32, **kwargs)
     except ValueError as e:
-        # Rope types come and go between vLLM releases (xdrope and telechat3-yarn exist in
-        # 0.23, not in 0.32); a type this vLLM cannot build cannot reach the remapper.
+        # Rope types come and go between vLLM releases (xdrope and telechat3-yarn exist
+        # in 0.23, not in 0.32); a type this vLLM cannot build cannot reach the
+        # remapper.
         if "Unknown RoPE scaling type" not in str(e):
             raise
         pytest.skip(f"vLLM {vllm.__version__} has no rope type: {e}")
@@ -511,9 +512,8 @@ def test_cpu_kernel_path_equals_generic_path_bit_for_bit(
     assert torch.equal(written["fast"].value, written["generic"].value)
     # Which path ran is a property of this machine (vLLM's op rounds like
     # rotate() on some x86 CPUs, not on others): reported, never asserted.
-    print(
-        f"{name}-{'neox' if neox else 'gptj'}: {fast.describe_path(torch.device('cpu'))}"
-    )
+    path = fast.describe_path(torch.device("cpu"))
+    print(f"{name}-{'neox' if neox else 'gptj'}: {path}")
 
 
 def test_cpu_rope_op_is_a_rotation_by_the_delta_on_every_cpu(vllm_config_context):

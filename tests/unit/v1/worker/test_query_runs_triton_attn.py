@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Issue 40, deliverable 3 (first part): what TRITON_ATTN would do with a step whose request
-is split into query runs (the boundary recompute in one step), checked on the CPU.
+"""Issue 40, deliverable 3 (first part): what TRITON_ATTN would do with a step whose
+request is split into query runs (the boundary recompute in one step), checked on the
+CPU.
 
 * The metadata: `split_rows` on vLLM's `CommonAttentionMetadata`, then the installed
   vLLM's own `TritonAttentionMetadataBuilder.build` (either base, 0.23 or 0.32: the
@@ -8,10 +9,10 @@ is split into query runs (the boundary recompute in one step), checked on the CP
   per row the query starts, sequence lengths and block-table row written out by hand
   below (the builder passes them through).
 * The kernel: vLLM's Triton `unified_attention`, run by Triton's interpreter
-  (TRITON_INTERPRET=1) on those rows over a paged cache, against a float64 softmax written
-  here: a token at position p of any run attends to every key at positions 0..p of its
-  request (the system, earlier heads, loaded rests, earlier tokens of its own run), never a
-  later one; a request without runs is a plain row.
+  (TRITON_INTERPRET=1) on those rows over a paged cache, against a float64 softmax
+  written here: a token at position p of any run attends to every key at positions 0..p
+  of its request (the system, earlier heads, loaded rests, earlier tokens of its own
+  run), never a later one; a request without runs is a plain row.
 
 Float32 only (the interpreter's bfloat16 run of this kernel gives garbage). The one-step
 path is still offered on the CPU backend only (`RecomputeSteps.for_config`);
@@ -40,10 +41,11 @@ triton_attn = pytest.importorskip("vllm.v1.attention.backends.triton_attn")
 
 
 def _vllm_triton_modules(*names: str):
-    """VLLM's kernel modules executed afresh, in order, with the real `triton` in place of
-    the placeholder vLLM binds without a GPU driver (as tests/unit/vllm_triton_cache_write.py;
-    the source is vLLM's, unchanged); a later module imports the fresh earlier ones. The
-    process's own modules are put back afterwards."""
+    """VLLM's kernel modules executed afresh, in order, with the real `triton` in place
+    of the placeholder vLLM binds without a GPU driver (as
+    tests/unit/vllm_triton_cache_write.py; the source is vLLM's, unchanged); a later
+    module imports the fresh earlier ones. The process's own modules are put back
+    afterwards."""
     import importlib.util
     import sys
 
@@ -107,12 +109,12 @@ def _split() -> CommonAttentionMetadata:
 
 
 def _bare_builder(cls, **state):
-    """`cls` without its __init__ (it needs a model config, layers and GPU buffers), with
-    the attributes its `build` reads set to `state`: what __init__ sets on a machine
-    without CUDA graphs, AOT scheduling, DCP, R-SWA, multimodal prefixes or SM120. `state`
-    names the attributes of both vLLM bases (0.23 and 0.32); one a base's build does not
-    read is unused there, and one a newer build reads that is not here fails loudly
-    (AttributeError) rather than being guessed."""
+    """`cls` without its __init__ (it needs a model config, layers and GPU buffers),
+    with the attributes its `build` reads set to `state`: what __init__ sets on a
+    machine without CUDA graphs, AOT scheduling, DCP, R-SWA, multimodal prefixes or
+    SM120. `state` names the attributes of both vLLM bases (0.23 and 0.32); one a base's
+    build does not read is unused there, and one a newer build reads that is not here
+    fails loudly (AttributeError) rather than being guessed."""
     builder = object.__new__(cls)
     builder.__dict__.update(device=torch.device("cpu"), **state)
     return builder
@@ -151,7 +153,8 @@ def _assert_plain_causal(meta):
 
 def test_triton_attn_gets_one_row_per_run_over_the_request_block_table():
     meta = _triton_metadata(_split())
-    # Worked by hand: a = 3 queries ending at 9; b's runs 2, 2, 3 queries ending at 7, 19, 33.
+    # Worked by hand: a = 3 queries ending at 9; b's runs 2, 2, 3 queries ending at 7,
+    # 19, 33.
     assert meta.query_start_loc.tolist() == [0, 3, 5, 7, 10]
     assert meta.seq_lens.tolist() == [9, 7, 19, 33]
     assert meta.block_table.tolist() == [[6, 0, 0], [2, 5, 1], [2, 5, 1], [2, 5, 1]]
@@ -163,8 +166,8 @@ def test_flash_attn_gets_the_same_rows():
     """FLASH_ATTN (the installed vLLM's builder; AOT scheduling, DCP, full CUDA graphs,
     R-SWA and multimodal prefixes off, as they cannot be set up without a GPU): the same
     rows as TRITON_ATTN. With FA3's AOT
-    scheduling on a GPU, `get_scheduler_metadata` is handed these same rows (not executed
-    here)."""
+    scheduling on a GPU, `get_scheduler_metadata` is handed these same rows (not
+    executed here)."""
     flash = pytest.importorskip("vllm.v1.attention.backends.flash_attn")
     builder = _bare_builder(
         flash.FlashAttentionMetadataBuilder,
@@ -294,10 +297,11 @@ def _ran_in_a_fresh_process(test: str) -> bool:
     must have passed there.
 
     NOTE: in the whole suite another module imports vLLM (hence Triton) first, before
-    this file sets TRITON_INTERPRET; Triton's own `tl` helpers (e.g. `tl.zeros`) are then
-    compiled-mode functions the interpreter cannot call (RuntimeError "Cannot call
-    @triton.jit'd outside of the scope of a kernel"). The tests themselves are unchanged.
-    One process runs both (a start of vLLM's imports costs ~25 s on 2 cores)."""
+    this file sets TRITON_INTERPRET; Triton's own `tl` helpers (e.g. `tl.zeros`) are
+    then compiled-mode functions the interpreter cannot call (RuntimeError "Cannot call
+    @triton.jit'd outside of the scope of a kernel"). The tests themselves are
+    unchanged. One process runs both (a start of vLLM's imports costs ~25 s on 2
+    cores)."""
     import triton.language as tl
 
     if type(tl.zeros).__name__ != "JITFunction":
