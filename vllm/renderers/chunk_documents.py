@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Chat documents as chunks, placed where the chat template renders them.
 
 Documents come in vLLM's `documents` field (rendered by the chat template) or

@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Split a prompt into chunk-cache segments: system ## chunk ## ... ## question.
 
 `parse_text` splits a string on the separator and tokenizes every segment on

@@ -1,21 +1,15 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Renderer glue of the chunk cache: split a prompt, mark it for the engine.
 
-With --enable-chunk-cache, `BaseRenderer` calls `ChunkPromptSplitter` from
-`_tokenize_singleton_prompt(_async)`, which offline generate/chat and the
-OpenAI server's completions/chat all pass through:
-
-* a text prompt containing --chunk-separator is split and each segment is
-  tokenized on its own (or its ids taken from segment_token_cache.py), special
-  tokens on the first one only, and only if the request asked for them;
-* a token-id prompt is split where the separator's own ids occur;
-* a prompt given as `prompt_segments` (strings or token-id lists) is tokenized
-  per segment as given, with no separator searched and no whitespace stripped;
-* a prompt without the separator, or of a request with `split_chunks=False`,
-  is left to stock vLLM.
-
-The layout (segment token counts) travels as the prompt's `chunk_layout`, into
-`EngineCoreRequest.chunk_layout`; a prompt that arrives with one is refused.
+With --enable-chunk-cache, `BaseRenderer._tokenize_singleton_prompt(_async)`
+(offline generate/chat, the OpenAI server's completions/chat) calls
+`ChunkPromptSplitter`: a text prompt containing --chunk-separator is split and
+each segment tokenized on its own (special tokens on the first only, if asked
+for); a token-id prompt is split where the separator's ids occur; a prompt
+given as `prompt_segments` is tokenized per segment as given. Anything else,
+or a request with `split_chunks=False`, is left to stock vLLM. The segment
+token counts travel as the prompt's `chunk_layout`, which only this sets.
 """
 
 from __future__ import annotations

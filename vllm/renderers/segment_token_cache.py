@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Token ids of the segments the front end tokenized recently, by their text.
 
 RAG requests repeat their documents: their KV comes from the chunk cache, and

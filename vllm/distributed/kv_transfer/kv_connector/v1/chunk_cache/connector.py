@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """ChunkCacheConnector: the chunk cache as a KV connector, delegating to
 `ChunkCacheSchedulerAdapter` (scheduler role) or `ChunkCacheWorker` (worker)."""
 
@@ -117,6 +118,16 @@ class ChunkCacheConnector(KVConnectorBase_V1):
         if self._scheduler is None:
             return True
         return self._scheduler.reset()
+
+    def unregister_kv_caches(self) -> None:
+        """Sleep and discard (vLLM 0.33) release the KV cache memory the pool
+        lives in; the scheduler side is reset in the same pause (reset_cache)."""
+        if self._worker is not None:
+            self._worker.release_pool()
+
+    def restore_kv_caches(self) -> None:
+        if self._worker is not None:
+            self._worker.restore_pool()
 
     def shutdown(self) -> None:
         """The store's calls holding this engine's memory get a deadline; one

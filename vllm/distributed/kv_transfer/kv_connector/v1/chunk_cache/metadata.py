@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """The boundary between the connector's scheduler half and its workers.
 
 Loads and captures travel as block ids (per request its paged blocks, per

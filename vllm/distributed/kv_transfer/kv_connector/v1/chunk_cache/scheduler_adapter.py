@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """The connector's scheduler half: vLLM events in, block-id metadata out.
 
 A thin adapter around `ChunkCacheManager`, which owns every chunked request's

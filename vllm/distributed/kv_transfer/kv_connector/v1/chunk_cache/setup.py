@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Start-up wiring of the chunk cache: connector selection and pool sizing
 (docs/design/pool-budget.md)."""
 

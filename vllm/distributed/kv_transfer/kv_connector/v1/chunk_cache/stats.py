@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Chunk-cache statistics in vLLM's connector stats pipeline: counter
 increments and pool gauges, logged by vLLM's "KV Transfer metrics:" line and
 exported to Prometheus as `vllm:chunk_cache_*`."""
@@ -83,10 +84,6 @@ _GAUGE_SOURCES = {name: name for name in GAUGES} | {
 
 @dataclass
 class ChunkCacheConnectorStats(KVConnectorStats):
-    def __post_init__(self) -> None:
-        if not self.data:
-            self.reset()
-
     def reset(self) -> None:
         self.data = {}
 

@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """What the chunk cache can serve: the one owner of its start-up refusals.
 
 A set-up under which a load or a capture would not be exact is refused at
@@ -103,13 +104,6 @@ def _check_ascend_options(vllm_config: VllmConfig) -> None:
         )
 
 
-def _sparse_mla_platform() -> bool:
-    """Sparse MLA starts on vllm-ascend's NPU only (SFA: docs/design/sparse.md)."""
-    from vllm.platforms import current_platform
-
-    return getattr(current_platform, "device_name", None) == "npu"
-
-
 def _check_kv_transfer_config(current: Any) -> None:
     """Another connector is refused (vLLM has one slot), and so is any other
     --kv-transfer-config setting: the chunk cache writes the config itself."""
@@ -162,18 +156,21 @@ def _check_model_kind(model_config: Any) -> None:
             "compute"
         )
     hf_config = getattr(model_config, "hf_config", None)
-    if (
-        getattr(model_config, "use_mla", False)
-        and (getattr(hf_config, "index_topk", None) is not None)
-        and not _sparse_mla_platform()
+    if getattr(model_config, "use_mla", False) and (
+        getattr(hf_config, "index_topk", None) is not None
     ):
-        raise ValueError(
-            "--enable-chunk-cache does not support sparse MLA attention yet "
-            "(DeepSeek-V3.2's DSA on CUDA: its fp8 indexer key cache, quantized after "
-            "the rope, is not translation-invariant; the CPU has no sparse attention) "
-            "outside vllm-ascend's SFA with a bf16 indexer cache (its other variants "
-            "and AscendDSAImpl refused by name): docs/design/sparse.md"
-        )
+        from vllm.platforms import current_platform
+
+        # Sparse MLA starts on vllm-ascend's NPU only (its SFA).
+        if getattr(current_platform, "device_name", None) != "npu":
+            raise ValueError(
+                "--enable-chunk-cache does not support sparse MLA attention yet "
+                "(DeepSeek-V3.2's DSA on CUDA: its fp8 indexer key cache, quantized "
+                "after the rope, is not translation-invariant; the CPU has no sparse "
+                "attention) outside vllm-ascend's SFA with a bf16 indexer cache (its "
+                "other variants and AscendDSAImpl refused by name): "
+                "docs/design/sparse.md"
+            )
     if getattr(model_config, "is_encoder_decoder", False):
         raise ValueError(
             "--enable-chunk-cache does not support encoder-decoder models "
