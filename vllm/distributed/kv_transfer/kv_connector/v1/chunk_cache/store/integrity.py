@@ -32,7 +32,7 @@ class EntrySeal:
 
             if len(secret) < _MIN_SECRET_BYTES:
                 raise ValueError(
-                    f"the chunk store's secret must have at least "
+                    f"--chunk-store key_file must hold a secret of at least "
                     f"{_MIN_SECRET_BYTES} bytes, got {len(secret)}"
                 )
             self._key = blake3.blake3(secret, derive_key_context=_KEY_CONTEXT).digest()

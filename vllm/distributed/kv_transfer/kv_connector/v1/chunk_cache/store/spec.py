@@ -165,8 +165,8 @@ def parse_store_spec(text: str) -> StoreSpec:
     text = text.strip()
     if text == "local":
         raise ValueError(
-            "--chunk-store needs the Mooncake master's address, e.g. "
-            f"'{SCHEME}://127.0.0.1:50051', got 'local'"
+            "expected the Mooncake master's address, e.g. "
+            f"'{SCHEME}://127.0.0.1:50051' (vLLM starts no master)"
         )
     if text.startswith("{"):
         return _from_json(text)
