@@ -127,7 +127,7 @@ def read_value(llm, key: str) -> bytes:
     arena = store.get_arena
     start = arena.allocate(1 << 20)
     try:
-        got = store._store().batch_get_into(
+        got = store._shared.get().batch_get_into(
             [key], [HostBuffer(arena.ptr + start, 1 << 20)]
         )[0]
         assert got > 0, got
@@ -144,7 +144,7 @@ def replace_value(llm, key: str, value: bytes) -> None:
     )
 
     store = worker_store(llm)
-    client = store._store()
+    client = store._shared.get()
     # NOTE: Mooncake refuses to remove a key read in the last few seconds (the
     # reader's lease): retry until the lease ran out.
     deadline = time.monotonic() + 30
