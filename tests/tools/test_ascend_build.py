@@ -1,25 +1,30 @@
-"""`./fork build --device npu` (tools/forktool/ascend_build.py; issue 59, deliverable
-4): the patched vllm-ascend sdist and vLLM's empty-target wheel, built into a scratch
-cache from the pinned sdists (no network: they are in .cache/downloads after `./fork
-setup`).
+"""`./fork build --device npu` (tools/forktool/ascend_build.py): the patched
+vllm-ascend sdist and vLLM's empty-target wheel, built into a scratch cache from the
+pinned sdists (no network: they are in .cache/downloads after `./fork setup`).
 
 Oracles independent of the tool: GNU `patch` applies the series to the upstream files
 (the tool uses `git apply`), the upstream sdists are read member by member, the overlay
-files are the repository's bytes. Then the artifacts are installed with pip into a
-folder and imported under vllm-ascend's own mock `torch_npu` (its tests/ut/conftest.py,
-which `./fork upstream-tests --ascend` runs under). Nothing here builds vllm-ascend's
-kernels or runs NPU code: no CANN and no NPU on this machine.
+files are the repository's bytes. The two wheels' requirements, resolved transitively,
+provide every third-party module the overlay imports. Then the artifacts are installed
+with pip into a folder and imported, beside only the distributions those requirements
+resolve to, under vllm-ascend's own mock `torch_npu` (its tests/ut/conftest.py, which
+`./fork upstream-tests --ascend` runs under). Nothing here builds vllm-ascend's kernels
+or runs NPU code: no CANN and no NPU on this machine.
 """
 
 from __future__ import annotations
 
+import ast
 import base64
 import csv
+import email
 import hashlib
+import importlib.metadata as md
 import io
 import json
 import os
 import subprocess
+import sys
 import tarfile
 import time
 import zipfile
@@ -32,8 +37,11 @@ from forktool.paths import Paths
 from forktool.progress import ToolError
 from forktool.releases import release
 from forktool.tree import overlay_files
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 
 HERE = Path(__file__).resolve().parent
+CONNECTOR = "vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.connector"
 
 
 @dataclass(frozen=True)
@@ -99,6 +107,161 @@ def _sdist_members(path: Path) -> dict[str, tuple[str, tarfile.TarInfo, bytes | 
             top, _, rel = m.name.partition("/")
             out[rel] = (top, m, tar.extractfile(m).read() if m.isfile() else None)
     return out
+
+
+def _clean_env() -> dict[str, str]:
+    drop = ("PYTHONPATH", "VLLM_VERSION")
+    return {k: v for k, v in os.environ.items() if k not in drop}
+
+
+@pytest.fixture(scope="module")
+def ascend_wheel(built: Built, tmp_path_factory) -> Path:
+    """The wheel vllm-ascend's own setup.py builds from the patched sdist, without its
+    kernels (COMPILE_CUSTOM_KERNELS=0: they need CANN)."""
+    out = tmp_path_factory.mktemp("ascend-wheel")
+    subprocess.run(
+        [
+            str(built.paths.venv_python()),
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "--no-index",
+            "--disable-pip-version-check",
+            "-q",
+            "-w",
+            str(out),
+            str(built.files[0]),
+        ],
+        check=True,
+        env={
+            **_clean_env(),
+            "SOC_VERSION": "ascend910b1",
+            "COMPILE_CUSTOM_KERNELS": "0",
+        },
+    )
+    (whl,) = out.glob("*.whl")
+    assert whl.name == "vllm_ascend-0.23.0.post1+chunkcache-py3-none-any.whl"
+    return whl
+
+
+def _requires(whl: Path) -> list[str]:
+    """A wheel's Requires-Dist, as pip reads them."""
+    with zipfile.ZipFile(whl) as z:
+        (meta,) = [n for n in z.namelist() if n.endswith(".dist-info/METADATA")]
+        return email.message_from_bytes(z.read(meta)).get_all("Requires-Dist") or []
+
+
+def _resolved(requirements: list[str]) -> dict[str, md.Distribution | None]:
+    """Every distribution `requirements` bring, transitively, markers evaluated for this
+    machine and the extras asked for: name -> the installed distribution whose metadata
+    was read (None: not installed here, e.g. torch-npu; a leaf). Versions are not
+    compared: the question is which distributions a user's pip installs."""
+    out: dict[str, md.Distribution | None] = {}
+    todo = [(Requirement(r), "") for r in requirements]
+    done = set()
+    while todo:
+        req, extra = todo.pop()
+        if req.marker is not None and not req.marker.evaluate({"extra": extra}):
+            continue
+        name = canonicalize_name(req.name)
+        if (name, frozenset(req.extras)) in done:
+            continue
+        done.add((name, frozenset(req.extras)))
+        try:
+            dist: md.Distribution | None = md.distribution(name)
+        except md.PackageNotFoundError:
+            dist = None
+        out.setdefault(name, dist)
+        for text in dist.requires or [] if dist is not None else []:
+            sub = Requirement(text)
+            for e in ["", *req.extras]:
+                if sub.marker is None or sub.marker.evaluate({"extra": e}):
+                    todo.append((sub, e))
+                    break
+    # The two artifacts themselves are installed from their wheels.
+    return {n: d for n, d in out.items() if n not in ("vllm", "vllm-ascend")}
+
+
+def _only(resolved: dict[str, md.Distribution | None], folder: Path) -> Path:
+    """A folder of links to the installed files of the `resolved` distributions (their
+    top-level packages, modules and dist-info folders) and nothing else."""
+    folder.mkdir()
+    for dist in resolved.values():
+        if dist is None:
+            continue
+        for f in dist.files or []:
+            top = f.parts[0]
+            if top == ".." or top.endswith(".pth") or (folder / top).exists():
+                continue
+            src = Path(str(dist.locate_file(top)))
+            if src.exists():
+                (folder / top).symlink_to(src)
+    return folder
+
+
+def _third_party_imports(paths: Paths) -> dict[str, list[str]]:
+    """Top-level module -> the overlay files that import it, for every import of a
+    module neither the standard library's nor vLLM's nor vllm-ascend's, but those the
+    overlay guards itself (in a `try` that catches ImportError: mooncake, triton) and
+    those for type checkers only (`if TYPE_CHECKING`)."""
+    out: dict[str, list[str]] = {}
+    own = {"vllm", "vllm_ascend", "__future__"}
+
+    def visit(nodes: list[ast.stmt], rel: str) -> None:
+        for node in nodes:
+            if isinstance(node, ast.Try):
+                caught = " ".join(ast.unparse(h.type) for h in node.handlers if h.type)
+                if "ImportError" not in caught and "ModuleNotFoundError" not in caught:
+                    visit(node.body, rel)
+                for h in node.handlers:
+                    visit(h.body, rel)
+                visit(node.orelse + node.finalbody, rel)
+                continue
+            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+                visit(node.orelse, rel)
+                continue
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+                names = [node.module]
+            else:
+                names = []
+                for field in ("body", "orelse", "finalbody", "handlers"):
+                    visit(getattr(node, field, []), rel)
+            for name in names:
+                top = name.split(".")[0]
+                if top not in sys.stdlib_module_names and top not in own:
+                    out.setdefault(top, []).append(rel)
+
+    for tree in ("vllm", "vllm-ascend"):
+        for rel, f in overlay_files(paths, tree).items():
+            if rel.endswith(".py"):
+                visit(ast.parse(f.read_bytes()).body, rel)
+    return out
+
+
+def test_every_module_the_overlay_imports_comes_with_the_wheels_requirements(
+    built: Built, ascend_wheel: Path
+):
+    """What `pip install` of the two artifacts installs (their requirements, resolved
+    transitively through the metadata of the distributions installed here) provides
+    every third-party module the overlay imports: neither vLLM nor vllm-ascend requires
+    xxhash, so the vLLM wheel must."""
+    resolved = _resolved(_requires(built.files[1]) + _requires(ascend_wheel))
+    providers = md.packages_distributions()
+    imports = _third_party_imports(built.paths)
+    assert {"torch", "numpy", "xxhash"} <= set(imports)
+    missing = {
+        module: files
+        for module, files in imports.items()
+        # A distribution not installed here provides the module of its own name
+        # (torch-npu: torch_npu).
+        if not {canonicalize_name(d) for d in providers.get(module, [module])}
+        & set(resolved)
+    }
+    assert not missing, f"imported by the overlay, required by neither wheel: {missing}"
 
 
 def test_the_artifacts_are_named_by_their_own_versions(built: Built):
@@ -193,6 +356,8 @@ def test_the_vllm_wheel_is_the_patched_sdist_as_pure_python(
     assert "__version__ = version = '0.23.0'\n" in package["vllm/_version.py"].decode()
     metadata = members[f"{info}/METADATA"].decode()
     assert "\nVersion: 0.23.0+chunkcache.empty\n" in metadata
+    # The overlay imports xxhash; vLLM's requirements (common.txt) do not name it.
+    assert "\nRequires-Dist: xxhash\n" in metadata
     wheel = members[f"{info}/WHEEL"].decode()
     assert "Root-Is-Purelib: true" in wheel
     assert [ln for ln in wheel.splitlines() if ln.startswith("Tag:")] == [
@@ -211,37 +376,16 @@ def test_the_vllm_wheel_is_the_patched_sdist_as_pure_python(
 
 
 def test_both_install_with_pip_and_import_under_vllm_ascends_mock_torch_npu(
-    built: Built, tmp_path: Path
+    built: Built, ascend_wheel: Path, tmp_path: Path
 ):
-    """What the user's pip makes of the artifacts: vllm-ascend's own setup.py builds the
-    patched sdist (COMPILE_CUSTOM_KERNELS=0: its kernels need CANN), pip installs both
-    wheels into a folder, and a fresh interpreter imports vLLM, vllm-ascend and the
-    fork's Ascend modules from there, under vllm-ascend's mock torch_npu."""
+    """What the user's pip makes of the artifacts: vllm-ascend's own setup.py builds
+    the patched sdist (COMPILE_CUSTOM_KERNELS=0: its kernels need CANN), pip installs
+    both wheels into a folder, and a fresh interpreter imports vLLM, vllm-ascend and the
+    fork's Ascend modules from there, under vllm-ascend's mock torch_npu, with only the
+    distributions the two wheels' requirements resolve to beside them (_resolved)."""
     py = str(built.paths.venv_python())
-    env = {
-        k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VLLM_VERSION")
-    }
+    env = _clean_env()
     t0 = time.monotonic()
-    subprocess.run(
-        [
-            py,
-            "-m",
-            "pip",
-            "wheel",
-            "--no-deps",
-            "--no-build-isolation",
-            "--no-index",
-            "--disable-pip-version-check",
-            "-q",
-            "-w",
-            str(tmp_path / "w"),
-            str(built.files[0]),
-        ],
-        check=True,
-        env={**env, "SOC_VERSION": "ascend910b1", "COMPILE_CUSTOM_KERNELS": "0"},
-    )
-    (ascend_wheel,) = (tmp_path / "w").glob("*.whl")
-    assert ascend_wheel.name == "vllm_ascend-0.23.0.post1+chunkcache-py3-none-any.whl"
     target = tmp_path / "site"
     subprocess.run(
         [
@@ -263,6 +407,12 @@ def test_both_install_with_pip_and_import_under_vllm_ascends_mock_torch_npu(
         env=env,
     )
     installed = time.monotonic() - t0
+    # NOTE: the dependencies as pip resolves them from the two wheels' requirements,
+    # from the distributions this machine has (no index in this tier), and nothing
+    # else: not the fork's venv, whose requirements/dev.txt brings more (xxhash, for
+    # one). pytest is the mock's (vllm-ascend's tests/ut/conftest.py imports it).
+    wanted = _requires(built.files[1]) + _requires(ascend_wheel) + ["pytest"]
+    deps = _only(_resolved(wanted), tmp_path / "deps")
     with tarfile.open(built.files[0]) as tar:
         top = tar.getnames()[0].split("/")[0]
         tar.extract(f"{top}/tests/ut/conftest.py", tmp_path, filter="data")
@@ -279,12 +429,20 @@ def test_both_install_with_pip_and_import_under_vllm_ascends_mock_torch_npu(
     modules = {_module(rel): rel for rel in [*overlay, *patched] if rel.endswith(".py")}
     t1 = time.monotonic()
     proc = subprocess.run(
-        [py, str(HERE / "ascend_import_check.py"), str(conftest), *modules],
+        # -S: no site-packages of the venv; the standard library and PYTHONPATH only.
+        [
+            py,
+            "-S",
+            str(HERE / "ascend_import_check.py"),
+            str(conftest),
+            *modules,
+            CONNECTOR,
+        ],
         cwd=tmp_path,
         capture_output=True,
         text=True,
         timeout=600,
-        env={**env, "PYTHONPATH": str(target)},
+        env={**env, "PYTHONPATH": f"{target}{os.pathsep}{deps}"},
     )
     imported = time.monotonic() - t1
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
@@ -296,8 +454,8 @@ def test_both_install_with_pip_and_import_under_vllm_ascends_mock_torch_npu(
     assert report["vllm_ascend_file"] == str(target / "vllm_ascend" / "__init__.py")
     assert report["vllm_dist_version"] == "0.23.0+chunkcache.empty"
     assert report["vllm_ascend_dist_version"] == "0.23.0.post1+chunkcache"
-    # vllm-ascend chooses its vLLM 0.23.0 code paths by Version(vllm.__version__) ==
-    # 0.23.0.
+    # vllm-ascend chooses its vLLM 0.23.0 code paths by
+    # Version(vllm.__version__) == 0.23.0.
     assert report["vllm_version_attr"] == "0.23.0"
     assert report["vllm_version_is_0_23_0"] is True
     assert "ascend_kv_connector" in report["vllm_ascend_general_plugins"]
@@ -305,6 +463,10 @@ def test_both_install_with_pip_and_import_under_vllm_ascends_mock_torch_npu(
         in_sdist = {
             rel: tar.extractfile(f"{top}/{rel}").read() for rel in modules.values()
         }
+    # The connector `--enable-chunk-cache` loads (it imports xxhash), from vLLM's wheel.
+    assert report["modules"][CONNECTOR]["file"] == str(
+        target / (CONNECTOR.replace(".", "/") + ".py")
+    )
     for name, rel in modules.items():
         got = report["modules"][name]
         assert got["file"] == str(target / rel), name
@@ -346,7 +508,7 @@ def test_only_the_release_vllm_ascend_pins_builds(tmp_path: Path):
 
 
 def _fake_empty_wheel(
-    path: Path, version_py: str, extra: dict[str, bytes] = {}
+    path: Path, version_py: str, extra: dict[str, bytes] | None = None
 ) -> Path:
     with zipfile.ZipFile(path, "w") as z:
         z.writestr("vllm/__init__.py", "")
@@ -357,10 +519,11 @@ def _fake_empty_wheel(
         )
         z.writestr(
             "vllm-0.23.0+empty.dist-info/WHEEL",
-            "Wheel-Version: 1.0\nRoot-Is-Purelib: false\nTag: cp311-cp311-linux_x86_64\n",
+            "Wheel-Version: 1.0\nRoot-Is-Purelib: false\n"
+            "Tag: cp311-cp311-linux_x86_64\n",
         )
         z.writestr("vllm-0.23.0+empty.dist-info/RECORD", "")
-        for name, data in extra.items():
+        for name, data in (extra or {}).items():
             z.writestr(name, data)
     return path
 
