@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """The prefix-cache extra keys of a chunked prompt's paged blocks.
 
 vLLM's prefix cache may share a chunked prompt's block only with a block

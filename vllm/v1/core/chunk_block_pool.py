@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Block allocator of the chunk pool, a fixed number of blocks of
 `block_size` rows separate from vLLM's paged KV cache (bookkeeping only: the
 worker owns the tensors). A cached segment is one entry of

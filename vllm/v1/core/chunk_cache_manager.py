@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Scheduler-side logic of the chunk cache (no engine, no tensors, never
 blocks). The manager owns every chunked request's state and every counter
 (docs/design/ownership.md, "Life of a request"):

@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Content keys of cached segments and the index from key to pool entry.
 
     key = xxh3_128(VERSION | namespace digest

@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """A LoRA adapter's identity in chunk keys: in this engine's pool
 "<name>#<int id>", as vLLM's own LoRA and prefix caches tell adapters apart
 (no file read). The fleet's store keys the weights the workers loaded

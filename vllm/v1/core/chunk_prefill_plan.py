@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Which prompt tokens of a chunked request are loaded and which computed.
 
 Without boundary recompute a chunked request loads one prefix (system and

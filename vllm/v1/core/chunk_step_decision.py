@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """What the manager answers the engine glue (engine-free, frozen): one
 `StepDecision` per parent and step (`ChunkCacheManager.decide`), which every
 scheduler hook of the step reads instead of asking the manager again, and

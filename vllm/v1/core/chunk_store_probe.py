@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """What the manager asks the fleet-wide chunk store at admission, an
 engine-free protocol. The connector's `StoreClient` (store/lookups.py)
 answers from queries on its own thread and never blocks: a query in flight

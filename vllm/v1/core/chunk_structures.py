@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Typed identities and plain data shared by the chunk-cache modules (parser ->
 manager -> connector -> worker). Imports nothing from vLLM: engine-free."""
 

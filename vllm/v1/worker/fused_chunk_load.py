@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Fused Triton kernels for a chunk-cache load and capture on a GPU.
 
 The load does in one pass what the generic path does in about a dozen small

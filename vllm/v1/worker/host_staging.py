@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Host-to-device copies of small per-step index arrays without a sync.
 
 A copy from pageable memory makes the host wait for it, behind the stream's

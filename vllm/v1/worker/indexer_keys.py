@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """A sparse-attention indexer key row, and how a load re-positions it.
 
 DeepSeek-V3.2's lightning indexer (DSA on CUDA, SFA on Ascend) caches one key

@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """An MLA latent cache row, and how a chunk-cache load re-positions it.
 
 Multi-head latent attention (DeepSeek-V2/V3, V3.2) caches one row per token

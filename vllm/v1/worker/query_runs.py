@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """A request computed as several query runs in one step (model runner side).
 
 For a request with `SchedulerOutput.query_runs` ((first position, length) of

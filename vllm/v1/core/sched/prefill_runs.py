@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Several computed stretches of one prompt in one step, each a query run
 (`SchedulerOutput.query_runs`), the loads between them allocated like
 external hits (`PrefillGap.next_stretches`). Why: docs/design/boundary-recompute.md,

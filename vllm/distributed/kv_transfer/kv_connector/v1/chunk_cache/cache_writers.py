@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Writing K/V rows into a layer's paged KV cache, per attention backend.
 
 The load path never indexes a paged cache by hand: each backend's own

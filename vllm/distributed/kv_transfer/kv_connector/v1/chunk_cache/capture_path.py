@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Where each layer's capture runs, decided at start-up.
 
 Where the paged cache holds a child's K/V rows as written (the model dtype, a

@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Which layers load through the fused Triton kernel, decided at start-up.
 
 The kernel (`vllm/v1/worker/fused_chunk_load.py`) replaces a layer's gather +

@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Writing sparse-attention indexer key rows into a layer's cache, per impl.
 
 A sparse MLA layer (DeepSeek-V3.2's lightning indexer) caches one indexer key

@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Which rotary embedding each attention layer's keys went through.
 
 Read once at start-up from the model the runner registers (the connector's

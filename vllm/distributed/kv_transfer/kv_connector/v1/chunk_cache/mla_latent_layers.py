@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """The chunk cache on an MLA layer: a pool of latent rows, capture, load.
 
 An MLA layer caches one row per token, `[kv_c | k_pe]`, for all heads

@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """How many engine steps the boundary recompute takes: one, or one per head.
 
 Decided once at start-up and logged (`RecomputeSteps.for_config`): where the

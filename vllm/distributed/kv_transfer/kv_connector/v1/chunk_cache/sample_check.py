@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """The harness of the worker's start-up self-checks: sample rows written into
 paged blocks no request holds yet (blocks 1.., block 0 is vLLM's null block),
 compared byte for byte, and every touched tensor restored.

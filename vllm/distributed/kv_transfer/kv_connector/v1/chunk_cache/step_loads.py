@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """The parents' loads of one scheduler step (the scheduler side of the
 boundary recompute): which stretch a parent loads at its position and how
 much it computes after it, under --max-chunk-load-tokens; where that stretch

@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """HostArena: the worker's host memory for store reads and writes.
 
 One block of host memory registered with the store once, carved first-fit into

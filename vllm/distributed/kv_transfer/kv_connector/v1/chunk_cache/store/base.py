@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """ChunkStore: the seam between the chunk cache and a fleet-wide byte store.
 
 The store holds finished chunk entries (entry_format.py) under typed keys

@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """SharedStore: a process's one connection to the store, and the host memory
 registered with it (one arena for reads, one for writes).
 

@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """DeadlineLane: one thread that runs a kind of store call, each caller
 waiting at most its deadline.
 

@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """EntrySeal: the tag at the end of every entry's payload, binding it to its key.
 
 - unauthenticated (default): xxh3-128 of the key. It catches a value copied

@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """The scheduler's side of the fleet-wide chunk store.
 
 `StoreClient` answers the manager's `StoreProbe.lookup` from existence queries

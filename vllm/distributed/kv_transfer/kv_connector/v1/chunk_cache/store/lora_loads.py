@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """The LoRA adapters a worker loaded, by what it loaded.
 
 A store key names the adapter that computed an entry. Its files do not say

@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """What the store path sends between the scheduler and the workers.
 
 Down (`ChunkCacheMetadata.store`): the entries to read into pool rows and the

@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """MooncakeChunkStore: the ChunkStore over Mooncake Store.
 
 Every call is bounded (measured in docs/design/chunk-store.md, "Every call is

@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """StoreRank: what a worker rank puts into its store keys besides the weights
 fingerprint: its place in TP/PP, the model, the RoPE configuration (the HF
 fields and the rotation vLLM built) and how it computes KV.

@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """ReadCost: whether reading an entry from the store is expected to be faster
 than computing it here.
 

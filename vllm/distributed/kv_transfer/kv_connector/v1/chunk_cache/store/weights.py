@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """The weights version in a store key: a fingerprint of the loaded weights.
 
 xxh3-128 over every parameter and buffer on this rank (name, dtype, shape,
