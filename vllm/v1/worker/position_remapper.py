@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Move cached K/V rows from the chunk pool to a request's real positions.
 
 A segment's K was stored after RoPE at positions stored_start.. . RoPE is a
@@ -21,12 +22,10 @@ Numerics (docs/design/rotation-paths.md):
   stored K carries already: the delta rotation is built from the frequencies
   alone (a pure rotation); the magnitude is still checked at start-up.
 
-Supported: vLLM's RotaryEmbedding (default), linear (single factor), NTK,
-dynamic NTK (factor or alpha; vLLM fixes the base at init, so it is linear
-in position), llama3, YaRN, DeepSeek's YaRN (MLA's `k_pe`, docs/design/mla.md),
-LongRoPE; neox and GPT-J styles; partial rotary. Anything else
-(dual-chunk, M-RoPE, FoPE, DeepSeek-V4's last-dims rope, ...) is refused
-with a ValueError naming the type.
+Supported: vLLM's default, linear (one factor), NTK, dynamic NTK (factor or
+alpha), llama3, YaRN, DeepSeek's YaRN (MLA's `k_pe`) and LongRoPE ropes; neox
+and GPT-J styles; partial rotary. Anything else (dual-chunk, M-RoPE, FoPE,
+DeepSeek-V4's last-dims rope, ...) is refused with a ValueError naming it.
 """
 
 import copy
@@ -34,7 +33,6 @@ import enum
 import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 
@@ -51,18 +49,10 @@ from vllm.model_executor.layers.rotary_embedding import (
 )
 from vllm.v1.core.chunk_structures import ChunkLoadPlan
 
-
-class WriteRows(Protocol):
-    """Writes K/V rows [n, num_kv_heads, head_size] into a layer's paged
-    KV cache at `slot_mapping` [n] (the backend's own cache-write op)."""
-
-    def __call__(
-        self,
-        layer_name: str,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        slot_mapping: torch.Tensor,
-    ) -> None: ...
+# (layer name, key rows [n, num_kv_heads, head_size], value rows, paged slot
+# per row [n]) -> None: writes the rows into the layer's paged KV cache (the
+# backend's own cache-write op).
+WriteRows = Callable[[str, torch.Tensor, torch.Tensor, torch.Tensor], None]
 
 
 @dataclass(frozen=True)
@@ -227,14 +217,13 @@ def rotation_identity(rope: torch.nn.Module) -> dict[str, object]:
     or short factors from --max-model-len. ValueError for a refused rope."""
     freqs = _frequencies(rope)
     inv_freq = freqs.inv_freq.detach().to(torch.float32).cpu().contiguous()
+    digest = hashlib.blake2b(inv_freq.numpy().tobytes(), digest_size=16)
     return {
         "type": type(rope).__name__,
         "head_size": int(rope.head_size),
         "rotary_dim": int(rope.rotary_dim),
         "neox": _stored_neox_style(rope),
-        "inv_freq": hashlib.blake2b(
-            inv_freq.numpy().tobytes(), digest_size=16
-        ).hexdigest(),
+        "inv_freq": digest.hexdigest(),
         # float.hex: exact, a repr of a rounded print could merge two magnitudes.
         "magnitude": float(freqs.magnitude).hex(),
         "cache_offset": int(freqs.cache_offset),
@@ -295,12 +284,8 @@ class RopeRotation:
         """fp32 cos/sin [n, 1, rotary_dim // 2] of each row's delta, on the
         deltas' device. NOTE: reads device deltas back: tests and tools only
         (the worker uses `stretch_cos_sin`)."""
-        device = deltas.device
         cos, sin = self.cos_sin(deltas.cpu())
-        return (
-            cos.to(device, non_blocking=True)[:, None],
-            sin.to(device, non_blocking=True)[:, None],
-        )
+        return cos.to(deltas.device)[:, None], sin.to(deltas.device)[:, None]
 
     def stretch_cos_sin(
         self, stretch_deltas: torch.Tensor, device: torch.device
@@ -345,16 +330,13 @@ class RopeRotation:
         x1, x2 = source.unflatten(-1, pairing).unbind(axis)
         o1, o2 = result.unflatten(-1, pairing).unbind(axis)
         if self.rounding is Rounding.ADDCMUL:
-            # fma(-x2, sin, x1 * cos) where PyTorch's CPU kernel fuses the
-            # multiply into the add (its AVX2 and AVX-512 builds on the x86
-            # CPUs measured), the other form where it does not.
+            # fma(-x2, sin, x1 * cos) where PyTorch's CPU kernel fuses (x86).
             torch.mul(x1, cos, out=o1)
             o1.addcmul_(x2, sin, value=-1)
             torch.mul(x2, cos, out=o2)
             o2.addcmul_(x1, sin)
         else:
-            # Every product rounded on its own, then one add: IEEE-exact
-            # operations, the same bits on every device.
+            # Each product rounded, then one add: the same bits on any device.
             product = torch.mul(x2, sin)
             torch.mul(x1, cos, out=o1)
             o1.sub_(product)
@@ -412,18 +394,15 @@ class RopeRotation:
         )
 
     def _table_for(self, deltas: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # NOTE: tensors made under inference mode (the worker's, every step)
-        # have no version counter: for them the table is keyed by identity
-        # alone, which holds because the worker builds a new deltas tensor
-        # per step and never writes into it.
+        # NOTE: inference-mode tensors have no version counter: keyed by
+        # identity alone (the worker's deltas are new each step, never written).
         version = -1 if deltas.is_inference() else deltas._version
         cached = self._delta_table
         if cached is not None and cached[0] is deltas and cached[3] == version:
             return cached[1], cached[2]
         distinct, index = torch.unique(deltas.cpu(), return_inverse=True)
         table = StretchCosSin(*self.cos_sin(distinct)).op_table()
-        # Holding `deltas` keeps its id from being reused by another tensor;
-        # its version counter catches in-place changes.
+        # Holding `deltas` keeps its id from being reused by another tensor.
         self._delta_table = (deltas, index.to(torch.int64), table, version)
         return self._delta_table[1], table
 
@@ -511,11 +490,9 @@ class StretchCosSin:
 class RemapRows:
     """Row-level instruction for one layer (same for every layer)."""
 
-    # Rows to read in the pool tensors (block_id * block_size + offset) [n].
+    # Pool rows to read [n], paged slots to write [n], deltas (real - stored).
     src_rows: torch.Tensor
-    # Slots to write in the paged KV cache [n].
     dst_slots: torch.Tensor
-    # Position delta per row (real - stored) [n].
     deltas: torch.Tensor
     # For `StretchCosSin`: each row's stretch [n] (on the device), and each
     # stretch's delta (on the host).
@@ -528,17 +505,16 @@ class RemapRows:
 
     def pieces(self, max_rows: int) -> list["RemapRows"]:
         """The rows in order, in pieces of at most `max_rows` (views)."""
+        index, starts = self.stretch_index, range(0, self.num_rows, max_rows)
         return [
             RemapRows(
-                self.src_rows[i : i + max_rows],
-                self.dst_slots[i : i + max_rows],
-                self.deltas[i : i + max_rows],
-                None
-                if self.stretch_index is None
-                else self.stretch_index[i : i + max_rows],
+                self.src_rows[s],
+                self.dst_slots[s],
+                self.deltas[s],
+                None if index is None else index[s],
                 self.stretch_deltas,
             )
-            for i in range(0, self.num_rows, max_rows)
+            for s in (slice(i, i + max_rows) for i in starts)
         ]
 
     @classmethod
