@@ -1,30 +1,26 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """NPU side of vLLM's chunk cache (vllm-ascend overlay module).
 
-The chunk cache is device-generic (vllm/distributed/kv_transfer/kv_connector/
-v1/chunk_cache/): the pool lives on each layer's KV cache device, K is
-re-rotated in fp32 torch ops, and rows are written through the attention
-backend's own cache-write op. This module registers those ops for Ascend:
+The chunk cache is device-generic (vllm/.../kv_connector/v1/chunk_cache/): the
+pool lives on each layer's KV cache device, K is re-rotated in fp32 torch ops,
+and rows are written through the attention backend's own cache-write op. This
+module registers those ops for Ascend:
 
-- standard attention (`AscendAttentionBackendImpl`): separate key and value
-  caches written by `DeviceOperator.reshape_and_cache`, the op vllm-ascend
-  itself uses on A2/A3 and A5;
-- MLA (`AscendMLAImpl`): a `(latent, rope)` cache per layer, written through
-  `reshape_and_cache` as the PCP path of vllm-ascend's SFA writes rows that are
-  already normed and rotated. Ascend stores the rope part de-interleaved
-  (`npu_interleave_rope`); the pool keeps vLLM's interleaved row, so the reader
-  re-interleaves and the writer de-interleaves;
-- SFA (`AscendSFAImpl`, DeepSeek-V3.2): MLA's latent write on the first two
-  parts, and the indexer key scattered into the third as `forward` writes it
-  (docs/design/sparse.md);
-- vllm-ascend's rope classes whose angle rule is their parent's
-  (`register_ascend_ropes`), and the rule under which its BalanceScheduler runs
-  vLLM's own schedule() (support.check_scheduler).
+- standard attention (`AscendAttentionBackendImpl`): `reshape_and_cache` into
+  separate key and value caches, the op vllm-ascend itself uses;
+- MLA (`AscendMLAImpl`): a `(latent, rope)` cache written through the same op,
+  as the PCP path of vllm-ascend's SFA writes rows already normed and rotated.
+  Ascend stores the rope part de-interleaved (`npu_interleave_rope`), so the
+  reader re-interleaves into vLLM's row and the writer de-interleaves;
+- SFA (`AscendSFAImpl`, DeepSeek-V3.2): MLA's write on the first two parts, and
+  the indexer key scattered into the third as `forward` writes it;
+- vllm-ascend's rope classes that keep their parent's angle rule, and the rule
+  under which its BalanceScheduler runs vLLM's own schedule().
 
 Everything else (DSA, the C8 KV cache, the NZ cache, MLAPO's fused decode
-write, ...) is refused at start-up with a message. On a vLLM without the chunk
-cache nothing is registered. See docs/ascend.md: none of this was executed on
-an NPU.
+write, ...) is refused at start-up. On a vLLM without the chunk cache nothing is
+registered. None of this was executed on an NPU (docs/ascend.md).
 """
 
 from __future__ import annotations

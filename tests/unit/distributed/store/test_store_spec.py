@@ -21,7 +21,7 @@ def test_url_form_with_every_key():
         metadata_server="etcd://10.0.0.1:2379",
         local_hostname="10.0.0.8",
     )
-    assert (spec.master_host, spec.master_port) == ("10.0.0.7", 50051)
+    assert (spec.master_address, spec.master_port) == ("10.0.0.7:50051", 50051)
 
 
 def test_defaults_lend_no_memory_over_tcp_on_loopback():

@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """The stored value of a chunk entry: header + payload (the KV bytes).
 
     offset 0   magic b"CCKV", format version (u16), reserved (u16)
@@ -110,13 +111,8 @@ def decode_and_verify(
     against what the reader expects; ok only if every check passes."""
     view = memoryview(view).cast("B")
     size = header_nbytes(len(expected_tokens))
-    return verify_parts(
-        view[:size],
-        [view[size:]],
-        expected_tokens,
-        expected_virtual_start,
-        expected_payload_nbytes,
-    )
+    expected = (expected_tokens, expected_virtual_start, expected_payload_nbytes)
+    return verify_parts(view[:size], [view[size:]], *expected)
 
 
 def verify_parts(

@@ -1,14 +1,13 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Store keys: everything an entry's bytes depend on, then its content hash.
 
     chunkcache/v1/<model, readable>/<namespace digest>/<content hash, 32 hex>
 
-The namespace digest (BLAKE2b-128 of every StoreNamespace field, None kept
-apart from "") makes an entry of another model, weights version, KV dtype or
-layout, RoPE configuration, attention backend, device kind, vLLM or KV format
-version, TP/PP rank, cache salt or LoRA adapter (by content) unreachable:
-its key differs. The readable part is only for people reading the store. A key
-names content, it does not prove it: every value read is verified.
+The namespace digest covers every StoreNamespace field: an entry computed any
+other way (model, weights, layout, rope, backend, device, rank, tenant, LoRA)
+is unreachable. A key names content, it does not prove it: every value read is
+verified.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """StoreSpec: where the chunk store is and how to connect (`--chunk-store`).
 
 Two spellings of the same thing:
@@ -126,10 +127,6 @@ class StoreSpec:
                     "segment must be 0 with local_client: the node's "
                     "mooncake_client lends the memory"
                 )
-
-    @property
-    def master_host(self) -> str:
-        return self.master_address.rpartition(":")[0]
 
     @property
     def master_port(self) -> int:

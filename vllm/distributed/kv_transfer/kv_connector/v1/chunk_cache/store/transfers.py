@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """A worker's side of the fleet-wide chunk store (docs/design/store-path.md).
 
 Per step (`on_step`, before any load): a new epoch's weights are fingerprinted
@@ -730,25 +731,17 @@ class StoreTransfers:
             entry.virtual_start,
             payload,
         )
+        mac_header = entry_format.header_for_mac(value[:head])
         if not result.ok:
-            logger.warning(
-                "chunk store: entry %s failed verification (%s: %s)",
-                key,
-                result.cause,
-                result.detail,
+            why = f"{result.cause}: {result.detail}"
+        elif not self.seal.matches(tag, key, mac_header, rows):
+            why = "a tag not its key's: a value written under another key" + (
+                ", or without the fleet's secret" if self.seal.authenticated else ""
             )
-            return FetchOutcome.VERIFY_FAILED
-        if not self.seal.matches(
-            tag, key, entry_format.header_for_mac(value[:head]), rows
-        ):
-            logger.warning(
-                "chunk store: entry %s carries a tag that is not its key's (a "
-                "value written under another key%s)",
-                key,
-                ", or without the fleet's secret" if self.seal.authenticated else "",
-            )
-            return FetchOutcome.VERIFY_FAILED
-        return FetchOutcome.OK
+        else:
+            return FetchOutcome.OK
+        logger.warning("chunk store: entry %s failed verification (%s)", key, why)
+        return FetchOutcome.VERIFY_FAILED
 
     def _finish_reads(self) -> None:
         now = time.monotonic()
