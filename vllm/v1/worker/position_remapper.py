@@ -310,12 +310,9 @@ class RopeRotation:
         """`key` [n, heads, head_size] rotated row-wise by `deltas` [n] into
         `out` (key's shape and dtype, not overlapping it; None: a new tensor).
         `cos_sin`: each row's (`cos_sin_rows`), if computed already."""
-        if cos_sin is None:
-            cos_sin = self.cos_sin_rows(deltas)
-        if out is None:
-            out = torch.empty_like(key)
         # [n, 1, rotary_dim // 2]: broadcast over heads.
-        cos, sin = cos_sin
+        cos, sin = self.cos_sin_rows(deltas) if cos_sin is None else cos_sin
+        out = torch.empty_like(key) if out is None else out
         half = self.rotary_dim // 2
         target = out[..., : self.rotary_dim]
         if key.dtype == torch.float32:
@@ -423,20 +420,18 @@ class RopeRotation:
                 differ[rounding] = int((self.rotate(sample, deltas) != in_place).sum())
                 if differ[rounding] == 0:
                     return True
-            self.rounding = Rounding.PRODUCTS
             self._cpu_kernel_reason = (
                 "vLLM's CPU RoPE op differs from it in the last bit on "
                 + ", ".join(f"{n} ({r.value})" for r, n in differ.items())
                 + f" of {sample.numel()} sampled values on this CPU "
                 "(docs/design/rotation-paths.md)"
             )
-            return False
         except Exception as e:  # op missing or without a CPU kernel: generic path
-            self.rounding = Rounding.PRODUCTS
             self._cpu_kernel_reason = f"vLLM's CPU RoPE op is unavailable ({e})"
-            return False
         finally:
             self._delta_table = None
+        self.rounding = Rounding.PRODUCTS
+        return False
 
 
 def _check_against_cache(
@@ -670,8 +665,7 @@ class RemapScratch:
             rotate(source, out)
             return out
         num_rows = source.shape[0]
-        source32 = self.take(roles[0], source, num_rows, torch.float32)
-        source32.copy_(source)
+        source32 = self.take(roles[0], source, num_rows, torch.float32).copy_(source)
         result32 = self.take(roles[1], source, num_rows, torch.float32)
         rotate(source32, result32)
         return out.copy_(result32)
