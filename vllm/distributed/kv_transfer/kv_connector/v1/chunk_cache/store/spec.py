@@ -11,7 +11,7 @@ The keys are StoreSpec's fields without their unit (`timeout` for timeout_s,
 `arena` for arena_bytes, ...). Sizes are bytes or a number with KB/MB/GB
 (binary, as Mooncake reads them: 1 MB = 2**20 bytes).
 
-Standard library only: vllm/config/chunk_cache.py validates the flag through
+No torch or Mooncake imports: vllm/config/chunk_cache.py validates the flag through
 this module at config time.
 """
 
