@@ -409,10 +409,12 @@ def read_config(tree_dir: Path, venv_hint: Path | None = None) -> HookConfig:
 
 
 def _yaml_python(paths: Paths) -> Path | None:
-    """A Python with PyYAML (when this one has none): the first lint venv that exists."""
-    for venv in sorted(lint_root(paths).glob("venv-*")):
-        if (venv / "bin" / "python").exists():
-            return venv / "bin" / "python"
+    """A Python with PyYAML where this one has none (pre-commit reads its config with it):
+    a lint venv of PyYAML alone."""
+    try:
+        import yaml  # type: ignore[import-untyped]  # noqa: F401
+    except ImportError:
+        return ensure_venv(paths, ("PyYAML",)) / "bin" / "python"
     return None
 
 
