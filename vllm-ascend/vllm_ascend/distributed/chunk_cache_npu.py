@@ -29,7 +29,6 @@ import importlib.util
 from typing import Any
 
 import torch
-
 from vllm.logger import logger
 
 # How users pick it: vllm-ascend's attention backend for standard attention.
@@ -86,12 +85,7 @@ def mla_cache_parts(kv_cache: Any) -> tuple[torch.Tensor, torch.Tensor]:
         )
     latent, rope = kv_cache
     for part in (latent, rope):
-        if (
-            part.dim() != 4
-            or part.shape[2] != 1
-            or not part.dtype.is_floating_point
-            or part.element_size() < 2
-        ):
+        if part.dim() != 4 or part.shape[2] != 1 or not part.dtype.is_floating_point or part.element_size() < 2:
             raise ValueError(
                 "chunk cache: Ascend MLA caches must be [blocks, block_size, 1, "
                 f"dim] in the model dtype, got {tuple(part.shape)} {part.dtype} "
@@ -122,9 +116,7 @@ def check_mla_layer(name: str, layer: Any) -> None:
         ("enable_kv_nz", "enable_kv_nz (FRACTAL_NZ decode writes)"),
     ):
         if getattr(impl, flag, False):
-            raise ValueError(
-                f"chunk cache does not support Ascend MLA layer {name} with {what}"
-            )
+            raise ValueError(f"chunk cache does not support Ascend MLA layer {name} with {what}")
 
 
 def write_latent_npu(
@@ -179,8 +171,7 @@ def sfa_cache_parts(
     for part in index:
         if part.dim() != 4 or part.shape[:3] != latent.shape[:3]:
             raise ValueError(
-                "chunk cache: Ascend SFA indexer caches must be [blocks, "
-                f"block_size, 1, dim], got {tuple(part.shape)}"
+                f"chunk cache: Ascend SFA indexer caches must be [blocks, block_size, 1, dim], got {tuple(part.shape)}"
             )
     if len(index) == 1 and index[0].dtype != latent.dtype:
         raise ValueError(
@@ -211,14 +202,10 @@ def _scatter_rows(cache: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) 
     import torch_npu
 
     width = rows.shape[-1]
-    torch_npu.npu_scatter_nd_update_(
-        cache.view(-1, width), slots.view(-1, 1), rows.to(cache.dtype).view(-1, width)
-    )
+    torch_npu.npu_scatter_nd_update_(cache.view(-1, width), slots.view(-1, 1), rows.to(cache.dtype).view(-1, width))
 
 
-def write_indexer_key_npu(
-    layer: Any, keys: torch.Tensor, slots: torch.Tensor, kv_cache: Any
-) -> None:
+def write_indexer_key_npu(layer: Any, keys: torch.Tensor, slots: torch.Tensor, kv_cache: Any) -> None:
     """Indexer keys [n, index_head_dim], rotated at their real positions, at
     paged `slots` [n], as `AscendSFAImpl.forward` writes `k_li`: as is, or with
     enable_sparse_li_c8 quantized by the layer's `quantize_indexer_key` (key
@@ -235,9 +222,7 @@ def write_indexer_key_npu(
         _scatter_rows(index[0], slots, keys)
 
 
-def read_indexer_key_npu(
-    layer: Any, kv_cache: Any, slots: torch.Tensor
-) -> torch.Tensor | None:
+def read_indexer_key_npu(layer: Any, kv_cache: Any, slots: torch.Tensor) -> torch.Tensor | None:
     """The indexer keys written at `slots` this step, before any quantization:
     from the cache, or with enable_sparse_li_c8 from the layer's capture seam
     (the step's keys and their slots). None without an indexer (skip_topk)."""
@@ -255,11 +240,7 @@ def read_indexer_key_npu(
     # The rows of `slots` in this step's keys: the capture asks only for
     # slots its child wrote this step, so every slot is found.
     order = torch.argsort(step_slots)
-    found = order[
-        torch.searchsorted(step_slots[order], slots.to(torch.int64)).clamp(
-            max=order.numel() - 1
-        )
-    ]
+    found = order[torch.searchsorted(step_slots[order], slots.to(torch.int64)).clamp(max=order.numel() - 1)]
     return keys.view(-1, keys.shape[-1]).index_select(0, found)
 
 
@@ -284,15 +265,10 @@ def check_sfa_layer(name: str, layer: Any) -> None:
         ("use_torch_npu_lightning_indexer", "torch_npu's lightning indexer"),
     ):
         if getattr(impl, flag, False):
-            raise ValueError(
-                f"chunk cache does not support Ascend SFA layer {name} with {what}"
-            )
-    if getattr(impl, "has_indexer", False) and not getattr(
-        impl, "is_rope_neox_style", True
-    ):
+            raise ValueError(f"chunk cache does not support Ascend SFA layer {name} with {what}")
+    if getattr(impl, "has_indexer", False) and not getattr(impl, "is_rope_neox_style", True):
         raise ValueError(
-            f"chunk cache does not support Ascend SFA layer {name} with an "
-            "interleaved indexer rope (glm_moe_dsa)"
+            f"chunk cache does not support Ascend SFA layer {name} with an interleaved indexer rope (glm_moe_dsa)"
         )
     if getattr(get_ascend_config(), "c8_enable_reshape_optim", False):
         raise ValueError(
@@ -361,8 +337,7 @@ def register_ascend_ropes() -> None:
         # Unregistered ropes are refused where the chunk cache is on; this
         # runs in every process and must not break one that does not use it.
         logger.warning(
-            "chunk cache: vllm-ascend's rope classes not registered (%s); "
-            "models using them will be refused",
+            "chunk cache: vllm-ascend's rope classes not registered (%s); models using them will be refused",
             e,
         )
         return
@@ -379,9 +354,7 @@ def register_ascend_ropes() -> None:
 # Absent from a vLLM without the chunk cache.
 _CHUNK_CACHE_PACKAGE = "vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache"
 # patch_balance_schedule rebinds vLLM's Scheduler to it.
-_BALANCE_SCHEDULER = (
-    "vllm_ascend.patch.platform.patch_balance_schedule.BalanceScheduler"
-)
+_BALANCE_SCHEDULER = "vllm_ascend.patch.platform.patch_balance_schedule.BalanceScheduler"
 
 
 def _balance_scheduler_runs_vllm_schedule(vllm_config: Any) -> bool:
@@ -391,8 +364,7 @@ def _balance_scheduler_runs_vllm_schedule(vllm_config: Any) -> bool:
     from vllm_ascend.patch.platform import patch_balance_schedule as balance
 
     return not (
-        balance._balance_scheduling_enabled(vllm_config)
-        or balance._disable_preemption_on_prefill_node(vllm_config)
+        balance._balance_scheduling_enabled(vllm_config) or balance._disable_preemption_on_prefill_node(vllm_config)
     )
 
 
@@ -410,9 +382,7 @@ def register_npu_chunk_cache() -> None:
         register_delegating_scheduler,
     )
 
-    register_delegating_scheduler(
-        _BALANCE_SCHEDULER, _balance_scheduler_runs_vllm_schedule
-    )
+    register_delegating_scheduler(_BALANCE_SCHEDULER, _balance_scheduler_runs_vllm_schedule)
     register_cache_writer("AscendAttentionBackendImpl", ASCEND_BACKEND, write_rows_npu)
     # AscendMlaCPImpl and AscendDSAImpl stay refused by name. Ascend's MLA
     # rotates k_pe interleaved in every path, whatever the rope's style.
