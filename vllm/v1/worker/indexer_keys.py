@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from vllm.v1.worker.mla_latent import check_rope_slice
 from vllm.v1.worker.position_remapper import RopeRotation
 
 
@@ -41,15 +42,6 @@ class IndexerKeyLayout:
             )
 
 
-def check_indexer_rope(layout: IndexerKeyLayout, rotation: RopeRotation) -> None:
-    """Refuse a rope that does not turn exactly the row's rope slice."""
-    if rotation.head_size != layout.rope_dim or rotation.rotary_dim != layout.rope_dim:
-        raise ValueError(
-            f"the indexer rope rotates {rotation.rotary_dim} of {rotation.head_size} "
-            f"values, the indexer key's rope slice has {layout.rope_dim}"
-        )
-
-
 def reposition_indexer_keys(
     layout: IndexerKeyLayout,
     rotation: RopeRotation,
@@ -63,7 +55,7 @@ def reposition_indexer_keys(
     bit. A new tensor unless `out` (same shape and dtype, not overlapping
     `keys`) is given."""
     layout.check(keys)
-    check_indexer_rope(layout, rotation)
+    check_rope_slice(rotation, layout.rope_dim, "the indexer key's rope slice")
     if out is None:
         out = torch.empty_like(keys)
     rope = layout.rope_dim

@@ -38,12 +38,12 @@ class LatentRowLayout:
         return rows[..., : self.kv_lora_rank], rows[..., self.kv_lora_rank :]
 
 
-def check_latent_rope(layout: LatentRowLayout, rotation: RopeRotation) -> None:
-    """Refuse a rope that does not turn exactly the row's k_pe."""
-    if rotation.head_size != layout.rope_dim or rotation.rotary_dim != layout.rope_dim:
+def check_rope_slice(rotation: RopeRotation, rope_dim: int, what: str) -> None:
+    """Refuse a rope that does not turn exactly a row's rope slice (`what`)."""
+    if rotation.head_size != rope_dim or rotation.rotary_dim != rope_dim:
         raise ValueError(
             f"the rope rotates {rotation.rotary_dim} of {rotation.head_size} values "
-            f"per key, the latent row's k_pe has {layout.rope_dim}"
+            f"per key, {what} has {rope_dim}"
         )
 
 
@@ -57,7 +57,7 @@ def reposition_latent_rows(
     """(kv_c, k_pe) of latent `rows` [n, width] moved by `deltas` [n]: kv_c
     unchanged (a view of `rows`), k_pe [n, rope_dim] rotated (new tensor): what
     a latent cache-write op takes. `cos_sin`: each row's, if computed already."""
-    check_latent_rope(layout, rotation)
+    check_rope_slice(rotation, layout.rope_dim, "the latent row's k_pe")
     kv_c, k_pe = layout.split(rows)
     # [n, 1, rope_dim]: k_pe is one head shared by every query head.
     k_pe = rotation.rotate(k_pe.unsqueeze(1), deltas, cos_sin=cos_sin).squeeze(1)

@@ -25,10 +25,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.chunk_cache.cache_writers impo
 )
 from vllm.v1.worker.indexer_keys import (
     IndexerKeyLayout,
-    check_indexer_rope,
     reposition_indexer_keys,
 )
-from vllm.v1.worker.mla_latent import LatentRowLayout, check_latent_rope
+from vllm.v1.worker.mla_latent import LatentRowLayout, check_rope_slice
 from vllm.v1.worker.position_remapper import (
     RemapRows,
     RemapScratch,
@@ -104,7 +103,7 @@ class LatentLayer:
                 f"found, so its k_pe ({layout.rope_dim} values) cannot be re-rotated"
             )
         if rotation is not None:
-            check_latent_rope(layout, rotation)
+            check_rope_slice(rotation, layout.rope_dim, "the latent row's k_pe")
         indexer = cls._indexer_part(name, layer, kv_cache, layout, rotation, no_slots)
         if rotation is not None and writer.k_pe_neox_style is not None:
             # The reader fixes k_pe's layout (Ascend: GPT-J rows whatever the
@@ -159,7 +158,9 @@ class LatentLayer:
         # NOTE: the indexer's rope has the latent rope's frequencies (the same
         # rope_parameters); only the pairing is the implementation's.
         index_rotation = rotation.with_pairing(writer.neox_style(layer))
-        check_indexer_rope(index_layout, index_rotation)
+        check_rope_slice(
+            index_rotation, index_layout.rope_dim, "the indexer key's rope slice"
+        )
         return IndexerPart(index_layout, index_rotation, writer)
 
     def scratch_plan(
