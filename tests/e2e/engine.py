@@ -66,5 +66,5 @@ def close_llm(llm) -> None:
 
 def chunk_scheduler(llm):
     """The scheduler half of the chunk cache in an in-process engine (its
-    manager owns every counter the tests read through `stats()`)."""
+    manager owns every counter the tests read through `manager.stats()`)."""
     return llm.llm_engine.engine_core.engine_core.scheduler.connector.chunk_scheduler

@@ -56,7 +56,7 @@ def snapshot(sched) -> dict:
     """The manager's counters and gauges (it owns every one of them)."""
     import dataclasses
 
-    return dataclasses.asdict(sched.stats())
+    return dataclasses.asdict(sched.manager.stats())
 
 
 def params(n=3, **kw):

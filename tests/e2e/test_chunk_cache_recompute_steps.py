@@ -184,4 +184,4 @@ def test_a_request_preempted_in_the_middle_restarts_exact(llm, reference):
     _check(reference, layout, out, resumed=True)
     # Preempted after its first step, it starts over: two steps again.
     assert steps == 1 + 2
-    assert chunk_scheduler(llm).stats().pinned_entries == 0
+    assert chunk_scheduler(llm).manager.stats().pinned_entries == 0

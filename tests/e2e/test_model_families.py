@@ -255,7 +255,7 @@ def _check_windowed_prefix_hit(llm, reference, name, mode, params):
     sched = chunk_scheduler(llm)
     loads = []
     for _ in range(2):
-        before = sched.stats().tokens_loaded
+        before = sched.manager.stats().tokens_loaded
         out = llm.generate([layout.prompt], params, use_tqdm=False)[0]
         assert list(out.prompt_token_ids) == prompt.token_ids
         generated = list(out.outputs[0].token_ids)
@@ -263,7 +263,7 @@ def _check_windowed_prefix_hit(llm, reference, name, mode, params):
         result = compare(ref, generated, out.outputs[0].logprobs, TOL)
         assert result["max_diff"] < TOL / 10
         assert out.num_cached_tokens >= start
-        loads.append(sched.stats().tokens_loaded - before)
+        loads.append(sched.manager.stats().tokens_loaded - before)
     hit = start - loads[1]
     print(
         f"{name} [{mode}]: repeat of a {start}-token prefix: "
