@@ -199,6 +199,7 @@ def test_capture_after_forward_copies_the_childs_rows_into_its_pool_rows():
         _kv_caches={"l0": kv_cache},
         pool_key={"l0": torch.zeros(rows, HEADS, HEAD, dtype=dtype)},
         pool_value={"l0": torch.zeros(rows, HEADS, HEAD, dtype=dtype)},
+        pool_resident=True,
     )
     store = ChildStore(
         block_ids=(3, 1),

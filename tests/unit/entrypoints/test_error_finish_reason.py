@@ -11,6 +11,15 @@ import pytest
 from vllm.entrypoints.openai.chat_completion.serving import OpenAIServingChat
 from vllm.entrypoints.openai.completion.serving import OpenAIServingCompletion
 
+# NOTE: vLLM 0.33 raises a request's error to the client itself (vllm.outputs.
+# RequestError); its series has no 0013 and the chunk cache's failures take that path
+# (docs/design/bases.md).
+pytestmark = pytest.mark.skipif(
+    hasattr(importlib.import_module("vllm.outputs"), "RequestError"),
+    reason="patch 0013 is not in this base's series: this vLLM raises a request's "
+    "error to the client itself (vllm.outputs.RequestError)",
+)
+
 REASON = (
     "chunk cache: document 2 of this request (37 tokens, chunk key 0123) could "
     "not be computed (2 attempts); ... retrying the request is safe."

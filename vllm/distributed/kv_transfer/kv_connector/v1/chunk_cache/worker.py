@@ -124,6 +124,15 @@ def _backend_write(
     layer.impl.do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
 
 
+def _check_resident(pool_resident: bool) -> None:
+    if not pool_resident:
+        raise RuntimeError(
+            "chunk cache: a step loads or captures chunks while vLLM's KV cache "
+            "memory is released (sleep mode): the scheduler side was not reset "
+            "before the sleep"
+        )
+
+
 class ChunkCacheWorker:
     def __init__(self, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig):
         self.vllm_config = vllm_config
@@ -167,6 +176,9 @@ class ChunkCacheWorker:
         # The fleet-wide store (store/transfers.py); None without --chunk-store.
         self.store: Any = None
         self._model: nn.Module | None = None
+        # False between vLLM's unregister_kv_caches and restore_kv_caches
+        # (vLLM 0.33's sleep and discard release the memory the pool is in).
+        self.pool_resident = True
 
     # ----------------------------------------------------------- start-up
 
@@ -421,6 +433,16 @@ class ChunkCacheWorker:
 
     # --------------------------------------------------------------- load
 
+    def release_pool(self) -> None:
+        """The KV cache memory, the pool's included, is released (a sleep or
+        discard of vLLM 0.33). The scheduler side forgot every entry in the
+        same pause (reset_cache): nothing asks for the rows until a restore."""
+        self.pool_resident = False
+
+    def restore_pool(self) -> None:
+        """The memory is back, its contents are not: no entry refers to them."""
+        self.pool_resident = True
+
     def start_load_kv(self, meta: Any, forward_context: ForwardContext) -> None:
         self._step_rows = self._step_dst = self._step_key = None
         if meta.store is not None and self.store is not None:
@@ -429,6 +451,7 @@ class ChunkCacheWorker:
             self.store.on_step(meta.store)
         if not meta.loads:
             return
+        _check_resident(self.pool_resident)
         assert self.device is not None
         # The step's block ids expanded into rows once, on the device.
         expanded = LoadRows.expand(
@@ -527,6 +550,8 @@ class ChunkCacheWorker:
         the pool, on every layer not captured by the hook. First, fail the step
         if a hooked layer did not capture (its attention ran outside vLLM's
         wrapper): parents would load its missing rows."""
+        if meta.stores:
+            _check_resident(self.pool_resident)
         if meta.stores and self._capture.in_attention:
             captured = self._hook_captured if self._hook_step is meta else set()
             self._hook_step, self._hook_captured = None, set()
