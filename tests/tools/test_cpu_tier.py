@@ -51,8 +51,11 @@ def test_without_a_cpu_build_the_cpu_runs_the_cuda_venv_for_tests_without_an_eng
         ("env", None),
     ):
         tier = cli.for_cpu_tier(paths, command, args)
-        assert tier.device == "cuda", command
+        assert (tier.device, tier.cpu_tier) == ("cuda", True), command
         assert tier.venv.name == "venv-0.33-cuda"
+    # vLLM's CUDA wheel takes its CPU platform there.
+    runtime = env.runtime_env(tier)
+    assert (runtime["VLLM_TARGET_DEVICE"], runtime["FORK_DEVICE"]) == ("cpu", "cpu")
     assert cli.torch_pin(tier) == "torch-cuda-0.33"
     assert env.constraints_file(tier) == "constraints-0.33-cuda.txt"
 

