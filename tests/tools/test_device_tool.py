@@ -159,7 +159,7 @@ def test_each_device_has_its_own_venv_torch_and_constraints(tmp_path):
         cuda = Paths(repo=ROOT, cache=tmp_path, base=release, device="cuda")
         assert cpu.venv.name == f"venv{release.suffix}"
         assert cuda.venv.name == f"venv{release.suffix}-cuda"
-        # A base without a CPU build (0.33) has no CPU venv: tests/tools/test_cpu_tier.py.
+        # A base without a CPU build (0.33) has no CPU venv (test_cpu_tier.py).
         if release.has_cpu_build:
             assert cli.torch_pin(cpu) == release.torch_pin
             assert cli.wheel_pins(cpu) == [
