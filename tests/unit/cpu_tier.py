@@ -8,8 +8,8 @@ with that reason, never as passed; every other failure stays a failure.
 Two kinds, each named by what the test met, not guessed:
 - the exceptions vLLM raises without a platform (`PLATFORM_ERRORS`) or without its CPU
   ops (`CPU_OPS_ERRORS`), turned into a skip only when the tier runs;
-- `CPU_PLATFORM_DECISIONS`: tests that assert what vLLM's CPU platform decides (its
-  attention backend, its cache layout); they fail here by assertion, so they are named.
+- `CPU_OPS_BY_ASSERTION`: tests whose need of the CPU ops shows as an assertion; they
+  are named.
 """
 
 from __future__ import annotations
@@ -30,9 +30,13 @@ PLATFORM_ERRORS = (
     ("RuntimeError", "Device string must not be empty"),
 )
 CPU_OPS_ERRORS = (("AttributeError", "'_C' object has no attribute 'cpu_"),)
-# Node id prefixes (under tests/unit/) of tests that assert the CPU platform's
-# decisions.
-CPU_PLATFORM_DECISIONS: tuple[str, ...] = ()
+# Node id prefixes (under tests/unit/) of tests whose need of the CPU ops shows as an
+# assertion: the fork's cache-write self-check catches the missing op and reports it
+# ("self-check failed (AttributeError: ... 'cpu_attn_reshape_and_cache')").
+CPU_OPS_BY_ASSERTION = (
+    "distributed/test_chunk_cache_amx_packed_cache.py::test_forced_amx_",
+    "distributed/test_chunk_cache_capture_path.py::test_self_check_",
+)
 
 
 @functools.cache
@@ -62,6 +66,6 @@ def skip_reason(excinfo) -> str | None:
     return None
 
 
-def decides_on_the_cpu_platform(nodeid: str) -> bool:
+def needs_cpu_ops(nodeid: str) -> bool:
     rel = nodeid.removeprefix("tests/unit/")
-    return active() and any(rel.startswith(p) for p in CPU_PLATFORM_DECISIONS)
+    return active() and any(rel.startswith(p) for p in CPU_OPS_BY_ASSERTION)

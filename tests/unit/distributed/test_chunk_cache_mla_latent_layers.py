@@ -63,7 +63,7 @@ DEEPSEEK_YARN = {
 
 
 def _reference_concat_and_cache_mla(
-    kv_c, k_pe, kv_cache, slot_mapping, kv_cache_dtype, scale
+    kv_c, k_pe, kv_cache, slot_mapping, kv_cache_dtype, scale, skip_scale=False
 ):
     if kv_cache_dtype != "auto":
         raise NotImplementedError("the reference covers kv_cache_dtype 'auto' only")
@@ -105,7 +105,9 @@ def concat_and_cache_mla():
     lib = torch.library.Library("_C_cache_ops", "FRAGMENT")
     lib.define(
         "concat_and_cache_mla(Tensor kv_c, Tensor k_pe, Tensor! kv_cache, "
-        "Tensor slot_mapping, str kv_cache_dtype, Tensor scale) -> ()"
+        "Tensor slot_mapping, str kv_cache_dtype, Tensor scale, "
+        # vLLM 0.33's wrapper passes skip_scale too; older ones do not.
+        "bool skip_scale=False) -> ()"
     )
     lib.impl("concat_and_cache_mla", _reference_concat_and_cache_mla, "CPU")
     yield torch.ops._C_cache_ops.concat_and_cache_mla
