@@ -36,11 +36,13 @@ def test_cpu_load_runs_every_piece_size_and_each_pass(monkeypatch, capsys):
             "16",
             "--reps",
             "2",
+            "--head",
+            "64",
         ],
     )
     bench.main()
     out = capsys.readouterr().out
-    assert "3 documents x 40 tokens = 120 rows" in out
+    assert "3 documents x 40 tokens = 120 rows" in out and "2x64" in out
     assert "pieces of     64 rows" in out and "pieces of     16 rows" in out
     for name in ("gather K", "gather V", "rotate K", "write K+V"):
         assert name in out
