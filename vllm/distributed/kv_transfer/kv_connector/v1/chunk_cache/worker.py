@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Worker side of the chunk cache: the pool tensors, capture and load.
 
 Each layer's rope is read from the model by layer_ropes.py; the layers that
@@ -239,9 +240,9 @@ class ChunkCacheWorker:
             # the register_model call): keys would be loaded unrotated.
             raise RuntimeError(
                 "chunk cache: the model runner did not call register_model before "
-                "register_kv_caches, so cached keys could not be re-rotated; this "
-                "runner is not supported (it must call "
-                "KVConnectorBase_V1.register_model(model), see patch 0007)"
+                "register_kv_caches, so cached keys could not be re-rotated; "
+                "--enable-chunk-cache needs a model runner that calls "
+                "KVConnectorBase_V1.register_model(model)"
             )
         from vllm.model_executor.layers.attention.attention import Attention
         from vllm.model_executor.layers.attention.mla_attention import MLAAttention
