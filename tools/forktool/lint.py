@@ -237,16 +237,8 @@ def ensure_tree(paths: Paths, rel: Release, tree_name: str) -> Path:
     for d in (dest, stock_dir(dest)):
         if d.exists():
             shutil.rmtree(d)
-    dest.mkdir(parents=True)
     with step(f"lint tree {dest.name}: {base.path.name} + {len(patches)} patches"):
-        for name, data in base.iter_files():
-            target = dest / name
-            target.parent.mkdir(parents=True, exist_ok=True)
-            target.write_bytes(data)
-        git(dest, "init", "-q")
-        git(dest, "add", "-A", "-f")
-        git(dest, "commit", "-q", "-m", f"upstream: {base.label()}")
-        git(dest, "tag", "upstream")
+        tree.init_upstream(dest, base)
         for patch in patches:
             problem = apply_patch(dest, patch.diff, index=True)
             if problem:

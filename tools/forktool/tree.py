@@ -40,6 +40,20 @@ def overlay_files(paths: Paths, tree: str) -> dict[str, Path]:
     return out
 
 
+def init_upstream(dest: Path, base: Base) -> None:
+    """`dest` (new) as a git repository of the base's files: one commit, tag `upstream`."""
+    dest.mkdir(parents=True)
+    for name, data in base.iter_files():
+        target = dest / name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(data)
+    git(dest, "init", "-q")
+    # Upstream trees may carry their own .gitignore files; force-add so every file is in.
+    git(dest, "add", "-A", "-f")
+    git(dest, "commit", "-q", "-m", f"upstream: {base.label()}")
+    git(dest, "tag", "upstream")
+
+
 def apply(paths: Paths, base: Base, *, force: bool) -> Path:
     dest = tree_dir(paths, base.tree, base.kind)
     if dest.exists():
@@ -47,17 +61,8 @@ def apply(paths: Paths, base: Base, *, force: bool) -> Path:
             raise ToolError(f"{dest} already exists. Export your edits (`./fork export`) and "
                             "re-run with --force to rebuild it from scratch.")
         shutil.rmtree(dest)
-    dest.mkdir(parents=True)
     with step(f"materialising {base.label()} into {dest}"):
-        for name, data in base.iter_files():
-            target = dest / name
-            target.parent.mkdir(parents=True, exist_ok=True)
-            target.write_bytes(data)
-        git(dest, "init", "-q")
-        # Upstream trees may carry their own .gitignore files; force-add so every file is in.
-        git(dest, "add", "-A", "-f")
-        git(dest, "commit", "-q", "-m", f"upstream: {base.label()}")
-        git(dest, "tag", "upstream")
+        init_upstream(dest, base)
     for patch in load_patches(paths.patches_dir(base.tree)):
         problem = apply_patch(dest, patch.diff, index=True)
         if problem:
