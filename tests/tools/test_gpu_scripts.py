@@ -36,6 +36,15 @@ def _run(cmd, tmp_path, env=None):
     )
 
 
+def _planned(stdout: str) -> list[str]:
+    """The items a dry run says it would run, in its order."""
+    return [
+        line.split(":")[0]
+        for line in stdout.splitlines()[1:]
+        if "dry-run, would run" in line
+    ]
+
+
 @pytest.mark.parametrize("script", sorted(p.name for p in GPU.glob("*.sh")))
 def test_every_gpu_shell_script_parses(script):
     assert subprocess.run(["bash", "-n", str(GPU / script)]).returncode == 0
@@ -46,11 +55,7 @@ def test_issue40_plans_the_items_in_priority_order_within_the_budget(tmp_path):
         ["bash", str(GPU / "issue40.sh"), "--dry-run", "--budget", "2000"], tmp_path
     )
     assert done.returncode == 0, done.stderr
-    items = [
-        line.split(":")[0]
-        for line in done.stdout.splitlines()[1:]
-        if "dry-run, would run" in line
-    ]
+    items = _planned(done.stdout)
     assert items == [
         "mla-triton",
         "mla-fa",
@@ -92,11 +97,7 @@ def test_only_runs_the_named_items_in_the_order_given(tmp_path):
         tmp_path,
     )
     assert done.returncode == 0, done.stderr
-    items = [
-        line.split(":")[0]
-        for line in done.stdout.splitlines()[1:]
-        if "dry-run, would run" in line
-    ]
+    items = _planned(done.stdout)
     assert items == [
         "ttft-chunk",
         "ttft-stock",
@@ -323,11 +324,7 @@ def test_issue60_plans_install_check_profile_then_speed_then_exactness(tmp_path)
         ["bash", str(GPU / "issue60.sh"), "--dry-run", "--budget", "3000"], tmp_path
     )
     assert done.returncode == 0, done.stderr
-    items = [
-        line.split(":")[0]
-        for line in done.stdout.splitlines()[1:]
-        if "dry-run, would run" in line
-    ]
+    items = _planned(done.stdout)
     assert items == [
         "serve",
         "profile",
