@@ -5,11 +5,22 @@ side. The runs are real pytest processes over a small folder of tests written he
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
+import pytest
 from tools.forktool.paths import Paths
-from tools.forktool.upstream_tests import FileReport, FileRun, Side, run_files
+from tools.forktool.releases import RELEASES
+from tools.forktool.upstream_tests import (
+    LISTS,
+    FileReport,
+    FileRun,
+    Side,
+    listed_files,
+    run_files,
+    version,
+)
 
 FILES = {
     "tests/test_a.py": (
@@ -57,3 +68,18 @@ def test_a_regression_is_a_stock_pass_that_is_not_a_patched_pass():
     assert report.regressions == ["f::b", "f::d"]
     assert not report.cannot_run
     assert FileReport("g", FileRun({"g::x": "failed"}), FileRun({})).cannot_run
+
+
+@pytest.mark.parametrize("base", sorted(RELEASES))
+def test_every_listed_file_has_kept_results_on_both_sides(base):
+    """CI's upstream stage runs only the patched side and reads stock from
+    stock-<version>.json; a listed file missing there makes CI unpack and run stock in
+    its own time, and one missing from patched-<version>.json leaves docs/upstream.md's
+    counts behind, which `./fork check` then fails on."""
+    paths = Paths.default(base)
+    ver = version(paths)
+    stock = json.loads((LISTS / f"stock-{ver}.json").read_text())
+    patched = json.loads((LISTS / f"patched-{ver}.json").read_text())
+    files = listed_files(paths, "full")
+    assert [f for f in files if f not in stock] == []
+    assert [f for f in files if f not in patched] == []
