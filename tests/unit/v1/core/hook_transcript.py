@@ -153,9 +153,17 @@ def _plain(value: Any) -> Any:
 
 
 def engine_step(scheduler) -> Any:
+    """One step as EngineCore.step runs it (engine_step_outputs); its scheduler
+    output."""
+    return engine_step_outputs(scheduler)[0]
+
+
+def engine_step_outputs(scheduler) -> tuple[Any, dict[int, Any]]:
     """One step as EngineCore.step runs it: the connector's children added (patch
     0006), schedule, then the model runner's answer (a token for every request whose
-    prompt is computed after this step, nothing for a prefill chunk)."""
+    prompt is computed after this step, nothing for a prefill chunk). Returns the
+    scheduler output and what update_from_output gives the clients (their
+    EngineCoreOutputs by client index)."""
     from vllm.v1.engine.core import EngineCore
     from vllm.v1.outputs import ModelRunnerOutput
 
@@ -172,7 +180,7 @@ def engine_step(scheduler) -> Any:
         r = scheduler.requests[rid]
         done = r.num_computed_tokens >= r.num_prompt_tokens  # advanced by schedule()
         sampled.append([5] if done else [])
-    scheduler.update_from_output(
+    to_clients = scheduler.update_from_output(
         out,
         ModelRunnerOutput(
             req_ids=ids,
@@ -180,7 +188,7 @@ def engine_step(scheduler) -> Any:
             sampled_token_ids=sampled,
         ),
     )
-    return out
+    return out, to_clients
 
 
 class Transcript:
