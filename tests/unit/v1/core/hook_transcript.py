@@ -128,6 +128,11 @@ def make_request(
     )
 
 
+def prompt(*parts: list[int]) -> tuple[list[int], tuple[int, ...]]:
+    """A chunked prompt's token ids and its layout (each segment's length)."""
+    return [t for p in parts for t in p], tuple(len(p) for p in parts)
+
+
 def _plain(value: Any) -> Any:
     """JSON-able form of hook values (dataclasses, tuples, enums, bytes)."""
     if dataclasses.is_dataclass(value) and not isinstance(value, type):

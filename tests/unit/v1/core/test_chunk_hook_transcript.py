@@ -25,6 +25,7 @@ from tests.unit.v1.core.hook_transcript import (
     check_golden,
     make_request,
     make_scheduler,
+    prompt,
 )
 
 # NOTE: one set per base: vLLM 0.32's block pool hands out other block ids (its
@@ -40,10 +41,6 @@ D3 = list(range(400, 440))
 
 def q(n: int, length: int = 8) -> list[int]:
     return list(range(600 + 10 * n, 600 + 10 * n + length))
-
-
-def prompt(*parts: list[int]) -> tuple[list[int], tuple[int, ...]]:
-    return [t for p in parts for t in p], tuple(len(p) for p in parts)
 
 
 def add(

@@ -14,6 +14,7 @@ from tests.unit.v1.core.hook_transcript import (
     engine_step_outputs,
     make_request,
     make_scheduler,
+    prompt,
 )
 
 SYS = list(range(100, 116))
@@ -29,11 +30,7 @@ def _refused_output(monkeypatch):
         SchedulerShape(num_gpu_blocks=40, pool_fraction=1 / 6, max_batched=32),
         monkeypatch,
     )
-    parts = [SYS, *DOCS, QUESTION]
-    request = make_request(
-        "big", [t for p in parts for t in p], tuple(len(p) for p in parts)
-    )
-    scheduler.add_request(request)
+    scheduler.add_request(make_request("big", *prompt(SYS, *DOCS, QUESTION)))
     _, to_clients = engine_step_outputs(scheduler)
     outputs = [o for batch in to_clients.values() for o in batch.outputs]
     assert [o.request_id for o in outputs] == ["big"]
